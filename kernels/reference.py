@@ -9,16 +9,19 @@ import torch
 import torch.nn.functional as F
 
 
-def _segments(cu_seqlens: torch.Tensor | None, total: int) -> list[tuple[int, int]]:
-    if cu_seqlens is None:
-        return [(0, total)]
-    bounds = cu_seqlens.tolist()
-    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+def _same_sequence_causal(cu_seqlens: torch.Tensor | None, total: int, device) -> torch.Tensor:
+    """[T, T] bool: key j is visible to query i (same packed sequence, j <= i)."""
+    idx = torch.arange(total, device=device)
+    mask = idx[None, :] <= idx[:, None]
+    if cu_seqlens is not None:
+        seq = torch.searchsorted(cu_seqlens.to(device=device, dtype=torch.int64), idx, right=True)
+        mask &= seq[None, :] == seq[:, None]
+    return mask
 
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cu_seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Attention of TTT step S-1.
+    """Attention of TTT step S-1, with the scores materialized (the eager baseline).
 
     q: [T, Hq, D] queries of the current step; k, v: [S, T, Hkv, D] keys/values of steps 0..S-1.
     Query t attends causally to the step-0 keys of its own sequence and, for each later step j,
@@ -30,22 +33,15 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"ttt_attention: bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
     scale = D ** -0.5 if scale is None else scale
     group = Hq // Hkv
-    kf = k.float().repeat_interleave(group, dim=2)  # [S, T, Hq, D]
+    kf = k.float().repeat_interleave(group, dim=2)                      # [S, T, Hq, D]
     vf = v.float().repeat_interleave(group, dim=2)
     qf = q.float()
-    out = torch.empty(T, Hq, D, dtype=torch.float32, device=q.device)
-    for a, b in _segments(cu_seqlens, T):
-        n = b - a
-        qs = qf[a:b].transpose(0, 1)                                    # [Hq, n, D]
-        causal = qs @ kf[0, a:b].permute(1, 2, 0) * scale               # [Hq, n, n]
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        causal = causal.masked_fill(~mask, float("-inf"))
-        diag = (qf[a:b].unsqueeze(0) * kf[1:, a:b]).sum(-1) * scale     # [S-1, n, Hq]
-        scores = torch.cat([causal, diag.permute(2, 1, 0)], dim=-1)    # [Hq, n, n + S-1]
-        probs = scores.softmax(-1)
-        o = probs[..., :n] @ vf[0, a:b].transpose(0, 1)                 # [Hq, n, D]
-        o = o + (probs[..., n:].permute(2, 1, 0).unsqueeze(-1) * vf[1:, a:b]).sum(0).transpose(0, 1)
-        out[a:b] = o.transpose(0, 1)
+    causal = torch.einsum("thd,shd->hts", qf, kf[0]) * scale            # [Hq, T, T]
+    causal = causal.masked_fill(~_same_sequence_causal(cu_seqlens, T, q.device), float("-inf"))
+    diag = torch.einsum("thd,jthd->htj", qf, kf[1:]) * scale            # [Hq, T, S-1]
+    probs = torch.cat([causal, diag], dim=-1).softmax(-1)
+    out = torch.einsum("hts,shd->thd", probs[..., :T], vf[0])
+    out = out + torch.einsum("htj,jthd->thd", probs[..., T:], vf[1:])
     return out.to(q.dtype)
 
 

@@ -1,0 +1,103 @@
+"""`python -m eagle3 {inspect,export,demo}`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eagle3.target.checkpoint import Checkpoint, TargetError
+
+
+def inspect(target: str) -> dict:
+    """What the pipeline will read from a target; weights reported missing if absent."""
+    ckpt = Checkpoint(target, require_weights=False)
+    c = ckpt.config
+    report = {"path": str(ckpt.dir), "model_type": c.model_type, "text_model_type": c.text_model_type,
+              "architectures": c.architectures, "config_source": c.source, "hidden_size": c.hidden_size,
+              "vocab_size": c.vocab_size, "num_hidden_layers": c.num_hidden_layers,
+              "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+              "aux_layer_ids": c.default_aux_layer_ids(), "tie_word_embeddings": c.tie_word_embeddings,
+              "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling, "quantization": c.quantization}
+    if not ckpt.weight_map:
+        report["weights"] = "missing: no model.safetensors or model.safetensors.index.json"
+        for name in ("embed_tokens", "lm_head", "norm"):
+            report[name] = None
+        return report
+    report["weights"] = {"files": len(set(ckpt.weight_map.values())),
+                         "text_tensors": len(ckpt.text_tensor_names()),
+                         "skipped_tensors": len(ckpt.weight_map) - len(ckpt.text_tensor_names()),
+                         "prefix": ckpt.prefix}
+    for name in ("embed_tokens", "lm_head", "norm"):
+        report[name] = ckpt.info(f"{name}.weight")
+    _check_shapes(ckpt, report)
+    return report
+
+
+def _check_shapes(ckpt: Checkpoint, report: dict) -> None:
+    c = ckpt.config
+    for name in ("embed_tokens", "lm_head"):
+        if report[name]["shape"] != [c.vocab_size, c.hidden_size]:
+            raise TargetError(f"{ckpt.dir}: {report[name]['name']} has shape {report[name]['shape']}, but "
+                              f"{c.source} says vocab_size {c.vocab_size} x hidden_size {c.hidden_size}")
+    if report["norm"]["shape"] != [c.hidden_size]:
+        raise TargetError(f"{ckpt.dir}: {report['norm']['name']} has shape {report['norm']['shape']}; "
+                          f"expected [{c.hidden_size}]")
+    missing = [n for i in range(c.num_hidden_layers) for n in (f"layers.{i}.input_layernorm.weight",)
+               if not ckpt.has(n)]
+    if missing:
+        raise TargetError(f"{ckpt.dir}: {len(missing)} layers have no tensors, e.g. {ckpt.full_name(missing[0])}")
+
+
+def demo(args) -> None:
+    """Make the tiny demo target and data if absent, then extract, train and export."""
+    from eagle3 import config as config_mod
+    from eagle3 import extraction, training
+    from eagle3.target import tiny
+    cfg = config_mod.load(args.config, args.overrides)
+    if not (Path(cfg.target.path) / "config.json").exists():
+        tiny.make_demo_target(cfg.target.path)
+        print(f"demo: wrote a tiny random target to {cfg.target.path}")
+    if not Path(cfg.data.path).exists():
+        vocab = Checkpoint(cfg.target.path).config.vocab_size
+        tiny.make_token_data(cfg.data.path, vocab=vocab, sequences=256)
+        print(f"demo: wrote synthetic training data to {cfg.data.path}")
+    extraction.run(cfg)
+    training.run(cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="resolve a target checkpoint and print what the pipeline will use")
+    p.add_argument("target", help="target directory (or its config.json)")
+    p = sub.add_parser("export", help="export a training checkpoint for vLLM and SGLang")
+    p.add_argument("checkpoint")
+    p.add_argument("out_dir")
+    p.add_argument("--formats", default="vllm,sglang")
+    p = sub.add_parser("demo", help="tiny target -> extract -> train -> export, on the CPU in about a minute")
+    p.add_argument("--config", default="config.toml")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "inspect":
+            print(json.dumps(inspect(args.target), indent=2))
+        elif args.command == "export":
+            from eagle3.checkpoint import read_state
+            from eagle3.config import from_dict
+            from eagle3.export import export_all
+            cfg = from_dict(read_state(args.checkpoint)["config"], args.checkpoint)
+            cfg.export.formats = args.formats.split(",")
+            for fmt, path in export_all(args.checkpoint, args.out_dir, cfg).items():
+                print(f"exported {fmt} draft: {path}")
+        else:
+            args.overrides = rest
+            rest = []
+            demo(args)
+        if rest:
+            parser.error(f"unexpected arguments {rest}")
+    except (TargetError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Token-budget micro-batches of packed sequences, disjoint per rank, deterministic by seed and
+epoch, read ahead in a background thread."""
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from eagle3.data.shards import SeqRef, ShardReader
+
+
+def split_holdout(refs: list[SeqRef], fraction: float) -> tuple[list[SeqRef], list[SeqRef]]:
+    """(train, eval): a sequence is held out by a fixed hash of its index, so the split does not
+    depend on the number of ranks or on shard sizes."""
+    if fraction <= 0:
+        return refs, []
+    held = [r for r in refs if (r.index * 2654435761 % 2**32) / 2**32 < fraction]
+    if not held:
+        held = refs[-1:]
+    keep = set(r.index for r in held)
+    return [r for r in refs if r.index not in keep], held
+
+
+def pack(refs: list[SeqRef], budget: int, seed: int | None = None, epoch: int = 0) -> list[list[SeqRef]]:
+    """Micro-batches of whole sequences with at most `budget` tokens; shuffled by (seed, epoch)."""
+    order = list(refs)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
+    batches, current, tokens = [], [], 0
+    for ref in order:
+        if current and tokens + ref.length > budget:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(ref)
+        tokens += ref.length
+    if current:
+        batches.append(current)
+    return batches
+
+
+class Prefetcher:
+    """Reads micro-batches in a background thread (pinned memory on CUDA) in the given order."""
+
+    def __init__(self, reader: ShardReader, batches: list[list[SeqRef]], depth: int, pin: bool):
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._thread = threading.Thread(target=self._work, args=(reader, batches, pin), daemon=True)
+        self._thread.start()
+
+    def _work(self, reader, batches, pin):
+        try:
+            for refs in batches:
+                batch = reader.read(refs)
+                if pin:
+                    batch = {k: v.pin_memory() for k, v in batch.items()}
+                self._queue.put(batch)
+        except Exception as e:  # surfaced in the consumer
+            self._queue.put(e)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        item = self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item

@@ -1,0 +1,85 @@
+"""Training conversations as token ids and loss masks, read from JSON lines.
+
+Pre-tokenized lines: {"input_ids": [...], "loss_mask": [...]}. A line that cannot be used is
+reported with its line number and is fatal or skipped (`data.on_error`); nothing is dropped
+silently: the counts go into the manifest.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+class InputError(ValueError):
+    """A data line that cannot be used; the message names the file and line."""
+
+
+@dataclass
+class Record:
+    line: int                  # 1-based line number in the input file
+    input_ids: np.ndarray      # int32 [n]
+    loss_mask: np.ndarray      # uint8 [n]
+
+
+@dataclass
+class InputStats:
+    lines: int = 0
+    sequences: int = 0
+    skipped: int = 0
+    truncated: int = 0
+    skipped_lines: list[int] = field(default_factory=list)
+
+
+def _parse(obj: object, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    if not isinstance(obj, dict) or "input_ids" not in obj or "loss_mask" not in obj:
+        raise ValueError("expected an object with 'input_ids' and 'loss_mask'")
+    ids, mask = obj["input_ids"], obj["loss_mask"]
+    if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+        raise ValueError("'input_ids' and 'loss_mask' must be lists of equal length")
+    if len(ids) < 2:
+        raise ValueError(f"sequence of {len(ids)} tokens; at least 2 are needed")
+    if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"'input_ids' must be integers in [0, {vocab_size})")
+    if not all(m in (0, 1) for m in mask):
+        raise ValueError("'loss_mask' must hold only 0 and 1")
+    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+
+
+def read_records(path: str | Path, vocab_size: int, max_seq_len: int,
+                 on_error: str = "fatal") -> tuple[list[Record], InputStats]:
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: data file not found (data.path)")
+    records, stats = [], InputStats()
+    with path.open() as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            stats.lines += 1
+            try:
+                ids, mask = _parse(json.loads(line), vocab_size)
+            except (json.JSONDecodeError, ValueError) as e:
+                message = f"{path}:{number}: {e}"
+                if on_error == "fatal":
+                    raise InputError(message + " (set data.on_error = \"skip\" to skip such lines)") from None
+                print(f"warning: skipped {message}", file=sys.stderr)
+                stats.skipped += 1
+                stats.skipped_lines.append(number)
+                continue
+            if len(ids) > max_seq_len:
+                ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+                stats.truncated += 1
+            records.append(Record(number, ids, mask))
+    stats.sequences = len(records)
+    if not records:
+        raise InputError(f"{path}: no usable sequences")
+    return records, stats
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -1,0 +1,134 @@
+"""Hidden-state shards on disk (SPEC §5): writer with atomic commit, manifest, reader.
+
+A shard appears in `manifest.json` only after its file was fully written under a temp name and
+renamed, so a killed extraction resumes without redoing or trusting partial work.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DTYPES = {"input_ids": "int32", "loss_mask": "uint8", "cu_seqlens": "int64", "aux_hidden": "bfloat16",
+          "final_hidden": "bfloat16", "target_argmax": "int32"}
+
+
+class DataError(ValueError):
+    """Hidden-state data that is missing, corrupt or does not match; the message names the file."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def write_shard(directory: Path, index: int, tensors: dict[str, torch.Tensor]) -> dict:
+    """Write one shard atomically; return its manifest entry."""
+    path = directory / shard_name(index)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+    os.replace(tmp, path)
+    mask = tensors["loss_mask"].bool()
+    counts = Counter(tensors["input_ids"][mask].tolist())
+    return {"file": path.name, "tokens": int(tensors["input_ids"].numel()),
+            "sequences": int(tensors["cu_seqlens"].numel() - 1), "loss_tokens": int(mask.sum()),
+            "sha256": sha256_file(path), "loss_token_counts": {str(k): v for k, v in sorted(counts.items())}}
+
+
+def read_manifest(directory: Path) -> dict:
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: not found (run extract.py first, or set train.data_dir)") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{path}: format_version {manifest.get('format_version')!r}; "
+                        f"this version reads {FORMAT_VERSION}")
+    for key in ("target", "aux_layer_ids", "shards"):
+        if key not in manifest:
+            raise DataError(f"{path}: missing field '{key}'")
+    return manifest
+
+
+def loss_token_counts(manifest: dict) -> Counter:
+    total: Counter = Counter()
+    for shard in manifest["shards"]:
+        total.update({int(k): v for k, v in shard["loss_token_counts"].items()})
+    return total
+
+
+@dataclass(frozen=True)
+class SeqRef:
+    """One sequence: shard index, token range inside the shard, global sequence index."""
+    shard: int
+    start: int
+    end: int
+    index: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+class ShardReader:
+    """Random access to the sequences of an extraction directory."""
+
+    def __init__(self, directory: str | Path, verify: bool = False):
+        self.dir = Path(directory)
+        self.manifest = read_manifest(self.dir)
+        self.files = [self.dir / s["file"] for s in self.manifest["shards"]]
+        for path, entry in zip(self.files, self.manifest["shards"]):
+            if not path.exists():
+                raise DataError(f"{self.dir / MANIFEST}: lists {path.name}, which is missing")
+            if verify and sha256_file(path) != entry["sha256"]:
+                raise DataError(f"{path}: sha256 differs from the manifest (corrupt or replaced)")
+        self._handles: dict[int, object] = {}
+        self.sequences = self._index()
+
+    def _handle(self, shard: int):
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(self.files[shard], "pt")
+        return self._handles[shard]
+
+    def _index(self) -> list[SeqRef]:
+        refs = []
+        for s in range(len(self.files)):
+            cu = self._handle(s).get_tensor("cu_seqlens").tolist()
+            refs += [SeqRef(s, a, b, len(refs) + i) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
+        return refs
+
+    def read(self, refs: list[SeqRef]) -> dict[str, torch.Tensor]:
+        """Pack `refs` into one batch: the SPEC §5 tensors plus cu_seqlens of the batch."""
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in DTYPES if k != "cu_seqlens"}
+        for ref in refs:
+            handle = self._handle(ref.shard)
+            for key in parts:
+                parts[key].append(handle.get_slice(key)[ref.start:ref.end])
+        batch = {k: torch.cat(v) for k, v in parts.items()}
+        lengths = torch.tensor([r.length for r in refs], dtype=torch.int64)
+        batch["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        return batch

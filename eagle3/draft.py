@@ -1,0 +1,136 @@
+"""The EAGLE-3 draft model (SPEC §6).
+
+Parameter names equal the exported vLLM names (`fc.weight`, `layers.0.self_attn.q_proj.weight`,
+...), so export is a rename-free copy. Token embeddings and the target head rows are frozen
+buffers owned by the trainer, not by this module.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from eagle3.ops import apply_rope, llama_inv_freq, rms_norm, rope_cos_sin, swiglu
+
+
+@dataclass
+class DraftSpec:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    target_hidden_size: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight.to(x.dtype), self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DraftSpec, in_dim: int):
+        super().__init__()
+        s = spec
+        self.heads, self.kv_heads, self.head_dim = s.num_attention_heads, s.num_key_value_heads, s.head_dim
+        self.q_proj = nn.Linear(in_dim, s.num_attention_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, s.num_key_value_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, s.num_key_value_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.num_attention_heads * s.head_dim, s.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache: list, attention, cu_seqlens):
+        """x [T, in_dim]; appends this step's (k, v) to `cache` and attends over all cached steps."""
+        T = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(T, self.heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(T, self.kv_heads, self.head_dim), cos, sin)
+        cache.append((k, self.v_proj(x).view(T, self.kv_heads, self.head_dim)))
+        keys = torch.stack([kv[0] for kv in cache])      # [S, T, Hkv, D]
+        values = torch.stack([kv[1] for kv in cache])
+        out = attention(q, keys, values, cu_seqlens)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return swiglu(x, self.gate_proj.weight.to(x.dtype), self.up_proj.weight.to(x.dtype),
+                      self.down_proj.weight.to(x.dtype))
+
+
+class DecoderLayer(nn.Module):
+    """Layer 0 is the EAGLE-3 layer: attention reads [input_layernorm(embed) | hidden_norm(h)]
+    (2H wide, embedding first); later layers, if any, are plain Llama layers."""
+
+    def __init__(self, spec: DraftSpec, first: bool):
+        super().__init__()
+        H = spec.hidden_size
+        self.first = first
+        self.input_layernorm = RMSNorm(H, spec.rms_norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(H, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, 2 * H if first else H)
+        self.post_attention_layernorm = RMSNorm(H, spec.rms_norm_eps)
+        self.mlp = MLP(H, spec.intermediate_size)
+
+    def forward(self, h, emb, cos, sin, cache, attention, cu_seqlens):
+        if self.first:
+            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+        else:
+            x = self.input_layernorm(h)
+        h = h + self.self_attn(x, cos, sin, cache, attention, cu_seqlens)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, spec: DraftSpec):
+        super().__init__()
+        self.spec = spec
+        self.fc = nn.Linear(3 * spec.target_hidden_size, spec.hidden_size, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i == 0) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(spec.target_vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", llama_inv_freq(spec.head_dim, spec.rope_theta, None),
+                             persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def step(self, h: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, caches: list[list],
+             attention, cu_seqlens) -> torch.Tensor:
+        """One TTT step: h [T, H] and token embeddings [T, H] -> pre-norm output [T, H]."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, emb, cos, sin, cache, attention, cu_seqlens)
+        return h
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        return F.linear(aux, self.fc.weight.to(aux.dtype))

@@ -1,0 +1,227 @@
+"""What a target checkpoint is: its resolved text config and lazy access to its tensors.
+
+Reads `config.json` with json (nested `text_config` resolved, SPEC §2) and safetensors through the
+index or a single file. Nothing is loaded until a tensor is asked for by name.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class TargetError(ValueError):
+    """The target checkpoint is missing something or is inconsistent; the message names the file."""
+
+
+def _require(cfg: dict, key: str, where: str, kind: type = int):
+    if key not in cfg:
+        raise TargetError(f"{where}: missing field '{key}'")
+    value = cfg[key]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise TargetError(f"{where}: field '{key}' = {value!r}; expected an integer")
+    if kind is float and not isinstance(value, (int, float)):
+        raise TargetError(f"{where}: field '{key}' = {value!r}; expected a number")
+    return value
+
+
+@dataclass
+class TextConfig:
+    """The text model's fields, whichever wrapper they came in. `raw` is the text-level dict."""
+    raw: dict
+    source: str                 # file and path inside it, e.g. "config.json:text_config"
+    model_type: str             # outer model_type
+    text_model_type: str
+    architectures: list[str]
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    quantization: dict | None
+    max_position_embeddings: int
+    config_sha256: str
+
+    @property
+    def is_deepseek(self) -> bool:
+        return "kv_lora_rank" in self.raw
+
+    @property
+    def head_dim(self) -> int:
+        return self.raw.get("head_dim") or self.hidden_size // self.num_attention_heads
+
+    def default_aux_layer_ids(self) -> list[int]:
+        n = self.num_hidden_layers
+        return [1, n // 2 - 1, n - 4]
+
+    def identity(self) -> dict:
+        """What shards record about the target they came from."""
+        return {"config_sha256": self.config_sha256, "model_type": self.model_type,
+                "text_model_type": self.text_model_type, "hidden_size": self.hidden_size,
+                "vocab_size": self.vocab_size, "num_hidden_layers": self.num_hidden_layers}
+
+
+def _rope(text: dict) -> tuple[float, dict | None]:
+    """rope_theta and the scaling dict, from `rope_scaling` or `rope_parameters`, `type` or `rope_type`."""
+    params = text.get("rope_parameters") or {}
+    scaling = text.get("rope_scaling") or (params if params.get("rope_type", params.get("type")) else None)
+    theta = text.get("rope_theta", params.get("rope_theta", 10000.0))
+    if scaling:
+        scaling = dict(scaling)
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling["rope_type"] = kind
+        if kind == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def _describe_quant(q: dict | None) -> dict | None:
+    if not q:
+        return None
+    out = {"method": q.get("quant_method"), "format": q.get("format")}
+    for group in (q.get("config_groups") or {}).values():
+        w = group.get("weights") or {}
+        out.update(num_bits=w.get("num_bits"), group_size=w.get("group_size"),
+                   symmetric=w.get("symmetric"))
+        break
+    return out
+
+
+def read_config(path: Path) -> TextConfig:
+    """Resolve a (possibly nested) config.json into the text model's fields."""
+    try:
+        blob = path.read_bytes()
+        outer = json.loads(blob)
+    except FileNotFoundError:
+        raise TargetError(f"{path}: not found (a target directory needs config.json)") from None
+    except json.JSONDecodeError as e:
+        raise TargetError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(outer, dict):
+        raise TargetError(f"{path}: expected a JSON object")
+    text, where = outer, str(path)
+    if "text_config" in outer:
+        text, where = outer["text_config"], f"{path}:text_config"
+        if not isinstance(text, dict):
+            raise TargetError(f"{where}: expected an object")
+    theta, scaling = _rope(text)
+    heads = _require(text, "num_attention_heads", where)
+    quant = text.get("quantization_config") or outer.get("quantization_config")
+    tie = text.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))
+    cfg = TextConfig(
+        raw=text, source=where,
+        model_type=str(outer.get("model_type", "")),
+        text_model_type=str(text.get("model_type", outer.get("model_type", ""))),
+        architectures=list(text.get("architectures") or outer.get("architectures") or []),
+        hidden_size=_require(text, "hidden_size", where),
+        vocab_size=_require(text, "vocab_size", where),
+        num_hidden_layers=_require(text, "num_hidden_layers", where),
+        num_attention_heads=heads,
+        num_key_value_heads=text.get("num_key_value_heads") or heads,
+        intermediate_size=_require(text, "intermediate_size", where),
+        rms_norm_eps=float(_require(text, "rms_norm_eps", where, float)),
+        rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=bool(tie),
+        quantization=_describe_quant(quant),
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        config_sha256=hashlib.sha256(blob).hexdigest(),
+    )
+    if cfg.num_hidden_layers < 4:
+        raise TargetError(f"{where}: num_hidden_layers = {cfg.num_hidden_layers}; EAGLE-3 needs at least 4")
+    if cfg.hidden_size % heads:
+        raise TargetError(f"{where}: hidden_size {cfg.hidden_size} is not a multiple of "
+                          f"num_attention_heads {heads}")
+    return cfg
+
+
+# Where a text model's tensors live, in order of preference: (model prefix, lm_head name).
+_PREFIXES = [("language_model.model.", "language_model.lm_head.weight"),
+             ("model.language_model.", "lm_head.weight"),
+             ("model.", "lm_head.weight"),
+             ("", "lm_head.weight")]
+_SKIP = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "visual.", "model.visual.")
+
+
+class Checkpoint:
+    """A target directory: `config` (TextConfig) and lazy, by-name access to its text tensors.
+
+    Names passed to `get`/`info` are relative to the text model: `embed_tokens.weight`,
+    `layers.3.self_attn.q_proj.weight`, `norm.weight`; `lm_head.weight` resolves to the head or,
+    when the embeddings are tied, to the embedding.
+    """
+
+    def __init__(self, path: str | Path, require_weights: bool = True):
+        self.path = Path(path)
+        cfg_path = self.path / "config.json" if self.path.is_dir() else self.path
+        self.config = read_config(cfg_path)
+        self.dir = cfg_path.parent
+        self.weight_map = self._weight_map()
+        self._handles: dict[str, object] = {}
+        self.prefix, self.head_name = self._detect_prefix() if self.weight_map else ("", None)
+        if require_weights and not self.weight_map:
+            raise TargetError(f"{self.dir}: no model.safetensors or model.safetensors.index.json found")
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise TargetError(f"{index}: expected a JSON object with 'weight_map' ({e})") from None
+            missing = sorted({f for f in wm.values() if not (self.dir / f).exists()})
+            if missing:
+                raise TargetError(f"{index}: shard files listed but missing: {', '.join(missing[:5])}")
+            return wm
+        single = self.dir / "model.safetensors"
+        if single.exists():
+            with safe_open(single, "pt") as f:
+                return {name: single.name for name in f.keys()}
+        return {}
+
+    def _detect_prefix(self) -> tuple[str, str | None]:
+        for prefix, head in _PREFIXES:
+            if prefix + "embed_tokens.weight" in self.weight_map:
+                if self.config.tie_word_embeddings or head not in self.weight_map:
+                    if not self.config.tie_word_embeddings:
+                        raise TargetError(f"{self.dir}: no '{head}' tensor and tie_word_embeddings is false "
+                                          f"in {self.config.source}")
+                    return prefix, None
+                return prefix, head
+        raise TargetError(f"{self.dir}: no embedding tensor found (looked for "
+                          f"{', '.join(p + 'embed_tokens.weight' for p, _ in _PREFIXES[:3])})")
+
+    def full_name(self, name: str) -> str:
+        if name == "lm_head.weight":
+            return self.head_name or self.prefix + "embed_tokens.weight"
+        return self.prefix + name
+
+    def has(self, name: str) -> bool:
+        return self.full_name(name) in self.weight_map
+
+    def text_tensor_names(self) -> list[str]:
+        return [n for n in self.weight_map if not n.startswith(_SKIP)]
+
+    def _handle(self, name: str):
+        full = self.full_name(name)
+        if full not in self.weight_map:
+            raise TargetError(f"{self.dir}: tensor '{full}' not found in the checkpoint")
+        file = self.weight_map[full]
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.dir / file, "pt")
+        return self._handles[file], full
+
+    def get(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        handle, full = self._handle(name)
+        return handle.get_tensor(full).to(device)
+
+    def info(self, name: str) -> dict:
+        handle, full = self._handle(name)
+        sl = handle.get_slice(full)
+        return {"name": full, "shape": list(sl.get_shape()), "dtype": sl.get_dtype()}

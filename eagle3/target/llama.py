@@ -1,0 +1,77 @@
+"""Llama / Qwen2 / Qwen3 forward for extraction, one layer at a time (see `streaming`)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eagle3.ops import apply_rope, llama_inv_freq, rms_norm, rope_cos_sin, swiglu
+from eagle3.target.checkpoint import Checkpoint, TargetError
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class LlamaTarget:
+    """Pre-norm decoder blocks with GQA, rotate-half RoPE and SwiGLU; Qwen2 q/k/v biases and
+    Qwen3 per-head q/k norms are picked up from the tensors present."""
+
+    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
+        self.ckpt, self.cfg, self.device, self.dtype = ckpt, ckpt.config, device, dtype
+        c = self.cfg
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        try:
+            self.inv_freq = llama_inv_freq(self.head_dim, c.rope_theta, c.rope_scaling)
+        except ValueError as e:
+            raise TargetError(f"{c.source}: {e}") from None
+        self.has_bias = ckpt.has("layers.0.self_attn.q_proj.bias")
+        self.has_qk_norm = ckpt.has("layers.0.self_attn.q_norm.weight")
+
+    def layer_tensor_names(self, i: int) -> list[str]:
+        p = f"layers.{i}."
+        names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [f"{p}self_attn.{n}.weight" for n in _ATTN]
+        names += [f"{p}mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+        if self.has_bias:
+            names += [f"{p}self_attn.{n}.bias" for n in _ATTN[:3]]
+        if self.has_qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        return names
+
+    def load_layer(self, i: int) -> dict[str, torch.Tensor]:
+        prefix = f"layers.{i}."
+        return {n[len(prefix):]: self.ckpt.get(n).to(self.device, self.dtype, non_blocking=True)
+                for n in self.layer_tensor_names(i)}
+
+    def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
+                      cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """h [T, H] packed sequences -> h after the block."""
+        h = h + self._attention(w, rms_norm(h, w["input_layernorm.weight"], self.cfg.rms_norm_eps),
+                                positions, cu_seqlens)
+        x = rms_norm(h, w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
+        return h + swiglu(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+
+    def _attention(self, w, x, positions, cu_seqlens):
+        T = x.shape[0]
+
+        def proj(name, heads):
+            return F.linear(x, w[f"self_attn.{name}.weight"], w.get(f"self_attn.{name}.bias")).view(
+                T, heads, self.head_dim)
+
+        q, k, v = proj("q_proj", self.heads), proj("k_proj", self.kv_heads), proj("v_proj", self.kv_heads)
+        if self.has_qk_norm:
+            q = rms_norm(q, w["self_attn.q_norm.weight"], self.cfg.rms_norm_eps)
+            k = rms_norm(k, w["self_attn.k_norm.weight"], self.cfg.rms_norm_eps)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = causal_attention_packed(q, k, v, cu_seqlens)
+        return F.linear(out.reshape(T, -1), w["self_attn.o_proj.weight"])
+
+
+def causal_attention_packed(q, k, v, cu_seqlens, scale=None):
+    """Causal attention of each packed sequence on its own: q [T, Hq, D], k/v [T, Hkv, D|Dv]."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        out[a:b] = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+            is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
+    return out

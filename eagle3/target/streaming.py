@@ -1,0 +1,94 @@
+"""Layer-streaming executor: run a chunk of packed tokens through the target one layer at a time.
+
+Only the layer being computed and the one being prefetched are resident, so a target far larger
+than device memory is extracted with memory = two layers + the chunk's activations.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from eagle3.ops import positions_from_cu_seqlens, rms_norm
+from eagle3.target.checkpoint import Checkpoint
+from eagle3.target.llama import LlamaTarget
+
+
+def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
+    if ckpt.config.is_deepseek:
+        from eagle3.target.deepseek import DeepseekTarget
+        return DeepseekTarget(ckpt, device, dtype)
+    return LlamaTarget(ckpt, device, dtype)
+
+
+def split_chunks(cu_seqlens: list[int], chunk_tokens: int) -> list[tuple[int, int]]:
+    """Group whole sequences into runs of at most chunk_tokens (a longer sequence goes alone)."""
+    chunks, start = [], 0
+    for i in range(1, len(cu_seqlens)):
+        if cu_seqlens[i] - cu_seqlens[start] > chunk_tokens and i - 1 > start:
+            chunks.append((start, i - 1))
+            start = i - 1
+    if len(cu_seqlens) > 1:
+        chunks.append((start, len(cu_seqlens) - 1))
+    return chunks
+
+
+class TargetRunner:
+    """Produces, for packed token ids, the aux hidden states, the post-norm final hidden state and
+    the target's greedy next token over the full vocab."""
+
+    def __init__(self, ckpt: Checkpoint, aux_layer_ids: list[int], device: torch.device,
+                 dtype: torch.dtype = torch.bfloat16, chunk_tokens: int = 65536):
+        self.ckpt, self.aux_layer_ids, self.device, self.dtype = ckpt, aux_layer_ids, device, dtype
+        self.chunk_tokens = chunk_tokens
+        self.model = build_model(ckpt, device, dtype)
+        self.num_layers = ckpt.config.num_hidden_layers
+        self.embed = ckpt.get("embed_tokens.weight").to(device, dtype)
+        self.norm = ckpt.get("norm.weight").to(device, dtype)
+        self.head = ckpt.get("lm_head.weight").to(device, dtype)
+        self._pool = ThreadPoolExecutor(max_workers=1)
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, cu_seqlens: list[int]) -> dict[str, torch.Tensor]:
+        """input_ids [T] int; cu_seqlens boundaries (python ints) -> CPU tensors
+        aux [T, 3H], final [T, H] (dtype), argmax [T] int32."""
+        outs = [self._run_chunk(input_ids[cu_seqlens[a]:cu_seqlens[b]],
+                                [c - cu_seqlens[a] for c in cu_seqlens[a:b + 1]])
+                for a, b in split_chunks(cu_seqlens, self.chunk_tokens)]
+        return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+
+    def _run_chunk(self, ids: torch.Tensor, cu: list[int]) -> dict[str, torch.Tensor]:
+        ids = ids.to(self.device, torch.long)
+        cu_t = torch.tensor(cu, device=self.device)
+        positions = positions_from_cu_seqlens(cu_t, ids.numel())
+        h = self.embed[ids]
+        captured = {}
+        pending = self._pool.submit(self.model.load_layer, 0)
+        for i in range(self.num_layers):
+            weights = pending.result()
+            if i + 1 < self.num_layers:
+                pending = self._pool.submit(self.model.load_layer, i + 1)
+            h = self.model.layer_forward(weights, h, positions, cu_t)
+            del weights
+            if i in self.aux_layer_ids:
+                captured[i] = h
+        final = rms_norm(h, self.norm, self.model.cfg.rms_norm_eps)
+        aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+        return {"aux_hidden": aux.cpu(), "final_hidden": final.cpu(),
+                "target_argmax": greedy_argmax(final, self.head).cpu()}
+
+
+def greedy_argmax(final: torch.Tensor, head: torch.Tensor, rows: int = 4096,
+                  vocab_chunk: int = 32768) -> torch.Tensor:
+    """argmax_v(final @ head.T) without holding [T, V] logits: [T] int32."""
+    out = torch.empty(final.shape[0], dtype=torch.int32, device=final.device)
+    for r in range(0, final.shape[0], rows):
+        x = final[r:r + rows]
+        best = torch.full((x.shape[0],), float("-inf"), device=x.device)
+        best_idx = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        for v in range(0, head.shape[0], vocab_chunk):
+            val, idx = (x @ head[v:v + vocab_chunk].T).float().max(-1)
+            better = val > best  # strict: ties keep the lowest id, like torch.argmax
+            best, best_idx = torch.where(better, val, best), torch.where(better, idx + v, best_idx)
+        out[r:r + rows] = best_idx.to(torch.int32)
+    return out

@@ -1,0 +1,350 @@
+"""The training loop: DDP over the draft's trainable parameters, token-budget micro-batches,
+gradient accumulation, AdamW with warmup + cosine, evaluation, logging, checkpoints, export.
+
+Works as one plain process and under `torchrun --nproc_per_node N` (NCCL on GPUs, gloo on CPU).
+The global batch of optimizer step s is the same whatever the number of ranks: micro-batch
+`s * world * accum + a * world + rank` of the epoch's packing goes to `rank` as its a-th.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from eagle3 import checkpoint as ckpt_io
+from eagle3 import distributed
+from eagle3.config import Config
+from eagle3.data.batching import Prefetcher, pack, split_holdout
+from eagle3.data.shards import DataError, ShardReader, loss_token_counts
+from eagle3.draft import DraftSpec, Eagle3Draft
+from eagle3.export import export_all
+from eagle3.extraction import resolve_aux_layer_ids
+from eagle3.target.checkpoint import Checkpoint, TargetError, TextConfig
+from eagle3.ttt import loss_denominator, summarize, ttt_forward
+from eagle3.vocab import VocabError, build_vocab
+
+
+class TrainError(ValueError):
+    pass
+
+
+def resolve_draft_spec(cfg: Config, text: TextConfig, draft_vocab: int) -> DraftSpec:
+    d = cfg.draft
+    hidden = d.hidden_size or text.hidden_size
+    if hidden != text.hidden_size:
+        raise TrainError(f"{cfg.source}: draft.hidden_size = {hidden}, but the frozen target embedding "
+                         f"is {text.hidden_size} wide ({text.source}: hidden_size)")
+    heads = d.num_attention_heads or text.num_attention_heads
+    kv = d.num_key_value_heads or text.num_key_value_heads
+    if heads % kv:
+        raise TrainError(f"{cfg.source}: draft.num_attention_heads {heads} is not a multiple of "
+                         f"draft.num_key_value_heads {kv}")
+    return DraftSpec(
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+        head_dim=d.head_dim or text.raw.get("head_dim") or hidden // heads,
+        intermediate_size=d.intermediate_size or text.intermediate_size, num_layers=d.num_layers,
+        rms_norm_eps=d.rms_norm_eps or text.rms_norm_eps, rope_theta=d.rope_theta or text.rope_theta,
+        max_position_embeddings=d.max_position_embeddings or text.max_position_embeddings,
+        draft_vocab_size=draft_vocab, target_vocab_size=text.vocab_size,
+        target_hidden_size=text.hidden_size)
+
+
+def check_manifest(manifest: dict, target: TextConfig, aux_ids: list[int], where: Path) -> None:
+    """Refuse data extracted from another target or with other aux layers."""
+    have = manifest["target"]
+    for key, value in target.identity().items():
+        if have.get(key) != value:
+            raise DataError(f"{where}/manifest.json: target.{key} = {have.get(key)!r}, but the target "
+                            f"at {target.source} has {value!r}; re-extract or point target.path at the "
+                            "model the data came from")
+    if manifest["aux_layer_ids"] != aux_ids:
+        raise DataError(f"{where}/manifest.json: aux_layer_ids = {manifest['aux_layer_ids']}, but the "
+                        f"config asks for {aux_ids} (target.aux_layer_ids)")
+    if not manifest.get("complete"):
+        raise DataError(f"{where}/manifest.json: the extraction is not complete; rerun extract.py")
+
+
+class TTTModel(nn.Module):
+    """The unit DDP wraps: the draft plus the TTT unroll as its forward."""
+
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, batch, embed, head_rows, steps, attention, loss_fn, decay):
+        return ttt_forward(self.draft, batch, embed, head_rows, steps, attention, loss_fn, decay)
+
+
+def select_kernels(choice: str, device: torch.device):
+    """(attention, loss) functions with the SPEC §8 signatures."""
+    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+        from kernels import ttt_attention, ttt_loss
+        return ttt_attention, ttt_loss
+    from kernels.reference import ttt_attention, ttt_loss
+    return ttt_attention, ttt_loss
+
+
+class Schedule:
+    """Linear warmup to lr, then cosine to lr * min_lr_ratio at the last step (LambdaLR factor)."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float):
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Plan:
+    """Which micro-batches each rank reads at each optimizer step (a pure function of the step)."""
+
+    def __init__(self, refs, budget: int, seed: int, world: int, accum: int, max_steps: int, epochs: int):
+        self.refs, self.budget, self.seed, self.per_step = refs, budget, seed, world * accum
+        self.world, self.accum = world, accum
+        self._epochs: dict[int, list] = {}
+        self._steps: dict[int, int] = {}
+        if len(self.epoch(0)) < self.per_step:
+            raise TrainError(f"the training split packs into {len(self.epoch(0))} micro-batches of "
+                             f"train.batch_tokens = {budget}, fewer than world size x train.grad_accum "
+                             f"= {self.per_step}; use more data or smaller batches")
+        self.total = max_steps or sum(self.steps_in(e) for e in range(epochs))
+
+    def epoch(self, e: int) -> list:
+        if e not in self._epochs:
+            self._epochs = {e: pack(self.refs, self.budget, self.seed, e)}
+        return self._epochs[e]
+
+    def steps_in(self, e: int) -> int:
+        if e not in self._steps:
+            self._steps[e] = len(self.epoch(e)) // self.per_step
+        return self._steps[e]
+
+    def locate(self, step: int) -> tuple[int, int]:
+        e = 0
+        while step >= self.steps_in(e):
+            step -= self.steps_in(e)
+            e += 1
+        return e, step
+
+    def rank_batches(self, start: int, rank: int):
+        """This rank's micro-batches for steps start..total-1, in order."""
+        for step in range(start, self.total):
+            e, j = self.locate(step)
+            batches = self.epoch(e)
+            for a in range(self.accum):
+                yield batches[j * self.per_step + a * self.world + rank]
+
+
+def _to_device(batch: dict, device: torch.device, float_dtype: torch.dtype) -> dict:
+    return {k: v.to(device, float_dtype if v.is_floating_point() else None, non_blocking=True)
+            for k, v in batch.items()}
+
+
+class MetricsLog:
+    """metrics.jsonl on rank 0 (and TensorBoard when installed)."""
+
+    def __init__(self, output_dir: Path, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.path = output_dir / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        if self.path.exists():  # a resumed run drops what the killed run logged after its checkpoint
+            kept = [ln for ln in self.path.read_text().splitlines() if json.loads(ln)["step"] <= start_step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+        except ImportError:
+            pass
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            prefix = record.get("split", "train")
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+                elif isinstance(value, list):
+                    for k, v in enumerate(value):
+                        self.tb.add_scalar(f"{prefix}/{key}_{k}", v, record["step"])
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg, t = cfg, cfg.train
+        self.dist = distributed.setup(t.device)
+        self.device = self.dist.device
+        self.cuda = self.device.type == "cuda"
+        self.float_dtype = torch.bfloat16 if self.cuda else torch.float32
+        torch.manual_seed(t.seed)
+        self.output_dir = Path(t.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+
+        self.target = Checkpoint(cfg.target.path)
+        text = self.target.config
+        self.aux_ids = resolve_aux_layer_ids(cfg, self.target)
+        self.data_dir = Path(cfg.resolved_train_data_dir())
+        self.reader = ShardReader(self.data_dir)
+        check_manifest(self.reader.manifest, text, self.aux_ids, self.data_dir)
+
+        draft_vocab = cfg.vocab.draft_vocab_size or min(32000, text.vocab_size)
+        d2t, t2d = build_vocab(loss_token_counts(self.reader.manifest), text.vocab_size, draft_vocab)
+        self.spec = resolve_draft_spec(cfg, text, draft_vocab)
+        draft = Eagle3Draft(self.spec)
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        self.model = TTTModel(draft).to(self.device)
+        self.embed = self.target.get("embed_tokens.weight").to(self.device, self.float_dtype)
+        self.head_rows = self.target.get("lm_head.weight")[t2d].to(self.device, self.float_dtype)
+
+        train_refs, self.eval_refs = split_holdout(self.reader.sequences, t.eval_fraction)
+        longest = max(r.length for r in self.reader.sequences)
+        if longest > t.batch_tokens:
+            raise TrainError(f"{cfg.source}: train.batch_tokens = {t.batch_tokens} is smaller than the "
+                             f"longest sequence ({longest} tokens); raise it or lower data.max_seq_len")
+        self.plan = Plan(train_refs, t.batch_tokens, t.seed, self.dist.world, t.grad_accum,
+                         t.max_steps, t.epochs)
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+                                           fused=self.cuda)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, Schedule(t.warmup_steps, self.plan.total, t.min_lr_ratio))
+        self.start_step = self._maybe_resume()
+        self.ddp = self.model
+        if self.dist.world > 1:
+            self.ddp = nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.cuda else None, broadcast_buffers=False,
+                gradient_as_bucket_view=True)
+        self.attention, self.loss_fn = select_kernels(t.kernels, self.device)
+        self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
+
+    def _state(self) -> dict:
+        return {"config": self.cfg.to_dict(), "draft_spec": self.spec.to_dict(), "aux_layer_ids": self.aux_ids,
+                "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
+                "world_size": self.dist.world, "data_dir": str(self.data_dir)}
+
+    def _maybe_resume(self) -> int:
+        choice = self.cfg.train.resume
+        path = ckpt_io.latest(self.output_dir) if choice == "auto" else None if choice == "never" else Path(choice)
+        if path is None:
+            return 0
+        state = ckpt_io.read_state(path)
+        for key in ("draft_spec", "aux_layer_ids", "target"):
+            if state[key] != self._state()[key]:
+                raise TrainError(f"{path}/state.json: {key} differs from this run's ({state[key]} vs "
+                                 f"{self._state()[key]}); set train.resume = \"never\" or another output_dir")
+        ckpt_io.restore(path, self.model.draft, self.optimizer, self.scheduler, self.dist.rank)
+        if self.dist.main:
+            print(f"resumed from {path} (step {state['step']})", file=sys.stderr)
+        return state["step"]
+
+    def _autocast(self):
+        if self.cuda:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward(self, model, batch):
+        t = self.cfg.train
+        with self._autocast():
+            return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_fn,
+                         t.loss_decay)
+
+    def train_step(self, batches: list[dict]) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns the metric sums [K, 7]."""
+        denom = torch.tensor(float(sum(int(loss_denominator(b)) for b in batches)), device=self.device)
+        denom = self.dist.all_reduce(denom).clamp(min=1)
+        metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
+        for a, batch in enumerate(batches):
+            batch = _to_device(batch, self.device, self.float_dtype)
+            sync = self.dist.world == 1 or a == len(batches) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                loss_sum, m = self._forward(self.ddp, batch)
+                (loss_sum * self.dist.world / denom).backward()
+            metrics += m
+        self.grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        if not self.eval_refs:
+            return None
+        batches = pack(self.eval_refs, self.cfg.train.batch_tokens)
+        metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
+        for batch_refs in batches[self.dist.rank::self.dist.world]:
+            batch = _to_device(self.reader.read(batch_refs), self.device, self.float_dtype)
+            metrics += self._forward(self.model, batch)[1]
+        return summarize(self.dist.all_reduce(metrics))
+
+    def run(self) -> Path:
+        t, total = self.cfg.train, self.plan.total
+        batches = Prefetcher(self.reader, self.plan.rank_batches(self.start_step, self.dist.rank),
+                             t.prefetch, pin=self.cuda)
+        window = torch.zeros(t.ttt_steps, 7, device=self.device)
+        tokens, clock = 0, time.perf_counter()
+        bar = tqdm(total=total, initial=self.start_step, unit="step", desc="train", disable=not self.dist.main)
+        saved = None
+        for step in range(self.start_step, total):
+            micro = [next(batches) for _ in range(t.grad_accum)]
+            tokens += sum(b["input_ids"].numel() for b in micro)
+            window += self.train_step(micro)
+            done = step + 1
+            if done % t.log_every == 0 or done == total:
+                tokens_all = int(self.dist.all_reduce(torch.tensor(float(tokens), device=self.device)))
+                rate = tokens_all / (time.perf_counter() - clock)
+                record = {"step": done, "split": "train", "lr": self.scheduler.get_last_lr()[0],
+                          "grad_norm": float(self.grad_norm), "tokens_per_s": rate,
+                          **summarize(self.dist.all_reduce(window))}
+                self.log.write(record)
+                bar.set_postfix(loss=f"{record['loss'][0]:.3f}", acc0=f"{record['acc'][0]:.3f}",
+                                tok_s=f"{rate:,.0f}")
+                window.zero_()
+                tokens, clock = 0, time.perf_counter()
+            if done % t.eval_every == 0 or done == total:
+                result = self.evaluate()
+                if result is not None:
+                    self.log.write({"step": done, "split": "eval", **result})
+            if done % t.checkpoint_every == 0 or done == total:
+                saved = ckpt_io.save(self.output_dir, done, self.model.draft, self.optimizer, self.scheduler,
+                                     self._state(), self.dist, t.keep_checkpoints)
+            bar.update(1)
+        bar.close()
+        saved = saved or ckpt_io.latest(self.output_dir)
+        if self.dist.main and saved is not None:
+            exported = export_all(saved, self.output_dir / "export", self.cfg)
+            for fmt, path in exported.items():
+                print(f"exported {fmt} draft: {path}")
+        self.dist.barrier()
+        return self.output_dir
+
+
+def run(cfg: Config) -> Path:
+    try:
+        return Trainer(cfg).run()
+    finally:
+        distributed.teardown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from eagle3.config import cli
+    cfg = cli(argv, "Train an EAGLE-3 draft with training-time test.")
+    try:
+        run(cfg)
+    except (TargetError, DataError, VocabError, TrainError, ckpt_io.CheckpointError) as e:
+        raise SystemExit(f"error: {e}") from None

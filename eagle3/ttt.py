@@ -1,0 +1,101 @@
+"""Training-time test (SPEC §7): the K-step unrolled draft, its targets, masks, loss and metrics.
+
+Rows are packed tokens. At step k, row t reads the embedding of x[t+1+k], is trained towards
+p[t+1+k] (the target's distribution for x[t+2+k]) and is valid when t+2+k is inside its sequence,
+loss_mask[t+2+k] = 1 and the target's greedy token g[t+1+k] is in the draft vocab. The mask moves
+with the targets at every step (SpecForge issue 885 is the bug of not moving it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle3.ops import positions_from_cu_seqlens
+
+METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_rows")
+
+
+@dataclass
+class StepTargets:
+    index: torch.Tensor      # [T] row of x[t+1+k] / p[t+1+k] / g[t+1+k] (clamped into range)
+    valid: torch.Tensor      # [T] bool: trained at this step
+    acc_rows: torch.Tensor   # [T] bool: counted for accuracy (loss_mask[t+2+k] = 1, in range)
+
+
+def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor,
+                 greedy: torch.Tensor, t2d: torch.Tensor) -> StepTargets:
+    T = positions.shape[0]
+    rows = torch.arange(T, device=positions.device)
+    in_range = positions + 2 + k < seq_len
+    index = (rows + 1 + k).clamp(max=T - 1)
+    label_row = (rows + 2 + k).clamp(max=T - 1)
+    acc_rows = in_range & loss_mask[label_row].bool()
+    valid = acc_rows & t2d[greedy[index].long()]
+    return StepTargets(index, valid, acc_rows)
+
+
+def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
+    """p over the draft vocab for every row, once per batch: softmax(final @ W_t[t2d].T) [T, Vd] fp32."""
+    return torch.softmax((final_hidden @ head_rows.T).float(), dim=-1)
+
+
+def loss_denominator(batch: dict) -> torch.Tensor:
+    """Loss-masked rows of a micro-batch: rows whose step-0 label x[t+2] is an assistant token."""
+    cu = batch["cu_seqlens"]
+    T = batch["input_ids"].shape[0]
+    positions = positions_from_cu_seqlens(cu, T)
+    seq_len = torch.repeat_interleave(cu.diff(), cu.diff(), output_size=T)
+    label_row = (torch.arange(T, device=cu.device) + 2).clamp(max=T - 1)
+    return ((positions + 2 < seq_len) & batch["loss_mask"][label_row].bool()).sum()
+
+
+def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
+                attention, loss_fn, decay: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unrolled TTT over one packed micro-batch.
+
+    batch: aux_hidden [T, 3H], final_hidden [T, H], input_ids [T], loss_mask [T], target_argmax [T],
+    cu_seqlens [n+1] (all on the draft's device). embed: frozen target embedding [V_t, H];
+    head_rows: target lm_head rows of the draft vocab [V_d, H].
+    Returns (weighted loss summed over valid rows — not yet divided —, metrics [steps, 6 + 1]) where
+    metrics columns are METRICS plus the accepted-length sum in column 6 of row 0.
+    """
+    cu = batch["cu_seqlens"]
+    ids, mask, greedy = batch["input_ids"].long(), batch["loss_mask"], batch["target_argmax"].long()
+    T = ids.shape[0]
+    positions = positions_from_cu_seqlens(cu, T)
+    seq_len = torch.repeat_interleave(cu.diff(), cu.diff(), output_size=T)
+    cu32 = cu.to(torch.int32)
+    probs = target_probs(batch["final_hidden"], head_rows)
+    h = draft.project(batch["aux_hidden"])
+    caches = [[] for _ in draft.layers]
+    total = h.new_zeros((), dtype=torch.float32)
+    metrics = torch.zeros(steps, len(METRICS) + 1, device=h.device)
+    run = torch.ones(T, dtype=torch.bool, device=h.device)
+    for k in range(steps):
+        tg = step_targets(k, positions, seq_len, mask, greedy, draft.t2d)
+        h = draft.step(h, embed[ids[tg.index]], positions + k, caches, attention, cu32)
+        loss, argmax = loss_fn(draft.head_input(h), draft.lm_head.weight.to(h.dtype),
+                               probs[tg.index], tg.valid)
+        total = total + decay ** k * loss.sum()
+        correct = tg.valid & (argmax + draft.d2t[argmax.clamp(min=0)] == greedy[tg.index])
+        cond_rows = tg.acc_rows & run
+        metrics[k, :6] = torch.stack([loss.detach().sum(), tg.valid.sum(), correct.sum(), tg.acc_rows.sum(),
+                                      (correct & run).sum(), cond_rows.sum()]).float()
+        run = run & correct
+        metrics[0, 6] += run.sum()  # accepted-length sum: leading correct steps of each start row
+    return total, metrics
+
+
+def summarize(metrics: torch.Tensor) -> dict:
+    """Metric sums [steps, 7] (over batches/ranks) -> per-step loss, accuracy, conditional accuracy,
+    and the acceptance-length estimate tau = 1 + mean leading correct steps over start rows."""
+    m = metrics.double().cpu()
+    steps = m.shape[0]
+    ratio = lambda a, b: (a / b).item() if b > 0 else float("nan")  # noqa: E731
+    out = {"loss": [ratio(m[k, 0], m[k, 1]) for k in range(steps)],
+           "acc": [ratio(m[k, 2], m[k, 3]) for k in range(steps)],
+           "cond_acc": [ratio(m[k, 4], m[k, 5]) for k in range(steps)],
+           "rows": [int(m[k, 3]) for k in range(steps)]}
+    out["accept_len"] = 1 + ratio(m[0, 6], m[0, 3]) if m[0, 3] > 0 else float("nan")
+    return out

@@ -1,0 +1,45 @@
+"""The draft vocabulary (SPEC §1.3, §6): the most frequent loss-masked target ids, sorted.
+
+`d2t[i]` is the offset from draft id i to its target id; `t2d[j]` says whether target id j is in
+the draft vocabulary.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+
+class VocabError(ValueError):
+    pass
+
+
+def build_vocab(counts: Counter, target_vocab: int, draft_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top `draft_vocab` ids by count (ties: lower id first), topped up with the lowest unseen ids."""
+    if not 0 < draft_vocab <= target_vocab:
+        raise VocabError(f"vocab.draft_vocab_size = {draft_vocab}; expected 1..{target_vocab} "
+                         "(the target's vocab_size)")
+    bad = [i for i in counts if not 0 <= i < target_vocab]
+    if bad:
+        raise VocabError(f"token ids {bad[:5]} are outside the target vocabulary of {target_vocab}")
+    ranked = sorted(counts, key=lambda i: (-counts[i], i))[:draft_vocab]
+    t2d = torch.zeros(target_vocab, dtype=torch.bool)
+    t2d[ranked] = True
+    missing = draft_vocab - len(ranked)
+    if missing:
+        t2d[(~t2d).nonzero().flatten()[:missing]] = True
+    draft_ids = t2d.nonzero().flatten()
+    d2t = draft_ids - torch.arange(draft_vocab)
+    check_vocab(d2t, t2d)
+    return d2t, t2d
+
+
+def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str = "vocab") -> None:
+    """SPEC §9 invariant: arange(draft_vocab) + d2t == nonzero(t2d), sorted, unique, in range."""
+    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+        raise VocabError(f"{where}: d2t must be int64 and t2d bool (got {d2t.dtype}, {t2d.dtype})")
+    target_ids = torch.arange(d2t.numel()) + d2t.cpu()
+    if not torch.equal(target_ids, t2d.cpu().nonzero().flatten()):
+        raise VocabError(f"{where}: arange(draft_vocab) + d2t != nonzero(t2d)")
+    if target_ids.numel() and (target_ids.diff() <= 0).any():
+        raise VocabError(f"{where}: draft vocabulary ids are not sorted and unique")

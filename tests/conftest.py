@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny targets with real layouts, token data, and a config pointing at them."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eagle3 import config as config_mod  # noqa: E402
+from eagle3.target import tiny  # noqa: E402
+
+KIMI_FIXTURE = ROOT.parent / "shared" / "fixtures" / "kimi-k2.5" / "config.json"
+
+
+@pytest.fixture(scope="session")
+def llama_target(tmp_path_factory) -> Path:
+    return tiny.make_llama(tmp_path_factory.mktemp("llama"), hidden=32, layers=5, heads=4, kv_heads=2,
+                           intermediate=64, vocab=256, shards=2)
+
+
+@pytest.fixture(scope="session")
+def token_data(tmp_path_factory) -> Path:
+    return tiny.make_token_data(tmp_path_factory.mktemp("data") / "data.jsonl", vocab=256, sequences=48,
+                                min_len=8, max_len=40)
+
+
+def make_config(tmp_path: Path, target: Path, data: Path, **overrides) -> config_mod.Config:
+    """A fast CPU config for tests; overrides as {"train.max_steps": 4}."""
+    base = {
+        "target.path": str(target), "data.path": str(data),
+        "extract.output_dir": str(tmp_path / "hidden"), "extract.shard_tokens": 400,
+        "extract.chunk_tokens": 300, "vocab.draft_vocab_size": 128,
+        "train.output_dir": str(tmp_path / "train"), "train.max_steps": 6, "train.batch_tokens": 160,
+        "train.ttt_steps": 3, "train.lr": 3e-3, "train.warmup_steps": 2, "train.eval_every": 3,
+        "train.log_every": 2, "train.checkpoint_every": 3, "train.prefetch": 1, "train.device": "cpu",
+        "extract.device": "cpu", "extract.dtype": "float32",
+    }
+    base.update(overrides)
+    args = []
+    for key, value in base.items():
+        args += [f"--{key}", str(value)]
+    return config_mod.load(None, args)

@@ -1,0 +1,167 @@
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import KIMI_FIXTURE, ROOT
+from eagle3.__main__ import inspect
+from eagle3.target import tiny
+from eagle3.target.checkpoint import Checkpoint, TargetError, read_config
+from eagle3.target.streaming import TargetRunner, greedy_argmax
+
+
+def test_inspect_kimi_fixture_config_alone():
+    out = subprocess.run([sys.executable, "-m", "eagle3", "inspect", str(KIMI_FIXTURE)], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["model_type"] == "kimi_k25" and report["text_model_type"] == "kimi_k2"
+    assert (report["hidden_size"], report["vocab_size"], report["num_hidden_layers"]) == (7168, 163840, 61)
+    assert report["aux_layer_ids"] == [1, 29, 57]
+    assert report["quantization"]["num_bits"] == 4 and report["quantization"]["group_size"] == 32
+    assert report["weights"].startswith("missing") and report["lm_head"] is None
+    assert report["rope_scaling"]["rope_type"] == "yarn"
+
+
+def test_config_variants(tmp_path):
+    raw = json.loads(KIMI_FIXTURE.read_text())
+    text = raw["text_config"]
+    # rope_parameters with rope_type and rope_theta inside; quantization and tie at the top level
+    variant = copy.deepcopy(raw)
+    t = variant["text_config"]
+    t["rope_parameters"] = {**t.pop("rope_scaling"), "rope_theta": t.pop("rope_theta")}
+    t["rope_parameters"]["rope_type"] = t["rope_parameters"].pop("type")
+    variant["quantization_config"] = t.pop("quantization_config")
+    t.pop("tie_word_embeddings")
+    variant["tie_word_embeddings"] = True
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(variant))
+    cfg = read_config(path)
+    assert cfg.rope_theta == text["rope_theta"] and cfg.rope_scaling["rope_type"] == "yarn"
+    assert cfg.rope_scaling["factor"] == 64 and cfg.quantization["num_bits"] == 4
+    assert cfg.tie_word_embeddings
+    # flat config (no wrapper)
+    path.write_text(json.dumps(text))
+    flat = read_config(path)
+    assert flat.model_type == flat.text_model_type == "kimi_k2" and flat.hidden_size == 7168
+
+
+def test_missing_field_names_file_and_field(tmp_path):
+    raw = json.loads(KIMI_FIXTURE.read_text())
+    del raw["text_config"]["vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(TargetError, match=r"config.json:text_config: missing field 'vocab_size'"):
+        inspect(str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "eagle3", "inspect", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "missing field 'vocab_size'" in out.stderr
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(TargetError, match="not valid JSON"):
+        inspect(str(tmp_path))
+
+
+def test_inspect_tiny_checkpoint(llama_target):
+    report = inspect(str(llama_target))
+    assert report["weights"]["files"] == 2 and report["weights"]["prefix"] == "model."
+    assert report["embed_tokens"] == {"name": "model.embed_tokens.weight", "shape": [256, 32], "dtype": "BF16"}
+    assert report["lm_head"]["name"] == "lm_head.weight" and report["norm"]["shape"] == [32]
+    assert report["aux_layer_ids"] == [1, 1, 1]
+
+
+def test_inconsistent_shapes_are_reported(tmp_path):
+    path = tiny.make_llama(tmp_path, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, vocab=64)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["vocab_size"] = 100
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TargetError, match=r"model.embed_tokens.weight has shape \[64, 32\].*vocab_size 100"):
+        inspect(str(path))
+
+
+def test_tied_embeddings_and_only_requested_tensors(tmp_path):
+    path = tiny.make_llama(tmp_path, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, vocab=64,
+                           tie=True)
+    ckpt = Checkpoint(path)
+    assert ckpt.head_name is None and ckpt.full_name("lm_head.weight") == "model.embed_tokens.weight"
+    assert torch.equal(ckpt.get("lm_head.weight"), ckpt.get("embed_tokens.weight"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TargetError, match="no 'lm_head.weight' tensor and tie_word_embeddings is false"):
+        Checkpoint(path)
+
+
+def _dense_llama(ckpt: Checkpoint, ids: torch.Tensor, layers_out: list[int]):
+    """Independent straightforward forward of one sequence (no packing, no streaming), fp32."""
+    c = ckpt.config
+    g = lambda n: ckpt.get(n).float()  # noqa: E731
+    H, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    T = ids.numel()
+
+    def norm(x, w, eps=c.rms_norm_eps):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    inv = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
+    ang = torch.arange(T).float()[:, None] * inv[None]
+    cos, sin = ang.cos(), ang.sin()
+
+    def rope(x):  # rotate-half on [T, h, hd]
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return torch.cat([x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]], -1)
+
+    h = g("embed_tokens.weight")[ids]
+    captured = []
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        x = norm(h, g(p + "input_layernorm.weight"))
+        q = (x @ g(p + "self_attn.q_proj.weight").T).view(T, nh, hd)
+        k = (x @ g(p + "self_attn.k_proj.weight").T).view(T, nkv, hd)
+        v = (x @ g(p + "self_attn.v_proj.weight").T).view(T, nkv, hd)
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+        s = torch.einsum("thd,shd->hts", q, k) / hd ** 0.5
+        s = s.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf")).softmax(-1)
+        h = h + torch.einsum("hts,shd->thd", s, v).reshape(T, -1) @ g(p + "self_attn.o_proj.weight").T
+        x = norm(h, g(p + "post_attention_layernorm.weight"))
+        gate = torch.nn.functional.silu(x @ g(p + "mlp.gate_proj.weight").T)
+        h = h + (gate * (x @ g(p + "mlp.up_proj.weight").T)) @ g(p + "mlp.down_proj.weight").T
+        if i in layers_out:
+            captured.append(h)
+    final = norm(h, g("norm.weight"))
+    return torch.cat(captured, -1), final, (final @ g("lm_head.weight").T).argmax(-1)
+
+
+def test_llama_forward_matches_dense_reference(llama_target):
+    ckpt = Checkpoint(llama_target)
+    aux_ids = [1, 2, 3]
+    runner = TargetRunner(ckpt, aux_ids, torch.device("cpu"), torch.float32, chunk_tokens=25)
+    ids = torch.randint(0, 256, (60,))
+    cu = [0, 17, 40, 60]
+    out = runner.run(ids, cu)
+    for a, b in zip(cu[:-1], cu[1:]):
+        aux, final, argmax = _dense_llama(ckpt, ids[a:b], aux_ids)
+        torch.testing.assert_close(out["aux_hidden"][a:b], aux, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out["final_hidden"][a:b], final, rtol=1e-4, atol=1e-4)
+        assert (out["target_argmax"][a:b] == argmax).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_variants_run_and_chunking_is_exact(tmp_path, family):
+    path = tiny.make_llama(tmp_path, family=family, hidden=32, layers=4, heads=4, kv_heads=2,
+                           intermediate=64, vocab=64)
+    ckpt = Checkpoint(path)
+    names = set(ckpt.text_tensor_names())
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (family == "qwen2")
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) == (family == "qwen3")
+    ids = torch.randint(0, 64, (30,))
+    small = TargetRunner(ckpt, [1, 1, 2], torch.device("cpu"), torch.float32, chunk_tokens=5).run(ids, [0, 9, 20, 30])
+    big = TargetRunner(ckpt, [1, 1, 2], torch.device("cpu"), torch.float32, chunk_tokens=1000).run(ids, [0, 9, 20, 30])
+    for key in small:
+        torch.testing.assert_close(small[key], big[key])
+
+
+def test_greedy_argmax_in_vocab_chunks():
+    final, head = torch.randn(37, 16), torch.randn(100, 16)
+    assert torch.equal(greedy_argmax(final, head, rows=8, vocab_chunk=7).long(), (final @ head.T).argmax(-1))
