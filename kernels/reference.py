@@ -9,19 +9,30 @@ import torch
 import torch.nn.functional as F
 
 
-def _same_sequence_causal(cu_seqlens: torch.Tensor | None, total: int, device) -> torch.Tensor:
-    """[T, T] bool: key j is visible to query i (same packed sequence, j <= i)."""
-    idx = torch.arange(total, device=device)
-    mask = idx[None, :] <= idx[:, None]
-    if cu_seqlens is not None:
-        seq = torch.searchsorted(cu_seqlens.to(device=device, dtype=torch.int64), idx, right=True)
-        mask &= seq[None, :] == seq[:, None]
-    return mask
+def _lengths(cu_seqlens: torch.Tensor | None, total: int) -> list[int]:
+    if cu_seqlens is None:
+        return [total]
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"ttt_attention: cu_seqlens must run from 0 to T={total}, got {bounds[0]}..{bounds[-1]}")
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, Hq, D]; k, v [S, n, Hq, D] (heads already expanded), fp32 -> [n, Hq, D]."""
+    n = q.shape[0]
+    causal = torch.einsum("thd,shd->hts", q, k[0]) * scale                  # [Hq, n, n]
+    visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    causal = causal.masked_fill(~visible, float("-inf"))
+    diag = torch.einsum("thd,jthd->htj", q, k[1:]) * scale                 # [Hq, n, S-1]
+    probs = torch.cat([causal, diag], dim=-1).softmax(-1)
+    out = torch.einsum("hts,shd->thd", probs[..., :n], v[0])
+    return out + torch.einsum("htj,jthd->thd", probs[..., n:], v[1:])
 
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cu_seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Attention of TTT step S-1, with the scores materialized (the eager baseline).
+    """Attention of TTT step S-1, with each sequence's scores materialized (the eager baseline).
 
     q: [T, Hq, D] queries of the current step; k, v: [S, T, Hkv, D] keys/values of steps 0..S-1.
     Query t attends causally to the step-0 keys of its own sequence and, for each later step j,
@@ -33,15 +44,12 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"ttt_attention: bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
     scale = D ** -0.5 if scale is None else scale
     group = Hq // Hkv
-    kf = k.float().repeat_interleave(group, dim=2)                      # [S, T, Hq, D]
-    vf = v.float().repeat_interleave(group, dim=2)
-    qf = q.float()
-    causal = torch.einsum("thd,shd->hts", qf, kf[0]) * scale            # [Hq, T, T]
-    causal = causal.masked_fill(~_same_sequence_causal(cu_seqlens, T, q.device), float("-inf"))
-    diag = torch.einsum("thd,jthd->htj", qf, kf[1:]) * scale            # [Hq, T, S-1]
-    probs = torch.cat([causal, diag], dim=-1).softmax(-1)
-    out = torch.einsum("hts,shd->thd", probs[..., :T], vf[0])
-    out = out + torch.einsum("htj,jthd->thd", probs[..., T:], vf[1:])
+    lengths = _lengths(cu_seqlens, T)
+    # split (not slice) per sequence: its backward is one concatenation, not a zero-fill per piece
+    qs = q.float().split(lengths, dim=0)
+    ks = k.float().repeat_interleave(group, dim=2).split(lengths, dim=1)
+    vs = v.float().repeat_interleave(group, dim=2).split(lengths, dim=1)
+    out = torch.cat([_one_sequence(*parts, scale) for parts in zip(qs, ks, vs)])
     return out.to(q.dtype)
 
 

@@ -159,6 +159,8 @@ class Checkpoint:
 
     def __init__(self, path: str | Path, require_weights: bool = True):
         self.path = Path(path)
+        if not self.path.exists():
+            raise TargetError(f"{self.path}: target directory not found (target.path)")
         cfg_path = self.path / "config.json" if self.path.is_dir() else self.path
         self.config = read_config(cfg_path)
         self.dir = cfg_path.parent

@@ -104,5 +104,5 @@ def make_token_data(out: str | Path, vocab: int, sequences: int = 64, min_len: i
 
 def make_demo_target(out: str | Path) -> Path:
     """The target the README demo and the default config.toml use."""
-    return make_llama(out, family="llama", hidden=128, layers=8, heads=4, kv_heads=2, intermediate=256,
-                      vocab=1024, seed=0)
+    return make_llama(out, family="llama", hidden=64, layers=8, heads=4, kv_heads=2, intermediate=128,
+                      vocab=512, seed=0)

@@ -1,0 +1,154 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from conftest import ROOT, make_config
+from eagle3 import checkpoint as ckpt_io
+from eagle3 import extraction, training
+from eagle3.data.shards import DataError
+from eagle3.vocab import check_vocab
+
+
+@pytest.fixture(scope="module")
+def hidden(tmp_path_factory, llama_target, token_data):
+    tmp = tmp_path_factory.mktemp("hidden")
+    extraction.run(make_config(tmp, llama_target, token_data))
+    return tmp / "hidden"
+
+
+def cli_args(tmp_path, llama_target, token_data, hidden, **extra):
+    cfg = {"target.path": llama_target, "data.path": token_data, "extract.output_dir": hidden,
+           "vocab.draft_vocab_size": 128, "train.output_dir": tmp_path / "train", "train.max_steps": 6,
+           "train.batch_tokens": 160, "train.ttt_steps": 3, "train.lr": 3e-3, "train.warmup_steps": 2,
+           "train.eval_every": 3, "train.log_every": 1, "train.checkpoint_every": 2, "train.prefetch": 1,
+           "train.device": "cpu", "train.kernels": "torch", **extra}
+    return [x for k, v in cfg.items() for x in (f"--{k}", str(v))]
+
+
+def run_train(args, nproc=1, **popen):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if nproc == 1:
+        cmd = [sys.executable, "train.py", "--config", "config.toml", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "train.py", "--config", "config.toml", *args]
+    if popen:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, **popen)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def final_weights(output_dir):
+    return load_file(ckpt_io.latest(output_dir) / ckpt_io.MODEL)
+
+
+def train_losses(output_dir):
+    lines = [json.loads(x) for x in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if r["split"] == "train"}
+
+
+def test_train_in_process_logs_checkpoints_and_exports(tmp_path, llama_target, token_data, hidden):
+    cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden,
+                                                             "train.max_steps": 6})
+    training.run(cfg)
+    out = tmp_path / "train"
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    evals = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in train] == [2, 4, 6] and [r["step"] for r in evals] == [3, 6]
+    assert len(train[0]["loss"]) == 3 and 1 <= evals[-1]["accept_len"] <= 4
+    assert [p.name for p in ckpt_io.complete_checkpoints(out)] == ["step-00000003", "step-00000006"]
+    state = ckpt_io.read_state(out / "checkpoints" / "step-00000006")
+    assert state["config"]["train"]["max_steps"] == 6 and state["aux_layer_ids"] == [1, 1, 1]
+
+    vllm, sglang = out / "export" / "vllm", out / "export" / "sglang"
+    vcfg = json.loads((vllm / "config.json").read_text())
+    assert "model_type" not in vcfg and vcfg["speculators_model_type"] == "eagle3"
+    assert vcfg["eagle_aux_hidden_state_layer_ids"] == [2, 2, 2] and vcfg["draft_vocab_size"] == 128
+    assert vcfg["transformer_layer_config"]["vocab_size"] == 256 and vcfg["target_hidden_size"] == 32
+    assert vcfg["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    scfg = json.loads((sglang / "config.json").read_text())
+    assert scfg["architectures"] == ["LlamaForCausalLMEagle3"] and scfg["num_hidden_layers"] == 1
+    assert scfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 1]
+    layer = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+             "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight"}
+    common = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    for path, prefix in ((vllm, "layers.0."), (sglang, "midlayer.")):
+        with safe_open(path / "model.safetensors", "pt") as f:
+            assert set(f.keys()) == common | {prefix + n for n in layer}
+            check_vocab(f.get_tensor("d2t"), f.get_tensor("t2d"))
+            assert f.get_tensor("fc.weight").shape == (32, 96)
+            assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+
+    again = subprocess.run([sys.executable, "-m", "eagle3", "export", str(ckpt_io.latest(out)),
+                            str(tmp_path / "again"), "--formats", "vllm"], cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert load_file(tmp_path / "again" / "vllm" / "model.safetensors").keys() == \
+        load_file(vllm / "model.safetensors").keys()
+
+
+def test_ddp_two_processes_equal_one_process(tmp_path, llama_target, token_data, hidden):
+    one = tmp_path / "one"
+    run_train(cli_args(one, llama_target, token_data, hidden, **{"train.grad_accum": 2}))
+    two = tmp_path / "two"
+    run_train(cli_args(two, llama_target, token_data, hidden), nproc=2)
+    a, b = final_weights(one / "train"), final_weights(two / "train")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    la, lb = train_losses(one / "train"), train_losses(two / "train")
+    assert la.keys() == lb.keys()
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-4)
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, llama_target, token_data, hidden):
+    steps = {"train.max_steps": 14}
+    straight = tmp_path / "straight"
+    run_train(cli_args(straight, llama_target, token_data, hidden, **steps))
+    killed = tmp_path / "killed"
+    proc = run_train(cli_args(killed, llama_target, token_data, hidden, **steps),
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = killed / "train" / "checkpoints" / "step-00000004"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert ckpt_io.latest(killed / "train").name < "step-00000014", "the run was not interrupted"
+    out = run_train(cli_args(killed, llama_target, token_data, hidden, **steps))
+    assert "resumed from" in out.stderr
+    a, b = final_weights(straight / "train"), final_weights(killed / "train")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    assert train_losses(straight / "train") == train_losses(killed / "train")
+
+
+def test_bad_inputs_fail_with_clear_messages(tmp_path, llama_target, token_data, hidden):
+    cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden,
+                                                             "target.aux_layer_ids": "[1, 2, 3]"})
+    with pytest.raises(DataError, match=r"aux_layer_ids = \[1, 1, 1\], but the config asks for \[1, 2, 3\]"):
+        training.run(cfg)
+    cfg = make_config(tmp_path, llama_target, token_data, **{"train.data_dir": tmp_path / "none"})
+    with pytest.raises(DataError, match="manifest.json: not found"):
+        training.run(cfg)
+    cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden,
+                                                             "draft.hidden_size": 64})
+    with pytest.raises(training.TrainError, match="draft.hidden_size = 64.*32 wide"):
+        training.run(cfg)
+    cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden,
+                                                             "train.batch_tokens": 10})
+    with pytest.raises(training.TrainError, match="batch_tokens = 10 is smaller than the longest"):
+        training.run(cfg)
+    out = subprocess.run([sys.executable, "train.py", "--train.bogus", "1"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode != 0 and "unknown key 'train.bogus'" in out.stderr

@@ -1,0 +1,150 @@
+import pytest
+import torch
+
+from eagle3.draft import DraftSpec, Eagle3Draft
+from eagle3.ttt import loss_denominator, step_targets, summarize, ttt_forward
+from kernels.reference import ttt_attention, ttt_loss
+
+
+def brute_force_attention(q, k, v, cu_seqlens):
+    """Every (step, row) key of every step in one list, with an explicit [T, S*T] boolean mask."""
+    S, T, Hkv, D = k.shape
+    Hq = q.shape[1]
+    seq = torch.searchsorted(cu_seqlens.long(), torch.arange(T), right=True)
+    allowed = torch.zeros(T, S, T, dtype=torch.bool)
+    for t in range(T):
+        for s in range(T):
+            allowed[t, 0, s] = seq[s] == seq[t] and s <= t
+        for j in range(1, S):
+            allowed[t, j, t] = True
+    keys = k.reshape(S * T, Hkv, D).repeat_interleave(Hq // Hkv, 1).double()
+    values = v.reshape(S * T, Hkv, D).repeat_interleave(Hq // Hkv, 1).double()
+    scores = torch.einsum("thd,khd->htk", q.double(), keys) * D ** -0.5
+    scores = scores.masked_fill(~allowed.reshape(T, S * T), float("-inf"))
+    return torch.einsum("htk,khd->thd", scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize("steps,hq,hkv", [(1, 2, 2), (4, 4, 2), (3, 6, 1)])
+def test_reference_attention_equals_dense_mask(steps, hq, hkv):
+    g = torch.Generator().manual_seed(steps)
+    T, D = 23, 8
+    q = torch.randn(T, hq, D, generator=g)
+    k = torch.randn(steps, T, hkv, D, generator=g)
+    v = torch.randn(steps, T, hkv, D, generator=g)
+    cu = torch.tensor([0, 5, 6, 17, 23], dtype=torch.int32)
+    torch.testing.assert_close(ttt_attention(q, k, v, cu).double(), brute_force_attention(q, k, v, cu),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_reference_loss_matches_definition():
+    h, w = torch.randn(6, 5), torch.randn(7, 5)
+    p = torch.softmax(torch.randn(6, 7), -1)
+    valid = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool)
+    loss, argmax = ttt_loss(h, w, p, valid)
+    logits = h @ w.T
+    expected = -(p * torch.log(torch.softmax(logits, -1))).sum(-1) * valid
+    torch.testing.assert_close(loss, expected)
+    assert argmax.tolist() == [a if ok else -1 for a, ok in zip(logits.argmax(-1).tolist(), valid.tolist())]
+
+
+def test_mask_moves_with_the_targets():
+    # one sequence of 10 tokens: user turn at 0..3 and 7, assistant at 4..6 and 8..9
+    mask = torch.tensor([0, 0, 0, 0, 1, 1, 1, 0, 1, 1])
+    greedy = torch.arange(10)
+    t2d = torch.ones(16, dtype=torch.bool)
+    t2d[6] = False                                  # the target's greedy token 6 is not in the draft vocab
+    positions, seq_len = torch.arange(10), torch.full((10,), 10)
+    for k in range(4):
+        tg = step_targets(k, positions, seq_len, mask, greedy, t2d)
+        expected_rows = [t for t in range(10) if t + 2 + k < 10 and mask[t + 2 + k] == 1]
+        assert tg.acc_rows.nonzero().flatten().tolist() == expected_rows
+        assert tg.valid.nonzero().flatten().tolist() == [t for t in expected_rows if t + 1 + k != 6]
+        assert tg.index[expected_rows].tolist() == [t + 1 + k for t in expected_rows]
+    # step 2 trains row 2 towards x[6] (assistant) and not row 3 (x[7] is a user token), row 5 -> x[9]
+    tg = step_targets(2, positions, seq_len, mask, greedy, t2d)
+    assert tg.acc_rows[2] and not tg.acc_rows[3] and tg.acc_rows[5] and not tg.acc_rows[6]
+
+
+def tiny_draft(seed=0):
+    torch.manual_seed(seed)
+    spec = DraftSpec(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     intermediate_size=32, num_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     max_position_embeddings=256, draft_vocab_size=24, target_vocab_size=40,
+                     target_hidden_size=16)
+    draft = Eagle3Draft(spec)
+    t2d = torch.zeros(40, dtype=torch.bool)
+    t2d[torch.randperm(40)[:24]] = True
+    draft.t2d.copy_(t2d)
+    draft.d2t.copy_(t2d.nonzero().flatten() - torch.arange(24))
+    return draft
+
+
+def random_batch(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    return {"aux_hidden": torch.randn(T, 48, generator=g), "final_hidden": torch.randn(T, 16, generator=g),
+            "input_ids": torch.randint(0, 40, (T,), generator=g, dtype=torch.int32),
+            "loss_mask": (torch.rand(T, generator=g) > 0.3).to(torch.uint8),
+            "target_argmax": torch.randint(0, 40, (T,), generator=g, dtype=torch.int32),
+            "cu_seqlens": torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())}
+
+
+def slice_batch(batch, a, b):
+    out = {k: v[a:b] for k, v in batch.items() if k != "cu_seqlens"}
+    out["cu_seqlens"] = torch.tensor([0, b - a])
+    return out
+
+
+def test_packed_sequences_do_not_interact():
+    draft = tiny_draft()
+    embed, head = torch.randn(40, 16), torch.randn(24, 16)
+    lengths = [9, 14, 5]
+    batch = random_batch(lengths)
+    total, metrics = ttt_forward(draft, batch, embed, head, 4, ttt_attention, ttt_loss)
+    total.backward()
+    packed_grad = draft.fc.weight.grad.clone()
+    draft.zero_grad()
+    sep_total, sep_metrics = 0, 0
+    bounds = batch["cu_seqlens"].tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        t, m = ttt_forward(draft, slice_batch(batch, a, b), embed, head, 4, ttt_attention, ttt_loss)
+        t.backward()
+        sep_total, sep_metrics = sep_total + t, sep_metrics + m
+    torch.testing.assert_close(total, sep_total)
+    torch.testing.assert_close(metrics, sep_metrics)
+    torch.testing.assert_close(packed_grad, draft.fc.weight.grad)
+    assert loss_denominator(batch) == sum(loss_denominator(slice_batch(batch, a, b))
+                                          for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def test_ttt_step_uses_own_previous_output_and_shifted_tokens():
+    """Step k of row t must not depend on tokens after x[t+1+k] nor on other rows' later steps."""
+    draft = tiny_draft(1)
+    embed, head = torch.randn(40, 16), torch.randn(24, 16)
+    batch = random_batch([16], seed=3)
+    batch["loss_mask"][:] = 1
+    batch["target_argmax"] = draft.t2d.nonzero().flatten()[torch.arange(16) % 24].to(torch.int32)
+    outputs = {}
+
+    def recording_loss(h, w, p, valid):
+        outputs.setdefault("h", []).append(h.detach().clone())
+        return ttt_loss(h, w, p, valid)
+
+    ttt_forward(draft, batch, embed, head, 3, ttt_attention, recording_loss)
+    changed = {k: v.clone() for k, v in batch.items()}
+    changed["input_ids"][10:] = (changed["input_ids"][10:] + 1) % 40   # tokens from position 10 on
+    before = outputs.pop("h")
+    ttt_forward(draft, changed, embed, head, 3, ttt_attention, recording_loss)
+    after = outputs["h"]
+    for k in range(3):
+        # row t at step k reads x[t+1+k] and earlier tokens only: rows with t+1+k < 10 are unchanged
+        same = [t for t in range(16) if t + 1 + k < 10]
+        torch.testing.assert_close(before[k][same], after[k][same])
+        assert not torch.allclose(before[k][9 - k], after[k][9 - k])
+
+
+def test_summary_acceptance_length():
+    m = torch.zeros(3, 7)
+    m[:, 3] = torch.tensor([10, 10, 10])     # 10 start rows
+    m[0, 6] = 15                               # 15 leading correct steps in total
+    assert summarize(m)["accept_len"] == pytest.approx(2.5)
