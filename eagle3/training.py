@@ -78,17 +78,17 @@ class TTTModel(nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, batch, embed, head_rows, steps, attention, loss_fn, decay):
-        return ttt_forward(self.draft, batch, embed, head_rows, steps, attention, loss_fn, decay)
+    def forward(self, batch, embed, head_rows, steps, attention, loss_steps, decay, scale):
+        return ttt_forward(self.draft, batch, embed, head_rows, steps, attention, loss_steps, decay, scale)
 
 
 def select_kernels(choice: str, device: torch.device):
-    """(attention, loss) functions with the SPEC §8 signatures."""
+    """(attention, loss over all steps) with the SPEC §8 signatures: Triton or the torch reference."""
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
-        from kernels import ttt_attention, ttt_loss
-        return ttt_attention, ttt_loss
-    from kernels.reference import ttt_attention, ttt_loss
-    return ttt_attention, ttt_loss
+        from kernels import ttt_attention, ttt_loss_steps
+        return ttt_attention, ttt_loss_steps
+    from kernels.reference import ttt_attention, ttt_loss_steps
+    return ttt_attention, ttt_loss_steps
 
 
 class Schedule:
@@ -229,7 +229,7 @@ class Trainer:
             self.ddp = nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.cuda else None, broadcast_buffers=False,
                 gradient_as_bucket_view=True)
-        self.attention, self.loss_fn = select_kernels(t.kernels, self.device)
+        self.attention, self.loss_steps = select_kernels(t.kernels, self.device)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
 
     def _state(self) -> dict:
@@ -257,11 +257,11 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, model, batch):
+    def _forward(self, model, batch, scale=1.0):
         t = self.cfg.train
         with self._autocast():
-            return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_fn,
-                         t.loss_decay)
+            return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_steps,
+                         t.loss_decay, scale)
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the metric sums [K, 7]."""
@@ -272,8 +272,8 @@ class Trainer:
             batch = _to_device(batch, self.device, self.float_dtype)
             sync = self.dist.world == 1 or a == len(batches) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                loss_sum, m = self._forward(self.ddp, batch)
-                (loss_sum * self.dist.world / denom).backward()
+                loss, m = self._forward(self.ddp, batch, self.dist.world / denom)
+                loss.backward()
             metrics += m
         self.grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         self.optimizer.step()

@@ -35,9 +35,14 @@ def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_ma
     return StepTargets(index, valid, acc_rows)
 
 
-def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
-    """p over the draft vocab for every row, once per batch: softmax(final @ W_t[t2d].T) [T, Vd] fp32."""
-    return torch.softmax((final_hidden @ head_rows.T).float(), dim=-1)
+def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int) -> torch.Tensor:
+    """p over the draft vocab, once per batch for all steps: softmax(final @ W_t[t2d].T), shifted up
+    by one row and padded so that step k's targets are the view `probs[k : k + T]` (no copy).
+    Returns [T + steps, V_d] in the compute dtype (rows past the end are zero and never valid)."""
+    T = final_hidden.shape[0]
+    probs = final_hidden.new_zeros(T + steps, head_rows.shape[0])
+    probs[:T - 1] = torch.softmax((final_hidden[1:] @ head_rows.T).float(), dim=-1)
+    return probs
 
 
 def loss_denominator(batch: dict) -> torch.Tensor:
@@ -51,14 +56,15 @@ def loss_denominator(batch: dict) -> torch.Tensor:
 
 
 def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
-                attention, loss_fn, decay: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
+                attention, loss_steps, decay: float = 0.8, scale: float | torch.Tensor = 1.0):
     """Unrolled TTT over one packed micro-batch.
 
     batch: aux_hidden [T, 3H], final_hidden [T, H], input_ids [T], loss_mask [T], target_argmax [T],
     cu_seqlens [n+1] (all on the draft's device). embed: frozen target embedding [V_t, H];
-    head_rows: target lm_head rows of the draft vocab [V_d, H].
-    Returns (weighted loss summed over valid rows — not yet divided —, metrics [steps, 6 + 1]) where
-    metrics columns are METRICS plus the accepted-length sum in column 6 of row 0.
+    head_rows: target lm_head rows of the draft vocab [V_d, H]. `attention` and `loss_steps` have
+    the SPEC §8 signatures of `kernels.ttt_attention` and `kernels.ttt_loss_steps`.
+    Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, 7]): columns are METRICS,
+    plus the accepted-length sum in column 6 of row 0.
     """
     cu = batch["cu_seqlens"]
     ids, mask, greedy = batch["input_ids"].long(), batch["loss_mask"], batch["target_argmax"].long()
@@ -66,25 +72,32 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     positions = positions_from_cu_seqlens(cu, T)
     seq_len = torch.repeat_interleave(cu.diff(), cu.diff(), output_size=T)
     cu32 = cu.to(torch.int32)
-    probs = target_probs(batch["final_hidden"], head_rows)
+    probs = target_probs(batch["final_hidden"], head_rows, steps)
     h = draft.project(batch["aux_hidden"])
     caches = [[] for _ in draft.layers]
-    total = h.new_zeros((), dtype=torch.float32)
-    metrics = torch.zeros(steps, len(METRICS) + 1, device=h.device)
-    run = torch.ones(T, dtype=torch.bool, device=h.device)
+    targets, head_inputs = [], []
     for k in range(steps):
         tg = step_targets(k, positions, seq_len, mask, greedy, draft.t2d)
         h = draft.step(h, embed[ids[tg.index]], positions + k, caches, attention, cu32)
-        loss, argmax = loss_fn(draft.head_input(h), draft.lm_head.weight.to(h.dtype),
-                               probs[tg.index], tg.valid)
-        total = total + decay ** k * loss.sum()
-        correct = tg.valid & (argmax + draft.d2t[argmax.clamp(min=0)] == greedy[tg.index])
-        cond_rows = tg.acc_rows & run
+        targets.append(tg)
+        head_inputs.append(draft.head_input(h))
+    total, losses, argmaxes = loss_steps(
+        head_inputs, draft.lm_head.weight.to(h.dtype), [probs[k:k + T] for k in range(steps)],
+        [tg.valid for tg in targets], [decay ** k * scale for k in range(steps)])
+    return total, step_metrics(targets, losses, argmaxes, greedy, draft.d2t)
+
+
+def step_metrics(targets: list[StepTargets], losses, argmaxes, greedy, d2t) -> torch.Tensor:
+    """Per-step sums on the device (no host sync): METRICS columns + accepted-length sum."""
+    metrics = torch.zeros(len(targets), len(METRICS) + 1, device=greedy.device)
+    run = torch.ones_like(greedy, dtype=torch.bool)
+    for k, (tg, loss, argmax) in enumerate(zip(targets, losses, argmaxes)):
+        correct = tg.valid & (argmax + d2t[argmax.clamp(min=0)] == greedy[tg.index])
         metrics[k, :6] = torch.stack([loss.detach().sum(), tg.valid.sum(), correct.sum(), tg.acc_rows.sum(),
-                                      (correct & run).sum(), cond_rows.sum()]).float()
+                                      (correct & run).sum(), (tg.acc_rows & run).sum()]).float()
         run = run & correct
-        metrics[0, 6] += run.sum()  # accepted-length sum: leading correct steps of each start row
-    return total, metrics
+        metrics[0, 6] += run.sum()  # leading correct steps of each start row
+    return metrics
 
 
 def summarize(metrics: torch.Tensor) -> dict:

@@ -71,3 +71,21 @@ def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor,
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     argmax = torch.where(valid, logits.argmax(-1), torch.full_like(valid, -1, dtype=torch.long))
     return loss, argmax
+
+
+def ttt_loss_steps(hs, w, ps, valids=None, weights=None):
+    """All K TTT steps at once: (total, losses, argmaxes) with total = Σ_k Σ_i weights[k] · loss_k,i.
+
+    Same contract as `kernels.ttt_loss.ttt_loss_steps`; hs[k] [N_k, H], ps[k] [N_k, V], valids[k]
+    bool [N_k] or None, weights[k] a number or a tensor broadcastable to [N_k] (default 1).
+    """
+    K = len(hs)
+    valids = [None] * K if valids is None else list(valids)
+    weights = [1.0] * K if weights is None else list(weights)
+    total, losses, argmaxes = 0.0, [], []
+    for h, p, valid, weight in zip(hs, ps, valids, weights):
+        loss, argmax = ttt_loss(h, w, p, valid)
+        total = total + (loss * weight).sum()
+        losses.append(loss.detach())
+        argmaxes.append(argmax)
+    return total, losses, argmaxes

@@ -152,3 +152,22 @@ def test_bad_inputs_fail_with_clear_messages(tmp_path, llama_target, token_data,
     out = subprocess.run([sys.executable, "train.py", "--train.bogus", "1"], cwd=ROOT, capture_output=True,
                          text=True)
     assert out.returncode != 0 and "unknown key 'train.bogus'" in out.stderr
+
+
+def test_triton_kernels_match_torch_reference_in_training(tmp_path, llama_target, token_data, hidden):
+    """train.kernels = "triton" (interpreted on the CPU) trains to the same weights as "torch"."""
+    common = {"train.max_steps": 2, "train.ttt_steps": 3, "draft.num_attention_heads": 1,
+              "draft.num_key_value_heads": 1, "draft.head_dim": 64, "train.eval_every": 100}
+    run_train(cli_args(tmp_path / "torch", llama_target, token_data, hidden, **common))
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        run_train(cli_args(tmp_path / "triton", llama_target, token_data, hidden,
+                           **{**common, "train.kernels": "triton"}))
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+    a, b = final_weights(tmp_path / "torch" / "train"), final_weights(tmp_path / "triton" / "train")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    la, lb = train_losses(tmp_path / "torch" / "train"), train_losses(tmp_path / "triton" / "train")
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-4)

@@ -3,7 +3,7 @@ import torch
 
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.ttt import loss_denominator, step_targets, summarize, ttt_forward
-from kernels.reference import ttt_attention, ttt_loss
+from kernels.reference import ttt_attention, ttt_loss, ttt_loss_steps
 
 
 def brute_force_attention(q, k, v, cu_seqlens):
@@ -100,14 +100,14 @@ def test_packed_sequences_do_not_interact():
     embed, head = torch.randn(40, 16), torch.randn(24, 16)
     lengths = [9, 14, 5]
     batch = random_batch(lengths)
-    total, metrics = ttt_forward(draft, batch, embed, head, 4, ttt_attention, ttt_loss)
+    total, metrics = ttt_forward(draft, batch, embed, head, 4, ttt_attention, ttt_loss_steps)
     total.backward()
     packed_grad = draft.fc.weight.grad.clone()
     draft.zero_grad()
     sep_total, sep_metrics = 0, 0
     bounds = batch["cu_seqlens"].tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
-        t, m = ttt_forward(draft, slice_batch(batch, a, b), embed, head, 4, ttt_attention, ttt_loss)
+        t, m = ttt_forward(draft, slice_batch(batch, a, b), embed, head, 4, ttt_attention, ttt_loss_steps)
         t.backward()
         sep_total, sep_metrics = sep_total + t, sep_metrics + m
     torch.testing.assert_close(total, sep_total)
@@ -126,9 +126,9 @@ def test_ttt_step_uses_own_previous_output_and_shifted_tokens():
     batch["target_argmax"] = draft.t2d.nonzero().flatten()[torch.arange(16) % 24].to(torch.int32)
     outputs = {}
 
-    def recording_loss(h, w, p, valid):
-        outputs.setdefault("h", []).append(h.detach().clone())
-        return ttt_loss(h, w, p, valid)
+    def recording_loss(hs, w, ps, valids, weights):
+        outputs["h"] = [h.detach().clone() for h in hs]
+        return ttt_loss_steps(hs, w, ps, valids, weights)
 
     ttt_forward(draft, batch, embed, head, 3, ttt_attention, recording_loss)
     changed = {k: v.clone() for k, v in batch.items()}

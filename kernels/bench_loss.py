@@ -1,0 +1,295 @@
+"""`python -m kernels.bench loss`: the fused TTT loss against eager, torch.compile and the matmul floor.
+
+One training-like iteration = K = 7 steps sharing the draft head w [V, H]; step k has its own hidden
+rows h_k [N, H], target rows p[k : k + N] (views of one [N + K, V] tensor, as in training) and valid
+mask; total = Σ_k 0.8^k · Σ loss_k / n, then total.backward(). Timed fwd+bwd of that iteration
+(median of triton.testing.do_bench) for:
+
+  eager      K calls of kernels.reference.ttt_loss
+  compile    K calls of torch.compile(kernels.reference.ttt_loss)
+  triton     K calls of kernels.ttt_loss.ttt_loss (exact for any upstream gradient: 4 GEMMs a step)
+  triton-K   one call of kernels.ttt_loss.ttt_loss_steps (weights known: 3 GEMMs a step)
+  cublas     the 3·K cuBLAS GEMMs alone, unchunked, at these shapes (no loss at all)
+  floor      the useful FLOPs (3 GEMMs of 2·n_valid·V·H per step) at the bf16 rate of torch.matmul
+             8192³ measured in the same run
+
+Memory: "extra" = peak allocated during the iteration − allocated before it (inputs only, .grad
+None) − the bytes of the gradients it leaves (w.grad and every h_k.grad): what the loss adds beyond
+its inputs and their gradients. "raw" = without that last subtraction.
+Correctness: every fused output against an fp32 reference at the bench shape (no TF32), beside the
+same errors for eager bf16.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from kernels.reference import ttt_loss as reference_loss
+from kernels.ttt_loss import ttt_loss, ttt_loss_steps
+
+K, V = 7, 32000
+SHAPES = {  # label: (N, H, share of rows not valid)
+    "a": (4096, 7168, 0.0),
+    "b": (16384, 7168, 0.0),
+    "c": (16384, 4096, 0.3),
+}
+GiB = 2 ** 30
+DEVICE = "cuda"
+
+
+class Problem:
+    """Inputs of one K-step iteration, on the GPU, in bf16."""
+
+    def __init__(self, N: int, H: int, invalid: float, seed: int = 0):
+        dev = DEVICE
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.N, self.H = N, H
+        self.w = (torch.randn(V, H, device=dev, generator=g) * (2 / H ** 0.5)).bfloat16().requires_grad_()
+        self.hs = [torch.randn(N, H, device=dev, generator=g).bfloat16().requires_grad_() for _ in range(K)]
+        p = torch.empty(N + K, V, device=dev, dtype=torch.bfloat16)
+        for a in range(0, N + K, 4096):   # softmax in slices: no [N, V] fp32 temporary
+            p[a:a + 4096] = torch.softmax(torch.randn(min(4096, N + K - a), V, device=dev, generator=g) * 3, -1)
+        self.p = p
+        self.ps = [p[k:k + N] for k in range(K)]
+        valid = torch.rand(N + K, device=dev, generator=g) >= invalid
+        self.valids = [valid[k:k + N] for k in range(K)]
+        self.n_valid = [int(v.sum()) for v in self.valids]
+        self.weights = [0.8 ** k / max(1, self.n_valid[0]) for k in range(K)]
+
+    def leaves(self):
+        return [self.w, *self.hs]
+
+    def zero_grads(self):
+        for t in self.leaves():
+            t.grad = None
+
+    def useful_flops(self) -> float:
+        return sum(3 * 2 * n * V * self.H for n in self.n_valid)
+
+
+def per_step(prob: Problem, fn):
+    """fwd+bwd of K calls of a per-step loss function; returns (losses, argmaxes)."""
+    def run():
+        prob.zero_grads()
+        total, losses, argmaxes = 0.0, [], []
+        for k in range(K):
+            loss, argmax = fn(prob.hs[k], prob.w, prob.ps[k], prob.valids[k])
+            total = total + loss.sum() * prob.weights[k]
+            losses.append(loss.detach())
+            argmaxes.append(argmax)
+        total.backward()
+        return losses, argmaxes
+    return run
+
+
+def all_steps(prob: Problem):
+    def run():
+        prob.zero_grads()
+        total, losses, argmaxes = ttt_loss_steps(prob.hs, prob.w, prob.ps, prob.valids, prob.weights)
+        total.backward()
+        return losses, argmaxes
+    return run
+
+
+def cublas_only(prob: Problem):
+    """The GEMMs the loss needs, unchunked, on the valid rows: logits, dh, dw per step."""
+    rows = [v.nonzero().squeeze(1) for v in prob.valids]
+    hv = [h.detach()[r] for h, r in zip(prob.hs, rows)]
+    w = prob.w.detach()
+    z = torch.empty(max(prob.n_valid), V, device=DEVICE, dtype=torch.bfloat16)
+    dw = torch.empty_like(w)
+
+    def run():
+        for k, h in enumerate(hv):
+            zk = torch.matmul(h, w.t(), out=z[: h.shape[0]])
+            torch.matmul(zk, w)
+            if k == 0:
+                torch.matmul(zk.t(), h, out=dw)
+            else:
+                dw.addmm_(zk.t(), h)
+    return run
+
+
+def time_ms(fn) -> float:
+    fn()                                   # compile / autotune / allocate outside the timing
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = start.elapsed_time(end)
+    return do_bench(fn, warmup=1, rep=7 * est, return_mode="median")
+
+
+def memory(prob: Problem, fn) -> tuple[float, float]:
+    """(extra, raw) GiB of one iteration; see the module docstring."""
+    prob.zero_grads()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    raw = torch.cuda.max_memory_allocated() - base
+    grads = sum(t.grad.nbytes for t in prob.leaves() if t.grad is not None)
+    del out
+    prob.zero_grads()
+    return (raw - grads) / GiB, raw / GiB
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: torch.matmul(a, b), warmup=100, rep=500, return_mode="median")
+    return 2 * 8192 ** 3 / ms / 1e9
+
+
+# --- correctness ---------------------------------------------------------------------------------
+
+def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    return ((x.float() - y.float()).norm() / y.float().norm()).item()
+
+
+def fp32_reference(prob: Problem):
+    """Per-step losses, argmaxes, dh and dw of the same iteration, in fp32 without TF32."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    wf = prob.w.detach().float().requires_grad_()
+    losses, argmaxes, dhs = [], [], []
+    for k in range(K):
+        hf = prob.hs[k].detach().float().requires_grad_()
+        loss, argmax = reference_loss(hf, wf, prob.ps[k].float(), prob.valids[k])
+        (loss.sum() * prob.weights[k]).backward()
+        losses.append(loss.detach())
+        argmaxes.append(argmax)
+        dhs.append(hf.grad)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    return losses, argmaxes, dhs, wf.grad
+
+
+def errors(prob: Problem, fn, ref) -> dict:
+    losses, argmaxes = fn()
+    r_losses, r_argmaxes, r_dhs, r_dw = ref
+    valid = torch.cat(prob.valids)
+    argmax, r_argmax = torch.cat(argmaxes), torch.cat(r_argmaxes)
+    out = dict(
+        loss=rel(torch.cat(losses), torch.cat(r_losses)),
+        argmax=(argmax[valid] == r_argmax[valid]).float().mean().item(),
+        argmax_invalid_ok=bool((argmax[~valid] == -1).all()) if (~valid).any() else True,
+        dh=rel(torch.cat([h.grad for h in prob.hs]), torch.cat(r_dhs)),
+        dw=rel(prob.w.grad, r_dw),
+    )
+    prob.zero_grads()
+    return out
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+def bench_shape(label: str, rate: float, rows: list, checks: list, times: dict):
+    N, H, invalid = SHAPES[label.rstrip("*")]
+    if label.endswith("*"):
+        invalid = 0.0      # the same shape with every row valid: what the compaction saves
+    prob = Problem(N, H, invalid)
+    flops = prob.useful_flops()
+    methods = {"triton": per_step(prob, ttt_loss), "triton-K": all_steps(prob)}
+    if not label.endswith("*"):
+        ref = fp32_reference(prob)
+        for name, fn in [("eager", per_step(prob, reference_loss)), *methods.items()]:
+            try:
+                checks.append((label, name, errors(prob, fn, ref)))
+            except Exception as exc:
+                print(f"[{label}] {name} check failed: {exc!r}", flush=True)
+        print(f"[{label}] checked", flush=True)
+        del ref
+        gc.collect()
+        torch._dynamo.reset()
+        methods = {"eager": per_step(prob, reference_loss),
+                   "compile": per_step(prob, torch.compile(reference_loss, dynamic=False)),
+                   **methods, "cublas": cublas_only(prob)}
+    for name, fn in methods.items():
+        try:
+            ms = time_ms(fn)
+            extra, raw = memory(prob, fn) if name != "cublas" else (float("nan"), float("nan"))
+        except Exception as exc:  # keep the rest of the table
+            print(f"[{label}] {name} failed: {exc!r}", flush=True)
+            continue
+        times[(label, name)] = (ms, extra)
+        rows.append((label, name, ms, flops / ms / 1e9, extra, raw))
+        print(f"[{label}] {name:9s} {ms:9.2f} ms {flops / ms / 1e9:6.0f} TFLOP/s "
+              f"extra {extra:6.2f} GiB raw {raw:6.2f} GiB", flush=True)
+    floor = flops / rate / 1e9
+    times[(label, "floor")] = (floor, 0.0)
+    rows.append((label, "floor", floor, rate, float("nan"), float("nan")))
+    del prob, methods
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def ratios(times: dict, label: str) -> list[str]:
+    t = {name: v for (lab, name), v in times.items() if lab == label}
+    out = []
+    for name in ("triton", "triton-K"):
+        if name not in t:
+            continue
+        ms, extra = t[name]
+        parts = [f"{name}:"]
+        if "compile" in t:
+            parts.append(f"compile/{name} {t['compile'][0] / ms:.2f}x")
+        if "eager" in t:
+            parts.append(f"eager/{name} {t['eager'][0] / ms:.2f}x")
+            parts.append(f"extra mem {extra / t['eager'][1] * 100:.1f}% of eager")
+        parts.append(f"{name}/floor {ms / t['floor'][0]:.3f}")
+        if "cublas" in t:
+            parts.append(f"{name}/cublas {ms / t['cublas'][0]:.3f}")
+        out.append(f"({label}) " + ", ".join(parts))
+    if "compile" in t and "eager" in t:
+        out.append(f"({label}) compile: eager/compile {t['eager'][0] / t['compile'][0]:.2f}x, "
+                   f"compile/floor {t['compile'][0] / t['floor'][0]:.3f}, "
+                   f"extra mem {t['compile'][1] / t['eager'][1] * 100:.1f}% of eager")
+    return out
+
+
+def run(shapes: str = "all") -> None:
+    labels = list(SHAPES) + ["c*"] if shapes == "all" else shapes.split(",")
+    props = torch.cuda.get_device_properties(0)
+    print(f"{datetime.date.today()} {props.name}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"K={K}, V={V}, bf16", flush=True)
+    rate = matmul_tflops()
+    print(f"bf16 torch.matmul 8192^3: {rate:.0f} TFLOP/s", flush=True)
+    rows, checks, times = [], [], {}
+    for label in labels:
+        bench_shape(label, rate, rows, checks, times)
+
+    print("\nCorrectness vs fp32 reference (relative L2 error; argmax = agreement on valid rows)")
+    print("| shape | method | loss | argmax | dh | dw |\n|---|---|---|---|---|---|")
+    for label, name, e in checks:
+        flag = "" if e["argmax_invalid_ok"] else " (argmax not -1 on invalid rows!)"
+        print(f"| {label} | {name} | {e['loss']:.2e} | {e['argmax'] * 100:.2f}%{flag} | {e['dh']:.2e} | {e['dw']:.2e} |")
+    print("\n| shape | N, H, not valid | method | fwd+bwd ms | TFLOP/s (useful) | extra GiB | raw GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for label, name, ms, tf, extra, raw in rows:
+        N, H, invalid = SHAPES[label.rstrip("*")]
+        invalid = 0.0 if label.endswith("*") else invalid
+        mem = "" if extra != extra else f"{extra:.2f}"
+        rawm = "" if raw != raw else f"{raw:.2f}"
+        print(f"| {label} | {N}, {H}, {invalid:.0%} | {name} | {ms:.2f} | {tf:.0f} | {mem} | {rawm} |")
+    print()
+    for label in labels:
+        for line in ratios(times, label):
+            print(line)
+    import kernels.ttt_loss as fused
+    if fused._tuned_kernel is not None:
+        print("soft-CE kernel configs chosen by autotune:",
+              {k: str(c) for k, c in fused._tuned_kernel.cache.items()})
+    for name in ("triton", "triton-K"):
+        if (("b", name) in times) and (("c", name) in times):
+            b, c = times[("b", name)][0], times[("c", name)][0]
+            line = f"{name}: time(c)/time(b) {c / b:.3f} (valid share x H ratio = {0.7 * 4096 / 7168:.3f})"
+            if ("c*", name) in times:
+                line += f"; time(c)/time(c, all valid) {c / times[('c*', name)][0]:.3f}"
+            print(line)

@@ -1,0 +1,530 @@
+"""Fused TTT attention in Triton: forward and backward (SPEC §7, §8).
+
+At training-time-test step S-1, query t sees the step-0 keys 0..t of its own sequence (causal) and,
+for each later step j = 1..S-1, exactly one more key: k[j, t], its own row (the "diagonal").
+flex_attention serves this with a block mask and pays a whole tile for each thin diagonal; here the
+causal part is ordinary FlashAttention-2 and each diagonal key is a per-row dot product folded into
+the same online softmax.
+
+Kernels (all fp32 accumulation, exp2 with log2(e) folded into the scale):
+  forward     _fwd_kernel           one program per (query tile, q head, sequence)
+  backward    _bwd_preprocess       delta = rowsum(dO * O)
+              _bwd_diag_kernel      dk_j, dv_j of the diagonal steps j >= 1, and ds_j for dq
+              _bwd_dkdv_kernel      dk_0, dv_0: one program per (pair of key tiles, kv head,
+                                    sequence), looping over the q heads of the GQA group
+              _bwd_dq_kernel        dq: causal step-0 tiles plus the diagonal ds_j * k_j terms
+Every gradient is written by exactly one program, so the backward is deterministic.
+
+Layouts: q, o [T, Hq, D]; k, v [S, T, Hkv, D] (last dim contiguous); lse, delta [Hq, T] fp32 with the
+log-sum-exp in base 2; ds [S-1, Hq, T] fp32. Packed sequences come as cu_seqlens int32 [n+1]; the
+grid runs over the tiles of the longest sequence and programs past their sequence's end exit.
+
+Under TRITON_INTERPRET=1 (CPU tests) each kernel runs with one fixed block configuration and loaded
+tiles are upcast to fp32, because the interpreter computes bf16 dots and bf16 arithmetic wrongly;
+on a GPU the block sizes are autotuned.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Read once, at import: it is also what decides whether @triton.jit builds interpreted functions.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634
+
+# Block sizes used under the interpreter (tests may change them to exercise other tilings).
+# fwd/dq need BLOCK_M % BLOCK_N == 0, dkdv needs BLOCK_N % BLOCK_M == 0.
+INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16), "rows": 16}
+ROWS_BLOCK_GPU = 32  # rows per program of the two elementwise backward kernels
+
+
+def _fix_interpreter_loop_bounds():
+    """Let interpreted kernels loop to run-time bounds (`for n0 in range(0, m0, BLOCK_N)`).
+
+    Triton 3.6's interpreter holds scalars as 1-element arrays and gives them `__index__ = int(array)`,
+    which NumPy >= 2.4 refuses for arrays that are not 0-d. Convert through the single element
+    instead. Only installed under TRITON_INTERPRET=1; harmless for other interpreted kernels.
+    """
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_index_fixed", False):
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch._index_fixed = True
+    interpreter._patch_lang_tensor = patch
+
+
+if INTERPRET:
+    _fix_interpreter_loop_bounds()
+
+
+# ----------------------------------------------------------------------------------------------
+# Small device helpers
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _sequence(CU_SEQLENS, seq, T, VARLEN: tl.constexpr):
+    """(first token, length) of packed sequence `seq`; the whole batch when there is no cu_seqlens."""
+    if VARLEN:
+        start = tl.load(CU_SEQLENS + seq)
+        end = tl.load(CU_SEQLENS + seq + 1)
+        return start, end - start
+    else:
+        return 0, T
+
+
+@triton.jit
+def _load_rows(base, rows, row_stride, offs_d, row_mask, UPCAST: tl.constexpr):
+    """A [rows, D] tile of a row-major matrix; zeros on masked rows (they then add nothing)."""
+    x = tl.load(base + rows[:, None] * row_stride + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_rows_nomask(base, rows, row_stride, offs_d, UPCAST: tl.constexpr):
+    x = tl.load(base + rows[:, None] * row_stride + offs_d[None, :])
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_diag(acc, m_i, l_i, q, K, V, S, stride_ks, stride_kt, kv_rows, offs_d, row_mask, qk_scale,
+              UPCAST: tl.constexpr):
+    """Fold the S-1 diagonal keys into the running softmax: one q.k dot product per row and step."""
+    qf = q.to(tl.float32)
+    for _ in range(1, S):
+        K += stride_ks  # pointers advance step by step: no 32-bit overflow of j * stride_ks
+        V += stride_ks
+        # Issue both loads before any arithmetic: this loop is latency-bound, not compute-bound.
+        kj = _load_rows(K, kv_rows, stride_kt, offs_d, row_mask, UPCAST)
+        vj = _load_rows(V, kv_rows, stride_kt, offs_d, row_mask, UPCAST)
+        s = tl.sum(qf * kj.to(tl.float32), 1) * qk_scale
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * vj.to(tl.float32)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen, qk_scale,
+                     BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+    """One step-0 key tile of FlashAttention-2; MASK only on tiles that straddle the diagonal."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASK:
+        k = _load_rows(K0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
+        v = _load_rows(V0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
+    else:  # the tile lies entirely below the diagonal and inside the sequence
+        k = _load_rows_nomask(K0, offs_n, stride_kt, offs_d, UPCAST)
+        v = _load_rows_nomask(V0, offs_n, stride_kt, offs_d, UPCAST)
+    s = tl.dot(q, tl.trans(k))
+    if MASK:
+        s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+    # Scale inside the max and the exponent (one FMA per score) rather than in a separate pass.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
+                stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_ot, stride_oh,
+                T, S, qk_scale, seqlen_bucket,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
+                UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Heaviest (last) query tiles first, so the causal imbalance does not land in the tail.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
+    m0 = tile * BLOCK_M
+    if m0 >= seqlen:
+        return
+    kv_head = head // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # positions inside the sequence
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m < seqlen
+    q = _load_rows(Q + start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_mask, UPCAST)
+    kv_base = start * stride_kt + kv_head * stride_kh
+    K0 = K + kv_base
+    V0 = V + kv_base
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Diagonal keys first: they make every valid row's running max finite before any masked tile.
+    acc, m_i, l_i = _fwd_diag(acc, m_i, l_i, q, K0, V0, S, stride_ks, stride_kt, offs_m, offs_d,
+                              row_mask, qk_scale, UPCAST)
+    for n0 in range(0, m0, BLOCK_N):
+        acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, stride_kt, n0, offs_m, offs_d,
+                                         seqlen, qk_scale, BLOCK_N, False, UPCAST)
+    for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N):
+        acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, stride_kt, n0, offs_m, offs_d,
+                                         seqlen, qk_scale, BLOCK_N, True, UPCAST)
+
+    o = acc / l_i[:, None]
+    o_ptrs = O + (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(LSE + head * T + start + offs_m, m_i + tl.log2(l_i), mask=row_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_preprocess(O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, T,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """delta = rowsum(dO * O): the softmax backward's correction term, one value per (head, row)."""
+    head = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = rows < T
+    o = _load_rows(O + head * stride_oh, rows, stride_ot, offs_d, mask, True)
+    do = _load_rows(DO + head * stride_doh, rows, stride_dot, offs_d, mask, True)
+    tl.store(DELTA + head * T + rows, tl.sum(o * do, 1), mask=mask)
+
+
+@triton.jit
+def _bwd_diag_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
+                     stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
+                     T, S, H_Q, qk_scale, sm_scale,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """Gradients of the diagonal keys (steps j >= 1), which only their own row t ever sees.
+
+    One program owns rows [BLOCK] of one kv head, so it can sum dk_j, dv_j over the q heads of the
+    GQA group in registers. It also stores ds_j = p_j (dp_j - delta) for the dq kernel. Sequence
+    boundaries do not matter here: a diagonal key never crosses one.
+    """
+    kv_head = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = rows < T
+    kv = kv_head * stride_kh + rows[:, None] * stride_kt + offs_d[None, :]
+    for j in range(1, S):
+        K += stride_ks  # pointers advance step by step: no 32-bit overflow of j * stride_ks
+        V += stride_ks
+        DK += stride_ks
+        DV += stride_ks
+        kj = tl.load(K + kv, mask=mask[:, None], other=0.0).to(tl.float32)
+        vj = tl.load(V + kv, mask=mask[:, None], other=0.0).to(tl.float32)
+        dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        for g in range(GROUP):
+            head = kv_head * GROUP + g
+            q = _load_rows(Q + head * stride_qh, rows, stride_qt, offs_d, mask, True)
+            do = _load_rows(DO + head * stride_doh, rows, stride_dot, offs_d, mask, True)
+            lse = tl.load(LSE + head * T + rows, mask=mask, other=0.0)
+            delta = tl.load(DELTA + head * T + rows, mask=mask, other=0.0)
+            p = tl.exp2(tl.sum(q * kj, 1) * qk_scale - lse)
+            ds = p * (tl.sum(do * vj, 1) - delta)
+            dv += p[:, None] * do
+            dk += ds[:, None] * q
+            tl.store(DS + ((j - 1) * H_Q + head) * T + rows, ds, mask=mask)
+        tl.store(DK + kv, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask[:, None])
+        tl.store(DV + kv, dv.to(DV.dtype.element_ty), mask=mask[:, None])
+
+
+@triton.jit
+def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d,
+                   seqlen, qk_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+    """Contribution of one query tile to a step-0 key tile (computed transposed: keys are rows)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < seqlen
+    # Rows past the sequence load as zeros (q = dO = 0, lse = delta = 0) and contribute nothing.
+    q = _load_rows(Qh, offs_m, stride_qt, offs_d, row_mask, UPCAST)
+    do = _load_rows(DOh, offs_m, stride_dot, offs_d, row_mask, UPCAST)
+    lse = tl.load(LSEh + offs_m, mask=row_mask, other=0.0)
+    delta = tl.load(DELTAh + offs_m, mask=row_mask, other=0.0)
+    p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+    if MASK:
+        p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv)
+    dp_t = tl.dot(v, tl.trans(do))
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, stride_kt, stride_kh,
+                       stride_dot, stride_doh, T, start, seqlen, n0, kv_head, qk_scale, sm_scale,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dk_0, dv_0 of the step-0 keys n0 .. n0+BLOCK_N of one kv head, summed over its q heads."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_mask = offs_n < seqlen
+    kv_base = start * stride_kt + kv_head * stride_kh
+    k = _load_rows(K + kv_base, offs_n, stride_kt, offs_d, key_mask, UPCAST)
+    v = _load_rows(V + kv_base, offs_n, stride_kt, offs_d, key_mask, UPCAST)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    diag_end = tl.minimum(n0 + BLOCK_N, seqlen)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        Qh = Q + start * stride_qt + head * stride_qh
+        DOh = DO + start * stride_dot + head * stride_doh
+        LSEh = LSE + head * T + start
+        DELTAh = DELTA + head * T + start
+        # Query tiles that straddle the diagonal need the causal mask; the ones after do not.
+        for m0 in range(n0, diag_end, BLOCK_M):
+            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
+                                    offs_n, offs_d, seqlen, qk_scale, BLOCK_M, True, UPCAST)
+        for m0 in range(n0 + BLOCK_N, seqlen, BLOCK_M):
+            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
+                                    offs_n, offs_d, seqlen, qk_scale, BLOCK_M, False, UPCAST)
+    out = kv_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_mask[:, None])
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
+                     stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
+                     T, qk_scale, sm_scale, seqlen_bucket,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
+                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dk_0, dv_0 for key tiles i and n_tiles-1-i of one kv head.
+
+    Key tile i is seen by every query after it, so early tiles cost the most. Pairing each tile with
+    its mirror gives every program the same work; that matters because with GQA there are few
+    programs (tiles/2 x kv heads), each looping over all the q heads of its group.
+    """
+    pair = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
+    mirror = tl.cdiv(seqlen, BLOCK_N) - 1 - pair
+    # Visits tile `pair` and then `mirror`; once if they coincide, never if `mirror` came first.
+    for tile in range(pair, mirror + 1, tl.maximum(mirror - pair, 1)):
+        _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, stride_kt, stride_kh,
+                           stride_dot, stride_doh, T, start, seqlen, tile * BLOCK_N, kv_head, qk_scale,
+                           sm_scale, GROUP, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen, qk_scale,
+                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+    """Contribution of one step-0 key tile to dq."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASK:
+        k = _load_rows(K0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
+        v = _load_rows(V0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
+    else:
+        k = _load_rows_nomask(K0, offs_n, stride_kt, offs_d, UPCAST)
+        v = _load_rows_nomask(V0, offs_n, stride_kt, offs_d, UPCAST)
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    if MASK:
+        p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
+                   stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
+                   stride_dqt, stride_dqh, T, S, H_Q, qk_scale, sm_scale, seqlen_bucket,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
+                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq for one query tile of one q head: causal step-0 tiles, then the diagonal terms."""
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest first, as in the forward
+    head = tl.program_id(1)
+    start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
+    m0 = tile * BLOCK_M
+    if m0 >= seqlen:
+        return
+    kv_head = head // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m < seqlen
+    q = _load_rows(Q + start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_mask, UPCAST)
+    do = _load_rows(DO + start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_d, row_mask,
+                    UPCAST)
+    lse = tl.load(LSE + head * T + start + offs_m, mask=row_mask, other=0.0)
+    delta = tl.load(DELTA + head * T + start + offs_m, mask=row_mask, other=0.0)
+    kv_base = start * stride_kt + kv_head * stride_kh
+    K0 = K + kv_base
+    V0 = V + kv_base
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Diagonal keys: ds_j was computed by _bwd_diag_kernel, so this is dq += ds_j * k_j per row.
+    Kj = K0
+    for j in range(1, S):
+        Kj += stride_ks
+        kj = _load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, True)
+        ds = tl.load(DS + ((j - 1) * H_Q + head) * T + start + offs_m, mask=row_mask, other=0.0)
+        dq += ds[:, None] * kj
+    for n0 in range(0, m0, BLOCK_N):
+        dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen,
+                          qk_scale, BLOCK_N, False, UPCAST)
+    for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N):
+        dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen,
+                          qk_scale, BLOCK_N, True, UPCAST)
+    dq_ptrs = DQ + (start + offs_m)[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configuration: autotuned on a GPU, one fixed tiling under the interpreter
+# ----------------------------------------------------------------------------------------------
+
+def _configs(pairs):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M is the query tile, BLOCK_N the key tile.
+# Chosen from a sweep on an H200 (HEAD_DIM=128, bf16). Each compiles for sm_90 with no or a few
+# bytes of register spills (checked with ptxas); configs whose spills grew large were dropped.
+_FWD_CONFIGS = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3)]
+_DKDV_CONFIGS = [(64, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 128, 8, 3), (16, 64, 4, 3)]
+_DQ_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 32, 4, 3)]
+# seqlen_bucket is the longest sequence rounded up to a power of two: the tuner reruns once per size
+# class, not for every new batch length.
+_TUNE_KEY = ["HEAD_DIM", "GROUP", "VARLEN", "seqlen_bucket"]
+
+
+def _kernel(kernel, pairs):
+    if INTERPRET:
+        return kernel
+    return triton.autotune(configs=_configs(pairs), key=_TUNE_KEY)(kernel)
+
+
+_fwd = _kernel(_fwd_kernel, _FWD_CONFIGS)
+_bwd_dkdv = _kernel(_bwd_dkdv_kernel, _DKDV_CONFIGS)
+_bwd_dq = _kernel(_bwd_dq_kernel, _DQ_CONFIGS)
+
+
+def _fixed(name):
+    """Launch options: none on a GPU (the autotuner picks), a fixed tiling under the interpreter."""
+    if not INTERPRET:
+        return {}
+    block_m, block_n = INTERPRET_BLOCKS[name]
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 1}
+
+
+def _rows_block():
+    return INTERPRET_BLOCKS["rows"] if INTERPRET else ROWS_BLOCK_GPU
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+def _seqlen_info(cu_seqlens, T, device):
+    """(cu_seqlens int32 on device or None, number of sequences, longest length), checked."""
+    if cu_seqlens is None:
+        return None, 1, T
+    bounds = cu_seqlens.tolist()
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"ttt_attention: cu_seqlens must rise from 0 to T={T}, got {bounds[:4]}...{bounds[-2:]}")
+    max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
+    return cu_seqlens.to(device=device, dtype=torch.int32).contiguous(), len(bounds) - 1, max_len
+
+
+def _forward(q, k, v, cu, n_seq, max_len, scale):
+    S, T, Hkv, D = k.shape
+    Hq = q.shape[1]
+    o = torch.empty_like(q)
+    lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
+    grid = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
+    _fwd[grid](q, k, v, o, lse, cu,
+               q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), o.stride(0), o.stride(1),
+               T, S, scale * LOG2E, triton.next_power_of_2(max_len),
+               GROUP=Hq // Hkv, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET, **_fixed("fwd"))
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale):
+    S, T, Hkv, D = k.shape
+    Hq = q.shape[1]
+    group = Hq // Hkv
+    qk_scale = scale * LOG2E
+    rows = _rows_block()
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    ds = torch.empty(max(S - 1, 1), Hq, T, device=q.device, dtype=torch.float32)
+    bucket = triton.next_power_of_2(max_len)
+
+    _bwd_preprocess[(triton.cdiv(T, rows), Hq)](
+        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), T, HEAD_DIM=D, BLOCK=rows)
+    if S > 1:
+        _bwd_diag_kernel[(triton.cdiv(T, rows), Hkv)](
+            q, k, v, do, lse, delta, dk, dv, ds,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
+            T, S, Hq, qk_scale, scale, GROUP=group, HEAD_DIM=D, BLOCK=rows)
+    grid_kv = lambda meta: (triton.cdiv(triton.cdiv(max_len, meta["BLOCK_N"]), 2), Hkv, n_seq)
+    _bwd_dkdv[grid_kv](
+        q, k, v, do, lse, delta, dk, dv, cu,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
+        T, qk_scale, scale, bucket,
+        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET, **_fixed("dkdv"))
+    grid_q = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
+    _bwd_dq[grid_q](
+        q, k, v, do, lse, delta, ds, dq, cu,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
+        dq.stride(0), dq.stride(1), T, S, Hq, qk_scale, scale, bucket,
+        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET, **_fixed("dq"))
+    return dq, dk, dv
+
+
+class _TTTAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        cu, n_seq, max_len = _seqlen_info(cu_seqlens, k.shape[1], q.device)
+        o, lse = _forward(q, k, v, cu, n_seq, max_len, scale)
+        ctx.save_for_backward(q, k, v, o, lse, cu)
+        ctx.meta = (n_seq, max_len, scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu = ctx.saved_tensors
+        n_seq, max_len, scale = ctx.meta
+        dq, dk, dv = _backward(do.contiguous(), q, k, v, o, lse, cu, n_seq, max_len, scale)
+        return dq, dk, dv, None, None
+
+
+def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention of TTT step S-1 (same contract as `kernels.reference.ttt_attention`).
+
+    q: [T, Hq, D] queries of the current step; k, v: [S, T, Hkv, D] keys/values of steps 0..S-1
+    (step 0 causal within each sequence, steps 1..S-1 only the diagonal); cu_seqlens: int32 [n+1]
+    packed-sequence boundaries or None; scale defaults to D^-0.5. Returns [T, Hq, D] in q's dtype,
+    differentiable in q, k and v.
+    """
+    S, T, Hkv, D = k.shape
+    Hq = q.shape[1]
+    if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv or S < 1:
+        raise ValueError(f"ttt_attention: bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
+    if D not in (64, 128):  # the head dims tested and tuned; others would need their own configs
+        raise ValueError(f"ttt_attention: head dim {D} not supported (64 or 128)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"ttt_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    scale = D ** -0.5 if scale is None else float(scale)
+    if T == 0:
+        return q.new_empty(q.shape)
+    return _TTTAttention.apply(q, k, v, cu_seqlens, scale)

@@ -1,0 +1,331 @@
+"""Fused TTT loss: draft lm_head + soft cross-entropy, forward and backward (SPEC §8).
+
+Per TTT step the draft projects N hidden rows onto V draft-vocab logits z = h wᵀ and takes
+loss_i = -Σ_v p_iv log softmax(z_i)_v. Eagerly that keeps fp32 [N, V] logits, their log-softmax
+and their gradient alive for every step. Here rows go through in chunks of valid rows only:
+
+    z_c  = h_c @ wᵀ                      cuBLAS, into one reusable [chunk, V] buffer
+    kernel: max / logsumexp / loss / argmax of each row and, when a gradient is wanted,
+            dz = g · (softmax(z) · Σp − p)  written in place over z_c
+    dh_c = dz @ w,   dw += dzᵀ @ h_c     cuBLAS
+
+so the memory added beyond the inputs and their gradients is one chunk (O(chunk · V)), whatever N.
+dz follows exactly from -Σ p log softmax(z): ∂/∂z_v = softmax_v · Σ_u p_u − p_v (Σp may differ
+slightly from 1, so it is not dropped).
+
+Two entry points:
+
+- `ttt_loss(h, w, p, valid)`: one step, the signature and semantics of `kernels.reference.ttt_loss`,
+  differentiable for any upstream gradient. The per-row upstream gradient g is only known in
+  backward, and dw = Σ_i g_i dz_iᵀ h_i cannot be rescaled after the sum, so backward recomputes the
+  logits chunk by chunk (4 GEMMs per step: 1 forward, 3 backward). Holding each step's dw [V, H]
+  or dz [N, V] from forward to backward instead would save that GEMM but break the memory bound once
+  K steps are alive together.
+- `ttt_loss_steps(hs, w, ps, valids, weights)`: all K steps at once with the loss weights known up
+  front (training knows them: 0.8^k / number of loss-masked rows). It returns Σ weight · loss as a
+  scalar, so the gradient is computed during forward (3 GEMMs per step, the matmul floor), dw is
+  accumulated in one buffer across steps and chunks, and backward only scales by the scalar upstream.
+  This is the one for training: call it once after the K draft steps, with their normed hidden states.
+
+Both run under TRITON_INTERPRET=1 on the CPU (the kernel upcasts every loaded tile to fp32, since
+bf16 arithmetic is wrong under the interpreter; the GEMMs are torch's).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows per chunk: enough for the GEMMs to run at full rate and for few bf16 roundings of the dw
+# accumulator, small enough that the chunk buffers (logits [chunk, V] plus two [chunk, H]) stay
+# well under 1 GiB. 8192 rows at V = 32000 in bf16.
+CHUNK_BYTES = 512 * 2**20
+
+
+@triton.jit
+def _soft_ce_kernel(
+    z_ptr, z_stride,        # [n, V] logits of the chunk; overwritten by dz when WRITE_GRAD
+    p_ptr, p_stride,        # [N, V] target probabilities, any float dtype, unit column stride
+    rows_ptr,               # [n] int64: the row of p and of the outputs for chunk row i
+    g_ptr,                  # [N] fp32 upstream gradient per row (read only when WRITE_GRAD)
+    loss_ptr, argmax_ptr,   # [N] fp32, [N] int64 outputs
+    V: tl.constexpr,        # constexpr: fixed per model, and the interpreter (numpy 2) cannot
+                            # loop to a run-time bound
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i)
+    z_row = z_ptr + i.to(tl.int64) * z_stride
+    p_row = p_ptr + row * p_stride
+    offs = tl.arange(0, BLOCK_V)
+
+    # Pass 1: online max / sum-exp (logsumexp), Σp, Σp·z and the first index of the max.
+    m = float("-inf")
+    s = 0.0
+    psum = 0.0
+    pz = 0.0
+    best = float("-inf")
+    best_idx = 0
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        mask = cols < V
+        # fp32 upcast: exact for bf16 inputs, and required by the interpreter.
+        z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        p = tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float32)
+        blk_max = tl.max(z, 0)
+        blk_idx = tl.argmax(z, 0) + start        # first index of the block max
+        best_idx = tl.where(blk_max > best, blk_idx, best_idx)   # strict: keep the earlier tie
+        best = tl.maximum(best, blk_max)
+        m_new = tl.maximum(m, blk_max)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+        psum += tl.sum(p, 0)
+        pz += tl.sum(p * tl.where(mask, z, 0.0), 0)   # masked lanes hold -inf: avoid 0 · -inf
+    lse = m + tl.log(s)
+    # -Σ p (z - lse) = lse · Σp - Σ p z
+    tl.store(loss_ptr + row, lse * psum - pz)
+    tl.store(argmax_ptr + row, best_idx.to(tl.int64))
+
+    # Pass 2: dz = g · (softmax(z) · Σp - p), in place; the row was just read (partly still in L2).
+    if WRITE_GRAD:
+        g = tl.load(g_ptr + row)
+        a = g * psum
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            mask = cols < V
+            z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+            p = tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float32)
+            dz = a * tl.exp(z - lse) - g * p
+            tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=mask)
+
+
+# On the GPU the block width and warps are autotuned once per (V, WRITE_GRAD); restore_value
+# because the kernel overwrites z in place. The interpreter gets one fixed config (autotuning
+# several needs a GPU driver).
+_GPU_CONFIGS = [triton.Config({"BLOCK_V": b}, num_warps=nw) for b, nw in ((2048, 4), (4096, 8), (4096, 16), (8192, 16))]
+_tuned_kernel = None
+
+
+def _gpu_kernel():
+    global _tuned_kernel
+    if _tuned_kernel is None:
+        _tuned_kernel = triton.autotune(_GPU_CONFIGS, key=["V", "WRITE_GRAD"], restore_value=["z_ptr"])(_soft_ce_kernel)
+    return _tuned_kernel
+
+
+def _soft_ce(z, p, rows, g, loss, argmax) -> None:
+    """Launch the row kernel over the chunk `z` (one program per row); g=None: no gradient."""
+    n, V = z.shape
+    args = (z, z.stride(0), p, p.stride(0), rows, loss if g is None else g, loss, argmax, V)
+    if z.is_cuda:
+        _gpu_kernel()[(n,)](*args, WRITE_GRAD=g is not None)
+    else:
+        block = min(4096, triton.next_power_of_2(V))
+        _soft_ce_kernel[(n,)](*args, WRITE_GRAD=g is not None, BLOCK_V=block, num_warps=8)
+
+
+class _Workspace:
+    """The chunk buffers, allocated once per call and reused by every chunk and step."""
+
+    def __init__(self, w: torch.Tensor, chunk: int | None, max_rows: int):
+        V, H = w.shape
+        if chunk is None:
+            chunk = max(128, CHUNK_BYTES // (V * w.element_size()) // 128 * 128)
+        self.chunk = max(1, min(chunk, max_rows))
+        self.z = w.new_empty(self.chunk, V)
+        self._w, self._h, self._dh = w, None, None
+
+    def gathered(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, H] buffers for compacted rows of h and dh (only when some rows are not valid)."""
+        if self._h is None:
+            self._h = self._w.new_empty(self.chunk, self._w.shape[1])
+            self._dh = torch.empty_like(self._h)
+        return self._h[:n], self._dh[:n]
+
+
+def _valid_rows(valid: torch.Tensor | None, N: int, device) -> torch.Tensor:
+    """int64 indices of the rows that get logits (all rows when valid is None)."""
+    if valid is None:
+        return torch.arange(N, device=device)
+    if valid.shape != (N,):
+        raise ValueError(f"ttt_loss: valid has shape {tuple(valid.shape)}, expected ({N},)")
+    return valid.nonzero().squeeze(1)
+
+
+def _score_rows(h, w, p, rows, ws, loss, argmax, g=None, dh=None, dw=None, dw_fresh=True) -> bool:
+    """Loss and argmax of `rows` (valid rows of one step), chunk by chunk.
+
+    With g (fp32 [N] upstream gradient per row) also writes dh[rows] and accumulates into dw
+    (overwriting it first when dw_fresh). Returns whether dw is still unwritten.
+    """
+    n_rows = rows.numel()
+    dense = n_rows == h.shape[0]   # all rows valid: plain slices, no gather / scatter
+    for a in range(0, n_rows, ws.chunk):
+        b = min(a + ws.chunk, n_rows)
+        r = rows[a:b]
+        if dense:
+            h_c = h[a:b]
+        else:
+            h_buf, dh_buf = ws.gathered(b - a)
+            h_c = torch.index_select(h, 0, r, out=h_buf)
+        z = torch.matmul(h_c, w.t(), out=ws.z[: b - a])
+        _soft_ce(z, p, r, g, loss, argmax)
+        if g is None:
+            continue
+        if dh is not None:
+            if dense:
+                torch.matmul(z, w, out=dh[a:b])
+            else:
+                dh.index_copy_(0, r, torch.matmul(z, w, out=dh_buf))
+        if dw is not None:
+            if dw_fresh:
+                torch.matmul(z.t(), h_c, out=dw)
+                dw_fresh = False
+            else:
+                dw.addmm_(z.t(), h_c)
+    return dw_fresh
+
+
+def _check(h, w, p) -> torch.Tensor:
+    N, H = h.shape
+    if w.dim() != 2 or w.shape[1] != H or p.shape != (N, w.shape[0]) or h.dtype != w.dtype:
+        raise ValueError(f"ttt_loss: bad shapes/dtypes h {tuple(h.shape)} {h.dtype}, "
+                         f"w {tuple(w.shape)} {w.dtype}, p {tuple(p.shape)}")
+    return p if p.stride(1) == 1 else p.contiguous()
+
+
+def _outputs(N: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """loss 0 and argmax -1: what rows that are not valid keep."""
+    return (torch.zeros(N, dtype=torch.float32, device=device),
+            torch.full((N,), -1, dtype=torch.int64, device=device))
+
+
+def _grad_buffer(t: torch.Tensor, needed: bool, dense: bool):
+    if not needed:
+        return None
+    return torch.empty_like(t) if dense else torch.zeros_like(t)
+
+
+class TTTLossFunction(torch.autograd.Function):
+    """One step; forward stores nothing beyond its inputs, backward recomputes the logits."""
+
+    @staticmethod
+    def forward(ctx, h, w, p, valid, chunk):
+        p = _check(h, w, p)
+        h, w = h.contiguous(), w.contiguous()
+        rows = _valid_rows(valid, h.shape[0], h.device)
+        loss, argmax = _outputs(h.shape[0], h.device)
+        if rows.numel():
+            ws = _Workspace(w, chunk, rows.numel())
+            _score_rows(h, w, p, rows, ws, loss, argmax)
+        ctx.save_for_backward(h, w, p, rows)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(argmax)
+        return loss, argmax
+
+    @staticmethod
+    def backward(ctx, dloss, _dargmax):
+        h, w, p, rows = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        dense = rows.numel() == h.shape[0]
+        dh = _grad_buffer(h, need_h, dense)
+        dw = _grad_buffer(w, need_w, True)
+        if rows.numel() == 0:
+            dh, dw = [t.zero_() if t is not None else None for t in (dh, dw)]
+            return dh, dw, None, None, None
+        ws = _Workspace(w, ctx.chunk, rows.numel())
+        scratch_loss, scratch_argmax = _outputs(h.shape[0], h.device)
+        g = dloss.float().contiguous()
+        _score_rows(h, w, p, rows, ws, scratch_loss, scratch_argmax, g=g, dh=dh, dw=dw)
+        return dh, dw, None, None, None
+
+
+def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor, valid: torch.Tensor | None = None,
+             chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused `kernels.reference.ttt_loss`: (loss [N] fp32, argmax [N] int64), differentiable in h, w.
+
+    h [N, H] draft hidden after the final norm, w [V, H] draft lm_head (same dtype), p [N, V]
+    target probabilities (any float dtype), valid bool [N] or None. Rows that are not valid get
+    loss 0 and argmax -1 and cost nothing. `chunk` rows per chunk (default: 512 MiB of logits).
+    """
+    return TTTLossFunction.apply(h, w, p, valid, chunk)
+
+
+class TTTLossStepsFunction(torch.autograd.Function):
+    """K steps with known weights: gradients computed in forward, backward scales them."""
+
+    @staticmethod
+    def forward(ctx, w, meta, *hs):
+        ps, valids, weights, chunk, grad_mode = meta
+        # needs_input_grad ignores torch.no_grad(): grad_mode comes from the caller.
+        need_w = grad_mode and ctx.needs_input_grad[0]
+        need_h = [grad_mode and n for n in ctx.needs_input_grad[2:]]
+        grads = need_w or any(need_h)
+        rows = [_valid_rows(v, h.shape[0], h.device) for h, v in zip(hs, valids)]
+        ws = _Workspace(w, chunk, max([r.numel() for r in rows] + [1]))
+        dw = torch.zeros_like(w) if need_w else None
+        K = len(hs)
+        dw_fresh, total = True, 0.0
+        losses, argmaxes, dhs = [None] * K, [None] * K, [None] * K
+        # Last step first: training weights (0.8^k) shrink with k, so the bf16 dw accumulator takes
+        # the largest terms last and rounds fewer of them at full magnitude (the order autograd
+        # gives K separate calls).
+        for k in reversed(range(K)):
+            h, p, r = hs[k], ps[k], rows[k]
+            loss, argmax = _outputs(h.shape[0], h.device)
+            dh = _grad_buffer(h, need_h[k], r.numel() == h.shape[0])
+            g = _row_weights(weights[k], h.shape[0], h.device)
+            if r.numel():
+                dw_fresh = _score_rows(h, w, p, r, ws, loss, argmax, g=g if grads else None,
+                                       dh=dh, dw=dw, dw_fresh=dw_fresh)
+            elif dh is not None:
+                dh.zero_()
+            total = total + (loss * g).sum()
+            losses[k], argmaxes[k], dhs[k] = loss, argmax, dh
+        ctx.dw, ctx.dhs = dw, dhs
+        ctx.mark_non_differentiable(*losses, *argmaxes)
+        total = torch.as_tensor(total, dtype=torch.float32, device=w.device)
+        return (total, *losses, *argmaxes)
+
+    @staticmethod
+    def backward(ctx, dtotal, *_):
+        # Drop ctx's references so that autograd can adopt the buffers as .grad without a copy.
+        dw, dhs = ctx.dw, ctx.dhs
+        ctx.dw = ctx.dhs = None
+        if dtotal.item() != 1.0:   # one sync; the common case (total.backward()) skips two passes
+            for t in [dw, *dhs]:
+                if t is not None:
+                    t.mul_(dtotal.to(t.dtype))
+        return (dw, None, *dhs)
+
+
+def _row_weights(weight, N: int, device) -> torch.Tensor:
+    """A step's loss weight (number or [N] tensor) as fp32 [N]."""
+    return torch.as_tensor(weight, dtype=torch.float32, device=device).expand(N).contiguous()
+
+
+def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[torch.Tensor],
+                   valids: Sequence[torch.Tensor | None] | None = None,
+                   weights: Sequence[float | torch.Tensor] | None = None, chunk: int | None = None,
+                   ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """All K TTT steps at once: (total, losses, argmaxes).
+
+    hs[k] [N_k, H], ps[k] [N_k, V] and valids[k] bool [N_k] (or None) are step k's inputs to
+    `ttt_loss`; weights[k] is its loss weight (a number or an [N_k] tensor, default 1).
+    total = Σ_k Σ_i weights[k]_i · loss_k,i is an fp32 scalar, differentiable in every hs[k] and w;
+    losses[k] / argmaxes[k] are `ttt_loss`'s outputs for step k (not differentiable). The gradient
+    is computed during forward (3 GEMMs per step instead of 4), with dw accumulated in bf16 across
+    chunks when w is bf16. Extra memory: the gradient buffers plus one chunk.
+    """
+    K = len(hs)
+    valids = [None] * K if valids is None else list(valids)
+    weights = [1.0] * K if weights is None else list(weights)
+    if not (len(ps) == len(valids) == len(weights) == K):
+        raise ValueError("ttt_loss_steps: hs, ps, valids and weights need one entry per step")
+    ps = [_check(h, w, p) for h, p in zip(hs, ps)]
+    hs = [h.contiguous() for h in hs]
+    outs = TTTLossStepsFunction.apply(w.contiguous(), (ps, valids, weights, chunk, torch.is_grad_enabled()), *hs)
+    return outs[0], list(outs[1:1 + K]), list(outs[1 + K:])

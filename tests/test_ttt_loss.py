@@ -1,0 +1,240 @@
+"""kernels.ttt_loss against kernels.reference.ttt_loss, on the CPU under TRITON_INTERPRET=1.
+
+TRITON_INTERPRET must be set before triton is imported, and other test files in the same pytest
+process may import torch / triton first. So the checks run in one child process: this file run as a
+script (`python tests/test_ttt_loss.py`) sets the variable, then imports the kernels and prints one
+JSON line per case; the pytest tests below start it once and assert on each case's line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ["fp32_rows_not_valid", "bf16_matches_reference", "peaked_flat_and_unnormalized_targets",
+         "vocab_block_edges_and_ties", "no_valid_rows_and_no_grad", "all_steps_at_once"]
+
+
+# ---------------------------------------------------------------------------------------------
+# pytest side: one interpreted child process for all cases.
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            out[rec["case"]] = rec
+    out["_proc"] = proc
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_case(results, case):
+    proc = results["_proc"]
+    rec = results.get(case)
+    assert rec is not None, f"case {case} did not report (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    assert rec["ok"], f"{case}: {rec['detail']}"
+
+
+def test_child_ran_interpreted(results):
+    rec = results.get("_interpreter")
+    assert rec is not None and rec["ok"], f"the child did not run under the interpreter: {rec}"
+
+
+# ---------------------------------------------------------------------------------------------
+# child side: the checks themselves.
+
+def _rel(x, y) -> float:
+    x, y = x.double(), y.double()
+    return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+
+
+def _reference(h, w, p, valid, upstream):
+    """Reference loss / argmax and the gradients of sum(loss * upstream), computed in fp64."""
+    import torch
+    from kernels.reference import ttt_loss as ref
+    hd = h.detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_()
+    loss, argmax = ref(hd, wd, p.double(), valid)
+    (loss * upstream.double()).sum().backward()
+    logits = hd.detach() @ wd.detach().t()
+    return loss.detach(), argmax, hd.grad, wd.grad, logits
+
+
+def _check_argmax(argmax, logits, valid, tol):
+    """-1 on rows that are not valid; elsewhere an index whose logit is the row max (within tol)."""
+    import torch
+    valid = torch.ones(len(argmax), dtype=torch.bool) if valid is None else valid
+    assert (argmax[~valid] == -1).all(), "argmax is not -1 on rows that are not valid"
+    if valid.any():
+        picked = logits[valid].gather(1, argmax[valid].clamp_min(0).unsqueeze(1)).squeeze(1)
+        gap = (logits[valid].max(1).values - picked).max().item()
+        assert gap <= tol, f"argmax picks a logit {gap:.3g} below the row max"
+
+
+def _run_one(h, w, p, valid, chunk, upstream, tol_loss, tol_grad, tol_argmax=1e-9):
+    """ttt_loss vs the fp64 reference; returns the fused outputs for extra checks."""
+    import torch
+    from kernels.ttt_loss import ttt_loss
+    h = h.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    loss, argmax = ttt_loss(h, w, p, valid, chunk=chunk)
+    (loss * upstream).sum().backward()
+    r_loss, _, r_dh, r_dw, logits = _reference(h, w, p, valid, upstream)
+    assert loss.dtype == torch.float32 and argmax.dtype == torch.int64
+    errs = dict(loss=_rel(loss, r_loss), dh=_rel(h.grad, r_dh), dw=_rel(w.grad, r_dw))
+    assert errs["loss"] < tol_loss and errs["dh"] < tol_grad and errs["dw"] < tol_grad, f"errors {errs}"
+    if valid is not None:
+        assert (loss[~valid] == 0).all(), "loss is not 0 on rows that are not valid"
+        assert (h.grad[~valid] == 0).all(), "dh is not 0 on rows that are not valid"
+    _check_argmax(argmax, logits, valid, tol_argmax)
+    return loss, argmax, h.grad, w.grad
+
+
+def _inputs(N, H, V, dtype=None, temp=3.0, seed=0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    dtype = dtype or torch.float32
+    h = torch.randn(N, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) / H ** 0.5 * 4).to(dtype)
+    p = torch.softmax(torch.randn(N, V, generator=g) * temp, -1).to(dtype)
+    valid = torch.rand(N, generator=g) > 0.3
+    upstream = torch.randn(N, generator=g)   # per-row upstream gradient, not uniform
+    return h, w, p, valid, upstream
+
+
+def case_fp32_rows_not_valid():
+    # 45 rows, ~30% not valid, chunks of 8 valid rows (4+ chunks), V = 777 (not a power of 2).
+    h, w, p, valid, up = _inputs(45, 32, 777)
+    assert (~valid).any() and valid.sum() > 24
+    _run_one(h, w, p, valid, 8, up, 1e-5, 1e-5)
+    _run_one(h, w, p, None, 16, up, 1e-5, 1e-5)          # valid=None: every row, 3 chunks
+
+
+def case_bf16_matches_reference():
+    import torch
+    from kernels.reference import ttt_loss as ref
+    from kernels.ttt_loss import ttt_loss
+    h, w, p, valid, up = _inputs(40, 64, 1000, torch.bfloat16)
+    # Against fp64: bf16 logits and a bf16 dz, like the eager bf16 path. (The interpreter rounds
+    # fp32 -> bf16 stores towards zero, the GPU to nearest: the CPU dz error is ~1.3x the GPU's.)
+    _run_one(h, w, p, valid, 16, up, 2e-3, 2e-2, tol_argmax=0.1)
+    # Against the reference run in bf16 (same rounding of the logits): loss and argmax agree.
+    loss, argmax = ttt_loss(h, w, p, valid, chunk=16)
+    r_loss, r_arg = ref(h, w, p, valid)
+    assert _rel(loss, r_loss) < 1e-4, f"loss vs bf16 reference {_rel(loss, r_loss):.3g}"
+    assert (argmax == r_arg).float().mean() > 0.9, "argmax disagrees with the bf16 reference"
+
+
+def case_peaked_flat_and_unnormalized_targets():
+    import torch
+    h, w, _, valid, up = _inputs(24, 32, 600, seed=1)
+    g = torch.Generator().manual_seed(2)
+    peaked = torch.softmax(torch.randn(24, 600, generator=g) * 30, -1)        # nearly one-hot
+    onehot = torch.nn.functional.one_hot(torch.randint(0, 600, (24,), generator=g), 600).float()
+    flat = torch.full((24, 600), 1 / 600)
+    unnorm = torch.softmax(torch.randn(24, 600, generator=g), -1) * 0.97       # Σp = 0.97
+    for p in (peaked, onehot, flat, unnorm):
+        _run_one(h, w, p, valid, 8, up, 1e-5, 1e-5)
+    # bf16 p with fp32 h, w (p of any float dtype)
+    _run_one(h, w, peaked.bfloat16(), valid, 8, up, 1e-5, 1e-5)
+
+
+def case_vocab_block_edges_and_ties():
+    import torch
+    from kernels.ttt_loss import ttt_loss
+    # V = 4097: one full 4096 block and a 1-wide tail; V = 1: a single column.
+    for V in (4097, 1):
+        h, w, p, valid, up = _inputs(6, 16, V, seed=V)
+        _run_one(h, w, p, valid, 4, up, 1e-5, 1e-5)
+    # Max in the tail column, and ties across blocks: the first index must win (torch.argmax).
+    # Small integers keep every logit exact, so the ties are real ties.
+    g = torch.Generator().manual_seed(3)
+    h = torch.randint(-3, 4, (3, 16), generator=g).float()
+    w = torch.randint(-3, 4, (8193, 16), generator=g).float()    # blocks [0, 4096), [4096, 8192), {8192}
+    w[8192] = h[0] * 10                 # row 0: max in the 1-wide tail block
+    w[5] = w[4100] = h[1] * 10          # row 1: equal maxima in different blocks
+    w[4001] = w[300] = h[2] * 10        # row 2: equal maxima in one block
+    p = torch.softmax(torch.randn(3, 8193, generator=g), -1)
+    _, argmax = ttt_loss(h, w, p)
+    assert argmax.tolist() == [8192, 5, 300], f"argmax {argmax.tolist()}, expected [8192, 5, 300]"
+
+
+def case_no_valid_rows_and_no_grad():
+    import torch
+    from kernels.ttt_loss import ttt_loss, ttt_loss_steps
+    h, w, p, _, up = _inputs(7, 16, 100)
+    none = torch.zeros(7, dtype=torch.bool)
+    loss, argmax, dh, dw = _run_one(h, w, p, none, 4, up, 1, 1)
+    assert (loss == 0).all() and (argmax == -1).all() and (dh == 0).all() and (dw == 0).all()
+    with torch.no_grad():
+        loss, argmax = ttt_loss(h, w, p)
+        total, losses, _ = ttt_loss_steps([h], w, [p])
+    r_loss, _, _, _, _ = _reference(h, w, p, None, up)
+    assert _rel(loss, r_loss) < 1e-5 and _rel(losses[0], r_loss) < 1e-5
+
+
+def case_all_steps_at_once():
+    import torch
+    from kernels.reference import ttt_loss as ref
+    from kernels.ttt_loss import ttt_loss_steps
+    K, N, H, V = 4, 30, 32, 900
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(V, H, generator=g) / H ** 0.5 * 4).requires_grad_()
+    p_all = torch.softmax(torch.randn(N + K, V, generator=g) * 3, -1)
+    ps = [p_all[k:k + N] for k in range(K)]                       # shifted row views, as in training
+    hs = [torch.randn(N, H, generator=g).requires_grad_() for _ in range(K)]
+    valids = [torch.rand(N, generator=g) > 0.3, None, torch.zeros(N, dtype=torch.bool),
+              torch.rand(N, generator=g) > 0.5]
+    weights = [1.0, 0.8, 0.64, torch.rand(N, generator=g)]
+    total, losses, argmaxes = ttt_loss_steps(hs, w, ps, valids, weights, chunk=8)
+    (total * 2.5).backward()                                       # upstream scale != 1
+    wd = w.detach().double().requires_grad_()
+    hds = [h.detach().double().requires_grad_() for h in hs]
+    r_total = 0
+    for k in range(K):
+        r_loss, r_arg = ref(hds[k], wd, ps[k].double(), valids[k])
+        r_total = r_total + (r_loss * torch.as_tensor(weights[k]).double()).sum()
+        assert _rel(losses[k], r_loss.detach()) < 1e-5, f"step {k} loss {_rel(losses[k], r_loss.detach()):.3g}"
+        _check_argmax(argmaxes[k], hds[k].detach() @ wd.detach().t(), valids[k], 1e-9)
+    (r_total * 2.5).backward()
+    assert abs(total.item() - r_total.item()) <= 1e-5 * abs(r_total.item()), "total differs"
+    errs = [_rel(h.grad, hd.grad) for h, hd in zip(hs, hds)] + [_rel(w.grad, wd.grad)]
+    assert max(errs) < 1e-5, f"gradient errors (dh per step, dw) {errs}"
+    assert (hs[2].grad == 0).all(), "a step with no valid rows must give dh = 0"
+
+
+def _child() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    assert "triton" not in sys.modules, "triton was imported before TRITON_INTERPRET was set"
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import triton
+
+    torch.manual_seed(0)
+    from triton.runtime.interpreter import InterpretedFunction
+    from kernels.ttt_loss import _soft_ce_kernel
+    interp = isinstance(_soft_ce_kernel, InterpretedFunction)
+    print(json.dumps({"case": "_interpreter", "ok": interp, "detail": triton.__version__}), flush=True)
+    for name in CASES:
+        try:
+            globals()["case_" + name]()
+            rec = {"case": name, "ok": True, "detail": ""}
+        except Exception as exc:  # report every case, then let pytest fail the ones that broke
+            import traceback
+            rec = {"case": name, "ok": False, "detail": f"{exc!r}\n{traceback.format_exc()[-3000:]}"}
+        print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    _child()
