@@ -32,7 +32,7 @@ class TargetConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "demo/data.jsonl"             # JSON lines: {"input_ids": [...], "loss_mask": [...]}
+    path: str = "demo/data.jsonl"             # JSON lines: pre-tokenized, OpenAI "messages" or ShareGPT "conversations"
     max_seq_len: int = 4096                   # longer sequences are truncated (counted in the manifest)
     on_error: str = "fatal"                   # a line that cannot be parsed: "fatal" or "skip" (reported)
 
@@ -44,6 +44,7 @@ class ExtractConfig:
     chunk_tokens: int = 65536                 # tokens run through one layer at a time
     device: str = "auto"                      # "auto" (cuda if available), "cpu", "cuda", "cuda:N"
     dtype: str = "bfloat16"                   # compute dtype of the target forward
+    aux_dtype: str = "bfloat16"               # storage of aux_hidden: "bfloat16" or "float8_e4m3fn" (half the disk)
 
 
 @dataclass
@@ -123,6 +124,7 @@ class Config:
 CHOICES = {
     ("data", "on_error"): ("fatal", "skip"),
     ("extract", "dtype"): ("bfloat16", "float16", "float32"),
+    ("extract", "aux_dtype"): ("bfloat16", "float8_e4m3fn"),
     ("train", "kernels"): ("auto", "triton", "torch"),
     ("export", "dtype"): ("bfloat16", "float16", "float32"),
 }

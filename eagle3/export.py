@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 
 from eagle3 import checkpoint as ckpt_io
 from eagle3.config import Config, from_dict
+from eagle3.ops import TORCH_DTYPES
 from eagle3.vocab import check_vocab
 
-DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
               "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")
@@ -109,7 +109,7 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
     spec = state["draft_spec"]
     if len(state["aux_layer_ids"]) != 3:
         raise ExportError(f"{checkpoint_dir}: EAGLE-3 export needs exactly 3 aux layers")
-    dtype = DTYPE[cfg.export.dtype]
+    dtype = TORCH_DTYPES[cfg.export.dtype]
     written = {}
     for fmt in cfg.export.formats:
         if fmt == "vllm":

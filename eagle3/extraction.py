@@ -14,14 +14,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from eagle3 import distributed
 from eagle3.config import Config
-from eagle3.data.inputs import InputError, Record, file_sha256, read_records
+from eagle3.data.chat import TOKENIZER_FILES
+from eagle3.data.inputs import InputError, InputStats, Record, file_sha256, read_records
 from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, atomic_write_text,
-                                shard_name, write_shard)
+                                encode_aux_fp8, shard_name, write_shard)
+from eagle3.ops import TORCH_DTYPES
 from eagle3.target.checkpoint import Checkpoint, TargetError
 from eagle3.target.streaming import TargetRunner
 
-DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -51,25 +53,41 @@ def plan_shards(records: list[Record], shard_tokens: int) -> list[tuple[int, int
 
 
 def _plan_key(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], data_sha: str) -> str:
-    blob = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, cfg.data.max_seq_len,
-                       cfg.data.on_error, cfg.extract.shard_tokens, cfg.extract.dtype, FORMAT_VERSION])
+    tokenizer = {name: file_sha256(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
+    blob = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len,
+                       cfg.data.on_error, cfg.extract.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype,
+                       FORMAT_VERSION])
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _load_or_start_manifest(out: Path, header: dict) -> dict:
+def _check_or_write_header(out: Path, header: dict, main: bool) -> None:
+    """The first run writes the manifest header; a rerun must be of the same plan."""
     path = out / MANIFEST
-    if not path.exists():
-        return {**header, "shards": [], "complete": False}
-    manifest = json.loads(path.read_text())
-    if manifest.get("plan_key") != header["plan_key"]:
-        raise DataError(f"{path}: this directory holds an extraction of other data, target or settings; "
-                        "choose another extract.output_dir or delete it")
-    return manifest
+    if path.exists():
+        if json.loads(path.read_text()).get("plan_key") != header["plan_key"]:
+            raise DataError(f"{path}: this directory holds an extraction of other data, target or settings; "
+                            "choose another extract.output_dir or delete it")
+    elif main:
+        atomic_write_text(path, json.dumps({**header, "shards": [], "complete": False}, indent=1))
 
 
-def _shard_tensors(records: list[Record], out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _journal(out: Path) -> Path:
+    """One entry per finished shard, written after the shard's rename: what a resumed run trusts."""
+    return out / ".entries"
+
+
+def _finished(out: Path) -> dict[str, dict]:
+    entries = {}
+    for path in sorted(_journal(out).glob("shard-*.json")):
+        entry = json.loads(path.read_text())
+        if (out / entry["file"]).exists():
+            entries[entry["file"]] = entry
+    return entries
+
+
+def _shard_tensors(records: list[Record], out: dict[str, torch.Tensor], aux_dtype: str) -> dict[str, torch.Tensor]:
     lengths = [len(r.input_ids) for r in records]
-    return {
+    tensors = {
         "input_ids": torch.from_numpy(np.concatenate([r.input_ids for r in records])),
         "loss_mask": torch.from_numpy(np.concatenate([r.loss_mask for r in records])),
         "cu_seqlens": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
@@ -77,46 +95,77 @@ def _shard_tensors(records: list[Record], out: dict[str, torch.Tensor]) -> dict[
         "final_hidden": out["final_hidden"].to(torch.bfloat16),
         "target_argmax": out["target_argmax"].to(torch.int32),
     }
+    if aux_dtype == "float8_e4m3fn":
+        tensors.update(encode_aux_fp8(out["aux_hidden"]))
+    return tensors
 
 
-def run(cfg: Config) -> Path:
-    ckpt = Checkpoint(cfg.target.path)
-    aux_ids = resolve_aux_layer_ids(cfg, ckpt)
-    records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len,
-                                  cfg.data.on_error)
-    out = Path(cfg.extract.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats) -> dict:
     data_sha = file_sha256(cfg.data.path)
-    header = {
+    dtypes = dict(DTYPES)
+    if cfg.extract.aux_dtype == "float8_e4m3fn":
+        dtypes.update(aux_hidden="float8_e4m3fn", aux_scale="float32")
+    return {
         "format_version": FORMAT_VERSION, "target": ckpt.config.identity(), "aux_layer_ids": aux_ids,
-        "dtypes": DTYPES, "plan_key": _plan_key(cfg, ckpt, aux_ids, data_sha),
+        "dtypes": dtypes, "plan_key": _plan_key(cfg, ckpt, aux_ids, data_sha),
         "source": {"path": str(cfg.data.path), "sha256": data_sha, "max_seq_len": cfg.data.max_seq_len,
                    "lines": stats.lines, "sequences": stats.sequences, "skipped_lines": stats.skipped,
                    "skipped_line_numbers": stats.skipped_lines[:1000], "truncated": stats.truncated},
     }
-    manifest = _load_or_start_manifest(out, header)
+
+
+def run(cfg: Config) -> Path:
+    """Extract on this rank's share of the shards (shard i goes to rank i % world under torchrun);
+    rank 0 writes the manifest once every rank is done."""
+    dist = distributed.setup(cfg.extract.device)
+    try:
+        return _run(cfg, dist)
+    finally:
+        distributed.teardown()
+
+
+def _run(cfg: Config, dist: distributed.Dist) -> Path:
+    ckpt = Checkpoint(cfg.target.path)
+    aux_ids = resolve_aux_layer_ids(cfg, ckpt)
+    records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len,
+                                  cfg.data.on_error, target_dir=ckpt.dir)
+    out = Path(cfg.extract.output_dir)
+    _journal(out).mkdir(parents=True, exist_ok=True)
+    header = _header(cfg, ckpt, aux_ids, stats)
+    _check_or_write_header(out, header, dist.main)
+    dist.barrier()
     plan = plan_shards(records, cfg.extract.shard_tokens)
-    done = {s["file"] for s in manifest["shards"]}
-    todo = [i for i in range(len(plan)) if shard_name(i) not in done]
-    total = sum(len(r.input_ids) for a, b in plan for r in records[a:b])
-    runner = TargetRunner(ckpt, aux_ids, resolve_device(cfg.extract.device), DTYPE[cfg.extract.dtype],
-                          cfg.extract.chunk_tokens) if todo else None
-    with tqdm(total=total, unit="tok", unit_scale=True, desc="extract",
-              initial=total - sum(len(r.input_ids) for i in todo for r in records[slice(*plan[i])])) as bar:
+    done = _finished(out)
+    mine = [i for i in range(dist.rank, len(plan), dist.world)]
+    todo = [i for i in mine if shard_name(i) not in done]
+    tokens = [sum(len(r.input_ids) for r in records[a:b]) for a, b in plan]
+    device = resolve_device(cfg.extract.device) if dist.world == 1 else dist.device
+    runner = TargetRunner(ckpt, aux_ids, device, TORCH_DTYPES[cfg.extract.dtype], cfg.extract.chunk_tokens) if todo else None
+    with tqdm(total=sum(tokens[i] for i in mine), initial=sum(tokens[i] for i in mine if i not in todo),
+              unit="tok", unit_scale=True, desc=f"extract (rank {dist.rank})", disable=not dist.main) as bar:
         for i in todo:
             shard_records = records[plan[i][0]:plan[i][1]]
             ids = torch.from_numpy(np.concatenate([r.input_ids for r in shard_records]))
             cu = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in shard_records])]).tolist()
-            entry = write_shard(out, i, _shard_tensors(shard_records, runner.run(ids, cu)))
-            manifest["shards"] = sorted(manifest["shards"] + [entry], key=lambda s: s["file"])
-            atomic_write_text(out / MANIFEST, json.dumps(manifest))
+            tensors = _shard_tensors(shard_records, runner.run(ids, cu), cfg.extract.aux_dtype)
+            entry = write_shard(out, i, tensors)
+            atomic_write_text(_journal(out) / (shard_name(i) + ".json"), json.dumps(entry))
             bar.update(entry["tokens"])
-    manifest["complete"] = len(manifest["shards"]) == len(plan)
-    manifest["finished_at"] = manifest.get("finished_at") or time.strftime("%Y-%m-%dT%H:%M:%S")
+    dist.barrier()
+    if dist.main:
+        _write_manifest(out, header, plan, stats, sum(tokens))
+    dist.barrier()
+    return out
+
+
+def _write_manifest(out: Path, header: dict, plan: list, stats: InputStats, total: int) -> None:
+    done = _finished(out)
+    shards = [done[shard_name(i)] for i in range(len(plan)) if shard_name(i) in done]
+    manifest = {**header, "shards": shards, "complete": len(shards) == len(plan),
+                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     print(f"extract: {len(plan)} shards, {total} tokens, {stats.sequences} sequences "
           f"({stats.skipped} lines skipped, {stats.truncated} truncated) in {out}")
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,9 @@ import torch
 import torch.nn.functional as F
 
 
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as the reference models compute it: in fp32, cast back, then scale."""
     xf = x.float()

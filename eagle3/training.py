@@ -22,7 +22,7 @@ from eagle3 import checkpoint as ckpt_io
 from eagle3 import distributed
 from eagle3.config import Config
 from eagle3.data.batching import Prefetcher, pack, split_holdout
-from eagle3.data.shards import DataError, ShardReader, loss_token_counts
+from eagle3.data.shards import DataError, ShardReader, decode_aux_fp8, loss_token_counts
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.export import export_all
 from eagle3.extraction import resolve_aux_layer_ids
@@ -145,8 +145,16 @@ class Plan:
 
 
 def _to_device(batch: dict, device: torch.device, float_dtype: torch.dtype) -> dict:
-    return {k: v.to(device, float_dtype if v.is_floating_point() else None, non_blocking=True)
-            for k, v in batch.items()}
+    """Move a batch to the device; fp8 aux states (`aux_scale` present) are decoded there."""
+    scale = batch.pop("aux_scale", None)
+    aux = batch.pop("aux_hidden")
+    out = {k: v.to(device, float_dtype if v.is_floating_point() else None, non_blocking=True)
+           for k, v in batch.items()}
+    if scale is None:
+        out["aux_hidden"] = aux.to(device, float_dtype, non_blocking=True)
+    else:
+        out["aux_hidden"] = decode_aux_fp8(aux.to(device, non_blocking=True), scale.to(device), float_dtype)
+    return out
 
 
 class MetricsLog:

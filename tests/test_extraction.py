@@ -1,11 +1,13 @@
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_config
+from conftest import ROOT, make_config
 from eagle3 import extraction
 from eagle3.data.inputs import InputError
 from eagle3.data.shards import DataError, ShardReader, loss_token_counts, read_manifest, sha256_file
@@ -53,17 +55,46 @@ def test_killed_extraction_resumes_without_redoing(tmp_path, llama_target, token
     out = extraction.run(cfg)
     manifest = read_manifest(out)
     reference = {s["file"]: s["sha256"] for s in manifest["shards"]}
-    # simulate a kill while writing the last shard: it is not in the manifest, a partial file is left
-    last = manifest["shards"].pop()
-    manifest["complete"] = False
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    (out / last["file"]).unlink()
-    (out / (last["file"] + ".tmp")).write_bytes(b"partial")
-    stamps = {s["file"]: os.stat(out / s["file"]).st_mtime_ns for s in manifest["shards"]}
+    # simulate a kill while writing the last shard: no journal entry, no manifest, a partial temp file
+    last = manifest["shards"][-1]["file"]
+    (out / ".entries" / (last + ".json")).unlink()
+    (out / last).rename(out / (last + ".tmp"))
+    (out / "manifest.json").write_text(json.dumps({**manifest, "shards": [], "complete": False}))
+    stamps = {f: os.stat(out / f).st_mtime_ns for f in reference if f != last}
     extraction.run(cfg)
     resumed = read_manifest(out)
     assert resumed["complete"] and {s["file"]: s["sha256"] for s in resumed["shards"]} == reference
     assert all(os.stat(out / f).st_mtime_ns == t for f, t in stamps.items())  # finished shards untouched
+
+
+def test_two_ranks_write_the_same_shards(tmp_path, llama_target, token_data):
+    single = extraction.run(make_config(tmp_path / "one", llama_target, token_data))
+    args = [f"--target.path={llama_target}", f"--data.path={token_data}", "--extract.device=cpu",
+            f"--extract.output_dir={tmp_path / 'two'}", "--extract.shard_tokens=400", "--extract.dtype=float32"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "extract.py", "--config", "config.toml", *args], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = read_manifest(single), read_manifest(tmp_path / "two")
+    assert b["complete"] and [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
+
+
+def test_fp8_aux_storage_is_read_back_transparently(tmp_path, llama_target, token_data):
+    bf16 = extraction.run(make_config(tmp_path / "bf16", llama_target, token_data))
+    fp8 = extraction.run(make_config(tmp_path / "fp8", llama_target, token_data,
+                                     **{"extract.aux_dtype": "float8_e4m3fn"}))
+    manifest = read_manifest(fp8)
+    assert manifest["dtypes"]["aux_hidden"] == "float8_e4m3fn"
+    size = lambda d: sum(p.stat().st_size for p in d.glob("shard-*.safetensors"))  # noqa: E731
+    assert size(fp8) < 0.8 * size(bf16)
+    refs = ShardReader(fp8).sequences[:4]
+    batch, exact = ShardReader(fp8).read(refs), ShardReader(bf16).read(refs)
+    assert batch["aux_hidden"].dtype == torch.float8_e4m3fn and batch["aux_scale"].shape == (
+        batch["input_ids"].numel(), 3)
+    from eagle3.training import _to_device
+    decoded = _to_device(batch, torch.device("cpu"), torch.float32)["aux_hidden"]
+    err = (decoded - exact["aux_hidden"].float()).norm() / exact["aux_hidden"].float().norm()
+    assert err < 0.05
 
 
 def test_other_settings_refuse_existing_output(tmp_path, llama_target, token_data):

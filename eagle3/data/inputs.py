@@ -1,8 +1,10 @@
 """Training conversations as token ids and loss masks, read from JSON lines.
 
-Pre-tokenized lines: {"input_ids": [...], "loss_mask": [...]}. A line that cannot be used is
-reported with its line number and is fatal or skipped (`data.on_error`); nothing is dropped
-silently: the counts go into the manifest.
+Pre-tokenized lines: {"input_ids": [...], "loss_mask": [...]}, read with no optional packages.
+Chat lines: {"messages": [...]} or ShareGPT {"conversations": [...]}, tokenized with the target's
+own tokenizer and chat template (eagle3.data.chat, loaded at the first chat line). A line that
+cannot be used is reported with its line number and is fatal or skipped (`data.on_error`); nothing
+is dropped silently: the counts go into the manifest.
 """
 from __future__ import annotations
 
@@ -35,9 +37,42 @@ class InputStats:
     skipped_lines: list[int] = field(default_factory=list)
 
 
-def _parse(obj: object, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+CHAT_KEYS = ("messages", "conversations")
+
+
+class _LineParser:
+    """Pre-tokenized lines as they are; chat lines through the target's tokenizer and template."""
+
+    def __init__(self, vocab_size: int, target_dir: str | Path | None):
+        self.vocab_size, self.target_dir, self._chat = vocab_size, target_dir, None
+
+    def __call__(self, obj: object) -> tuple[np.ndarray, np.ndarray]:
+        # ids given with the conversation win: they need no tokenizer and are what the user chose
+        from_chat = isinstance(obj, dict) and "input_ids" not in obj and any(key in obj for key in CHAT_KEYS)
+        if not from_chat:
+            return _parse_tokens(obj, self.vocab_size)
+        ids, mask = self._encoder().encode(obj)
+        if len(ids) < 2:
+            raise ValueError(f"conversation of {len(ids)} tokens; at least 2 are needed")
+        if ids.max() >= self.vocab_size:
+            raise ValueError(f"token id {int(ids.max())} >= the target's vocab_size {self.vocab_size}: "
+                             "the tokenizer files do not match the target")
+        return ids, mask
+
+    def _encoder(self):
+        if self._chat is None:
+            if self.target_dir is None:
+                raise InputError("chat lines need the target's tokenizer and chat template; no target "
+                                 "directory was given")
+            from eagle3.data.chat import ChatEncoder  # its optional packages only for chat data
+            self._chat = ChatEncoder(self.target_dir)
+        return self._chat
+
+
+def _parse_tokens(obj: object, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(obj, dict) or "input_ids" not in obj or "loss_mask" not in obj:
-        raise ValueError("expected an object with 'input_ids' and 'loss_mask'")
+        raise ValueError("expected an object with 'input_ids' and 'loss_mask' (pre-tokenized), "
+                         "'messages' or 'conversations' (chat)")
     ids, mask = obj["input_ids"], obj["loss_mask"]
     if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
         raise ValueError("'input_ids' and 'loss_mask' must be lists of equal length")
@@ -50,19 +85,22 @@ def _parse(obj: object, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
-def read_records(path: str | Path, vocab_size: int, max_seq_len: int,
-                 on_error: str = "fatal") -> tuple[list[Record], InputStats]:
+def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: str = "fatal",
+                 target_dir: str | Path | None = None) -> tuple[list[Record], InputStats]:
+    """`target_dir` holds the tokenizer and chat template; only chat lines need it."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: data file not found (data.path)")
-    records, stats = [], InputStats()
+    records, stats, parse = [], InputStats(), _LineParser(vocab_size, target_dir)
     with path.open() as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             stats.lines += 1
             try:
-                ids, mask = _parse(json.loads(line), vocab_size)
+                ids, mask = parse(json.loads(line))
+            except InputError as e:  # the tokenizer or template is unusable: every chat line would fail
+                raise InputError(f"{path}:{number}: {e}") from None
             except (json.JSONDecodeError, ValueError) as e:
                 message = f"{path}:{number}: {e}"
                 if on_error == "fatal":

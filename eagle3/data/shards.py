@@ -22,6 +22,24 @@ DTYPES = {"input_ids": "int32", "loss_mask": "uint8", "cu_seqlens": "int64", "au
           "final_hidden": "bfloat16", "target_argmax": "int32"}
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def encode_aux_fp8(aux: torch.Tensor, layers: int = 3) -> dict[str, torch.Tensor]:
+    """aux [T, layers*H] -> float8_e4m3fn values with an fp32 scale per token and layer [T, layers]."""
+    T = aux.shape[0]
+    x = aux.float().view(T, layers, -1)
+    scale = (x.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+    values = (x / scale[..., None]).to(torch.float8_e4m3fn).view(T, -1)
+    return {"aux_hidden": values, "aux_scale": scale}
+
+
+def decode_aux_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `encode_aux_fp8`: [T, layers*H] in `dtype` (runs wherever the tensors are)."""
+    T, layers = scale.shape
+    return (values.view(T, layers, -1).to(torch.float32) * scale[..., None]).view(T, -1).to(dtype)
+
+
 class DataError(ValueError):
     """Hidden-state data that is missing, corrupt or does not match; the message names the file."""
 
@@ -122,8 +140,10 @@ class ShardReader:
         return refs
 
     def read(self, refs: list[SeqRef]) -> dict[str, torch.Tensor]:
-        """Pack `refs` into one batch: the SPEC §5 tensors plus cu_seqlens of the batch."""
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in DTYPES if k != "cu_seqlens"}
+        """Pack `refs` into one batch: the SPEC §5 tensors plus cu_seqlens of the batch. fp8 shards
+        also give `aux_scale`; `decode_aux_fp8` turns them back into bf16 (on the GPU, in training)."""
+        keys = [k for k in self._handle(0).keys() if k != "cu_seqlens"]
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
         for ref in refs:
             handle = self._handle(ref.shard)
             for key in parts:

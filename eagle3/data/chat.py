@@ -1,0 +1,303 @@
+"""Chat conversations -> (input_ids, loss_mask) with the target's own tokenizer and chat template.
+
+Formats of a line (SPEC §12 for Kimi):
+  {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ...}, ...]}   (OpenAI)
+  {"conversations": [{"from": "system"|"human"|"gpt", "value": ...}, ...]}            (ShareGPT)
+Content is a string or a list of {"type": "text", "text": ...} parts (joined).
+
+Tokenizer: Kimi's `tiktoken.model` + `tokenizer_config.json` (extra `tiktoken`) or a Hugging Face
+`tokenizer.json` (extra `tokenizers`). Template: `chat_template.jinja`, else `chat_template` in
+`tokenizer_config.json`, rendered in a jinja2 sandbox (extra `jinja2`).
+
+Loss mask: an assistant turn's tokens after the template's generation prompt (what the target
+emits when asked to reply) up to and including the turn's end marker (e.g. <|im_end|>), so the draft
+also learns to propose the stop; whitespace the template puts after the marker is not masked, as
+the target stops before it. The spans are found by rendering the conversation prefix by prefix and
+require each render to extend the previous one; a template that rewrites earlier turns is an error.
+"""
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import re
+from itertools import accumulate, chain
+from pathlib import Path
+
+import numpy as np
+
+from eagle3.data.inputs import InputError
+
+EXTRA = "pip install eagle3-trainer[chat]"
+
+# Kimi-K2's split pattern (tokenization_kimi.py): Han runs are pre-tokens of their own.
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+# Kimi cuts its input like this before tiktoken, whose regex engine panics on very long runs.
+KIMI_MAX_TEXT, KIMI_MAX_RUN = 400_000, 25_000
+
+OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+
+
+# The target files that decide how a conversation becomes tokens (hashed into the extraction plan).
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+class ChatError(ValueError):
+    """A conversation that cannot be encoded; the caller adds the file and line."""
+
+
+def _require(module: str, needed_by: Path):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise InputError(f"{needed_by}: chat lines need the optional package '{module}': {EXTRA}") from None
+
+
+# ---------------------------------------------------------------- conversations
+
+def _text(content: object, where: str) -> str:
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ChatError(f"{where}: content parts must be {{\"type\": \"text\", \"text\": ...}}")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ChatError(f"{where}: content must be a string or a list of text parts")
+    if not content.strip():
+        raise ChatError(f"{where}: empty content")
+    return content
+
+
+def conversation(obj: dict) -> list[dict]:
+    """The line's turns as [{"role", "content": str}] in OpenAI roles."""
+    key = "messages" if "messages" in obj else "conversations"
+    role_key, text_key, roles = (("role", "content", OPENAI_ROLES) if key == "messages"
+                                 else ("from", "value", SHAREGPT_ROLES))
+    turns = obj[key]
+    if not isinstance(turns, list) or not turns:
+        raise ChatError(f"'{key}' must be a non-empty list of turns")
+    messages = []
+    for number, turn in enumerate(turns, start=1):
+        where = f"message {number} of {len(turns)}"
+        role = turn.get(role_key) if isinstance(turn, dict) else None
+        if not isinstance(role, str) or role not in roles:
+            raise ChatError(f"{where}: unknown role {role!r}; expected '{role_key}' one of {sorted(roles)}")
+        messages.append({"role": roles[role], "content": _text(turn.get(text_key), where)})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ChatError(f"no assistant turn in '{key}': nothing to learn from")
+    return messages
+
+
+# ---------------------------------------------------------------- tokenizers
+
+def _read_ranks(path: Path) -> dict[bytes, int]:
+    ranks = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:
+            raise InputError(f"{path}:{number}: expected '<base64 token> <rank>'") from None
+    return ranks
+
+
+def _cut(text: str, limit: int, pattern: str) -> list[str]:
+    """`text` cut every `limit` characters inside each match of `pattern` longer than that."""
+    cuts = [m.start() + j for m in re.finditer(pattern, text) for j in range(limit, len(m.group()), limit)]
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _special_tokens(model: Path, config_path: Path, config: dict) -> dict[str, int]:
+    needed = (f"{config_path}: 'added_tokens_decoder' ({{id: {{\"content\": ...}}}}) is needed with "
+              f"{model.name}")
+    decoder = config.get("added_tokens_decoder")
+    if not isinstance(decoder, dict) or not decoder:
+        raise InputError(needed)
+    try:
+        return {entry["content"]: int(i) for i, entry in decoder.items()}
+    except (KeyError, TypeError, ValueError):
+        raise InputError(needed) from None
+
+
+class TiktokenTokenizer:
+    """Kimi's tokenizer: BPE ranks, Kimi's split pattern, special tokens from added_tokens_decoder."""
+
+    def __init__(self, model: Path, config_path: Path, config: dict):
+        tiktoken = _require("tiktoken", model)
+        self._enc = tiktoken.Encoding(name=model.name, pat_str=KIMI_PATTERN,
+                                      mergeable_ranks=_read_ranks(model),
+                                      special_tokens=_special_tokens(model, config_path, config))
+
+    def encode(self, text: str) -> list[int]:
+        pieces = chain.from_iterable(_cut(chunk, KIMI_MAX_RUN, r"\s+|\S+")
+                                     for chunk in _cut(text, KIMI_MAX_TEXT, r"(?s).+"))
+        # every special token allowed and no BOS added: the template writes what the model sees
+        return [t for piece in pieces for t in self._enc.encode(piece, allowed_special="all")]
+
+
+class HFTokenizer:
+    def __init__(self, path: Path):
+        tokenizers = _require("tokenizers", path)
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust library raises a bare Exception for a file it cannot read
+            raise InputError(f"{path}: not a tokenizers file: {e}") from None
+
+    def encode(self, text: str) -> list[int]:
+        # no post-processor BOS: the template already writes {{ bos_token }} where the model has one
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def _load_tokenizer(root: Path, config_path: Path, config: dict):
+    if (root / "tiktoken.model").exists():
+        return TiktokenTokenizer(root / "tiktoken.model", config_path, config)
+    if (root / "tokenizer.json").exists():
+        return HFTokenizer(root / "tokenizer.json")
+    raise InputError(f"{root}: chat lines need the target's tokenizer: expected tiktoken.model + "
+                     "tokenizer_config.json (Kimi) or tokenizer.json in the target directory")
+
+
+# ---------------------------------------------------------------- template
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Hugging Face's variant: jinja2's own tojson HTML-escapes, which would change the prompt text
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatError(f"chat template: {message}")
+
+
+def _template_source(root: Path, config_path: Path, config: dict) -> tuple[str, Path]:
+    path = root / "chat_template.jinja"
+    if path.exists():
+        return path.read_text(), path
+    source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    if not isinstance(source, str):
+        raise InputError(f"{root}: chat lines need the target's chat template: expected chat_template.jinja "
+                         f"or 'chat_template' in {config_path.name}")
+    return source, config_path
+
+
+def _load_template(root: Path, config_path: Path, config: dict):
+    source, origin = _template_source(root, config_path, config)
+    jinja2 = _require("jinja2", origin)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    # as transformers renders chat templates; no strftime_now, so dates fall back to the template's
+    # fixed default and a resumed extraction tokenizes exactly as before
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise InputError(f"{origin}:{e.lineno}: chat template syntax error: {e.message}") from None
+
+
+def _token_text(value: object) -> str:
+    return value.get("content", "") if isinstance(value, dict) else value or ""
+
+
+# ---------------------------------------------------------------- encoder
+
+class ChatEncoder:
+    """Encodes chat lines for one target directory; loading problems raise InputError."""
+
+    def __init__(self, target_dir: str | Path):
+        root = Path(target_dir)
+        config_path = root / "tokenizer_config.json"
+        config = self._read_config(config_path)
+        self.tokenizer = _load_tokenizer(root, config_path, config)
+        self.template = _load_template(root, config_path, config)
+        self.variables = {"bos_token": _token_text(config.get("bos_token")),
+                          "eos_token": _token_text(config.get("eos_token"))}
+
+    @staticmethod
+    def _read_config(path: Path) -> dict:
+        if not path.exists():
+            return {}
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}: not valid JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise InputError(f"{path}: expected a JSON object")
+        return config
+
+    def encode(self, obj: dict) -> tuple[np.ndarray, np.ndarray]:
+        """int32 ids and uint8 loss mask of a {"messages"} or {"conversations"} line."""
+        messages = conversation(obj)
+        text, spans = self._render(messages)
+        ids, cuts = self._token_cuts(text, [b for span in spans for b in span])
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        for k, start, end in zip(replies, cuts[0::2], cuts[1::2]):
+            if start == end:
+                raise ChatError(f"message {k + 1} of {len(messages)} (assistant) renders to no tokens")
+            mask[start:end] = 1
+        return np.asarray(ids, dtype=np.int32), mask
+
+    def _apply(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.variables)
+        except ChatError:
+            raise
+        except Exception as e:  # a template is third-party code: whatever it raises is this line's problem
+            raise ChatError(f"chat template failed: {type(e).__name__}: {e}") from None
+
+    def _render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text and the character span [start, end) of each assistant reply."""
+        before, spans = "", []
+        for k, message in enumerate(messages):
+            text = self._apply(messages[:k + 1])
+            rewrites = f"the chat template renders messages 1..{k} differently once message {k + 1} follows"
+            _check_extends(before, text, rewrites)
+            if message["role"] == "assistant":
+                prompt = self._apply(messages[:k], add_generation_prompt=True)
+                _check_extends(before, prompt, "the chat template's generation prompt changes earlier turns")
+                _check_extends(prompt, text, f"message {k + 1} (assistant) does not start with the chat "
+                                             "template's generation prompt")
+                spans.append((len(prompt), max(len(prompt), len(text.rstrip()))))
+            before = text
+        return before, spans
+
+    def _token_cuts(self, text: str, bounds: list[int]) -> tuple[list[int], list[int]]:
+        """Token ids of `text` and, for each character position in `bounds`, the tokens before it."""
+        ids = self.tokenizer.encode(text)
+        edges = [0, *bounds, len(text)]
+        pieces = [self.tokenizer.encode(text[a:b]) for a, b in zip(edges, edges[1:])]
+        if list(chain.from_iterable(pieces)) == ids:
+            return ids, list(accumulate(len(p) for p in pieces[:-1]))
+        # Some tokenizers encode a piece alone differently (a SentencePiece-style prefix space):
+        # count the tokens of each prefix instead, which must agree with the whole text.
+        cuts = []
+        for b in bounds:
+            head = self.tokenizer.encode(text[:b])
+            if head != ids[:len(head)]:
+                raise ChatError(f"a turn boundary of the chat template (character {b}) falls inside a token, "
+                                "so assistant tokens cannot be separated")
+            cuts.append(len(head))
+        return ids, cuts
+
+
+def _check_extends(prefix: str, text: str, problem: str) -> None:
+    if not text.startswith(prefix):
+        raise ChatError(f"{problem}, so the assistant tokens cannot be located by rendering prefixes")
