@@ -1,4 +1,4 @@
-"""`python -m eagle3 {inspect,export,demo}`."""
+"""`python -m eagle3 {inspect,export,evaluate,generate,demo}`."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +31,29 @@ def inspect(target: str) -> dict:
     for name in ("embed_tokens", "lm_head", "norm"):
         report[name] = ckpt.info(f"{name}.weight")
     _check_shapes(ckpt, report)
+    if c.is_deepseek:
+        _check_deepseek(ckpt, report)
     return report
+
+
+def _check_deepseek(ckpt: Checkpoint, report: dict) -> None:
+    """MoE layout, and every tensor the DeepSeek-V3 forward reads present in the weight map."""
+    from eagle3.target.deepseek import DeepseekSpec, required_tensor_names
+    spec = DeepseekSpec.from_config(ckpt.config)
+    report["moe"] = {"routed_experts": spec.n_routed_experts, "shared_experts": spec.n_shared_experts,
+                     "experts_per_token": spec.num_experts_per_tok, "n_group": spec.n_group,
+                     "topk_group": spec.topk_group, "dense_layers": spec.first_k_dense_replace,
+                     "moe_intermediate_size": spec.moe_intermediate_size}
+    needed = list(dict.fromkeys(ckpt.full_name(n) for n in required_tensor_names(ckpt)))
+    missing = [n for n in needed if n not in ckpt.weight_map]
+    if missing:
+        index = ckpt.dir / ("model.safetensors.index.json" if (ckpt.dir / "model.safetensors.index.json").exists()
+                            else "model.safetensors")
+        raise TargetError(f"{index}: {len(missing)} of the {len(needed)} tensors the forward needs are missing, "
+                          f"first: {missing[0]}")
+    report["weights"]["forward_tensors"] = len(needed)
+    report["weights"]["int4_linears"] = sum(n.endswith(".weight_packed") for n in needed)
+    report["weights"]["unused_text_tensors"] = len(ckpt.text_tensor_names()) - len(needed)
 
 
 def _check_shapes(ckpt: Checkpoint, report: dict) -> None:
@@ -77,6 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--formats", default="vllm,sglang")
     p = sub.add_parser("demo", help="tiny target -> extract -> train -> export, on the CPU in about a minute")
     p.add_argument("--config", default="config.toml")
+    p = sub.add_parser("evaluate", help="held-out accuracy and acceptance-length estimate of a checkpoint")
+    p.add_argument("--config", default="config.toml")
+    p.add_argument("checkpoint")
+    p = sub.add_parser("generate", help="regenerate the training replies with the target itself")
+    p.add_argument("--config", default="config.toml")
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "inspect":
@@ -89,6 +116,18 @@ def main(argv: list[str] | None = None) -> None:
             cfg.export.formats = args.formats.split(",")
             for fmt, path in export_all(args.checkpoint, args.out_dir, cfg).items():
                 print(f"exported {fmt} draft: {path}")
+        elif args.command == "evaluate":
+            from eagle3 import config as config_mod
+            from eagle3.evaluate import evaluate
+            report = evaluate(config_mod.load(args.config, rest), args.checkpoint)
+            rest = []
+            print(json.dumps({k: report[k] for k in ("step", "accept_len", "acc", "cond_acc")}))
+            print(f"wrote {Path(args.checkpoint) / 'eval.json'}")
+        elif args.command == "generate":
+            from eagle3 import config as config_mod
+            from eagle3.generate import run as generate
+            generate(config_mod.load(args.config, rest))
+            rest = []
         else:
             args.overrides = rest
             rest = []

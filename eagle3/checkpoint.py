@@ -113,3 +113,12 @@ def restore(path: Path, model, optimizer, scheduler, rank: int) -> dict:
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=False))
     return state
+
+
+def load_draft(path: str | Path, device: torch.device | str = "cpu"):
+    """(Eagle3Draft with the checkpoint's weights, state.json) for evaluation and decoding."""
+    from eagle3.draft import DraftSpec, Eagle3Draft
+    state = read_state(path)
+    draft = Eagle3Draft(DraftSpec(**state["draft_spec"]))
+    draft.load_state_dict(load_weights(path))
+    return draft.to(device).eval(), state

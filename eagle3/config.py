@@ -102,6 +102,18 @@ class ExportConfig:
 
 
 @dataclass
+class GenerateConfig:
+    output_path: str = "runs/demo/regenerated.jsonl"  # pre-tokenized JSON lines, read by extract.py
+    max_new_tokens: int = 512                 # per assistant reply
+    temperature: float = 0.0                  # 0 = greedy (what the acceptance estimate assumes)
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: list[int] | None = None   # auto: the target's eos_token_id(s) and <|im_end|> if the tokenizer has it
+    device: str = "auto"
+    dtype: str = "bfloat16"
+
+
+@dataclass
 class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -110,6 +122,7 @@ class Config:
     draft: DraftConfig = field(default_factory=DraftConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     source: str = "<defaults>"                # where the config came from, for error messages
 
     def to_dict(self) -> dict:
@@ -127,11 +140,13 @@ CHOICES = {
     ("extract", "aux_dtype"): ("bfloat16", "float8_e4m3fn"),
     ("train", "kernels"): ("auto", "triton", "torch"),
     ("export", "dtype"): ("bfloat16", "float16", "float32"),
+    ("generate", "dtype"): ("bfloat16", "float16", "float32"),
 }
 POSITIVE = {("extract", "shard_tokens"), ("extract", "chunk_tokens"), ("train", "batch_tokens"),
             ("train", "grad_accum"), ("train", "ttt_steps"), ("train", "eval_every"),
             ("train", "log_every"), ("train", "checkpoint_every"), ("train", "keep_checkpoints"),
-            ("draft", "num_layers"), ("data", "max_seq_len"), ("export", "speculative_tokens")}
+            ("draft", "num_layers"), ("data", "max_seq_len"), ("export", "speculative_tokens"),
+            ("generate", "max_new_tokens")}
 
 
 def _sections() -> dict[str, type]:
@@ -217,6 +232,9 @@ def validate(cfg: Config) -> None:
     for fmt in cfg.export.formats:
         if fmt not in ("vllm", "sglang"):
             raise ConfigError(f"{cfg.source}: export.formats has {fmt!r}; allowed: 'vllm', 'sglang'")
+    g = cfg.generate
+    if g.temperature < 0 or not 0 < g.top_p <= 1:
+        raise ConfigError(f"{cfg.source}: generate.temperature must be >= 0 and generate.top_p in (0, 1]")
     ids = cfg.target.aux_layer_ids
     if ids is not None and len(ids) != 3:
         raise ConfigError(f"{cfg.source}: target.aux_layer_ids = {ids}; EAGLE-3 needs exactly 3 layers")

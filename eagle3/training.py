@@ -21,8 +21,8 @@ from tqdm import tqdm
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import distributed
 from eagle3.config import Config
-from eagle3.data.batching import Prefetcher, pack, split_holdout
-from eagle3.data.shards import DataError, ShardReader, decode_aux_fp8, loss_token_counts
+from eagle3.data.batching import Prefetcher, pack, split_holdout, to_device
+from eagle3.data.shards import DataError, ShardReader, loss_token_counts
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.export import export_all
 from eagle3.extraction import resolve_aux_layer_ids
@@ -142,19 +142,6 @@ class Plan:
             batches = self.epoch(e)
             for a in range(self.accum):
                 yield batches[j * self.per_step + a * self.world + rank]
-
-
-def _to_device(batch: dict, device: torch.device, float_dtype: torch.dtype) -> dict:
-    """Move a batch to the device; fp8 aux states (`aux_scale` present) are decoded there."""
-    scale = batch.pop("aux_scale", None)
-    aux = batch.pop("aux_hidden")
-    out = {k: v.to(device, float_dtype if v.is_floating_point() else None, non_blocking=True)
-           for k, v in batch.items()}
-    if scale is None:
-        out["aux_hidden"] = aux.to(device, float_dtype, non_blocking=True)
-    else:
-        out["aux_hidden"] = decode_aux_fp8(aux.to(device, non_blocking=True), scale.to(device), float_dtype)
-    return out
 
 
 class MetricsLog:
@@ -277,10 +264,10 @@ class Trainer:
         denom = self.dist.all_reduce(denom).clamp(min=1)
         metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
         for a, batch in enumerate(batches):
-            batch = _to_device(batch, self.device, self.float_dtype)
+            batch = to_device(batch, self.device, self.float_dtype)
             sync = self.dist.world == 1 or a == len(batches) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                loss, m = self._forward(self.ddp, batch, self.dist.world / denom)
+                loss, m, _ = self._forward(self.ddp, batch, self.dist.world / denom)
                 loss.backward()
             metrics += m
         self.grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
@@ -296,7 +283,7 @@ class Trainer:
         batches = pack(self.eval_refs, self.cfg.train.batch_tokens)
         metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
         for batch_refs in batches[self.dist.rank::self.dist.world]:
-            batch = _to_device(self.reader.read(batch_refs), self.device, self.float_dtype)
+            batch = to_device(self.reader.read(batch_refs), self.device, self.float_dtype)
             metrics += self._forward(self.model, batch)[1]
         return summarize(self.dist.all_reduce(metrics))
 

@@ -63,8 +63,9 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     cu_seqlens [n+1] (all on the draft's device). embed: frozen target embedding [V_t, H];
     head_rows: target lm_head rows of the draft vocab [V_d, H]. `attention` and `loss_steps` have
     the SPEC §8 signatures of `kernels.ttt_attention` and `kernels.ttt_loss_steps`.
-    Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, 7]): columns are METRICS,
-    plus the accepted-length sum in column 6 of row 0.
+    Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, 7], per-row detail): metric
+    columns are METRICS plus the accepted-length sum in column 6 of row 0; the detail holds, per
+    row, `correct` [steps, T] and `accepted` [T] (leading correct steps), for evaluation.
     """
     cu = batch["cu_seqlens"]
     ids, mask, greedy = batch["input_ids"].long(), batch["loss_mask"], batch["target_argmax"].long()
@@ -84,20 +85,25 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     total, losses, argmaxes = loss_steps(
         head_inputs, draft.lm_head.weight.to(h.dtype), [probs[k:k + T] for k in range(steps)],
         [tg.valid for tg in targets], [decay ** k * scale for k in range(steps)])
-    return total, step_metrics(targets, losses, argmaxes, greedy, draft.d2t)
+    return (total, *step_metrics(targets, losses, argmaxes, greedy, draft.d2t))
 
 
-def step_metrics(targets: list[StepTargets], losses, argmaxes, greedy, d2t) -> torch.Tensor:
-    """Per-step sums on the device (no host sync): METRICS columns + accepted-length sum."""
+def step_metrics(targets: list[StepTargets], losses, argmaxes, greedy, d2t) -> tuple[torch.Tensor, dict]:
+    """Per-step sums on the device (no host sync): METRICS columns + accepted-length sum; and the
+    per-row detail (correct per step, leading correct steps)."""
     metrics = torch.zeros(len(targets), len(METRICS) + 1, device=greedy.device)
     run = torch.ones_like(greedy, dtype=torch.bool)
+    accepted = torch.zeros_like(greedy)
+    corrects = []
     for k, (tg, loss, argmax) in enumerate(zip(targets, losses, argmaxes)):
         correct = tg.valid & (argmax + d2t[argmax.clamp(min=0)] == greedy[tg.index])
         metrics[k, :6] = torch.stack([loss.detach().sum(), tg.valid.sum(), correct.sum(), tg.acc_rows.sum(),
                                       (correct & run).sum(), (tg.acc_rows & run).sum()]).float()
         run = run & correct
-        metrics[0, 6] += run.sum()  # leading correct steps of each start row
-    return metrics
+        accepted += run
+        corrects.append(correct)
+    metrics[0, 6] = accepted.sum()
+    return metrics, {"correct": torch.stack(corrects), "accepted": accepted, "start": targets[0].acc_rows}
 
 
 def summarize(metrics: torch.Tensor) -> dict:

@@ -91,8 +91,8 @@ def test_fp8_aux_storage_is_read_back_transparently(tmp_path, llama_target, toke
     batch, exact = ShardReader(fp8).read(refs), ShardReader(bf16).read(refs)
     assert batch["aux_hidden"].dtype == torch.float8_e4m3fn and batch["aux_scale"].shape == (
         batch["input_ids"].numel(), 3)
-    from eagle3.training import _to_device
-    decoded = _to_device(batch, torch.device("cpu"), torch.float32)["aux_hidden"]
+    from eagle3.data.batching import to_device
+    decoded = to_device(batch, torch.device("cpu"), torch.float32)["aux_hidden"]
     err = (decoded - exact["aux_hidden"].float()).norm() / exact["aux_hidden"].float().norm()
     assert err < 0.05
 

@@ -100,14 +100,14 @@ def test_packed_sequences_do_not_interact():
     embed, head = torch.randn(40, 16), torch.randn(24, 16)
     lengths = [9, 14, 5]
     batch = random_batch(lengths)
-    total, metrics = ttt_forward(draft, batch, embed, head, 4, ttt_attention, ttt_loss_steps)
+    total, metrics, _ = ttt_forward(draft, batch, embed, head, 4, ttt_attention, ttt_loss_steps)
     total.backward()
     packed_grad = draft.fc.weight.grad.clone()
     draft.zero_grad()
     sep_total, sep_metrics = 0, 0
     bounds = batch["cu_seqlens"].tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
-        t, m = ttt_forward(draft, slice_batch(batch, a, b), embed, head, 4, ttt_attention, ttt_loss_steps)
+        t, m, _ = ttt_forward(draft, slice_batch(batch, a, b), embed, head, 4, ttt_attention, ttt_loss_steps)
         t.backward()
         sep_total, sep_metrics = sep_total + t, sep_metrics + m
     torch.testing.assert_close(total, sep_total)

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from eagle3.data.shards import SeqRef, ShardReader
+from eagle3.data.shards import SeqRef, ShardReader, decode_aux_fp8
 
 
 def split_holdout(refs: list[SeqRef], fraction: float) -> tuple[list[SeqRef], list[SeqRef]]:
@@ -66,3 +66,17 @@ class Prefetcher:
         if isinstance(item, Exception):
             raise item
         return item
+
+
+def to_device(batch: dict, device: torch.device, float_dtype: torch.dtype) -> dict:
+    """Move a batch to the device; fp8 aux states (`aux_scale` present) are decoded there."""
+    batch = dict(batch)
+    scale = batch.pop("aux_scale", None)
+    aux = batch.pop("aux_hidden")
+    out = {k: v.to(device, float_dtype if v.is_floating_point() else None, non_blocking=True)
+           for k, v in batch.items()}
+    if scale is None:
+        out["aux_hidden"] = aux.to(device, float_dtype, non_blocking=True)
+    else:
+        out["aux_hidden"] = decode_aux_fp8(aux.to(device, non_blocking=True), scale.to(device), float_dtype)
+    return out

@@ -42,14 +42,15 @@ class LlamaTarget:
                 for n in self.layer_tensor_names(i)}
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
-                      cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """h [T, H] packed sequences -> h after the block."""
+                      cu_seqlens: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        """h [T, H] packed sequences -> h after the block. With `cache` (one sequence, decoding),
+        the new keys/values are appended to it and the queries also see the cached ones."""
         h = h + self._attention(w, rms_norm(h, w["input_layernorm.weight"], self.cfg.rms_norm_eps),
-                                positions, cu_seqlens)
+                                positions, cu_seqlens, cache)
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
         return h + swiglu(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
 
-    def _attention(self, w, x, positions, cu_seqlens):
+    def _attention(self, w, x, positions, cu_seqlens, cache):
         T = x.shape[0]
 
         def proj(name, heads):
@@ -62,7 +63,10 @@ class LlamaTarget:
             k = rms_norm(k, w["self_attn.k_norm.weight"], self.cfg.rms_norm_eps)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = causal_attention_packed(q, k, v, cu_seqlens)
+        if cache is None:
+            out = causal_attention_packed(q, k, v, cu_seqlens)
+        else:
+            out = cached_attention(q, *extend_cache(cache, k=k, v=v))
         return F.linear(out.reshape(T, -1), w["self_attn.o_proj.weight"])
 
 
@@ -75,3 +79,20 @@ def causal_attention_packed(q, k, v, cu_seqlens, scale=None):
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
             is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
     return out
+
+
+def extend_cache(cache: dict, **new: torch.Tensor) -> list[torch.Tensor]:
+    """Append this step's tensors (token axis first) to a layer's decoding cache; return all."""
+    for name, tensor in new.items():
+        cache[name] = tensor if name not in cache else torch.cat([cache[name], tensor])
+    return [cache[name] for name in new]
+
+
+def cached_attention(q, k, v, scale=None):
+    """The last q.shape[0] positions of one sequence attending to all k/v [n, Hkv, D]: causal,
+    aligned to the end (query i sees keys 0 .. n - T + i)."""
+    T, n = q.shape[0], k.shape[0]
+    visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - T, n, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
