@@ -105,6 +105,7 @@ class ExportConfig:
 class GenerateConfig:
     output_path: str = "runs/demo/regenerated.jsonl"  # pre-tokenized JSON lines, read by extract.py
     max_new_tokens: int = 512                 # per assistant reply
+    batch_size: int = 16                      # conversations decoded together
     temperature: float = 0.0                  # 0 = greedy (what the acceptance estimate assumes)
     top_p: float = 1.0
     seed: int = 0
@@ -146,7 +147,7 @@ POSITIVE = {("extract", "shard_tokens"), ("extract", "chunk_tokens"), ("train", 
             ("train", "grad_accum"), ("train", "ttt_steps"), ("train", "eval_every"),
             ("train", "log_every"), ("train", "checkpoint_every"), ("train", "keep_checkpoints"),
             ("draft", "num_layers"), ("data", "max_seq_len"), ("export", "speculative_tokens"),
-            ("generate", "max_new_tokens")}
+            ("generate", "max_new_tokens"), ("generate", "batch_size")}
 
 
 def _sections() -> dict[str, type]:

@@ -3,8 +3,10 @@ training conversations with the target itself (the biggest lever on acceptance).
 
 Each assistant reply (a run of loss_mask = 1) is replaced by the target's own continuation of
 everything before it (earlier replies already regenerated); user turns are kept. The output is
-pre-tokenized JSON lines, the format extraction reads. Resumable: lines are appended to
-`<output>.partial` as they finish and a rerun skips the conversations already there.
+pre-tokenized JSON lines, the format extraction reads. Conversations are decoded in batches of
+`generate.batch_size` (matmuls shared, attention per conversation against its own KV cache).
+Resumable: lines are appended to `<output>.partial` in input order as they finish and a rerun
+skips the conversations already there.
 """
 from __future__ import annotations
 
@@ -48,46 +50,80 @@ def stop_tokens(cfg: Config, ckpt: Checkpoint) -> set[int]:
 
 
 class Sampler:
-    def __init__(self, temperature: float, top_p: float, seed: int):
+    def __init__(self, temperature: float, top_p: float):
         self.temperature, self.top_p = temperature, top_p
-        self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor) -> int:
+    def __call__(self, logits: torch.Tensor, generator: torch.Generator) -> int:
         if self.temperature == 0:
             return int(logits.argmax())
         probs = torch.softmax(logits.float().cpu() / self.temperature, -1)
         sorted_probs, order = probs.sort(descending=True)
         keep = sorted_probs.cumsum(0) - sorted_probs < self.top_p  # smallest set with mass >= top_p
-        choice = torch.multinomial(sorted_probs * keep, 1, generator=self.generator)
+        choice = torch.multinomial(sorted_probs * keep, 1, generator=generator)
         return int(order[choice])
 
 
-def regenerate(target: IncrementalTarget, record: Record, sample: Sampler, max_new: int,
-               stop: set[int]) -> tuple[list[int], list[int]]:
-    """The conversation with every assistant reply replaced by the target's own."""
-    ids, mask, cursor = [], [], 0
-    original = record.input_ids.tolist()
-    for start, end in reply_spans(record.loss_mask.tolist()):
-        ids += original[cursor:start]
-        mask += [0] * (start - cursor)
-        reply = _continue(target, ids, sample, max_new, stop)
-        ids += reply
-        mask += [1] * len(reply)
-        cursor = end
-    ids += original[cursor:]
-    mask += [0] * (len(original) - cursor)
-    return ids, mask
+class Conversation:
+    """One conversation being regenerated: its tokens so far, how many the target's cache holds,
+    and which original reply it is replacing. Every target pass ends on a position whose next
+    token is the next token of a reply, so each pass is followed by one sample."""
+
+    def __init__(self, record: Record, target: IncrementalTarget, seed: int):
+        self.record, self.original = record, record.input_ids.tolist()
+        self.spans = reply_spans(record.loss_mask.tolist())
+        self.ids, self.mask, self.cursor, self.reply = [], [], 0, 0
+        self.cache = target.new_cache()
+        self.generator = torch.Generator().manual_seed(seed)  # per conversation: same draws on resume
+        self._copy_until_next_reply()
+
+    @property
+    def done(self) -> bool:
+        return not self.spans
+
+    def feed(self) -> torch.Tensor:
+        """Tokens the target has not seen yet."""
+        return torch.tensor(self.ids[IncrementalTarget.cached_tokens(self.cache):])
+
+    def take(self, token: int, max_new: int, stop: set[int]) -> None:
+        self.ids.append(token)
+        self.mask.append(1)
+        self.reply += 1
+        if token in stop or self.reply >= max_new:
+            self.cursor = self.spans.pop(0)[1]
+            self._copy_until_next_reply()
+
+    def _copy_until_next_reply(self) -> None:
+        """Copy the original tokens up to the next reply (or to the end when none is left)."""
+        end = self.spans[0][0] if self.spans else len(self.original)
+        self.ids += self.original[self.cursor:end]
+        self.mask += [0] * (end - self.cursor)
+        self.cursor, self.reply = end, 0
+
+    def output(self) -> dict:
+        return {"input_ids": self.ids, "loss_mask": self.mask, "source_line": self.record.line}
 
 
-def _continue(target: IncrementalTarget, prompt: list[int], sample: Sampler, max_new: int,
-              stop: set[int]) -> list[int]:
-    cache = target.new_cache()
-    _, final = target.forward(torch.tensor(prompt), cache)
-    out = [sample(target.logits(final[-1]))]
-    while len(out) < max_new and out[-1] not in stop:
-        _, final = target.forward(torch.tensor(out[-1:]), cache)
-        out.append(sample(target.logits(final[-1])))
-    return out
+def regenerate(target: IncrementalTarget, records: list[Record], sampler: Sampler, max_new: int,
+               stop: set[int], batch: int, seed: int):
+    """Yield regenerated conversations in input order, running up to `batch` of them through the
+    target together (a pass takes each one's unseen tokens: a prompt chunk or its last sample)."""
+    waiting = list(records)
+    active: list[Conversation] = []
+    finished: dict[int, dict] = {}
+    order = [r.line for r in records]
+    while waiting or active:
+        while waiting and len(active) < batch:
+            record = waiting.pop(0)
+            active.append(Conversation(record, target, seed * 1_000_003 + record.line))
+        for conv in [c for c in active if c.done]:
+            finished[conv.record.line] = conv.output()
+            active.remove(conv)
+        if active:
+            results = target.forward_many([c.feed() for c in active], [c.cache for c in active])
+            for conv, (_, final) in zip(active, results):
+                conv.take(sampler(target.logits(final[-1]), conv.generator), max_new, stop)
+        while order and order[0] in finished:
+            yield finished.pop(order.pop(0))
 
 
 def _done_lines(partial: Path) -> set[int]:
@@ -111,14 +147,13 @@ def run(cfg: Config) -> Path:
     done = _done_lines(partial)
     todo = [r for r in records if r.line not in done]
     target = IncrementalTarget(ckpt, [0, 0, 0], resolve_device(g.device), TORCH_DTYPES[g.dtype])
-    sample, stop = Sampler(g.temperature, g.top_p, g.seed), stop_tokens(cfg, ckpt)
-    with partial.open("a") as f:
-        for record in tqdm(todo, desc="generate", unit="conv", initial=len(records) - len(todo),
-                           total=len(records)):
-            sample.generator.manual_seed(g.seed * 1_000_003 + record.line)  # same draw on resume
-            ids, mask = regenerate(target, record, sample, g.max_new_tokens, stop)
-            f.write(json.dumps({"input_ids": ids, "loss_mask": mask, "source_line": record.line}) + "\n")
+    sampler, stop = Sampler(g.temperature, g.top_p), stop_tokens(cfg, ckpt)
+    with partial.open("a") as f, tqdm(desc="generate", unit="conv", initial=len(records) - len(todo),
+                                      total=len(records)) as bar:
+        for line in regenerate(target, todo, sampler, g.max_new_tokens, stop, g.batch_size, g.seed):
+            f.write(json.dumps(line) + "\n")
             f.flush()
+            bar.update(1)
     os.replace(partial, out)
     print(f"generate: {len(records)} conversations ({stats.skipped} input lines skipped) -> {out}")
     return out

@@ -21,6 +21,7 @@ class IncrementalTarget:
         self.eps = ckpt.config.rms_norm_eps
 
     def new_cache(self) -> list[dict]:
+        """One sequence's cache: a dict per layer."""
         return [{} for _ in self.layers]
 
     @staticmethod
@@ -34,20 +35,28 @@ class IncrementalTarget:
             for name in layer:
                 layer[name] = layer[name][:n]
 
-    @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Process the next ids [n] of the sequence -> (aux [n, 3H], post-norm final [n, H])."""
-        start = self.cached_tokens(cache)
-        cu = torch.tensor([0, ids.numel()], device=self.device)
-        positions = positions_from_cu_seqlens(cu, ids.numel()) + start
-        h = self.embed[ids.to(self.device)]
+        """Process the next ids [n] of one sequence -> (aux [n, 3H], post-norm final [n, H])."""
+        return self.forward_many([ids], [cache])[0]
+
+    @torch.no_grad()
+    def forward_many(self, chunks: list[torch.Tensor], caches: list[list[dict]]) -> list[tuple]:
+        """The next tokens of several sequences in one batched pass (matmuls over all of them,
+        attention per sequence against its own cache) -> [(aux, final)] per sequence."""
+        lengths = [c.numel() for c in chunks]
+        cu = torch.tensor([0] + lengths, device=self.device).cumsum(0)
+        starts = torch.tensor([self.cached_tokens(c) for c in caches], device=self.device)
+        positions = positions_from_cu_seqlens(cu, int(cu[-1])) + starts.repeat_interleave(
+            torch.tensor(lengths, device=self.device))
+        h = self.embed[torch.cat(chunks).to(self.device)]
         captured = {}
-        for i, (weights, layer_cache) in enumerate(zip(self.layers, cache)):
-            h = self.model.layer_forward(weights, h, positions, cu, cache=layer_cache)
+        for i, weights in enumerate(self.layers):
+            h = self.model.layer_forward(weights, h, positions, cu, cache=[c[i] for c in caches])
             if i in self.aux_layer_ids:
                 captured[i] = h
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
-        return aux, rms_norm(h, self.norm, self.eps)
+        final = rms_norm(h, self.norm, self.eps)
+        return list(zip(aux.split(lengths), final.split(lengths)))
 
     def greedy(self, final: torch.Tensor) -> torch.Tensor:
         return (final @ self.head.T).float().argmax(-1)

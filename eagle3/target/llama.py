@@ -42,9 +42,10 @@ class LlamaTarget:
                 for n in self.layer_tensor_names(i)}
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
-                      cu_seqlens: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
-        """h [T, H] packed sequences -> h after the block. With `cache` (one sequence, decoding),
-        the new keys/values are appended to it and the queries also see the cached ones."""
+                      cu_seqlens: torch.Tensor, cache: list[dict] | None = None) -> torch.Tensor:
+        """h [T, H] packed sequences -> h after the block. With `cache` (decoding: one dict per
+        packed sequence), each sequence's new keys/values are appended to its cache and its
+        queries also see the cached ones."""
         h = h + self._attention(w, rms_norm(h, w["input_layernorm.weight"], self.cfg.rms_norm_eps),
                                 positions, cu_seqlens, cache)
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
@@ -66,7 +67,7 @@ class LlamaTarget:
         if cache is None:
             out = causal_attention_packed(q, k, v, cu_seqlens)
         else:
-            out = cached_attention(q, *extend_cache(cache, k=k, v=v))
+            out = cached_attention_packed(q, k, v, cu_seqlens, cache)
         return F.linear(out.reshape(T, -1), w["self_attn.o_proj.weight"])
 
 
@@ -78,6 +79,15 @@ def causal_attention_packed(q, k, v, cu_seqlens, scale=None):
         out[a:b] = F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
             is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
+    return out
+
+
+def cached_attention_packed(q, k, v, cu_seqlens, caches: list[dict], scale=None):
+    """Decoding step of several sequences: segment i of q/k/v [T, heads, D] continues caches[i]."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    bounds = cu_seqlens.tolist()
+    for a, b, cache in zip(bounds[:-1], bounds[1:], caches):
+        out[a:b] = cached_attention(q[a:b], *extend_cache(cache, k=k[a:b], v=v[a:b]), scale=scale)
     return out
 
 
