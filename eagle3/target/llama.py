@@ -71,14 +71,20 @@ class LlamaTarget:
         return F.linear(out.reshape(T, -1), w["self_attn.o_proj.weight"])
 
 
+def sdpa(q, k, v, **kw) -> torch.Tensor:
+    """q/k/v [n, heads, D] -> [n, heads, Dv]. SDPA's fused (flash) kernels take only 4-D inputs:
+    3-D ones silently run the math path, which materializes the scores (20x slower on an H200)."""
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                          v.transpose(0, 1)[None], enable_gqa=q.shape[1] != k.shape[1],
+                                          **kw)[0].transpose(0, 1)
+
+
 def causal_attention_packed(q, k, v, cu_seqlens, scale=None):
     """Causal attention of each packed sequence on its own: q [T, Hq, D], k/v [T, Hkv, D|Dv]."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     bounds = cu_seqlens.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
-        out[a:b] = F.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
+        out[a:b] = sdpa(q[a:b], k[a:b], v[a:b], is_causal=True, scale=scale)
     return out
 
 
@@ -103,6 +109,4 @@ def cached_attention(q, k, v, scale=None):
     aligned to the end (query i sees keys 0 .. n - T + i)."""
     T, n = q.shape[0], k.shape[0]
     visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - T, n, device=q.device)[:, None]
-    return F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
+    return sdpa(q, k, v, attn_mask=visible, scale=scale)

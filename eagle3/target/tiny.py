@@ -1,7 +1,8 @@
 """Miniature random-weight targets with the real config layouts and tensor names.
 
 Used by the tests and the demo: every code path that reads a real checkpoint is exercised on
-these. `make_llama` writes Llama / Qwen2 / Qwen3 layouts (flat config, `model.` prefix).
+these. `make_llama` writes Llama / Qwen2 / Qwen3 layouts (flat config, `model.` prefix);
+`make_kimi` writes Kimi-K2.5's (nested config, `language_model.` prefix, int4 routed experts).
 """
 from __future__ import annotations
 
@@ -102,7 +103,141 @@ def make_token_data(out: str | Path, vocab: int, sequences: int = 64, min_len: i
     return out
 
 
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int values -8..7 [out, in] -> compressed-tensors int32 [out, in/8] (value + 8, lowest nibble first)."""
+    nib = (q.to(torch.int64) + 8).unflatten(-1, (-1, 8))
+    word = (nib << (4 * torch.arange(8))).sum(-1)
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+
+
+def _quantized(g: torch.Generator, out: int, inp: int, std: float, group: int = 32) -> dict[str, torch.Tensor]:
+    """Random int4 pack-quantized linear with weights of about `std`: weight_packed/scale/shape."""
+    q = torch.randint(-8, 8, (out, inp), generator=g)
+    scale = std / 4.6 * (1 + 0.2 * torch.rand(out, inp // group, generator=g))  # int4 values have std ~4.6
+    return {"weight_packed": pack_int4(q), "weight_scale": scale.to(torch.bfloat16),
+            "weight_shape": torch.tensor([out, inp], dtype=torch.int32)}
+
+
+_KIMI_QUANT = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32,
+                    "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
+                    "symmetric": True, "type": "int"}}},
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
+
+
+def _kimi_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head, intermediate,
+                 moe_intermediate, experts, top_k, n_group, topk_group, first_dense, vocab, yarn_original,
+                 yarn_factor) -> dict:
+    """Kimi-K2.5's config.json layout (same keys and value types as the real file), small sizes."""
+    # special ids sit in the top 256 of the vocab, as Kimi's 163584.. do
+    ids = {"bos_token_id": vocab - 256, "eos_token_id": vocab - 255, "pad_token_id": vocab - 1}
+    text = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                     "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                     "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+        "model_type": "kimi_k2", "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001,
+        **ids, "ep_size": 1, "first_k_dense_replace": first_dense, "hidden_act": "silu",
+        "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": intermediate,
+        "kv_lora_rank": kv_lora_rank, "max_position_embeddings": int(yarn_original * yarn_factor),
+        "moe_intermediate_size": moe_intermediate, "moe_layer_freq": 1, "n_group": n_group,
+        "n_routed_experts": experts, "n_shared_experts": 1, "norm_topk_prob": True,
+        "num_attention_heads": heads, "num_experts_per_tok": top_k, "num_hidden_layers": layers,
+        "num_key_value_heads": heads, "num_nextn_predict_layers": 0, "pretraining_tp": 1,
+        "q_lora_rank": q_lora_rank, "qk_nope_head_dim": qk_nope, "qk_rope_head_dim": qk_rope,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": float(yarn_factor), "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": yarn_original,
+                         "type": "yarn"},
+        "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": topk_group, "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": v_head, "vocab_size": vocab,
+        "quantization_config": _KIMI_QUANT,
+    }
+    vision = {"init_pos_emb_height": 8, "init_pos_emb_time": 4, "init_pos_emb_width": 8,
+              "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mm_hidden_size": 16,
+              "mm_projector_type": "patchmerger", "patch_size": 14, "pos_emb_type": "divided_fixed",
+              "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05, "text_hidden_size": hidden,
+              "video_attn_type": "spatial_temporal", "vt_hidden_size": 16, "vt_intermediate_size": 32,
+              "vt_num_attention_heads": 2, "vt_num_hidden_layers": 1}
+    return {"architectures": ["KimiK25ForConditionalGeneration"],
+            "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                         "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+                         "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
+            **ids, "ignore_index": -100, "media_placeholder_token_id": vocab - 256 + 21, "model_type": "kimi_k25",
+            "tie_word_embeddings": False, "use_unified_vision_chunk": True,
+            "video_placeholder": "<|kimi_k25_video_placeholder|>", "text_config": text, "vision_config": vision}
+
+
+def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4, q_lora_rank: int | None = 32,
+              kv_lora_rank: int = 16, qk_nope: int = 16, qk_rope: int = 8, v_head: int = 16,
+              intermediate: int = 128, moe_intermediate: int = 32, experts: int = 8, top_k: int = 2,
+              n_group: int = 1, topk_group: int = 1, first_dense: int = 1, vocab: int = 512,
+              yarn_original: int = 128, yarn_factor: float = 32.0, shards: int = 3, seed: int = 0,
+              quantized: bool = True) -> Path:
+    """A miniature Kimi-K2.5 checkpoint: `kimi_k25` wrapper config, `language_model.` prefix, vision
+    tensors, int4 pack-quantized routed experts (bf16 everything else), fp32 gate bias, sharded."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = _kimi_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head,
+                          intermediate, moe_intermediate, experts, top_k, n_group, topk_group, first_dense,
+                          vocab, yarn_original, yarn_factor)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std=None):
+        return (torch.randn(*shape, generator=g) * (std if std is not None else shape[-1] ** -0.5)).to(torch.bfloat16)
+
+    def ones(n):
+        return (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    def mlp(p, inter, quant):
+        # small down projections (like the small o_proj) keep the target learnable by a tiny draft
+        for name, shape, std in (("gate_proj", (inter, hidden), hidden ** -0.5),
+                                 ("up_proj", (inter, hidden), hidden ** -0.5),
+                                 ("down_proj", (hidden, inter), 0.3 * inter ** -0.5)):
+            if quant:
+                t.update({f"{p}{name}.{k}": v for k, v in _quantized(g, *shape, std).items()})
+            else:
+                t[f"{p}{name}.weight"] = rand(*shape, std=std)
+
+    m = "language_model.model."
+    t = {m + "embed_tokens.weight": rand(vocab, hidden, std=1.0), m + "norm.weight": ones(hidden),
+         "language_model.lm_head.weight": rand(vocab, hidden, std=3 * hidden ** -0.5),
+         "vision_tower.patch_embed.proj.weight": rand(16, 3, 14, 14),
+         "vision_tower.encoder.blocks.0.wqkv.weight": rand(48, 16),
+         "mm_projector.proj.0.weight": rand(hidden, 64), "mm_projector.proj.0.bias": rand(hidden, std=0.02)}
+    for i in range(layers):
+        p, a = f"{m}layers.{i}.", f"{m}layers.{i}.self_attn."
+        t[p + "input_layernorm.weight"] = ones(hidden)
+        t[p + "post_attention_layernorm.weight"] = ones(hidden)
+        if q_lora_rank is None:
+            t[a + "q_proj.weight"] = rand(heads * (qk_nope + qk_rope), hidden)
+        else:
+            t[a + "q_a_proj.weight"] = rand(q_lora_rank, hidden)
+            t[a + "q_a_layernorm.weight"] = ones(q_lora_rank)
+            t[a + "q_b_proj.weight"] = rand(heads * (qk_nope + qk_rope), q_lora_rank)
+        t[a + "kv_a_proj_with_mqa.weight"] = rand(kv_lora_rank + qk_rope, hidden)
+        t[a + "kv_a_layernorm.weight"] = ones(kv_lora_rank)
+        t[a + "kv_b_proj.weight"] = rand(heads * (qk_nope + v_head), kv_lora_rank)
+        t[a + "o_proj.weight"] = rand(hidden, heads * v_head, std=0.3 * (heads * v_head) ** -0.5)
+        if i < first_dense:
+            mlp(p + "mlp.", intermediate, quant=False)
+            continue
+        t[p + "mlp.gate.weight"] = rand(experts, hidden)
+        t[p + "mlp.gate.e_score_correction_bias"] = 0.1 * torch.randn(experts, generator=g)
+        mlp(p + "mlp.shared_experts.", moe_intermediate, quant=False)
+        for e in range(experts):
+            mlp(f"{p}mlp.experts.{e}.", moe_intermediate, quant=quantized)
+    _save_sharded(t, out, shards)
+    return out
+
+
 def make_demo_target(out: str | Path) -> Path:
-    """The target the README demo and the default config.toml use."""
-    return make_llama(out, family="llama", hidden=64, layers=8, heads=4, kv_heads=2, intermediate=128,
-                      vocab=512, seed=0)
+    """The target the README demo and the default config.toml use: Kimi-K2.5's layout, tiny."""
+    return make_kimi(out, layers=8)

@@ -1,0 +1,410 @@
+"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 forward for extraction, one layer at a time (SPEC §3).
+
+MLA attention with interleaved-pair RoPE (YaRN) on the rope part only, dense first layers, and MoE
+layers with a sigmoid router, noaux_tc group-limited top-k, shared experts and int4 routed experts.
+Routed experts stay packed on the device; `layer_forward` dequantizes only the experts that received
+tokens, a few at a time, and runs each expert's tokens as one matmul.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eagle3.ops import rms_norm, swiglu
+from eagle3.target import quant
+from eagle3.target.checkpoint import Checkpoint, TargetError, TextConfig, _require
+from eagle3.target.llama import cached_attention_packed, causal_attention_packed
+
+# experts dequantized and multiplied together: 32 Kimi experts are 2.8 GB of bf16, enough rows
+# for one grouped GEMM to fill the GPU, a small transient next to a 64k-token chunk's activations
+EXPERT_BLOCK = 32
+
+
+@dataclass
+class DeepseekSpec:
+    """The text config fields the DeepSeek-V3 forward needs, checked."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    topk_method: str
+
+    @classmethod
+    def from_config(cls, c: TextConfig) -> DeepseekSpec:
+        raw, where = c.raw, c.source
+        q_lora = raw.get("q_lora_rank")
+        if q_lora is not None:
+            q_lora = _require(raw, "q_lora_rank", where)
+        moe = raw.get("n_routed_experts") is not None
+        spec = cls(
+            q_lora_rank=q_lora,
+            kv_lora_rank=_require(raw, "kv_lora_rank", where),
+            qk_nope_head_dim=_require(raw, "qk_nope_head_dim", where),
+            qk_rope_head_dim=_require(raw, "qk_rope_head_dim", where),
+            v_head_dim=_require(raw, "v_head_dim", where),
+            first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
+            moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
+            n_routed_experts=_require(raw, "n_routed_experts", where) if moe else 0,
+            n_shared_experts=int(raw.get("n_shared_experts") or 0),
+            num_experts_per_tok=_require(raw, "num_experts_per_tok", where) if moe else 0,
+            moe_intermediate_size=_require(raw, "moe_intermediate_size", where) if moe else 0,
+            n_group=int(raw.get("n_group") or 1),
+            topk_group=int(raw.get("topk_group") or 1),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            topk_method=str(raw.get("topk_method", "noaux_tc")),
+        )
+        spec._validate(raw, where)
+        return spec
+
+    def _validate(self, raw: dict, where: str) -> None:
+        scoring = raw.get("scoring_func", "sigmoid")
+        if self.n_routed_experts and scoring != "sigmoid":
+            raise TargetError(f"{where}: scoring_func '{scoring}' is not supported (DeepSeek-V3 layout: sigmoid)")
+        if self.n_routed_experts and self.topk_method not in ("noaux_tc", "greedy"):
+            raise TargetError(f"{where}: topk_method '{self.topk_method}' is not supported "
+                              "(supported: noaux_tc, greedy)")
+        if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
+            raise TargetError(f"{where}: n_routed_experts {self.n_routed_experts} must split into n_group "
+                              f"{self.n_group} groups and topk_group {self.topk_group} <= n_group")
+        if self.qk_rope_head_dim % 2:
+            raise TargetError(f"{where}: qk_rope_head_dim {self.qk_rope_head_dim} must be even")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe(self, i: int) -> bool:
+        return bool(self.n_routed_experts) and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE with YaRN (SPEC §3)
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_bounds(dim: int, base: float, original: int, beta_fast: float, beta_slow: float) -> tuple[int, int]:
+    """The first and last rotary pair index of the ramp between extrapolated and interpolated."""
+    def pair(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    return max(math.floor(pair(beta_fast)), 0), min(math.ceil(pair(beta_slow)), dim - 1)
+
+
+def rope_tables(c: TextConfig, spec: DeepseekSpec) -> tuple[torch.Tensor, float, float]:
+    """(inv_freq [d/2] fp32, cos/sin multiplier, softmax scale) for rope dim d = qk_rope_head_dim."""
+    d, base, s = spec.qk_rope_head_dim, c.rope_theta, c.rope_scaling
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    scale = spec.qk_head_dim ** -0.5
+    if s is None:
+        return inv.float(), 1.0, scale
+    if s["rope_type"] != "yarn":
+        raise TargetError(f"{c.source}: rope_scaling type '{s['rope_type']}' is not supported for the "
+                          "DeepSeek-V3 layout (supported: yarn or none)")
+    f = float(s["factor"])
+    low, high = yarn_bounds(d, base, int(s["original_max_position_embeddings"]),
+                            float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1)))
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    inv = inv / f * ramp + inv * (1 - ramp)
+    all_dim = yarn_mscale(f, float(s.get("mscale_all_dim", 0)))
+    return inv.float(), yarn_mscale(f, float(s.get("mscale", 1))) / all_dim, scale * all_dim ** 2
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2j], x[2j+1]) of x [T, heads, d] by cos/sin [T, d/2], in fp32."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, None], sin[:, None]
+    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing and the experts' matmuls
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, spec: DeepseekSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 router logits [T, E] -> (expert ids [T, k] int64, weights [T, k] fp32).
+
+    Experts are chosen by the biased scores (after keeping the topk_group best groups, each group
+    scored by the sum of its two best biased scores); they are weighted by the unbiased ones."""
+    scores = logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if spec.n_group > 1:
+        T, E = choice.shape
+        groups = choice.view(T, spec.n_group, E // spec.n_group)
+        best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)             # [T, G]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(
+            1, best.topk(spec.topk_group, dim=-1).indices, True)
+        choice = groups.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+    idx = choice.topk(spec.num_experts_per_tok, dim=-1).indices
+    weights = scores.gather(1, idx)
+    if spec.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return idx, weights * spec.routed_scaling_factor
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    # torch._grouped_mm (torch >= 2.8) runs any dtype on the CPU but only bf16 on CUDA
+    return hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 or not x.is_cuda)
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int], ends: torch.Tensor) -> torch.Tensor:
+    """x [n, K] with rows grouped by expert (sizes[j] rows for expert j, ends = their cumsum, int32),
+    w [B, N, K] the experts' weights -> [n, N], each group times its expert's w[j].T."""
+    if grouped_mm_supported(x):
+        return torch._grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=ends)
+    return torch.cat([F.linear(part, w[j]) for j, part in enumerate(x.split(sizes))])
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor names
+
+def _attention_names(has, p: str, spec: DeepseekSpec) -> list[str]:
+    a = p + "self_attn."
+    names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+             a + "kv_a_layernorm.weight"]
+    if spec.q_lora_rank is not None:
+        names += quant.linear_names(has, a + "q_a_proj") + [a + "q_a_layernorm.weight"]
+        names += quant.linear_names(has, a + "q_b_proj")
+    else:
+        names += quant.linear_names(has, a + "q_proj")
+    for proj in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        names += quant.linear_names(has, a + proj)
+    return names
+
+
+def _mlp_names(has, p: str) -> list[str]:
+    return [n for proj in ("gate_proj", "up_proj", "down_proj") for n in quant.linear_names(has, p + proj)]
+
+
+def expert_names(has, i: int, e: int) -> list[str]:
+    return _mlp_names(has, f"layers.{i}.mlp.experts.{e}.")
+
+
+def layer_tensor_names(ckpt: Checkpoint, spec: DeepseekSpec, i: int) -> list[str]:
+    """Every tensor layer i's forward reads (names relative to the text model)."""
+    p = f"layers.{i}."
+    names = _attention_names(ckpt.has, p, spec)
+    if not spec.is_moe(i):
+        return names + _mlp_names(ckpt.has, p + "mlp.")
+    names.append(p + "mlp.gate.weight")
+    if spec.topk_method == "noaux_tc":
+        names.append(p + "mlp.gate.e_score_correction_bias")
+    if spec.n_shared_experts:
+        names += _mlp_names(ckpt.has, p + "mlp.shared_experts.")
+    return names + [n for e in range(spec.n_routed_experts) for n in expert_names(ckpt.has, i, e)]
+
+
+def required_tensor_names(ckpt: Checkpoint) -> list[str]:
+    """Every tensor the extraction forward reads, names relative to the text model."""
+    spec = DeepseekSpec.from_config(ckpt.config)
+    names = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
+    for i in range(ckpt.config.num_hidden_layers):
+        names += layer_tensor_names(ckpt, spec, i)
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+def _where(ckpt: Checkpoint, name: str) -> str:
+    full = ckpt.full_name(name)
+    return f"{ckpt.dir / ckpt.weight_map[full]}: {full}"
+
+
+def _load_packed(ckpt: Checkpoint, base: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    packed, scale = ckpt.get(base + ".weight_packed"), ckpt.get(base + ".weight_scale")
+    try:
+        quant.check_packed(packed, scale, ckpt.get(base + ".weight_shape"), shape)
+    except ValueError as e:
+        full = ckpt.full_name(base + ".weight_packed")
+        raise TargetError(f"{ckpt.dir / ckpt.weight_map[full]}: {ckpt.full_name(base)}.{e}") from None
+    return packed, scale
+
+
+def _load_dense(ckpt: Checkpoint, base: str, shape: tuple[int, int], device, dtype) -> torch.Tensor:
+    """A linear's weight [out, in] on device in dtype, dequantized if it is stored packed."""
+    if quant.linear_names(ckpt.has, base)[0].endswith(".weight_packed"):
+        packed, scale = _load_packed(ckpt, base, shape)
+        return quant.dequantize_int4(packed.to(device), scale.to(device), dtype)
+    w = ckpt.get(base + ".weight")
+    if list(w.shape) != list(shape):
+        raise TargetError(f"{_where(ckpt, base + '.weight')}: shape {list(w.shape)}; expected {list(shape)}")
+    return w.to(device, dtype, non_blocking=True)
+
+
+class DeepseekTarget:
+    """The interface of `LlamaTarget`: `cfg`, `load_layer(i)`, `layer_forward(...)`, `layer_tensor_names(i)`."""
+
+    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
+        self.ckpt, self.cfg, self.device, self.dtype = ckpt, ckpt.config, device, dtype
+        self.spec = DeepseekSpec.from_config(self.cfg)
+        self.heads = self.cfg.num_attention_heads
+        self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
+
+    def layer_tensor_names(self, i: int) -> list[str]:
+        return layer_tensor_names(self.ckpt, self.spec, i)
+
+    # -- loading: runs in the prefetch thread ------------------------------------------------------
+
+    def _shapes(self, i: int) -> dict[str, tuple[int, int]]:
+        s, H, nh = self.spec, self.cfg.hidden_size, self.heads
+        shapes = {"self_attn.kv_a_proj_with_mqa": (s.kv_lora_rank + s.qk_rope_head_dim, H),
+                  "self_attn.kv_b_proj": (nh * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
+                  "self_attn.o_proj": (H, nh * s.v_head_dim)}
+        if s.q_lora_rank is not None:
+            shapes["self_attn.q_a_proj"] = (s.q_lora_rank, H)
+            shapes["self_attn.q_b_proj"] = (nh * s.qk_head_dim, s.q_lora_rank)
+        else:
+            shapes["self_attn.q_proj"] = (nh * s.qk_head_dim, H)
+        mlps = {}
+        if not s.is_moe(i):
+            mlps["mlp."] = self.cfg.intermediate_size
+        elif s.n_shared_experts:
+            mlps["mlp.shared_experts."] = s.moe_intermediate_size * s.n_shared_experts
+        for p, inter in mlps.items():
+            shapes.update({p + "gate_proj": (inter, H), p + "up_proj": (inter, H), p + "down_proj": (H, inter)})
+        return shapes
+
+    def load_layer(self, i: int) -> dict[str, torch.Tensor]:
+        p, dev = f"layers.{i}.", self.device
+        w = {name: _load_dense(self.ckpt, p + name, shape, dev, self.dtype)
+             for name, shape in self._shapes(i).items()}
+        norms = ["input_layernorm", "post_attention_layernorm", "self_attn.kv_a_layernorm"]
+        norms += ["self_attn.q_a_layernorm"] if self.spec.q_lora_rank is not None else []
+        w.update({n: self.ckpt.get(p + n + ".weight").to(dev, self.dtype) for n in norms})
+        if self.spec.is_moe(i):
+            w["mlp.gate"] = self.ckpt.get(p + "mlp.gate.weight").to(dev, torch.float32)
+            if self.spec.topk_method == "noaux_tc":
+                w["mlp.gate.bias"] = self.ckpt.get(p + "mlp.gate.e_score_correction_bias").to(dev, torch.float32)
+            w.update(self._load_experts(i))
+        return w
+
+    def _load_experts(self, i: int) -> dict[str, torch.Tensor]:
+        """Stacked routed experts: `experts.gate_up.*` [E, 2I, ...] (gate rows first) and
+        `experts.down.*` [E, H, ...]; int4 stays packed, unless some expert is stored dense."""
+        s, H, I = self.spec, self.cfg.hidden_size, self.spec.moe_intermediate_size
+        packed = all(expert_names(self.ckpt.has, i, e)[0].endswith(".weight_packed")
+                     for e in range(s.n_routed_experts))
+        stack = self._stack_packed if packed else self._stack_dense
+        out = {}
+        for key, projs, shape in (("gate_up", ("gate_proj", "up_proj"), (I, H)), ("down", ("down_proj",), (H, I))):
+            bases = [[f"layers.{i}.mlp.experts.{e}.{p}" for p in projs] for e in range(s.n_routed_experts)]
+            out.update({f"experts.{key}.{n}": t for n, t in stack(bases, shape).items()})
+        return out
+
+    def _stack_packed(self, bases: list[list[str]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """bases[e] = the linears of expert e stacked along rows -> packed [E, rows, in/8], scales."""
+        rows = shape[0] * len(bases[0])
+        packed = scale = None
+        for e, names in enumerate(bases):
+            for j, base in enumerate(names):
+                pk, sc = _load_packed(self.ckpt, base, shape)
+                if packed is None:  # allocated on first sight: the scale dtype is the file's
+                    packed = torch.empty(len(bases), rows, pk.shape[1], dtype=pk.dtype, device=self.device)
+                    scale = torch.empty(len(bases), rows, sc.shape[1], dtype=sc.dtype, device=self.device)
+                packed[e, j * shape[0]:(j + 1) * shape[0]].copy_(pk)
+                scale[e, j * shape[0]:(j + 1) * shape[0]].copy_(sc)
+        return {"weight_packed": packed, "weight_scale": scale}
+
+    def _stack_dense(self, bases: list[list[str]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """Like _stack_packed for experts of which some are stored dense: all dense in self.dtype."""
+        w = torch.stack([torch.cat([_load_dense(self.ckpt, b, shape, self.device, self.dtype) for b in names])
+                         for names in bases])
+        return {"weight": w}
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
+                      cu_seqlens: torch.Tensor, cache: list[dict] | None = None) -> torch.Tensor:
+        """h [T, H] packed sequences -> h after the block. With `cache` (decoding: one dict per
+        packed sequence), each sequence's new keys/values are appended to its cache and its
+        queries also see the cached ones."""
+        eps = self.cfg.rms_norm_eps
+        h = h + self._attention(w, rms_norm(h, w["input_layernorm"], eps), positions, cu_seqlens, cache)
+        x = rms_norm(h, w["post_attention_layernorm"], eps)
+        if "mlp.gate" not in w:
+            return h + swiglu(x, w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"])
+        return h + self._moe(w, x)
+
+    def _attention(self, w, x, positions, cu_seqlens, cache):
+        s, T, nh = self.spec, x.shape[0], self.heads
+        eps = self.cfg.rms_norm_eps
+        if s.q_lora_rank is not None:
+            q = F.linear(rms_norm(F.linear(x, w["self_attn.q_a_proj"]), w["self_attn.q_a_layernorm"], eps),
+                         w["self_attn.q_b_proj"])
+        else:
+            q = F.linear(x, w["self_attn.q_proj"])
+        q_nope, q_pe = q.view(T, nh, s.qk_head_dim).split([s.qk_nope_head_dim, s.qk_rope_head_dim], -1)
+        c, k_pe = F.linear(x, w["self_attn.kv_a_proj_with_mqa"]).split([s.kv_lora_rank, s.qk_rope_head_dim], -1)
+        kv = F.linear(rms_norm(c, w["self_attn.kv_a_layernorm"], eps), w["self_attn.kv_b_proj"])
+        k_nope, v = kv.view(T, nh, s.qk_nope_head_dim + s.v_head_dim).split([s.qk_nope_head_dim, s.v_head_dim], -1)
+        freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None]
+        cos, sin = freqs.cos() * self.rope_mscale, freqs.sin() * self.rope_mscale
+        q = torch.cat([q_nope, apply_rope_interleaved(q_pe, cos, sin)], -1)
+        k_pe = apply_rope_interleaved(k_pe[:, None], cos, sin).expand(T, nh, s.qk_rope_head_dim)
+        k = torch.cat([k_nope, k_pe], -1)
+        # v padded to the q/k head dim so flash attention applies (it needs equal head dims)
+        v = F.pad(v, (0, s.qk_head_dim - s.v_head_dim)) if s.v_head_dim < s.qk_head_dim else v
+        if cache is None:
+            out = causal_attention_packed(q, k, v, cu_seqlens, self.softmax_scale)
+        else:
+            out = cached_attention_packed(q, k, v, cu_seqlens, cache, self.softmax_scale)
+        out = out[..., :s.v_head_dim]
+        return F.linear(out.reshape(T, nh * s.v_head_dim), w["self_attn.o_proj"])
+
+    def _moe(self, w, x):
+        idx, weights = route(F.linear(x.float(), w["mlp.gate"]), w.get("mlp.gate.bias"), self.spec)
+        out = self._routed(w, x, idx, weights).to(x.dtype)
+        if self.spec.n_shared_experts:
+            out = out + swiglu(x, w["mlp.shared_experts.gate_proj"], w["mlp.shared_experts.up_proj"],
+                               w["mlp.shared_experts.down_proj"])
+        return out
+
+    def _routed(self, w, x, idx, weights):
+        """Σ_k weights[t, k] · expert_idx[t, k](x_t), fp32 [T, H]: (token, slot) pairs sorted by
+        expert; per block of EXPERT_BLOCK active experts, their weights dequantized into one
+        buffer and one grouped GEMM per projection over all the block's rows."""
+        T, k = idx.shape
+        I = self.spec.moe_intermediate_size
+        order = idx.flatten().argsort(stable=True)
+        token, pair_w = order // k, weights.flatten()[order]
+        counts = torch.bincount(idx.flatten(), minlength=self.spec.n_routed_experts).tolist()  # one sync
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        active = [e for e, n in enumerate(counts) if n]
+        acc = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        for b in range(0, len(active), EXPERT_BLOCK):
+            block = active[b:b + EXPERT_BLOCK]
+            rows = slice(starts[block[0]], starts[block[-1] + 1])
+            sizes = [counts[e] for e in block]
+            ends = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
+            gu = expert_matmul(x[token[rows]], self._expert_weights(w, "gate_up", block), sizes, ends)  # [n, 2I]
+            # the routing weight scales the [n, I] activation rather than the [n, H] output: cheaper
+            h = (F.silu(gu[:, :I]) * gu[:, I:]).float().mul_(pair_w[rows, None]).to(x.dtype)
+            y = expert_matmul(h, self._expert_weights(w, "down", block), sizes, ends)               # [n, H]
+            acc.index_add_(0, token[rows], y.float())
+        return acc
+
+    def _expert_weights(self, w, key: str, experts: list[int]) -> torch.Tensor:
+        """Dense [len(experts), out, in] weights of the chosen experts."""
+        ids = torch.tensor(experts, device=self.device)
+        if f"experts.{key}.weight" in w:
+            return w[f"experts.{key}.weight"].index_select(0, ids)
+        return quant.dequantize_int4(w[f"experts.{key}.weight_packed"].index_select(0, ids),
+                                     w[f"experts.{key}.weight_scale"].index_select(0, ids), self.dtype)

@@ -1,0 +1,96 @@
+"""compressed-tensors `pack-quantized` int4 weights (SPEC §2): unpacking and dequantization.
+
+A quantized linear `X` is stored as `X.weight_packed` (int32 [out, in/8], eight 4-bit values per
+int32 along the input dimension, lowest nibble first, each stored as value + 8), `X.weight_scale`
+([out, in/group]) and `X.weight_shape` (int32 [2] = [out, in]); a plain linear as `X.weight`.
+Which one a linear is gets decided by its keys, never by the config's ignore list.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
+
+
+def linear_names(has, base: str) -> list[str]:
+    """The tensor names of linear `base` (e.g. `layers.3.mlp.experts.0.up_proj`): the three packed
+    parts when any of them is present (so a lost part is reported by name), else `base.weight`."""
+    packed = [f"{base}.{s}" for s in PACKED_SUFFIXES]
+    return packed if any(has(n) for n in packed) else [f"{base}.weight"]
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., n/8] -> uint8 [..., n] nibbles (0..15), element 8c+j from bits 4j..4j+3 of column c."""
+    if packed.dtype != torch.int32:
+        raise TypeError(f"weight_packed must be int32, got {packed.dtype}")
+    # int32 words are little-endian in memory (x86, Arm, CUDA): byte b of word c holds element
+    # 8c+2b in its low nibble and 8c+2b+1 in its high one, so a byte view unpacks with 8-bit ops
+    b = packed.contiguous().view(torch.uint8)                     # [..., n/2]
+    return torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)     # [..., n]
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """packed int32 [..., out, in/8], scale [..., out, in/group] -> W [..., out, in] in `dtype`,
+    W[o, i] = (nibble - 8) * scale[o, i // group]. One fused Triton kernel on CUDA."""
+    if packed.is_cuda:
+        return _dequantize_triton(packed, scale, dtype)
+    return dequantize_int4_torch(packed, scale, dtype)
+
+
+def dequantize_int4_torch(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    q = unpack_int4(packed).to(dtype) - 8                                  # exact: -8..7
+    w = q.unflatten(-1, (scale.shape[-1], -1)) * scale.to(dtype)[..., None]  # [..., out, groups, group]
+    return w.flatten(-2)
+
+
+def _dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # eager torch makes ~5 passes over byte- and bf16-sized intermediates; dequantizing every active
+    # expert of a Kimi layer (17 G weights) is memory-bound, so one read of int4 + one write matters
+    words, groups = packed.shape[-1], scale.shape[-1]
+    packed, scale = packed.contiguous(), scale.contiguous()
+    rows = packed.numel() // words
+    out = torch.empty(*packed.shape[:-1], words * 8, dtype=dtype, device=packed.device)
+    block_r, block_w = 16, 64
+    grid = ((rows + block_r - 1) // block_r, (words + block_w - 1) // block_w)
+    _triton_kernel()[grid](packed, scale, out, rows, words, groups, WORDS_PER_GROUP=words // groups,
+                           BLOCK_R=block_r, BLOCK_W=block_w)
+    return out
+
+
+@functools.cache
+def _triton_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dequant(packed_ptr, scale_ptr, out_ptr, rows, words, groups, WORDS_PER_GROUP: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+        # packed [rows, words] int32, scale [rows, groups], out [rows, 8 * words]
+        r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        mask = (r[:, None] < rows) & (c[None, :] < words)
+        p = tl.load(packed_ptr + r[:, None] * words + c[None, :], mask=mask, other=0)
+        s = tl.load(scale_ptr + r[:, None] * groups + c[None, :] // WORDS_PER_GROUP, mask=mask, other=0)
+        nib = (p[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF          # [R, W, 8]
+        w = (nib - 8).to(tl.float32) * s.to(tl.float32)[:, :, None]
+        w = tl.reshape(w, (BLOCK_R, BLOCK_W * 8)).to(out_ptr.dtype.element_ty)
+        col = tl.program_id(1) * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
+        tl.store(out_ptr + r[:, None] * (words * 8) + col[None, :], w,
+                 mask=(r[:, None] < rows) & (col[None, :] < words * 8))
+
+    return dequant
+
+
+def check_packed(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, expected: tuple[int, int]) -> None:
+    """Raise ValueError unless the three parts describe an [out, in] = expected matrix."""
+    out, inp = expected
+    if [int(v) for v in shape.tolist()] != [out, inp]:
+        raise ValueError(f"weight_shape = {shape.tolist()}; expected [{out}, {inp}]")
+    if packed.dtype != torch.int32 or list(packed.shape) != [out, inp // 8]:
+        raise ValueError(f"weight_packed is {packed.dtype} {list(packed.shape)}; expected int32 [{out}, {inp // 8}]")
+    groups = scale.shape[-1] if scale.dim() == 2 else 0
+    if scale.shape[0] != out or not groups or inp % groups or (inp // groups) % 8:
+        raise ValueError(f"weight_scale has shape {list(scale.shape)}; expected [{out}, {inp} / group size] "
+                         "with a group size that is a multiple of 8")
