@@ -4,7 +4,7 @@ Tiny target -> regenerate the replies greedily -> extract -> train one draft wit
 and one with ttt_steps = 1 on the same tokens -> real accepted length from the speculative
 decoding loop on held-out prompts, drafting k tokens per round.
 
-    python bench/ttt_experiment.py [--steps 300] [--out runs/ttt_experiment]
+    python bench/ttt_experiment.py [--steps 400] [--out runs/ttt_experiment]
 """
 from __future__ import annotations
 
@@ -58,11 +58,11 @@ def real_acceptance(cfg, checkpoint: Path, prompts: list[list[int]], k: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--out", default="runs/ttt_experiment")
     args = parser.parse_args()
     out = Path(args.out)
-    tiny.make_demo_target(out / "target")
+    tiny.make_llama(out / "target", hidden=128, layers=8, heads=4, kv_heads=2, intermediate=256, vocab=512)
     tiny.make_token_data(out / "data.jsonl", vocab=512, sequences=384, min_len=16, max_len=64, seed=1)
     cfg = config(out)
     generate.run(cfg)

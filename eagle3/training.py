@@ -82,12 +82,25 @@ class TTTModel(nn.Module):
         return ttt_forward(self.draft, batch, embed, head_rows, steps, attention, loss_steps, decay, scale)
 
 
-def select_kernels(choice: str, device: torch.device):
-    """(attention, loss over all steps) with the SPEC §8 signatures: Triton or the torch reference."""
-    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
-        from kernels import ttt_attention, ttt_loss_steps
+TRITON_HEAD_DIMS = (64, 128)
+
+
+def select_kernels(choice: str, device: torch.device, head_dim: int, where: str = "config"):
+    """(attention, loss over all steps) with the SPEC §8 signatures: Triton or the torch reference.
+    "auto" takes Triton on CUDA; the Triton attention serves head dims 64 and 128 only, so another
+    head dim keeps the reference attention under "auto" and is an error under "triton"."""
+    use_triton = choice == "triton" or (choice == "auto" and device.type == "cuda")
+    if not use_triton:
+        from kernels.reference import ttt_attention, ttt_loss_steps
         return ttt_attention, ttt_loss_steps
-    from kernels.reference import ttt_attention, ttt_loss_steps
+    from kernels import ttt_attention, ttt_loss_steps
+    if head_dim not in TRITON_HEAD_DIMS:
+        if choice == "triton":
+            raise TrainError(f"{where}: train.kernels = \"triton\" needs draft.head_dim in {TRITON_HEAD_DIMS}, "
+                             f"got {head_dim}; set train.kernels = \"auto\" or \"torch\", or draft.head_dim")
+        print(f"note: draft.head_dim = {head_dim} is not served by the Triton attention "
+              f"{TRITON_HEAD_DIMS}; using the torch reference attention", file=sys.stderr)
+        from kernels.reference import ttt_attention
     return ttt_attention, ttt_loss_steps
 
 
@@ -224,7 +237,7 @@ class Trainer:
             self.ddp = nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.cuda else None, broadcast_buffers=False,
                 gradient_as_bucket_view=True)
-        self.attention, self.loss_steps = select_kernels(t.kernels, self.device)
+        self.attention, self.loss_steps = select_kernels(t.kernels, self.device, self.spec.head_dim, cfg.source)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
 
     def _state(self) -> dict:

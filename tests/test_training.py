@@ -149,6 +149,10 @@ def test_bad_inputs_fail_with_clear_messages(tmp_path, llama_target, token_data,
                                                              "train.batch_tokens": 10})
     with pytest.raises(training.TrainError, match="batch_tokens = 10 is smaller than the longest"):
         training.run(cfg)
+    cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden,
+                                                             "train.kernels": "triton"})
+    with pytest.raises(training.TrainError, match=r"needs draft.head_dim in \(64, 128\), got 8"):
+        training.run(cfg)
     out = subprocess.run([sys.executable, "train.py", "--train.bogus", "1"], cwd=ROOT, capture_output=True,
                          text=True)
     assert out.returncode != 0 and "unknown key 'train.bogus'" in out.stderr
