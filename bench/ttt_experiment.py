@@ -81,7 +81,8 @@ def main() -> None:
         checkpoint = ckpt_io.latest(run_cfg.train.output_dir)
         estimate = evaluate(held_out_cfg, checkpoint)
         results[f"ttt_steps={steps}"] = {
-            "estimate_accept_len_k7": estimate["accept_len"], "estimate_acc_by_step": estimate["acc"],
+            "estimate_accept_len_k7": estimate["accept_len"],
+            "estimate_accept_len_decoding_k7": estimate["accept_len_decoding"], "estimate_acc_by_step": estimate["acc"],
             "real_k3": real_acceptance(cfg, checkpoint, prompts, 3),
             "real_k7": real_acceptance(cfg, checkpoint, prompts, 7)}
     print(json.dumps(results, indent=1))

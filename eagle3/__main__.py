@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             from eagle3.evaluate import evaluate
             report = evaluate(config_mod.load(args.config, rest), args.checkpoint)
             rest = []
-            print(json.dumps({k: report[k] for k in ("step", "accept_len", "acc", "cond_acc")}))
+            print(json.dumps({k: report[k] for k in ("step", "accept_len", "accept_len_decoding", "acc", "cond_acc")}))
             print(f"wrote {Path(args.checkpoint) / 'eval.json'}")
         elif args.command == "generate":
             from eagle3 import config as config_mod

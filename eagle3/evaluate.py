@@ -1,8 +1,11 @@
 """`python -m eagle3 evaluate --config config.toml CHECKPOINT_DIR`: judge a trained draft.
 
 On the held-out sequences (the same split training evaluates on): per-step loss, accuracy,
-conditional accuracy and the acceptance-length estimate of SPEC §7, broken down by the position
-of the draft's start row inside its assistant reply. Writes `eval.json` next to the checkpoint
+conditional accuracy and the acceptance-length estimate of SPEC §7 (`accept_len`, every start row
+weighted once), broken down by the position of the draft's start row inside its assistant reply;
+and `accept_len_decoding`, the tokens per target forward that chain speculative decoding of the
+held-out replies gets (rounds replayed from the same per-row chains), which is what a serving
+engine measures. Writes `eval.json` next to the checkpoint
 and, when matplotlib is installed, `eval.png` (acceptance by step, and loss/acceptance over
 training from `metrics.jsonl`).
 """
@@ -39,6 +42,32 @@ def reply_positions(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     return idx - last_start
 
 
+def decoding_rounds(accepted: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[int, int]:
+    """(tokens, rounds) that chain speculative decoding of each reply would take, replayed from the
+    per-row accepted counts: the prefill yields the reply's first token x_s; a round whose newest
+    token is x_m drafts from row m-1 and gains its accepted drafts + 1, capped at the reply's end.
+    Rounds start where the previous one ended, so this weighs positions as decoding does (the
+    per-row mean `accept_len` weighs every position once)."""
+    acc, mask = accepted.tolist(), loss_mask.tolist()
+    tokens = rounds = 0
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        i = a
+        while i < b:
+            if not mask[i] or i == a:          # a reply needs a prompt before it
+                i += 1
+                continue
+            end = i
+            while end < b and mask[end]:
+                end += 1
+            m = i
+            while m < end - 1:
+                gained = min(acc[m - 1] + 1, end - 1 - m)
+                tokens, rounds, m = tokens + gained, rounds + 1, m + gained
+            i = end
+    return tokens, rounds
+
+
 class Evaluation:
     """Accumulates, over batches, metric sums overall and per reply-position bucket."""
 
@@ -46,6 +75,7 @@ class Evaluation:
         self.steps = steps
         self.total = torch.zeros(steps, 7)
         self.buckets = {b: torch.zeros(steps, 7) for b in BUCKETS}
+        self.decoded = [0, 0]                  # tokens, rounds of the replayed decoding
 
     def add(self, metrics: torch.Tensor, detail: dict, batch: dict) -> None:
         self.total += metrics.cpu()
@@ -53,6 +83,8 @@ class Evaluation:
         label_row = (torch.arange(T, device=batch["loss_mask"].device) + 2).clamp(max=T - 1)
         position = reply_positions(batch["loss_mask"], batch["cu_seqlens"])[label_row].cpu()
         correct, accepted, start = (detail[k].cpu() for k in ("correct", "accepted", "start"))
+        tokens, rounds = decoding_rounds(accepted, batch["loss_mask"].cpu(), batch["cu_seqlens"].cpu())
+        self.decoded = [self.decoded[0] + tokens, self.decoded[1] + rounds]
         for (lo, hi), sums in self.buckets.items():
             rows = start & (position >= lo) & (position < (hi if hi is not None else T + 1))
             sums[:, 2] += (correct & rows).sum(1)
@@ -61,6 +93,7 @@ class Evaluation:
 
     def report(self) -> dict:
         out = summarize(self.total)
+        out["accept_len_decoding"] = self.decoded[0] / self.decoded[1] if self.decoded[1] else float("nan")
         out["by_reply_position"] = [
             {"positions": [lo, hi], "start_rows": int(s[0, 3]),
              "accept_len": summarize(s)["accept_len"], "acc_given_start": summarize(s)["acc"]}

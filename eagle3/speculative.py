@@ -94,4 +94,5 @@ def speculative_decode(target: IncrementalTarget, drafter: Drafter, prompt: list
         result.tokens += gained
         result.accepted.append(len(gained))
     result.tokens = _finish(result.tokens, max_new, stop)[0]
+    result.accepted[-1] -= sum(result.accepted) + 1 - len(result.tokens)  # the last round was cut short
     return result

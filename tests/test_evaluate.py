@@ -170,3 +170,30 @@ def test_evaluate_command_writes_report(regenerated_run):
     assert saved["accept_len"] == report["accept_len"] and 1 <= report["accept_len"] <= 4
     assert len(report["acc"]) == 3 and report["by_reply_position"]
     assert sum(b["start_rows"] for b in report["by_reply_position"]) == report["rows"][0]
+
+
+def test_replayed_rounds_equal_real_decoding(regenerated_run):
+    """Whole replies: tokens per target forward of the speculative-decoding loop equal the rounds
+    replayed by evaluate from the TTT per-row chains."""
+    from eagle3.evaluate import decoding_rounds
+    cfg = regenerated_run
+    draft, state = ckpt_io.load_draft(ckpt_io.latest(cfg.train.output_dir))
+    target = IncrementalTarget(Checkpoint(cfg.target.path), state["aux_layer_ids"], torch.device("cpu"))
+    reader, K = ShardReader(cfg.extract.output_dir), cfg.train.ttt_steps
+    replayed, real = [0, 0], [0, 0]
+    for ref in reader.sequences[:8]:
+        batch = to_device(reader.read([ref]), torch.device("cpu"), torch.float32)
+        _, _, detail = ttt_forward(draft, batch, target.embed, target.head[draft.t2d], K, ttt_attention,
+                                   ttt_loss_steps)
+        mask = batch["loss_mask"].tolist()
+        start, end = mask.index(1), len(mask) - mask[::-1].index(1)
+        assert all(mask[start:end]) and end == len(mask)          # one reply, at the end
+        tokens, rounds = decoding_rounds(detail["accepted"], batch["loss_mask"], batch["cu_seqlens"])
+        replayed = [replayed[0] + tokens, replayed[1] + rounds]
+        decoded = speculative_decode(target, Drafter(draft, target.embed), batch["input_ids"][:start].tolist(),
+                                     end - start, K)
+        assert decoded.tokens == batch["input_ids"][start:end].tolist()   # the data is the target's own
+        real = [real[0] + sum(decoded.accepted), real[1] + len(decoded.accepted)]
+    print("replayed", replayed, "real", real)
+    assert real[1] > 0 and replayed[0] / replayed[1] == pytest.approx(real[0] / real[1], rel=0.02)
+    assert real[0] / real[1] > 1.3
