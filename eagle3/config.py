@@ -89,6 +89,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: str = "auto"                      # "auto" (newest complete checkpoint), "never", or a checkpoint dir
     kernels: str = "auto"                     # "auto" (triton on CUDA), "triton", "torch"
+    skip_dead_rows: bool = True               # skip the work of rows whose chain reaches no loss (exact)
     device: str = "auto"
     prefetch: int = 2                         # micro-batches read ahead in a background thread
 

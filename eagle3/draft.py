@@ -44,6 +44,32 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight.to(x.dtype), self.eps)
 
 
+@dataclass
+class Rows:
+    """Which packed rows a TTT step computes (SPEC §7 skipping; None = all `total` rows).
+
+    `computed` [C]: global indices of the rows whose inputs are given; `kept` [N]: indices into the
+    computed rows whose outputs are needed. Every computed row still provides its keys and values."""
+    total: int
+    computed: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
+
+    def kept_global(self) -> torch.Tensor | None:
+        if self.kept is None:
+            return self.computed
+        return self.kept if self.computed is None else self.computed[self.kept]
+
+    def all_kept(self) -> "Rows":
+        return Rows(self.total, self.computed, None)
+
+
+def _to_rows(t: torch.Tensor, index: torch.Tensor | None, total: int) -> torch.Tensor:
+    """Scatter t [n, ...] into zeros [total, ...] at `index` (identity when index is None)."""
+    if index is None:
+        return t
+    return t.new_zeros((total, *t.shape[1:])).index_copy(0, index, t)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: DraftSpec, in_dim: int):
         super().__init__()
@@ -54,16 +80,23 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_dim, s.num_key_value_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.num_attention_heads * s.head_dim, s.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache: list, attention, cu_seqlens):
-        """x [T, in_dim]; appends this step's (k, v) to `cache` and attends over all cached steps."""
-        T = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(T, self.heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(T, self.kv_heads, self.head_dim), cos, sin)
-        cache.append((k, self.v_proj(x).view(T, self.kv_heads, self.head_dim)))
+    def forward(self, x, cos, sin, cache: list, attention, cu_seqlens, rows: Rows):
+        """x [C, in_dim] for the computed rows; appends this step's keys/values (laid out over all
+        rows, zero where not computed: no other row reads them) to `cache`, attends over all
+        cached steps; returns [N, H] for the kept rows."""
+        C = x.shape[0]
+        k = apply_rope(self.k_proj(x).view(C, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(C, self.kv_heads, self.head_dim)
+        if rows.kept is not None:
+            x, cos, sin = x[rows.kept], cos[rows.kept], sin[rows.kept]
+        q = apply_rope(self.q_proj(x).view(x.shape[0], self.heads, self.head_dim), cos, sin)
+        cache.append((_to_rows(k, rows.computed, rows.total), _to_rows(v, rows.computed, rows.total)))
         keys = torch.stack([kv[0] for kv in cache])      # [S, T, Hkv, D]
         values = torch.stack([kv[1] for kv in cache])
-        out = attention(q, keys, values, cu_seqlens)
-        return self.o_proj(out.reshape(T, -1))
+        kept = rows.kept_global()
+        out = attention(_to_rows(q, kept, rows.total), keys, values, cu_seqlens)
+        out = out if kept is None else out[kept]
+        return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
@@ -93,12 +126,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, spec.rms_norm_eps)
         self.mlp = MLP(H, spec.intermediate_size)
 
-    def forward(self, h, emb, cos, sin, cache, attention, cu_seqlens):
+    def forward(self, h, emb, cos, sin, cache, attention, cu_seqlens, rows: Rows):
+        """h, emb, cos, sin for the computed rows -> the layer's output for the kept rows."""
         if self.first:
             x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
         else:
             x = self.input_layernorm(h)
-        h = h + self.self_attn(x, cos, sin, cache, attention, cu_seqlens)
+        h = (h if rows.kept is None else h[rows.kept]) + self.self_attn(x, cos, sin, cache, attention,
+                                                                        cu_seqlens, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -122,11 +157,15 @@ class Eagle3Draft(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
 
     def step(self, h: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, caches: list[list],
-             attention, cu_seqlens) -> torch.Tensor:
-        """One TTT step: h [T, H] and token embeddings [T, H] -> pre-norm output [T, H]."""
+             attention, cu_seqlens, rows: Rows | None = None) -> torch.Tensor:
+        """One TTT step: h, token embeddings [C, H] and positions [C] of the computed rows ->
+        pre-norm output [N, H] of the kept rows (all T rows when `rows` is None). Only the last
+        layer drops rows: earlier layers' outputs of every computed row feed the next layer's keys."""
+        rows = rows or Rows(h.shape[0])
         cos, sin = rope_cos_sin(positions, self.inv_freq)
-        for layer, cache in zip(self.layers, caches):
-            h = layer(h, emb, cos, sin, cache, attention, cu_seqlens)
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            h = layer(h, emb, cos, sin, cache, attention, cu_seqlens, rows if i == last else rows.all_kept())
         return h
 
     def head_input(self, h: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.export import export_all
 from eagle3.extraction import resolve_aux_layer_ids
 from eagle3.target.checkpoint import Checkpoint, TargetError, TextConfig
-from eagle3.ttt import loss_denominator, summarize, ttt_forward
+from eagle3.ttt import all_step_targets, live_rows, loss_denominator, summarize, ttt_forward
 from eagle3.vocab import VocabError, build_vocab
 
 
@@ -78,8 +78,9 @@ class TTTModel(nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, batch, embed, head_rows, steps, attention, loss_steps, decay, scale):
-        return ttt_forward(self.draft, batch, embed, head_rows, steps, attention, loss_steps, decay, scale)
+    def forward(self, batch, embed, head_rows, steps, attention, loss_steps, decay, scale, skip):
+        return ttt_forward(self.draft, batch, embed, head_rows, steps, attention, loss_steps, decay, scale,
+                           skip)
 
 
 TRITON_HEAD_DIMS = (64, 128)
@@ -214,6 +215,7 @@ class Trainer:
         draft = Eagle3Draft(self.spec)
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
+        self.t2d_cpu = t2d
         self.model = TTTModel(draft).to(self.device)
         self.embed = self.target.get("embed_tokens.weight").to(self.device, self.float_dtype)
         self.head_rows = self.target.get("lm_head.weight")[t2d].to(self.device, self.float_dtype)
@@ -269,7 +271,17 @@ class Trainer:
         t = self.cfg.train
         with self._autocast():
             return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_steps,
-                         t.loss_decay, scale)
+                         t.loss_decay, scale, t.skip_dead_rows)
+
+    def _on_device(self, batch: dict) -> dict:
+        """The batch on the device, with its live rows found on the CPU (no host sync later)."""
+        live = None
+        if self.cfg.train.skip_dead_rows:
+            live = live_rows(all_step_targets(batch, self.cfg.train.ttt_steps, self.t2d_cpu))
+        batch = to_device(batch, self.device, self.float_dtype)
+        if live is not None:
+            batch["live_rows"] = [rows.to(self.device, non_blocking=True) for rows in live]
+        return batch
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the metric sums [K, 7]."""
@@ -277,7 +289,7 @@ class Trainer:
         denom = self.dist.all_reduce(denom).clamp(min=1)
         metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
         for a, batch in enumerate(batches):
-            batch = to_device(batch, self.device, self.float_dtype)
+            batch = self._on_device(batch)
             sync = self.dist.world == 1 or a == len(batches) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 loss, m, _ = self._forward(self.ddp, batch, self.dist.world / denom)
@@ -296,8 +308,7 @@ class Trainer:
         batches = pack(self.eval_refs, self.cfg.train.batch_tokens)
         metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
         for batch_refs in batches[self.dist.rank::self.dist.world]:
-            batch = to_device(self.reader.read(batch_refs), self.device, self.float_dtype)
-            metrics += self._forward(self.model, batch)[1]
+            metrics += self._forward(self.model, self._on_device(self.reader.read(batch_refs)))[1]
         return summarize(self.dist.all_reduce(metrics))
 
     def run(self) -> Path:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle3.draft import Rows
 from eagle3.ops import positions_from_cu_seqlens
 
 METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_rows")
@@ -55,37 +56,82 @@ def loss_denominator(batch: dict) -> torch.Tensor:
     return ((positions + 2 < seq_len) & batch["loss_mask"][label_row].bool()).sum()
 
 
+def all_step_targets(batch: dict, steps: int, t2d: torch.Tensor) -> list[StepTargets]:
+    cu = batch["cu_seqlens"]
+    T = batch["input_ids"].shape[0]
+    positions = positions_from_cu_seqlens(cu, T)
+    seq_len = torch.repeat_interleave(cu.diff(), cu.diff(), output_size=T)
+    return [step_targets(k, positions, seq_len, batch["loss_mask"], batch["target_argmax"].long(), t2d)
+            for k in range(steps)]
+
+
+def live_rows(targets: list[StepTargets]) -> list[torch.Tensor]:
+    """Per step, the rows whose work can still reach the loss: row t is live at step k when it is
+    valid at some step >= k (its chain feeds nobody else's loss after step 0). [N_k] indices,
+    nested: live rows of step k+1 are live at step k. Computing them costs one host sync per
+    step; the trainer computes them on the CPU with the batch instead (`batch["live_rows"]`)."""
+    alive = torch.stack([tg.valid for tg in targets]).flip(0).cummax(0).values.flip(0)
+    return [a.nonzero().flatten() for a in alive]
+
+
 def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
-                attention, loss_steps, decay: float = 0.8, scale: float | torch.Tensor = 1.0):
+                attention, loss_steps, decay: float = 0.8, scale: float | torch.Tensor = 1.0,
+                skip_dead_rows: bool = True):
     """Unrolled TTT over one packed micro-batch.
 
     batch: aux_hidden [T, 3H], final_hidden [T, H], input_ids [T], loss_mask [T], target_argmax [T],
-    cu_seqlens [n+1] (all on the draft's device). embed: frozen target embedding [V_t, H];
-    head_rows: target lm_head rows of the draft vocab [V_d, H]. `attention` and `loss_steps` have
-    the SPEC §8 signatures of `kernels.ttt_attention` and `kernels.ttt_loss_steps`.
+    cu_seqlens [n+1] (all on the draft's device), optionally live_rows (see `live_rows`).
+    embed: frozen target embedding [V_t, H]; head_rows: target lm_head rows of the draft vocab
+    [V_d, H]. `attention` and `loss_steps` have the SPEC §8 signatures of `kernels.ttt_attention`
+    and `kernels.ttt_loss_steps`. With skip_dead_rows, work that cannot reach the loss is skipped
+    (exactly: same loss and gradients): at step 0 every row makes its keys and values but only
+    live rows run the rest; from step 1 on only live rows are computed at all.
     Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, 7], per-row detail): metric
     columns are METRICS plus the accepted-length sum in column 6 of row 0; the detail holds, per
     row, `correct` [steps, T] and `accepted` [T] (leading correct steps), for evaluation.
     """
-    cu = batch["cu_seqlens"]
-    ids, mask, greedy = batch["input_ids"].long(), batch["loss_mask"], batch["target_argmax"].long()
+    ids, greedy = batch["input_ids"].long(), batch["target_argmax"].long()
     T = ids.shape[0]
-    positions = positions_from_cu_seqlens(cu, T)
-    seq_len = torch.repeat_interleave(cu.diff(), cu.diff(), output_size=T)
-    cu32 = cu.to(torch.int32)
+    targets = all_step_targets(batch, steps, draft.t2d)
+    positions = positions_from_cu_seqlens(batch["cu_seqlens"], T)
+    live = (batch.get("live_rows") or live_rows(targets)) if skip_dead_rows else [None] * steps
     probs = target_probs(batch["final_hidden"], head_rows, steps)
     h = draft.project(batch["aux_hidden"])
     caches = [[] for _ in draft.layers]
-    targets, head_inputs = [], []
-    for k in range(steps):
-        tg = step_targets(k, positions, seq_len, mask, greedy, draft.t2d)
-        h = draft.step(h, embed[ids[tg.index]], positions + k, caches, attention, cu32)
-        targets.append(tg)
+    head_inputs, kept = [], []
+    for k, tg in enumerate(targets):
+        if k > 0 and live[k] is not None and live[k].numel() == 0:
+            break  # nothing reaches the loss any more (step 0 always runs: DDP wants every parameter used)
+        rows = _step_rows(k, live, T)
+        computed = rows.computed if rows.computed is not None else slice(None)
+        if k > 0 and rows.computed is not None:                     # carry the chains still alive
+            h = h[torch.searchsorted(kept[-1], rows.computed)] if kept[-1] is not None else h[rows.computed]
+        h = draft.step(h, embed[ids[tg.index[computed]]], positions[computed] + k, caches, attention,
+                       batch["cu_seqlens"].to(torch.int32), rows)
+        kept.append(rows.kept_global())
         head_inputs.append(draft.head_input(h))
+    done = len(head_inputs)
     total, losses, argmaxes = loss_steps(
-        head_inputs, draft.lm_head.weight.to(h.dtype), [probs[k:k + T] for k in range(steps)],
-        [tg.valid for tg in targets], [decay ** k * scale for k in range(steps)])
+        head_inputs, draft.lm_head.weight.to(h.dtype),
+        [probs[k:k + T] if r is None else probs[k + r] for k, r in enumerate(kept)],
+        [tg.valid if r is None else tg.valid[r] for tg, r in zip(targets, kept)],
+        [decay ** k * scale for k in range(done)])
+    losses = [_to_all_rows(x, r, T, 0) for x, r in zip(losses, kept)] + [total.new_zeros(T)] * (steps - done)
+    argmaxes = [_to_all_rows(x, r, T, -1) for x, r in zip(argmaxes, kept)] + [greedy.new_full((T,), -1)] * (
+        steps - done)
     return (total, *step_metrics(targets, losses, argmaxes, greedy, draft.d2t))
+
+
+def _step_rows(k: int, live: list, T: int) -> Rows:
+    if live[k] is None:
+        return Rows(T)
+    return Rows(T, kept=live[0]) if k == 0 else Rows(T, computed=live[k])
+
+
+def _to_all_rows(x: torch.Tensor, index: torch.Tensor | None, T: int, fill) -> torch.Tensor:
+    if index is None:
+        return x
+    return x.new_full((T,), fill).index_copy(0, index, x)
 
 
 def step_metrics(targets: list[StepTargets], losses, argmaxes, greedy, d2t) -> tuple[torch.Tensor, dict]:

@@ -148,3 +148,53 @@ def test_summary_acceptance_length():
     m[:, 3] = torch.tensor([10, 10, 10])     # 10 start rows
     m[0, 6] = 15                               # 15 leading correct steps in total
     assert summarize(m)["accept_len"] == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_skipping_dead_rows_is_exact(layers):
+    """Rows with no valid target at any later step are dropped; loss, gradients and metrics equal
+    the full computation."""
+    torch.manual_seed(0)
+    spec = DraftSpec(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     intermediate_size=32, num_layers=layers, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     max_position_embeddings=256, draft_vocab_size=24, target_vocab_size=40,
+                     target_hidden_size=16)
+    draft = Eagle3Draft(spec)
+    reference = tiny_draft(0)
+    draft.t2d.copy_(reference.t2d)
+    draft.d2t.copy_(reference.d2t)
+    embed, head = torch.randn(40, 16), torch.randn(24, 16)
+    batch = random_batch([13, 20, 9, 14], seed=5)
+    batch["loss_mask"][:8] = 0                 # a user turn, a whole user sequence, a short reply
+    batch["loss_mask"][33:42] = 0
+    batch["loss_mask"][42:56] = torch.tensor([0] * 10 + [1] * 4)
+    results = []
+    for skip in (False, True):
+        draft.zero_grad()
+        total, metrics, detail = ttt_forward(draft, batch, embed, head, 5, ttt_attention, ttt_loss_steps,
+                                             skip_dead_rows=skip)
+        total.backward()
+        results.append((total.detach(), metrics, detail["accepted"],
+                        {n: p.grad.clone() for n, p in draft.named_parameters()}))
+    (t0, m0, a0, g0), (t1, m1, a1, g1) = results
+    torch.testing.assert_close(t1, t0)
+    torch.testing.assert_close(m1, m0)
+    assert torch.equal(a1, a0)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6)
+    from eagle3.ttt import all_step_targets, live_rows
+    live = live_rows(all_step_targets(batch, 5, draft.t2d))
+    assert live[1].numel() < 56 and all(set(live[k + 1].tolist()) <= set(live[k].tolist()) for k in range(4))
+
+
+def test_batch_with_no_assistant_token_gives_zero_loss_and_grads():
+    """Nothing is live: the loss is 0 and every parameter still gets a (zero) gradient, which DDP
+    needs to finish its reduction."""
+    draft = tiny_draft()
+    batch = random_batch([10, 12])
+    batch["loss_mask"][:] = 0
+    total, metrics, _ = ttt_forward(draft, batch, torch.randn(40, 16), torch.randn(24, 16), 3, ttt_attention,
+                                    ttt_loss_steps)
+    total.backward()
+    assert float(total.detach()) == 0 and metrics[:, 3].sum() == 0
+    assert all(p.grad is not None and not p.grad.any() for p in draft.parameters())
