@@ -87,10 +87,14 @@ TRITON_HEAD_DIMS = (64, 128)
 
 
 def select_kernels(choice: str, device: torch.device, head_dim: int, where: str = "config"):
-    """(attention, loss over all steps) with the SPEC §8 signatures: Triton or the torch reference.
-    "auto" takes Triton on CUDA; the Triton attention serves head dims 64 and 128 only, so another
-    head dim keeps the reference attention under "auto" and is an error under "triton"."""
+    """(attention, loss over all steps) with the SPEC §8 signatures: Triton, or torch (on CUDA the
+    established recipe of `kernels.flex`, on the CPU the reference). "auto" takes Triton on CUDA;
+    the Triton attention serves head dims 64 and 128 only, so another head dim keeps flex
+    attention under "auto" and is an error under "triton"."""
     use_triton = choice == "triton" or (choice == "auto" and device.type == "cuda")
+    if not use_triton and device.type == "cuda":   # the established recipe: flex + compiled loss
+        from kernels.flex import ttt_attention, ttt_loss_steps
+        return ttt_attention, ttt_loss_steps
     if not use_triton:
         from kernels.reference import ttt_attention, ttt_loss_steps
         return ttt_attention, ttt_loss_steps
@@ -100,8 +104,8 @@ def select_kernels(choice: str, device: torch.device, head_dim: int, where: str 
             raise TrainError(f"{where}: train.kernels = \"triton\" needs draft.head_dim in {TRITON_HEAD_DIMS}, "
                              f"got {head_dim}; set train.kernels = \"auto\" or \"torch\", or draft.head_dim")
         print(f"note: draft.head_dim = {head_dim} is not served by the Triton attention "
-              f"{TRITON_HEAD_DIMS}; using the torch reference attention", file=sys.stderr)
-        from kernels.reference import ttt_attention
+              f"{TRITON_HEAD_DIMS}; using flex_attention", file=sys.stderr)
+        from kernels.flex import ttt_attention
     return ttt_attention, ttt_loss_steps
 
 

@@ -198,3 +198,22 @@ def test_batch_with_no_assistant_token_gives_zero_loss_and_grads():
     total.backward()
     assert float(total.detach()) == 0 and metrics[:, 3].sum() == 0
     assert all(p.grad is not None and not p.grad.any() for p in draft.parameters())
+
+
+def test_flex_block_mask_matches_reference(monkeypatch):
+    """The torch recipe's TTT block mask (kernels.flex) has the reference semantics; checked with
+    uncompiled flex_attention on the CPU (compiled on CUDA)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import kernels.flex as flex
+    monkeypatch.setattr(flex, "_compiled_flex", lambda: flex_attention)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(40, 4, 16, generator=g), torch.randn(3, 40, 2, 16, generator=g), torch.randn(
+        3, 40, 2, 16, generator=g)
+    cu = torch.tensor([0, 13, 29, 40], dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(flex.ttt_attention(q, k, v, cu), ttt_attention(q, k, v, cu), rtol=1e-5,
+                                   atol=1e-5)

@@ -1,0 +1,227 @@
+"""`python -m eagle3.bench`: the full training step of a Kimi-K2.5-size draft on synthetic data.
+
+Writes a stand-in target (config, embedding, norm and head only: what the trainer reads) and
+synthetic hidden-state shards in the real format, then times `Trainer.train_step` (forward over
+all K steps, backward, optimizer step; DDP under torchrun) with the shards read through the
+trainer's own prefetcher. Prints tokens/s per GPU, model FLOPs utilization (matmul FLOPs of
+computing every row at every step, fwd+bwd, over the bf16 matmul rate measured in the same run),
+peak GPU memory and the share of step time the GPU is idle, per data layout and kernel choice.
+
+    python -m eagle3.bench [--layouts a,b] [--kernels torch,triton] [--steps 5] [--warmup 2]
+    torchrun --nproc_per_node 2 -m eagle3.bench ...
+    python -m eagle3.bench --tiny        # the same code on a tiny shape (CPU smoke test)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3 import config as config_mod
+from eagle3 import distributed
+from eagle3.data.batching import Prefetcher
+from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, atomic_write_text, write_shard
+from eagle3.target.checkpoint import read_config
+from eagle3.training import Trainer
+
+KIMI = dict(hidden=7168, vocab=163840, heads=64, kv_heads=8, head_dim=128, inter=18432, draft_vocab=32000,
+            seqs=4, seq_len=4096, user=512)
+TINY = dict(hidden=64, vocab=2048, heads=1, kv_heads=1, head_dim=64, inter=128, draft_vocab=512,
+            seqs=4, seq_len=128, user=16)
+
+
+def write_target(out: Path, s: dict) -> None:
+    """A stand-in target: a Kimi-like text config and only the tensors the trainer reads."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": s["hidden"],
+              "vocab_size": s["vocab"], "num_hidden_layers": 61, "num_attention_heads": s["heads"],
+              "num_key_value_heads": s["heads"], "intermediate_size": s["inter"], "rms_norm_eps": 1e-5,
+              "rope_theta": 50000.0, "max_position_embeddings": 262144, "tie_word_embeddings": False}
+    (out / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+    save_file({"model.embed_tokens.weight": torch.randn(s["vocab"], s["hidden"], generator=g).bfloat16(),
+               "model.norm.weight": torch.ones(s["hidden"]).bfloat16(),
+               "lm_head.weight": (torch.randn(s["vocab"], s["hidden"], generator=g) * s["hidden"] ** -0.5).bfloat16()},
+              out / "model.safetensors")
+
+
+def loss_mask(layout: str, s: dict, g: torch.Generator) -> torch.Tensor:
+    """(a) a user turn of s["user"] tokens, then one reply; (b) alternating user/assistant turns of
+    random lengths, about 40% of tokens outside replies."""
+    n = s["seq_len"]
+    mask = torch.zeros(n, dtype=torch.uint8)
+    if layout == "a":
+        mask[s["user"]:] = 1
+        return mask
+    i, assistant = 0, False
+    while i < n:
+        mean = n // 10 if assistant else n // 15
+        turn = int(torch.randint(max(1, mean // 2), mean * 3 // 2 + 1, (1,), generator=g))
+        mask[i:i + turn] = int(assistant)
+        i, assistant = i + turn, not assistant
+    return mask
+
+
+def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int) -> None:
+    """`batches` micro-batches of s["seqs"] sequences, one shard each, and their manifest."""
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    common = torch.randperm(s["vocab"], generator=g)[:s["draft_vocab"]]   # ids the replies use
+    T = s["seqs"] * s["seq_len"]
+    # the hidden states' values do not change the work: one random draw serves every shard
+    aux = torch.randn(T, 3 * s["hidden"], generator=g, dtype=torch.bfloat16)
+    final = torch.randn(T, s["hidden"], generator=g, dtype=torch.bfloat16)
+    entries = []
+    for b in range(batches):
+        ids = common[torch.randint(0, s["draft_vocab"], (T,), generator=g)].to(torch.int32)
+        greedy = torch.where(torch.rand(T, generator=g) < 0.9, ids.roll(-1),
+                             torch.randint(0, s["vocab"], (T,), generator=g, dtype=torch.int32))
+        tensors = {"input_ids": ids, "target_argmax": greedy,
+                   "loss_mask": torch.cat([loss_mask(layout, s, g) for _ in range(s["seqs"])]),
+                   "cu_seqlens": torch.arange(0, T + 1, s["seq_len"], dtype=torch.int64),
+                   "aux_hidden": aux, "final_hidden": final}
+        entries.append(write_shard(out, b, tensors))
+    text = read_config(target / "config.json")
+    manifest = {"format_version": FORMAT_VERSION, "target": text.identity(),
+                "aux_layer_ids": text.default_aux_layer_ids(), "dtypes": DTYPES, "plan_key": "synthetic",
+                "source": {"path": "synthetic", "layout": layout}, "shards": entries, "complete": True}
+    atomic_write_text(out / MANIFEST, json.dumps(manifest))
+
+
+def matmul_tflops(device: torch.device) -> float:
+    """bf16 matmul rate of this GPU, measured now (8192^3, median of 10)."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * 8192 ** 3 / statistics.median(times) / 1e12
+
+
+def step_flops(s: dict, steps: int, tokens: int) -> float:
+    """Matmul FLOPs of one optimizer step computing every row at every TTT step, fwd + bwd (x3)."""
+    H, Hq, Hkv, D, I, V = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["inter"], s["draft_vocab"]
+    per_row_step = 2 * (2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I + H * V)
+    attention = 4 * D * Hq * (s["seq_len"] / 2 + steps)   # QK^T and PV, mean causal keys + diagonal
+    fc = 2 * 3 * H * H
+    target_probs = 2 * H * V                               # no backward
+    return tokens * (3 * (fc + steps * (per_row_step + attention)) + target_probs)
+
+
+def gpu_busy_fraction(trainer: Trainer, batch: dict) -> tuple[float, float]:
+    """(busy share, wall seconds) of one step under the profiler: union of the GPU kernels' time."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        trainer.train_step([batch])
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    busy, current = 0.0, None
+    for a, b in spans:
+        if current is None or a > current[1]:
+            busy += 0 if current is None else current[1] - current[0]
+            current = [a, b]
+        else:
+            current[1] = max(current[1], b)
+    busy += 0 if current is None else current[1] - current[0]
+    return busy / 1e6 / wall, wall
+
+
+def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup: int, tflops: float) -> dict:
+    args = ["--target.path", str(root / "target"), "--train.data_dir", str(root / f"data-{layout}"),
+            "--train.output_dir", str(root / f"out-{layout}-{kernels}"), "--train.kernels", kernels,
+            "--train.batch_tokens", str(s["seqs"] * s["seq_len"]), "--train.eval_fraction", "0",
+            "--train.max_steps", str(steps + warmup + 1), "--train.resume", "never",
+            "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
+            "--draft.num_key_value_heads", str(s["kv_heads"]), "--draft.head_dim", str(s["head_dim"]),
+            "--draft.intermediate_size", str(s["inter"])]
+    trainer = Trainer(config_mod.load(None, args))
+    cuda = trainer.device.type == "cuda"
+    batches = Prefetcher(trainer.reader, trainer.plan.rank_batches(0, trainer.dist.rank), 2, pin=cuda)
+    times, tokens = [], 0
+    for i in range(warmup + steps):
+        batch = next(batches)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.train_step([batch])
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+            tokens = batch["input_ids"].numel()
+    busy = gpu_busy_fraction(trainer, next(batches))[0] if cuda else float("nan")
+    step = statistics.median(times)
+    flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens)
+    return {"layout": layout, "kernels": kernels, "world": trainer.dist.world, "step_s": step,
+            "tokens_per_s_per_gpu": tokens / step, "mfu": flops / step / 1e12 / tflops if cuda else float("nan"),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
+            "gpu_idle": 1 - busy}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--layouts", default="a,b")
+    parser.add_argument("--kernels", default="torch,triton")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    parser.add_argument("--dir", default=None, help="where to write the synthetic target and shards")
+    args = parser.parse_args(argv)
+    s = TINY if args.tiny else KIMI
+    dist = distributed.setup()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
+    layouts = args.layouts.split(",")
+    if dist.main:
+        write_target(root / "target", s)
+        for layout in layouts:
+            write_shards(root / f"data-{layout}", root / "target", layout, s, dist.world * (args.steps + args.warmup + 1))
+    dist.barrier()
+    tflops = matmul_tflops(dist.device) if dist.device.type == "cuda" else float("nan")
+    results = []
+    for layout in layouts:
+        for kernels in args.kernels.split(","):
+            results.append(bench_one(root, layout, kernels, s, args.steps, args.warmup, tflops))
+            if dist.main:
+                print(json.dumps(results[-1]), flush=True)
+            gc.collect()
+            if dist.device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+    if dist.main:
+        name = torch.cuda.get_device_name() if dist.device.type == "cuda" else "cpu"
+        print(f"\n{name}, torch {torch.__version__}, bf16 matmul {tflops:.0f} TFLOP/s (8192^3), "
+              f"{dist.world} rank(s), micro-batch {s['seqs']} x {s['seq_len']} tokens")
+        print("| layout | kernels | step ms | tokens/s/GPU | MFU | peak GiB | GPU idle |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in results:
+            print(f"| {r['layout']} | {r['kernels']} | {r['step_s'] * 1e3:.0f} | {r['tokens_per_s_per_gpu']:,.0f} "
+                  f"| {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['gpu_idle']:.1%} |")
+        by = {(r["layout"], r["kernels"]): r["tokens_per_s_per_gpu"] for r in results}
+        for layout in layouts:
+            if (layout, "torch") in by and (layout, "triton") in by:
+                print(f"layout {layout}: triton / torch tokens/s = {by[(layout, 'triton')] / by[(layout, 'torch')]:.2f}x")
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    distributed.teardown()
+
+
+if __name__ == "__main__":
+    main()

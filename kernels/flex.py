@@ -1,0 +1,62 @@
+"""The established torch recipe for the TTT hot spots on CUDA, what `train.kernels = "torch"` runs
+there: flex_attention with the TTT block mask (compiled; the mask built once per packing) and the
+reference loss under torch.compile. Same signatures as `kernels.reference`."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels import reference
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mask(T: int, S: int, bounds: tuple[int, ...], device: str):
+    """Keys of all steps side by side ([S*T]): step 0 causal within the sequence, later steps the
+    diagonal only."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=device)
+    seq_id = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+
+    def ttt_mask(b, h, q_idx, kv_idx):
+        step, pos = kv_idx // T, kv_idx % T
+        causal = (step == 0) & (pos <= q_idx) & (seq_id[pos] == seq_id[q_idx])
+        return causal | ((step > 0) & (pos == q_idx))
+
+    return create_block_mask(ttt_mask, B=None, H=None, Q_LEN=T, KV_LEN=S * T, device=device)
+
+
+def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    S, T, Hkv, D = k.shape
+    bounds = tuple(cu_seqlens.tolist()) if cu_seqlens is not None else (0, T)
+    mask = _block_mask(T, S, bounds, str(q.device))
+    out = _compiled_flex()(q.transpose(0, 1)[None], k.reshape(S * T, Hkv, D).transpose(0, 1)[None],
+                           v.reshape(S * T, Hkv, D).transpose(0, 1)[None], block_mask=mask, scale=scale,
+                           enable_gqa=q.shape[1] != Hkv)
+    return out[0].transpose(0, 1)
+
+
+@functools.cache
+def _compiled_loss():
+    return torch.compile(reference.ttt_loss, dynamic=True)
+
+
+def ttt_loss_steps(hs, w, ps, valids=None, weights=None):
+    """`kernels.reference.ttt_loss_steps` with each step's loss compiled."""
+    K = len(hs)
+    valids = [None] * K if valids is None else list(valids)
+    weights = [1.0] * K if weights is None else list(weights)
+    total, losses, argmaxes = 0.0, [], []
+    for h, p, valid, weight in zip(hs, ps, valids, weights):
+        loss, argmax = _compiled_loss()(h, w, p, valid)
+        total = total + (loss * weight).sum()
+        losses.append(loss.detach())
+        argmaxes.append(argmax)
+    return total, losses, argmaxes
