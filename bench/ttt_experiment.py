@@ -79,7 +79,7 @@ def main() -> None:
                                  "train.max_steps": args.steps, "train.output_dir": out / f"train-k{steps}"})
         training.run(run_cfg)
         checkpoint = ckpt_io.latest(run_cfg.train.output_dir)
-        estimate = evaluate(held_out_cfg, checkpoint)
+        estimate = evaluate(held_out_cfg, checkpoint, steps=7)
         results[f"ttt_steps={steps}"] = {
             "estimate_accept_len_k7": estimate["accept_len"],
             "estimate_accept_len_decoding_k7": estimate["accept_len_decoding"], "estimate_acc_by_step": estimate["acc"],

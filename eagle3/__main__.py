@@ -109,11 +109,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "inspect":
             print(json.dumps(inspect(args.target), indent=2))
         elif args.command == "export":
+            from eagle3 import config as config_mod
             from eagle3.checkpoint import read_state
             from eagle3.config import from_dict
             from eagle3.export import export_all
             cfg = from_dict(read_state(args.checkpoint)["config"], args.checkpoint)
             cfg.export.formats = args.formats.split(",")
+            config_mod.validate(cfg)
             for fmt, path in export_all(args.checkpoint, args.out_dir, cfg).items():
                 print(f"exported {fmt} draft: {path}")
         elif args.command == "evaluate":

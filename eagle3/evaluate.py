@@ -5,7 +5,8 @@ conditional accuracy and the acceptance-length estimate of SPEC §7 (`accept_len
 weighted once), broken down by the position of the draft's start row inside its assistant reply;
 and `accept_len_decoding`, the tokens per target forward that chain speculative decoding of the
 held-out replies gets (rounds replayed from the same per-row chains), which is what a serving
-engine measures. Writes `eval.json` next to the checkpoint
+engine measures. The held-out split, K and the loss weights are the ones the checkpoint was
+trained with (its state.json), so training sequences never count as held out. Writes `eval.json` next to the checkpoint
 and, when matplotlib is installed, `eval.png` (acceptance by step, and loss/acceptance over
 training from `metrics.jsonl`).
 """
@@ -20,7 +21,7 @@ from eagle3 import checkpoint as ckpt_io
 from eagle3.config import Config
 from eagle3.data.batching import pack, split_holdout, to_device
 from eagle3.data.shards import ShardReader
-from eagle3.extraction import resolve_aux_layer_ids, resolve_device
+from eagle3.extraction import resolve_device
 from eagle3.target.checkpoint import Checkpoint
 from eagle3.training import check_manifest
 from eagle3.ttt import summarize, ttt_forward
@@ -102,25 +103,29 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(cfg: Config, checkpoint_dir: str | Path) -> dict:
+def evaluate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) -> dict:
+    """`steps` overrides the K of the estimate (default: the ttt_steps the draft was trained with)."""
     checkpoint_dir = Path(checkpoint_dir)
     device = resolve_device(cfg.train.device)
     draft, state = ckpt_io.load_draft(checkpoint_dir, device)
     target = Checkpoint(cfg.target.path)
-    aux_ids = resolve_aux_layer_ids(cfg, target)
+    if state["target"] != target.config.identity():
+        raise ckpt_io.CheckpointError(f"{checkpoint_dir}/state.json: trained against another target than "
+                                      f"{cfg.target.path} (target.path)")
     data_dir = Path(cfg.resolved_train_data_dir())
     reader = ShardReader(data_dir)
-    check_manifest(reader.manifest, target.config, aux_ids, data_dir)
+    check_manifest(reader.manifest, target.config, state["aux_layer_ids"], data_dir)
+    trained = state["config"]["train"]   # the held-out split and K the draft was trained with
     dtype = torch.float32
     embed = target.get("embed_tokens.weight").to(device, dtype)
     head_rows = target.get("lm_head.weight")[draft.t2d.cpu()].to(device, dtype)
-    steps = cfg.train.ttt_steps
-    _, held_out = split_holdout(reader.sequences, cfg.train.eval_fraction)
+    steps = steps or trained["ttt_steps"]
+    _, held_out = split_holdout(reader.sequences, trained["eval_fraction"])
     result = Evaluation(steps)
     for refs in pack(held_out, cfg.train.batch_tokens):
         batch = to_device(reader.read(refs), device, dtype)
         _, metrics, detail = ttt_forward(draft, batch, embed, head_rows, steps, ttt_attention,
-                                         ttt_loss_steps, cfg.train.loss_decay)
+                                         ttt_loss_steps, trained["loss_decay"])
         result.add(metrics, detail, batch)
     report = {"checkpoint": str(checkpoint_dir), "step": state["step"], "held_out_sequences": len(held_out),
               **result.report()}

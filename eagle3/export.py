@@ -26,14 +26,14 @@ class ExportError(ValueError):
     pass
 
 
-def _llama_layer_config(spec: dict) -> dict:
+def _llama_layer_config(spec: dict, dtype: str) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec["hidden_size"],
             "num_attention_heads": spec["num_attention_heads"],
             "num_key_value_heads": spec["num_key_value_heads"], "head_dim": spec["head_dim"],
             "intermediate_size": spec["intermediate_size"], "rms_norm_eps": spec["rms_norm_eps"],
             "rope_theta": spec["rope_theta"], "max_position_embeddings": spec["max_position_embeddings"],
             "vocab_size": spec["target_vocab_size"], "num_hidden_layers": spec["num_layers"],
-            "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+            "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": dtype}
 
 
 def vllm_config(state: dict, cfg: Config) -> dict:
@@ -49,7 +49,7 @@ def vllm_config(state: dict, cfg: Config) -> dict:
             "verifier": {"name_or_path": cfg.export.verifier_name or cfg.target.path,
                          "architectures": state["target_architectures"]},
         },
-        "transformer_layer_config": _llama_layer_config(spec),
+        "transformer_layer_config": _llama_layer_config(spec, cfg.export.dtype),
         "draft_vocab_size": spec["draft_vocab_size"],
         "target_hidden_size": spec["target_hidden_size"],
         "norm_before_residual": False,
@@ -60,7 +60,7 @@ def vllm_config(state: dict, cfg: Config) -> dict:
 
 def sglang_config(state: dict, cfg: Config) -> dict:
     spec = state["draft_spec"]
-    config = _llama_layer_config(spec)
+    config = _llama_layer_config(spec, cfg.export.dtype)
     config.update({
         "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
         "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
@@ -78,10 +78,15 @@ def export_weights(weights: dict[str, torch.Tensor], layer_prefix: str, num_laye
     out = {"fc.weight": weights["fc.weight"], "norm.weight": weights["norm.weight"],
            "lm_head.weight": weights["lm_head.weight"]}
     for i in range(num_layers):
-        for key in LAYER_KEYS:
+        for key in LAYER_KEYS if i == 0 else [k for k in LAYER_KEYS if k != "hidden_norm.weight"]:
             src = f"layers.{i}.{key}"
-            if src in weights:
-                out[f"{layer_prefix(i)}.{key}"] = weights[src]
+            if src not in weights:   # an engine would silently keep a random tensor for it
+                raise ExportError(f"checkpoint weights lack {src}")
+            out[f"{layer_prefix(i)}.{key}"] = weights[src]
+    left = set(weights) - {"d2t", "t2d", "fc.weight", "norm.weight", "lm_head.weight"} - {
+        f"layers.{i}.{k}" for i in range(num_layers) for k in LAYER_KEYS}
+    if left:
+        raise ExportError(f"checkpoint weights not exported: {sorted(left)[:5]}")
     out = {k: v.to(dtype).contiguous() for k, v in out.items()}
     out["d2t"] = weights["d2t"].to(torch.int64)
     out["t2d"] = weights["t2d"].to(torch.bool)
@@ -115,6 +120,8 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
         if fmt == "vllm":
             tensors = export_weights(weights, lambda i: f"layers.{i}", spec["num_layers"], dtype)
             written[fmt] = _write(out_dir / "vllm", vllm_config(state, cfg), tensors)
+        elif fmt != "sglang":
+            raise ExportError(f"export format {fmt!r}; expected 'vllm' or 'sglang'")
         else:
             if spec["num_layers"] != 1:
                 raise ExportError(f"{checkpoint_dir}: SGLang's EAGLE-3 draft has one layer (midlayer); "

@@ -66,7 +66,7 @@ def _check_or_write_header(out: Path, header: dict, main: bool) -> None:
     if path.exists():
         if json.loads(path.read_text()).get("plan_key") != header["plan_key"]:
             raise DataError(f"{path}: this directory holds an extraction of other data, target or settings; "
-                            "choose another extract.output_dir or delete it")
+                            "choose another extract.output_dir or delete the whole directory")
     elif main:
         atomic_write_text(path, json.dumps({**header, "shards": [], "complete": False}, indent=1))
 
@@ -76,11 +76,13 @@ def _journal(out: Path) -> Path:
     return out / ".entries"
 
 
-def _finished(out: Path) -> dict[str, dict]:
+def _finished(out: Path, plan_key: str) -> dict[str, dict]:
+    """Journal entries of this plan whose shard is on disk; entries of another plan (a directory
+    reused after its manifest was deleted) are not trusted: those shards are redone."""
     entries = {}
     for path in sorted(_journal(out).glob("shard-*.json")):
         entry = json.loads(path.read_text())
-        if (out / entry["file"]).exists():
+        if entry.get("plan_key") == plan_key and (out / entry["file"]).exists():
             entries[entry["file"]] = entry
     return entries
 
@@ -135,7 +137,7 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
     _check_or_write_header(out, header, dist.main)
     dist.barrier()
     plan = plan_shards(records, cfg.extract.shard_tokens)
-    done = _finished(out)
+    done = _finished(out, header["plan_key"])
     mine = [i for i in range(dist.rank, len(plan), dist.world)]
     todo = [i for i in mine if shard_name(i) not in done]
     tokens = [sum(len(r.input_ids) for r in records[a:b]) for a, b in plan]
@@ -149,6 +151,7 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
             cu = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in shard_records])]).tolist()
             tensors = _shard_tensors(shard_records, runner.run(ids, cu), cfg.extract.aux_dtype)
             entry = write_shard(out, i, tensors)
+            entry["plan_key"] = header["plan_key"]
             atomic_write_text(_journal(out) / (shard_name(i) + ".json"), json.dumps(entry))
             bar.update(entry["tokens"])
     dist.barrier()
@@ -159,8 +162,9 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
 
 
 def _write_manifest(out: Path, header: dict, plan: list, stats: InputStats, total: int) -> None:
-    done = _finished(out)
-    shards = [done[shard_name(i)] for i in range(len(plan)) if shard_name(i) in done]
+    done = _finished(out, header["plan_key"])
+    shards = [{k: v for k, v in done[shard_name(i)].items() if k != "plan_key"}
+              for i in range(len(plan)) if shard_name(i) in done]
     manifest = {**header, "shards": shards, "complete": len(shards) == len(plan),
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))

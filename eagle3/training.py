@@ -71,6 +71,11 @@ def check_manifest(manifest: dict, target: TextConfig, aux_ids: list[int], where
         raise DataError(f"{where}/manifest.json: the extraction is not complete; rerun extract.py")
 
 
+# Settings a resumed run must share with its checkpoint: data order and learning-rate schedule.
+RESUME_FIXED = ("seed", "batch_tokens", "grad_accum", "eval_fraction", "max_steps", "epochs", "ttt_steps",
+                "loss_decay", "lr", "min_lr_ratio", "warmup_steps", "betas", "weight_decay")
+
+
 class TTTModel(nn.Module):
     """The unit DDP wraps: the draft plus the TTT unroll as its forward."""
 
@@ -257,10 +262,16 @@ class Trainer:
         if path is None:
             return 0
         state = ckpt_io.read_state(path)
-        for key in ("draft_spec", "aux_layer_ids", "target"):
-            if state[key] != self._state()[key]:
+        now = self._state()
+        for key in ("draft_spec", "aux_layer_ids", "target", "world_size", "data_dir"):
+            if state[key] != now[key]:
                 raise TrainError(f"{path}/state.json: {key} differs from this run's ({state[key]} vs "
-                                 f"{self._state()[key]}); set train.resume = \"never\" or another output_dir")
+                                 f"{now[key]}); set train.resume = \"never\" or another output_dir")
+        for key in RESUME_FIXED:   # they decide the data order and the LR schedule already followed
+            if state["config"]["train"][key] != now["config"]["train"][key]:
+                raise TrainError(f"{path}/state.json: train.{key} was {state['config']['train'][key]!r}, this run "
+                                 f"has {now['config']['train'][key]!r}; a resumed run must keep it (or set "
+                                 "train.resume = \"never\" / another train.output_dir)")
         ckpt_io.restore(path, self.model.draft, self.optimizer, self.scheduler, self.dist.rank)
         if self.dist.main:
             print(f"resumed from {path} (step {state['step']})", file=sys.stderr)

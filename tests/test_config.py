@@ -37,6 +37,10 @@ def test_wrong_type_names_key(tmp_path):
         load(None, ["--train.kernels", "cuda"])
     with pytest.raises(ConfigError, match=r"train.batch_tokens = 0; expected a positive integer"):
         load(None, ["--train.batch_tokens", "0"])
+    with pytest.raises(ConfigError, match=r"train.grad_clip = 0.0; expected > 0"):
+        load(None, ["--train.grad_clip", "0"])
+    with pytest.raises(ConfigError, match=r"train.min_lr_ratio = 2.0; expected a number in \[0, 1\]"):
+        load(None, ["--train.min_lr_ratio", "2"])
     with pytest.raises(ConfigError, match=r"aux_layer_ids = \[1, 2\]; EAGLE-3 needs exactly 3"):
         load(None, ["--target.aux_layer_ids", "[1, 2]"])
 

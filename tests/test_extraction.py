@@ -128,3 +128,14 @@ def test_bad_target_path(tmp_path, token_data):
     from eagle3.target.checkpoint import TargetError
     with pytest.raises(TargetError, match=r"nowhere: target directory not found"):
         extraction.run(make_config(tmp_path, tmp_path / "nowhere", token_data))
+
+
+def test_reused_directory_after_deleting_the_manifest_redoes_every_shard(tmp_path, llama_target, token_data):
+    out = extraction.run(make_config(tmp_path, llama_target, token_data))
+    (out / "manifest.json").unlink()
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(line + "\n" for line in token_data.read_text().splitlines()[::-1]))
+    extraction.run(make_config(tmp_path, llama_target, other))
+    reader = ShardReader(out, verify=True)
+    first = json.loads(other.read_text().splitlines()[0])["input_ids"]
+    assert reader.read(reader.sequences[:1])["input_ids"].tolist() == first

@@ -165,3 +165,13 @@ def test_qwen_variants_run_and_chunking_is_exact(tmp_path, family):
 def test_greedy_argmax_in_vocab_chunks():
     final, head = torch.randn(37, 16), torch.randn(100, 16)
     assert torch.equal(greedy_argmax(final, head, rows=8, vocab_chunk=7).long(), (final @ head.T).argmax(-1))
+
+
+def test_missing_layer_tensor_fails_before_any_compute(tmp_path):
+    path = tiny.make_llama(tmp_path, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, vocab=64, shards=2)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.3.mlp.up_proj.weight"]
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(TargetError, match=r"1 of the \d+ tensors the forward reads are missing.*"
+                                          r"model.layers.3.mlp.up_proj.weight"):
+        TargetRunner(Checkpoint(path), [1, 1, 2], torch.device("cpu"), torch.float32)

@@ -131,6 +131,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, llama_target, token
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
     assert train_losses(straight / "train") == train_losses(killed / "train")
+    changed = subprocess.run([sys.executable, "train.py", "--config", "config.toml",
+                              *cli_args(killed, llama_target, token_data, hidden, **{"train.max_steps": 20})],
+                             cwd=ROOT, capture_output=True, text=True)
+    assert changed.returncode != 0 and "train.max_steps was 14, this run has 20" in changed.stderr
 
 
 def test_bad_inputs_fail_with_clear_messages(tmp_path, llama_target, token_data, hidden):

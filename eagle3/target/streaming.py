@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from eagle3.ops import positions_from_cu_seqlens, rms_norm
-from eagle3.target.checkpoint import Checkpoint
+from eagle3.target.checkpoint import Checkpoint, TargetError
 from eagle3.target.llama import LlamaTarget
 
 
@@ -19,6 +19,16 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
         from eagle3.target.deepseek import DeepseekTarget
         return DeepseekTarget(ckpt, device, dtype)
     return LlamaTarget(ckpt, device, dtype)
+
+
+def check_tensors(ckpt: Checkpoint, model) -> None:
+    """Fail before any compute if a tensor some layer will read is absent from the checkpoint."""
+    names = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
+    names += [n for i in range(ckpt.config.num_hidden_layers) for n in model.layer_tensor_names(i)]
+    missing = [n for n in names if not ckpt.has(n)]
+    if missing:
+        raise TargetError(f"{ckpt.dir}: {len(missing)} of the {len(names)} tensors the forward reads are "
+                          f"missing from the checkpoint, first: {ckpt.full_name(missing[0])}")
 
 
 def split_chunks(cu_seqlens: list[int], chunk_tokens: int) -> list[tuple[int, int]]:
@@ -43,6 +53,7 @@ class TargetRunner:
         self.chunk_tokens = chunk_tokens
         self.model = build_model(ckpt, device, dtype)
         self.num_layers = ckpt.config.num_hidden_layers
+        check_tensors(ckpt, self.model)
         self.embed = ckpt.get("embed_tokens.weight").to(device, dtype)
         self.norm = ckpt.get("norm.weight").to(device, dtype)
         self.head = ckpt.get("lm_head.weight").to(device, dtype)
