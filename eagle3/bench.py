@@ -5,7 +5,9 @@ synthetic hidden-state shards in the real format, then times `Trainer.train_step
 all K steps, backward, optimizer step; DDP under torchrun) with the shards read through the
 trainer's own prefetcher. Prints tokens/s per GPU, model FLOPs utilization (matmul FLOPs of
 computing every row at every step, fwd+bwd, over the bf16 matmul rate measured in the same run),
-peak GPU memory and the share of step time the GPU is idle, per data layout and kernel choice.
+peak GPU memory and the share of step time the GPU is idle, per data layout and kernel choice:
+"torch" is the established recipe (compiled flex_attention, compiled loss, every row computed),
+"triton" is ours (Triton kernels, rows that cannot reach the loss skipped).
 
     python -m eagle3.bench [--layouts a,b] [--kernels torch,triton] [--steps 5] [--warmup 2]
     torchrun --nproc_per_node 2 -m eagle3.bench ...
@@ -151,7 +153,9 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             "--train.max_steps", str(steps + warmup + 1), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
             "--draft.num_key_value_heads", str(s["kv_heads"]), "--draft.head_dim", str(s["head_dim"]),
-            "--draft.intermediate_size", str(s["inter"])]
+            "--draft.intermediate_size", str(s["inter"]),
+            # "torch" is the established recipe, which computes every row; ours skips dead rows
+            "--train.skip_dead_rows", "false" if kernels == "torch" else "true"]
     trainer = Trainer(config_mod.load(None, args))
     cuda = trainer.device.type == "cuda"
     batches = Prefetcher(trainer.reader, trainer.plan.rank_batches(0, trainer.dist.rank), 2, pin=cuda)

@@ -170,6 +170,8 @@ def test_evaluate_command_writes_report(regenerated_run):
     assert saved["accept_len"] == report["accept_len"] and 1 <= report["accept_len"] <= 4
     assert len(report["acc"]) == 3 and report["by_reply_position"]
     assert sum(b["start_rows"] for b in report["by_reply_position"]) == report["rows"][0]
+    pytest.importorskip("matplotlib")
+    assert (ckpt_io.latest(regenerated_run.train.output_dir) / "eval.png").stat().st_size > 10_000
 
 
 def test_replayed_rounds_equal_real_decoding(regenerated_run):
