@@ -167,6 +167,14 @@ class Plan:
                 yield batches[j * self.per_step + a * self.world + rank]
 
 
+def _logged_step(line: str) -> float:
+    """Step of a metrics.jsonl line; a line torn by a kill counts as after any checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
+
+
 class MetricsLog:
     """metrics.jsonl on rank 0 (and TensorBoard when installed)."""
 
@@ -177,7 +185,7 @@ class MetricsLog:
         if not enabled:
             return
         if self.path.exists():  # a resumed run drops what the killed run logged after its checkpoint
-            kept = [ln for ln in self.path.read_text().splitlines() if json.loads(ln)["step"] <= start_step]
+            kept = [ln for ln in self.path.read_text().splitlines() if _logged_step(ln) <= start_step]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         try:
             from torch.utils.tensorboard import SummaryWriter
