@@ -297,11 +297,14 @@ class Trainer:
                          t.loss_decay, scale, t.skip_dead_rows)
 
     def _on_device(self, batch: dict) -> dict:
-        """The batch on the device, with its live rows found on the CPU (no host sync later)."""
+        """The batch on the device, with its live rows and sequence boundaries also kept on the host
+        (so that the step needs no host sync to find them)."""
         live = None
         if self.cfg.train.skip_dead_rows:
             live = live_rows(all_step_targets(batch, self.cfg.train.ttt_steps, self.t2d_cpu))
+        cu_host = batch["cu_seqlens"].to(torch.int32)
         batch = to_device(batch, self.device, self.float_dtype)
+        batch["cu_seqlens_host"] = cu_host.pin_memory() if self.cuda else cu_host
         if live is not None:
             batch["live_rows"] = [rows.to(self.device, non_blocking=True) for rows in live]
         return batch

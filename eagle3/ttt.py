@@ -80,7 +80,8 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     """Unrolled TTT over one packed micro-batch.
 
     batch: aux_hidden [T, 3H], final_hidden [T, H], input_ids [T], loss_mask [T], target_argmax [T],
-    cu_seqlens [n+1] (all on the draft's device), optionally live_rows (see `live_rows`).
+    cu_seqlens [n+1] (all on the draft's device), optionally live_rows (see `live_rows`) and
+    cu_seqlens_host (int32 on the host, pinned on CUDA).
     embed: frozen target embedding [V_t, H]; head_rows: target lm_head rows of the draft vocab
     [V_d, H]. `attention` and `loss_steps` have the SPEC §8 signatures of `kernels.ttt_attention`
     and `kernels.ttt_loss_steps`. With skip_dead_rows, work that cannot reach the loss is skipped
@@ -99,6 +100,8 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     h = draft.project(batch["aux_hidden"])
     caches = [[] for _ in draft.layers]
     head_inputs, kept = [], []
+    # the kernels read the boundaries on the host: a host copy, when the trainer gives one, saves a sync
+    cu_attention = batch.get("cu_seqlens_host", batch["cu_seqlens"].to(torch.int32))
     for k, tg in enumerate(targets):
         if k > 0 and live[k] is not None and live[k].numel() == 0:
             break  # nothing reaches the loss any more (step 0 always runs: DDP wants every parameter used)
@@ -107,7 +110,7 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
         if k > 0 and rows.computed is not None:                     # carry the chains still alive
             h = h[torch.searchsorted(kept[-1], rows.computed)] if kept[-1] is not None else h[rows.computed]
         h = draft.step(h, embed[ids[tg.index[computed]]], positions[computed] + k, caches, attention,
-                       batch["cu_seqlens"].to(torch.int32), rows)
+                       cu_attention, rows)
         kept.append(rows.kept_global())
         head_inputs.append(draft.head_input(h))
     done = len(head_inputs)

@@ -35,7 +35,7 @@ def _block_mask(T: int, S: int, bounds: tuple[int, ...], device: str):
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cu_seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     S, T, Hkv, D = k.shape
-    bounds = tuple(cu_seqlens.tolist()) if cu_seqlens is not None else (0, T)
+    bounds = tuple(cu_seqlens.tolist()) if cu_seqlens is not None else (0, T)   # host copy: no sync
     mask = _block_mask(T, S, bounds, str(q.device))
     out = _compiled_flex()(q.transpose(0, 1)[None], k.reshape(S * T, Hkv, D).transpose(0, 1)[None],
                            v.reshape(S * T, Hkv, D).transpose(0, 1)[None], block_mask=mask, scale=scale,

@@ -431,14 +431,17 @@ def _rows_block():
 # ----------------------------------------------------------------------------------------------
 
 def _seqlen_info(cu_seqlens, T, device):
-    """(cu_seqlens int32 on device or None, number of sequences, longest length), checked."""
+    """(cu_seqlens int32 on device or None, number of sequences, longest length), checked. Pass
+    cu_seqlens on the host to keep the training step free of host syncs."""
     if cu_seqlens is None:
         return None, 1, T
     bounds = cu_seqlens.tolist()
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"ttt_attention: cu_seqlens must rise from 0 to T={T}, got {bounds[:4]}...{bounds[-2:]}")
     max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
-    return cu_seqlens.to(device=device, dtype=torch.int32).contiguous(), len(bounds) - 1, max_len
+    # cu_seqlens on the host (pinned) costs no sync: .tolist() above is free, this copy is async
+    return (cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True).contiguous(),
+            len(bounds) - 1, max_len)
 
 
 def _forward(q, k, v, cu, n_seq, max_len, scale):
