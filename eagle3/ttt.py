@@ -24,14 +24,24 @@ class StepTargets:
     acc_rows: torch.Tensor   # [T] bool: counted for accuracy (loss_mask[t+2+k] = 1, in range)
 
 
+def row_layout(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position of each packed row in its sequence, that sequence's length), both [T]."""
+    lengths = cu_seqlens.diff()
+    return positions_from_cu_seqlens(cu_seqlens, T), torch.repeat_interleave(lengths, lengths, output_size=T)
+
+
+def label_rows(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[T] bool: at step k, row t's label x[t+2+k] is inside its sequence and an assistant token."""
+    T = positions.shape[0]
+    label_row = (torch.arange(T, device=positions.device) + 2 + k).clamp(max=T - 1)
+    return (positions + 2 + k < seq_len) & loss_mask[label_row].bool()
+
+
 def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor,
                  greedy: torch.Tensor, t2d: torch.Tensor) -> StepTargets:
     T = positions.shape[0]
-    rows = torch.arange(T, device=positions.device)
-    in_range = positions + 2 + k < seq_len
-    index = (rows + 1 + k).clamp(max=T - 1)
-    label_row = (rows + 2 + k).clamp(max=T - 1)
-    acc_rows = in_range & loss_mask[label_row].bool()
+    index = (torch.arange(T, device=positions.device) + 1 + k).clamp(max=T - 1)
+    acc_rows = label_rows(k, positions, seq_len, loss_mask)
     valid = acc_rows & t2d[greedy[index].long()]
     return StepTargets(index, valid, acc_rows)
 
@@ -48,19 +58,12 @@ def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int
 
 def loss_denominator(batch: dict) -> torch.Tensor:
     """Loss-masked rows of a micro-batch: rows whose step-0 label x[t+2] is an assistant token."""
-    cu = batch["cu_seqlens"]
-    T = batch["input_ids"].shape[0]
-    positions = positions_from_cu_seqlens(cu, T)
-    seq_len = torch.repeat_interleave(cu.diff(), cu.diff(), output_size=T)
-    label_row = (torch.arange(T, device=cu.device) + 2).clamp(max=T - 1)
-    return ((positions + 2 < seq_len) & batch["loss_mask"][label_row].bool()).sum()
+    positions, seq_len = row_layout(batch["cu_seqlens"], batch["input_ids"].shape[0])
+    return label_rows(0, positions, seq_len, batch["loss_mask"]).sum()
 
 
 def all_step_targets(batch: dict, steps: int, t2d: torch.Tensor) -> list[StepTargets]:
-    cu = batch["cu_seqlens"]
-    T = batch["input_ids"].shape[0]
-    positions = positions_from_cu_seqlens(cu, T)
-    seq_len = torch.repeat_interleave(cu.diff(), cu.diff(), output_size=T)
+    positions, seq_len = row_layout(batch["cu_seqlens"], batch["input_ids"].shape[0])
     return [step_targets(k, positions, seq_len, batch["loss_mask"], batch["target_argmax"].long(), t2d)
             for k in range(steps)]
 
@@ -94,7 +97,7 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     ids, greedy = batch["input_ids"].long(), batch["target_argmax"].long()
     T = ids.shape[0]
     targets = all_step_targets(batch, steps, draft.t2d)
-    positions = positions_from_cu_seqlens(batch["cu_seqlens"], T)
+    positions = row_layout(batch["cu_seqlens"], T)[0]
     live = (batch.get("live_rows") or live_rows(targets)) if skip_dead_rows else [None] * steps
     probs = target_probs(batch["final_hidden"], head_rows, steps)
     h = draft.project(batch["aux_hidden"])

@@ -50,13 +50,4 @@ def _compiled_loss():
 
 def ttt_loss_steps(hs, w, ps, valids=None, weights=None):
     """`kernels.reference.ttt_loss_steps` with each step's loss compiled."""
-    K = len(hs)
-    valids = [None] * K if valids is None else list(valids)
-    weights = [1.0] * K if weights is None else list(weights)
-    total, losses, argmaxes = 0.0, [], []
-    for h, p, valid, weight in zip(hs, ps, valids, weights):
-        loss, argmax = _compiled_loss()(h, w, p, valid)
-        total = total + (loss * weight).sum()
-        losses.append(loss.detach())
-        argmaxes.append(argmax)
-    return total, losses, argmaxes
+    return reference.ttt_loss_steps(hs, w, ps, valids, weights, loss_fn=_compiled_loss())

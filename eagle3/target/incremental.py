@@ -59,7 +59,7 @@ class IncrementalTarget:
         return list(zip(aux.split(lengths), final.split(lengths)))
 
     def greedy(self, final: torch.Tensor) -> torch.Tensor:
-        return (final @ self.head.T).float().argmax(-1)
+        return self.logits(final).argmax(-1)
 
     def logits(self, final: torch.Tensor) -> torch.Tensor:
         return (final @ self.head.T).float()
