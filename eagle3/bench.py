@@ -73,7 +73,10 @@ def loss_mask(layout: str, s: dict, g: torch.Generator) -> torch.Tensor:
 
 
 def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int) -> None:
-    """`batches` micro-batches of s["seqs"] sequences, one shard each, and their manifest."""
+    """`batches` micro-batches of s["seqs"] sequences, one shard each, and their manifest (kept when
+    a previous bench in the same --dir already wrote at least as many)."""
+    if (out / MANIFEST).exists() and len(json.loads((out / MANIFEST).read_text())["shards"]) >= batches:
+        return
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(1)
     common = torch.randperm(s["vocab"], generator=g)[:s["draft_vocab"]]   # ids the replies use
@@ -124,8 +127,9 @@ def step_flops(s: dict, steps: int, tokens: int) -> float:
     return tokens * (3 * (fc + steps * (per_row_step + attention)) + target_probs)
 
 
-def gpu_busy_fraction(trainer: Trainer, batch: dict) -> tuple[float, float]:
-    """(busy share, wall seconds) of one step under the profiler: union of the GPU kernels' time."""
+def gpu_busy_fraction(trainer: Trainer, batch: dict, table: Path | None = None) -> tuple[float, float]:
+    """(busy share, wall seconds) of one step under the profiler: union of the GPU kernels' time.
+    `table`: where to write the step's kernels by GPU time (where the time goes)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -133,6 +137,10 @@ def gpu_busy_fraction(trainer: Trainer, batch: dict) -> tuple[float, float]:
         trainer.train_step([batch])
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    if table is not None:
+        table.parent.mkdir(parents=True, exist_ok=True)
+        table.write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=60,
+                                                   max_name_column_width=90))
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
     busy, current = 0.0, None
@@ -146,7 +154,20 @@ def gpu_busy_fraction(trainer: Trainer, batch: dict) -> tuple[float, float]:
     return busy / 1e6 / wall, wall
 
 
-def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup: int, tflops: float) -> dict:
+def same_weights_on_all_ranks(trainer: Trainer) -> bool:
+    """Every parameter bit-equal to rank 0's (what DDP promises after the optimizer steps)."""
+    if trainer.dist.world == 1:
+        return True
+    equal = torch.ones((), device=trainer.device)
+    for p in trainer.model.parameters():
+        theirs = p.detach().clone()
+        torch.distributed.broadcast(theirs, src=0)
+        equal *= torch.equal(theirs, p.detach())
+    return bool(trainer.dist.all_reduce(equal) == trainer.dist.world)
+
+
+def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup: int, tflops: float,
+              profile_dir: Path | None = None) -> dict:
     args = ["--target.path", str(root / "target"), "--train.data_dir", str(root / f"data-{layout}"),
             "--train.output_dir", str(root / f"out-{layout}-{kernels}"), "--train.kernels", kernels,
             "--train.batch_tokens", str(s["seqs"] * s["seq_len"]), "--train.eval_fraction", "0",
@@ -171,13 +192,15 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
         if i >= warmup:
             times.append(time.perf_counter() - start)
             tokens = batch["input_ids"].numel()
-    busy = gpu_busy_fraction(trainer, next(batches))[0] if cuda else float("nan")
+    table = profile_dir / f"profile-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}.txt" \
+        if profile_dir else None
+    busy = gpu_busy_fraction(trainer, next(batches), table)[0] if cuda else float("nan")
     step = statistics.median(times)
     flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens)
     return {"layout": layout, "kernels": kernels, "world": trainer.dist.world, "step_s": step,
             "tokens_per_s_per_gpu": tokens / step, "mfu": flops / step / 1e12 / tflops if cuda else float("nan"),
             "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
-            "gpu_idle": 1 - busy}
+            "gpu_idle": 1 - busy, "same_weights_on_all_ranks": same_weights_on_all_ranks(trainer)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -187,7 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
-    parser.add_argument("--dir", default=None, help="where to write the synthetic target and shards")
+    parser.add_argument("--dir", default=None, help="where to write the synthetic target and shards "
+                        "(kept, and reused by the next bench with the same --dir)")
+    parser.add_argument("--profile-dir", default=None, help="write each run's GPU kernel table here")
+    parser.add_argument("--json", default=None, help="append the results here as JSON lines")
     args = parser.parse_args(argv)
     s = TINY if args.tiny else KIMI
     dist = distributed.setup()
@@ -202,9 +228,13 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for layout in layouts:
         for kernels in args.kernels.split(","):
-            results.append(bench_one(root, layout, kernels, s, args.steps, args.warmup, tflops))
+            results.append(bench_one(root, layout, kernels, s, args.steps, args.warmup, tflops,
+                                     Path(args.profile_dir) if args.profile_dir else None))
             if dist.main:
                 print(json.dumps(results[-1]), flush=True)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps({**results[-1], "tflops": tflops}) + "\n")
             gc.collect()
             if dist.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -213,11 +243,11 @@ def main(argv: list[str] | None = None) -> None:
         name = torch.cuda.get_device_name() if dist.device.type == "cuda" else "cpu"
         print(f"\n{name}, torch {torch.__version__}, bf16 matmul {tflops:.0f} TFLOP/s (8192^3), "
               f"{dist.world} rank(s), micro-batch {s['seqs']} x {s['seq_len']} tokens")
-        print("| layout | kernels | step ms | tokens/s/GPU | MFU | peak GiB | GPU idle |")
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        print("| layout | kernels | step ms | tokens/s/GPU | MFU | peak GiB | GPU idle | same weights on all ranks |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
         for r in results:
             print(f"| {r['layout']} | {r['kernels']} | {r['step_s'] * 1e3:.0f} | {r['tokens_per_s_per_gpu']:,.0f} "
-                  f"| {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['gpu_idle']:.1%} |")
+                  f"| {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['gpu_idle']:.1%} | {r['same_weights_on_all_ranks']} |")
         by = {(r["layout"], r["kernels"]): r["tokens_per_s_per_gpu"] for r in results}
         for layout in layouts:
             if (layout, "torch") in by and (layout, "triton") in by:
