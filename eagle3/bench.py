@@ -33,6 +33,7 @@ from eagle3.data.batching import Prefetcher
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, atomic_write_text, write_shard
 from eagle3.target.checkpoint import read_config
 from eagle3.training import Trainer
+from eagle3.ttt import summarize
 
 KIMI = dict(hidden=7168, vocab=163840, heads=64, kv_heads=8, head_dim=128, inter=18432, draft_vocab=32000,
             seqs=4, seq_len=4096, user=512)
@@ -154,6 +155,19 @@ def gpu_busy_fraction(trainer: Trainer, batch: dict, table: Path | None = None) 
     return busy / 1e6 / wall, wall
 
 
+def host_syncs(trainer: Trainer, batch: dict) -> list[str]:
+    """Where one step waits for the GPU (torch's sync debug mode; the step should need none)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step([batch])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
 def same_weights_on_all_ranks(trainer: Trainer) -> bool:
     """Every parameter bit-equal to rank 0's (what DDP promises after the optimizer steps)."""
     if trainer.dist.world == 1:
@@ -171,12 +185,14 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
     args = ["--target.path", str(root / "target"), "--train.data_dir", str(root / f"data-{layout}"),
             "--train.output_dir", str(root / f"out-{layout}-{kernels}"), "--train.kernels", kernels,
             "--train.batch_tokens", str(s["seqs"] * s["seq_len"]), "--train.eval_fraction", "0",
-            "--train.max_steps", str(steps + warmup + 1), "--train.resume", "never",
+            "--train.max_steps", str(steps + warmup + 2), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
             "--draft.num_key_value_heads", str(s["kv_heads"]), "--draft.head_dim", str(s["head_dim"]),
             "--draft.intermediate_size", str(s["inter"]),
-            # "torch" is the established recipe, which computes every row; ours skips dead rows
-            "--train.skip_dead_rows", "false" if kernels == "torch" else "true"]
+            # "torch" is the established recipe: every row computed, eager layers; ours skips dead
+            # rows and fuses the layers' elementwise chains
+            "--train.skip_dead_rows", str(kernels != "torch").lower(),
+            "--train.compile_ops", str(kernels != "torch").lower()]
     trainer = Trainer(config_mod.load(None, args))
     cuda = trainer.device.type == "cuda"
     batches = Prefetcher(trainer.reader, trainer.plan.rank_batches(0, trainer.dist.rank), 2, pin=cuda)
@@ -186,21 +202,26 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        trainer.train_step([batch])
+        metrics = trainer.train_step([batch])
         if cuda:
             torch.cuda.synchronize()
+        if i == 0:
+            first = metrics   # the same weights and data on every path: losses agree across kernels
         if i >= warmup:
             times.append(time.perf_counter() - start)
             tokens = batch["input_ids"].numel()
     table = profile_dir / f"profile-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}.txt" \
         if profile_dir else None
     busy = gpu_busy_fraction(trainer, next(batches), table)[0] if cuda else float("nan")
+    syncs = host_syncs(trainer, next(batches)) if cuda else []
     step = statistics.median(times)
     flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens)
     return {"layout": layout, "kernels": kernels, "world": trainer.dist.world, "step_s": step,
             "tokens_per_s_per_gpu": tokens / step, "mfu": flops / step / 1e12 / tflops if cuda else float("nan"),
             "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
-            "gpu_idle": 1 - busy, "same_weights_on_all_ranks": same_weights_on_all_ranks(trainer)}
+            "gpu_idle": 1 - busy, "same_weights_on_all_ranks": same_weights_on_all_ranks(trainer),
+            "host_syncs": len(syncs), "host_sync_sites": sorted(set(syncs)),
+            "first_step_loss": [round(x, 4) for x in summarize(first)["loss"]]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     if dist.main:
         write_target(root / "target", s)
         for layout in layouts:
-            write_shards(root / f"data-{layout}", root / "target", layout, s, dist.world * (args.steps + args.warmup + 1))
+            write_shards(root / f"data-{layout}", root / "target", layout, s, dist.world * (args.steps + args.warmup + 2))
     dist.barrier()
     tflops = matmul_tflops(dist.device) if dist.device.type == "cuda" else float("nan")
     results = []
@@ -243,11 +264,13 @@ def main(argv: list[str] | None = None) -> None:
         name = torch.cuda.get_device_name() if dist.device.type == "cuda" else "cpu"
         print(f"\n{name}, torch {torch.__version__}, bf16 matmul {tflops:.0f} TFLOP/s (8192^3), "
               f"{dist.world} rank(s), micro-batch {s['seqs']} x {s['seq_len']} tokens")
-        print("| layout | kernels | step ms | tokens/s/GPU | MFU | peak GiB | GPU idle | same weights on all ranks |")
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+        print("| layout | kernels | step ms | tokens/s/GPU | MFU | peak GiB | GPU idle | host syncs/step "
+              "| same weights on all ranks | first step loss0 |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
         for r in results:
             print(f"| {r['layout']} | {r['kernels']} | {r['step_s'] * 1e3:.0f} | {r['tokens_per_s_per_gpu']:,.0f} "
-                  f"| {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['gpu_idle']:.1%} | {r['same_weights_on_all_ranks']} |")
+                  f"| {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['gpu_idle']:.1%} | {r['host_syncs']} "
+                  f"| {r['same_weights_on_all_ranks']} | {r['first_step_loss'][0]:.4f} |")
         by = {(r["layout"], r["kernels"]): r["tokens_per_s_per_gpu"] for r in results}
         for layout in layouts:
             if (layout, "torch") in by and (layout, "triton") in by:

@@ -90,6 +90,7 @@ class TrainConfig:
     resume: str = "auto"                      # "auto" (newest complete checkpoint), "never", or a checkpoint dir
     kernels: str = "auto"                     # "auto" (triton on CUDA), "triton", "torch"
     skip_dead_rows: bool = True               # skip the work of rows whose chain reaches no loss (exact)
+    compile_ops: bool = True                  # torch.compile RMSNorm / RoPE / SiLU*up on CUDA
     device: str = "auto"
     prefetch: int = 2                         # micro-batches read ahead in a background thread
 

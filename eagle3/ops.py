@@ -1,6 +1,7 @@
 """Small numerical building blocks shared by the target forward and the draft."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,8 +18,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act=silu_mul) -> torch.Tensor:
+    return F.linear(act(F.linear(x, gate), F.linear(x, up)), down)
+
+
+@functools.cache
+def compiled(fn):
+    """`fn` under torch.compile with dynamic shapes (the number of rows changes with each TTT step):
+    one fused kernel each way instead of an eager chain of fp32 temporaries."""
+    return torch.compile(fn, dynamic=True)
 
 
 def llama_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

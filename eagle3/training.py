@@ -27,7 +27,7 @@ from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.export import export_all
 from eagle3.extraction import resolve_aux_layer_ids
 from eagle3.target.checkpoint import Checkpoint, TargetError, TextConfig
-from eagle3.ttt import all_step_targets, live_rows, loss_denominator, summarize, ttt_forward
+from eagle3.ttt import all_step_targets, live_rows, loss_denominator, loss_rows, summarize, ttt_forward
 from eagle3.vocab import VocabError, build_vocab
 
 
@@ -233,6 +233,8 @@ class Trainer:
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
         self.t2d_cpu = t2d
+        if self.cuda and t.compile_ops:
+            draft.compile_elementwise()
         self.model = TTTModel(draft).to(self.device)
         self.embed = self.target.get("embed_tokens.weight").to(self.device, self.float_dtype)
         self.head_rows = self.target.get("lm_head.weight")[t2d].to(self.device, self.float_dtype)
@@ -297,16 +299,20 @@ class Trainer:
                          t.loss_decay, scale, t.skip_dead_rows)
 
     def _on_device(self, batch: dict) -> dict:
-        """The batch on the device, with its live rows and sequence boundaries also kept on the host
-        (so that the step needs no host sync to find them)."""
-        live = None
+        """The batch on the device, with what the step would otherwise sync to learn found here on
+        the host: live rows, the loss rows of each step and the sequence boundaries."""
+        steps = self.cfg.train.ttt_steps
+        targets = all_step_targets(batch, steps, self.t2d_cpu)
+        live = live_rows(targets) if self.cfg.train.skip_dead_rows else [None] * steps
+        found = {"loss_rows": loss_rows(targets, live)}
         if self.cfg.train.skip_dead_rows:
-            live = live_rows(all_step_targets(batch, self.cfg.train.ttt_steps, self.t2d_cpu))
+            found["live_rows"] = live
         cu_host = batch["cu_seqlens"].to(torch.int32)
         batch = to_device(batch, self.device, self.float_dtype)
-        batch["cu_seqlens_host"] = cu_host.pin_memory() if self.cuda else cu_host
-        if live is not None:
-            batch["live_rows"] = [rows.to(self.device, non_blocking=True) for rows in live]
+        pin = (lambda t: t.pin_memory()) if self.cuda else (lambda t: t)
+        batch["cu_seqlens_host"] = pin(cu_host)
+        for key, rows in found.items():
+            batch[key] = [pin(r).to(self.device, non_blocking=True) for r in rows]
         return batch
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:

@@ -77,13 +77,20 @@ def live_rows(targets: list[StepTargets]) -> list[torch.Tensor]:
     return [a.nonzero().flatten() for a in alive]
 
 
+def loss_rows(targets: list[StepTargets], live: list) -> list[torch.Tensor]:
+    """Per step, the valid rows as indices into the rows the step keeps (all T rows, or live[k]):
+    what the loss computes. Found on the host with the batch, they spare the loss a sync per step."""
+    return [(tg.valid if r is None else tg.valid[r]).nonzero().flatten() for tg, r in zip(targets, live)]
+
+
 def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
                 attention, loss_steps, decay: float = 0.8, scale: float | torch.Tensor = 1.0,
                 skip_dead_rows: bool = True):
     """Unrolled TTT over one packed micro-batch.
 
     batch: aux_hidden [T, 3H], final_hidden [T, H], input_ids [T], loss_mask [T], target_argmax [T],
-    cu_seqlens [n+1] (all on the draft's device), optionally live_rows (see `live_rows`) and
+    cu_seqlens [n+1] (all on the draft's device), optionally live_rows (see `live_rows`; only read
+    with skip_dead_rows), loss_rows (see `loss_rows`, for the same skip_dead_rows) and
     cu_seqlens_host (int32 on the host, pinned on CUDA).
     embed: frozen target embedding [V_t, H]; head_rows: target lm_head rows of the draft vocab
     [V_d, H]. `attention` and `loss_steps` have the SPEC §8 signatures of `kernels.ttt_attention`
@@ -117,11 +124,11 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
         kept.append(rows.kept_global())
         head_inputs.append(draft.head_input(h))
     done = len(head_inputs)
+    valids = batch.get("loss_rows") or [tg.valid if r is None else tg.valid[r] for tg, r in zip(targets, kept)]
     total, losses, argmaxes = loss_steps(
         head_inputs, draft.lm_head.weight.to(h.dtype),
         [probs[k:k + T] if r is None else probs[k + r] for k, r in enumerate(kept)],
-        [tg.valid if r is None else tg.valid[r] for tg, r in zip(targets, kept)],
-        [decay ** k * scale for k in range(done)])
+        valids[:done], [decay ** k * scale for k in range(done)])
     losses = [_to_all_rows(x, r, T, 0) for x, r in zip(losses, kept)] + [total.new_zeros(T)] * (steps - done)
     argmaxes = [_to_all_rows(x, r, T, -1) for x, r in zip(argmaxes, kept)] + [greedy.new_full((T,), -1)] * (
         steps - done)

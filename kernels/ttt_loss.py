@@ -147,9 +147,14 @@ class _Workspace:
 
 
 def _valid_rows(valid: torch.Tensor | None, N: int, device) -> torch.Tensor:
-    """int64 indices of the rows that get logits (all rows when valid is None)."""
+    """int64 indices of the rows that get logits (all rows when valid is None). A bool mask costs a
+    host sync (the number of rows decides the chunks); indices given by the caller do not."""
     if valid is None:
         return torch.arange(N, device=device)
+    if valid.dtype != torch.bool:
+        if valid.dim() != 1 or valid.numel() > N:
+            raise ValueError(f"ttt_loss: valid row indices have shape {tuple(valid.shape)}, expected (n <= {N},)")
+        return valid.long()
     if valid.shape != (N,):
         raise ValueError(f"ttt_loss: valid has shape {tuple(valid.shape)}, expected ({N},)")
     return valid.nonzero().squeeze(1)
@@ -315,7 +320,8 @@ def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[tor
     """All K TTT steps at once: (total, losses, argmaxes).
 
     hs[k] [N_k, H], ps[k] [N_k, V] and valids[k] bool [N_k] (or None) are step k's inputs to
-    `ttt_loss`; weights[k] is its loss weight (a number or an [N_k] tensor, default 1).
+    `ttt_loss`; valids[k] may also be the int64 indices of the valid rows, ascending, which saves
+    the host sync of finding them; weights[k] is its loss weight (a number or an [N_k] tensor, default 1).
     total = Σ_k Σ_i weights[k]_i · loss_k,i is an fp32 scalar, differentiable in every hs[k] and w;
     losses[k] / argmaxes[k] are `ttt_loss`'s outputs for step k (not differentiable). The gradient
     is computed during forward (3 GEMMs per step instead of 4), with dw accumulated in bf16 across

@@ -168,22 +168,26 @@ def test_skipping_dead_rows_is_exact(layers):
     batch["loss_mask"][:8] = 0                 # a user turn, a whole user sequence, a short reply
     batch["loss_mask"][33:42] = 0
     batch["loss_mask"][42:56] = torch.tensor([0] * 10 + [1] * 4)
+    from eagle3.ttt import all_step_targets, live_rows, loss_rows
+    live = live_rows(all_step_targets(batch, 5, draft.t2d))
+    # as the trainer runs it: live rows and loss rows (as indices) found beforehand, on the host
+    found = {"live_rows": live, "loss_rows": loss_rows(all_step_targets(batch, 5, draft.t2d), live)}
     results = []
-    for skip in (False, True):
+    for skip, extra, loss_steps in ((False, {}, ttt_loss_steps), (True, {}, ttt_loss_steps),
+                                    (True, found, ttt_loss_steps)):
         draft.zero_grad()
-        total, metrics, detail = ttt_forward(draft, batch, embed, head, 5, ttt_attention, ttt_loss_steps,
-                                             skip_dead_rows=skip)
+        total, metrics, detail = ttt_forward(draft, {**batch, **extra}, embed, head, 5, ttt_attention,
+                                             loss_steps, skip_dead_rows=skip)
         total.backward()
         results.append((total.detach(), metrics, detail["accepted"],
                         {n: p.grad.clone() for n, p in draft.named_parameters()}))
-    (t0, m0, a0, g0), (t1, m1, a1, g1) = results
-    torch.testing.assert_close(t1, t0)
-    torch.testing.assert_close(m1, m0)
-    assert torch.equal(a1, a0)
-    for name in g0:
-        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6)
-    from eagle3.ttt import all_step_targets, live_rows
-    live = live_rows(all_step_targets(batch, 5, draft.t2d))
+    t0, m0, a0, g0 = results[0]
+    for t1, m1, a1, g1 in results[1:]:
+        torch.testing.assert_close(t1, t0)
+        torch.testing.assert_close(m1, m0)
+        assert torch.equal(a1, a0)
+        for name in g0:
+            torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6)
     assert live[1].numel() < 56 and all(set(live[k + 1].tolist()) <= set(live[k].tolist()) for k in range(4))
 
 
