@@ -142,16 +142,23 @@ def gpu_busy_fraction(trainer: Trainer, batch: dict, table: Path | None = None) 
         table.parent.mkdir(parents=True, exist_ok=True)
         table.write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=60,
                                                    max_name_column_width=90))
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
-    busy, current = 0.0, None
-    for a, b in spans:
+    busy, current, gaps = 0.0, None, []
+    for a, b, name in spans:
         if current is None or a > current[1]:
-            busy += 0 if current is None else current[1] - current[0]
-            current = [a, b]
-        else:
-            current[1] = max(current[1], b)
+            if current is not None:
+                busy += current[1] - current[0]
+                gaps.append((a - current[1], current[2], name))
+            current = [a, b, name]
+        elif b > current[1]:
+            current[1:] = [b, name]
     busy += 0 if current is None else current[1] - current[0]
+    if table is not None:   # the longest idle gaps, between which kernels
+        with table.open("a") as f:
+            f.write(f"\nstep wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms; longest gaps:\n")
+            for gap, before, after in sorted(gaps, reverse=True)[:25]:
+                f.write(f"{gap / 1e3:8.2f} ms  after {before[:70]}  before {after[:70]}\n")
     return busy / 1e6 / wall, wall
 
 

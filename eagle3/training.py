@@ -317,7 +317,8 @@ class Trainer:
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the metric sums [K, 7]."""
-        denom = torch.tensor(float(sum(int(loss_denominator(b)) for b in batches)), device=self.device)
+        # torch.full passes the value as a kernel argument: no pageable copy, no sync
+        denom = torch.full((), float(sum(int(loss_denominator(b)) for b in batches)), device=self.device)
         denom = self.dist.all_reduce(denom).clamp(min=1)
         metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
         for a, batch in enumerate(batches):
