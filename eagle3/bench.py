@@ -140,8 +140,9 @@ def gpu_busy_fraction(trainer: Trainer, batch: dict, table: Path | None = None) 
         wall = time.perf_counter() - start
     if table is not None:
         table.parent.mkdir(parents=True, exist_ok=True)
-        table.write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=60,
-                                                   max_name_column_width=90))
+        averages = prof.key_averages()
+        table.write_text(averages.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
+                         + averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90))
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
     busy, current, gaps = 0.0, None, []
@@ -164,15 +165,27 @@ def gpu_busy_fraction(trainer: Trainer, batch: dict, table: Path | None = None) 
 
 def host_syncs(trainer: Trainer, batch: dict) -> list[str]:
     """Where one step waits for the GPU (torch's sync debug mode; the step should need none)."""
+    import traceback
     import warnings
-    with warnings.catch_warnings(record=True) as caught:
+    sites = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):   # innermost frames first, up to one of ours
+            frames = traceback.extract_stack()[:-1]
+            ours = [f for f in frames if "/eagle3/" in f.filename or "/kernels/" in f.filename]
+            inner = [f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:]]
+            sites.append(" < ".join(reversed(inner)) + (f" (from {Path(ours[-1].filename).name}:"
+                                                        f"{ours[-1].lineno})" if ours else ""))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             trainer.train_step([batch])
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return sites
 
 
 def same_weights_on_all_ranks(trainer: Trainer) -> bool:

@@ -255,9 +255,10 @@ class Trainer:
         self.start_step = self._maybe_resume()
         self.ddp = self.model
         if self.dist.world > 1:
+            # device_ids=None: batches are already on the device, and DDP moving the inputs would
+            # turn the host-side copies the step keeps (sequence boundaries) into device tensors
             self.ddp = nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.cuda else None, broadcast_buffers=False,
-                gradient_as_bucket_view=True)
+                self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
         self.attention, self.loss_steps = select_kernels(t.kernels, self.device, self.spec.head_dim, cfg.source)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
 
