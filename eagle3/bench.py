@@ -170,8 +170,8 @@ def host_syncs(trainer: Trainer, batch: dict) -> list[str]:
     sites = []
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):   # innermost frames first, up to one of ours
-            frames = traceback.extract_stack()[:-1]
+        frames = traceback.extract_stack()[:-1]
+        if "synchroniz" in str(message) and any(f.filename.endswith("training.py") for f in frames):
             ours = [f for f in frames if "/eagle3/" in f.filename or "/kernels/" in f.filename]
             inner = [f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:]]
             sites.append(" < ".join(reversed(inner)) + (f" (from {Path(ours[-1].filename).name}:"
@@ -215,7 +215,8 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             "--train.compile_ops", str(kernels != "torch").lower()]
     trainer = Trainer(config_mod.load(None, args))
     cuda = trainer.device.type == "cuda"
-    batches = Prefetcher(trainer.reader, trainer.plan.rank_batches(0, trainer.dist.rank), 2, pin=cuda)
+    batches = Prefetcher(trainer.reader, trainer.plan.rank_batches(0, trainer.dist.rank), 2, pin=cuda,
+                         prepare=trainer.prepare_batch)
     times, tokens = [], 0
     for i in range(warmup + steps):
         batch = next(batches)

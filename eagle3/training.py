@@ -21,7 +21,7 @@ from tqdm import tqdm
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import distributed
 from eagle3.config import Config
-from eagle3.data.batching import Prefetcher, pack, split_holdout, to_device
+from eagle3.data.batching import Prefetcher, pack, pin_memory, split_holdout, to_device
 from eagle3.data.shards import DataError, ShardReader, loss_token_counts
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.export import export_all
@@ -299,27 +299,41 @@ class Trainer:
             return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_steps,
                          t.loss_decay, scale, t.skip_dead_rows)
 
-    def _on_device(self, batch: dict) -> dict:
-        """The batch on the device, with what the step would otherwise sync to learn found here on
-        the host: live rows, the loss rows of each step and the sequence boundaries."""
+    HOST_KEYS = ("cu_seqlens_host", "loss_denominator")
+
+    def prepare_batch(self, batch: dict) -> dict:
+        """Host-side work on a batch read from the shards, done by the prefetch thread off the step's
+        critical path: what the step would otherwise sync (or spend CPU time) to learn. Adds live
+        rows and each step's loss rows (moved to the device with the batch), the sequence
+        boundaries and the loss denominator (kept on the host)."""
         steps = self.cfg.train.ttt_steps
         targets = all_step_targets(batch, steps, self.t2d_cpu)
         live = live_rows(targets) if self.cfg.train.skip_dead_rows else [None] * steps
-        found = {"loss_rows": loss_rows(targets, live)}
+        batch = {**batch, "loss_rows": loss_rows(targets, live), "cu_seqlens_host": batch["cu_seqlens"].to(torch.int32),
+                 "loss_denominator": int(loss_denominator(batch))}
         if self.cfg.train.skip_dead_rows:
-            found["live_rows"] = live
-        cu_host = batch["cu_seqlens"].to(torch.int32)
-        batch = to_device(batch, self.device, self.float_dtype)
-        pin = (lambda t: t.pin_memory()) if self.cuda else (lambda t: t)
-        batch["cu_seqlens_host"] = pin(cu_host)
-        for key, rows in found.items():
-            batch[key] = [pin(r).to(self.device, non_blocking=True) for r in rows]
+            batch["live_rows"] = live
         return batch
+
+    def _prepared(self, batch: dict) -> dict:
+        """The batch as `prepare_batch` leaves it (the prefetcher's work, done here if it was not)."""
+        if "loss_rows" in batch:
+            return batch
+        return pin_memory(self.prepare_batch(batch)) if self.cuda else self.prepare_batch(batch)
+
+    def _on_device(self, batch: dict) -> dict:
+        """A prepared batch on the device (host-side keys stay on the host)."""
+        host = {k: batch[k] for k in self.HOST_KEYS}
+        rows = {k: [r.to(self.device, non_blocking=True) for r in batch[k]] for k in ("loss_rows", "live_rows")
+                if k in batch}
+        tensors = {k: v for k, v in batch.items() if k not in host and k not in rows}
+        return {**to_device(tensors, self.device, self.float_dtype), **rows, **host}
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the metric sums [K, 7]."""
+        batches = [self._prepared(b) for b in batches]
         # torch.full passes the value as a kernel argument: no pageable copy, no sync
-        denom = torch.full((), float(sum(int(loss_denominator(b)) for b in batches)), device=self.device)
+        denom = torch.full((), float(sum(b["loss_denominator"] for b in batches)), device=self.device)
         denom = self.dist.all_reduce(denom).clamp(min=1)
         metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
         for a, batch in enumerate(batches):
@@ -342,13 +356,13 @@ class Trainer:
         batches = pack(self.eval_refs, self.cfg.train.batch_tokens)
         metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
         for batch_refs in batches[self.dist.rank::self.dist.world]:
-            metrics += self._forward(self.model, self._on_device(self.reader.read(batch_refs)))[1]
+            metrics += self._forward(self.model, self._on_device(self._prepared(self.reader.read(batch_refs))))[1]
         return summarize(self.dist.all_reduce(metrics))
 
     def run(self) -> Path:
         t, total = self.cfg.train, self.plan.total
         batches = Prefetcher(self.reader, self.plan.rank_batches(self.start_step, self.dist.rank),
-                             t.prefetch, pin=self.cuda)
+                             t.prefetch, pin=self.cuda, prepare=self.prepare_batch)
         window = torch.zeros(t.ttt_steps, 7, device=self.device)
         tokens, clock = 0, time.perf_counter()
         bar = tqdm(total=total, initial=self.start_step, unit="step", desc="train", disable=not self.dist.main)

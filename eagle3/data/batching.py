@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -40,20 +41,30 @@ def pack(refs: list[SeqRef], budget: int, seed: int | None = None, epoch: int = 
     return batches
 
 
-class Prefetcher:
-    """Reads micro-batches in a background thread (pinned memory on CUDA) in the given order."""
+def pin_memory(batch: dict) -> dict:
+    """Every tensor of the batch, also inside lists, in pinned memory (for asynchronous copies)."""
+    return {k: [t.pin_memory() for t in v] if isinstance(v, list) else
+            v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    def __init__(self, reader: ShardReader, batches: list[list[SeqRef]], depth: int, pin: bool):
+
+class Prefetcher:
+    """Reads micro-batches in a background thread in the given order, applies `prepare` (host-side
+    work the step would otherwise do on its critical path) and pins them on CUDA."""
+
+    def __init__(self, reader: ShardReader, batches: list[list[SeqRef]], depth: int, pin: bool,
+                 prepare: Callable[[dict], dict] | None = None):
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        self._thread = threading.Thread(target=self._work, args=(reader, batches, pin), daemon=True)
+        self._thread = threading.Thread(target=self._work, args=(reader, batches, pin, prepare), daemon=True)
         self._thread.start()
 
-    def _work(self, reader, batches, pin):
+    def _work(self, reader, batches, pin, prepare):
         try:
             for refs in batches:
                 batch = reader.read(refs)
+                if prepare is not None:
+                    batch = prepare(batch)
                 if pin:
-                    batch = {k: v.pin_memory() for k, v in batch.items()}
+                    batch = pin_memory(batch)
                 self._queue.put(batch)
         except Exception as e:  # surfaced in the consumer
             self._queue.put(e)
