@@ -29,7 +29,6 @@ from safetensors.torch import save_file
 
 from eagle3 import config as config_mod
 from eagle3 import distributed
-from eagle3.data.batching import Prefetcher
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, atomic_write_text, write_shard
 from eagle3.target.checkpoint import read_config
 from eagle3.training import Trainer
@@ -215,8 +214,7 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             "--train.compile_ops", str(kernels != "torch").lower()]
     trainer = Trainer(config_mod.load(None, args))
     cuda = trainer.device.type == "cuda"
-    batches = Prefetcher(trainer.reader, trainer.plan.rank_batches(0, trainer.dist.rank), 2, pin=cuda,
-                         prepare=trainer.prepare_batch)
+    batches = trainer.prefetcher(0)
     times, tokens = [], 0
     for i in range(warmup + steps):
         batch = next(batches)

@@ -315,6 +315,13 @@ class Trainer:
             batch["live_rows"] = live
         return batch
 
+    def prefetcher(self, start: int) -> Prefetcher:
+        """This rank's micro-batches from optimizer step `start` on, read ahead. On CUDA the prefetch
+        thread also prepares them; on the CPU the step prepares its own, since a second thread
+        doing tensor work there competes with the training for the same cores."""
+        return Prefetcher(self.reader, self.plan.rank_batches(start, self.dist.rank), self.cfg.train.prefetch,
+                          pin=self.cuda, prepare=self.prepare_batch if self.cuda else None)
+
     def _prepared(self, batch: dict) -> dict:
         """The batch as `prepare_batch` leaves it (the prefetcher's work, done here if it was not)."""
         if "loss_rows" in batch:
@@ -361,8 +368,7 @@ class Trainer:
 
     def run(self) -> Path:
         t, total = self.cfg.train, self.plan.total
-        batches = Prefetcher(self.reader, self.plan.rank_batches(self.start_step, self.dist.rank),
-                             t.prefetch, pin=self.cuda, prepare=self.prepare_batch)
+        batches = self.prefetcher(self.start_step)
         window = torch.zeros(t.ttt_steps, 7, device=self.device)
         tokens, clock = 0, time.perf_counter()
         bar = tqdm(total=total, initial=self.start_step, unit="step", desc="train", disable=not self.dist.main)
