@@ -75,8 +75,11 @@ def loss_mask(layout: str, s: dict, g: torch.Generator) -> torch.Tensor:
 def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int) -> None:
     """`batches` micro-batches of s["seqs"] sequences, one shard each, and their manifest (kept when
     a previous bench in the same --dir already wrote at least as many)."""
-    if (out / MANIFEST).exists() and len(json.loads((out / MANIFEST).read_text())["shards"]) >= batches:
-        return
+    source = {"path": "synthetic", "layout": layout, "shape": s, "generator": 1}
+    if (out / MANIFEST).exists():
+        old = json.loads((out / MANIFEST).read_text())
+        if old.get("source") == source and len(old["shards"]) >= batches:
+            return
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(1)
     common = torch.randperm(s["vocab"], generator=g)[:s["draft_vocab"]]   # ids the replies use
@@ -97,7 +100,7 @@ def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int) ->
     text = read_config(target / "config.json")
     manifest = {"format_version": FORMAT_VERSION, "target": text.identity(),
                 "aux_layer_ids": text.default_aux_layer_ids(), "dtypes": DTYPES, "plan_key": "synthetic",
-                "source": {"path": "synthetic", "layout": layout}, "shards": entries, "complete": True}
+                "source": source, "shards": entries, "complete": True}
     atomic_write_text(out / MANIFEST, json.dumps(manifest))
 
 
@@ -164,13 +167,16 @@ def gpu_busy_fraction(trainer: Trainer, batch: dict, table: Path | None = None) 
 
 def host_syncs(trainer: Trainer, batch: dict) -> list[str]:
     """Where one step waits for the GPU (torch's sync debug mode; the step should need none)."""
+    import threading
     import traceback
     import warnings
     sites = []
 
     def record(message, category, filename, lineno, file=None, line=None):
         frames = traceback.extract_stack()[:-1]
-        if "synchroniz" in str(message) and any(f.filename.endswith("training.py") for f in frames):
+        in_step = threading.current_thread() is threading.main_thread() and any(
+            f.filename.endswith("training.py") for f in frames)   # not the prefetch thread
+        if "synchroniz" in str(message) and in_step:
             ours = [f for f in frames if "/eagle3/" in f.filename or "/kernels/" in f.filename]
             inner = [f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:]]
             sites.append(" < ".join(reversed(inner)) + (f" (from {Path(ours[-1].filename).name}:"

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import distributed
 from eagle3.config import Config
-from eagle3.data.batching import Prefetcher, pack, pin_memory, split_holdout, to_device
+from eagle3.data.batching import Prefetcher, pack, split_holdout, to_device
 from eagle3.data.shards import DataError, ShardReader, loss_token_counts
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.export import export_all
@@ -324,9 +324,7 @@ class Trainer:
 
     def _prepared(self, batch: dict) -> dict:
         """The batch as `prepare_batch` leaves it (the prefetcher's work, done here if it was not)."""
-        if "loss_rows" in batch:
-            return batch
-        return pin_memory(self.prepare_batch(batch)) if self.cuda else self.prepare_batch(batch)
+        return batch if "loss_rows" in batch else self.prepare_batch(batch)
 
     def _on_device(self, batch: dict) -> dict:
         """A prepared batch on the device (host-side keys stay on the host)."""

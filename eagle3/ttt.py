@@ -89,9 +89,10 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     """Unrolled TTT over one packed micro-batch.
 
     batch: aux_hidden [T, 3H], final_hidden [T, H], input_ids [T], loss_mask [T], target_argmax [T],
-    cu_seqlens [n+1] (all on the draft's device), optionally live_rows (see `live_rows`; only read
-    with skip_dead_rows), loss_rows (see `loss_rows`, for the same skip_dead_rows) and
-    cu_seqlens_host (int32 on the host, pinned on CUDA).
+    cu_seqlens [n+1] (all on the draft's device), optionally live_rows (see `live_rows`; present
+    exactly when the batch was prepared for skip_dead_rows), loss_rows (see `loss_rows`, used only
+    when found for this skip_dead_rows and number of steps) and cu_seqlens_host (int32 on the host,
+    pinned on CUDA).
     embed: frozen target embedding [V_t, H]; head_rows: target lm_head rows of the draft vocab
     [V_d, H]. `attention` and `loss_steps` have the SPEC §8 signatures of `kernels.ttt_attention`
     and `kernels.ttt_loss_steps`. With skip_dead_rows, work that cannot reach the loss is skipped
@@ -124,7 +125,9 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
         kept.append(rows.kept_global())
         head_inputs.append(draft.head_input(h))
     done = len(head_inputs)
-    valids = batch.get("loss_rows") or [tg.valid if r is None else tg.valid[r] for tg, r in zip(targets, kept)]
+    valids = batch.get("loss_rows")
+    if valids is None or ("live_rows" in batch) != skip_dead_rows or len(valids) != steps:
+        valids = [tg.valid if r is None else tg.valid[r] for tg, r in zip(targets, kept)]   # not found for this mode
     total, losses, argmaxes = loss_steps(
         head_inputs, draft.lm_head.weight.to(h.dtype),
         [probs[k:k + T] if r is None else probs[k + r] for k, r in enumerate(kept)],

@@ -77,7 +77,7 @@ def ttt_loss_steps(hs, w, ps, valids=None, weights=None, loss_fn=None):
     """All K TTT steps at once: (total, losses, argmaxes) with total = Σ_k Σ_i weights[k] · loss_k,i.
 
     Same contract as `kernels.ttt_loss.ttt_loss_steps`; hs[k] [N_k, H], ps[k] [N_k, V], valids[k]
-    bool [N_k], int64 indices of the valid rows, or None; weights[k] a number or a tensor
+    bool [N_k], the indices of the valid rows (int64 or int32), or None; weights[k] a number or a tensor
     broadcastable to [N_k] (default 1). `loss_fn` replaces `ttt_loss` for each step (e.g. a compiled one).
     """
     loss_fn = loss_fn or ttt_loss
@@ -86,8 +86,8 @@ def ttt_loss_steps(hs, w, ps, valids=None, weights=None, loss_fn=None):
     weights = [1.0] * K if weights is None else list(weights)
     total, losses, argmaxes = 0.0, [], []
     for h, p, valid, weight in zip(hs, ps, valids, weights):
-        if valid is not None and valid.dtype != torch.bool:
-            valid = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device).index_fill_(0, valid, True)
+        if valid is not None and valid.dtype in (torch.int64, torch.int32):   # row indices -> mask
+            valid = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device).index_fill_(0, valid.long(), True)
         loss, argmax = loss_fn(h, w, p, valid)
         total = total + (loss * weight).sum()
         losses.append(loss.detach())

@@ -151,10 +151,12 @@ def _valid_rows(valid: torch.Tensor | None, N: int, device) -> torch.Tensor:
     host sync (the number of rows decides the chunks); indices given by the caller do not."""
     if valid is None:
         return torch.arange(N, device=device)
-    if valid.dtype != torch.bool:
+    if valid.dtype in (torch.int64, torch.int32):
         if valid.dim() != 1 or valid.numel() > N:
             raise ValueError(f"ttt_loss: valid row indices have shape {tuple(valid.shape)}, expected (n <= {N},)")
         return valid.long()
+    if valid.dtype != torch.bool:
+        raise TypeError(f"ttt_loss: valid must be a bool mask or int64/int32 row indices, got {valid.dtype}")
     if valid.shape != (N,):
         raise ValueError(f"ttt_loss: valid has shape {tuple(valid.shape)}, expected ({N},)")
     return valid.nonzero().squeeze(1)
@@ -320,8 +322,8 @@ def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[tor
     """All K TTT steps at once: (total, losses, argmaxes).
 
     hs[k] [N_k, H], ps[k] [N_k, V] and valids[k] bool [N_k] (or None) are step k's inputs to
-    `ttt_loss`; valids[k] may also be the int64 indices of the valid rows, ascending, which saves
-    the host sync of finding them; weights[k] is its loss weight (a number or an [N_k] tensor, default 1).
+    `ttt_loss`; valids[k] may also be the indices of the valid rows (int64 or int32, unique,
+    ascending), which saves the host sync of finding them; weights[k] is its loss weight (a number or an [N_k] tensor, default 1).
     total = Σ_k Σ_i weights[k]_i · loss_k,i is an fp32 scalar, differentiable in every hs[k] and w;
     losses[k] / argmaxes[k] are `ttt_loss`'s outputs for step k (not differentiable). The gradient
     is computed during forward (3 GEMMs per step instead of 4), with dw accumulated in bf16 across

@@ -179,3 +179,30 @@ def test_triton_kernels_match_torch_reference_in_training(tmp_path, llama_target
     la, lb = train_losses(tmp_path / "torch" / "train"), train_losses(tmp_path / "triton" / "train")
     for step in la:
         assert la[step] == pytest.approx(lb[step], rel=1e-4)
+
+
+def test_batches_prepared_by_the_prefetch_thread_equal_those_prepared_in_the_step(tmp_path, llama_target,
+                                                                                   token_data, hidden):
+    """On CUDA the prefetch thread prepares batches (live rows, loss rows, boundaries, denominator);
+    the result must be what the step computes itself from a raw batch."""
+    from eagle3 import config as config_mod
+    from eagle3.data.batching import Prefetcher, to_device
+    trainer = training.Trainer(config_mod.load(str(ROOT / "config.toml"),
+                                               cli_args(tmp_path, llama_target, token_data, hidden)))
+    refs = list(trainer.plan.rank_batches(0, 0))[:2]
+    ahead = Prefetcher(trainer.reader, refs, 2, pin=False, prepare=trainer.prepare_batch)
+    prepared = [next(ahead) for _ in refs]
+    for refs_one, ahead in zip(refs, prepared):
+        here = trainer._prepared(trainer.reader.read(refs_one))
+        assert set(ahead) == set(here) and {"live_rows", "loss_rows", "loss_denominator"} <= set(here)
+        for key in here:
+            a, b = ahead[key], here[key]
+            assert all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, list) else (
+                torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), key
+        loss_ahead = trainer._forward(trainer.model, trainer._on_device(ahead))[0]
+        prepared_here = trainer._forward(trainer.model, trainer._on_device(here))[0]
+        # and with nothing prepared: ttt_forward finds the rows itself, on the device
+        raw = to_device(trainer.reader.read(refs_one), trainer.device, trainer.float_dtype)
+        loss_here = trainer._forward(trainer.model, raw)[0]
+        assert torch.equal(prepared_here, loss_ahead)
+        assert torch.equal(loss_ahead, loss_here) and loss_ahead > 0

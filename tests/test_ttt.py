@@ -1,3 +1,5 @@
+import shutil
+
 import pytest
 import torch
 
@@ -151,9 +153,12 @@ def test_summary_acceptance_length():
 
 
 @pytest.mark.parametrize("layers", [1, 2])
-def test_skipping_dead_rows_is_exact(layers):
+@pytest.mark.parametrize("chains", ["user_turns", "die_at_step_2"])
+def test_skipping_dead_rows_is_exact(layers, chains):
     """Rows with no valid target at any later step are dropped; loss, gradients and metrics equal
-    the full computation."""
+    the full computation, also with the live and loss rows found beforehand on the host (as the
+    trainer does), with rows found for the other mode (ignored), and when every chain dies early."""
+    from eagle3.ttt import all_step_targets, live_rows, loss_rows
     torch.manual_seed(0)
     spec = DraftSpec(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                      intermediate_size=32, num_layers=layers, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -165,30 +170,41 @@ def test_skipping_dead_rows_is_exact(layers):
     draft.d2t.copy_(reference.d2t)
     embed, head = torch.randn(40, 16), torch.randn(24, 16)
     batch = random_batch([13, 20, 9, 14], seed=5)
-    batch["loss_mask"][:8] = 0                 # a user turn, a whole user sequence, a short reply
-    batch["loss_mask"][33:42] = 0
-    batch["loss_mask"][42:56] = torch.tensor([0] * 10 + [1] * 4)
-    from eagle3.ttt import all_step_targets, live_rows, loss_rows
-    live = live_rows(all_step_targets(batch, 5, draft.t2d))
-    # as the trainer runs it: live rows and loss rows (as indices) found beforehand, on the host
-    found = {"live_rows": live, "loss_rows": loss_rows(all_step_targets(batch, 5, draft.t2d), live)}
+    batch["target_argmax"] = draft.t2d.nonzero().flatten()[torch.arange(56) % 24].to(torch.int32)
+    if chains == "user_turns":   # a user turn, a whole user sequence, a short reply
+        batch["loss_mask"][:8] = 0
+        batch["loss_mask"][33:42] = 0
+        batch["loss_mask"][42:56] = torch.tensor([0] * 10 + [1] * 4)
+    else:                         # labels only at positions 2 and 3: nothing is valid from step 2 on
+        batch["loss_mask"][:] = 0
+        for a in (0, 13, 33, 42):
+            batch["loss_mask"][a + 2:a + 4] = 1
+    targets = all_step_targets(batch, 5, draft.t2d)
+    live = live_rows(targets)
+    found = {True: {"live_rows": live, "loss_rows": loss_rows(targets, live)},
+             False: {"loss_rows": loss_rows(targets, [None] * 5)}}
     results = []
-    for skip, extra, loss_steps in ((False, {}, ttt_loss_steps), (True, {}, ttt_loss_steps),
-                                    (True, found, ttt_loss_steps)):
+    for skip, extra in ((False, {}), (False, found[False]), (False, found[True]), (True, {}),
+                        (True, found[True]), (True, found[False])):
         draft.zero_grad()
         total, metrics, detail = ttt_forward(draft, {**batch, **extra}, embed, head, 5, ttt_attention,
-                                             loss_steps, skip_dead_rows=skip)
+                                             ttt_loss_steps, skip_dead_rows=skip)
         total.backward()
         results.append((total.detach(), metrics, detail["accepted"],
                         {n: p.grad.clone() for n, p in draft.named_parameters()}))
     t0, m0, a0, g0 = results[0]
+    assert t0 > 0
     for t1, m1, a1, g1 in results[1:]:
         torch.testing.assert_close(t1, t0)
         torch.testing.assert_close(m1, m0)
         assert torch.equal(a1, a0)
         for name in g0:
             torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6)
-    assert live[1].numel() < 56 and all(set(live[k + 1].tolist()) <= set(live[k].tolist()) for k in range(4))
+    assert all(set(live[k + 1].tolist()) <= set(live[k].tolist()) for k in range(4))
+    if chains == "user_turns":
+        assert live[1].numel() < 56
+    else:
+        assert live[1].numel() > 0 and live[2].numel() == 0
 
 
 def test_batch_with_no_assistant_token_gives_zero_loss_and_grads():
@@ -221,3 +237,30 @@ def test_flex_block_mask_matches_reference(monkeypatch):
         warnings.simplefilter("ignore")
         torch.testing.assert_close(flex.ttt_attention(q, k, v, cu), ttt_attention(q, k, v, cu), rtol=1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on the CPU needs a C compiler")
+def test_compiled_elementwise_ops_give_the_same_loss_and_grads():
+    """`train.compile_ops` (RMSNorm, RoPE, SiLU*up through torch.compile, dynamic row counts) is a
+    pure speed change: same loss and gradients as the eager draft, skipping rows or not."""
+    batch = random_batch([13, 20, 9, 14], seed=5)
+    batch["loss_mask"][:8] = 0
+    embed, head = torch.randn(40, 16), torch.randn(24, 16)
+    results = []
+    for compile_ops in (False, True):
+        draft = tiny_draft(3)
+        if compile_ops:
+            draft.compile_elementwise()
+        for skip in (False, True):
+            draft.zero_grad()
+            total, metrics, _ = ttt_forward(draft, batch, embed, head, 4, ttt_attention, ttt_loss_steps,
+                                            skip_dead_rows=skip)
+            total.backward()
+            results.append((total.detach(), metrics, [p.grad.clone() for p in draft.parameters()]))
+    t0, m0, g0 = results[0]
+    for t1, m1, g1 in results[1:]:
+        torch.testing.assert_close(t1, t0)
+        torch.testing.assert_close(m1, m0)
+        for a, b in zip(g1, g0):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

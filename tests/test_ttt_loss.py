@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ["fp32_rows_not_valid", "bf16_matches_reference", "peaked_flat_and_unnormalized_targets",
-         "vocab_block_edges_and_ties", "no_valid_rows_and_no_grad", "all_steps_at_once"]
+         "vocab_block_edges_and_ties", "no_valid_rows_and_no_grad", "all_steps_at_once",
+         "valid_rows_as_indices"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,6 +213,40 @@ def case_all_steps_at_once():
     errs = [_rel(h.grad, hd.grad) for h, hd in zip(hs, hds)] + [_rel(w.grad, wd.grad)]
     assert max(errs) < 1e-5, f"gradient errors (dh per step, dw) {errs}"
     assert (hs[2].grad == 0).all(), "a step with no valid rows must give dh = 0"
+
+
+def case_valid_rows_as_indices():
+    """valids[k] as row indices (int64 or int32; what the trainer passes) == the bool mask, in the
+    Triton and the reference `ttt_loss_steps`; other dtypes are refused."""
+    import torch
+    from kernels import reference
+    from kernels.ttt_loss import ttt_loss_steps
+    K, N, H, V = 3, 20, 16, 300
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(V, H, generator=g) / H ** 0.5
+    p_all = torch.softmax(torch.randn(N + K, V, generator=g), -1)
+    ps = [p_all[k:k + N] for k in range(K)]
+    hs = [torch.randn(N, H, generator=g) for _ in range(K)]
+    masks = [torch.rand(N, generator=g) > 0.4, torch.ones(N, dtype=torch.bool), torch.zeros(N, dtype=torch.bool)]
+
+    def run(fn, valids):
+        wr, hr = w.clone().requires_grad_(), [h.clone().requires_grad_() for h in hs]
+        total, losses, argmaxes = fn(hr, wr, ps, valids, [1.0, 0.8, 0.64])
+        total.backward()
+        return [total, *losses, *argmaxes, wr.grad, *[h.grad for h in hr]]
+
+    expected = run(ttt_loss_steps, masks)
+    for fn in (ttt_loss_steps, reference.ttt_loss_steps):
+        for dtype in (torch.int64, torch.int32):
+            got = run(fn, [m.nonzero().flatten().to(dtype) for m in masks])
+            for a, b in zip(got, expected):
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"{fn.__module__} {dtype}: differs"
+    try:
+        ttt_loss_steps(hs, w, ps, [m.to(torch.uint8) for m in masks])
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("a uint8 mask must be refused, not read as row indices")
 
 
 def _child() -> None:
