@@ -88,6 +88,22 @@ def demo(args) -> None:
     training.run(cfg)
 
 
+SUMMARY_KEYS = ("step", "accept_len", "accept_len_decoding", "acc", "cond_acc", "real_accept_len",
+                "per_position_acceptance", "rounds", "prompts", "new_tokens", "mismatches", "k", "wall_seconds")
+
+
+def evaluate_command(args, overrides: list[str]) -> None:
+    """--prompts / --max-new-tokens / --k are shorthands for the [evaluate] keys (they win)."""
+    from eagle3 import config as config_mod
+    from eagle3.evaluate import run
+    shorthands = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": args.k}
+    overrides = overrides + [x for key, value in shorthands.items() if value is not None
+                             for x in (f"--evaluate.{key}", value)]
+    report, out = run(config_mod.load(args.config, overrides), args.checkpoint, args.out)
+    print(json.dumps({k: report[k] for k in SUMMARY_KEYS if k in report}))
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,9 +115,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--formats", default="vllm,sglang")
     p = sub.add_parser("demo", help="tiny target -> extract -> train -> export, on the CPU in about a minute")
     p.add_argument("--config", default="config.toml")
-    p = sub.add_parser("evaluate", help="held-out accuracy and acceptance-length estimate of a checkpoint")
+    p = sub.add_parser("evaluate", help="real speculative decoding on prompts (--prompts) and, for our "
+                                        "checkpoints, the held-out acceptance-length estimate")
     p.add_argument("--config", default="config.toml")
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="one of our checkpoints or a speculators/vLLM EAGLE-3 draft directory")
+    p.add_argument("--prompts", help="JSON lines of prompts (evaluate.prompts)")
+    p.add_argument("--max-new-tokens", help="tokens per prompt (evaluate.max_new_tokens)")
+    p.add_argument("--k", help="draft tokens per round (evaluate.k)")
+    p.add_argument("--out", help="where to write the report (default: eval.json in the draft directory)")
     p = sub.add_parser("generate", help="regenerate the training replies with the target itself")
     p.add_argument("--config", default="config.toml")
     args, rest = parser.parse_known_args(argv)
@@ -119,12 +140,8 @@ def main(argv: list[str] | None = None) -> None:
             for fmt, path in export_all(args.checkpoint, args.out_dir, cfg).items():
                 print(f"exported {fmt} draft: {path}")
         elif args.command == "evaluate":
-            from eagle3 import config as config_mod
-            from eagle3.evaluate import evaluate
-            report = evaluate(config_mod.load(args.config, rest), args.checkpoint)
+            evaluate_command(args, rest)
             rest = []
-            print(json.dumps({k: report[k] for k in ("step", "accept_len", "accept_len_decoding", "acc", "cond_acc")}))
-            print(f"wrote {Path(args.checkpoint) / 'eval.json'}")
         elif args.command == "generate":
             from eagle3 import config as config_mod
             from eagle3.generate import run as generate

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.files import read_json
+
 MODEL = "model.safetensors"
 STATE = "state.json"
 
@@ -88,11 +90,7 @@ def save(output_dir, step: int, model: torch.nn.Module, optimizer, scheduler, st
 
 
 def read_state(path: str | Path) -> dict:
-    path = Path(path)
-    try:
-        return json.loads((path / STATE).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not a complete checkpoint ({STATE} missing)") from None
+    return read_json(Path(path) / STATE, CheckpointError, "not a complete checkpoint")
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:

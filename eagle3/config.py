@@ -63,6 +63,7 @@ class DraftConfig:
     rms_norm_eps: float | None = None         # auto: the target's
     rope_theta: float | None = None           # auto: the target's rope_theta (plain Llama RoPE in the draft)
     max_position_embeddings: int | None = None  # auto: the target's
+    lm_head_init: str = "target"              # "target": the target's lm_head rows of the draft vocab; "random"
 
 
 @dataclass
@@ -93,6 +94,8 @@ class TrainConfig:
     compile_ops: bool = True                  # torch.compile RMSNorm / RoPE / SiLU*up on CUDA
     device: str = "auto"
     prefetch: int = 2                         # micro-batches read ahead in a background thread
+    freeze_lm_head: bool = True               # keep the draft's lm_head as initialised (not trained)
+    fp32_residual: bool = False               # keep the draft's residual stream (and the state between TTT steps) in fp32
 
 
 @dataclass
@@ -117,6 +120,17 @@ class GenerateConfig:
 
 
 @dataclass
+class EvaluateConfig:
+    prompts: str | None = None                # JSON lines of prompts for real decoding; None: only the TTT estimate
+    max_new_tokens: int = 128                 # tokens generated per prompt
+    k: int | None = None                      # draft tokens per round; auto: ttt_steps (ours), speculative_tokens (vLLM)
+    device: str = "auto"
+    dtype: str = "float32"                    # target and draft; float32 so near-ties do not flip argmaxes
+    max_prompts: int = 0                      # the first N prompts; 0 = all
+    batch_size: int = 32                      # prompts decoded together (1: the plain one-prompt loops)
+
+
+@dataclass
 class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -126,6 +140,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     source: str = "<defaults>"                # where the config came from, for error messages
 
     def to_dict(self) -> dict:
@@ -142,14 +157,17 @@ CHOICES = {
     ("extract", "dtype"): ("bfloat16", "float16", "float32"),
     ("extract", "aux_dtype"): ("bfloat16", "float8_e4m3fn"),
     ("train", "kernels"): ("auto", "triton", "torch"),
+    ("draft", "lm_head_init"): ("target", "random"),
     ("export", "dtype"): ("bfloat16", "float16", "float32"),
     ("generate", "dtype"): ("bfloat16", "float16", "float32"),
+    ("evaluate", "dtype"): ("bfloat16", "float16", "float32"),
 }
 POSITIVE = {("extract", "shard_tokens"), ("extract", "chunk_tokens"), ("train", "batch_tokens"),
             ("train", "grad_accum"), ("train", "ttt_steps"), ("train", "eval_every"),
             ("train", "log_every"), ("train", "checkpoint_every"), ("train", "keep_checkpoints"),
             ("draft", "num_layers"), ("data", "max_seq_len"), ("export", "speculative_tokens"),
-            ("generate", "max_new_tokens"), ("generate", "batch_size")}
+            ("generate", "max_new_tokens"), ("generate", "batch_size"), ("evaluate", "max_new_tokens"),
+            ("evaluate", "k"), ("evaluate", "batch_size")}
 
 
 def _sections() -> dict[str, type]:
@@ -246,6 +264,8 @@ def validate(cfg: Config) -> None:
     g = cfg.generate
     if g.temperature < 0 or not 0 < g.top_p <= 1:
         raise ConfigError(f"{cfg.source}: generate.temperature must be >= 0 and generate.top_p in (0, 1]")
+    if cfg.evaluate.max_prompts < 0:
+        raise ConfigError(f"{cfg.source}: evaluate.max_prompts = {cfg.evaluate.max_prompts}; expected >= 0 (0 = all)")
     ids = cfg.target.aux_layer_ids
     if ids is not None and len(ids) != 3:
         raise ConfigError(f"{cfg.source}: target.aux_layer_ids = {ids}; EAGLE-3 needs exactly 3 layers")

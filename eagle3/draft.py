@@ -152,6 +152,9 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", torch.zeros(spec.target_vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", llama_inv_freq(spec.head_dim, spec.rope_theta, None),
                              persistent=False)
+        # bf16 training rounds the residual stream at every add and every TTT step; fp32 keeps the
+        # chain's state exact while the matmuls stay bf16 (the trainer sets it, train.fp32_residual)
+        self.fp32_residual = False
         self.reset_parameters()
 
     def compile_elementwise(self) -> None:
@@ -183,4 +186,6 @@ class Eagle3Draft(nn.Module):
         return self.norm(h)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        return F.linear(aux, self.fc.weight.to(aux.dtype))
+        """fc over the concatenated aux states [T, 3H] -> the step-0 residual stream [T, H]."""
+        h = F.linear(aux, self.fc.weight.to(aux.dtype))
+        return h.float() if self.fp32_residual else h

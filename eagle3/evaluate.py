@@ -9,10 +9,22 @@ engine measures. The held-out split, K and the loss weights are the ones the che
 trained with (its state.json), so training sequences never count as held out. Writes `eval.json` next to the checkpoint
 and, when matplotlib is installed, `eval.png` (acceptance by step, and loss/acceptance over
 training from `metrics.jsonl`).
+
+`python -m eagle3 evaluate --config C DRAFT --prompts P.jsonl`: real decoding. DRAFT is one of our
+checkpoints or any speculators/vLLM EAGLE-3 directory (our export, the peer trainer's). On each
+prompt the target decodes greedily on its own (the reference, computed once per call and reusable
+across drafts) and with chain speculative decoding of k draft tokens per round; `real_accept_len`
+is the tokens gained per target forward after the prefill, `mismatches` the prompts whose two
+outputs differ (0: the loop is lossless). For our checkpoints the estimate above is kept beside it
+when the config's shards are there.
 """
 from __future__ import annotations
 
+import functools
 import json
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,9 +32,16 @@ import torch
 from eagle3 import checkpoint as ckpt_io
 from eagle3.config import Config
 from eagle3.data.batching import pack, split_holdout, to_device
-from eagle3.data.shards import ShardReader
+from eagle3.data.inputs import CHAT_KEYS, InputError
+from eagle3.data.shards import MANIFEST, ShardReader
+from eagle3.draft import Eagle3Draft
+from eagle3.export import advertised_tokens, load_vllm_draft
 from eagle3.extraction import resolve_device
+from eagle3.generate import stop_tokens
+from eagle3.ops import TORCH_DTYPES
+from eagle3.speculative import Decoded, Drafter, greedy_decode_many, speculative_decode_many
 from eagle3.target.checkpoint import Checkpoint
+from eagle3.target.incremental import IncrementalTarget
 from eagle3.training import check_manifest
 from eagle3.ttt import summarize, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps
@@ -103,15 +122,14 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) -> dict:
-    """`steps` overrides the K of the estimate (default: the ttt_steps the draft was trained with)."""
+def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) -> dict:
+    """The TTT estimate on the held-out shards; `steps` overrides K (default: the ttt_steps the
+    draft was trained with)."""
     checkpoint_dir = Path(checkpoint_dir)
     device = resolve_device(cfg.train.device)
     draft, state = ckpt_io.load_draft(checkpoint_dir, device)
     target = Checkpoint(cfg.target.path)
-    if state["target"] != target.config.identity():
-        raise ckpt_io.CheckpointError(f"{checkpoint_dir}/state.json: trained against another target than "
-                                      f"{cfg.target.path} (target.path)")
+    _check_checkpoint_target(state, target, checkpoint_dir)
     data_dir = Path(cfg.resolved_train_data_dir())
     reader = ShardReader(data_dir)
     check_manifest(reader.manifest, target.config, state["aux_layer_ids"], data_dir)
@@ -127,11 +145,198 @@ def evaluate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
         _, metrics, detail = ttt_forward(draft, batch, embed, head_rows, steps, ttt_attention,
                                          ttt_loss_steps, trained["loss_decay"])
         result.add(metrics, detail, batch)
-    report = {"checkpoint": str(checkpoint_dir), "step": state["step"], "held_out_sequences": len(held_out),
-              **result.report()}
+    return {"checkpoint": str(checkpoint_dir), "step": state["step"], "held_out_sequences": len(held_out),
+            **result.report()}
+
+
+def evaluate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) -> dict:
+    """The estimate, written to `eval.json` (and `eval.png`) in the checkpoint."""
+    checkpoint_dir = Path(checkpoint_dir)
+    report = estimate(cfg, checkpoint_dir, steps)
     (checkpoint_dir / "eval.json").write_text(json.dumps(report, indent=1))
-    plot(report, Path(state["config"]["train"]["output_dir"]) / "metrics.jsonl", checkpoint_dir / "eval.png")
+    plot(report, _metrics_path(checkpoint_dir), checkpoint_dir / "eval.png")
     return report
+
+
+def _metrics_path(checkpoint_dir: Path) -> Path:
+    return Path(ckpt_io.read_state(checkpoint_dir)["config"]["train"]["output_dir"]) / "metrics.jsonl"
+
+
+def _check_checkpoint_target(state: dict, target: Checkpoint, checkpoint_dir: Path) -> None:
+    if state["target"] != target.config.identity():
+        raise ckpt_io.CheckpointError(f"{checkpoint_dir}/state.json: trained against another target than "
+                                      f"{target.path} (target.path)")
+
+
+# ---------------------------------------------------------------- real decoding on prompts
+
+@dataclass
+class Prompt:
+    line: int                  # 1-based line in the prompts file
+    ids: list[int]
+
+
+def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
+    """One line's prompt: `input_ids` (cut before the first assistant token when `loss_mask` is
+    there, so a held-out training line works) or a chat line rendered up to the generation prompt
+    (`chat()` gives the target's ChatEncoder)."""
+    if not isinstance(obj, dict) or ("input_ids" not in obj and not any(key in obj for key in CHAT_KEYS)):
+        raise ValueError("expected an object with 'input_ids' (optionally 'loss_mask'), or chat 'messages' "
+                         "/ 'conversations'")
+    if "input_ids" in obj:   # ids given with a conversation win, as for training data
+        ids = obj["input_ids"]
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
+            raise ValueError(f"'input_ids' must be a list of integers in [0, {vocab_size})")
+        mask = obj.get("loss_mask")
+        if mask is not None:
+            if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
+                raise ValueError("'loss_mask' must be a list of 0/1 as long as 'input_ids'")
+            ids = ids[:mask.index(1)] if 1 in mask else ids
+    else:
+        ids = chat().encode_prompt(obj).tolist()
+        if ids and max(ids) >= vocab_size:
+            raise ValueError(f"token id {max(ids)} >= the target's vocab_size {vocab_size}: the tokenizer "
+                             "files do not match the target")
+    if not ids:
+        raise ValueError("empty prompt (nothing before the first assistant token)")
+    return ids
+
+
+def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path, limit: int = 0) -> list[Prompt]:
+    """The first `limit` prompts (0 = all) of a JSON-lines file; errors name the file and line."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: prompts file not found (evaluate.prompts)")
+
+    @functools.cache
+    def chat():
+        from eagle3.data.chat import ChatEncoder  # its optional packages only for chat prompts
+        return ChatEncoder(target_dir)
+
+    prompts = []
+    with path.open() as f:
+        for number, line in enumerate(f, start=1):
+            if limit and len(prompts) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                prompts.append(Prompt(number, prompt_ids(json.loads(line), vocab_size, chat)))
+            except ValueError as e:   # JSONDecodeError, ChatError and InputError are ValueErrors
+                raise InputError(f"{path}:{number}: {e}") from None
+    if not prompts:
+        raise InputError(f"{path}: no prompts")
+    return prompts
+
+
+def load_any_draft(path: str | Path, target: Checkpoint) -> tuple[Eagle3Draft, list[int], int | None]:
+    """(draft on the CPU, our aux layer ids, the ttt_steps it was trained with or None) from one of
+    our checkpoints (state.json) or a speculators/vLLM EAGLE-3 directory (config.json)."""
+    path = Path(path)
+    if (path / ckpt_io.STATE).exists():
+        draft, state = ckpt_io.load_draft(path)
+        _check_checkpoint_target(state, target, path)
+        return draft, state["aux_layer_ids"], state["config"]["train"]["ttt_steps"]
+    if (path / "config.json").exists():
+        draft, aux = load_vllm_draft(path, target)
+        return draft, aux, None
+    raise ckpt_io.CheckpointError(f"{path}: neither one of our checkpoints ({ckpt_io.STATE}) nor a "
+                                  "speculators/vLLM EAGLE-3 draft (config.json)")
+
+
+def batches(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def greedy_references(target: IncrementalTarget, prompts: list[Prompt], max_new: int, stop: set[int],
+                      batch: int, cache: dict, key: tuple) -> list[Decoded]:
+    """The target's own greedy output per prompt, from `cache` when an earlier call (another draft,
+    same target, precision and settings) already decoded it."""
+    entries = [(*key, tuple(p.ids), max_new, tuple(sorted(stop))) for p in prompts]
+    missing = {e: p.ids for e, p in zip(entries, prompts) if e not in cache}   # in order, each prompt once
+    for group in batches(list(missing), batch):
+        for entry, decoded in zip(group, greedy_decode_many(target, [missing[e] for e in group], max_new, stop)):
+            cache[entry] = decoded
+    return [cache[e] for e in entries]
+
+
+def decoding_report(decoded: list[Decoded], references: list[Decoded], prompts: list[Prompt], k: int) -> dict:
+    """Totals over all rounds of all prompts (the prefill's token counts in new_tokens, not in rounds)."""
+    accepted = [a for d in decoded for a in d.accepted]
+    drafts = [a for d in decoded for a in d.drafts_accepted]
+    rounds = len(accepted)
+    share = lambda n: n / rounds if rounds else float("nan")  # noqa: E731
+    mismatched = [p.line for p, d, r in zip(prompts, decoded, references) if d.tokens != r.tokens]
+    return {"real_accept_len": share(sum(accepted)),
+            "per_position_acceptance": [share(sum(a >= j for a in drafts)) for j in range(1, k + 1)],
+            "rounds": rounds, "prompts": len(prompts), "new_tokens": sum(len(d.tokens) for d in decoded),
+            "mismatches": len(mismatched), "mismatch_lines": mismatched[:20], "k": k}
+
+
+@torch.no_grad()
+def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path | None = None, *,
+                  greedy_cache: dict | None = None, out: str | Path | None = None) -> dict:
+    """Greedy chain speculative decoding of `draft_dir` (ours or vLLM layout) on the prompts
+    (default `evaluate.prompts`) against the target's own greedy output. Pass the same
+    `greedy_cache` dict to calls for several drafts to decode the reference once; `out` also
+    writes the report there as JSON."""
+    e, start = cfg.evaluate, time.perf_counter()
+    prompts_path = prompts_path or e.prompts
+    if not prompts_path:
+        raise InputError(f"{cfg.source}: no prompts for real decoding: set evaluate.prompts (--prompts FILE)")
+    ckpt = Checkpoint(cfg.target.path)
+    draft, aux_ids, trained = load_any_draft(draft_dir, ckpt)
+    k = e.k or trained or advertised_tokens(draft_dir) or 7
+    prompts = read_prompts(prompts_path, ckpt.config.vocab_size, ckpt.dir, e.max_prompts)
+    device, dtype = resolve_device(e.device), TORCH_DTYPES[e.dtype]
+    target = IncrementalTarget(ckpt, aux_ids, device, dtype)
+    stop = stop_tokens(cfg, ckpt)
+    key = (str(ckpt.dir.resolve()), ckpt.config.config_sha256, str(device), e.dtype)
+    loaded = time.perf_counter()
+    references = greedy_references(target, prompts, e.max_new_tokens, stop, e.batch_size,
+                                   {} if greedy_cache is None else greedy_cache, key)
+    greedy_done = time.perf_counter()
+    drafter = Drafter(draft.to(device, dtype), target.embed)
+    decoded = [d for group in batches(prompts, e.batch_size)
+               for d in speculative_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens, k, stop)]
+    end = time.perf_counter()
+    report = {"draft": str(draft_dir), "draft_format": "ours" if trained else "vllm",
+              "target": str(cfg.target.path), "prompts_file": str(prompts_path), "aux_layer_ids": aux_ids,
+              **decoding_report(decoded, references, prompts, k), "max_new_tokens": e.max_new_tokens,
+              "device": str(device), "dtype": e.dtype, "batch_size": e.batch_size, "wall_seconds": end - start,
+              "greedy_seconds": greedy_done - loaded, "speculative_seconds": end - greedy_done}
+    if report["mismatches"]:
+        print(f"warning: {report['mismatches']} of {len(prompts)} prompts decoded differently from the target's "
+              f"greedy output (lines {report['mismatch_lines']}): near-ties in {e.dtype}, or a bug", file=sys.stderr)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def run(cfg: Config, draft_dir: str | Path, out: str | Path | None = None) -> tuple[dict, Path]:
+    """The `evaluate` command: for our checkpoints the TTT estimate when the config's shards are
+    there, real decoding when `evaluate.prompts` is set; both into one eval.json (default: in
+    the draft directory). Returns (report, where it was written)."""
+    draft_dir = Path(draft_dir)
+    ours = (draft_dir / ckpt_io.STATE).exists()
+    out = Path(out) if out else draft_dir / "eval.json"
+    shards = (Path(cfg.resolved_train_data_dir()) / MANIFEST).exists()
+    report = {}
+    if ours and (shards or not cfg.evaluate.prompts):   # without prompts the estimate is all there is
+        report.update(estimate(cfg, draft_dir))
+    elif ours:
+        print(f"note: no shards in {cfg.resolved_train_data_dir()}: real decoding only, no TTT estimate",
+              file=sys.stderr)
+    if cfg.evaluate.prompts:
+        report.update(real_decoding(cfg, draft_dir))
+    elif not ours:
+        raise InputError(f"{draft_dir}: a vLLM-layout draft is judged by real decoding: give --prompts FILE")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    if "acc" in report:
+        plot(report, _metrics_path(draft_dir), out.with_suffix(".png"))
+    return report, out
 
 
 def plot(report: dict, metrics_path: Path, out: Path) -> bool:

@@ -18,8 +18,8 @@ from eagle3 import distributed
 from eagle3.config import Config
 from eagle3.data.chat import TOKENIZER_FILES
 from eagle3.data.inputs import InputError, InputStats, Record, file_sha256, read_records
-from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, atomic_write_text,
-                                encode_aux_fp8, shard_name, write_shard)
+from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, DataError, encode_aux_fp8, shard_name, write_shard
+from eagle3.files import atomic_write_text
 from eagle3.ops import TORCH_DTYPES
 from eagle3.target.checkpoint import Checkpoint, TargetError
 from eagle3.target.streaming import TargetRunner

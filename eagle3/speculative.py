@@ -4,13 +4,18 @@ Chain drafting: each round the draft proposes K tokens from the last accepted po
 target verifies them in one forward, the longest agreeing prefix plus the target's own next token
 is kept. The output is exactly the target's greedy decoding (lossless); the accepted length per
 round (tokens gained per target forward) is what the acceptance estimate of SPEC §7 predicts.
+The `_many` variants decode several prompts at once (one draft pass and one target forward per
+round for all of them): the same loops, fewer kernel launches, for measuring on many prompts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
+from eagle3.draft import Rows
+from eagle3.ops import positions_from_cu_seqlens
 from eagle3.target.incremental import IncrementalTarget
 from kernels.reference import ttt_attention
 
@@ -22,33 +27,44 @@ class Drafter:
     def __init__(self, draft, embed: torch.Tensor):
         self.draft, self.embed = draft, embed
 
-    @torch.no_grad()
     def propose(self, aux: torch.Tensor, tokens: torch.Tensor, k: int) -> list[int]:
-        """aux [m, 3H] of positions 0..m-1; tokens [m+1] = x_0..x_m -> k target token ids.
+        """aux [m, 3H] of positions 0..m-1; tokens [m+1] = x_0..x_m -> k target token ids."""
+        return self.propose_many([aux], [tokens.tolist()], k)[0]
 
-        All rows are recomputed every round (a reference, not a fast path): at step j >= 1 a row
-        sees only the step-0 keys and its own chain, so the other rows cannot change the last one."""
-        m = aux.shape[0]
-        device = aux.device
-        next_tokens = tokens[1:m + 1].clone()            # row t reads x[t+1] at step 0
-        positions = torch.arange(m, device=device)
-        cu = torch.tensor([0, m], dtype=torch.int32, device=device)
-        h = self.draft.project(aux)
+    @torch.no_grad()
+    def propose_many(self, auxes: list[torch.Tensor], tokens: list[list[int]], k: int) -> list[list[int]]:
+        """Several sequences packed into one draft pass (attention never crosses a sequence):
+        auxes[i] [m_i, 3H], tokens[i] = x_0..x_{m_i} -> k target token ids per sequence.
+
+        Step 0 runs every row (each row's step-0 keys are what later queries attend to); steps
+        >= 1 run only each sequence's last row: at step j a query sees the step-0 keys and its own
+        chain, so the other rows cannot change it. Draft tokens stay on the device until the one
+        transfer at the end (a reference, not a fast path: step 0 recomputes every row each round)."""
+        device = auxes[0].device
+        bounds = list(accumulate((a.shape[0] for a in auxes), initial=0))
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        positions = positions_from_cu_seqlens(cu, bounds[-1])                # [T]
+        last = cu[1:].long() - 1                                             # [B] each sequence's last row
+        rows = Rows(bounds[-1], computed=last)
+        row_tokens = torch.tensor([x for t, a in zip(tokens, auxes) for x in t[1:a.shape[0] + 1]], device=device)
         caches = [[] for _ in self.draft.layers]
+        h = self.draft.step(self.draft.project(torch.cat(auxes)), self.embed[row_tokens], positions, caches,
+                            ttt_attention, cu)[last]                         # row t reads x[t+1]
         proposed = []
         for step in range(k):
-            h = self.draft.step(h, self.embed[next_tokens], positions + step, caches, ttt_attention, cu)
-            logits = self.draft.lm_head(self.draft.head_input(h[-1:]))
-            best = int(logits.argmax(-1))
-            proposed.append(best + int(self.draft.d2t[best]))
-            next_tokens = torch.cat([next_tokens[1:], next_tokens.new_tensor([proposed[-1]])])
-        return proposed
+            if step:
+                h = self.draft.step(h, self.embed[proposed[-1]], positions[last] + step, caches,
+                                    ttt_attention, cu, rows)                 # [B, H]
+            best = self.draft.lm_head(self.draft.head_input(h)).argmax(-1)  # [B] draft ids
+            proposed.append(best + self.draft.d2t[best])                    # [B] target ids
+        return torch.stack(proposed, 1).tolist()
 
 
 @dataclass
 class Decoded:
     tokens: list[int]                                      # generated tokens (after the prompt)
     accepted: list[int] = field(default_factory=list)      # tokens gained per target forward
+    drafts_accepted: list[int] = field(default_factory=list)  # leading draft tokens the target agreed with, per round
 
     @property
     def mean_accepted(self) -> float:
@@ -74,25 +90,84 @@ def greedy_decode(target: IncrementalTarget, prompt: list[int], max_new: int,
     return Decoded(_finish(out, max_new, stop)[0], accepted=[1] * len(out))
 
 
+def greedy_decode_many(target: IncrementalTarget, prompts: list[list[int]], max_new: int,
+                       stop: set[int] = frozenset()) -> list[Decoded]:
+    """greedy_decode of several prompts with each step's forward batched over the prompts still
+    decoding (matmuls shared, attention per sequence against its own cache); one prompt alone runs
+    the same operations as greedy_decode."""
+    caches = [target.new_cache() for _ in prompts]
+    feed = [torch.tensor(p) for p in prompts]             # each sequence's tokens the cache lacks
+    outs: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    while active:
+        finals = target.forward_many([feed[i] for i in active], [caches[i] for i in active])
+        chosen = target.greedy(torch.cat([final[-1:] for _, final in finals])).tolist()   # [B]
+        for i, token in zip(active, chosen):
+            outs[i].append(token)
+            feed[i] = torch.tensor([token])
+        active = [i for i in active if not _finish(outs[i], max_new, stop)[1]]
+    return [Decoded(_finish(out, max_new, stop)[0], accepted=[1] * len(out)) for out in outs]
+
+
+class _Chain:
+    """One prompt under speculative decoding: its tokens x_0..x_m, the target's cache and aux states
+    of x_0..x_{m-1} (the newest token has none yet: the draft reads it as an embedding)."""
+
+    def __init__(self, prompt: list[int], cache: list[dict], aux: torch.Tensor, first: int):
+        self.tokens, self.cache, self.aux = list(prompt) + [first], cache, aux
+        self.result = Decoded([first])                   # the prefill gives one token, no draft
+
+    def done(self, max_new: int, stop: set[int]) -> bool:
+        return _finish(self.result.tokens, max_new, stop)[1]
+
+    def accept(self, drafts: list[int], verified: list[int], new_aux: torch.Tensor) -> None:
+        """verified[j]: the target's token after drafts[:j]; keep the agreeing prefix + its token."""
+        a = 0
+        while a < len(drafts) and drafts[a] == verified[a]:
+            a += 1
+        gained = drafts[:a] + [verified[a]]
+        IncrementalTarget.crop(self.cache, len(self.tokens) + a)   # keep x_0..x_m and the accepted drafts
+        self.aux = torch.cat([self.aux, new_aux[:a + 1]])
+        self.tokens += gained
+        self.result.tokens += gained
+        self.result.accepted.append(len(gained))
+        self.result.drafts_accepted.append(a)            # before any cut: what verification said
+
+    def finish(self, max_new: int, stop: set[int]) -> Decoded:
+        result = self.result
+        result.tokens = _finish(result.tokens, max_new, stop)[0]
+        if result.accepted:                              # the last round may have been cut short
+            result.accepted[-1] -= sum(result.accepted) + 1 - len(result.tokens)
+        return result
+
+
 def speculative_decode(target: IncrementalTarget, drafter: Drafter, prompt: list[int], max_new: int,
                        k: int, stop: set[int] = frozenset()) -> Decoded:
     cache = target.new_cache()
     aux, final = target.forward(torch.tensor(prompt), cache)
-    tokens = list(prompt) + [int(target.greedy(final[-1:]))]
-    result = Decoded(tokens[len(prompt):])                # the prefill gives one token, no draft
-    while not _finish(result.tokens, max_new, stop)[1]:
-        drafts = drafter.propose(aux, torch.tensor(tokens, device=aux.device), k)
-        new_aux, final = target.forward(torch.tensor([tokens[-1]] + drafts), cache)
-        verified = target.greedy(final).tolist()          # verified[j]: target's token after drafts[:j]
-        a = 0
-        while a < k and drafts[a] == verified[a]:
-            a += 1
-        gained = drafts[:a] + [verified[a]]
-        IncrementalTarget.crop(cache, len(tokens) + a)   # keep x_0..x_m and the accepted drafts
-        aux = torch.cat([aux, new_aux[:a + 1]])
-        tokens += gained
-        result.tokens += gained
-        result.accepted.append(len(gained))
-    result.tokens = _finish(result.tokens, max_new, stop)[0]
-    result.accepted[-1] -= sum(result.accepted) + 1 - len(result.tokens)  # the last round was cut short
-    return result
+    chain = _Chain(prompt, cache, aux, int(target.greedy(final[-1:])))
+    while not chain.done(max_new, stop):
+        drafts = drafter.propose(chain.aux, torch.tensor(chain.tokens), k)
+        new_aux, final = target.forward(torch.tensor([chain.tokens[-1]] + drafts), cache)
+        chain.accept(drafts, target.greedy(final).tolist(), new_aux)
+    return chain.finish(max_new, stop)
+
+
+def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]],
+                            max_new: int, k: int, stop: set[int] = frozenset()) -> list[Decoded]:
+    """speculative_decode of several prompts, each round's drafting and verification batched over
+    the prompts still decoding; one prompt alone runs the same operations as speculative_decode."""
+    caches = [target.new_cache() for _ in prompts]
+    prefill = target.forward_many([torch.tensor(p) for p in prompts], caches)
+    firsts = target.greedy(torch.cat([final[-1:] for _, final in prefill])).tolist()
+    chains = [_Chain(p, c, aux, t) for p, c, (aux, _), t in zip(prompts, caches, prefill, firsts)]
+    active = [c for c in chains if not c.done(max_new, stop)]
+    while active:
+        drafts = drafter.propose_many([c.aux for c in active], [c.tokens for c in active], k)
+        outs = target.forward_many([torch.tensor([c.tokens[-1]] + d) for c, d in zip(active, drafts)],
+                                   [c.cache for c in active])
+        verified = target.greedy(torch.cat([final for _, final in outs])).view(len(active), k + 1).tolist()
+        for chain, d, v, (new_aux, _) in zip(active, drafts, verified, outs):
+            chain.accept(d, v, new_aux)
+        active = [c for c in active if not c.done(max_new, stop)]
+    return [c.finish(max_new, stop) for c in chains]

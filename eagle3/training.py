@@ -74,6 +74,9 @@ def check_manifest(manifest: dict, target: TextConfig, aux_ids: list[int], where
 # Settings a resumed run must share with its checkpoint: data order and learning-rate schedule.
 RESUME_FIXED = ("seed", "batch_tokens", "grad_accum", "eval_fraction", "max_steps", "epochs", "ttt_steps",
                 "loss_decay", "lr", "min_lr_ratio", "warmup_steps", "betas", "weight_decay")
+# (section, key, value of a checkpoint written before the key existed): how the head starts and
+# whether it trains; a change alters the optimizer's parameters, so a resume must keep them.
+HEAD_FIXED = (("draft", "lm_head_init", "random"), ("train", "freeze_lm_head", False))
 
 
 class TTTModel(nn.Module):
@@ -235,9 +238,13 @@ class Trainer:
         self.t2d_cpu = t2d
         if self.cuda and t.compile_ops:
             draft.compile_elementwise()
+        draft.fp32_residual = t.fp32_residual
+        # the target's head rows of the draft vocab in their stored precision (tied: the embedding's)
+        target_rows = self.target.get("lm_head.weight")[t2d]
+        self.init_head(draft, target_rows)
         self.model = TTTModel(draft).to(self.device)
         self.embed = self.target.get("embed_tokens.weight").to(self.device, self.float_dtype)
-        self.head_rows = self.target.get("lm_head.weight")[t2d].to(self.device, self.float_dtype)
+        self.head_rows = target_rows.to(self.device, self.float_dtype)
 
         train_refs, self.eval_refs = split_holdout(self.reader.sequences, t.eval_fraction)
         longest = max(r.length for r in self.reader.sequences)
@@ -247,8 +254,9 @@ class Trainer:
         self.plan = Plan(train_refs, t.batch_tokens, t.seed, self.dist.world, t.grad_accum,
                          t.max_steps, t.epochs)
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+        # a frozen lm_head is in neither the optimizer, gradient clipping nor DDP's buckets
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                                            fused=self.cuda)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, Schedule(t.warmup_steps, self.plan.total, t.min_lr_ratio))
@@ -261,6 +269,24 @@ class Trainer:
                 self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
         self.attention, self.loss_steps = select_kernels(t.kernels, self.device, self.spec.head_dim, cfg.source)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
+
+    def init_head(self, draft: Eagle3Draft, target_rows: torch.Tensor) -> None:
+        """draft.lm_head_init and train.freeze_lm_head: "target" copies the target's rows [V_d, H]
+        into the fp32 master exactly (from the stored tensor, before any cast to the compute dtype);
+        a frozen head gets no gradient, no optimizer state and no weight-gradient work in the loss."""
+        head = draft.lm_head.weight
+        if self.cfg.draft.lm_head_init == "target":
+            if target_rows.shape != head.shape:
+                raise TrainError(f"{self.cfg.source}: draft.lm_head_init = \"target\": the target's head rows are "
+                                 f"{list(target_rows.shape)}, the draft's lm_head is {list(head.shape)}")
+            with torch.no_grad():
+                head.copy_(target_rows)
+        if self.cfg.train.freeze_lm_head:
+            head.requires_grad_(False)
+            if self.cfg.draft.lm_head_init == "random" and self.dist.main:
+                print("warning: train.freeze_lm_head = true with draft.lm_head_init = \"random\": the draft's "
+                      "lm_head stays random and is never trained; use lm_head_init = \"target\" or "
+                      "freeze_lm_head = false", file=sys.stderr)
 
     def _state(self) -> dict:
         return {"config": self.cfg.to_dict(), "draft_spec": self.spec.to_dict(), "aux_layer_ids": self.aux_ids,
@@ -278,6 +304,13 @@ class Trainer:
             if state[key] != now[key]:
                 raise TrainError(f"{path}/state.json: {key} differs from this run's ({state[key]} vs "
                                  f"{now[key]}); set train.resume = \"never\" or another output_dir")
+        for section, key, before in HEAD_FIXED:   # they decide the trainable parameters (optimizer state)
+            was = state["config"].get(section, {}).get(key, before)
+            if was != now["config"][section][key]:
+                raise TrainError(f"{path}/state.json: {section}.{key} was {json.dumps(was)}, this run has "
+                                 f"{json.dumps(now['config'][section][key])}; a resumed run must keep it (set "
+                                 f"--{section}.{key} {json.dumps(was)}, or train.resume = \"never\" / another "
+                                 "train.output_dir)")
         for key in RESUME_FIXED:   # they decide the data order and the LR schedule already followed
             if state["config"]["train"][key] != now["config"]["train"][key]:
                 raise TrainError(f"{path}/state.json: train.{key} was {state['config']['train'][key]!r}, this run "
@@ -348,7 +381,7 @@ class Trainer:
                 loss, m, _ = self._forward(self.ddp, batch, self.dist.world / denom)
                 loss.backward()
             metrics += m
-        self.grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        self.grad_norm = nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -123,13 +123,13 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
         h = draft.step(h, embed[ids[tg.index[computed]]], positions[computed] + k, caches, attention,
                        cu_attention, rows)
         kept.append(rows.kept_global())
-        head_inputs.append(draft.head_input(h))
+        head_inputs.append(draft.head_input(h).to(embed.dtype))   # the loss runs in the compute dtype
     done = len(head_inputs)
     valids = batch.get("loss_rows")
     if valids is None or ("live_rows" in batch) != skip_dead_rows or len(valids) != steps:
         valids = [tg.valid if r is None else tg.valid[r] for tg, r in zip(targets, kept)]   # not found for this mode
     total, losses, argmaxes = loss_steps(
-        head_inputs, draft.lm_head.weight.to(h.dtype),
+        head_inputs, draft.lm_head.weight.to(embed.dtype),
         [probs[k:k + T] if r is None else probs[k + r] for k, r in enumerate(kept)],
         valids[:done], [decay ** k * scale for k in range(done)])
     losses = [_to_all_rows(x, r, T, 0) for x, r in zip(losses, kept)] + [total.new_zeros(T)] * (steps - done)

@@ -1,9 +1,14 @@
 """Speculative decoding is lossless; the TTT acceptance estimate equals real decoding on data the
-target regenerated greedily; evaluate and generate commands."""
+target regenerated greedily; real decoding of our checkpoints and of vLLM-layout drafts on prompts;
+evaluate and generate commands."""
+import copy
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import make_config
 from eagle3 import checkpoint as ckpt_io
@@ -11,14 +16,19 @@ from eagle3 import extraction, generate, training
 from eagle3.data.batching import to_device
 from eagle3.data.shards import ShardReader
 from eagle3.draft import DraftSpec, Eagle3Draft
-from eagle3.evaluate import evaluate, reply_positions
-from eagle3.speculative import Drafter, greedy_decode, speculative_decode
+from eagle3.__main__ import main
+from eagle3.data.inputs import InputError
+from eagle3.evaluate import evaluate, read_prompts, real_decoding, reply_positions
+from eagle3.export import DraftLoadError, load_vllm_draft
+from eagle3.speculative import (Drafter, greedy_decode, greedy_decode_many, speculative_decode,
+                                speculative_decode_many)
 from eagle3.target import tiny
 from eagle3.target.checkpoint import Checkpoint
 from eagle3.target.incremental import IncrementalTarget
 from eagle3.target.streaming import TargetRunner
 from eagle3.ttt import ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps
+from test_chat import qwen_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +91,22 @@ def test_speculative_decoding_is_lossless(request, family, make):
     stop = {plain.tokens[5]}
     assert speculative_decode(target, drafter, prompt, 25, k=4, stop=stop).tokens == \
         greedy_decode(target, prompt, 25, stop=stop).tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "kimi"])
+def test_batched_decoding_equals_one_prompt_at_a_time(request, family):
+    target = request.getfixturevalue("target" if family == "llama" else "kimi_target")
+    drafter = random_drafter(target, 1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 12, 1, 9)]
+    stop = {greedy_decode(target, prompts[1], 20).tokens[6]}      # one prompt stops early
+    greedy = [greedy_decode(target, p, 20, stop) for p in prompts]
+    assert greedy_decode_many(target, prompts, 20, stop) == greedy
+    batched = speculative_decode_many(target, drafter, prompts, 20, 3, stop)
+    assert batched == [speculative_decode(target, drafter, p, 20, 3, stop) for p in prompts]
+    assert [b.tokens for b in batched] == [g.tokens for g in greedy] and len(batched[1].tokens) == 7
+    # the prefill's token alone reaches the limit: no round at all
+    assert speculative_decode(target, drafter, prompts[0], 1, 3).accepted == []
 
 
 def test_reply_positions():
@@ -199,3 +225,238 @@ def test_replayed_rounds_equal_real_decoding(regenerated_run):
     print("replayed", replayed, "real", real)
     assert real[1] > 0 and replayed[0] / replayed[1] == pytest.approx(real[0] / real[1], rel=0.02)
     assert real[0] / real[1] > 1.3
+
+
+# ---------------------------------------------------------------- real decoding on prompts
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory, llama_target, token_data):
+    """A draft trained briefly on replies the tiny Llama target regenerated, exported in the vLLM
+    layout in float32 (so the export holds exactly the checkpoint's weights); prompts = those lines."""
+    tmp = tmp_path_factory.mktemp("real")
+    cfg = make_config(tmp, llama_target, token_data, **{
+        "generate.output_path": tmp / "regen.jsonl", "generate.max_new_tokens": 24, "generate.dtype": "float32",
+        "generate.device": "cpu", "train.max_steps": 60, "train.batch_tokens": 400, "train.ttt_steps": 3,
+        "train.eval_fraction": 0.25, "train.eval_every": 60, "train.checkpoint_every": 60, "train.log_every": 20,
+        "train.lr": 1e-2, "export.formats": '["vllm"]', "export.dtype": "float32",
+        "evaluate.device": "cpu", "evaluate.max_new_tokens": 20, "evaluate.max_prompts": 12})
+    generate.run(cfg)
+    cfg.data.path = str(tmp / "regen.jsonl")
+    extraction.run(cfg)
+    training.run(cfg)
+    cfg.evaluate.prompts = str(tmp / "regen.jsonl")
+    return cfg
+
+
+def checkpoint_and_export(cfg):
+    return ckpt_io.latest(cfg.train.output_dir), Path(cfg.train.output_dir) / "export" / "vllm"
+
+
+def decode_directly(cfg, checkpoint, k: int) -> list[int]:
+    """Accepted counts of every round, from speculative_decode itself on the prompts' user parts."""
+    draft, state = ckpt_io.load_draft(checkpoint)
+    ckpt = Checkpoint(cfg.target.path)
+    target = IncrementalTarget(ckpt, state["aux_layer_ids"], torch.device("cpu"))
+    drafter, stop = Drafter(draft, target.embed), generate.stop_tokens(cfg, ckpt)
+    accepted = []
+    for line in open(cfg.evaluate.prompts).read().splitlines()[:cfg.evaluate.max_prompts]:
+        obj = json.loads(line)
+        prompt = obj["input_ids"][:obj["loss_mask"].index(1)]
+        accepted += speculative_decode(target, drafter, prompt, cfg.evaluate.max_new_tokens, k, stop).accepted
+    return accepted
+
+
+def test_real_decoding_of_checkpoint_and_its_vllm_export(llama_run, tmp_path):
+    cfg = llama_run
+    checkpoint, export = checkpoint_and_export(cfg)
+    cache = {}
+    ours = real_decoding(cfg, checkpoint, greedy_cache=cache)
+    assert len(cache) == 12
+    theirs = real_decoding(cfg, export, greedy_cache=cache, out=tmp_path / "eval.json")
+    assert len(cache) == 12                                     # the reference was decoded once
+    assert json.loads((tmp_path / "eval.json").read_text()) == theirs
+    accepted = decode_directly(cfg, checkpoint, 3)
+    assert ours["real_accept_len"] == sum(accepted) / len(accepted) and ours["rounds"] == len(accepted)
+    assert ours["mismatches"] == 0 and ours["prompts"] == 12
+    assert ours["k"] == 3 and theirs["k"] == 3     # trained ttt_steps; the export's speculative_tokens
+    assert (ours["draft_format"], theirs["draft_format"]) == ("ours", "vllm")
+    for key in ("real_accept_len", "per_position_acceptance", "rounds", "new_tokens", "mismatches"):
+        assert ours[key] == theirs[key], key
+    assert ours["real_accept_len"] > 1.3                        # the draft learned something to compare
+    share = ours["per_position_acceptance"]
+    assert len(share) == 3 and all(a >= b for a, b in zip(share, share[1:]))
+    # the prefill's token is no round; a round cut at max_new_tokens counts its kept tokens only
+    assert ours["new_tokens"] == sum(accepted) + ours["prompts"]
+    assert 1 + sum(share) >= ours["real_accept_len"] - 1e-9
+
+
+def test_k_override_max_prompts_and_unbatched(llama_run):
+    cfg = copy.deepcopy(llama_run)
+    cfg.evaluate.k, cfg.evaluate.max_prompts, cfg.evaluate.batch_size = 2, 5, 1   # the one-prompt loops
+    checkpoint, _ = checkpoint_and_export(cfg)
+    report = real_decoding(cfg, checkpoint)
+    accepted = decode_directly(cfg, checkpoint, 2)
+    assert report["k"] == 2 and report["prompts"] == 5 and report["mismatches"] == 0
+    assert report["real_accept_len"] == sum(accepted) / len(accepted)
+
+
+def vllm_variant(src: Path, dst: Path, config=None, tensors=None) -> Path:
+    """A copy of a vLLM-layout draft with its config and/or tensors edited in place."""
+    shutil.copytree(src, dst)
+    if config:
+        data = json.loads((dst / "config.json").read_text())
+        config(data)
+        (dst / "config.json").write_text(json.dumps(data))
+    if tensors:
+        weights = load_file(dst / "model.safetensors")
+        tensors(weights)
+        save_file(weights, dst / "model.safetensors")
+    return dst
+
+
+@pytest.mark.parametrize("config, tensors, error", [
+    (None, lambda t: t.pop("layers.0.mlp.up_proj.weight"),
+     r"model\.safetensors: tensor layers\.0\.mlp\.up_proj\.weight is missing"),
+    (None, lambda t: t.update({"norm.weight": torch.ones(7)}),
+     r"model\.safetensors: tensor norm\.weight has shape \[7\]"),
+    (None, lambda t: t.update({"layers.0.self_attn.q_proj.bias": torch.zeros(32)}),
+     r"model\.safetensors: tensor layers\.0\.self_attn\.q_proj\.bias is part of the draft's computation"),
+    (lambda c: c.update(norm_before_residual=True), None, r"config\.json: norm_before_residual = true"),
+    (lambda c: c.update(norm_output=True), None, r"config\.json: norm_output = true"),
+    (lambda c: c["transformer_layer_config"].update(model_type="qwen3"), None,
+     r"config\.json: transformer_layer_config\.model_type = 'qwen3'"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 3]), None,
+     r"config\.json: eagle_aux_hidden_state_layer_ids = \[0, 2, 3\]"),
+    (lambda c: c["transformer_layer_config"].update(vocab_size=512),
+     lambda t: t.update({"t2d": torch.cat([t["t2d"], torch.zeros(256, dtype=torch.bool)])}),
+     r"model\.safetensors: the draft's vocab_size is 512 but the target .* has 256"),
+    (None, lambda t: t.update({"d2t": t["d2t"] + 1}), r"model\.safetensors: arange\(draft_vocab\) \+ d2t"),
+])
+def test_unusable_vllm_draft_is_refused_naming_the_file(llama_run, tmp_path, config, tensors, error):
+    _, export = checkpoint_and_export(llama_run)
+    bad = vllm_variant(export, tmp_path / "bad", config, tensors)
+    with pytest.raises(DraftLoadError, match=error) as e:
+        load_vllm_draft(bad, Checkpoint(llama_run.target.path))
+    assert str(bad) in str(e.value)
+
+
+def test_cli_reports_a_bad_draft(llama_run, tmp_path):
+    _, export = checkpoint_and_export(llama_run)
+    bad = vllm_variant(export, tmp_path / "bad", None, lambda t: t.pop("fc.weight"))
+    with pytest.raises(SystemExit, match=rf"error: {bad}/model\.safetensors: .*fc\.weight"):
+        main(["evaluate", str(bad), "--config", str(write_toml(llama_run, tmp_path)),
+              "--prompts", llama_run.evaluate.prompts])
+
+
+def test_speculators_style_draft_loads(llama_run, tmp_path, capsys):
+    """What the peer trainer writes: the layer config without values equal to transformers'
+    defaults, aux ids left to the default, a frozen copy of the target's embedding, no verifier."""
+    cfg = llama_run
+    checkpoint, export = checkpoint_and_export(cfg)
+    target = Checkpoint(cfg.target.path)
+
+    def peer_config(c):
+        for key in ("head_dim", "num_key_value_heads", "intermediate_size"):
+            c["transformer_layer_config"].pop(key)
+        c["eagle_aux_hidden_state_layer_ids"] = None
+        c.pop("target_hidden_size")
+    peer = vllm_variant(export, tmp_path / "peer", peer_config, lambda t: t.update(
+        {"embed_tokens.weight": target.get("embed_tokens.weight").bfloat16(),
+         "verifier_lm_head.weight": torch.zeros(128, 32)}))
+    draft, aux = load_vllm_draft(peer, target)
+    assert "ignoring 2 tensor(s)" in capsys.readouterr().err
+    L = target.config.num_hidden_layers
+    assert aux == [1, L // 2 - 1, L - 4]
+    ours, state = ckpt_io.load_draft(checkpoint)
+    assert draft.spec == ours.spec
+    for name, value in ours.state_dict().items():
+        assert torch.equal(draft.state_dict()[name], value), name
+
+
+def test_full_vocabulary_draft_without_vocab_maps(llama_target, tmp_path):
+    """speculators writes no d2t/t2d when the draft keeps the target's whole vocabulary."""
+    target = Checkpoint(llama_target)
+    spec = DraftSpec(32, 4, 2, 8, 64, 1, 1e-6, 10000.0, 256, 256, 256, 32)
+    weights = {k: v for k, v in Eagle3Draft(spec).state_dict().items() if k not in ("d2t", "t2d")}
+    (tmp_path / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "draft_vocab_size": 256, "eagle_aux_hidden_state_layer_ids": [2, 3, 4],
+        "transformer_layer_config": {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
+                                     "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+                                     "vocab_size": 256, "num_hidden_layers": 1}}))
+    save_file(weights, tmp_path / "model.safetensors")
+    draft, aux = load_vllm_draft(tmp_path, target)
+    assert aux == [1, 2, 3] and draft.t2d.all() and not draft.d2t.any()
+
+
+def write_lines(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def test_read_prompts(tmp_path, llama_target):
+    target = tmp_path / "target"
+    shutil.copytree(llama_target, target)
+    _, tok = qwen_tokenizer(target)
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    path = write_lines(tmp_path / "prompts.jsonl", [
+        {"input_ids": [5, 6, 7]}, "",
+        {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},          # a training line: its prompt
+        {"messages": [user("hi"), {"role": "assistant", "content": "hello"}]},   # the reference reply dropped
+        {"conversations": [{"from": "human", "value": "ok?"}]}])
+    prompts = read_prompts(path, 256, target)
+    assert [p.line for p in prompts] == [1, 3, 4, 5]
+    assert [p.ids for p in prompts[:2]] == [[5, 6, 7], [5, 6]]
+    render = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+    assert prompts[2].ids == render("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert prompts[3].ids == render("<|im_start|>user\nok?<|im_end|>\n<|im_start|>assistant\n")
+    assert [p.line for p in read_prompts(path, 256, target, limit=2)] == [1, 3]
+    for line, error in [({"input_ids": [5, 300]}, r"integers in \[0, 256\)"),
+                        ({"input_ids": [5, 6], "loss_mask": [1, 1]}, "empty prompt"),
+                        ({"input_ids": [5, 6], "loss_mask": [0]}, "'loss_mask'"),
+                        ({"text": "hi"}, "expected an object with 'input_ids'"), ("{bad", "Expecting"),
+                        ({"messages": [{"role": "assistant", "content": "hello"}]}, "no prompt")]:
+        bad = write_lines(tmp_path / "bad.jsonl", [{"input_ids": [5]}, line])
+        with pytest.raises(InputError, match=rf"bad\.jsonl:2: .*{error}"):
+            read_prompts(bad, 256, target)
+
+
+def test_real_decoding_on_chat_prompts(llama_run, tmp_path):
+    """Chat prompts through the target's own template (a copy of the target with a tokenizer)."""
+    cfg = copy.deepcopy(llama_run)
+    target = tmp_path / "target"
+    shutil.copytree(cfg.target.path, target)
+    qwen_tokenizer(target)
+    cfg.target.path = str(target)
+    cfg.evaluate.prompts = str(write_lines(tmp_path / "chat.jsonl", [
+        {"messages": [{"role": "user", "content": text}]} for text in ("hi", "ok?", "hello there")]))
+    report = real_decoding(cfg, checkpoint_and_export(cfg)[1])
+    assert report["prompts"] == 3 and report["mismatches"] == 0 and report["rounds"] > 0
+
+
+def write_toml(cfg, tmp_path: Path) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(f'[target]\npath = "{cfg.target.path}"\n[extract]\noutput_dir = "{cfg.extract.output_dir}"\n'
+                    '[train]\ndevice = "cpu"\n[evaluate]\ndevice = "cpu"\nmax_new_tokens = 20\nmax_prompts = 12\n')
+    return path
+
+
+def test_cli_evaluate_end_to_end(llama_run, tmp_path, capsys):
+    cfg = llama_run
+    checkpoint, export = checkpoint_and_export(cfg)
+    toml = write_toml(cfg, tmp_path)
+    main(["evaluate", str(checkpoint), "--config", str(toml), "--prompts", cfg.evaluate.prompts, "--k", "3"])
+    out = capsys.readouterr().out.splitlines()
+    summary, saved = json.loads(out[0]), json.loads((checkpoint / "eval.json").read_text())
+    assert out[1] == f"wrote {checkpoint / 'eval.json'}"
+    accepted = decode_directly(cfg, checkpoint, 3)
+    assert summary["real_accept_len"] == saved["real_accept_len"] == sum(accepted) / len(accepted)
+    assert summary["mismatches"] == 0 and summary["k"] == 3
+    # the TTT estimate on the held-out shards sits beside real decoding
+    assert saved["accept_len_decoding"] > 1 and saved["held_out_sequences"] > 0 and "accept_len" in summary
+    # a vLLM-layout draft: --out, the shorthand and an override (the override loses to the shorthand)
+    main(["evaluate", str(export), "--config", str(toml), "--prompts", cfg.evaluate.prompts, "--max-new-tokens", "8",
+          "--evaluate.max_new_tokens", "30", "--evaluate.max_prompts", "4", "--out", str(tmp_path / "v.json")])
+    saved = json.loads((tmp_path / "v.json").read_text())
+    assert saved["prompts"] == 4 and saved["max_new_tokens"] == 8 and "accept_len" not in saved
+    with pytest.raises(SystemExit, match="give --prompts"):
+        main(["evaluate", str(export), "--config", str(toml)])

@@ -78,8 +78,8 @@ def _text(content: object, where: str) -> str:
     return content
 
 
-def conversation(obj: dict) -> list[dict]:
-    """The line's turns as [{"role", "content": str}] in OpenAI roles."""
+def conversation(obj: dict, require_reply: bool = True) -> list[dict]:
+    """The line's turns as [{"role", "content": str}] in OpenAI roles (a prompt needs no reply)."""
     key = "messages" if "messages" in obj else "conversations"
     role_key, text_key, roles = (("role", "content", OPENAI_ROLES) if key == "messages"
                                  else ("from", "value", SHAREGPT_ROLES))
@@ -93,7 +93,7 @@ def conversation(obj: dict) -> list[dict]:
         if not isinstance(role, str) or role not in roles:
             raise ChatError(f"{where}: unknown role {role!r}; expected '{role_key}' one of {sorted(roles)}")
         messages.append({"role": roles[role], "content": _text(turn.get(text_key), where)})
-    if not any(m["role"] == "assistant" for m in messages):
+    if require_reply and not any(m["role"] == "assistant" for m in messages):
         raise ChatError(f"no assistant turn in '{key}': nothing to learn from")
     return messages
 
@@ -253,6 +253,17 @@ class ChatEncoder:
                 raise ChatError(f"message {k + 1} of {len(messages)} (assistant) renders to no tokens")
             mask[start:end] = 1
         return np.asarray(ids, dtype=np.int32), mask
+
+    def encode_prompt(self, obj: dict) -> np.ndarray:
+        """int32 ids of a chat line as a prompt to reply to (real decoding): a trailing assistant
+        turn, the reference answer, is dropped and the template's generation prompt appended."""
+        messages = conversation(obj, require_reply=False)
+        if messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        if not messages:
+            raise ChatError("only an assistant turn: no prompt to reply to")
+        text = self._apply(messages, add_generation_prompt=True)
+        return np.asarray(self.tokenizer.encode(text), dtype=np.int32)
 
     def _apply(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:

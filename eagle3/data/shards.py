@@ -6,7 +6,6 @@ renamed, so a killed extraction resumes without redoing or trusting partial work
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -15,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from eagle3.files import read_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -52,12 +53,6 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
@@ -77,12 +72,7 @@ def write_shard(directory: Path, index: int, tensors: dict[str, torch.Tensor]) -
 
 def read_manifest(directory: Path) -> dict:
     path = Path(directory) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: not found (run extract.py first, or set train.data_dir)") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
+    manifest = read_json(path, DataError, "run extract.py first, or set train.data_dir")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path}: format_version {manifest.get('format_version')!r}; "
                         f"this version reads {FORMAT_VERSION}")

@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 
 from eagle3 import config as config_mod
 from eagle3 import distributed
-from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, atomic_write_text, write_shard
+from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, write_shard
+from eagle3.files import atomic_write_text
 from eagle3.target.checkpoint import read_config
 from eagle3.training import Trainer
 from eagle3.ttt import summarize

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The quality benchmark in one device call: the peer's wheels installed, then
+# `python -m eagle3.bench quality` stage by stage, its files packed into $OUT after each stage (so
+# a call stopped at its time limit still returns what it finished).
+#   here:  bash ../shared/peer/fetch-wheels.sh; mkdir -p .peer; cp ../shared/peer/*.py .peer/
+#   there: bash bench/quality_device.sh STAGE...     (carry .whl, .peer and .quality)
+# a STAGE is target, data, peer, measure or ours@VARIANT (VARIANT as --variant takes it: name[:key=value,...])
+set -uo pipefail
+out=${OUT:-/tmp/quality-out}; work=${WORK:-.quality}
+mkdir -p "$out" "$work"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"
+pack() {
+  (cd "$work" && tar czf "$out/target.tgz" target 2>/dev/null)
+  (cd "$work" && tar czf "$out/results.tgz" --ignore-failed-read $(ls -d regen.jsonl prompts.jsonl quality.json peer \
+     peer.log eval-*.json ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null))
+}
+for stage in "$@"; do
+  echo "== stage $stage $(date +%T)"
+  args=(--stages "${stage%%@*}")
+  [[ $stage == ours@* ]] && args+=(--variant "${stage#ours@}")
+  python3 -m eagle3.bench quality --work "$work" "${args[@]}" --peer-script .peer/speculators_quality.py \
+    2>&1 | grep -v "it/s]\|s/it]\|conv/s]\|step/s]\|s/step]" | tee -a "$out/log.txt"
+  pack
+done
+echo "== done $(date +%T)"

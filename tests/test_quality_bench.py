@@ -1,0 +1,64 @@
+"""`python -m eagle3.bench quality` at toy size on the CPU: every stage but the peer, end to end."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3.bench import quality
+from eagle3.bench.__main__ import main as bench_main
+from eagle3.target.checkpoint import Checkpoint
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("quality")
+    bench_main(["quality", "--tiny", "--work", str(work), "--device", "cpu", "--stages", "target,data,ours,measure",
+                "--variant", "base", "--variant", "trained-head:train.freeze_lm_head=false"])
+    return work
+
+
+def test_the_target_is_a_hugging_face_llama_our_reader_loads(work):
+    target = Checkpoint(work / "target")
+    r = quality.TINY
+    assert target.config.hidden_size == r.hidden and target.config.num_hidden_layers == r.layers
+    assert target.config.default_aux_layer_ids() == [1, 3, 4]
+    names = set(load_file(work / "target" / "model.safetensors"))
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+            "model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight"} <= names
+    assert (work / "target" / "tokenizer.json").exists()
+    summary = json.loads((work / "quality.json").read_text())
+    assert summary["target"]["train_loss"] < 6.0   # it learned something: uniform over 384 tokens is 5.95
+
+
+def test_judging_prompts_never_come_from_the_draft_data(work):
+    prompts = [json.loads(line)["input_ids"] for line in (work / "prompts.jsonl").read_text().splitlines()]
+    data = [json.loads(line) for line in (work / "regen.jsonl").read_text().splitlines()]
+    assert len(prompts) == quality.TINY.eval_prompts and len(data) == quality.TINY.train_prompts
+    text = {tuple(d["input_ids"][i:i + len(p)]) for d in data for p in prompts for i in range(len(d["input_ids"]))}
+    assert not any(tuple(p) in text for p in prompts)
+    assert all(sum(d["loss_mask"]) == quality.TINY.reply_len for d in data)
+
+
+def test_measure_reports_real_decoding_of_every_variant_losslessly(work):
+    results = json.loads((work / "quality.json").read_text())["results"]
+    assert set(results) == {"base", "trained-head"}
+    for m in results.values():
+        assert m["mismatches"] == 0 and m["prompts"] == quality.TINY.eval_prompts
+        assert 1.0 <= m["real_accept_len"] <= 1 + quality.TINY.ttt_steps
+        assert len(m["per_position_acceptance"]) == quality.TINY.ttt_steps
+        assert m["train_s"] > 0
+    frozen = load_file(work / "ours-base" / "export" / "vllm" / "model.safetensors")["lm_head.weight"]
+    trained = load_file(work / "ours-trained-head" / "export" / "vllm" / "model.safetensors")["lm_head.weight"]
+    assert not torch.equal(frozen, trained)   # the variant's override reached the trainer
+    assert "| base |" in quality.table(results)
+
+
+def test_variant_syntax():
+    assert quality.parse_variant("base") == ("base", {})
+    assert quality.parse_variant("lr:train.lr=1e-3,train.warmup_steps=5") == (
+        "lr", {"train.lr": "1e-3", "train.warmup_steps": "5"})
+    with pytest.raises(SystemExit, match="name"):
+        quality.parse_variant("a b:train.lr=1")
+    with pytest.raises(SystemExit, match="expected"):
+        quality.parse_variant("x:train.lr")
