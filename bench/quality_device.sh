@@ -4,7 +4,8 @@
 # a call stopped at its time limit still returns what it finished).
 #   here:  bash ../shared/peer/fetch-wheels.sh; mkdir -p .peer; cp ../shared/peer/*.py .peer/
 #   there: bash bench/quality_device.sh STAGE...     (carry .whl, .peer and .quality)
-# a STAGE is target, data, peer, measure or ours@VARIANT (VARIANT as --variant takes it: name[:key=value,...])
+# a STAGE is target, data, peer, measure or ours@VARIANT (VARIANT as --variant takes it: name[:key=value,...]);
+# QUALITY_ARGS="--recipe train_prompts=3072 ..." passes more options to every stage
 set -uo pipefail
 out=${OUT:-/tmp/quality-out}; work=${WORK:-.quality}
 mkdir -p "$out" "$work"
@@ -21,7 +22,7 @@ for stage in "$@"; do
   echo "== stage $stage $(date +%T)"
   args=(--stages "${stage%%@*}")
   [[ $stage == ours@* ]] && args+=(--variant "${stage#ours@}")
-  python3 -m eagle3.bench quality --work "$work" "${args[@]}" --peer-script .peer/speculators_quality.py \
+  python3 -m eagle3.bench quality --work "$work" "${args[@]}" --peer-script .peer/speculators_quality.py ${QUALITY_ARGS:-} \
     2>&1 | grep -v "it/s]\|s/it]\|conv/s]\|step/s]\|s/step]" | tee -a "$out/log.txt"
   pack
 done

@@ -27,7 +27,7 @@ from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.export import export_all
 from eagle3.extraction import resolve_aux_layer_ids
 from eagle3.target.checkpoint import Checkpoint, TargetError, TextConfig
-from eagle3.ttt import all_step_targets, live_rows, loss_denominator, loss_rows, summarize, ttt_forward
+from eagle3.ttt import Objective, all_step_targets, live_rows, loss_denominator, loss_rows, summarize, ttt_forward
 from eagle3.vocab import VocabError, build_vocab
 
 
@@ -86,9 +86,9 @@ class TTTModel(nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, batch, embed, head_rows, steps, attention, loss_steps, decay, scale, skip):
+    def forward(self, batch, embed, head_rows, steps, attention, loss_steps, decay, scale, skip, objective):
         return ttt_forward(self.draft, batch, embed, head_rows, steps, attention, loss_steps, decay, scale,
-                           skip)
+                           skip, objective)
 
 
 TRITON_HEAD_DIMS = (64, 128)
@@ -326,11 +326,12 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, model, batch, scale=1.0):
+    def _forward(self, model, batch, scale=1.0, training=False):
         t = self.cfg.train
+        objective = Objective(t.oov_rows, t.aux_noise if training else 0.0)   # evaluation sees clean inputs
         with self._autocast():
             return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_steps,
-                         t.loss_decay, scale, t.skip_dead_rows)
+                         t.loss_decay, scale, t.skip_dead_rows, objective)
 
     HOST_KEYS = ("cu_seqlens_host", "loss_denominator")
 
@@ -340,7 +341,7 @@ class Trainer:
         rows and each step's loss rows (moved to the device with the batch), the sequence
         boundaries and the loss denominator (kept on the host)."""
         steps = self.cfg.train.ttt_steps
-        targets = all_step_targets(batch, steps, self.t2d_cpu)
+        targets = all_step_targets(batch, steps, self.t2d_cpu, self.cfg.train.oov_rows)
         live = live_rows(targets) if self.cfg.train.skip_dead_rows else [None] * steps
         batch = {**batch, "loss_rows": loss_rows(targets, live), "cu_seqlens_host": batch["cu_seqlens"].to(torch.int32),
                  "loss_denominator": int(loss_denominator(batch))}
@@ -378,7 +379,7 @@ class Trainer:
             batch = self._on_device(batch)
             sync = self.dist.world == 1 or a == len(batches) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                loss, m, _ = self._forward(self.ddp, batch, self.dist.world / denom)
+                loss, m, _ = self._forward(self.ddp, batch, self.dist.world / denom, training=True)
                 loss.backward()
             metrics += m
         self.grad_norm = nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)

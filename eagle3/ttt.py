@@ -17,6 +17,15 @@ from eagle3.ops import positions_from_cu_seqlens
 METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_rows")
 
 
+@dataclass(frozen=True)
+class Objective:
+    """Recipe levers of the training objective, beside the unroll itself (K, decay)."""
+    oov_rows: bool = False      # also train rows whose target greedy token is outside the draft vocab
+                                # (towards p renormalised over the draft vocab, as speculators does)
+    aux_noise: float = 0.0      # std of Gaussian noise added to each aux layer's state, relative to its
+                                # per-token RMS (training only; 0 = none)
+
+
 @dataclass
 class StepTargets:
     index: torch.Tensor      # [T] row of x[t+1+k] / p[t+1+k] / g[t+1+k] (clamped into range)
@@ -38,11 +47,13 @@ def label_rows(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask
 
 
 def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor,
-                 greedy: torch.Tensor, t2d: torch.Tensor) -> StepTargets:
+                 greedy: torch.Tensor, t2d: torch.Tensor, oov_rows: bool = False) -> StepTargets:
+    """Step k's label rows; a row whose target greedy token is outside the draft vocab (the draft
+    cannot be right there) is trained only with `oov_rows`, and always counts as a miss."""
     T = positions.shape[0]
     index = (torch.arange(T, device=positions.device) + 1 + k).clamp(max=T - 1)
     acc_rows = label_rows(k, positions, seq_len, loss_mask)
-    valid = acc_rows & t2d[greedy[index].long()]
+    valid = acc_rows if oov_rows else acc_rows & t2d[greedy[index].long()]
     return StepTargets(index, valid, acc_rows)
 
 
@@ -62,10 +73,18 @@ def loss_denominator(batch: dict) -> torch.Tensor:
     return label_rows(0, positions, seq_len, batch["loss_mask"]).sum()
 
 
-def all_step_targets(batch: dict, steps: int, t2d: torch.Tensor) -> list[StepTargets]:
+def all_step_targets(batch: dict, steps: int, t2d: torch.Tensor, oov_rows: bool = False) -> list[StepTargets]:
     positions, seq_len = row_layout(batch["cu_seqlens"], batch["input_ids"].shape[0])
-    return [step_targets(k, positions, seq_len, batch["loss_mask"], batch["target_argmax"].long(), t2d)
+    return [step_targets(k, positions, seq_len, batch["loss_mask"], batch["target_argmax"].long(), t2d, oov_rows)
             for k in range(steps)]
+
+
+def noisy(aux: torch.Tensor, std: float) -> torch.Tensor:
+    """aux [T, 3H] plus Gaussian noise of `std` times each aux layer's per-token RMS (drawn on the
+    device: no sync; from the RNG a checkpoint saves, so a resumed run draws the same)."""
+    layers = aux.view(aux.shape[0], 3, -1)
+    rms = layers.float().pow(2).mean(-1, keepdim=True).sqrt()
+    return (layers + (std * rms * torch.randn_like(layers, dtype=torch.float32)).to(aux.dtype)).view_as(aux)
 
 
 def live_rows(targets: list[StepTargets]) -> list[torch.Tensor]:
@@ -85,7 +104,7 @@ def loss_rows(targets: list[StepTargets], live: list) -> list[torch.Tensor]:
 
 def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
                 attention, loss_steps, decay: float = 0.8, scale: float | torch.Tensor = 1.0,
-                skip_dead_rows: bool = True):
+                skip_dead_rows: bool = True, objective: Objective = Objective()):
     """Unrolled TTT over one packed micro-batch.
 
     batch: aux_hidden [T, 3H], final_hidden [T, H], input_ids [T], loss_mask [T], target_argmax [T],
@@ -97,18 +116,20 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     [V_d, H]. `attention` and `loss_steps` have the SPEC §8 signatures of `kernels.ttt_attention`
     and `kernels.ttt_loss_steps`. With skip_dead_rows, work that cannot reach the loss is skipped
     (exactly: same loss and gradients): at step 0 every row makes its keys and values but only
-    live rows run the rest; from step 1 on only live rows are computed at all.
+    live rows run the rest; from step 1 on only live rows are computed at all. `objective` holds
+    the recipe levers (rows trained, input noise); prepared live/loss rows must follow its oov_rows.
     Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, 7], per-row detail): metric
     columns are METRICS plus the accepted-length sum in column 6 of row 0; the detail holds, per
     row, `correct` [steps, T] and `accepted` [T] (leading correct steps), for evaluation.
     """
     ids, greedy = batch["input_ids"].long(), batch["target_argmax"].long()
     T = ids.shape[0]
-    targets = all_step_targets(batch, steps, draft.t2d)
+    targets = all_step_targets(batch, steps, draft.t2d, objective.oov_rows)
     positions = row_layout(batch["cu_seqlens"], T)[0]
     live = (batch.get("live_rows") or live_rows(targets)) if skip_dead_rows else [None] * steps
     probs = target_probs(batch["final_hidden"], head_rows, steps)
-    h = draft.project(batch["aux_hidden"])
+    aux = batch["aux_hidden"]
+    h = draft.project(noisy(aux, objective.aux_noise) if objective.aux_noise > 0 else aux)
     caches = [[] for _ in draft.layers]
     head_inputs, kept = [], []
     # the kernels read the boundaries on the host: a host copy, when the trainer gives one, saves a sync

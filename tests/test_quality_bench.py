@@ -62,3 +62,7 @@ def test_variant_syntax():
         quality.parse_variant("a b:train.lr=1")
     with pytest.raises(SystemExit, match="expected"):
         quality.parse_variant("x:train.lr")
+    changed = quality.with_changes(quality.Recipe(), ["train_prompts=3072", "lr=1e-3"])
+    assert (changed.train_prompts, changed.lr, changed.epochs) == (3072, 1e-3, quality.Recipe().epochs)
+    with pytest.raises(SystemExit, match="key=value"):
+        quality.with_changes(quality.Recipe(), ["no_such_field=1"])

@@ -430,6 +430,18 @@ def table(results: dict) -> str:
 STAGES = ("target", "data", "ours", "peer", "measure")
 
 
+def with_changes(r: Recipe, changes: list[str]) -> Recipe:
+    """The recipe with `key=value` changes, each converted to the field's type."""
+    fields = {f.name: f.type for f in dataclasses.fields(Recipe)}
+    values = {}
+    for change in changes:
+        key, eq, value = change.partition("=")
+        if not eq or key not in fields:
+            raise SystemExit(f"error: --recipe {change!r}: expected key=value with key one of {', '.join(fields)}")
+        values[key] = {"int": int, "float": float}[fields[key]](value)
+    return dataclasses.replace(r, **values)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench quality", description=__doc__.split("\n")[0])
     parser.add_argument("--work", default="runs/quality", help="where every stage reads and writes")
@@ -439,11 +451,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer-script", default="../shared/peer/speculators_quality.py")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
+    parser.add_argument("--recipe", action="append", default=[],
+                        help="change one Recipe field, key=value (e.g. train_prompts=3072); repeatable")
     args = parser.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
     if unknown := set(stages) - set(STAGES):
         parser.error(f"unknown stages {sorted(unknown)}; expected {', '.join(STAGES)}")
-    r = TINY if args.tiny else Recipe()
+    r = with_changes(TINY if args.tiny else Recipe(), args.recipe)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
