@@ -121,14 +121,16 @@ def matmul_tflops(device: torch.device) -> float:
     return 2 * 8192 ** 3 / statistics.median(times) / 1e12
 
 
-def step_flops(s: dict, steps: int, tokens: int) -> float:
-    """Matmul FLOPs of one optimizer step computing every row at every TTT step, fwd + bwd (x3)."""
+def step_flops(s: dict, steps: int, tokens: int, head_trained: bool) -> float:
+    """Matmul FLOPs of one optimizer step computing every row at every TTT step, fwd + bwd (x3; a
+    frozen lm_head needs no weight gradient: x2)."""
     H, Hq, Hkv, D, I, V = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["inter"], s["draft_vocab"]
-    per_row_step = 2 * (2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I + H * V)
+    per_row_step = 2 * (2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I)
+    head = 2 * H * V * (3 if head_trained else 2)
     attention = 4 * D * Hq * (s["seq_len"] / 2 + steps)   # QK^T and PV, mean causal keys + diagonal
     fc = 2 * 3 * H * H
     target_probs = 2 * H * V                               # no backward
-    return tokens * (3 * (fc + steps * (per_row_step + attention)) + target_probs)
+    return tokens * (3 * (fc + steps * (per_row_step + attention)) + steps * head + target_probs)
 
 
 def gpu_busy_fraction(trainer: Trainer, batch: dict, table: Path | None = None) -> tuple[float, float]:
@@ -207,7 +209,7 @@ def same_weights_on_all_ranks(trainer: Trainer) -> bool:
 
 
 def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup: int, tflops: float,
-              profile_dir: Path | None = None) -> dict:
+              profile_dir: Path | None = None, train_head: bool = False) -> dict:
     args = ["--target.path", str(root / "target"), "--train.data_dir", str(root / f"data-{layout}"),
             "--train.output_dir", str(root / f"out-{layout}-{kernels}"), "--train.kernels", kernels,
             "--train.batch_tokens", str(s["seqs"] * s["seq_len"]), "--train.eval_fraction", "0",
@@ -218,7 +220,11 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             # "torch" is the established recipe: every row computed, eager layers; ours skips dead
             # rows and fuses the layers' elementwise chains
             "--train.skip_dead_rows", str(kernels != "torch").lower(),
-            "--train.compile_ops", str(kernels != "torch").lower()]
+            "--train.compile_ops", str(kernels != "torch").lower(),
+            # the default (and the peer's) head: the target's rows, frozen; --train-head: the
+            # workload of the figures recorded before 2026-11-30 (random head, trained)
+            "--draft.lm_head_init", "random" if train_head else "target",
+            "--train.freeze_lm_head", str(not train_head).lower()]
     trainer = Trainer(config_mod.load(None, args))
     cuda = trainer.device.type == "cuda"
     batches = trainer.prefetcher(0)
@@ -241,7 +247,7 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
     busy = gpu_busy_fraction(trainer, next(batches), table)[0] if cuda else float("nan")
     syncs = host_syncs(trainer, next(batches)) if cuda else []
     step = statistics.median(times)
-    flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens)
+    flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens, train_head)
     return {"layout": layout, "kernels": kernels, "world": trainer.dist.world, "step_s": step,
             "tokens_per_s_per_gpu": tokens / step, "mfu": flops / step / 1e12 / tflops if cuda else float("nan"),
             "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
@@ -261,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
                         "(kept, and reused by the next bench with the same --dir)")
     parser.add_argument("--profile-dir", default=None, help="write each run's GPU kernel table here")
     parser.add_argument("--json", default=None, help="append the results here as JSON lines")
+    parser.add_argument("--train-head", action="store_true",
+                        help="a random lm_head, trained (the figures recorded before 2026-11-30); default: "
+                             "the target's rows, frozen (our default and the peer's)")
     args = parser.parse_args(argv)
     s = TINY if args.tiny else KIMI
     dist = distributed.setup()
@@ -276,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     for layout in layouts:
         for kernels in args.kernels.split(","):
             results.append(bench_one(root, layout, kernels, s, args.steps, args.warmup, tflops,
-                                     Path(args.profile_dir) if args.profile_dir else None))
+                                     Path(args.profile_dir) if args.profile_dir else None, args.train_head))
             if dist.main:
                 print(json.dumps(results[-1]), flush=True)
                 if args.json:
