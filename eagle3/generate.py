@@ -4,7 +4,8 @@ training conversations with the target itself (the biggest lever on acceptance).
 Each assistant reply (a run of loss_mask = 1) is replaced by the target's own continuation of
 everything before it (earlier replies already regenerated); user turns are kept. The output is
 pre-tokenized JSON lines, the format extraction reads. Conversations are decoded in batches of
-`generate.batch_size` (matmuls shared, attention per conversation against its own KV cache).
+`generate.batch_size` (one target pass for all of them, each conversation's keys and values in its
+slot of the target's shared KV pool, one sampling call for the batch).
 Resumable: lines are appended to `<output>.partial` in input order as they finish and a rerun
 skips the conversations already there.
 """
@@ -61,6 +62,15 @@ class Sampler:
         keep = sorted_probs.cumsum(0) - sorted_probs < self.top_p  # smallest set with mass >= top_p
         choice = torch.multinomial(sorted_probs * keep, 1, generator=generator)
         return int(order[choice])
+
+    def many(self, logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+        """One token per row of logits [B, V], each row drawn with its own generator. Greedy is one
+        argmax and one transfer for the batch: a call per row would cost B launches and B device
+        syncs per step, as much as the whole batched target pass."""
+        if self.temperature == 0:
+            return logits.argmax(-1).tolist()
+        rows = logits.float().cpu()
+        return [self(row, g) for row, g in zip(rows, generators)]
 
 
 class Conversation:
@@ -120,8 +130,9 @@ def regenerate(target: IncrementalTarget, records: list[Record], sampler: Sample
             active.remove(conv)
         if active:
             results = target.forward_many([c.feed() for c in active], [c.cache for c in active])
-            for conv, (_, final) in zip(active, results):
-                conv.take(sampler(target.logits(final[-1]), conv.generator), max_new, stop)
+            last = target.logits(torch.stack([final[-1] for _, final in results]))      # [B, V]
+            for conv, token in zip(active, sampler.many(last, [c.generator for c in active])):
+                conv.take(token, max_new, stop)
         while order and order[0] in finished:
             yield finished.pop(order.pop(0))
 
