@@ -99,8 +99,9 @@ def evaluate_command(args, overrides: list[str]) -> None:
     shorthands = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": args.k}
     overrides = overrides + [x for key, value in shorthands.items() if value is not None
                              for x in (f"--evaluate.{key}", value)]
+    from eagle3.files import strict_json
     report, out = run(config_mod.load(args.config, overrides), args.checkpoint, args.out)
-    print(json.dumps({k: report[k] for k in SUMMARY_KEYS if k in report}))
+    print(strict_json({k: report[k] for k in SUMMARY_KEYS if k in report}))
     print(f"wrote {out}")
 
 

@@ -9,15 +9,23 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from eagle3.files import read_json
+from eagle3.files import make_readable, open_safetensors, read_json
+
+try:
+    from numpy._core.multiarray import _reconstruct
+except ImportError:   # numpy 1.x
+    from numpy.core.multiarray import _reconstruct
 
 MODEL = "model.safetensors"
 STATE = "state.json"
@@ -50,7 +58,11 @@ def latest(output_dir: str | Path) -> Path | None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors, tuples and numbers only, so that resume can read it with
+    torch.load(weights_only=True): numpy's key array is stored as an int64 tensor."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -58,7 +70,10 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    if isinstance(keys, torch.Tensor):   # numpy arrays in files written before weights_only loading
+        keys = keys.numpy().astype(np.uint32)
+    np.random.set_state((name, keys, pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -73,20 +88,39 @@ def save(output_dir, step: int, model: torch.nn.Module, optimizer, scheduler, st
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    torch.save(rng_state(), tmp / f"rng-rank{dist.rank}.pt")
+    _write_or_fail(tmp, lambda: torch.save(rng_state(), tmp / f"rng-rank{dist.rank}.pt"))
     dist.barrier()
     if dist.main:
-        weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        save_file(weights, tmp / MODEL)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                   tmp / "optimizer.pt")
-        (tmp / STATE).write_text(json.dumps({**state, "step": step}, indent=1))
+        _write_or_fail(tmp, lambda: _write_main(tmp, step, model, optimizer, scheduler, state))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in complete_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _write_main(tmp: Path, step: int, model, optimizer, scheduler, state: dict) -> None:
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, tmp / MODEL)
+    make_readable(tmp / MODEL)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    (tmp / STATE).write_text(json.dumps({**state, "step": step}, indent=1))
+
+
+def _write_or_fail(tmp: Path, write) -> None:
+    """Run `write` into the temporary checkpoint directory. On failure (a full disk: torch.save says
+    only "unexpected pos") remove the partial directory, so that it takes no space and the last
+    complete checkpoint stays the newest, and name the directory and the free space."""
+    try:
+        write()
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(tmp.parent).free
+        raise CheckpointError(f"{tmp}: writing the checkpoint failed ({_first_line(e)}); {free / 2**30:.2f} GiB "
+                              f"({free} bytes) free in {tmp.parent}. The partial directory was removed and the "
+                              "last complete checkpoint kept: free space (or lower train.keep_checkpoints) and "
+                              "rerun to resume from it") from None
 
 
 def read_state(path: str | Path) -> dict:
@@ -97,19 +131,51 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path) / MODEL
     if not path.exists():
         raise CheckpointError(f"{path}: missing")
-    return load_file(path)
+    with open_safetensors(path, CheckpointError, "the checkpoint is damaged: resume from another one") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+# what rng-rank*.pt files written before the RNG state was stored as tensors need: numpy arrays,
+# rebuilt from their dtype and bytes (no code runs); both module paths, numpy 2 renamed numpy.core
+_OLD_RNG_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+                    (_reconstruct, "numpy._core.multiarray._reconstruct"),
+                    (_reconstruct, "numpy.core.multiarray._reconstruct")]
+ELSEWHERE = "resume from another checkpoint (train.resume = DIR) or start a new run in another train.output_dir"
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def _safe_load(path: Path, allow: list, way_out: str):
+    """torch.load that unpickles only tensors and plain values (weights_only): a checkpoint someone
+    shared cannot run code on resume."""
+    try:
+        with torch.serialization.safe_globals(allow):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)|Unsupported operand \S+", str(e))
+        what = f"{found.group(1) or found.group(0)}, " if found else ""
+        raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain values "
+                              f"({what}loaded with weights_only=True), which this trainer never writes; "
+                              f"{way_out}") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"{path}: unreadable ({_first_line(e)}); {way_out}") from None
 
 
 def restore(path: Path, model, optimizer, scheduler, rank: int) -> dict:
     """Load a checkpoint into model/optimizer/scheduler and this rank's RNG; return state.json."""
     state = read_state(path)
     model.load_state_dict(load_weights(path))
-    opt = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+    opt = _safe_load(path / "optimizer.pt", [], ELSEWHERE)
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     rng_file = path / f"rng-rank{rank}.pt"
     if rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(_safe_load(rng_file, _OLD_RNG_GLOBALS, f"delete it to resume without this rank's RNG "
+                                 f"state (a warning says so), or {ELSEWHERE}"))
+    else:   # the run goes on, but not bit for bit as an uninterrupted one would: say so
+        print(f"warning: {rng_file} is missing: this rank's RNG state is not restored", file=sys.stderr)
     return state
 
 

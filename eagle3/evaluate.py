@@ -37,6 +37,7 @@ from eagle3.data.shards import MANIFEST, ShardReader
 from eagle3.draft import Eagle3Draft
 from eagle3.export import advertised_tokens, load_vllm_draft
 from eagle3.extraction import resolve_device
+from eagle3.files import strict_json
 from eagle3.generate import stop_tokens
 from eagle3.ops import TORCH_DTYPES
 from eagle3.speculative import Decoded, Drafter, greedy_decode_many, speculative_decode_many
@@ -153,7 +154,7 @@ def evaluate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
     """The estimate, written to `eval.json` (and `eval.png`) in the checkpoint."""
     checkpoint_dir = Path(checkpoint_dir)
     report = estimate(cfg, checkpoint_dir, steps)
-    (checkpoint_dir / "eval.json").write_text(json.dumps(report, indent=1))
+    (checkpoint_dir / "eval.json").write_text(strict_json(report, indent=1))
     plot(report, _metrics_path(checkpoint_dir), checkpoint_dir / "eval.png")
     return report
 
@@ -310,7 +311,7 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
               f"greedy output (lines {report['mismatch_lines']}): near-ties in {e.dtype}, or a bug", file=sys.stderr)
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=1))
+        Path(out).write_text(strict_json(report, indent=1))
     return report
 
 
@@ -333,7 +334,7 @@ def run(cfg: Config, draft_dir: str | Path, out: str | Path | None = None) -> tu
     elif not ours:
         raise InputError(f"{draft_dir}: a vLLM-layout draft is judged by real decoding: give --prompts FILE")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out.write_text(strict_json(report, indent=1))
     if "acc" in report:
         plot(report, _metrics_path(draft_dir), out.with_suffix(".png"))
     return report, out

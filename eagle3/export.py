@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from eagle3 import checkpoint as ckpt_io
 from eagle3.config import Config, from_dict
 from eagle3.draft import DraftSpec, Eagle3Draft
-from eagle3.files import read_json
+from eagle3.files import make_readable, read_json
 from eagle3.ops import TORCH_DTYPES, llama_inv_freq
 from eagle3.target.checkpoint import Checkpoint, _rope
 from eagle3.vocab import VocabError, check_vocab
@@ -105,6 +105,7 @@ def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Pat
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    make_readable(tmp / "model.safetensors")
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -18,8 +19,9 @@ from eagle3 import distributed
 from eagle3.config import Config
 from eagle3.data.chat import TOKENIZER_FILES
 from eagle3.data.inputs import InputError, InputStats, Record, file_sha256, read_records
-from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, DataError, encode_aux_fp8, shard_name, write_shard
-from eagle3.files import atomic_write_text
+from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, encode_aux_fp8, sha256_file, shard_name,
+                                write_shard)
+from eagle3.files import atomic_write_text, read_json, writable_dir
 from eagle3.ops import TORCH_DTYPES
 from eagle3.target.checkpoint import Checkpoint, TargetError
 from eagle3.target.streaming import TargetRunner
@@ -85,10 +87,39 @@ def _finished(out: Path, plan_key: str) -> dict[str, dict]:
     reused after its manifest was deleted) are not trusted: those shards are redone."""
     entries = {}
     for path in sorted(_journal(out).glob("shard-*.json")):
-        entry = json.loads(path.read_text())
+        try:
+            entry = read_json(path, DataError, "journal entry")
+        except DataError as e:   # a damaged entry only costs redoing its shard
+            print(f"extract: {e}; redoing that shard", file=sys.stderr)
+            continue
         if entry.get("plan_key") == plan_key and (out / entry["file"]).exists():
             entries[entry["file"]] = entry
     return entries
+
+
+def _damage(out: Path, entry: dict) -> str | None:
+    """What is wrong with a finished shard against its journal entry (None: intact). A shard
+    truncated or altered after extraction would otherwise be kept by a rerun and fail in training."""
+    path = out / entry["file"]
+    size = path.stat().st_size
+    if "bytes" in entry and size != entry["bytes"]:
+        return f"{size} bytes, its journal entry says {entry['bytes']}"
+    if sha256_file(path) != entry["sha256"]:   # cheap next to running the target over the shard
+        return "sha256 differs from its journal entry"
+    return None
+
+
+def _verified(out: Path, done: dict[str, dict], mine: list[int]) -> dict[str, dict]:
+    """`done` less this rank's shards that fail verification; their journal entries are removed, so
+    that they are redone (and a run killed before that redoes them too)."""
+    for i in mine:
+        entry = done.get(shard_name(i))
+        damage = entry and _damage(out, entry)
+        if damage:
+            print(f"extract: {out / entry['file']}: {damage}; redoing it", file=sys.stderr)
+            (_journal(out) / (entry["file"] + ".json")).unlink()
+            del done[entry["file"]]
+    return done
 
 
 def _shard_tensors(records: list[Record], out: dict[str, torch.Tensor], aux_dtype: str) -> dict[str, torch.Tensor]:
@@ -135,14 +166,14 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
     aux_ids = resolve_aux_layer_ids(cfg, ckpt)
     records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len,
                                   cfg.data.on_error, target_dir=ckpt.dir)
-    out = Path(cfg.extract.output_dir)
+    out = writable_dir(cfg.extract.output_dir, DataError, "extract.output_dir")
     _journal(out).mkdir(parents=True, exist_ok=True)
     header = _header(cfg, ckpt, aux_ids, stats)
     _check_or_write_header(out, header, dist.main)
     dist.barrier()
     plan = plan_shards(records, cfg.extract.shard_tokens)
-    done = _finished(out, header["plan_key"])
     mine = [i for i in range(dist.rank, len(plan), dist.world)]
+    done = _verified(out, _finished(out, header["plan_key"]), mine)
     todo = [i for i in mine if shard_name(i) not in done]
     tokens = [sum(len(r.input_ids) for r in records[a:b]) for a, b in plan]
     device = resolve_device(cfg.extract.device) if dist.world == 1 else dist.device

@@ -1,9 +1,22 @@
-"""Files read and written safely: JSON whose errors name the file, writes that appear whole or not at all."""
+"""Files read and written safely: JSON whose errors name the file, writes that appear whole or not at all,
+strict JSON out, safetensors whose corruption names the file, output modes that follow the umask."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import tempfile
 from pathlib import Path
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)   # the only portable way to read it is to set it: read once, at import
+    os.umask(mask)
+    return mask
+
+
+# what open() gives a new file: 0644 under the usual umask 022 (safetensors' save_file writes 0600)
+FILE_MODE = 0o666 & ~_current_umask()
 
 
 def read_json(path: Path, error: type[Exception], missing: str) -> object:
@@ -21,3 +34,50 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+
+def make_readable(path: Path) -> None:
+    """Give a written file the mode of any file this user creates, so that a server running as
+    another user can read the exports, checkpoints and shards."""
+    os.chmod(path, FILE_MODE)
+
+
+def finite(value):
+    """`value` with every non-finite float (NaN, inf) as None, in nested dicts, lists and tuples."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def strict_json(value, **kwargs) -> str:
+    """json.dumps that writes strict JSON: a NaN metric becomes null (Python would write NaN,
+    which strict parsers reject)."""
+    return json.dumps(finite(value), allow_nan=False, **kwargs)
+
+
+def open_safetensors(path: Path, error: type[Exception], hint: str):
+    """safe_open(path); `error` naming the file when it is missing, truncated or not safetensors."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        return safe_open(str(path), "pt")
+    except (SafetensorError, OSError) as e:
+        raise error(f"{path}: not a readable safetensors file ({e}); {hint}") from None
+
+
+def writable_dir(path: Path, error: type[Exception], key: str) -> Path:
+    """Create `path` if needed and check that files can be written there: a clear error at start-up
+    rather than an OSError traceback at the first checkpoint or shard."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise error(f"{path}: cannot write there ({e.strerror or e}); fix its permissions or choose "
+                    f"another {key}") from None
+    return path

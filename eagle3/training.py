@@ -26,6 +26,7 @@ from eagle3.data.shards import DataError, ShardReader, loss_token_counts
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.export import export_all
 from eagle3.extraction import resolve_aux_layer_ids
+from eagle3.files import strict_json, writable_dir
 from eagle3.target.checkpoint import Checkpoint, TargetError, TextConfig
 from eagle3.ttt import Objective, all_step_targets, live_rows, loss_denominator, loss_rows, summarize, ttt_forward
 from eagle3.vocab import VocabError, build_vocab
@@ -69,6 +70,11 @@ def check_manifest(manifest: dict, target: TextConfig, aux_ids: list[int], where
                         f"config asks for {aux_ids} (target.aux_layer_ids)")
     if not manifest.get("complete"):
         raise DataError(f"{where}/manifest.json: the extraction is not complete; rerun extract.py")
+    if not sum(s["loss_tokens"] for s in manifest["shards"]):   # the loss would be 0/0: nan, nothing learnt
+        source = manifest.get("source", {}).get("path", "data.path")
+        raise DataError(f"{where}/manifest.json: no assistant tokens: every loss_mask in the "
+                        f"{len(manifest['shards'])} shards (extracted from {source}) is all zero, so there is "
+                        "nothing to train on; the loss mask must be 1 on the assistant replies")
 
 
 # Settings a resumed run must share with its checkpoint: data order and learning-rate schedule.
@@ -178,6 +184,10 @@ def _logged_step(line: str) -> float:
         return float("inf")
 
 
+def _num(value) -> str:
+    return "nan" if value is None else f"{value:.4f}"
+
+
 class MetricsLog:
     """metrics.jsonl on rank 0 (and TensorBoard when installed)."""
 
@@ -200,7 +210,7 @@ class MetricsLog:
         if not self.enabled:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json(record) + "\n")
         if self.tb is not None:
             prefix = record.get("split", "train")
             for key, value in record.items():
@@ -209,6 +219,24 @@ class MetricsLog:
                 elif isinstance(value, list):
                     for k, v in enumerate(value):
                         self.tb.add_scalar(f"{prefix}/{key}_{k}", v, record["step"])
+
+
+def existing_run(output_dir: Path) -> list[str]:
+    """What in `output_dir` belongs to an earlier run: step directories, metrics.jsonl, export/."""
+    steps = sorted(p.name for p in ckpt_io.checkpoints_dir(output_dir).glob("step-*"))
+    more = f" and {len(steps) - 1} older" if len(steps) > 1 else ""
+    held = [f"checkpoints/{steps[-1]}{more}"] if steps else []
+    return held + [name for name in ("metrics.jsonl", "export") if (output_dir / name).exists()]
+
+
+def refuse_existing_run(output_dir: Path, source: str) -> None:
+    """train.resume = "never" starts a new run: writing it into an old run's directory would truncate
+    its metrics and leave its checkpoints beside the new ones, where resume = "auto" picks them."""
+    held = existing_run(output_dir)
+    if held:
+        raise TrainError(f"{source}: train.resume = \"never\", but train.output_dir {output_dir} already holds a "
+                         f"run ({', '.join(held)}); choose another train.output_dir or remove that one "
+                         "(nothing was deleted)")
 
 
 class Trainer:
@@ -220,7 +248,9 @@ class Trainer:
         self.float_dtype = torch.bfloat16 if self.cuda else torch.float32
         torch.manual_seed(t.seed)
         self.output_dir = Path(t.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if t.resume == "never":
+            refuse_existing_run(self.output_dir, cfg.source)
+        writable_dir(self.output_dir, TrainError, "train.output_dir")
 
         self.target = Checkpoint(cfg.target.path)
         text = self.target.config
@@ -303,19 +333,19 @@ class Trainer:
         for key in ("draft_spec", "aux_layer_ids", "target", "world_size", "data_dir"):
             if state[key] != now[key]:
                 raise TrainError(f"{path}/state.json: {key} differs from this run's ({state[key]} vs "
-                                 f"{now[key]}); set train.resume = \"never\" or another output_dir")
+                                 f"{now[key]}); choose another train.output_dir to start a new run")
         for section, key, before in HEAD_FIXED:   # they decide the trainable parameters (optimizer state)
             was = state["config"].get(section, {}).get(key, before)
             if was != now["config"][section][key]:
                 raise TrainError(f"{path}/state.json: {section}.{key} was {json.dumps(was)}, this run has "
                                  f"{json.dumps(now['config'][section][key])}; a resumed run must keep it (set "
-                                 f"--{section}.{key} {json.dumps(was)}, or train.resume = \"never\" / another "
-                                 "train.output_dir)")
+                                 f"--{section}.{key} {json.dumps(was)}, or choose another train.output_dir to "
+                                 "start a new run)")
         for key in RESUME_FIXED:   # they decide the data order and the LR schedule already followed
             if state["config"]["train"][key] != now["config"]["train"][key]:
                 raise TrainError(f"{path}/state.json: train.{key} was {state['config']['train'][key]!r}, this run "
-                                 f"has {now['config']['train'][key]!r}; a resumed run must keep it (or set "
-                                 "train.resume = \"never\" / another train.output_dir)")
+                                 f"has {now['config']['train'][key]!r}; a resumed run must keep it (or choose "
+                                 "another train.output_dir to start a new run)")
         ckpt_io.restore(path, self.model.draft, self.optimizer, self.scheduler, self.dist.rank)
         if self.dist.main:
             print(f"resumed from {path} (step {state['step']})", file=sys.stderr)
@@ -435,8 +465,32 @@ class Trainer:
             exported = export_all(saved, self.output_dir / "export", self.cfg)
             for fmt, path in exported.items():
                 print(f"exported {fmt} draft: {path}")
+        if self.dist.main:
+            print(self.summary(saved))
         self.dist.barrier()
         return self.output_dir
+
+    def summary(self, saved: Path | None) -> str:
+        """Where the run ended and where its files are; read back from metrics.jsonl, so that a rerun
+        of a finished run says the same."""
+        records = [json.loads(ln) for ln in self.log.path.read_text().splitlines()] if self.log.path.exists() else []
+        last = {r["split"]: r for r in records}
+        lines = [f"train: done, step {self.plan.total} in {self.output_dir}"]
+        if "train" in last:
+            r = last["train"]
+            lines.append(f"  train (step {r['step']}, TTT step 0): loss {_num(r['loss'][0])}, "
+                         f"accuracy {_num(r['acc'][0])}")
+        if "eval" in last:
+            r = last["eval"]
+            lines.append(f"  held-out (step {r['step']}): accept_len {_num(r['accept_len'])}, "
+                         f"loss {_num(r['loss'][0])}, accuracy {_num(r['acc'][0])} (TTT step 0)")
+        lines.append(f"  metrics: {self.log.path}")
+        lines.append(f"  last checkpoint: {saved}")
+        lines += [f"  {fmt} export: {self.output_dir / 'export' / fmt}" for fmt in self.cfg.export.formats
+                  if (self.output_dir / "export" / fmt).is_dir()]
+        if self.log.tb is not None:
+            lines.append(f"  tensorboard: {self.output_dir / 'tensorboard'}")
+        return "\n".join(lines)
 
 
 def run(cfg: Config) -> Path:

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from eagle3.files import strict_json
 from eagle3.ops import apply_rope, llama_inv_freq, rms_norm, rope_cos_sin
 
 EOS = "<|endoftext|>"
@@ -321,7 +322,7 @@ def our_config(r: Recipe, work: Path, run_dir: Path, overrides: dict | None = No
             "train.ttt_steps": r.ttt_steps, "train.loss_decay": r.loss_decay, "train.lr": r.lr,
             "train.batch_tokens": r.batch_tokens, "train.eval_fraction": r.eval_fraction, "train.seed": r.seed,
             "train.log_every": 50, "train.eval_every": 100000, "train.checkpoint_every": 100000,
-            "train.resume": "never", "export.formats": '["vllm"]', "export.speculative_tokens": r.ttt_steps,
+            "train.resume": "auto", "export.formats": '["vllm"]', "export.speculative_tokens": r.ttt_steps,
             **(overrides or {})}
     return config_mod.load(None, [x for k, v in base.items() for x in (f"--{k}", str(v))])
 
@@ -383,7 +384,7 @@ def run_peer(r: Recipe, work: Path, script: Path) -> dict:
         raise SystemExit(f"error: the peer failed (rc {p.returncode}); its log: {work / 'peer.log'}\n{log[-3000:]}")
     found = {k: float(v) for k, v in re.findall(r"peer (extraction|training): (?:rc \d+, )?.*?(\d+)s", log)}
     result = {"peer_wall_s": wall, "peer_extract_s": found.get("extraction"), "peer_train_s": found.get("training")}
-    (work / "peer" / "bench.json").write_text(json.dumps(result))
+    (work / "peer" / "bench.json").write_text(strict_json(result))
     return result
 
 
@@ -476,5 +477,5 @@ def main(argv: list[str] | None = None) -> None:
     if "measure" in stages:
         summary["results"] = measure(r, work, device)
         print(table(summary["results"]))
-    summary_path.write_text(json.dumps(summary, indent=1))
-    print(json.dumps({k: v for k, v in summary.items() if k != "recipe"}, indent=1))
+    summary_path.write_text(strict_json(summary, indent=1))
+    print(strict_json({k: v for k, v in summary.items() if k != "recipe"}, indent=1))

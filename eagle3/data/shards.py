@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3.files import read_json
+from eagle3.files import make_readable, open_safetensors, read_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -41,6 +40,10 @@ def decode_aux_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return (values.view(T, layers, -1).to(torch.float32) * scale[..., None]).view(T, -1).to(dtype)
 
 
+# extraction verifies its finished shards against the journal and redoes the bad ones
+REDO = "rerun extract with the same config to redo it"
+
+
 class DataError(ValueError):
     """Hidden-state data that is missing, corrupt or does not match; the message names the file."""
 
@@ -62,12 +65,14 @@ def write_shard(directory: Path, index: int, tensors: dict[str, torch.Tensor]) -
     path = directory / shard_name(index)
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+    make_readable(tmp)
     os.replace(tmp, path)
     mask = tensors["loss_mask"].bool()
     counts = Counter(tensors["input_ids"][mask].tolist())
     return {"file": path.name, "tokens": int(tensors["input_ids"].numel()),
             "sequences": int(tensors["cu_seqlens"].numel() - 1), "loss_tokens": int(mask.sum()),
-            "sha256": sha256_file(path), "loss_token_counts": {str(k): v for k, v in sorted(counts.items())}}
+            "bytes": path.stat().st_size, "sha256": sha256_file(path),
+            "loss_token_counts": {str(k): v for k, v in sorted(counts.items())}}
 
 
 def read_manifest(directory: Path) -> dict:
@@ -112,14 +117,17 @@ class ShardReader:
         for path, entry in zip(self.files, self.manifest["shards"]):
             if not path.exists():
                 raise DataError(f"{self.dir / MANIFEST}: lists {path.name}, which is missing")
+            if "bytes" in entry and path.stat().st_size != entry["bytes"]:   # cheap: catches truncation
+                raise DataError(f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']} "
+                                f"(truncated or replaced); {REDO}")
             if verify and sha256_file(path) != entry["sha256"]:
-                raise DataError(f"{path}: sha256 differs from the manifest (corrupt or replaced)")
+                raise DataError(f"{path}: sha256 differs from the manifest (corrupt or replaced); {REDO}")
         self._handles: dict[int, object] = {}
         self.sequences = self._index()
 
     def _handle(self, shard: int):
         if shard not in self._handles:
-            self._handles[shard] = safe_open(self.files[shard], "pt")
+            self._handles[shard] = open_safetensors(self.files[shard], DataError, REDO)
         return self._handles[shard]
 
     def _index(self) -> list[SeqRef]:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+from eagle3.files import open_safetensors
 
 
 class TargetError(ValueError):
@@ -149,6 +150,10 @@ _PREFIXES = [("language_model.model.", "language_model.lm_head.weight"),
 _SKIP = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "visual.", "model.visual.")
 
 
+def _open(path: Path):
+    return open_safetensors(path, TargetError, "truncated or corrupt: copy or download that file again")
+
+
 class Checkpoint:
     """A target directory: `config` (TextConfig) and lazy, by-name access to its text tensors.
 
@@ -183,7 +188,7 @@ class Checkpoint:
             return wm
         single = self.dir / "model.safetensors"
         if single.exists():
-            with safe_open(single, "pt") as f:
+            with _open(single) as f:
                 return {name: single.name for name in f.keys()}
         return {}
 
@@ -216,7 +221,7 @@ class Checkpoint:
             raise TargetError(f"{self.dir}: tensor '{full}' not found in the checkpoint")
         file = self.weight_map[full]
         if file not in self._handles:
-            self._handles[file] = safe_open(self.dir / file, "pt")
+            self._handles[file] = _open(self.dir / file)
         return self._handles[file], full
 
     def get(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:

@@ -1,0 +1,300 @@
+"""Issue 13, "nothing lost, nothing silent": what a user meets with a used output directory, damaged
+files, data that cannot train, NaN metrics, file modes, untrusted checkpoints and a full disk."""
+import contextlib
+import errno
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, make_config
+from eagle3 import checkpoint as ckpt_io
+from eagle3 import evaluate, extraction, training
+from eagle3.data.shards import DataError, ShardReader, read_manifest, sha256_file
+from eagle3.files import FILE_MODE, strict_json
+from eagle3.target.checkpoint import Checkpoint, TargetError
+
+
+@pytest.fixture(scope="module")
+def hidden(tmp_path_factory, llama_target, token_data):
+    tmp = tmp_path_factory.mktemp("hidden")
+    extraction.run(make_config(tmp, llama_target, token_data))
+    return tmp / "hidden"
+
+
+def config(tmp_path, llama_target, token_data, hidden, **overrides):
+    return make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden,
+                                                              "train.kernels": "torch", **overrides})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, llama_target, token_data, hidden):
+    """A finished 6-step run (checkpoints at 3 and 6, exports) and what it printed; not modified."""
+    tmp = tmp_path_factory.mktemp("trained")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        training.run(config(tmp, llama_target, token_data, hidden))
+    return tmp, printed.getvalue()
+
+
+def snapshot(directory):
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def strict_loads(text):
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+# --- a used output directory ---------------------------------------------------------------------
+
+def test_resume_never_refuses_a_directory_holding_a_run(tmp_path, llama_target, token_data, hidden, trained):
+    run_tmp, _ = trained
+    out = run_tmp / "train"
+    before = snapshot(out)
+    with pytest.raises(training.TrainError) as e:
+        training.Trainer(config(run_tmp, llama_target, token_data, hidden, **{"train.resume": "never"}))
+    message = str(e.value)
+    for part in (f"train.output_dir {out} already holds a run", "checkpoints/step-00000006 and 1 older",
+                 "metrics.jsonl", "export", "choose another train.output_dir or remove that one"):
+        assert part in message, (part, message)
+    assert snapshot(out) == before   # nothing truncated, nothing deleted
+
+    # a run killed before its first checkpoint left only metrics.jsonl: still a run
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "metrics.jsonl").write_text('{"step": 2, "split": "train"}\n')
+    with pytest.raises(training.TrainError, match=r"holds a run \(metrics.jsonl\)"):
+        training.Trainer(config(tmp_path, llama_target, token_data, hidden, **{"train.resume": "never"}))
+    # an empty directory holds no run
+    (tmp_path / "train" / "metrics.jsonl").unlink()
+    assert training.Trainer(config(tmp_path, llama_target, token_data, hidden,
+                                   **{"train.resume": "never"})).start_step == 0
+
+
+def test_resume_mismatch_points_at_another_output_dir(llama_target, token_data, hidden, trained):
+    run_tmp, _ = trained
+    with pytest.raises(training.TrainError, match="train.max_steps was 6, this run has 9") as e:
+        training.Trainer(config(run_tmp, llama_target, token_data, hidden, **{"train.max_steps": 9}))
+    assert "choose another train.output_dir" in str(e.value) and "never" not in str(e.value)
+
+
+# --- damaged files -------------------------------------------------------------------------------
+
+def truncate(path, keep=None):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2 if keep is None else keep])
+
+
+def test_truncated_target_safetensors_names_the_file(tmp_path, llama_target, token_data):
+    target = tmp_path / "target"
+    shutil.copytree(llama_target, target)
+    index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    damaged = target / index["model.embed_tokens.weight"]
+    truncate(damaged)
+    out = subprocess.run([sys.executable, "-m", "eagle3", "inspect", str(target)], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith(f"error: {damaged}: not a readable safetensors file") and \
+        len(out.stderr.strip().splitlines()) == 1, out.stderr
+    with pytest.raises(TargetError, match=f"{damaged}: not a readable safetensors file"):
+        extraction.run(make_config(tmp_path, target, token_data))
+    # a single-file target is opened at once
+    single = tmp_path / "single"
+    shutil.copytree(llama_target, single)
+    for name in set(index.values()):
+        (single / name).unlink()
+    (single / "model.safetensors.index.json").unlink()
+    (single / "model.safetensors").write_bytes(b"\x10\x00\x00")   # cut inside the header's length
+    with pytest.raises(TargetError, match=f"{single / 'model.safetensors'}: not a readable safetensors file"):
+        Checkpoint(single)
+
+
+def test_truncated_shard_is_named_in_training_and_redone_by_extract(tmp_path, llama_target, token_data, hidden,
+                                                                    capsys):
+    copy = tmp_path / "hidden"
+    shutil.copytree(hidden, copy)
+    shards = {s["file"]: s["sha256"] for s in read_manifest(copy)["shards"]}
+    truncated, altered = copy / "shard-00001.safetensors", copy / "shard-00002.safetensors"
+    truncate(truncated)
+    data = bytearray(altered.read_bytes())   # same size, other bytes: only sha256 sees it
+    data[-5] ^= 0xFF
+    altered.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=f"{truncated}: .* bytes, the manifest says .*rerun extract"):
+        training.run(config(tmp_path, llama_target, token_data, copy))
+    # a manifest without sizes (older extractions): opening the shard names it
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        del shard["bytes"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=f"{truncated}: not a readable safetensors file"):
+        ShardReader(copy)
+
+    capsys.readouterr()
+    extraction.run(make_config(tmp_path, llama_target, token_data))   # extract.output_dir = copy
+    err = capsys.readouterr().err
+    assert f"{truncated}: " in err and f"{altered}: sha256 differs from its journal entry; redoing it" in err
+    assert {s["file"]: s["sha256"] for s in read_manifest(copy)["shards"]} == shards
+    assert all(sha256_file(copy / f) == h for f, h in shards.items())
+    ShardReader(copy, verify=True)
+    # a damaged journal entry costs only its shard
+    (copy / ".entries" / "shard-00000.safetensors.json").write_text("{torn")
+    extraction.run(make_config(tmp_path, llama_target, token_data))
+    assert "shard-00000.safetensors.json: not valid JSON" in capsys.readouterr().err
+    assert {s["file"]: s["sha256"] for s in read_manifest(copy)["shards"]} == shards
+
+
+# --- data that cannot train ----------------------------------------------------------------------
+
+def test_all_zero_loss_masks_are_refused_before_training(tmp_path, llama_target, token_data):
+    lines = [json.loads(x) for x in token_data.read_text().splitlines()]
+    data = tmp_path / "no_assistant.jsonl"
+    data.write_text("".join(json.dumps({**x, "loss_mask": [0] * len(x["loss_mask"])}) + "\n" for x in lines))
+    cfg = make_config(tmp_path, llama_target, data)
+    extraction.run(cfg)
+    with pytest.raises(DataError, match=rf"{tmp_path / 'hidden' / 'manifest.json'}: no assistant tokens.*"
+                                        rf"{data.name}"):
+        training.Trainer(cfg)
+    assert not (tmp_path / "train" / "metrics.jsonl").exists()
+
+
+# --- strict JSON ---------------------------------------------------------------------------------
+
+def test_nan_metrics_are_written_as_null(tmp_path, monkeypatch):
+    log = training.MetricsLog(tmp_path, 0, True)
+    log.write({"step": 1, "split": "train", "loss": [float("nan"), 1.5], "grad_norm": float("inf")})
+    assert strict_loads((tmp_path / "metrics.jsonl").read_text()) == {
+        "step": 1, "split": "train", "loss": [None, 1.5], "grad_norm": None}
+    nan = float("nan")
+    report = {"step": 3, "accept_len": nan, "acc": [nan, 0.5], "cond_acc": [nan, 0.5], "loss": [nan, 1.0]}
+    monkeypatch.setattr(evaluate, "estimate", lambda cfg, path, steps=None: dict(report))
+    # a checkpoint whose run logged the NaN above: the plot reads it back as null
+    (tmp_path / ckpt_io.STATE).write_text(json.dumps({"config": {"train": {"output_dir": str(tmp_path)}}}))
+    evaluate.evaluate(None, tmp_path)
+    assert strict_loads((tmp_path / "eval.json").read_text())["acc"] == [None, 0.5]
+    assert strict_json({"a": (math.inf, -math.inf, 2)}) == '{"a": [null, null, 2]}'
+
+
+# --- file modes ----------------------------------------------------------------------------------
+
+def test_exports_checkpoints_and_shards_follow_the_umask(hidden, trained):
+    umask = os.umask(0)
+    os.umask(umask)
+    assert FILE_MODE == 0o666 & ~umask
+    out = trained[0] / "train"
+    files = [out / "export" / "vllm" / "model.safetensors", out / "export" / "sglang" / "model.safetensors",
+             out / "export" / "vllm" / "config.json", ckpt_io.latest(out) / ckpt_io.MODEL,
+             ckpt_io.latest(out) / "optimizer.pt", *hidden.glob("shard-*.safetensors")]
+    for path in files:
+        assert os.stat(path).st_mode & 0o777 == FILE_MODE, (path, oct(os.stat(path).st_mode))
+
+
+# --- untrusted checkpoints -----------------------------------------------------------------------
+
+class Payload:
+    """What a crafted checkpoint holds: unpickling it with weights_only=False runs code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_resume_loads_optimizer_and_rng_with_weights_only(tmp_path, llama_target, token_data, hidden, trained):
+    shared = tmp_path / "shared"
+    shutil.copytree(ckpt_io.latest(trained[0] / "train"), shared)
+    cfg = config(tmp_path, llama_target, token_data, hidden, **{"train.resume": shared})
+    marker = tmp_path / "ran"
+    for name in ("optimizer.pt", "rng-rank0.pt"):
+        good = (shared / name).read_bytes()
+        torch.save({"optimizer": Payload(marker)}, shared / name)
+        with pytest.raises(ckpt_io.CheckpointError, match=rf"{shared / name}: refused: .*\(io.open, "):
+            training.Trainer(cfg)
+        assert not marker.exists(), "the checkpoint ran code"
+        (shared / name).write_bytes(good)
+    # an RNG file written before this change (numpy arrays inside) is still read, safely
+    import random
+
+    import numpy as np
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               shared / "rng-rank0.pt")
+    assert training.Trainer(cfg).start_step == 6
+    # a truncated optimizer state names the file
+    truncate(shared / "optimizer.pt")
+    with pytest.raises(ckpt_io.CheckpointError, match=f"{shared / 'optimizer.pt'}: unreadable"):
+        training.Trainer(cfg)
+
+
+def test_rng_state_round_trips_through_weights_only(tmp_path):
+    import random
+
+    import numpy as np
+    torch.save(ckpt_io.rng_state(), tmp_path / "rng.pt")
+    state = torch.load(tmp_path / "rng.pt", weights_only=True)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    ckpt_io.set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+# --- end of training -----------------------------------------------------------------------------
+
+def test_training_ends_with_a_summary(trained):
+    run_tmp, printed = trained
+    out = run_tmp / "train"
+    for part in ("train (step 6, TTT step 0): loss ", "held-out (step 6): accept_len ",
+                 f"metrics: {out / 'metrics.jsonl'}", f"last checkpoint: {out / 'checkpoints' / 'step-00000006'}",
+                 f"vllm export: {out / 'export' / 'vllm'}", f"sglang export: {out / 'export' / 'sglang'}"):
+        assert part in printed, (part, printed)
+
+
+# --- full disk, read-only directory --------------------------------------------------------------
+
+def test_full_disk_while_checkpointing_keeps_the_last_good_one(tmp_path, monkeypatch):
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    dist = types.SimpleNamespace(main=True, rank=0, barrier=lambda: None)
+    good = ckpt_io.save(tmp_path, 1, model, optimizer, scheduler, {}, dist, keep=3)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def torn(*args, **kwargs):   # what torch.save says when the disk fills under it
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    for target, failing in ((ckpt_io, "save_file"), (ckpt_io.torch, "save")):
+        with monkeypatch.context() as m:
+            m.setattr(target, failing, full if failing == "save_file" else torn)
+            with pytest.raises(ckpt_io.CheckpointError) as e:
+                ckpt_io.save(tmp_path, 2, model, optimizer, scheduler, {}, dist, keep=3)
+        tmp = ckpt_io.step_dir(tmp_path, 2).with_name("step-00000002.tmp")
+        assert str(e.value).startswith(f"{tmp}: writing the checkpoint failed (")
+        assert "GiB (" in str(e.value) and "bytes) free in" in str(e.value)
+        assert not tmp.exists() and ckpt_io.latest(tmp_path) == good
+    assert set(load_file(good / ckpt_io.MODEL)) == {"weight", "bias"}
+
+
+def test_unwritable_output_directories_are_named(tmp_path, llama_target, token_data, hidden):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(training.TrainError, match=f"{blocker / 'train'}: cannot write there .*train.output_dir"):
+        training.Trainer(config(tmp_path, llama_target, token_data, hidden,
+                                **{"train.output_dir": blocker / "train"}))
+    with pytest.raises(DataError, match=f"{blocker / 'hidden'}: cannot write there .*extract.output_dir"):
+        extraction.run(make_config(tmp_path, llama_target, token_data,
+                                   **{"extract.output_dir": blocker / "hidden"}))
+    if os.geteuid() == 0:
+        return   # root writes through any mode bits
+    readonly = tmp_path / "readonly"
+    readonly.mkdir(mode=0o555)
+    with pytest.raises(training.TrainError, match=f"{readonly}: cannot write there"):
+        training.Trainer(config(tmp_path, llama_target, token_data, hidden, **{"train.output_dir": readonly}))
