@@ -105,28 +105,45 @@ def evaluate_command(args, overrides: list[str]) -> None:
     print(f"wrote {out}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eagle3")
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from eagle3.config import OVERRIDES_HELP
+    parser = argparse.ArgumentParser(prog="python -m eagle3", epilog="Extraction and training: python extract.py "
+                                     "--help, python train.py --help. Each command: python -m eagle3 COMMAND --help.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="resolve a target checkpoint and print what the pipeline will use")
+    subs = {}
+
+    def add(name: str, text: str, overrides: bool) -> argparse.ArgumentParser:
+        subs[name] = sub.add_parser(name, help=text, description=text, epilog=OVERRIDES_HELP if overrides else None)
+        if overrides:
+            subs[name].add_argument("--config", default="config.toml", help="TOML config file (default: config.toml)")
+        return subs[name]
+
+    p = add("inspect", "resolve a target checkpoint and print what the pipeline will use (one JSON object)", False)
     p.add_argument("target", help="target directory (or its config.json)")
-    p = sub.add_parser("export", help="export a training checkpoint for vLLM and SGLang")
-    p.add_argument("checkpoint")
-    p.add_argument("out_dir")
-    p.add_argument("--formats", default="vllm,sglang")
-    p = sub.add_parser("demo", help="tiny target -> extract -> train -> export, on the CPU in about a minute")
-    p.add_argument("--config", default="config.toml")
-    p = sub.add_parser("evaluate", help="real speculative decoding on prompts (--prompts) and, for our "
-                                        "checkpoints, the held-out acceptance-length estimate")
-    p.add_argument("--config", default="config.toml")
+    p = add("export", "export a training checkpoint for vLLM and SGLang (the config comes from the checkpoint's "
+                      "state.json)", False)
+    p.add_argument("checkpoint", help="checkpoint directory, e.g. runs/demo/train/checkpoints/step-00000200")
+    p.add_argument("out_dir", help="where to write <format>/config.json and model.safetensors")
+    p.add_argument("--formats", default="vllm,sglang", help="comma-separated: vllm, sglang (default: both)")
+    add("demo", "tiny target -> extract -> train -> export, on the CPU", True)
+    p = add("evaluate", "real speculative decoding on prompts (--prompts) and, for our checkpoints, the "
+                        "held-out acceptance-length estimate", True)
     p.add_argument("checkpoint", help="one of our checkpoints or a speculators/vLLM EAGLE-3 draft directory")
     p.add_argument("--prompts", help="JSON lines of prompts (evaluate.prompts)")
     p.add_argument("--max-new-tokens", help="tokens per prompt (evaluate.max_new_tokens)")
     p.add_argument("--k", help="draft tokens per round (evaluate.k)")
     p.add_argument("--out", help="where to write the report (default: eval.json in the draft directory)")
-    p = sub.add_parser("generate", help="regenerate the training replies with the target itself")
-    p.add_argument("--config", default="config.toml")
+    add("generate", "regenerate the training replies with the target itself ([generate] keys)", True)
+    return parser, subs
+
+
+def main(argv: list[str] | None = None) -> None:
+    from eagle3.config import check_overrides
+    parser, subs = _parser()
     args, rest = parser.parse_known_args(argv)
+    if args.command in ("inspect", "export") and rest:   # they take no config: nothing to override
+        subs[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
+    rest = check_overrides(subs[args.command], rest) if rest else rest
     try:
         if args.command == "inspect":
             print(json.dumps(inspect(args.target), indent=2))
@@ -142,18 +159,13 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"exported {fmt} draft: {path}")
         elif args.command == "evaluate":
             evaluate_command(args, rest)
-            rest = []
         elif args.command == "generate":
             from eagle3 import config as config_mod
             from eagle3.generate import run as generate
             generate(config_mod.load(args.config, rest))
-            rest = []
         else:
             args.overrides = rest
-            rest = []
             demo(args)
-        if rest:
-            parser.error(f"unexpected arguments {rest}")
     except (TargetError, ValueError) as e:
         sys.exit(f"error: {e}")
 

@@ -98,6 +98,7 @@ class TrainConfig:
     fp32_residual: bool = False               # keep the draft's residual stream (and the state between TTT steps) in fp32
     oov_rows: bool = False                    # also train rows whose target token is outside the draft vocab
     aux_noise: float = 0.0                    # Gaussian noise on each aux layer's state, x its per-token RMS (training)
+    skip_nonfinite: bool = False              # a step with a NaN/inf loss or gradient norm: skip it (counted), not stop
 
 
 @dataclass
@@ -322,14 +323,29 @@ def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     return cfg
 
 
+OVERRIDES_HELP = ("Any config key can be overridden: --section.key value or --section.key=value, e.g. "
+                  "--train.max_steps 40 (lists as JSON: --train.betas \"[0.9, 0.95]\"); sections: "
+                  + ", ".join(f.name for f in dataclasses.fields(Config) if f.name != "source")
+                  + ". The keys and their defaults: config.toml and README.md.")
+
+
+def check_overrides(parser, argv: list[str]) -> list[str]:
+    """`argv` if every item is a `--section.key value` override, else the parser's usage error
+    (exit 2) before anything runs."""
+    try:
+        parse_overrides(argv)
+    except ConfigError as e:
+        parser.error(str(e))
+    return argv
+
+
 def cli(argv: list[str] | None = None, description: str = "") -> Config:
     """Entry-point helper: `--config FILE` plus overrides; exits with the error message on failure."""
     import argparse
-    parser = argparse.ArgumentParser(description=description,
-                                     epilog="Any config key can be overridden: --section.key value")
+    parser = argparse.ArgumentParser(description=description, epilog=OVERRIDES_HELP)
     parser.add_argument("--config", default="config.toml", help="TOML config file (default: config.toml)")
     args, rest = parser.parse_known_args(argv)
     try:
-        return load(args.config, rest)
+        return load(args.config, check_overrides(parser, rest))
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None

@@ -44,7 +44,7 @@ from eagle3.speculative import Decoded, Drafter, greedy_decode_many, speculative
 from eagle3.target.checkpoint import Checkpoint
 from eagle3.target.incremental import IncrementalTarget
 from eagle3.training import check_manifest
-from eagle3.ttt import summarize, ttt_forward
+from eagle3.ttt import Objective, summarize, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps
 
 BUCKETS = [(0, 16), (16, 64), (64, 256), (256, 1024), (1024, None)]
@@ -144,7 +144,8 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
     for refs in pack(held_out, cfg.train.batch_tokens):
         batch = to_device(reader.read(refs), device, dtype)
         _, metrics, detail = ttt_forward(draft, batch, embed, head_rows, steps, ttt_attention,
-                                         ttt_loss_steps, trained["loss_decay"])
+                                         ttt_loss_steps, trained["loss_decay"],
+                                         objective=Objective(oov_rows=trained.get("oov_rows", False)))
         result.add(metrics, detail, batch)
     return {"checkpoint": str(checkpoint_dir), "step": state["step"], "held_out_sequences": len(held_out),
             **result.report()}
@@ -297,7 +298,10 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     references = greedy_references(target, prompts, e.max_new_tokens, stop, e.batch_size,
                                    {} if greedy_cache is None else greedy_cache, key)
     greedy_done = time.perf_counter()
-    drafter = Drafter(draft.to(device, dtype), target.embed)
+    inv_freq = draft.inv_freq.float().clone()          # RoPE frequencies lose their precision in bf16
+    draft = draft.to(device, dtype)
+    draft.inv_freq = inv_freq.to(device)
+    drafter = Drafter(draft, target.embed)
     decoded = [d for group in batches(prompts, e.batch_size)
                for d in speculative_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens, k, stop)]
     end = time.perf_counter()

@@ -7,7 +7,9 @@ pre-tokenized JSON lines, the format extraction reads. Conversations are decoded
 `generate.batch_size` (one target pass for all of them, each conversation's keys and values in its
 slot of the target's shared KV pool, one sampling call for the batch).
 Resumable: lines are appended to `<output>.partial` in input order as they finish and a rerun
-skips the conversations already there.
+skips the conversations already there. The settings that shape the replies are recorded beside it
+(`<output>.partial.settings.json`, then `<output>.settings.json`): a rerun with other settings is
+refused rather than mixing replies of both, and a rerun of a finished one does nothing.
 """
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ import torch
 from tqdm import tqdm
 
 from eagle3.config import Config
+from eagle3.data.chat import TOKENIZER_FILES
 from eagle3.data.inputs import Record, read_records
+from eagle3.data.shards import sha256_file
 from eagle3.extraction import resolve_device
+from eagle3.files import atomic_write_text, read_json, strict_json
 from eagle3.ops import TORCH_DTYPES
 from eagle3.target.checkpoint import Checkpoint
 from eagle3.target.incremental import IncrementalTarget
@@ -147,14 +152,73 @@ def _done_lines(partial: Path) -> set[int]:
     return {json.loads(line)["source_line"] for line in complete}
 
 
+class GenerateError(ValueError):
+    """A generate output that this run must not touch; the message names the file and the way out."""
+
+
+def settings(cfg: Config, ckpt: Checkpoint) -> dict:
+    """Everything that changes the replies (not batch_size or device: the output does not depend on
+    them), keyed by the config key a user would change."""
+    g = cfg.generate
+    tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
+    return {"target.path": str(ckpt.dir.resolve()), "target config.json sha256": ckpt.config.config_sha256,
+            "target tokenizer sha256": tokenizer, "data.path sha256": sha256_file(Path(cfg.data.path)),
+            "data.max_seq_len": cfg.data.max_seq_len, "data.on_error": cfg.data.on_error,
+            "generate.max_new_tokens": g.max_new_tokens, "generate.temperature": g.temperature,
+            "generate.top_p": g.top_p, "generate.seed": g.seed, "generate.dtype": g.dtype,
+            "stop tokens": sorted(stop_tokens(cfg, ckpt))}
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".settings.json")
+
+
+def _changes(recorded: dict, current: dict) -> str:
+    keys = [k for k in {**recorded, **current} if recorded.get(k) != current.get(k)]
+    return ", ".join(f"{k} {strict_json(recorded.get(k))} -> {strict_json(current.get(k))}" for k in keys)
+
+
+def _check_same(path: Path, current: dict) -> None:
+    """Refuse to add to or stand in for `path` when its recorded settings are not `current`."""
+    sidecar = _sidecar(path)
+    if not sidecar.exists():
+        changed, remove = f"it has no {sidecar.name} recording them", f"{path}"
+    else:
+        recorded = read_json(sidecar, GenerateError, "written with the output")
+        if not isinstance(recorded, dict):
+            raise GenerateError(f"{sidecar}: expected a JSON object of generate settings; remove it and {path}")
+        changed, remove = _changes(recorded, current), f"{path} and {sidecar.name}"
+    if changed:
+        raise GenerateError(f"{path} was generated with other settings ({changed}); set another "
+                            f"generate.output_path, or remove {remove} to start over")
+
+
+def _finish(partial: Path, out: Path) -> None:
+    """Rename the partial file and its settings so that a kill between the steps resumes or finds
+    a finished output with its settings, never an output with another run's settings."""
+    atomic_write_text(_sidecar(out), _sidecar(partial).read_text())
+    os.replace(partial, out)
+    _sidecar(partial).unlink()
+
+
 def run(cfg: Config) -> Path:
     g = cfg.generate
     ckpt = Checkpoint(cfg.target.path)
-    records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len,
-                                  cfg.data.on_error, target_dir=ckpt.dir)
     out = Path(g.output_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
+    current = settings(cfg, ckpt)
+    if partial.exists() and partial.stat().st_size:
+        _check_same(partial, current)
+    elif out.exists():
+        _check_same(out, current)
+        _sidecar(partial).unlink(missing_ok=True)   # left by a kill inside _finish
+        print(f"generate: {out} is already complete with these settings; nothing to do")
+        return out
+    else:
+        atomic_write_text(_sidecar(partial), strict_json(current, indent=1) + "\n")
+    records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len,
+                                  cfg.data.on_error, target_dir=ckpt.dir)
     done = _done_lines(partial)
     todo = [r for r in records if r.line not in done]
     target = IncrementalTarget(ckpt, [0, 0, 0], resolve_device(g.device), TORCH_DTYPES[g.dtype])
@@ -165,6 +229,6 @@ def run(cfg: Config) -> Path:
             f.write(json.dumps(line) + "\n")
             f.flush()
             bar.update(1)
-    os.replace(partial, out)
+    _finish(partial, out)
     print(f"generate: {len(records)} conversations ({stats.skipped} input lines skipped) -> {out}")
     return out

@@ -136,18 +136,35 @@ class Schedule:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def masked_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """optimizer.step() unless `skip` (a bool tensor). A fused AdamW (ours on CUDA) reads the flag on
+    the device, as GradScaler's found_inf: no host sync per step. Other optimizers (ours on the CPU)
+    read it on the host, where that costs nothing."""
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = skip.float()
+        optimizer.step()
+    elif not bool(skip):
+        optimizer.step()
+
+
+CAUSES = {1: "loss", 2: "gradient norm", 3: "loss and gradient norm"}
+
+
 class Plan:
     """Which micro-batches each rank reads at each optimizer step (a pure function of the step)."""
 
-    def __init__(self, refs, budget: int, seed: int, world: int, accum: int, max_steps: int, epochs: int):
+    def __init__(self, refs, budget: int, seed: int, world: int, accum: int, max_steps: int, epochs: int,
+                 data: str = "the data"):
         self.refs, self.budget, self.seed, self.per_step = refs, budget, seed, world * accum
         self.world, self.accum = world, accum
         self._epochs: dict[int, list] = {}
         self._steps: dict[int, int] = {}
         if len(self.epoch(0)) < self.per_step:
-            raise TrainError(f"the training split packs into {len(self.epoch(0))} micro-batches of "
-                             f"train.batch_tokens = {budget}, fewer than world size x train.grad_accum "
-                             f"= {self.per_step}; use more data or smaller batches")
+            tokens = sum(r.length for r in refs)
+            raise TrainError(f"{data}: its training split ({len(refs)} sequences, {tokens} tokens) packs into "
+                             f"{len(self.epoch(0))} micro-batches of train.batch_tokens = {budget}, fewer than "
+                             f"one optimizer step needs (world size {world} x train.grad_accum {accum}); use more "
+                             "data, or a smaller train.batch_tokens, train.grad_accum or train.eval_fraction")
         self.total = max_steps or sum(self.steps_in(e) for e in range(epochs))
 
     def epoch(self, e: int) -> list:
@@ -281,8 +298,9 @@ class Trainer:
         if longest > t.batch_tokens:
             raise TrainError(f"{cfg.source}: train.batch_tokens = {t.batch_tokens} is smaller than the "
                              f"longest sequence ({longest} tokens); raise it or lower data.max_seq_len")
-        self.plan = Plan(train_refs, t.batch_tokens, t.seed, self.dist.world, t.grad_accum,
-                         t.max_steps, t.epochs)
+        source = self.reader.manifest.get("source", {}).get("path", "?")
+        self.plan = Plan(train_refs, t.batch_tokens, t.seed, self.dist.world, t.grad_accum, t.max_steps,
+                         t.epochs, data=f"train.data_dir {self.data_dir} (extracted from data.path {source})")
 
         # a frozen lm_head is in neither the optimizer, gradient clipping nor DDP's buckets
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -290,6 +308,8 @@ class Trainer:
                                            fused=self.cuda)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, Schedule(t.warmup_steps, self.plan.total, t.min_lr_ratio))
+        # the model is initialised alike on every rank; draws from here on (aux_noise) must differ
+        torch.manual_seed(t.seed + 1_000_003 * self.dist.rank)
         self.start_step = self._maybe_resume()
         self.ddp = self.model
         if self.dist.world > 1:
@@ -299,6 +319,9 @@ class Trainer:
                 self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
         self.attention, self.loss_steps = select_kernels(t.kernels, self.device, self.spec.head_dim, cfg.source)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
+        # first non-finite step and its cause (CAUSES), steps skipped since the last log; on the device
+        self.first_nonfinite = torch.full((2,), -1, dtype=torch.long, device=self.device)
+        self.skipped = torch.zeros((), dtype=torch.long, device=self.device)
 
     def init_head(self, draft: Eagle3Draft, target_rows: torch.Tensor) -> None:
         """draft.lm_head_init and train.freeze_lm_head: "target" copies the target's rows [V_d, H]
@@ -398,9 +421,11 @@ class Trainer:
         tensors = {k: v for k, v in batch.items() if k not in host and k not in rows}
         return {**to_device(tensors, self.device, self.float_dtype), **rows, **host}
 
-    def train_step(self, batches: list[dict]) -> torch.Tensor:
-        """One optimizer step over this rank's micro-batches; returns the metric sums [K, 7]."""
+    def train_step(self, batches: list[dict], step: int = 0) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns the metric sums [K, 7] (zeros
+        for a step with a non-finite loss or gradient norm, which changes no weight)."""
         batches = [self._prepared(b) for b in batches]
+        loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
         # torch.full passes the value as a kernel argument: no pageable copy, no sync
         denom = torch.full((), float(sum(b["loss_denominator"] for b in batches)), device=self.device)
         denom = self.dist.all_reduce(denom).clamp(min=1)
@@ -411,12 +436,38 @@ class Trainer:
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 loss, m, _ = self._forward(self.ddp, batch, self.dist.world / denom, training=True)
                 loss.backward()
+            loss_bad |= ~torch.isfinite(loss.detach())
             metrics += m
         self.grad_norm = nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
+        bad = self._track_nonfinite(loss_bad, step)
+        masked_step(self.optimizer, bad)
+        self.scheduler.step()   # the schedule follows the step number, skipped or not
         self.optimizer.zero_grad(set_to_none=True)
-        return metrics
+        return torch.where(bad, 0.0, metrics)
+
+    def _track_nonfinite(self, loss_bad: torch.Tensor, step: int) -> torch.Tensor:
+        """Whether this step's loss (on any rank) or gradient norm is non-finite, as a device flag:
+        reading it here would cost a host sync every step on CUDA, so the first such step is kept on
+        the device and `check_finite` reads it at log, eval and checkpoint steps."""
+        flags = self.dist.all_reduce(torch.stack((loss_bad, ~torch.isfinite(self.grad_norm))).float())
+        bad = flags.sum() > 0
+        cause = (flags[0] > 0).long() + 2 * (flags[1] > 0).long()
+        here = torch.stack((torch.full((), step, dtype=torch.long, device=self.device), cause))
+        self.first_nonfinite = torch.where(bad & (self.first_nonfinite[0] < 0), here, self.first_nonfinite)
+        self.skipped += bad
+        return bad
+
+    def check_finite(self) -> None:
+        """Stop at the first non-finite step unless train.skip_nonfinite; called before anything
+        is logged or saved, so the newest checkpoint stays the last good one."""
+        step, cause = self.first_nonfinite.tolist()
+        if step < 0 or self.cfg.train.skip_nonfinite:
+            return
+        last = ckpt_io.latest(self.output_dir)
+        kept = f"the newest checkpoint, {last}, is the last good one" if last else "no checkpoint was written"
+        raise TrainError(f"{self.output_dir}: step {step}: non-finite {CAUSES[cause]}; training stopped, {kept} "
+                         "(rerun resumes from it: lower train.lr or train.grad_clip, check the data, or set "
+                         "train.skip_nonfinite = true to skip such steps)")
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
@@ -438,18 +489,21 @@ class Trainer:
         for step in range(self.start_step, total):
             micro = [next(batches) for _ in range(t.grad_accum)]
             tokens += sum(b["input_ids"].numel() for b in micro)
-            window += self.train_step(micro)
             done = step + 1
+            window += self.train_step(micro, done)
+            if any(done % every == 0 for every in (t.log_every, t.eval_every, t.checkpoint_every)) or done == total:
+                self.check_finite()
             if done % t.log_every == 0 or done == total:
                 tokens_all = int(self.dist.all_reduce(torch.tensor(float(tokens), device=self.device)))
                 rate = tokens_all / (time.perf_counter() - clock)
                 record = {"step": done, "split": "train", "lr": self.scheduler.get_last_lr()[0],
                           "grad_norm": float(self.grad_norm), "tokens_per_s": rate,
-                          **summarize(self.dist.all_reduce(window))}
+                          "skipped_steps": int(self.skipped), **summarize(self.dist.all_reduce(window))}
                 self.log.write(record)
                 bar.set_postfix(loss=f"{record['loss'][0]:.3f}", acc0=f"{record['acc'][0]:.3f}",
                                 tok_s=f"{rate:,.0f}")
                 window.zero_()
+                self.skipped.zero_()
                 tokens, clock = 0, time.perf_counter()
             if done % t.eval_every == 0 or done == total:
                 result = self.evaluate()
@@ -484,6 +538,9 @@ class Trainer:
             r = last["eval"]
             lines.append(f"  held-out (step {r['step']}): accept_len {_num(r['accept_len'])}, "
                          f"loss {_num(r['loss'][0])}, accuracy {_num(r['acc'][0])} (TTT step 0)")
+        skipped = sum(r.get("skipped_steps", 0) for r in records if r["split"] == "train")
+        if skipped:
+            lines.append(f"  skipped steps (non-finite loss or gradient norm, train.skip_nonfinite): {skipped}")
         lines.append(f"  metrics: {self.log.path}")
         lines.append(f"  last checkpoint: {saved}")
         lines += [f"  {fmt} export: {self.output_dir / 'export' / fmt}" for fmt in self.cfg.export.formats

@@ -143,10 +143,13 @@ def test_generate_output_and_resume(regenerated_run, token_data):
     t = IncrementalTarget(Checkpoint(cfg.target.path), [0, 0, 0], torch.device("cpu"))
     assert first["input_ids"][user:] == greedy_decode(t, first["input_ids"][:user], 24).tokens
     # resume: drop the last two lines and a torn one; regeneration gives back the same file
+    cfg = copy.deepcopy(cfg)
+    cfg.data.path = str(token_data)   # the fixture pointed it at the output, for extraction
     path = cfg.generate.output_path
     lines = open(path).read().splitlines()
     partial = path + ".partial"
     open(partial, "w").write("\n".join(lines[:-2]) + "\n" + lines[-2][:10])
+    shutil.copy(path + ".settings.json", partial + ".settings.json")
     generate.run(cfg)
     assert open(path).read().splitlines() == lines
 

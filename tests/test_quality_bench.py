@@ -66,3 +66,8 @@ def test_variant_syntax():
     assert (changed.train_prompts, changed.lr, changed.epochs) == (3072, 1e-3, quality.Recipe().epochs)
     with pytest.raises(SystemExit, match="key=value"):
         quality.with_changes(quality.Recipe(), ["no_such_field=1"])
+
+
+def test_a_work_directory_built_with_another_recipe_is_refused(work):
+    with pytest.raises(SystemExit, match="another recipe.*lr: 0.0003 there, 0.001 asked"):
+        bench_main(["quality", "--tiny", "--work", str(work), "--stages", "measure", "--recipe", "lr=1e-3"])

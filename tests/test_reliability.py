@@ -166,6 +166,104 @@ def test_all_zero_loss_masks_are_refused_before_training(tmp_path, llama_target,
     assert not (tmp_path / "train" / "metrics.jsonl").exists()
 
 
+
+def test_data_that_cannot_fill_one_step_is_refused_naming_the_data(tmp_path, llama_target, token_data):
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(token_data.read_text().splitlines(keepends=True)[:4]))
+    cfg = make_config(tmp_path, llama_target, data, **{"train.grad_accum": 8})
+    extraction.run(cfg)
+    with pytest.raises(training.TrainError) as e:
+        training.Trainer(cfg)
+    message = str(e.value)
+    for part in (f"train.data_dir {tmp_path / 'hidden'} (extracted from data.path {data}): its training split (",
+                 "fewer than one optimizer step needs (world size 1 x train.grad_accum 8)", "use more data"):
+        assert part in message, (part, message)
+    assert not (tmp_path / "train" / "metrics.jsonl").exists()
+
+
+# --- non-finite loss or gradient -----------------------------------------------------------------
+
+def poison(monkeypatch, step, what):
+    """Make optimizer step `step` (1-based, grad_accum 1) produce a NaN loss, or NaN gradients with a
+    finite loss."""
+    calls = {"forward": 0, "clip": 0}
+    forward, clip = training.Trainer._forward, torch.nn.utils.clip_grad_norm_
+
+    def nan_loss(self, model, batch, scale=1.0, **kwargs):
+        loss, metrics, extra = forward(self, model, batch, scale, **kwargs)
+        if kwargs.get("training"):
+            calls["forward"] += 1
+            if calls["forward"] == step:
+                loss = loss * float("nan")
+        return loss, metrics, extra
+
+    def nan_grads(params, *args, **kwargs):
+        params = list(params)
+        calls["clip"] += 1
+        if calls["clip"] == step:
+            params[0].grad.fill_(float("nan"))
+        return clip(params, *args, **kwargs)
+
+    if what == "loss":
+        monkeypatch.setattr(training.Trainer, "_forward", nan_loss)
+    else:
+        monkeypatch.setattr(training.nn.utils, "clip_grad_norm_", nan_grads)
+
+
+def test_nonfinite_step_stops_keeping_the_last_good_checkpoint(tmp_path, llama_target, token_data, hidden,
+                                                               monkeypatch):
+    cfg = config(tmp_path, llama_target, token_data, hidden)   # log every 2, eval and checkpoint every 3
+    out = tmp_path / "train"
+    with monkeypatch.context() as m:
+        poison(m, 5, "loss")
+        with pytest.raises(training.TrainError) as e:
+            training.run(cfg)
+    last = ckpt_io.latest(out)
+    assert str(e.value).startswith(f"{out}: step 5: non-finite loss and gradient norm; training stopped, the newest "
+                                   f"checkpoint, {last}, is the last good one"), str(e.value)
+    assert "train.skip_nonfinite = true" in str(e.value)
+    assert last.name == "step-00000003" and not (out / "export").exists()
+    assert all(torch.isfinite(t).all() for t in load_file(last / ckpt_io.MODEL).values())
+    assert max(strict_loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()) == 4
+    # finite loss, NaN gradients at a log step: stops there, before any checkpoint
+    shutil.rmtree(out)
+    with monkeypatch.context() as m:
+        poison(m, 2, "grads")
+        with pytest.raises(training.TrainError, match=f"{out}: step 2: non-finite gradient norm; training stopped, "
+                                                      "no checkpoint was written"):
+            training.run(cfg)
+    assert ckpt_io.latest(out) is None
+
+
+def test_skip_nonfinite_skips_and_counts_the_step(tmp_path, llama_target, token_data, hidden, monkeypatch, capsys):
+    cfg = config(tmp_path, llama_target, token_data, hidden, **{"train.skip_nonfinite": "true"})
+    poison(monkeypatch, 5, "loss")
+    training.run(cfg)
+    out = tmp_path / "train"
+    records = [strict_loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r for r in records if r["split"] == "train"}
+    assert [train[s]["skipped_steps"] for s in (2, 4, 6)] == [0, 0, 1]
+    assert all(math.isfinite(x) for x in train[6]["loss"])
+    assert "skipped steps (non-finite loss or gradient norm, train.skip_nonfinite): 1" in capsys.readouterr().out
+    last = ckpt_io.latest(out)
+    assert last.name == "step-00000006"
+    assert all(torch.isfinite(t).all() for t in load_file(last / ckpt_io.MODEL).values())
+    state = torch.load(last / "optimizer.pt", weights_only=True)["optimizer"]["state"]
+    steps = {float(s["step"]) for s in state.values()}
+    assert steps == {5.0}   # six steps run, five taken
+
+
+@pytest.mark.parametrize("fused", [False, True])   # fused: our CUDA optimizer, flag read on the device
+def test_masked_step_changes_nothing_when_skipped(fused):
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=fused)
+    for skip in (True, False, True):
+        before = weight.detach().clone()
+        weight.grad = torch.ones(4)
+        training.masked_step(optimizer, torch.tensor(skip))
+        assert torch.equal(weight.detach(), before) == skip
+    assert float(optimizer.state[weight]["step"]) == 1
+
 # --- strict JSON ---------------------------------------------------------------------------------
 
 def test_nan_metrics_are_written_as_null(tmp_path, monkeypatch):
@@ -298,3 +396,133 @@ def test_unwritable_output_directories_are_named(tmp_path, llama_target, token_d
     readonly.mkdir(mode=0o555)
     with pytest.raises(training.TrainError, match=f"{readonly}: cannot write there"):
         training.Trainer(config(tmp_path, llama_target, token_data, hidden, **{"train.output_dir": readonly}))
+
+
+# --- generate: killed and rerun ------------------------------------------------------------------
+
+def test_generate_refuses_changed_settings_and_skips_a_finished_run(tmp_path, llama_target, token_data,
+                                                                     monkeypatch, capsys):
+    from eagle3 import generate
+    out = tmp_path / "regen.jsonl"
+    base = {"generate.output_path": out, "generate.max_new_tokens": 6, "generate.batch_size": 8,
+            "generate.dtype": "float32", "generate.device": "cpu"}
+    cfg = make_config(tmp_path, llama_target, token_data, **base)
+    generate.run(cfg)
+    finished, settings = out.read_bytes(), (tmp_path / "regen.jsonl.settings.json").read_bytes()
+    assert strict_loads(settings.decode())["generate.max_new_tokens"] == 6
+    assert sorted(p.name for p in tmp_path.glob("regen*")) == ["regen.jsonl", "regen.jsonl.settings.json"]
+
+    # a finished run: nothing redone, said so
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded again")
+    with monkeypatch.context() as m:
+        m.setattr(generate, "IncrementalTarget", no_target)
+        generate.run(cfg)
+    assert f"{out} is already complete with these settings; nothing to do" in capsys.readouterr().out
+    assert out.read_bytes() == finished
+
+    # killed after 10 conversations: the partial file and its settings
+    partial = tmp_path / "regen.jsonl.partial"
+    partial.write_text("".join(finished.decode().splitlines(keepends=True)[:10]))
+    (tmp_path / "regen.jsonl.partial.settings.json").write_bytes(settings)
+    out.unlink()
+    other_data = tmp_path / "other.jsonl"
+    other_data.write_text(token_data.read_text().replace("\n", "\n\n", 1))   # same lines, other bytes
+    before = partial.read_bytes()
+    for changed, named in (({"generate.max_new_tokens": 8}, "generate.max_new_tokens 6 -> 8"),
+                           ({"generate.temperature": 0.7, "generate.seed": 3},
+                            "generate.temperature 0.0 -> 0.7, generate.seed 0 -> 3"),
+                           ({"generate.stop_token_ids": "[5]"}, "stop tokens "),
+                           ({"data.path": other_data}, "data.path sha256 ")):
+        with pytest.raises(generate.GenerateError) as e:
+            generate.run(make_config(tmp_path, llama_target, token_data, **{**base, **changed}))
+        message = str(e.value)
+        for part in (f"{partial} was generated with other settings (", named, "set another generate.output_path",
+                     f"or remove {partial} and regen.jsonl.partial.settings.json to start over"):
+            assert part in message, (part, message)
+        assert partial.read_bytes() == before and not out.exists()
+    # the same settings resume and give the uninterrupted file
+    generate.run(cfg)
+    assert out.read_bytes() == finished and not partial.exists()
+    assert not (tmp_path / "regen.jsonl.partial.settings.json").exists()
+
+    # a finished output is not overwritten by other settings either; on the command line: one line
+    cmd = [sys.executable, "-m", "eagle3", "generate", "--config", str(ROOT / "config.toml")]
+    for key, value in {**base, "target.path": llama_target, "data.path": token_data,
+                       "generate.max_new_tokens": 7}.items():
+        cmd += [f"--{key}", str(value)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith(f"error: {out} was generated with other settings (generate.max_new_tokens 6 -> 7)")
+    assert out.read_bytes() == finished
+
+
+# --- command lines -------------------------------------------------------------------------------
+
+def test_every_help_shows_arguments_and_overrides(capsys):
+    from eagle3.__main__ import main
+    from eagle3.config import cli
+    positionals = {"inspect": ["target"], "export": ["checkpoint", "out_dir"], "evaluate": ["checkpoint"],
+                   "generate": [], "demo": []}
+    for command, names in positionals.items():
+        with pytest.raises(SystemExit) as e:
+            main([command, "--help"])
+        assert e.value.code == 0
+        text = capsys.readouterr().out
+        assert all(f"  {name}  " in text or f"  {name}\n" in text for name in names), text
+        overridable = command not in ("inspect", "export")
+        assert ("Any config key can be overridden: --section.key value" in text) == overridable, text
+    for entry in ("Train an EAGLE-3 draft", "Extract target hidden states"):   # train.py, extract.py
+        with pytest.raises(SystemExit):
+            cli(["--help"], entry)
+        text = capsys.readouterr().out
+        assert "--config CONFIG" in text and "--section.key value or --section.key=value" in text
+
+
+def test_unknown_flags_are_usage_errors_before_anything_runs(capsys, llama_target, monkeypatch):
+    from eagle3.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", str(llama_target), "--verbose"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and "inspect: error: unrecognized arguments: --verbose" in err
+    monkeypatch.setattr(training, "run", lambda cfg: pytest.fail("ran"))
+    for argv in (["demo", "--verbose"], ["generate", "--train.max_steps"], ["evaluate", "ckpt", "stray"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv
+        assert "error: command line: " in capsys.readouterr().err
+
+
+# --- the SGLang export ---------------------------------------------------------------------------
+
+def test_sglang_config_carries_only_the_ids_sglang_reads():
+    """SGLang (sgl-project/sglang, commit 0005834c) reads the draft's aux layers in one place:
+    python/sglang/srt/model_executor/model_runner.py, ModelRunner.__init__, the
+    `if self.spec_algorithm.is_eagle3():` block: `eagle_config.get("use_aux_hidden_state", True)` and
+    `eagle_config["eagle_aux_hidden_state_layer_ids"]`, passed to the target's
+    `set_eagle3_layers_to_capture`, which captures `[val + 1 for val in layer_ids]` ("for the ith
+    layer, it takes the output of the (i-1)th layer", python/sglang/srt/models/deepseek_v2.py; the
+    same in llama.py and qwen2.py): the ids are outputs of layers, ours. A top-level
+    `eagle_aux_hidden_state_layer_ids` is vLLM's key, in vLLM's convention; SGLang never reads it."""
+    from eagle3.config import Config
+    from eagle3.draft import DraftSpec
+    from eagle3.export import sglang_config
+    spec = DraftSpec(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     intermediate_size=64, target_vocab_size=256, draft_vocab_size=128, target_hidden_size=32,
+                     num_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512)
+    config = sglang_config({"draft_spec": spec.to_dict(), "aux_layer_ids": [1, 30, 57]}, Config())
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 30, 57], "use_aux_hidden_state": True}
+    assert not [key for key in config if "aux" in key and key != "eagle_config"], config
+
+
+# --- README --------------------------------------------------------------------------------------
+
+def test_readme_installs_what_ci_installs():
+    """A plain `pip install torch` on a CPU-only machine fetches the CUDA build; CI pins the CPU one."""
+    import re
+    ci, readme = (ROOT / ".ci" / "run").read_text(), (ROOT / "README.md").read_text()
+    pins = dict(re.findall(r'pip install -q "(torch|triton)==([^"]+)"', ci))
+    assert set(pins) == {"torch", "triton"}, ci
+    assert f'pip install "torch=={pins["torch"]}" --index-url https://download.pytorch.org/whl/cpu' in readme
+    assert f'pip install "triton=={pins["triton"]}" -e ".[test,chat]"' in readme
+    assert "pip install torch &&" not in readme

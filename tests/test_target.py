@@ -175,3 +175,9 @@ def test_missing_layer_tensor_fails_before_any_compute(tmp_path):
     with pytest.raises(TargetError, match=r"1 of the \d+ tensors the forward reads are missing.*"
                                           r"model.layers.3.mlp.up_proj.weight"):
         TargetRunner(Checkpoint(path), [1, 1, 2], torch.device("cpu"), torch.float32)
+
+
+def test_a_null_rope_theta_means_the_default():
+    from eagle3.target.checkpoint import _rope
+    assert _rope({"rope_theta": None}) == (10000.0, None)
+    assert _rope({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}) == (5e5, None)

@@ -213,7 +213,9 @@ def lm_batches(stream: torch.Tensor, r: Recipe, g: torch.Generator):
         yield torch.stack([stream[s:s + r.seq_len + 1] for s in starts.tolist()]).long()
 
 
-def train_target(r: Recipe, stream: torch.Tensor, held_out: torch.Tensor, device: torch.device) -> tuple[Llama, dict]:
+def train_target(r: Recipe, stream: torch.Tensor, judging: torch.Tensor, device: torch.device) -> tuple[Llama, dict]:
+    """The target learns from every file (a pretrained model has seen its prompts' sources too); its
+    loss on a window of the judging files says how well it knows them, not how it generalises."""
     torch.manual_seed(r.seed)
     model = Llama(r).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=r.target_lr, betas=(0.9, 0.95), weight_decay=0.1,
@@ -236,9 +238,9 @@ def train_target(r: Recipe, stream: torch.Tensor, held_out: torch.Tensor, device
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
     with torch.no_grad(), autocast:
-        x = next(lm_batches(held_out, r, torch.Generator().manual_seed(r.seed + 1))).to(device)
+        x = next(lm_batches(judging, r, torch.Generator().manual_seed(r.seed + 1))).to(device)
         held = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten()).item()
-    return model, {"train_loss": loss.item(), "held_out_loss": held,
+    return model, {"train_loss": loss.item(), "judging_files_loss": held,
                    "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -344,6 +346,7 @@ def _synchronize() -> None:
 
 
 def run_ours(r: Recipe, work: Path, variants: list[str], device: str) -> dict:
+    from eagle3 import checkpoint as ckpt_io
     from eagle3 import extraction, training
     out = {}
     if not (work / "hidden" / "manifest.json").exists() or not json.loads(
@@ -358,11 +361,14 @@ def run_ours(r: Recipe, work: Path, variants: list[str], device: str) -> dict:
         if (run_dir / "export" / "vllm" / "config.json").exists():
             continue
         cfg = our_config(r, work, run_dir, {"train.device": device, **overrides})
+        # a run killed by the call's time limit resumes: its time then covers only the rest
+        resumed = ckpt_io.latest(run_dir)
         t0 = time.perf_counter()
         training.run(cfg)
         _synchronize()
         out[f"train_s/{name}"] = time.perf_counter() - t0
-        (run_dir / "bench.json").write_text(json.dumps({"variant": text, "train_s": out[f"train_s/{name}"]}))
+        (run_dir / "bench.json").write_text(json.dumps({"variant": text, "train_s": out[f"train_s/{name}"],
+                                                        "resumed_from": str(resumed) if resumed else None}))
     return out
 
 
@@ -423,12 +429,21 @@ def table(results: dict) -> str:
         ratio = f"{m['real_accept_len'] / peer:.3f}" if peer else "-"
         train = m.get("train_s") or m.get("peer_train_s")
         positions = " ".join(f"{a:.2f}" for a in m["per_position_acceptance"])
-        seconds = f"{train:.0f}" if train else "-"
+        seconds = (f"{train:.0f}" + (" (resumed)" if m.get("resumed_from") else "")) if train else "-"
         lines.append(f"| {name} | {m['real_accept_len']:.3f} | {ratio} | {m['mismatches']} | {positions} | {seconds} |")
     return "\n".join(lines)
 
 
 STAGES = ("target", "data", "ours", "peer", "measure")
+
+
+def check_recipe(built: dict | None, asked: dict, work: Path) -> None:
+    """Stages skip what --work already holds, so everything there must come from the same recipe."""
+    changed = {k: (built[k], v) for k, v in asked.items() if built is not None and built.get(k, v) != v}
+    if changed:
+        raise SystemExit(f"error: {work / 'quality.json'}: {work} was built with another recipe ("
+                         + ", ".join(f"{k}: {a!r} there, {b!r} asked" for k, (a, b) in changed.items())
+                         + "); use another --work")
 
 
 def with_changes(r: Recipe, changes: list[str]) -> Recipe:
@@ -465,6 +480,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu" if args.device == "auto" else args.device)
     summary_path = work / "quality.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    check_recipe(summary.get("recipe"), dataclasses.asdict(r), work)
     summary["recipe"] = dataclasses.asdict(r)
     if "target" in stages and not (work / "target" / "config.json").exists():
         summary["target"] = build_target(r, work, torch.device(device))

@@ -75,7 +75,7 @@ def _rope(text: dict) -> tuple[float, dict | None]:
     """rope_theta and the scaling dict, from `rope_scaling` or `rope_parameters`, `type` or `rope_type`."""
     params = text.get("rope_parameters") or {}
     scaling = text.get("rope_scaling") or (params if params.get("rope_type", params.get("type")) else None)
-    theta = text.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = text.get("rope_theta") or params.get("rope_theta") or 10000.0   # absent or null: the default
     if scaling:
         scaling = dict(scaling)
         kind = scaling.get("rope_type", scaling.get("type", "default"))
