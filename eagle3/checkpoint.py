@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from eagle3.files import make_readable, open_safetensors, read_json
+from eagle3.files import free_bytes, make_readable, open_safetensors, read_json, tensor_bytes
 
 try:
     from numpy._core.multiarray import _reconstruct
@@ -82,6 +82,7 @@ def set_rng_state(state: dict) -> None:
 def save(output_dir, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict,
          dist, keep: int) -> Path:
     """Collective: every rank calls it (each writes its RNG state); rank 0 writes the rest."""
+    _check_space(output_dir, step, model, optimizer, dist)
     final = step_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if dist.main:
@@ -98,6 +99,34 @@ def save(output_dir, step: int, model: torch.nn.Module, optimizer, scheduler, st
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+# state.json, the RNG files of the ranks and the files' headers: small next to the tensors
+SLACK = 1 << 20
+
+
+def checkpoint_bytes(model, optimizer) -> int:
+    """About what a checkpoint takes on disk: the weights, the optimizer state and SLACK."""
+    return tensor_bytes(model.state_dict()) + tensor_bytes(optimizer.state_dict()["state"]) + SLACK
+
+
+def _check_space(output_dir, step: int, model, optimizer, dist) -> None:
+    """Before anything of the checkpoint is written: fail naming the directory, the bytes needed
+    and free if they do not fit, so that the newest checkpoint stays the last good one. Rank 0
+    measures; its answer is shared, so that every rank stops (none waits at a barrier)."""
+    directory = checkpoints_dir(output_dir)
+    need = checkpoint_bytes(model, optimizer)
+    free = free_bytes(directory) if dist.main else 0
+    if getattr(dist, "world", 1) > 1:
+        shared = dist.all_reduce(torch.tensor([float(free)], dtype=torch.float64, device=dist.device))
+        free = int(shared.item())
+    if free < need:
+        last = latest(output_dir)
+        kept = f"the newest checkpoint, {last}, stays the last good one" if last else "no checkpoint was written yet"
+        raise CheckpointError(f"{directory}: not enough free space for the checkpoint of step {step}: it needs "
+                              f"about {need} bytes ({need / 2**30:.2f} GiB), {free} bytes ({free / 2**30:.2f} GiB) "
+                              f"are free; nothing was written, {kept}: free space (or lower "
+                              "train.keep_checkpoints) and rerun to resume from it")
 
 
 def _write_main(tmp: Path, step: int, model, optimizer, scheduler, state: dict) -> None:
@@ -164,7 +193,8 @@ def _safe_load(path: Path, allow: list, way_out: str):
 
 
 def restore(path: Path, model, optimizer, scheduler, rank: int) -> dict:
-    """Load a checkpoint into model/optimizer/scheduler and this rank's RNG; return state.json."""
+    """Load a checkpoint into model/optimizer/scheduler and this rank's RNG; return state.json. The RNG
+    files of ranks this run does not have (resumed on fewer) are not read."""
     state = read_state(path)
     model.load_state_dict(load_weights(path))
     opt = _safe_load(path / "optimizer.pt", [], ELSEWHERE)
@@ -175,7 +205,9 @@ def restore(path: Path, model, optimizer, scheduler, rank: int) -> dict:
         set_rng_state(_safe_load(rng_file, _OLD_RNG_GLOBALS, f"delete it to resume without this rank's RNG "
                                  f"state (a warning says so), or {ELSEWHERE}"))
     else:   # the run goes on, but not bit for bit as an uninterrupted one would: say so
-        print(f"warning: {rng_file} is missing: this rank's RNG state is not restored", file=sys.stderr)
+        held = len(list(path.glob("rng-rank*.pt")))   # a checkpoint of fewer ranks holds none for this one
+        print(f"warning: {rng_file} is missing (the checkpoint holds the RNG states of {held} ranks): this "
+              "rank's RNG state is not restored", file=sys.stderr)
     return state
 
 

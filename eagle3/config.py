@@ -89,6 +89,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     resume: str = "auto"                      # "auto" (newest complete checkpoint), "never", or a checkpoint dir
+    overwrite: bool = False                   # with resume = "never": move a run already in output_dir aside first
     kernels: str = "auto"                     # "auto" (triton on CUDA), "triton", "torch"
     skip_dead_rows: bool = True               # skip the work of rows whose chain reaches no loss (exact)
     compile_ops: bool = True                  # torch.compile RMSNorm / RoPE / SiLU*up on CUDA
@@ -262,6 +263,10 @@ def validate(cfg: Config) -> None:
     if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
         raise ConfigError(f"{cfg.source}: train.resume = {t.resume!r}; expected 'auto', 'never' or an "
                           "existing checkpoint directory")
+    if t.overwrite and t.resume != "never":
+        raise ConfigError(f"{cfg.source}: train.overwrite = true starts a new run in place of the one in "
+                          f"train.output_dir, but train.resume = {t.resume!r} would resume; set "
+                          "train.resume = \"never\" with it, or train.overwrite = false")
     for fmt in cfg.export.formats:
         if fmt not in ("vllm", "sglang"):
             raise ConfigError(f"{cfg.source}: export.formats has {fmt!r}; allowed: 'vllm', 'sglang'")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -81,3 +82,32 @@ def writable_dir(path: Path, error: type[Exception], key: str) -> Path:
         raise error(f"{path}: cannot write there ({e.strerror or e}); fix its permissions or choose "
                     f"another {key}") from None
     return path
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of every tensor in `value` (nested dicts, lists and tuples): what a file of them needs."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system of `path` (or of its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def short_of_space(directory: Path, need: int, what: str) -> str | None:
+    """None when `directory` has room for `need` bytes; else the sentence that says it has not."""
+    free = free_bytes(directory)
+    if free >= need:
+        return None
+    return (f"{directory}: not enough free space to write {what}: it needs about {need} bytes "
+            f"({need / 2**30:.2f} GiB), {free} bytes ({free / 2**30:.2f} GiB) are free")

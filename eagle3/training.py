@@ -78,7 +78,9 @@ def check_manifest(manifest: dict, target: TextConfig, aux_ids: list[int], where
 
 
 # Settings a resumed run must share with its checkpoint: data order and learning-rate schedule.
-RESUME_FIXED = ("seed", "batch_tokens", "grad_accum", "eval_fraction", "max_steps", "epochs", "ttt_steps",
+# (train.grad_accum may change with the world size: their product, the global batch, must not.)
+# (train.max_steps may be raised to extend a run: the LR schedule keeps the total it was built with.)
+RESUME_FIXED = ("seed", "batch_tokens", "eval_fraction", "epochs", "ttt_steps",
                 "loss_decay", "lr", "min_lr_ratio", "warmup_steps", "betas", "weight_decay")
 # (section, key, value of a checkpoint written before the key existed): how the head starts and
 # whether it trains; a change alters the optimizer's parameters, so a resume must keep them.
@@ -246,14 +248,37 @@ def existing_run(output_dir: Path) -> list[str]:
     return held + [name for name in ("metrics.jsonl", "export") if (output_dir / name).exists()]
 
 
+OLD_RUN = ".old-%Y%m%d-%H%M%S"   # strftime suffix of an output_dir moved aside by train.overwrite
+
+
 def refuse_existing_run(output_dir: Path, source: str) -> None:
     """train.resume = "never" starts a new run: writing it into an old run's directory would truncate
     its metrics and leave its checkpoints beside the new ones, where resume = "auto" picks them."""
     held = existing_run(output_dir)
     if held:
         raise TrainError(f"{source}: train.resume = \"never\", but train.output_dir {output_dir} already holds a "
-                         f"run ({', '.join(held)}); choose another train.output_dir or remove that one "
-                         "(nothing was deleted)")
+                         f"run ({', '.join(held)}); choose another train.output_dir, or set train.overwrite = true, "
+                         f"which moves the old run, whole, to {output_dir}.old-YYYYmmdd-HHMMSS "
+                         "and starts the new one in an empty directory (nothing was deleted)")
+
+
+def move_old_run(output_dir: Path) -> Path | None:
+    """train.overwrite: rename an output_dir that holds a run to `<output_dir>.old-<time>`, whole,
+    so that the new run starts in an empty directory and the two never mix. Rank 0 only."""
+    if not existing_run(output_dir):
+        return None
+    stamp = time.strftime(OLD_RUN)
+    moved, n = output_dir.with_name(output_dir.name + stamp), 1
+    while moved.exists():   # two overwrites within one second
+        moved, n = output_dir.with_name(f"{output_dir.name}{stamp}-{n}"), n + 1
+    try:
+        output_dir.rename(moved)
+    except OSError as e:
+        raise TrainError(f"{output_dir}: train.overwrite = true, but moving the old run to {moved} failed "
+                         f"({e.strerror or e}); nothing was deleted: move or remove it yourself, or choose "
+                         "another train.output_dir") from None
+    print(f"train.overwrite: moved the old run in {output_dir} to {moved}", file=sys.stderr)
+    return moved
 
 
 class Trainer:
@@ -266,6 +291,10 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.output_dir = Path(t.output_dir)
         if t.resume == "never":
+            if t.overwrite:   # rank 0 moves the old run before any other rank looks at the directory
+                if self.dist.main:
+                    move_old_run(self.output_dir)
+                self.dist.barrier()
             refuse_existing_run(self.output_dir, cfg.source)
         writable_dir(self.output_dir, TrainError, "train.output_dir")
 
@@ -306,8 +335,8 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                                            fused=self.cuda)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, Schedule(t.warmup_steps, self.plan.total, t.min_lr_ratio))
+        self.schedule = Schedule(t.warmup_steps, self.plan.total, t.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         # the model is initialised alike on every rank; draws from here on (aux_noise) must differ
         torch.manual_seed(t.seed + 1_000_003 * self.dist.rank)
         self.start_step = self._maybe_resume()
@@ -344,7 +373,8 @@ class Trainer:
     def _state(self) -> dict:
         return {"config": self.cfg.to_dict(), "draft_spec": self.spec.to_dict(), "aux_layer_ids": self.aux_ids,
                 "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
-                "world_size": self.dist.world, "data_dir": str(self.data_dir)}
+                "world_size": self.dist.world, "data_dir": str(self.data_dir),
+                "schedule_total": self.schedule.total}
 
     def _maybe_resume(self) -> int:
         choice = self.cfg.train.resume
@@ -353,10 +383,11 @@ class Trainer:
             return 0
         state = ckpt_io.read_state(path)
         now = self._state()
-        for key in ("draft_spec", "aux_layer_ids", "target", "world_size", "data_dir"):
+        for key in ("draft_spec", "aux_layer_ids", "target", "data_dir"):
             if state[key] != now[key]:
                 raise TrainError(f"{path}/state.json: {key} differs from this run's ({state[key]} vs "
                                  f"{now[key]}); choose another train.output_dir to start a new run")
+        self._check_global_batch(path, state)
         for section, key, before in HEAD_FIXED:   # they decide the trainable parameters (optimizer state)
             was = state["config"].get(section, {}).get(key, before)
             if was != now["config"][section][key]:
@@ -369,10 +400,49 @@ class Trainer:
                 raise TrainError(f"{path}/state.json: train.{key} was {state['config']['train'][key]!r}, this run "
                                  f"has {now['config']['train'][key]!r}; a resumed run must keep it (or choose "
                                  "another train.output_dir to start a new run)")
+        self._check_end(path, state)
         ckpt_io.restore(path, self.model.draft, self.optimizer, self.scheduler, self.dist.rank)
+        # a run extended past its old end (a larger train.max_steps) keeps the schedule it was built
+        # with: steps past that end run at its final learning rate, lr x min_lr_ratio
+        self.schedule.total = state.get("schedule_total") or self._old_total(state)
         if self.dist.main:
-            print(f"resumed from {path} (step {state['step']})", file=sys.stderr)
+            was = (state["world_size"], state["config"]["train"]["grad_accum"])
+            other = (f"; written by world size {was[0]} x train.grad_accum {was[1]}, now {self.dist.world} x "
+                     f"{self.cfg.train.grad_accum}: the same global batch" if was[0] != self.dist.world else "")
+            print(f"resumed from {path} (step {state['step']}{other})", file=sys.stderr)
         return state["step"]
+
+    def _old_total(self, state: dict) -> int:
+        """The schedule's total of a checkpoint written before state.json kept it: its config's
+        train.max_steps, or (0) its epochs' steps, which the plan fixes alike (same global batch)."""
+        train = state["config"]["train"]
+        return train["max_steps"] or sum(self.plan.steps_in(e) for e in range(train["epochs"]))
+
+    def _check_end(self, path: Path, state: dict) -> None:
+        """train.max_steps may extend a run, never end it before its checkpoint."""
+        if self.plan.total >= state["step"]:
+            return
+        raise TrainError(f"{path}/state.json: the checkpoint is at step {state['step']}, but this run ends at step "
+                         f"{self.plan.total} (train.max_steps = {self.cfg.train.max_steps}); a resumed run may raise "
+                         f"train.max_steps to extend the run, not end before its checkpoint: set train.max_steps >= "
+                         f"{state['step']}, resume from an earlier checkpoint (train.resume = DIR), or choose another "
+                         "train.output_dir to start a new run")
+
+    def _check_global_batch(self, path: Path, state: dict) -> None:
+        """Another world size resumes when world size x train.grad_accum is the checkpoint's: the plan
+        then gives optimizer step s the same micro-batches (s*world*accum .. +world*accum-1 of the
+        epoch's packing) and the loss is normalised over the whole step across ranks."""
+        was_world, was_accum = state["world_size"], state["config"]["train"]["grad_accum"]
+        world, accum = self.dist.world, self.cfg.train.grad_accum
+        if was_world * was_accum == world * accum:
+            return
+        product = was_world * was_accum
+        keep = (f"train.grad_accum = {product // world} keeps it" if product % world == 0 else
+                f"no train.grad_accum keeps it on {world} ranks (use a number of ranks that divides {product})")
+        raise TrainError(f"{path}/state.json: the checkpoint's global batch is world size {was_world} x "
+                         f"train.grad_accum {was_accum} = {product} micro-batches per step, this run's is world size "
+                         f"{world} x train.grad_accum {accum} = {world * accum}; a resumed run must keep it: "
+                         f"{keep} (or choose another train.output_dir to start a new run)")
 
     def _autocast(self):
         if self.cuda:

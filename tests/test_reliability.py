@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, make_config
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import evaluate, extraction, training
+from eagle3.config import ConfigError
 from eagle3.data.shards import DataError, ShardReader, read_manifest, sha256_file
 from eagle3.files import FILE_MODE, strict_json
 from eagle3.target.checkpoint import Checkpoint, TargetError
@@ -65,7 +67,8 @@ def test_resume_never_refuses_a_directory_holding_a_run(tmp_path, llama_target, 
         training.Trainer(config(run_tmp, llama_target, token_data, hidden, **{"train.resume": "never"}))
     message = str(e.value)
     for part in (f"train.output_dir {out} already holds a run", "checkpoints/step-00000006 and 1 older",
-                 "metrics.jsonl", "export", "choose another train.output_dir or remove that one"):
+                 "metrics.jsonl", "export", "choose another train.output_dir, or set train.overwrite = true, "
+                 f"which moves the old run, whole, to {out}.old-YYYYmmdd-HHMMSS"):
         assert part in message, (part, message)
     assert snapshot(out) == before   # nothing truncated, nothing deleted
 
@@ -80,11 +83,94 @@ def test_resume_never_refuses_a_directory_holding_a_run(tmp_path, llama_target, 
                                    **{"train.resume": "never"})).start_step == 0
 
 
+def test_overwrite_moves_the_old_run_aside_whole(tmp_path, llama_target, token_data, hidden, trained, capsys):
+    run_tmp, _ = trained
+    out = tmp_path / "train"
+    shutil.copytree(run_tmp / "train", out)
+    before = {p.relative_to(out): data for p, data in snapshot(out).items()}
+    old_steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    training.run(config(tmp_path, llama_target, token_data, hidden,
+                        **{"train.resume": "never", "train.overwrite": "true", "train.max_steps": 2,
+                           "train.log_every": 1}))
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("train.old-")]
+    assert len(moved) == 1 and re.fullmatch(r"train\.old-\d{8}-\d{6}", moved[0].name), moved
+    assert f"moved the old run in {out} to {moved[0]}" in capsys.readouterr().err
+    assert {p.relative_to(moved[0]): data for p, data in snapshot(moved[0]).items()} == before   # intact
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2] and max(old_steps) == 6
+    assert [p.name for p in ckpt_io.complete_checkpoints(out)] == ["step-00000002"]   # none of the old run's
+    # overwrite starts a new run: with resume = "auto" it is refused, not silently ignored
+    with pytest.raises(ConfigError, match="train.overwrite = true .* set train.resume = \"never\""):
+        config(tmp_path, llama_target, token_data, hidden, **{"train.overwrite": "true"})
+
+
 def test_resume_mismatch_points_at_another_output_dir(llama_target, token_data, hidden, trained):
     run_tmp, _ = trained
-    with pytest.raises(training.TrainError, match="train.max_steps was 6, this run has 9") as e:
-        training.Trainer(config(run_tmp, llama_target, token_data, hidden, **{"train.max_steps": 9}))
+    with pytest.raises(training.TrainError, match="train.seed was 0, this run has 1") as e:
+        training.Trainer(config(run_tmp, llama_target, token_data, hidden, **{"train.seed": 1}))
     assert "choose another train.output_dir" in str(e.value) and "never" not in str(e.value)
+
+
+def test_a_larger_max_steps_extends_a_finished_run_at_the_final_lr(tmp_path, llama_target, token_data, hidden,
+                                                                    trained):
+    run_tmp, _ = trained
+    out = tmp_path / "train"
+    shutil.copytree(run_tmp / "train", out)
+    with pytest.raises(training.TrainError) as e:   # never ending before the checkpoint
+        training.Trainer(config(tmp_path, llama_target, token_data, hidden, **{"train.max_steps": 5}))
+    for part in (f"{out / 'checkpoints' / 'step-00000006'}/state.json: the checkpoint is at step 6, but this run "
+                 "ends at step 5 (train.max_steps = 5)", "set train.max_steps >= 6"):
+        assert part in str(e.value), (part, str(e.value))
+    cfg = config(tmp_path, llama_target, token_data, hidden, **{"train.max_steps": 9, "train.log_every": 1})
+    trainer = training.Trainer(cfg)
+    assert trainer.start_step == 6 and trainer.schedule.total == 6 and trainer.plan.total == 9
+    trainer.run()
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r for r in records if r["split"] == "train"}
+    assert [s for s in train if s > 6] == [7, 8, 9]
+    final = cfg.train.lr * cfg.train.min_lr_ratio
+    for step in (7, 8, 9):   # the lr the next step uses: past the old end, the schedule's final one
+        assert train[step]["lr"] == pytest.approx(final, rel=1e-12)
+    assert train[6]["lr"] == pytest.approx(final, rel=1e-12)   # the old run ended there
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(final, rel=1e-12)
+    state = ckpt_io.read_state(ckpt_io.latest(out))
+    assert state["step"] == 9 and state["schedule_total"] == 6 and state["config"]["train"]["max_steps"] == 9
+    # a checkpoint written before state.json kept the schedule's total: its config's max_steps
+    older = tmp_path / "older"
+    shutil.copytree(run_tmp / "train", older / "train")
+    last = ckpt_io.latest(older / "train")
+    state = ckpt_io.read_state(last)
+    del state["schedule_total"]
+    (last / ckpt_io.STATE).write_text(json.dumps(state))
+    again = training.Trainer(config(older, llama_target, token_data, hidden, **{"train.max_steps": 12}))
+    assert again.start_step == 6 and again.schedule.total == 6 and again.plan.total == 12
+
+
+def test_resume_on_another_world_size_keeps_the_global_batch(tmp_path, llama_target, token_data, hidden):
+    from test_training import cli_args, final_weights, run_train
+    two = tmp_path / "two"   # uninterrupted: 2 ranks x grad_accum 1, checkpoints at 2, 4, 6
+    run_train(cli_args(two, llama_target, token_data, hidden), nproc=2)
+    middle = two / "train" / "checkpoints" / "step-00000002"
+    assert sorted(p.name for p in middle.glob("rng-rank*.pt")) == ["rng-rank0.pt", "rng-rank1.pt"]
+    one = tmp_path / "one"   # from its step 2 on: 1 rank x grad_accum 2
+    out = run_train(cli_args(one, llama_target, token_data, hidden,
+                             **{"train.resume": middle, "train.grad_accum": 2}))
+    assert f"resumed from {middle} (step 2; written by world size 2 x train.grad_accum 1, now 1 x 2" in out.stderr
+    assert "warning" not in out.stderr   # rank 1's RNG file is not this run's: not read, no warning
+    a, b = final_weights(two / "train"), final_weights(one / "train")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5)
+    # another global batch is refused, naming both products and the grad_accum that keeps it
+    for accum, hint in ((1, "train.grad_accum = 2 keeps it"), (3, "train.grad_accum = 2 keeps it")):
+        bad = subprocess.run([sys.executable, "train.py", "--config", "config.toml",
+                              *cli_args(tmp_path / f"bad{accum}", llama_target, token_data, hidden,
+                                        **{"train.resume": middle, "train.grad_accum": accum})],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
+        for part in ("world size 2 x train.grad_accum 1 = 2 micro-batches per step",
+                     f"world size 1 x train.grad_accum {accum} = {accum}", hint):
+            assert part in bad.stderr, (part, bad.stderr)
 
 
 # --- damaged files -------------------------------------------------------------------------------
@@ -379,6 +465,51 @@ def test_full_disk_while_checkpointing_keeps_the_last_good_one(tmp_path, monkeyp
         assert "GiB (" in str(e.value) and "bytes) free in" in str(e.value)
         assert not tmp.exists() and ckpt_io.latest(tmp_path) == good
     assert set(load_file(good / ckpt_io.MODEL)) == {"weight", "bias"}
+
+
+def test_free_space_is_checked_before_a_checkpoint_or_a_shard_is_written(tmp_path, llama_target, token_data,
+                                                                        monkeypatch):
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()   # optimizer state: exp_avg and exp_avg_sq, as large as the weights
+    dist = types.SimpleNamespace(main=True, rank=0, world=1, barrier=lambda: None)
+    good = ckpt_io.save(tmp_path, 1, model, optimizer, scheduler, {}, dist, keep=3)
+    weights = (64 * 64 + 64) * 4
+    need = ckpt_io.checkpoint_bytes(model, optimizer)
+    assert need >= 3 * weights   # weights plus the two AdamW moments
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=need - 1))
+    written = []
+    for target, name in ((ckpt_io, "save_file"), (ckpt_io.torch, "save")):
+        original = getattr(target, name)
+        monkeypatch.setattr(target, name, lambda *a, _o=original, **k: written.append(a) or _o(*a, **k))
+    with pytest.raises(ckpt_io.CheckpointError) as e:
+        ckpt_io.save(tmp_path, 2, model, optimizer, scheduler, {}, dist, keep=3)
+    message = str(e.value)
+    for part in (f"{tmp_path / 'checkpoints'}: not enough free space for the checkpoint of step 2", f"{need} bytes",
+                 f"{need - 1} bytes", f"the newest checkpoint, {good}, stays the last good one"):
+        assert part in message, (part, message)
+    assert not written and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001"]
+    monkeypatch.undo()
+
+    # a shard: refused before its file (or .tmp) appears; the finished ones are kept
+    cfg = make_config(tmp_path, llama_target, token_data)
+    extraction.run(cfg)
+    out = tmp_path / "hidden"
+    (out / "shard-00001.safetensors").unlink()
+    (out / ".entries" / "shard-00001.safetensors.json").unlink()
+    files = sorted(p.name for p in out.iterdir())
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    with pytest.raises(DataError) as e:
+        extraction.run(cfg)
+    assert str(e.value).startswith(f"{out}: not enough free space to write shard-00001.safetensors: it needs about ")
+    assert "1000 bytes (0.00 GiB) are free" in str(e.value)
+    assert sorted(p.name for p in out.iterdir()) == files
+    monkeypatch.undo()
+    extraction.run(cfg)
+    ShardReader(out, verify=True)
 
 
 def test_unwritable_output_directories_are_named(tmp_path, llama_target, token_data, hidden):

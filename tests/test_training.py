@@ -132,9 +132,9 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, llama_target, token
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
     assert train_losses(straight / "train") == train_losses(killed / "train")
     changed = subprocess.run([sys.executable, "train.py", "--config", "config.toml",
-                              *cli_args(killed, llama_target, token_data, hidden, **{"train.max_steps": 20})],
+                              *cli_args(killed, llama_target, token_data, hidden, **steps, **{"train.seed": 1})],
                              cwd=ROOT, capture_output=True, text=True)
-    assert changed.returncode != 0 and "train.max_steps was 14, this run has 20" in changed.stderr
+    assert changed.returncode != 0 and "train.seed was 0, this run has 1" in changed.stderr
 
 
 def test_bad_inputs_fail_with_clear_messages(tmp_path, llama_target, token_data, hidden):
@@ -206,3 +206,19 @@ def test_batches_prepared_by_the_prefetch_thread_equal_those_prepared_in_the_ste
         loss_here = trainer._forward(trainer.model, raw)[0]
         assert torch.equal(prepared_here, loss_ahead)
         assert torch.equal(loss_ahead, loss_here) and loss_ahead > 0
+
+
+def test_a_corrupt_state_json_is_named_on_resume(tmp_path, llama_target, token_data, hidden):
+    cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.max_steps": 3,
+                                                             "vocab.draft_vocab_size": 128})
+    training.run(cfg)
+    state = ckpt_io.latest(cfg.train.output_dir) / ckpt_io.STATE
+    state.write_text('{"step": 3, "config": ')                     # torn by a kill or a full disk
+    with pytest.raises(ckpt_io.CheckpointError, match=f"{state}: not valid JSON"):
+        training.Trainer(cfg)
+    out = subprocess.run([sys.executable, "train.py", "--config", "config.toml",
+                          *cli_args(tmp_path, llama_target, token_data, hidden, **{"train.max_steps": 3})],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"{state}: not valid JSON" in out.stderr.strip().splitlines()[-1]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3.files import make_readable, open_safetensors, read_json
+from eagle3.files import make_readable, open_safetensors, read_json, short_of_space, tensor_bytes
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -60,10 +60,18 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
+SHARD_HEADER = 1 << 16   # the safetensors header of a shard, generously
+
+
 def write_shard(directory: Path, index: int, tensors: dict[str, torch.Tensor]) -> dict:
-    """Write one shard atomically; return its manifest entry."""
+    """Write one shard atomically; return its manifest entry. A shard that would not fit on the
+    disk is refused before any byte of it is written (naming the directory, bytes needed and free)."""
     path = directory / shard_name(index)
     tmp = path.with_name(path.name + ".tmp")
+    short = short_of_space(directory, tensor_bytes(tensors) + SHARD_HEADER, f"{path.name}")
+    if short:
+        raise DataError(f"{short}; nothing of it was written and the shards finished so far are kept: free space "
+                        "and rerun extract, which resumes with this shard")
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
     make_readable(tmp)
     os.replace(tmp, path)
