@@ -600,14 +600,12 @@ class Trainer:
         records = [json.loads(ln) for ln in self.log.path.read_text().splitlines()] if self.log.path.exists() else []
         last = {r["split"]: r for r in records}
         lines = [f"train: done, step {self.plan.total} in {self.output_dir}"]
-        if "train" in last:
-            r = last["train"]
-            lines.append(f"  train (step {r['step']}, TTT step 0): loss {_num(r['loss'][0])}, "
-                         f"accuracy {_num(r['acc'][0])}")
-        if "eval" in last:
-            r = last["eval"]
-            lines.append(f"  held-out (step {r['step']}): accept_len {_num(r['accept_len'])}, "
-                         f"loss {_num(r['loss'][0])}, accuracy {_num(r['acc'][0])} (TTT step 0)")
+        for split, name in (("train", "train"), ("eval", "held-out")):
+            if split in last:
+                r = last[split]
+                estimate = f", accept_len {_num(r['accept_len'])}" if split == "eval" else ""
+                lines.append(f"  {name} (step {r['step']}{estimate}), per TTT step: loss "
+                             f"{' '.join(_num(x) for x in r['loss'])}; accuracy {' '.join(_num(x) for x in r['acc'])}")
         skipped = sum(r.get("skipped_steps", 0) for r in records if r["split"] == "train")
         if skipped:
             lines.append(f"  skipped steps (non-finite loss or gradient norm, train.skip_nonfinite): {skipped}")
@@ -617,6 +615,9 @@ class Trainer:
                   if (self.output_dir / "export" / fmt).is_dir()]
         if self.log.tb is not None:
             lines.append(f"  tensorboard: {self.output_dir / 'tensorboard'}")
+        if saved is not None:   # training draws no plot: evaluate does, with real decoding when given prompts
+            lines.append(f"  plot and real decoding: python -m eagle3 evaluate --config {self.cfg.source} {saved} "
+                         "--prompts PROMPTS.jsonl (writes eval.json and eval.png there)")
         return "\n".join(lines)
 
 

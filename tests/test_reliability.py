@@ -434,7 +434,8 @@ def test_rng_state_round_trips_through_weights_only(tmp_path):
 def test_training_ends_with_a_summary(trained):
     run_tmp, printed = trained
     out = run_tmp / "train"
-    for part in ("train (step 6, TTT step 0): loss ", "held-out (step 6): accept_len ",
+    for part in ("train (step 6), per TTT step: loss ", "held-out (step 6, accept_len ", "; accuracy ",
+                 "plot and real decoding: python -m eagle3 evaluate",
                  f"metrics: {out / 'metrics.jsonl'}", f"last checkpoint: {out / 'checkpoints' / 'step-00000006'}",
                  f"vllm export: {out / 'export' / 'vllm'}", f"sglang export: {out / 'export' / 'sglang'}"):
         assert part in printed, (part, printed)
