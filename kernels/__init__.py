@@ -1,13 +1,26 @@
-"""TTT kernels (SPEC §8): fused attention and fused loss in Triton, with pure-torch references.
+"""TTT kernels: fused attention and fused loss in Triton, with pure-torch references.
 
-`ttt_attention`, `ttt_loss` and `ttt_loss_steps` are the Triton versions; the `*_reference`
-names are the ground truth they are tested against (also what `train.kernels = "torch"` uses).
+`ttt_attention`, `ttt_loss` and `ttt_loss_steps` are the Triton versions, imported on first use so
+that the references (and everything built on them: evaluation, decoding) work where Triton is
+absent; the `*_reference` names are the ground truth they are tested against (also what
+`train.kernels = "torch"` uses on the CPU).
 """
+import importlib
+
 from kernels.reference import ttt_attention as ttt_attention_reference
 from kernels.reference import ttt_loss as ttt_loss_reference
 from kernels.reference import ttt_loss_steps as ttt_loss_steps_reference
-from kernels.ttt_attention import ttt_attention
-from kernels.ttt_loss import ttt_loss, ttt_loss_steps
 
-__all__ = ["ttt_attention", "ttt_loss", "ttt_loss_steps", "ttt_attention_reference",
-           "ttt_loss_reference", "ttt_loss_steps_reference"]
+_TRITON = {"ttt_attention": "kernels.ttt_attention", "ttt_loss": "kernels.ttt_loss",
+           "ttt_loss_steps": "kernels.ttt_loss"}
+
+__all__ = [*_TRITON, "ttt_attention_reference", "ttt_loss_reference", "ttt_loss_steps_reference"]
+
+
+def __getattr__(name: str):
+    if name in _TRITON:
+        module = importlib.import_module(_TRITON[name])
+        # importing the submodule bound its name here: the functions win, as with eager imports
+        globals().update({n: getattr(module, n) for n, m in _TRITON.items() if m == _TRITON[name]})
+        return globals()[name]
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT))
 from eagle3 import config as config_mod  # noqa: E402
 from eagle3.target import tiny  # noqa: E402
 
-KIMI_FIXTURE = ROOT.parent / "shared" / "fixtures" / "kimi-k2.5" / "config.json"
+KIMI_FIXTURE = ROOT / "tests" / "fixtures" / "kimi-k2.5" / "config.json"   # the real file, copied
 
 
 @pytest.fixture(scope="session")

@@ -24,3 +24,11 @@ def test_train_step_bench_under_torchrun_ends_with_the_same_weights_on_both_rank
     (result,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert result["world"] == 2 and result["same_weights_on_all_ranks"] is True
     assert result["tokens_per_s_per_gpu"] > 0
+
+
+def test_references_evaluation_and_decoding_import_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; import kernels, kernels.reference, eagle3.evaluate, "
+            "eagle3.speculative; print(kernels.ttt_attention_reference.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "kernels.reference"
