@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.target import deepseek, quant, streaming, tiny  # noqa: E402
-from eagle3.target.checkpoint import read_config  # noqa: E402
+from eagle3.models import deepseek, quant, streaming, tiny  # noqa: E402
+from eagle3.models.checkpoint import read_config  # noqa: E402
 
 DEV = torch.device("cuda")
 SEQS, SEQ_LEN = 16, 4096           # a 64k-token chunk

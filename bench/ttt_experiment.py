@@ -25,9 +25,9 @@ from eagle3.data.inputs import read_records  # noqa: E402
 from eagle3.data.shards import ShardReader  # noqa: E402
 from eagle3.evaluate import evaluate  # noqa: E402
 from eagle3.speculative import Drafter, speculative_decode  # noqa: E402
-from eagle3.target import tiny  # noqa: E402
-from eagle3.target.checkpoint import Checkpoint  # noqa: E402
-from eagle3.target.incremental import IncrementalTarget  # noqa: E402
+from eagle3.models import tiny  # noqa: E402
+from eagle3.models.checkpoint import Checkpoint  # noqa: E402
+from eagle3.models.incremental import IncrementalTarget  # noqa: E402
 
 
 def config(out: Path, **overrides) -> config_mod.Config:

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from eagle3.target.checkpoint import Checkpoint, TargetError
+from eagle3.models.checkpoint import Checkpoint, TargetError
 
 
 def inspect(target: str) -> dict:
@@ -38,7 +38,7 @@ def inspect(target: str) -> dict:
 
 def _check_deepseek(ckpt: Checkpoint, report: dict) -> None:
     """MoE layout, and every tensor the DeepSeek-V3 forward reads present in the weight map."""
-    from eagle3.target.deepseek import DeepseekSpec, required_tensor_names
+    from eagle3.models.deepseek import DeepseekSpec, required_tensor_names
     spec = DeepseekSpec.from_config(ckpt.config)
     report["moe"] = {"routed_experts": spec.n_routed_experts, "shared_experts": spec.n_shared_experts,
                      "experts_per_token": spec.num_experts_per_tok, "n_group": spec.n_group,
@@ -75,7 +75,7 @@ def demo(args) -> None:
     """Make the tiny demo target and data if absent, then extract, train and export."""
     from eagle3 import config as config_mod
     from eagle3 import extraction, training
-    from eagle3.target import tiny
+    from eagle3.models import tiny
     cfg = config_mod.load(args.config, args.overrides)
     if not (Path(cfg.target.path) / "config.json").exists():
         tiny.make_demo_target(cfg.target.path)

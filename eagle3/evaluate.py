@@ -41,8 +41,8 @@ from eagle3.files import strict_json
 from eagle3.generate import stop_tokens
 from eagle3.ops import TORCH_DTYPES
 from eagle3.speculative import Decoded, Drafter, greedy_decode_many, speculative_decode_many
-from eagle3.target.checkpoint import Checkpoint
-from eagle3.target.incremental import IncrementalTarget
+from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.incremental import IncrementalTarget
 from eagle3.training import check_manifest
 from eagle3.ttt import Objective, summarize, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps

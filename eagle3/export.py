@@ -20,7 +20,7 @@ from eagle3.config import Config, from_dict
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.files import make_readable, read_json
 from eagle3.ops import TORCH_DTYPES, llama_inv_freq
-from eagle3.target.checkpoint import Checkpoint, _rope
+from eagle3.models.checkpoint import Checkpoint, _rope
 from eagle3.vocab import VocabError, check_vocab
 
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",

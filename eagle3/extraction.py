@@ -23,8 +23,8 @@ from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, enc
                                 write_shard)
 from eagle3.files import atomic_write_text, read_json, writable_dir
 from eagle3.ops import TORCH_DTYPES
-from eagle3.target.checkpoint import Checkpoint, TargetError
-from eagle3.target.streaming import TargetRunner
+from eagle3.models.checkpoint import Checkpoint, TargetError
+from eagle3.models.streaming import TargetRunner
 
 
 

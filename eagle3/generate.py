@@ -27,8 +27,8 @@ from eagle3.data.shards import sha256_file
 from eagle3.extraction import resolve_device
 from eagle3.files import atomic_write_text, read_json, strict_json
 from eagle3.ops import TORCH_DTYPES
-from eagle3.target.checkpoint import Checkpoint
-from eagle3.target.incremental import IncrementalTarget
+from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.incremental import IncrementalTarget
 
 
 def reply_spans(mask) -> list[tuple[int, int]]:

@@ -16,7 +16,7 @@ import torch
 
 from eagle3.draft import Rows
 from eagle3.ops import positions_from_cu_seqlens
-from eagle3.target.incremental import IncrementalTarget
+from eagle3.models.incremental import IncrementalTarget
 from kernels.reference import ttt_attention
 
 

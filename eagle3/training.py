@@ -27,7 +27,7 @@ from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.export import export_all
 from eagle3.extraction import resolve_aux_layer_ids
 from eagle3.files import strict_json, writable_dir
-from eagle3.target.checkpoint import Checkpoint, TargetError, TextConfig
+from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig
 from eagle3.ttt import Objective, all_step_targets, live_rows, loss_denominator, loss_rows, summarize, ttt_forward
 from eagle3.vocab import VocabError, build_vocab
 

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eagle3 import config as config_mod  # noqa: E402
-from eagle3.target import tiny  # noqa: E402
+from eagle3.models import tiny  # noqa: E402
 
 KIMI_FIXTURE = ROOT / "tests" / "fixtures" / "kimi-k2.5" / "config.json"   # the real file, copied
 

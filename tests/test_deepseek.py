@@ -15,9 +15,9 @@ import torch
 
 from conftest import KIMI_FIXTURE, ROOT
 from eagle3.__main__ import inspect
-from eagle3.target import deepseek, quant, tiny
-from eagle3.target.checkpoint import Checkpoint, TargetError, read_config
-from eagle3.target.streaming import TargetRunner
+from eagle3.models import deepseek, quant, tiny
+from eagle3.models.checkpoint import Checkpoint, TargetError, read_config
+from eagle3.models.streaming import TargetRunner
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_int4_unpack_matches_independent_packer():
 _TRITON_CHECK = """
 import sys, numpy as np, torch
 sys.path.insert(0, sys.argv[1])
-from eagle3.target import quant
+from eagle3.models import quant
 rng = np.random.default_rng(1)
 for shape in [(3, 40, 64), (70, 96)]:
     packed = torch.from_numpy(rng.integers(-2**31, 2**31, size=(*shape[:-1], shape[-1] // 8)).astype(np.int32))

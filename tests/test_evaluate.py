@@ -22,10 +22,10 @@ from eagle3.evaluate import evaluate, read_prompts, real_decoding, reply_positio
 from eagle3.export import DraftLoadError, load_vllm_draft
 from eagle3.speculative import (Drafter, greedy_decode, greedy_decode_many, speculative_decode,
                                 speculative_decode_many)
-from eagle3.target import tiny
-from eagle3.target.checkpoint import Checkpoint
-from eagle3.target.incremental import IncrementalTarget
-from eagle3.target.streaming import TargetRunner
+from eagle3.models import tiny
+from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.incremental import IncrementalTarget
+from eagle3.models.streaming import TargetRunner
 from eagle3.ttt import ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps
 from test_chat import qwen_tokenizer

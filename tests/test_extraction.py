@@ -125,7 +125,7 @@ def test_bad_lines_reported_with_line_numbers(tmp_path, llama_target):
 
 
 def test_bad_target_path(tmp_path, token_data):
-    from eagle3.target.checkpoint import TargetError
+    from eagle3.models.checkpoint import TargetError
     with pytest.raises(TargetError, match=r"nowhere: target directory not found"):
         extraction.run(make_config(tmp_path, tmp_path / "nowhere", token_data))
 

@@ -13,8 +13,8 @@ from conftest import make_config
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import extraction, training
 from eagle3.config import ConfigError
-from eagle3.target import tiny
-from eagle3.target.checkpoint import Checkpoint
+from eagle3.models import tiny
+from eagle3.models.checkpoint import Checkpoint
 
 FAST = {"train.eval_every": 100, "train.log_every": 100, "train.checkpoint_every": 3}
 

@@ -9,10 +9,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import make_config
 from eagle3 import generate
-from eagle3.target import tiny
-from eagle3.target.checkpoint import Checkpoint
-from eagle3.target.incremental import SHORT_MAX, IncrementalTarget
-from eagle3.target.streaming import TargetRunner
+from eagle3.models import tiny
+from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.incremental import SHORT_MAX, IncrementalTarget
+from eagle3.models.streaming import TargetRunner
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "kimi"])

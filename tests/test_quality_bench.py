@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from eagle3.bench import quality
 from eagle3.bench.__main__ import main as bench_main
-from eagle3.target.checkpoint import Checkpoint
+from eagle3.models.checkpoint import Checkpoint
 
 
 @pytest.fixture(scope="module")

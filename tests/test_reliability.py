@@ -22,7 +22,7 @@ from eagle3 import evaluate, extraction, training
 from eagle3.config import ConfigError
 from eagle3.data.shards import DataError, ShardReader, read_manifest, sha256_file
 from eagle3.files import FILE_MODE, strict_json
-from eagle3.target.checkpoint import Checkpoint, TargetError
+from eagle3.models.checkpoint import Checkpoint, TargetError
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from eagle3 import config as config_mod
 from eagle3 import distributed
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, write_shard
 from eagle3.files import atomic_write_text
-from eagle3.target.checkpoint import read_config
+from eagle3.models.checkpoint import read_config
 from eagle3.training import Trainer
 from eagle3.ttt import summarize
 

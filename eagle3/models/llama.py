@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.ops import apply_rope, llama_inv_freq, rms_norm, rope_cos_sin, swiglu
-from eagle3.target.checkpoint import Checkpoint, TargetError
+from eagle3.models.checkpoint import Checkpoint, TargetError
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -13,9 +13,9 @@ import weakref
 import torch
 
 from eagle3.ops import rms_norm
-from eagle3.target.checkpoint import Checkpoint
-from eagle3.target.llama import causal_cached_attention, cached_attention, padded_cached_attention
-from eagle3.target.streaming import build_model
+from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.llama import causal_cached_attention, cached_attention, padded_cached_attention
+from eagle3.models.streaming import build_model
 
 # Chunks up to this many tokens attend batched, padded to the next power of two (<= 2x wasted
 # queries); longer ones (prompts, user turns) attend one sequence at a time: few, and padding a

@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from eagle3.ops import positions_from_cu_seqlens, rms_norm
-from eagle3.target.checkpoint import Checkpoint, TargetError
-from eagle3.target.llama import LlamaTarget
+from eagle3.models.checkpoint import Checkpoint, TargetError
+from eagle3.models.llama import LlamaTarget
 
 
 def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
     if ckpt.config.is_deepseek:
-        from eagle3.target.deepseek import DeepseekTarget
+        from eagle3.models.deepseek import DeepseekTarget
         return DeepseekTarget(ckpt, device, dtype)
     return LlamaTarget(ckpt, device, dtype)
 
