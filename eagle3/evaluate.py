@@ -33,7 +33,7 @@ from eagle3 import checkpoint as ckpt_io
 from eagle3.config import Config
 from eagle3.data.batching import pack, split_holdout, to_device
 from eagle3.data.inputs import CHAT_KEYS, InputError
-from eagle3.data.shards import MANIFEST, ShardReader
+from eagle3.data.shards import MANIFEST, ShardReader, check_manifest
 from eagle3.draft import Eagle3Draft
 from eagle3.export import advertised_tokens, load_vllm_draft
 from eagle3.extraction import resolve_device
@@ -43,7 +43,6 @@ from eagle3.ops import TORCH_DTYPES
 from eagle3.speculative import Decoded, Drafter, greedy_decode_many, speculative_decode_many
 from eagle3.models.checkpoint import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
-from eagle3.training import check_manifest
 from eagle3.ttt import Objective, summarize, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps
 

@@ -22,7 +22,7 @@ from eagle3 import checkpoint as ckpt_io
 from eagle3 import distributed
 from eagle3.config import Config
 from eagle3.data.batching import Prefetcher, pack, split_holdout, to_device
-from eagle3.data.shards import DataError, ShardReader, loss_token_counts
+from eagle3.data.shards import DataError, ShardReader, check_manifest, loss_token_counts
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.export import export_all
 from eagle3.extraction import resolve_aux_layer_ids
@@ -55,26 +55,6 @@ def resolve_draft_spec(cfg: Config, text: TextConfig, draft_vocab: int) -> Draft
         max_position_embeddings=d.max_position_embeddings or text.max_position_embeddings,
         draft_vocab_size=draft_vocab, target_vocab_size=text.vocab_size,
         target_hidden_size=text.hidden_size)
-
-
-def check_manifest(manifest: dict, target: TextConfig, aux_ids: list[int], where: Path) -> None:
-    """Refuse data extracted from another target or with other aux layers."""
-    have = manifest["target"]
-    for key, value in target.identity().items():
-        if have.get(key) != value:
-            raise DataError(f"{where}/manifest.json: target.{key} = {have.get(key)!r}, but the target "
-                            f"at {target.source} has {value!r}; re-extract or point target.path at the "
-                            "model the data came from")
-    if manifest["aux_layer_ids"] != aux_ids:
-        raise DataError(f"{where}/manifest.json: aux_layer_ids = {manifest['aux_layer_ids']}, but the "
-                        f"config asks for {aux_ids} (target.aux_layer_ids)")
-    if not manifest.get("complete"):
-        raise DataError(f"{where}/manifest.json: the extraction is not complete; rerun extract.py")
-    if not sum(s["loss_tokens"] for s in manifest["shards"]):   # the loss would be 0/0: nan, nothing learnt
-        source = manifest.get("source", {}).get("path", "data.path")
-        raise DataError(f"{where}/manifest.json: no assistant tokens: every loss_mask in the "
-                        f"{len(manifest['shards'])} shards (extracted from {source}) is all zero, so there is "
-                        "nothing to train on; the loss mask must be 1 on the assistant replies")
 
 
 # Settings a resumed run must share with its checkpoint: data order and learning-rate schedule.

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.files import make_readable, open_safetensors, read_json, short_of_space, tensor_bytes
+from eagle3.models.checkpoint import TextConfig
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -158,3 +159,23 @@ class ShardReader:
         lengths = torch.tensor([r.length for r in refs], dtype=torch.int64)
         batch["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         return batch
+
+
+def check_manifest(manifest: dict, target: TextConfig, aux_ids: list[int], where: Path) -> None:
+    """Refuse data extracted from another target or with other aux layers."""
+    have = manifest["target"]
+    for key, value in target.identity().items():
+        if have.get(key) != value:
+            raise DataError(f"{where}/manifest.json: target.{key} = {have.get(key)!r}, but the target "
+                            f"at {target.source} has {value!r}; re-extract or point target.path at the "
+                            "model the data came from")
+    if manifest["aux_layer_ids"] != aux_ids:
+        raise DataError(f"{where}/manifest.json: aux_layer_ids = {manifest['aux_layer_ids']}, but the "
+                        f"config asks for {aux_ids} (target.aux_layer_ids)")
+    if not manifest.get("complete"):
+        raise DataError(f"{where}/manifest.json: the extraction is not complete; rerun extract.py")
+    if not sum(s["loss_tokens"] for s in manifest["shards"]):   # the loss would be 0/0: nan, nothing learnt
+        source = manifest.get("source", {}).get("path", "data.path")
+        raise DataError(f"{where}/manifest.json: no assistant tokens: every loss_mask in the "
+                        f"{len(manifest['shards'])} shards (extracted from {source}) is all zero, so there is "
+                        "nothing to train on; the loss mask must be 1 on the assistant replies")
