@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from eagle3.ops import rms_norm, swiglu
 from eagle3.models import quant
 from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig, _require
-from eagle3.models.llama import cached_attention_packed, causal_attention_packed
+from eagle3.models.attention import cached_attention_packed, causal_attention_packed
 
 # experts dequantized and multiplied together: 32 Kimi experts are 2.8 GB of bf16, enough rows
 # for one grouped GEMM to fill the GPU, a small transient next to a 64k-token chunk's activations

@@ -14,7 +14,7 @@ import torch
 
 from eagle3.ops import rms_norm
 from eagle3.models.checkpoint import Checkpoint
-from eagle3.models.llama import causal_cached_attention, cached_attention, padded_cached_attention
+from eagle3.models.attention import cached_attention, causal_cached_attention, padded_cached_attention
 from eagle3.models.streaming import build_model
 
 # Chunks up to this many tokens attend batched, padded to the next power of two (<= 2x wasted
@@ -174,7 +174,7 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
 
 
 class LayerPass:
-    """What a layer's forward gets as `cache` in a batched pass (llama.cached_attention_packed calls
+    """What a layer's forward gets as `cache` in a batched pass (attention.cached_attention_packed calls
     attend): the pool, the layer and the pass's layout."""
 
     def __init__(self, pool: KVPool, layer: int, layout: PassLayout):
