@@ -36,7 +36,7 @@ from eagle3.data.inputs import CHAT_KEYS, InputError
 from eagle3.data.shards import MANIFEST, ShardReader, check_manifest
 from eagle3.draft import Eagle3Draft
 from eagle3.export import advertised_tokens, load_vllm_draft
-from eagle3.extraction import resolve_device
+from eagle3.resolve import resolve_device
 from eagle3.files import strict_json
 from eagle3.generate import stop_tokens
 from eagle3.ops import TORCH_DTYPES

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from eagle3 import distributed
 from eagle3.config import Config
+from eagle3.resolve import resolve_aux_layer_ids, resolve_device
 from eagle3.data.chat import TOKENIZER_FILES
 from eagle3.data.inputs import InputError, InputStats, Record, file_sha256, read_records
 from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, encode_aux_fp8, sha256_file, shard_name,
@@ -26,20 +27,6 @@ from eagle3.ops import TORCH_DTYPES
 from eagle3.models.checkpoint import Checkpoint, TargetError
 from eagle3.models.streaming import TargetRunner
 
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_aux_layer_ids(cfg: Config, ckpt: Checkpoint) -> list[int]:
-    ids = cfg.target.aux_layer_ids or ckpt.config.default_aux_layer_ids()
-    n = ckpt.config.num_hidden_layers
-    if any(not 0 <= i < n for i in ids):
-        raise TargetError(f"{cfg.source}: target.aux_layer_ids = {ids}; the target has layers 0..{n - 1}")
-    return list(ids)
 
 
 def plan_shards(records: list[Record], shard_tokens: int) -> list[tuple[int, int]]:

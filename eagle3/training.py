@@ -25,7 +25,7 @@ from eagle3.data.batching import Prefetcher, pack, split_holdout, to_device
 from eagle3.data.shards import DataError, ShardReader, check_manifest, loss_token_counts
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.export import export_all
-from eagle3.extraction import resolve_aux_layer_ids
+from eagle3.resolve import resolve_aux_layer_ids
 from eagle3.files import strict_json, writable_dir
 from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig
 from eagle3.ttt import Objective, all_step_targets, live_rows, loss_denominator, loss_rows, summarize, ttt_forward
