@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.data.inputs import InputError
+from eagle3.data.errors import InputError
 
 EXTRA = "pip install eagle3-trainer[chat]"
 

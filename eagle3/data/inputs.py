@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle3.data.errors import InputError
 
-class InputError(ValueError):
-    """A data line that cannot be used; the message names the file and line."""
+
 
 
 @dataclass
