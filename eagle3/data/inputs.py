@@ -19,8 +19,6 @@ import numpy as np
 from eagle3.data.errors import InputError
 
 
-
-
 @dataclass
 class Record:
     line: int                  # 1-based line number in the input file
