@@ -26,7 +26,7 @@ SEQS, SEQ_LEN = 16, 4096           # a 64k-token chunk
 
 
 def kimi_config(layers: int):
-    """The real Kimi-K2.5 text config (sizes from SPEC §2) with `layers` decoder layers."""
+    """The real Kimi-K2.5 text config (its published sizes) with `layers` decoder layers."""
     cfg = tiny._kimi_config(hidden=7168, layers=layers, heads=64, q_lora_rank=1536, kv_lora_rank=512,
                             qk_nope=128, qk_rope=64, v_head=128, intermediate=18432, moe_intermediate=2048,
                             experts=384, top_k=8, n_group=1, topk_group=1, first_dense=1, vocab=163840,

@@ -2,7 +2,7 @@
 # The quality benchmark in one device call: the peer's wheels installed, then
 # `python -m eagle3.bench quality` stage by stage, its files packed into $OUT after each stage (so
 # a call stopped at its time limit still returns what it finished).
-#   here:  bash ../shared/peer/fetch-wheels.sh; mkdir -p .peer; cp ../shared/peer/*.py .peer/
+#   here:  the peer's wheels (speculators 0.9.0 and what it needs) in .whl/, its quality script in .peer/
 #   there: bash bench/quality_device.sh STAGE...     (carry .whl, .peer and .quality)
 # a STAGE is target, data, peer, measure or ours@VARIANT (VARIANT as --variant takes it: name[:key=value,...]);
 # QUALITY_ARGS="--recipe train_prompts=3072 ..." passes more options to every stage

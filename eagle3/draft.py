@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft model (SPEC §6).
+"""The EAGLE-3 draft model.
 
 Parameter names equal the exported vLLM names (`fc.weight`, `layers.0.self_attn.q_proj.weight`,
 ...), so export is a rename-free copy. Token embeddings and the target head rows are frozen
@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
 
 @dataclass
 class Rows:
-    """Which packed rows a TTT step computes (SPEC §7 skipping; None = all `total` rows).
+    """Which packed rows a TTT step computes (row skipping; None = all `total` rows).
 
     `computed` [C]: global indices of the rows whose inputs are given; `kept` [N]: indices into the
     computed rows whose outputs are needed. Every computed row still provides its keys and values."""

@@ -1,7 +1,7 @@
 """`python -m eagle3 evaluate --config config.toml CHECKPOINT_DIR`: judge a trained draft.
 
 On the held-out sequences (the same split training evaluates on): per-step loss, accuracy,
-conditional accuracy and the acceptance-length estimate of SPEC §7 (`accept_len`, every start row
+conditional accuracy and the acceptance-length estimate of eagle3.ttt (`accept_len`, every start row
 weighted once), broken down by the position of the draft's start row inside its assistant reply;
 and `accept_len_decoding`, the tokens per target forward that chain speculative decoding of the
 held-out replies gets (rounds replayed from the same per-row chains), which is what a serving

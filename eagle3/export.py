@@ -1,4 +1,4 @@
-"""Export a trained draft for serving (SPEC §9): vLLM (speculators layout) and SGLang (native).
+"""Export a trained draft for serving: vLLM (speculators layout) and SGLang (native).
 
 Both read `d2t`/`t2d` and the same weights; they differ in the config and in the layer's name
 (`layers.0.*` for vLLM, `midlayer.*` for SGLang, which silently skips names it does not know).

@@ -1,4 +1,4 @@
-"""Run the target over the training data and write hidden-state shards (SPEC §5).
+"""Run the target over the training data and write hidden-state shards (format: eagle3/data/shards.py).
 
 Resumable: the shard plan is a pure function of the data and the settings, the manifest lists
 only shards that were completely written, and a rerun skips them.
@@ -196,7 +196,7 @@ def _write_manifest(out: Path, header: dict, plan: list, stats: InputStats, tota
 
 def main(argv: list[str] | None = None) -> None:
     from eagle3.config import cli
-    cfg = cli(argv, "Extract target hidden states into shards (SPEC §5).")
+    cfg = cli(argv, "Extract target hidden states into shards.")
     try:
         run(cfg)
     except (TargetError, InputError, DataError) as e:

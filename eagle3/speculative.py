@@ -3,7 +3,7 @@
 Chain drafting: each round the draft proposes K tokens from the last accepted position, the
 target verifies them in one forward, the longest agreeing prefix plus the target's own next token
 is kept. The output is exactly the target's greedy decoding (lossless); the accepted length per
-round (tokens gained per target forward) is what the acceptance estimate of SPEC §7 predicts.
+round (tokens gained per target forward) is what the acceptance estimate of eagle3.ttt predicts.
 The `_many` variants decode several prompts at once (one draft pass and one target forward per
 round for all of them): the same loops, fewer kernel launches, for measuring on many prompts.
 """

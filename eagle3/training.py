@@ -83,7 +83,7 @@ TRITON_HEAD_DIMS = (64, 128)
 
 
 def select_kernels(choice: str, device: torch.device, head_dim: int, where: str = "config"):
-    """(attention, loss over all steps) with the SPEC §8 signatures: Triton, or torch (on CUDA the
+    """(attention, loss over all steps) with the signatures of kernels/reference.py: Triton, or torch (on CUDA the
     established recipe of `kernels.flex`, on the CPU the reference). "auto" takes Triton on CUDA;
     the Triton attention serves head dims 64 and 128 only, so another head dim keeps flex
     attention under "auto" and is an error under "triton"."""

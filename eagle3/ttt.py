@@ -1,4 +1,4 @@
-"""Training-time test (SPEC §7): the K-step unrolled draft, its targets, masks, loss and metrics.
+"""Training-time test: the K-step unrolled draft, its targets, masks, loss and metrics.
 
 Rows are packed tokens. At step k, row t reads the embedding of x[t+1+k], is trained towards
 p[t+1+k] (the target's distribution for x[t+2+k]) and is valid when t+2+k is inside its sequence,
@@ -113,7 +113,7 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     when found for this skip_dead_rows and number of steps) and cu_seqlens_host (int32 on the host,
     pinned on CUDA).
     embed: frozen target embedding [V_t, H]; head_rows: target lm_head rows of the draft vocab
-    [V_d, H]. `attention` and `loss_steps` have the SPEC §8 signatures of `kernels.ttt_attention`
+    [V_d, H]. `attention` and `loss_steps` have the signatures of `kernels.ttt_attention`
     and `kernels.ttt_loss_steps`. With skip_dead_rows, work that cannot reach the loss is skipped
     (exactly: same loss and gradients): at step 0 every row makes its keys and values but only
     live rows run the rest; from step 1 on only live rows are computed at all. `objective` holds

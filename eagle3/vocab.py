@@ -1,4 +1,4 @@
-"""The draft vocabulary (SPEC §1.3, §6): the most frequent loss-masked target ids, sorted.
+"""The draft vocabulary: the most frequent loss-masked target ids, sorted.
 
 `d2t[i]` is the offset from draft id i to its target id; `t2d[j]` says whether target id j is in
 the draft vocabulary.
@@ -35,7 +35,7 @@ def build_vocab(counts: Counter, target_vocab: int, draft_vocab: int) -> tuple[t
 
 
 def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str = "vocab") -> None:
-    """SPEC §9 invariant: arange(draft_vocab) + d2t == nonzero(t2d), sorted, unique, in range."""
+    """The invariant both engines rely on: arange(draft_vocab) + d2t == nonzero(t2d), sorted, unique, in range."""
     if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
         raise VocabError(f"{where}: d2t must be int64 and t2d bool (got {d2t.dtype}, {t2d.dtype})")
     target_ids = torch.arange(d2t.numel()) + d2t.cpu()

@@ -1,4 +1,4 @@
-"""Pure-torch ground truth for the two TTT hot spots (SPEC §8).
+"""Pure-torch ground truth for the two TTT hot spots.
 
 These are the semantics the Triton kernels must reproduce; tests compare against them and the
 training loop falls back to them when `train.kernels = "torch"`.

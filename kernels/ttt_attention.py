@@ -1,4 +1,4 @@
-"""Fused TTT attention in Triton: forward and backward (SPEC §7, §8).
+"""Fused TTT attention in Triton: forward and backward.
 
 At training-time-test step S-1, query t sees the step-0 keys 0..t of its own sequence (causal) and,
 for each later step j = 1..S-1, exactly one more key: k[j, t], its own row (the "diagonal").

@@ -1,4 +1,4 @@
-"""Fused TTT loss: draft lm_head + soft cross-entropy, forward and backward (SPEC §8).
+"""Fused TTT loss: draft lm_head + soft cross-entropy, forward and backward.
 
 Per TTT step the draft projects N hidden rows onto V draft-vocab logits z = h wᵀ and takes
 loss_i = -Σ_v p_iv log softmax(z_i)_v. Eagerly that keeps fp32 [N, V] logits, their log-softmax

@@ -27,6 +27,15 @@ def token_data(tmp_path_factory) -> Path:
                                 min_len=8, max_len=40)
 
 
+@pytest.fixture(scope="module")
+def hidden(tmp_path_factory, llama_target, token_data) -> Path:
+    """Shards of the tiny Llama target over the token data; one copy per test module (some damage theirs)."""
+    from eagle3 import extraction
+    tmp = tmp_path_factory.mktemp("hidden")
+    extraction.run(make_config(tmp, llama_target, token_data))
+    return tmp / "hidden"
+
+
 def make_config(tmp_path: Path, target: Path, data: Path, **overrides) -> config_mod.Config:
     """A fast CPU config for tests; overrides as {"train.max_steps": 4}."""
     base = {

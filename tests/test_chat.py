@@ -13,7 +13,7 @@ from eagle3.data.inputs import InputError, read_records
 from eagle3.data.shards import loss_token_counts, read_manifest
 
 # A miniature Kimi tokenizer: 256 byte ranks, merges building "hello", then the special block with
-# Kimi's offsets from the first special id (SPEC §12: <|im_end|> = base + 2, ...).
+# Kimi's offsets from the first special id (<|im_end|> = base + 2, ...).
 MERGES = [b"he", b"ll", b"hell", b"hello"]
 BASE = 256 + len(MERGES)
 HELLO = BASE - 1

@@ -67,7 +67,7 @@ print("ok")
 
 
 def test_triton_dequant_kernel_interpreted():
-    # fp32 output: the interpreter's bf16 rounding differs from the GPU's (SPEC §11)
+    # fp32 output: the interpreter's bf16 rounding differs from the GPU's
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _TRITON_CHECK, str(ROOT)], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""draft.lm_head_init and train.freeze_lm_head (SPEC §6): the draft's head starts as the target's
+"""draft.lm_head_init and train.freeze_lm_head: the draft's head starts as the target's
 rows of the draft vocab (the embedding's when tied), stays frozen by default, and a resumed run
 must keep both settings."""
 import json
@@ -17,13 +17,6 @@ from eagle3.models import tiny
 from eagle3.models.checkpoint import Checkpoint
 
 FAST = {"train.eval_every": 100, "train.log_every": 100, "train.checkpoint_every": 3}
-
-
-@pytest.fixture(scope="module")
-def hidden(tmp_path_factory, llama_target, token_data):
-    tmp = tmp_path_factory.mktemp("hidden")
-    extraction.run(make_config(tmp, llama_target, token_data))
-    return tmp / "hidden"
 
 
 @pytest.fixture(scope="module")

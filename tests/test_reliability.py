@@ -25,13 +25,6 @@ from eagle3.files import FILE_MODE, strict_json
 from eagle3.models.checkpoint import Checkpoint, TargetError
 
 
-@pytest.fixture(scope="module")
-def hidden(tmp_path_factory, llama_target, token_data):
-    tmp = tmp_path_factory.mktemp("hidden")
-    extraction.run(make_config(tmp, llama_target, token_data))
-    return tmp / "hidden"
-
-
 def config(tmp_path, llama_target, token_data, hidden, **overrides):
     return make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden,
                                                               "train.kernels": "torch", **overrides})

@@ -12,16 +12,9 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, make_config
 from eagle3 import checkpoint as ckpt_io
-from eagle3 import extraction, training
+from eagle3 import training
 from eagle3.data.shards import DataError
 from eagle3.vocab import check_vocab
-
-
-@pytest.fixture(scope="module")
-def hidden(tmp_path_factory, llama_target, token_data):
-    tmp = tmp_path_factory.mktemp("hidden")
-    extraction.run(make_config(tmp, llama_target, token_data))
-    return tmp / "hidden"
 
 
 def cli_args(tmp_path, llama_target, token_data, hidden, **extra):

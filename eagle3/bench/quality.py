@@ -464,7 +464,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
     parser.add_argument("--variant", action="append", default=None,
                         help="our recipe variant, name[:section.key=value,...]; repeatable (default: base)")
-    parser.add_argument("--peer-script", default="../shared/peer/speculators_quality.py")
+    parser.add_argument("--peer-script", default=".peer/speculators_quality.py",
+                        help="the peer's quality script (speculators 0.9.0 training on a Llama target)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
     parser.add_argument("--recipe", action="append", default=[],

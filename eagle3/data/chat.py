@@ -1,6 +1,6 @@
 """Chat conversations -> (input_ids, loss_mask) with the target's own tokenizer and chat template.
 
-Formats of a line (SPEC §12 for Kimi):
+Formats of a line:
   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ...}, ...]}   (OpenAI)
   {"conversations": [{"from": "system"|"human"|"gpt", "value": ...}, ...]}            (ShareGPT)
 Content is a string or a list of {"type": "text", "text": ...} parts (joined).

@@ -1,4 +1,4 @@
-"""Hidden-state shards on disk (SPEC §5): writer with atomic commit, manifest, reader.
+"""Hidden-state shards on disk: writer with atomic commit, manifest, reader.
 
 A shard appears in `manifest.json` only after its file was fully written under a temp name and
 renamed, so a killed extraction resumes without redoing or trusting partial work.
@@ -147,7 +147,7 @@ class ShardReader:
         return refs
 
     def read(self, refs: list[SeqRef]) -> dict[str, torch.Tensor]:
-        """Pack `refs` into one batch: the SPEC §5 tensors plus cu_seqlens of the batch. fp8 shards
+        """Pack `refs` into one batch: the shard tensors plus cu_seqlens of the batch. fp8 shards
         also give `aux_scale`; `decode_aux_fp8` turns them back into bf16 (on the GPU, in training)."""
         keys = [k for k in self._handle(0).keys() if k != "cu_seqlens"]
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in keys}

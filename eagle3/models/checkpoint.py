@@ -1,6 +1,6 @@
 """What a target checkpoint is: its resolved text config and lazy access to its tensors.
 
-Reads `config.json` with json (nested `text_config` resolved, SPEC §2) and safetensors through the
+Reads `config.json` with json (nested `text_config` resolved) and safetensors through the
 index or a single file. Nothing is loaded until a tensor is asked for by name.
 """
 from __future__ import annotations

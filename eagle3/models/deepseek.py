@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 forward for extraction, one layer at a time (SPEC §3).
+"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 forward for extraction, one layer at a time.
 
 MLA attention with interleaved-pair RoPE (YaRN) on the rope part only, dense first layers, and MoE
 layers with a sigmoid router, noaux_tc group-limited top-k, shared experts and int4 routed experts.
@@ -93,7 +93,7 @@ class DeepseekSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# RoPE with YaRN (SPEC §3)
+# RoPE with YaRN
 
 def yarn_mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0

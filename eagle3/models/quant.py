@@ -1,4 +1,4 @@
-"""compressed-tensors `pack-quantized` int4 weights (SPEC §2): unpacking and dequantization.
+"""compressed-tensors `pack-quantized` int4 weights: unpacking and dequantization.
 
 A quantized linear `X` is stored as `X.weight_packed` (int32 [out, in/8], eight 4-bit values per
 int32 along the input dimension, lowest nibble first, each stored as value + 8), `X.weight_scale`
