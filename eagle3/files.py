@@ -37,7 +37,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-
 def make_readable(path: Path) -> None:
     """Give a written file the mode of any file this user creates, so that a server running as
     another user can read the exports, checkpoints and shards."""

@@ -81,20 +81,13 @@ def _finish(tokens: list[int], max_new: int, stop: set[int]) -> tuple[list[int],
 
 def greedy_decode(target: IncrementalTarget, prompt: list[int], max_new: int,
                   stop: set[int] = frozenset()) -> Decoded:
-    cache = target.new_cache()
-    _, final = target.forward(torch.tensor(prompt), cache)
-    out = [int(target.greedy(final[-1:]))]
-    while not _finish(out, max_new, stop)[1]:
-        _, final = target.forward(torch.tensor(out[-1:]), cache)
-        out.append(int(target.greedy(final)))
-    return Decoded(_finish(out, max_new, stop)[0], accepted=[1] * len(out))
+    return greedy_decode_many(target, [prompt], max_new, stop)[0]
 
 
 def greedy_decode_many(target: IncrementalTarget, prompts: list[list[int]], max_new: int,
                        stop: set[int] = frozenset()) -> list[Decoded]:
-    """greedy_decode of several prompts with each step's forward batched over the prompts still
-    decoding (matmuls shared, attention per sequence against its own cache); one prompt alone runs
-    the same operations as greedy_decode."""
+    """The target's own greedy decoding of several prompts, each step's forward batched over the
+    prompts still decoding (one KV pool: attention for all of them in one call per layer)."""
     caches = [target.new_cache() for _ in prompts]
     feed = [torch.tensor(p) for p in prompts]             # each sequence's tokens the cache lacks
     outs: list[list[int]] = [[] for _ in prompts]
@@ -143,20 +136,13 @@ class _Chain:
 
 def speculative_decode(target: IncrementalTarget, drafter: Drafter, prompt: list[int], max_new: int,
                        k: int, stop: set[int] = frozenset()) -> Decoded:
-    cache = target.new_cache()
-    aux, final = target.forward(torch.tensor(prompt), cache)
-    chain = _Chain(prompt, cache, aux, int(target.greedy(final[-1:])))
-    while not chain.done(max_new, stop):
-        drafts = drafter.propose(chain.aux, torch.tensor(chain.tokens), k)
-        new_aux, final = target.forward(torch.tensor([chain.tokens[-1]] + drafts), cache)
-        chain.accept(drafts, target.greedy(final).tolist(), new_aux)
-    return chain.finish(max_new, stop)
+    return speculative_decode_many(target, drafter, [prompt], max_new, k, stop)[0]
 
 
 def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]],
                             max_new: int, k: int, stop: set[int] = frozenset()) -> list[Decoded]:
-    """speculative_decode of several prompts, each round's drafting and verification batched over
-    the prompts still decoding; one prompt alone runs the same operations as speculative_decode."""
+    """Greedy chain speculative decoding of several prompts, each round's drafting and verification
+    batched over the prompts still decoding; the output is the target's greedy output (lossless)."""
     caches = [target.new_cache() for _ in prompts]
     prefill = target.forward_many([torch.tensor(p) for p in prompts], caches)
     firsts = target.greedy(torch.cat([final[-1:] for _, final in prefill])).tolist()

@@ -64,6 +64,9 @@ class OracleDrafter:
             out[self.calls % k] = (out[self.calls % k] + 1) % 256
         return out
 
+    def propose_many(self, auxes, tokens, k):
+        return [self.propose(aux, torch.tensor(t), k) for aux, t in zip(auxes, tokens)]
+
 
 def random_drafter(target, seed):
     torch.manual_seed(seed)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from eagle3.files import strict_json
+from eagle3.files import atomic_write_text
 from eagle3.ops import apply_rope, llama_inv_freq, rms_norm, rope_cos_sin
 
 EOS = "<|endoftext|>"
@@ -308,9 +309,7 @@ def build_data(r: Recipe, work: Path, device: str) -> dict:
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tmp.rename(path)
+    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 # --- our trainer ---------------------------------------------------------------------------------
