@@ -99,6 +99,7 @@ class TrainConfig:
     fp32_residual: bool = False               # keep the draft's residual stream (and the state between TTT steps) in fp32
     oov_rows: bool = False                    # also train rows whose target token is outside the draft vocab
     aux_noise: float = 0.0                    # Gaussian noise on each aux layer's state, x its per-token RMS (training)
+    hard_label: float = 0.0                   # loss target (1 - w) p + w onehot(argmax p) (training)
     skip_nonfinite: bool = False              # a step with a NaN/inf loss or gradient norm: skip it (counted), not stop
 
 
@@ -249,13 +250,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{cfg.source}: train.max_steps must be >= 0 and train.epochs > 0")
     ranges = {"lr": t.lr > 0, "grad_clip": t.grad_clip > 0, "loss_decay": t.loss_decay > 0,
               "min_lr_ratio": 0 <= t.min_lr_ratio <= 1, "warmup_steps": t.warmup_steps >= 0,
-              "weight_decay": t.weight_decay >= 0, "prefetch": t.prefetch >= 1, "aux_noise": t.aux_noise >= 0}
+              "weight_decay": t.weight_decay >= 0, "prefetch": t.prefetch >= 1, "aux_noise": t.aux_noise >= 0,
+              "hard_label": 0 <= t.hard_label <= 1}
     for key, ok in ranges.items():
         if not ok:
             raise ConfigError(f"{cfg.source}: train.{key} = {getattr(t, key)}; expected "
                               + {"min_lr_ratio": "a number in [0, 1]", "warmup_steps": "an integer >= 0",
                                  "weight_decay": "a number >= 0", "prefetch": "an integer >= 1",
-                                 "aux_noise": "a number >= 0"}.get(key, "> 0"))
+                                 "aux_noise": "a number >= 0",
+                                 "hard_label": "a number in [0, 1]"}.get(key, "> 0"))
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"{cfg.source}: train.betas = {t.betas}; expected two numbers in [0, 1)")
     if not 0 <= t.eval_fraction < 1:

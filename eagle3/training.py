@@ -431,7 +431,8 @@ class Trainer:
 
     def _forward(self, model, batch, scale=1.0, training=False):
         t = self.cfg.train
-        objective = Objective(t.oov_rows, t.aux_noise if training else 0.0)   # evaluation sees clean inputs
+        # evaluation sees clean inputs and measures the loss against p itself
+        objective = Objective(t.oov_rows, *((t.aux_noise, t.hard_label) if training else (0.0, 0.0)))
         with self._autocast():
             return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_steps,
                          t.loss_decay, scale, t.skip_dead_rows, objective)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from eagle3.draft import Rows
 from eagle3.ops import positions_from_cu_seqlens
@@ -24,6 +25,8 @@ class Objective:
                                 # (towards p renormalised over the draft vocab, as speculators does)
     aux_noise: float = 0.0      # std of Gaussian noise added to each aux layer's state, relative to its
                                 # per-token RMS (training only; 0 = none)
+    hard_label: float = 0.0     # weight w of the target's top draft-vocab token in the loss target:
+                                # (1 - w) p + w onehot(argmax p); greedy acceptance is top-1 agreement
 
 
 @dataclass
@@ -57,13 +60,18 @@ def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_ma
     return StepTargets(index, valid, acc_rows)
 
 
-def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int) -> torch.Tensor:
+def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int,
+                 hard_label: float = 0.0) -> torch.Tensor:
     """p over the draft vocab, once per batch for all steps: softmax(final @ W_t[t2d].T), shifted up
-    by one row and padded so that step k's targets are the view `probs[k : k + T]` (no copy).
+    by one row and padded so that step k's targets are the view `probs[k : k + T]` (no copy); with
+    `hard_label` w, (1 - w) p + w onehot(argmax p) (still a distribution).
     Returns [T + steps, V_d] in the compute dtype (rows past the end are zero and never valid)."""
     T = final_hidden.shape[0]
     probs = final_hidden.new_zeros(T + steps, head_rows.shape[0])
-    probs[:T - 1] = torch.softmax((final_hidden[1:] @ head_rows.T).float(), dim=-1)
+    p = torch.softmax((final_hidden[1:] @ head_rows.T).float(), dim=-1)        # [T - 1, V_d]
+    if hard_label > 0:
+        p = (1 - hard_label) * p + hard_label * F.one_hot(p.argmax(-1), p.shape[-1]).to(p.dtype)
+    probs[:T - 1] = p
     return probs
 
 
@@ -117,7 +125,7 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     and `kernels.ttt_loss_steps`. With skip_dead_rows, work that cannot reach the loss is skipped
     (exactly: same loss and gradients): at step 0 every row makes its keys and values but only
     live rows run the rest; from step 1 on only live rows are computed at all. `objective` holds
-    the recipe levers (rows trained, input noise); prepared live/loss rows must follow its oov_rows.
+    the recipe levers (rows trained, input noise, loss target); prepared live/loss rows must follow its oov_rows.
     Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, 7], per-row detail): metric
     columns are METRICS plus the accepted-length sum in column 6 of row 0; the detail holds, per
     row, `correct` [steps, T] and `accepted` [T] (leading correct steps), for evaluation.
@@ -127,7 +135,7 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     targets = all_step_targets(batch, steps, draft.t2d, objective.oov_rows)
     positions = row_layout(batch["cu_seqlens"], T)[0]
     live = (batch.get("live_rows") or live_rows(targets)) if skip_dead_rows else [None] * steps
-    probs = target_probs(batch["final_hidden"], head_rows, steps)
+    probs = target_probs(batch["final_hidden"], head_rows, steps, objective.hard_label)
     aux = batch["aux_hidden"]
     h = draft.project(noisy(aux, objective.aux_noise) if objective.aux_noise > 0 else aux)
     caches = [[] for _ in draft.layers]

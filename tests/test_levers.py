@@ -1,9 +1,9 @@
-"""Recipe levers of the training objective: rows outside the draft vocab, input noise, fp32 residual."""
+"""Recipe levers of the training objective: rows outside the draft vocab, input noise, hard labels, fp32 residual."""
 import torch
 
 from conftest import make_config
 from eagle3 import extraction, training
-from eagle3.ttt import Objective, noisy, step_targets, ttt_forward
+from eagle3.ttt import Objective, noisy, step_targets, target_probs, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps
 from test_ttt import random_batch, tiny_draft
 
@@ -46,6 +46,23 @@ def test_aux_noise_scales_with_each_layer_and_is_off_at_zero():
     assert not torch.allclose(clean, noised)
 
 
+def test_hard_label_moves_the_target_towards_the_top_token_and_keeps_a_distribution():
+    torch.manual_seed(0)
+    final, head = torch.randn(9, 16), torch.randn(24, 16)
+    soft, half, hard = (target_probs(final, head, 3, w) for w in (0.0, 0.5, 1.0))
+    assert soft.shape == hard.shape == (12, 24) and not hard[8:].any()       # shifted, padded rows stay zero
+    top = soft[:8].argmax(-1)
+    assert torch.equal(hard[:8], torch.nn.functional.one_hot(top, 24).float())
+    assert torch.allclose(half[:8], (soft[:8] + hard[:8]) / 2) and torch.allclose(half[:8].sum(-1), torch.ones(8))
+
+    draft, batch = tiny_draft(), random_batch([13, 9])
+    embed = torch.randn(40, 16)
+    runs = [ttt_forward(draft, batch, embed, head, 2, ttt_attention, ttt_loss_steps, objective=Objective(hard_label=w))
+            for w in (0.0, 1.0)]
+    assert not torch.allclose(runs[0][0], runs[1][0])                        # another loss...
+    assert torch.equal(runs[0][1][:, 1:], runs[1][1][:, 1:])                  # ...on the same rows and argmaxes
+
+
 def test_fp32_residual_keeps_the_chain_in_fp32_with_bf16_inputs():
     draft = tiny_draft()
     aux = torch.randn(6, 48).bfloat16()
@@ -60,6 +77,7 @@ def test_fp32_residual_keeps_the_chain_in_fp32_with_bf16_inputs():
 
 def test_the_trainer_passes_the_levers_and_evaluates_without_noise(tmp_path, llama_target, token_data):
     cfg = make_config(tmp_path, llama_target, token_data, **{"train.oov_rows": "true", "train.aux_noise": 0.3,
+                                                             "train.hard_label": 0.5,
                                                              "vocab.draft_vocab_size": 64})
     extraction.run(cfg)
     trainer = training.Trainer(cfg)
