@@ -1,4 +1,9 @@
-"""`python -m eagle3 {inspect,export,evaluate,generate,demo}`."""
+"""`python -m eagle3 COMMAND` (the `eagle3` console script): every stage from one command line.
+
+`train` and `extract` run what `train.py` and `extract.py` run (those stay for torchrun), `bench`
+what `python -m eagle3.bench` runs; each command that reads a config takes `--config FILE` and
+`--section.key value` overrides; `config` lists every key.
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,13 +13,32 @@ from pathlib import Path
 
 from eagle3.models.checkpoint import Checkpoint, TargetError, inspect
 
+# (default, help) of --config for the commands that read a config
+CONFIG = ("config.toml", "TOML config file (default: config.toml)")
+# the commands with a parser of their own: given the rest of the command line as it is
+FORWARDED = {"extract": "extract the target's hidden states into shards (what extract.py runs)",
+             "train": "train an EAGLE-3 draft with training-time test (what train.py runs)",
+             "bench": "the training-step and quality benchmarks (python -m eagle3.bench)"}
 
-def demo(args) -> None:
+
+def forward(command: str, argv: list[str]) -> None:
+    if command == "train":
+        from eagle3.training import main as train
+        train(argv, prog="python -m eagle3 train")
+    elif command == "extract":
+        from eagle3.extraction import main as extract
+        extract(argv, prog="python -m eagle3 extract")
+    else:
+        from eagle3.bench.__main__ import main as bench
+        bench(argv)
+
+
+def demo(args, overrides: list[str]) -> None:
     """Make the tiny demo target and data if absent, then extract, train and export."""
     from eagle3 import config as config_mod
     from eagle3 import extraction, training
     from eagle3.models import tiny
-    cfg = config_mod.load(args.config, args.overrides)
+    cfg = config_mod.load(args.config, overrides)
     if not (Path(cfg.target.path) / "config.json").exists():
         tiny.make_demo_target(cfg.target.path)
         print(f"demo: wrote a tiny random target to {cfg.target.path}")
@@ -43,67 +67,89 @@ def evaluate_command(args, overrides: list[str]) -> None:
     print(f"wrote {out}")
 
 
+def export_command(args, overrides: list[str]) -> None:
+    """The config the checkpoint was trained with, unless --config names another; overrides on top."""
+    from eagle3 import config as config_mod
+    from eagle3.checkpoint import read_state
+    from eagle3.export import export_all
+    if args.config:
+        cfg = config_mod.load(args.config, overrides)
+    else:
+        cfg = config_mod.override(config_mod.from_dict(read_state(args.checkpoint)["config"], args.checkpoint),
+                                  overrides)
+    for fmt, path in export_all(args.checkpoint, args.out_dir, cfg).items():
+        print(f"exported {fmt} draft: {path}")
+
+
+def config_command(args, overrides: list[str]) -> None:
+    from eagle3 import config as config_mod
+    cfg = config_mod.load(args.config, overrides)
+    label = Path(args.config).name if args.config else "set"
+    print((config_mod.markdown_table if args.markdown else config_mod.reference)(cfg, label), end="")
+
+
+def generate_command(args, overrides: list[str]) -> None:
+    from eagle3 import config as config_mod
+    from eagle3.generate import run
+    run(config_mod.load(args.config, overrides))
+
+
+COMMANDS = {"inspect": lambda args, _: print(json.dumps(inspect(args.target), indent=2)),
+            "export": export_command, "evaluate": evaluate_command, "generate": generate_command,
+            "demo": demo, "config": config_command}
+
+
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from eagle3.config import OVERRIDES_HELP
-    parser = argparse.ArgumentParser(prog="python -m eagle3", epilog="Extraction and training: python extract.py "
-                                     "--help, python train.py --help. Each command: python -m eagle3 COMMAND --help.")
+    parser = argparse.ArgumentParser(prog="python -m eagle3", epilog="Each command: python -m eagle3 COMMAND "
+                                     "--help. Under torchrun: train.py and extract.py, with the same arguments.")
     sub = parser.add_subparsers(dest="command", required=True)
     subs = {}
 
-    def add(name: str, text: str, overrides: bool) -> argparse.ArgumentParser:
-        subs[name] = sub.add_parser(name, help=text, description=text, epilog=OVERRIDES_HELP if overrides else None)
-        if overrides:
-            subs[name].add_argument("--config", default="config.toml", help="TOML config file (default: config.toml)")
+    def add(name: str, text: str, config: tuple[str | None, str] | None = CONFIG) -> argparse.ArgumentParser:
+        """`config`: the default and help of --config; None for a command that reads no config."""
+        subs[name] = sub.add_parser(name, help=text, description=text, epilog=OVERRIDES_HELP if config else None)
+        if config:
+            subs[name].add_argument("--config", default=config[0], help=config[1])
         return subs[name]
 
-    p = add("inspect", "resolve a target checkpoint and print what the pipeline will use (one JSON object)", False)
+    p = add("inspect", "resolve a target checkpoint and print what the pipeline will use (one JSON object)", None)
     p.add_argument("target", help="target directory (or its config.json)")
-    p = add("export", "export a training checkpoint for vLLM and SGLang (the config comes from the checkpoint's "
-                      "state.json)", False)
+    for name in ("extract", "train"):
+        sub.add_parser(name, help=FORWARDED[name], add_help=False)
+    p = add("export", "export a training checkpoint for the engines in export.formats (vllm, sglang; e.g. "
+                      "--export.formats '[\"vllm\"]')",
+            (None, "TOML config file (default: the checkpoint's own config, kept in its state.json)"))
     p.add_argument("checkpoint", help="checkpoint directory, e.g. runs/demo/train/checkpoints/step-00000200")
     p.add_argument("out_dir", help="where to write <format>/config.json and model.safetensors")
-    p.add_argument("--formats", default="vllm,sglang", help="comma-separated: vllm, sglang (default: both)")
-    add("demo", "tiny target -> extract -> train -> export, on the CPU", True)
     p = add("evaluate", "real speculative decoding on prompts (--prompts) and, for our checkpoints, the "
-                        "held-out acceptance-length estimate", True)
+                        "held-out acceptance-length estimate")
     p.add_argument("checkpoint", help="one of our checkpoints or a speculators/vLLM EAGLE-3 draft directory")
     p.add_argument("--prompts", help="JSON lines of prompts (evaluate.prompts)")
     p.add_argument("--max-new-tokens", help="tokens per prompt (evaluate.max_new_tokens)")
     p.add_argument("--k", help="draft tokens per round (evaluate.k)")
     p.add_argument("--out", help="where to write the report (default: eval.json in the draft directory)")
-    add("generate", "regenerate the training replies with the target itself ([generate] keys)", True)
+    add("generate", "regenerate the training replies with the target itself ([generate] keys)")
+    add("demo", "tiny target -> extract -> train -> export, on the CPU")
+    sub.add_parser("bench", help=FORWARDED["bench"], add_help=False)
+    p = add("config", "every config key with its type, default and meaning",
+            (None, "a TOML config file: its values are shown where they are not the defaults"))
+    p.add_argument("--markdown", action="store_true", help="as README's config table")
     return parser, subs
 
 
 def main(argv: list[str] | None = None) -> None:
     from eagle3.config import check_overrides
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in FORWARDED:
+        return forward(argv[0], argv[1:])
     parser, subs = _parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("inspect", "export") and rest:   # they take no config: nothing to override
+    if args.command == "inspect" and rest:   # it takes no config: nothing to override
         subs[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
     rest = check_overrides(subs[args.command], rest) if rest else rest
     try:
-        if args.command == "inspect":
-            print(json.dumps(inspect(args.target), indent=2))
-        elif args.command == "export":
-            from eagle3 import config as config_mod
-            from eagle3.checkpoint import read_state
-            from eagle3.config import from_dict
-            from eagle3.export import export_all
-            cfg = from_dict(read_state(args.checkpoint)["config"], args.checkpoint)
-            cfg.export.formats = args.formats.split(",")
-            config_mod.validate(cfg)
-            for fmt, path in export_all(args.checkpoint, args.out_dir, cfg).items():
-                print(f"exported {fmt} draft: {path}")
-        elif args.command == "evaluate":
-            evaluate_command(args, rest)
-        elif args.command == "generate":
-            from eagle3 import config as config_mod
-            from eagle3.generate import run as generate
-            generate(config_mod.load(args.config, rest))
-        else:
-            args.overrides = rest
-            demo(args)
+        COMMANDS[args.command](args, rest)
     except (TargetError, ValueError) as e:
         sys.exit(f"error: {e}")
 

@@ -1,18 +1,21 @@
 """The one typed configuration schema: TOML loading, `--section.key value` overrides, validation.
 
-Every value a user may tune is a field below, with its type and default. `config.toml` holds the
-same keys with comments. A value of `None` ("auto" in TOML) means "derive it": from the target for
-draft sizes, from another key for paths.
+Every value a user may tune is a field below with its type (`Literal[...]` where the values are a
+fixed set), its default and its doc: `python -m eagle3 config` and README's config table are made
+from them. A value of `None` ("auto" in TOML) means "derive it": from the target for draft sizes,
+from another key for paths.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,115 +27,188 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the file and the key."""
 
 
+def setting(default: object, doc: str):
+    """A config key: its default and the one-line doc shown by `python -m eagle3 config` and README."""
+    if isinstance(default, list):       # a mutable default: each Config gets its own copy
+        return field(default_factory=lambda: list(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+Dtype = Literal["bfloat16", "float16", "float32"]    # what a target or draft may compute or be stored in
+
+
 @dataclass
 class TargetConfig:
-    path: str = "demo/target"                 # directory with config.json and *.safetensors
-    aux_layer_ids: list[int] | None = None    # decoder layers whose output is captured; auto: [1, L//2-1, L-4]
+    path: str = setting("demo/target", "target directory: `config.json` + safetensors (a nested `text_config` "
+                        "is fine)")
+    aux_layer_ids: list[int] | None = setting(
+        None, "the 3 decoder layers whose output is captured (ours; vLLM's ids are +1); auto: `[1, L//2-1, L-4]`")
 
 
 @dataclass
 class DataConfig:
-    path: str = "demo/data.jsonl"             # JSON lines: pre-tokenized, OpenAI "messages" or ShareGPT "conversations"
-    max_seq_len: int = 4096                   # longer sequences are truncated (counted in the manifest)
-    on_error: str = "fatal"                   # a line that cannot be parsed: "fatal" or "skip" (reported)
+    path: str = setting("demo/data.jsonl", 'JSON lines, one conversation each: pre-tokenized `{"input_ids", '
+                        '"loss_mask"}`, chat `{"messages": [...]}` or ShareGPT `{"conversations": [...]}`')
+    max_seq_len: int = setting(4096, "longer sequences are truncated (counted in the manifest)")
+    on_error: Literal["fatal", "skip"] = setting(
+        "fatal", "a line that cannot be used: `fatal` stops naming it, `skip` skips it (counted in the manifest)")
 
 
 @dataclass
 class ExtractConfig:
-    output_dir: str = "runs/demo/hidden"      # shards + manifest.json
-    shard_tokens: int = 65536                 # tokens per shard file (a shard ends on a sequence boundary)
-    chunk_tokens: int = 65536                 # tokens run through one layer at a time
-    device: str = "auto"                      # "auto" (cuda if available), "cpu", "cuda", "cuda:N"
-    dtype: str = "bfloat16"                   # compute dtype of the target forward
-    aux_dtype: str = "bfloat16"               # storage of aux_hidden: "bfloat16" or "float8_e4m3fn" (shards ~62% the size)
+    output_dir: str = setting("runs/demo/hidden", "shards (`shard-NNNNN.safetensors`) + `manifest.json`")
+    shard_tokens: int = setting(65536, "tokens per shard file (a shard ends on a sequence boundary)")
+    chunk_tokens: int = setting(65536, "tokens run through one target layer at a time")
+    device: str = setting("auto", "where the target runs: `cpu`, `cuda`, `cuda:N`; auto: cuda if available")
+    dtype: Dtype = setting("bfloat16", "compute dtype of the target forward")
+    aux_dtype: Literal["bfloat16", "float8_e4m3fn"] = setting(
+        "bfloat16", "storage of `aux_hidden`: `float8_e4m3fn` stores it as fp8 with a per-token, per-layer scale "
+        "(`aux_scale`): aux_hidden takes half the bytes, a shard about 62% (final_hidden stays bf16); the "
+        "trainer decodes it on the GPU")
 
 
 @dataclass
 class VocabConfig:
-    draft_vocab_size: int | None = None       # auto: min(32000, target vocab)
+    draft_vocab_size: int | None = setting(
+        None, "draft vocabulary: the most frequent assistant tokens; auto: min(32000, target vocab)")
 
 
 @dataclass
 class DraftConfig:
-    num_layers: int = 1
-    hidden_size: int | None = None            # auto: the target's (the frozen embedding fixes it)
-    num_attention_heads: int | None = None    # auto: the target's
-    num_key_value_heads: int | None = None    # auto: the target's
-    head_dim: int | None = None               # auto: hidden_size // num_attention_heads
-    intermediate_size: int | None = None      # auto: the target's dense intermediate size
-    rms_norm_eps: float | None = None         # auto: the target's
-    rope_theta: float | None = None           # auto: the target's rope_theta (plain Llama RoPE in the draft)
-    max_position_embeddings: int | None = None  # auto: the target's
-    lm_head_init: str = "target"              # "target": the target's lm_head rows of the draft vocab; "random"
+    num_layers: int = setting(1, "decoder layers of the draft (SGLang's export takes 1)")
+    hidden_size: int | None = setting(None, "auto: the target's, which it must equal (the frozen target "
+                                      "embedding feeds the draft)")
+    num_attention_heads: int | None = setting(None, "auto: the target's")
+    num_key_value_heads: int | None = setting(None, "auto: the target's (fewer for a GQA draft)")
+    head_dim: int | None = setting(None, "auto: the target's head_dim, else `hidden_size // num_attention_heads`")
+    intermediate_size: int | None = setting(None, "auto: the target's dense intermediate size")
+    rms_norm_eps: float | None = setting(None, "auto: the target's")
+    rope_theta: float | None = setting(None, "auto: the target's (the draft uses plain Llama RoPE)")
+    max_position_embeddings: int | None = setting(None, "auto: the target's")
+    lm_head_init: Literal["target", "random"] = setting(
+        "target", "`target`: the draft's `lm_head` starts as the target's `lm_head` rows of the draft vocab (the "
+        "embedding rows for a tied target), exactly, in fp32; `random`. Measured on a small real target: real "
+        "τ 3.25 from the target's rows, 3.01 random")
 
 
 @dataclass
 class TrainConfig:
-    data_dir: str | None = None               # auto: extract.output_dir
-    output_dir: str = "runs/demo/train"
-    max_steps: int = 200                      # optimizer steps; 0 = run `epochs` epochs
-    epochs: int = 1
-    seed: int = 0
-    batch_tokens: int = 16384                 # token budget of one micro-batch of packed sequences
-    grad_accum: int = 1                       # micro-batches per rank per optimizer step
-    ttt_steps: int = 7
-    loss_decay: float = 0.8                   # step k is weighted decay**k
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1                 # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    eval_fraction: float = 0.05               # share of sequences held out for evaluation
-    eval_every: int = 50
-    log_every: int = 10
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    resume: str = "auto"                      # "auto" (newest complete checkpoint), "never", or a checkpoint dir
-    overwrite: bool = False                   # with resume = "never": move a run already in output_dir aside first
-    kernels: str = "auto"                     # "auto" (triton on CUDA), "triton", "torch"
-    skip_dead_rows: bool = True               # skip the work of rows whose chain reaches no loss (exact)
-    compile_ops: bool = True                  # torch.compile RMSNorm / RoPE / SiLU*up on CUDA
-    device: str = "auto"
-    prefetch: int = 2                         # micro-batches read ahead in a background thread
-    freeze_lm_head: bool = True               # keep the draft's lm_head as initialised (not trained)
-    fp32_residual: bool = False               # keep the draft's residual stream (and the state between TTT steps) in fp32
-    oov_rows: bool = False                    # also train rows whose target token is outside the draft vocab
-    aux_noise: float = 0.0                    # Gaussian noise on each aux layer's state, x its per-token RMS (training)
-    hard_label: float = 0.0                   # loss target (1 - w) p + w onehot(argmax p) (training)
-    skip_nonfinite: bool = False              # a step with a NaN/inf loss or gradient norm: skip it (counted), not stop
+    data_dir: str | None = setting(None, "shards to train on; auto: `extract.output_dir`")
+    output_dir: str = setting("runs/demo/train", "`checkpoints/`, `metrics.jsonl`, `export/`")
+    max_steps: int = setting(200, "optimizer steps; 0 = run `train.epochs` epochs")
+    epochs: int = setting(1, "passes over the data when `train.max_steps` = 0")
+    seed: int = setting(0, "init and data order")
+    batch_tokens: int = setting(16384, "token budget of one micro-batch of packed sequences, per rank")
+    grad_accum: int = setting(1, "micro-batches per rank per optimizer step")
+    ttt_steps: int = setting(7, "training-time-test unroll K")
+    loss_decay: float = setting(0.8, "the loss of TTT step k is weighted `loss_decay**k`")
+    lr: float = setting(1e-4, "AdamW peak learning rate: linear warmup, then cosine")
+    min_lr_ratio: float = setting(0.1, "the cosine decays to `lr × min_lr_ratio`")
+    warmup_steps: int = setting(20, "linear warmup steps")
+    betas: list[float] = setting([0.9, 0.95], "AdamW betas")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    grad_clip: float = setting(0.5, "gradient norm clip")
+    eval_fraction: float = setting(0.05, "share of sequences held out for evaluation and the acceptance estimate")
+    eval_every: int = setting(50, "steps between evaluations")
+    log_every: int = setting(10, "steps between metrics.jsonl lines")
+    checkpoint_every: int = setting(
+        100, "steps between checkpoints; before a checkpoint (and `extract` before a shard) is written, the free "
+        "space is checked against its size (weights + optimizer state; a shard's tensors): if short, the run "
+        "stops naming the directory, the bytes needed and free, having written nothing, so the newest "
+        "checkpoint stays the last good one")
+    keep_checkpoints: int = setting(3, "newest checkpoints kept")
+    resume: str = setting(
+        "auto", "`auto` = newest complete checkpoint, `never`, or a checkpoint directory; a resumed run must "
+        "keep the settings that fix the data order and LR schedule (seed, batch_tokens, lr, ...; it stops "
+        "naming the one that changed) and the global batch, world size × `train.grad_accum`: it may resume on "
+        "another number of GPUs when that product is the checkpoint's (2 GPUs × 1 → 1 GPU × 2: step s reads "
+        "the same micro-batches, the same result within fp tolerance; the RNG files of ranks that no longer "
+        "exist are not read, missing ones are warned about). `train.max_steps` may be raised to extend a run, "
+        "even a finished one, never set below the checkpoint's step: the LR schedule keeps the total it was "
+        "built with (kept in `state.json`; for older checkpoints their `train.max_steps`, or their epochs' "
+        "steps), so the steps past the old end run at its final learning rate, `lr × min_lr_ratio`. `never` "
+        "starts a new run and refuses an `output_dir` that already holds one (checkpoints, `metrics.jsonl` or "
+        "`export/`): choose another directory, or set `train.overwrite`; resume loads `optimizer.pt` and the "
+        "RNG files with `torch.load(weights_only=True)`, so a shared checkpoint cannot run code")
+    overwrite: bool = setting(
+        False, "with `train.resume = \"never\"`: `true` first moves a run already in `output_dir` aside, whole, "
+        "to `<output_dir>.old-<YYYYmmdd-HHMMSS>` (rank 0, before any other rank touches it; nothing is "
+        "deleted) and starts the new run in an empty `output_dir`, so two runs never mix; with another "
+        "`train.resume` it is refused")
+    kernels: Literal["auto", "triton", "torch"] = setting(
+        "auto", "`auto` = Triton kernels on CUDA (flex_attention where the draft's head dim is not 64/128), the "
+        "torch reference on CPU; `triton`; `torch` = on CUDA compiled flex_attention + compiled loss, on CPU "
+        "the reference")
+    skip_dead_rows: bool = setting(
+        True, "from TTT step 1 on, compute only rows that still have a valid target at this or a later step, "
+        "and at step 0 run the MLP/head only for them (all rows still make keys): exact, same loss and "
+        "gradients, less work on chat data")
+    compile_ops: bool = setting(
+        True, "on CUDA, RMSNorm, RoPE and SiLU·up of the draft go through `torch.compile` (one fused kernel each "
+        "way instead of eager fp32 chains)")
+    device: str = setting("auto", "where training runs: `cpu`, `cuda`, `cuda:N`; auto: cuda if available")
+    prefetch: int = setting(2, "micro-batches read ahead in a background thread (on CUDA also prepared: live "
+                            "rows, loss rows)")
+    freeze_lm_head: bool = setting(
+        True, "the draft's `lm_head` keeps its initial weights: no gradient, not in the optimizer (the exports "
+        "carry the target's rows); with the target's rows, frozen 3.25 vs trained 3.24 real τ. A resumed run "
+        "must keep it and `draft.lm_head_init` (checkpoints from before these keys count as `random`, `false`)")
+    fp32_residual: bool = setting(
+        False, "keep the draft's residual stream and the state carried between TTT steps in fp32 (matmuls stay "
+        "bf16), as speculators does; measured: no change in real τ on the quality benchmark, so off")
+    oov_rows: bool = setting(
+        False, "also train the rows whose target greedy token is outside the draft vocabulary, towards the "
+        "target's distribution renormalised over the draft vocabulary (speculators does); they always count "
+        "as misses")
+    aux_noise: float = setting(
+        0.0, "Gaussian noise added to each aux layer's hidden state during training, as a multiple of its "
+        "per-token RMS (0 = none)")
+    hard_label: float = setting(
+        0.0, "weight w of the target's top draft-vocabulary token in the loss target, (1 - w) p + w "
+        "onehot(argmax p); greedy decoding accepts on top-1 agreement (training only; evaluation losses use p)")
+    skip_nonfinite: bool = setting(
+        False, "a step whose loss or gradient norm is NaN/inf changes no weight; `false` stops the run at the "
+        "next log, eval or checkpoint step naming that step and the cause (no checkpoint is written from it: "
+        "the newest stays the last good one), `true` skips such steps and goes on, counting them as "
+        "`skipped_steps` in `metrics.jsonl` and in the end-of-training summary")
 
 
 @dataclass
 class ExportConfig:
-    formats: list[str] = field(default_factory=lambda: ["vllm", "sglang"])
-    speculative_tokens: int = 3               # draft tokens per round advertised to the engine
-    dtype: str = "bfloat16"
-    verifier_name: str | None = None          # auto: target.path
+    formats: list[Literal["vllm", "sglang"]] = setting(
+        ["vllm", "sglang"], "written to `train.output_dir/export/<format>/` at the end of training")
+    speculative_tokens: int = setting(3, "draft tokens per round advertised to the engine")
+    dtype: Dtype = setting("bfloat16", "dtype of the exported weights")
+    verifier_name: str | None = setting(None, "what the engine loads as the verifier; auto: `target.path`")
 
 
 @dataclass
 class GenerateConfig:
-    output_path: str = "runs/demo/regenerated.jsonl"  # pre-tokenized JSON lines, read by extract.py
-    max_new_tokens: int = 512                 # per assistant reply
-    batch_size: int = 16                      # conversations decoded together
-    temperature: float = 0.0                  # 0 = greedy (what the acceptance estimate assumes)
-    top_p: float = 1.0
-    seed: int = 0
-    stop_token_ids: list[int] | None = None   # auto: the target's eos_token_id(s) and <|im_end|> if the tokenizer has it
-    device: str = "auto"
-    dtype: str = "bfloat16"
+    output_path: str = setting("runs/demo/regenerated.jsonl", "pre-tokenized JSON lines (point `data.path` "
+                               "at it to extract)")
+    max_new_tokens: int = setting(512, "per assistant reply")
+    batch_size: int = setting(16, "conversations decoded together")
+    temperature: float = setting(0.0, "0 = greedy (what the acceptance estimate assumes); > 0 samples")
+    top_p: float = setting(1.0, "nucleus sampling threshold, in (0, 1]")
+    seed: int = setting(0, "sampling seed")
+    stop_token_ids: list[int] | None = setting(
+        None, "auto: the target's eos_token_id(s) and `<|im_end|>` if its tokenizer has it")
+    device: str = setting("auto", "where the target runs: `cpu`, `cuda`, `cuda:N`; auto: cuda if available")
+    dtype: Dtype = setting("bfloat16", "compute dtype of the target")
 
 
 @dataclass
 class EvaluateConfig:
-    prompts: str | None = None                # JSON lines of prompts for real decoding; None: only the TTT estimate
-    max_new_tokens: int = 128                 # tokens generated per prompt
-    k: int | None = None                      # draft tokens per round; auto: ttt_steps (ours), speculative_tokens (vLLM)
-    device: str = "auto"
-    dtype: str = "float32"                    # target and draft; float32 so near-ties do not flip argmaxes
-    max_prompts: int = 0                      # the first N prompts; 0 = all
-    batch_size: int = 32                      # prompts decoded together (1: the plain one-prompt loops)
+    prompts: str | None = setting(
+        None, "JSON lines of prompts for real decoding (`--prompts`); auto: none, only the TTT estimate")
+    max_new_tokens: int = setting(128, "tokens generated per prompt (`--max-new-tokens`)")
+    k: int | None = setting(
+        None, "draft tokens per round (`--k`); auto: our draft's `train.ttt_steps`, a vLLM-layout draft's "
+        "`speculative_tokens` (7 if it has none)")
+    device: str = setting("auto", "where target and draft run: `cpu`, `cuda`, `cuda:N`; auto: cuda if available")
+    dtype: Dtype = setting("float32", "target and draft (float32: bf16 near-ties would count as mismatches)")
+    max_prompts: int = setting(0, "the first N prompts; 0 = all")
+    batch_size: int = setting(32, "prompts decoded together (1 = one prompt at a time; same tokens)")
 
 
 @dataclass
@@ -157,16 +233,6 @@ class Config:
         return self.train.data_dir or self.extract.output_dir
 
 
-CHOICES = {
-    ("data", "on_error"): ("fatal", "skip"),
-    ("extract", "dtype"): ("bfloat16", "float16", "float32"),
-    ("extract", "aux_dtype"): ("bfloat16", "float8_e4m3fn"),
-    ("train", "kernels"): ("auto", "triton", "torch"),
-    ("draft", "lm_head_init"): ("target", "random"),
-    ("export", "dtype"): ("bfloat16", "float16", "float32"),
-    ("generate", "dtype"): ("bfloat16", "float16", "float32"),
-    ("evaluate", "dtype"): ("bfloat16", "float16", "float32"),
-}
 POSITIVE = {("extract", "shard_tokens"), ("extract", "chunk_tokens"), ("train", "batch_tokens"),
             ("train", "grad_accum"), ("train", "ttt_steps"), ("train", "eval_every"),
             ("train", "log_every"), ("train", "checkpoint_every"), ("train", "keep_checkpoints"),
@@ -176,20 +242,32 @@ POSITIVE = {("extract", "shard_tokens"), ("extract", "chunk_tokens"), ("train", 
 
 
 def _sections() -> dict[str, type]:
-    return {f.name: f.type for f in dataclasses.fields(Config) if f.name != "source"}
+    return {name: cls for name, cls in _field_types(Config).items() if name != "source"}
 
 
 def _field_types(section_cls: type) -> dict[str, object]:
     return typing.get_type_hints(section_cls)
 
 
-def _type_name(tp: object) -> str:
-    return str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
+def type_name(tp: object) -> str:
+    """A key's type as messages and docs show it: `int`, `list[float]`, `"fatal" | "skip"`, `int | auto`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(json.dumps(a) for a in args)
+    if origin is list:
+        return f"list[{type_name(args[0])}]"
+    if origin in (typing.Union, types.UnionType):     # X | None: "auto" in TOML
+        return " | ".join("auto" if a is type(None) else type_name(a) for a in args)
+    return tp.__name__
 
 
 def _coerce(value: object, tp: object, where: str) -> object:
     """Check `value` (from TOML or JSON) against the annotation `tp`; return it converted."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{where} = {value!r}; expected one of {typing.get_args(tp)}")
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None or value == "auto":
@@ -200,13 +278,13 @@ def _coerce(value: object, tp: object, where: str) -> object:
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list of {_type_name(item)}, got {value!r}")
+            raise ConfigError(f"{where}: expected a list of {type_name(item)}, got {value!r}")
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool) and (type(value) is tp):
         return value
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}")
 
 
 def _parse_cli_value(text: str) -> object:
@@ -237,10 +315,8 @@ def _apply(cfg: Config, section: str, key: str, value: object, origin: str) -> N
 
 
 def validate(cfg: Config) -> None:
-    for (section, key), allowed in CHOICES.items():
-        value = getattr(getattr(cfg, section), key)
-        if value not in allowed:
-            raise ConfigError(f"{cfg.source}: {section}.{key} = {value!r}; expected one of {allowed}")
+    """The checks a type cannot express (ranges, paths, combinations); types and choices are checked
+    as values are read (`_coerce`)."""
     for section, key in POSITIVE:
         value = getattr(getattr(cfg, section), key)
         if value is not None and value <= 0:
@@ -270,9 +346,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{cfg.source}: train.overwrite = true starts a new run in place of the one in "
                           f"train.output_dir, but train.resume = {t.resume!r} would resume; set "
                           "train.resume = \"never\" with it, or train.overwrite = false")
-    for fmt in cfg.export.formats:
-        if fmt not in ("vllm", "sglang"):
-            raise ConfigError(f"{cfg.source}: export.formats has {fmt!r}; allowed: 'vllm', 'sglang'")
     g = cfg.generate
     if g.temperature < 0 or not 0 < g.top_p <= 1:
         raise ConfigError(f"{cfg.source}: generate.temperature must be >= 0 and generate.top_p in (0, 1]")
@@ -325,16 +398,20 @@ def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
         cfg = from_dict(data, str(path))
-    for section, key, value in parse_overrides(overrides or []):
+    return override(cfg, overrides or [])
+
+
+def override(cfg: Config, overrides: list[str]) -> Config:
+    """`cfg` with the command-line overrides applied, validated. Raises ConfigError."""
+    for section, key, value in parse_overrides(overrides):
         _apply(cfg, section, key, value, f"command line --{section}.{key}")
     validate(cfg)
     return cfg
 
 
 OVERRIDES_HELP = ("Any config key can be overridden: --section.key value or --section.key=value, e.g. "
-                  "--train.max_steps 40 (lists as JSON: --train.betas \"[0.9, 0.95]\"); sections: "
-                  + ", ".join(f.name for f in dataclasses.fields(Config) if f.name != "source")
-                  + ". The keys and their defaults: config.toml and README.md.")
+                  "--train.max_steps 40 (lists as JSON: --train.betas \"[0.9, 0.95]\"). Every key with its "
+                  "type, default and meaning: python -m eagle3 config.")
 
 
 def check_overrides(parser, argv: list[str]) -> list[str]:
@@ -347,13 +424,65 @@ def check_overrides(parser, argv: list[str]) -> list[str]:
     return argv
 
 
-def cli(argv: list[str] | None = None, description: str = "") -> Config:
+def cli(argv: list[str] | None = None, description: str = "", prog: str | None = None) -> Config:
     """Entry-point helper: `--config FILE` plus overrides; exits with the error message on failure."""
     import argparse
-    parser = argparse.ArgumentParser(description=description, epilog=OVERRIDES_HELP)
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=OVERRIDES_HELP)
     parser.add_argument("--config", default="config.toml", help="TOML config file (default: config.toml)")
     args, rest = parser.parse_known_args(argv)
     try:
         return load(args.config, check_overrides(parser, rest))
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+# --- the schema as documentation ------------------------------------------------------------------
+
+class Key(typing.NamedTuple):
+    name: str                                 # section.key
+    type: object
+    default: object
+    doc: str
+
+
+def schema() -> list[Key]:
+    """Every config key, in the schema's order."""
+    keys = []
+    for section, cls in _sections().items():
+        types_ = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            keys.append(Key(f"{section}.{f.name}", types_[f.name], default, f.metadata["doc"]))
+    return keys
+
+
+def toml_value(value: object) -> str:
+    return '"auto"' if value is None else json.dumps(value)
+
+
+def _note(cfg: Config | None, key: Key, label: str, fmt: str = "{}") -> str:
+    """' (label: value)' where `cfg` sets another value than the default, else ''."""
+    if cfg is None:
+        return ""
+    section, name = key.name.split(".")
+    value = getattr(getattr(cfg, section), name)
+    return "" if value == key.default else f" ({label}: {fmt.format(toml_value(value))})"
+
+
+def reference(cfg: Config | None = None, label: str = "set") -> str:
+    """Every key with its type, default and doc, and the value `cfg` sets where it is not the default."""
+    lines = []
+    for key in schema():
+        lines.append(f"{key.name}: {type_name(key.type)} = {toml_value(key.default)}{_note(cfg, key, label)}")
+        lines.append(textwrap.fill(key.doc, 100, initial_indent="    ", subsequent_indent="    "))
+    return "\n".join(lines) + "\n"
+
+
+def markdown_table(cfg: Config | None = None, label: str = "set") -> str:
+    """README's config table, one row per key, made from the schema like `reference`."""
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for key in schema():
+        default = f"`{toml_value(key.default)}`" + _note(cfg, key, label, "`{}`")
+        cells = (f"`{key.name}`", f"`{type_name(key.type)}`", default, key.doc)
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")   # a bare | splits a cell
+    return "\n".join(rows) + "\n"

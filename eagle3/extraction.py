@@ -194,9 +194,9 @@ def _write_manifest(out: Path, header: dict, plan: list, stats: InputStats, tota
           f"({stats.skipped} lines skipped, {stats.truncated} truncated) in {out}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     from eagle3.config import cli
-    cfg = cli(argv, "Extract target hidden states into shards.")
+    cfg = cli(argv, "Extract target hidden states into shards.", prog)
     try:
         run(cfg)
     except (TargetError, InputError, DataError) as e:

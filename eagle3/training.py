@@ -609,9 +609,9 @@ def run(cfg: Config) -> Path:
         distributed.teardown()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     from eagle3.config import cli
-    cfg = cli(argv, "Train an EAGLE-3 draft with training-time test.")
+    cfg = cli(argv, "Train an EAGLE-3 draft with training-time test.", prog)
     try:
         run(cfg)
     except (TargetError, DataError, VocabError, TrainError, ckpt_io.CheckpointError) as e:

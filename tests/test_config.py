@@ -1,6 +1,7 @@
 import pytest
 
-from eagle3.config import ConfigError, load
+from conftest import ROOT
+from eagle3.config import ConfigError, load, markdown_table, schema, tomllib
 
 
 def write(tmp_path, text):
@@ -54,7 +55,29 @@ def test_bad_toml_and_missing_file(tmp_path):
         load(None, ["--train.lr"])
 
 
-def test_repo_config_toml_is_valid():
-    from pathlib import Path
-    cfg = load(Path(__file__).resolve().parents[1] / "config.toml")
+def test_a_choice_outside_the_schemas_literal_names_file_key_and_choices(tmp_path):
+    with pytest.raises(ConfigError, match=r"c.toml: data.on_error = 'ignore'; expected one of \('fatal', 'skip'\)"):
+        load(write(tmp_path, '[data]\non_error = "ignore"\n'))
+    with pytest.raises(ConfigError, match=r"c.toml: export.formats\[1\] = 'onnx'; expected one of \('vllm', "):
+        load(write(tmp_path, '[export]\nformats = ["vllm", "onnx"]\n'))
+    with pytest.raises(ConfigError, match=r"command line --extract.aux_dtype: extract.aux_dtype = 'fp8'; "
+                                          r"expected one of \('bfloat16', 'float8_e4m3fn'\)"):
+        load(None, ["--extract.aux_dtype", "fp8"])
+
+
+def test_repo_config_toml_is_valid_and_sets_every_key():
+    cfg = load(ROOT / "config.toml")
     assert cfg.train.resume == "auto" and cfg.train.ttt_steps == 7
+    data = tomllib.loads((ROOT / "config.toml").read_text())
+    assert sorted(f"{section}.{key}" for section, values in data.items() for key in values) == \
+        sorted(key.name for key in schema())
+
+
+def test_every_key_has_a_doc_and_readme_table_is_the_schemas():
+    assert all(key.doc and "\n" not in key.doc for key in schema())
+    lines = (ROOT / "README.md").read_text().split("\n")
+    start = lines.index("| key | type | default | meaning |")
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    expected = markdown_table(load(ROOT / "config.toml"), "config.toml")
+    assert "\n".join(lines[start:end]) + "\n" == expected, \
+        "README's table is not the schema's: paste `python -m eagle3 config --config config.toml --markdown`"

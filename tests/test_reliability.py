@@ -584,26 +584,6 @@ def test_generate_refuses_changed_settings_and_skips_a_finished_run(tmp_path, ll
 
 # --- command lines -------------------------------------------------------------------------------
 
-def test_every_help_shows_arguments_and_overrides(capsys):
-    from eagle3.__main__ import main
-    from eagle3.config import cli
-    positionals = {"inspect": ["target"], "export": ["checkpoint", "out_dir"], "evaluate": ["checkpoint"],
-                   "generate": [], "demo": []}
-    for command, names in positionals.items():
-        with pytest.raises(SystemExit) as e:
-            main([command, "--help"])
-        assert e.value.code == 0
-        text = capsys.readouterr().out
-        assert all(f"  {name}  " in text or f"  {name}\n" in text for name in names), text
-        overridable = command not in ("inspect", "export")
-        assert ("Any config key can be overridden: --section.key value" in text) == overridable, text
-    for entry in ("Train an EAGLE-3 draft", "Extract target hidden states"):   # train.py, extract.py
-        with pytest.raises(SystemExit):
-            cli(["--help"], entry)
-        text = capsys.readouterr().out
-        assert "--config CONFIG" in text and "--section.key value or --section.key=value" in text
-
-
 def test_unknown_flags_are_usage_errors_before_anything_runs(capsys, llama_target, monkeypatch):
     from eagle3.__main__ import main
     with pytest.raises(SystemExit) as e:

@@ -84,8 +84,10 @@ def test_train_in_process_logs_checkpoints_and_exports(tmp_path, llama_target, t
             assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
 
     again = subprocess.run([sys.executable, "-m", "eagle3", "export", str(ckpt_io.latest(out)),
-                            str(tmp_path / "again"), "--formats", "vllm"], cwd=ROOT, capture_output=True, text=True)
+                            str(tmp_path / "again"), "--export.formats", '["vllm"]'], cwd=ROOT, capture_output=True,
+                           text=True)
     assert again.returncode == 0, again.stderr
+    assert not (tmp_path / "again" / "sglang").exists()
     assert load_file(tmp_path / "again" / "vllm" / "model.safetensors").keys() == \
         load_file(vllm / "model.safetensors").keys()
 
