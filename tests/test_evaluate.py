@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from conftest import make_config
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import extraction, generate, training
-from eagle3.data.batching import to_device
+from eagle3.data.batching import split_holdout, to_device
 from eagle3.data.shards import ShardReader
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.__main__ import main
@@ -134,6 +134,7 @@ def regenerated_run(request, tmp_path_factory, llama_target, token_data):
     return cfg
 
 
+@pytest.mark.slow
 def test_generate_output_and_resume(regenerated_run, token_data):
     cfg = regenerated_run
     out = [json.loads(x) for x in open(cfg.data.path)]
@@ -157,25 +158,30 @@ def test_generate_output_and_resume(regenerated_run, token_data):
     assert open(path).read().splitlines() == lines
 
 
-def test_estimate_equals_real_acceptance_per_row(regenerated_run):
-    """On greedily regenerated data, the TTT chain of a start row and a decoding round from the
-    same context accept the same number of tokens."""
-    cfg = regenerated_run
-    checkpoint = ckpt_io.latest(cfg.train.output_dir)
-    draft, state = ckpt_io.load_draft(checkpoint)
-    target = IncrementalTarget(Checkpoint(cfg.target.path), state["aux_layer_ids"], torch.device("cpu"))
+def held_out_batches(cfg, draft, state, target):
+    """(batch, per-row TTT detail) of each held-out sequence (the split the checkpoint was trained
+    with), one sequence at a time."""
     reader = ShardReader(cfg.extract.output_dir)
-    head_rows = target.head[draft.t2d]
-    drafter, K = Drafter(draft, target.embed), cfg.train.ttt_steps
-    agree = total = 0
-    estimated, real = [], []
-    # any row of greedily regenerated data will do; training rows are where the small draft is
-    # right often enough for long chains to be compared
-    for ref in reader.sequences[:8]:
+    _, held_out = split_holdout(reader.sequences, state["config"]["train"]["eval_fraction"])
+    for ref in held_out:
         batch = to_device(reader.read([ref]), torch.device("cpu"), torch.float32)
-        _, _, detail = ttt_forward(draft, batch, target.embed, head_rows, K, ttt_attention, ttt_loss_steps)
+        yield batch, ttt_forward(draft, batch, target.embed, target.head[draft.t2d], cfg.train.ttt_steps,
+                                 ttt_attention, ttt_loss_steps)[2]
+
+
+@pytest.mark.slow
+def test_estimate_equals_real_acceptance_on_each_held_out_row(regenerated_run):
+    """On greedily regenerated data, the TTT chain of each held-out start row and a decoding round
+    from the same context (the target's states rounded to bf16, as the shards hold them) accept the
+    same number of tokens."""
+    cfg = regenerated_run
+    draft, state = ckpt_io.load_draft(ckpt_io.latest(cfg.train.output_dir))
+    target = IncrementalTarget(Checkpoint(cfg.target.path), state["aux_layer_ids"], torch.device("cpu"))
+    drafter, K = Drafter(draft, target.embed), cfg.train.ttt_steps
+    estimated, real = [], []
+    for batch, detail in held_out_batches(cfg, draft, state, target):
         ids, mask = batch["input_ids"].long(), batch["loss_mask"]
-        for t in range(0, ids.numel() - K - 2, 3):
+        for t in range(ids.numel() - K - 1):
             if not mask[t + 2:t + 2 + K].all():   # whole chain inside the reply: nothing cuts it short
                 continue
             cache = target.new_cache()
@@ -188,14 +194,11 @@ def test_estimate_equals_real_acceptance_per_row(regenerated_run):
                 a += 1
             estimated.append(int(detail["accepted"][t]))
             real.append(a)
-            agree += a == int(detail["accepted"][t])
-            total += 1
-    assert total > 20 and sum(real) > 5, (total, real)   # the draft learned something to compare
-    print(f"rows {total} agree {agree} estimated {sum(estimated)} real {sum(real)}")
-    assert agree / total > 0.9
-    assert abs(sum(estimated) - sum(real)) / total < 0.15
+    assert len(real) > 100 and sum(real) > 20, (len(real), real)   # the draft learned something to compare
+    assert estimated == real
 
 
+@pytest.mark.slow
 def test_evaluate_command_writes_report(regenerated_run):
     report = evaluate(regenerated_run, ckpt_io.latest(regenerated_run.train.output_dir))
     saved = json.loads((ckpt_io.latest(regenerated_run.train.output_dir) / "eval.json").read_text())
@@ -206,31 +209,29 @@ def test_evaluate_command_writes_report(regenerated_run):
     assert (ckpt_io.latest(regenerated_run.train.output_dir) / "eval.png").stat().st_size > 10_000
 
 
-def test_replayed_rounds_equal_real_decoding(regenerated_run):
-    """Whole replies: tokens per target forward of the speculative-decoding loop equal the rounds
-    replayed by evaluate from the TTT per-row chains."""
+@pytest.mark.slow
+def test_replayed_rounds_match_real_decoding_of_held_out_replies(regenerated_run):
+    """Whole held-out replies: tokens per target forward of the speculative-decoding loop match the
+    rounds replayed by evaluate from the TTT per-row chains (to ~2%: the loop drafts from the
+    target's float32 states, the shards hold bf16, so a near-tie can end a round one token apart)."""
     from eagle3.evaluate import decoding_rounds
     cfg = regenerated_run
     draft, state = ckpt_io.load_draft(ckpt_io.latest(cfg.train.output_dir))
     target = IncrementalTarget(Checkpoint(cfg.target.path), state["aux_layer_ids"], torch.device("cpu"))
-    reader, K = ShardReader(cfg.extract.output_dir), cfg.train.ttt_steps
     replayed, real = [0, 0], [0, 0]
-    for ref in reader.sequences[:8]:
-        batch = to_device(reader.read([ref]), torch.device("cpu"), torch.float32)
-        _, _, detail = ttt_forward(draft, batch, target.embed, target.head[draft.t2d], K, ttt_attention,
-                                   ttt_loss_steps)
+    for batch, detail in held_out_batches(cfg, draft, state, target):
         mask = batch["loss_mask"].tolist()
         start, end = mask.index(1), len(mask) - mask[::-1].index(1)
         assert all(mask[start:end]) and end == len(mask)          # one reply, at the end
         tokens, rounds = decoding_rounds(detail["accepted"], batch["loss_mask"], batch["cu_seqlens"])
         replayed = [replayed[0] + tokens, replayed[1] + rounds]
         decoded = speculative_decode(target, Drafter(draft, target.embed), batch["input_ids"][:start].tolist(),
-                                     end - start, K)
+                                     end - start, cfg.train.ttt_steps)
         assert decoded.tokens == batch["input_ids"][start:end].tolist()   # the data is the target's own
         real = [real[0] + sum(decoded.accepted), real[1] + len(decoded.accepted)]
     print("replayed", replayed, "real", real)
-    assert real[1] > 0 and replayed[0] / replayed[1] == pytest.approx(real[0] / real[1], rel=0.02)
-    assert real[0] / real[1] > 1.3
+    assert real[0] > real[1] + 20                                  # drafts were accepted
+    assert replayed[0] == real[0] and replayed[1] == pytest.approx(real[1], rel=0.02)
 
 
 # ---------------------------------------------------------------- real decoding on prompts

@@ -18,6 +18,7 @@ def work(tmp_path_factory):
     return work
 
 
+@pytest.mark.slow
 def test_the_target_is_a_hugging_face_llama_our_reader_loads(work):
     target = Checkpoint(work / "target")
     r = quality.TINY
@@ -31,6 +32,7 @@ def test_the_target_is_a_hugging_face_llama_our_reader_loads(work):
     assert summary["target"]["train_loss"] < 6.0   # it learned something: uniform over 384 tokens is 5.95
 
 
+@pytest.mark.slow
 def test_judging_prompts_never_come_from_the_draft_data(work):
     prompts = [json.loads(line)["input_ids"] for line in (work / "prompts.jsonl").read_text().splitlines()]
     data = [json.loads(line) for line in (work / "regen.jsonl").read_text().splitlines()]
@@ -40,6 +42,7 @@ def test_judging_prompts_never_come_from_the_draft_data(work):
     assert all(sum(d["loss_mask"]) == quality.TINY.reply_len for d in data)
 
 
+@pytest.mark.slow
 def test_measure_reports_real_decoding_of_every_variant_losslessly(work):
     results = json.loads((work / "quality.json").read_text())["results"]
     assert set(results) == {"base", "trained-head"}
@@ -68,6 +71,7 @@ def test_variant_syntax():
         quality.with_changes(quality.Recipe(), ["no_such_field=1"])
 
 
+@pytest.mark.slow
 def test_a_work_directory_built_with_another_recipe_is_refused(work):
     with pytest.raises(SystemExit, match="another recipe.*lr: 0.0003 there, 0.001 asked"):
         bench_main(["quality", "--tiny", "--work", str(work), "--stages", "measure", "--recipe", "lr=1e-3"])

@@ -139,6 +139,7 @@ def test_a_larger_max_steps_extends_a_finished_run_at_the_final_lr(tmp_path, lla
     assert again.start_step == 6 and again.schedule.total == 6 and again.plan.total == 12
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_keeps_the_global_batch(tmp_path, llama_target, token_data, hidden):
     from test_training import cli_args, final_weights, run_train
     two = tmp_path / "two"   # uninterrupted: 2 ranks x grad_accum 1, checkpoints at 2, 4, 6

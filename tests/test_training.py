@@ -106,6 +106,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path, llama_target, token_data,
         assert la[step] == pytest.approx(lb[step], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, llama_target, token_data, hidden):
     steps = {"train.max_steps": 14}
     straight = tmp_path / "straight"
@@ -157,6 +158,7 @@ def test_bad_inputs_fail_with_clear_messages(tmp_path, llama_target, token_data,
     assert out.returncode != 0 and "unknown key 'train.bogus'" in out.stderr
 
 
+@pytest.mark.slow
 def test_triton_kernels_match_torch_reference_in_training(tmp_path, llama_target, token_data, hidden):
     """train.kernels = "triton" (interpreted on the CPU) trains to the same weights as "torch"."""
     common = {"train.max_steps": 2, "train.ttt_steps": 3, "draft.num_attention_heads": 1,

@@ -1,2 +1,4 @@
-"""Benchmarks: `python -m eagle3.bench` (the training step) and `python -m eagle3.bench quality`
-(real acceptance length of our draft against the peer's on a small real target)."""
+"""Benchmarks, `python -m eagle3.bench NAME`: `step` (the training step, the default), `quality`
+(real acceptance length of our draft against the peer's on a small real target), `attention` and
+`loss` (the TTT kernels against their alternatives), `moe` (a Kimi-K2.5 MoE layer and a streamed
+extraction). All time with `eagle3.bench.timing`; figures in bench/RESULTS.md."""

@@ -1,15 +1,15 @@
-"""`python -m eagle3.bench [step options]` or `python -m eagle3.bench quality [options]`."""
+"""`python -m eagle3.bench [step] [options]` or `python -m eagle3.bench {quality,attention,loss,moe} [options]`."""
+import importlib
 import sys
+
+BENCHES = ("step", "quality", "attention", "loss", "moe")
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["quality"]:
-        from eagle3.bench.quality import main as quality
-        quality(argv[1:])
-    else:
-        from eagle3.bench.step import main as step
-        step(argv[1:] if argv[:1] == ["step"] else argv)
+    # the training step is the default, so `torchrun -m eagle3.bench --kernels ...` needs no name
+    name, rest = (argv[0], argv[1:]) if argv[:1] and argv[0] in BENCHES else ("step", argv)
+    importlib.import_module(f"eagle3.bench.{name}").main(rest)
 
 
 if __name__ == "__main__":

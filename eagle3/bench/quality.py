@@ -39,8 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from eagle3.files import strict_json
-from eagle3.files import atomic_write_text
+from eagle3.bench.timing import wall_s
+from eagle3.files import atomic_write_text, strict_json
 from eagle3.ops import apply_rope, llama_inv_freq, rms_norm, rope_cos_sin
 
 EOS = "<|endoftext|>"
@@ -299,12 +299,11 @@ def build_data(r: Recipe, work: Path, device: str) -> dict:
     _write_jsonl(work / "seed.jsonl", seed_lines)
     _write_jsonl(work / "prompts.jsonl", [{"input_ids": w} for w in windows(judge_files, r.eval_prompts,
                                                                            r.prompt_len, g)])
-    t0 = time.perf_counter()
-    generate.run(our_config(r, work, work / "unused", {
+    cfg = our_config(r, work, work / "unused", {
         "data.path": work / "seed.jsonl", "generate.output_path": work / "regen.jsonl",
         "generate.max_new_tokens": r.reply_len, "generate.batch_size": r.generate_batch,
-        "generate.device": device, "generate.dtype": "float32", "generate.stop_token_ids": "[]"}))
-    return {"generate_s": time.perf_counter() - t0, "sequences": len(seed_lines),
+        "generate.device": device, "generate.dtype": "float32", "generate.stop_token_ids": "[]"})
+    return {"generate_s": wall_s(lambda: generate.run(cfg))[0], "sequences": len(seed_lines),
             "tokens": len(seed_lines) * (r.prompt_len + r.reply_len), "judging_prompts": r.eval_prompts}
 
 
@@ -339,21 +338,14 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, dict(pairs)
 
 
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def run_ours(r: Recipe, work: Path, variants: list[str], device: str) -> dict:
     from eagle3 import checkpoint as ckpt_io
     from eagle3 import extraction, training
     out = {}
     if not (work / "hidden" / "manifest.json").exists() or not json.loads(
             (work / "hidden" / "manifest.json").read_text()).get("complete"):
-        t0 = time.perf_counter()
-        extraction.run(our_config(r, work, work / "unused", {"extract.device": device}))
-        _synchronize()
-        out["extract_s"] = time.perf_counter() - t0
+        extract_cfg = our_config(r, work, work / "unused", {"extract.device": device})
+        out["extract_s"] = wall_s(lambda: extraction.run(extract_cfg))[0]
     for text in variants:
         name, overrides = parse_variant(text)
         run_dir = work / f"ours-{name}"
@@ -362,10 +354,7 @@ def run_ours(r: Recipe, work: Path, variants: list[str], device: str) -> dict:
         cfg = our_config(r, work, run_dir, {"train.device": device, **overrides})
         # a run killed by the call's time limit resumes: its time then covers only the rest
         resumed = ckpt_io.latest(run_dir)
-        t0 = time.perf_counter()
-        training.run(cfg)
-        _synchronize()
-        out[f"train_s/{name}"] = time.perf_counter() - t0
+        out[f"train_s/{name}"] = wall_s(lambda: training.run(cfg))[0]
         (run_dir / "bench.json").write_text(json.dumps({"variant": text, "train_s": out[f"train_s/{name}"],
                                                         "resumed_from": str(resumed) if resumed else None}))
     return out
@@ -380,9 +369,7 @@ def run_peer(r: Recipe, work: Path, script: Path) -> dict:
            "--epochs", str(r.epochs), "--ttt-steps", str(r.ttt_steps), "--draft-vocab", str(r.draft_vocab),
            "--lr", str(r.lr), "--decay", str(r.loss_decay), "--batch-tokens", str(r.batch_tokens),
            "--work", str(work / "peer_run")]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, p = wall_s(lambda: subprocess.run(cmd, capture_output=True, text=True))
     log = p.stdout + p.stderr
     (work / "peer.log").write_text(log)
     if p.returncode:

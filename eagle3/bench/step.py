@@ -3,25 +3,24 @@
 Writes a stand-in target (config, embedding, norm and head only: what the trainer reads) and
 synthetic hidden-state shards in the real format, then times `Trainer.train_step` (forward over
 all K steps, backward, optimizer step; DDP under torchrun) with the shards read through the
-trainer's own prefetcher. Prints tokens/s per GPU, model FLOPs utilization (matmul FLOPs of
+trainer's own prefetcher (median wall time of a step, the GPU's queued work finished on both
+sides: `timing.wall_s`). Prints tokens/s per GPU, model FLOPs utilization (matmul FLOPs of
 computing every row at every step, fwd+bwd, over the bf16 matmul rate measured in the same run),
 peak GPU memory and the share of step time the GPU is idle, per data layout and kernel choice:
 "torch" is the established recipe (compiled flex_attention, compiled loss, every row computed),
 "triton" is ours (Triton kernels, rows that cannot reach the loss skipped).
 
-    python -m eagle3.bench [--layouts a,b] [--kernels torch,triton] [--steps 5] [--warmup 2]
+    python -m eagle3.bench [step] [--layouts a,b] [--kernels torch,triton] [--steps 5] [--warmup 2]
     torchrun --nproc_per_node 2 -m eagle3.bench ...
     python -m eagle3.bench --tiny        # the same code on a tiny shape (CPU smoke test)
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from safetensors.torch import save_file
 
 from eagle3 import config as config_mod
 from eagle3 import distributed
+from eagle3.bench.timing import free_memory, matmul_tflops, wall_s
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, write_shard
 from eagle3.files import atomic_write_text
 from eagle3.models.checkpoint import read_config
@@ -105,22 +105,6 @@ def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int) ->
     atomic_write_text(out / MANIFEST, json.dumps(manifest))
 
 
-def matmul_tflops(device: torch.device) -> float:
-    """bf16 matmul rate of this GPU, measured now (8192^3, median of 10)."""
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    times = []
-    for i in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
-    return 2 * 8192 ** 3 / statistics.median(times) / 1e12
-
-
 def step_flops(s: dict, steps: int, tokens: int, head_trained: bool) -> float:
     """Matmul FLOPs of one optimizer step computing every row at every TTT step, fwd + bwd (x3; a
     frozen lm_head needs no weight gradient: x2)."""
@@ -137,12 +121,8 @@ def gpu_busy_fraction(trainer: Trainer, batch: dict, table: Path | None = None) 
     """(busy share, wall seconds) of one step under the profiler: union of the GPU kernels' time.
     `table`: where to write the step's kernels by GPU time (where the time goes)."""
     from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        trainer.train_step([batch])
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+        wall = wall_s(lambda: trainer.train_step([batch]))[0]
     if table is not None:
         table.parent.mkdir(parents=True, exist_ok=True)
         averages = prof.key_averages()
@@ -231,16 +211,11 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
     times, tokens = [], 0
     for i in range(warmup + steps):
         batch = next(batches)
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        metrics = trainer.train_step([batch])
-        if cuda:
-            torch.cuda.synchronize()
+        elapsed, metrics = wall_s(lambda: trainer.train_step([batch]))
         if i == 0:
             first = metrics   # the same weights and data on every path: losses agree across kernels
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
             tokens = batch["input_ids"].numel()
     table = profile_dir / f"profile-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}.txt" \
         if profile_dir else None
@@ -280,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         for layout in layouts:
             write_shards(root / f"data-{layout}", root / "target", layout, s, dist.world * (args.steps + args.warmup + 2))
     dist.barrier()
-    tflops = matmul_tflops(dist.device) if dist.device.type == "cuda" else float("nan")
+    tflops = matmul_tflops() if dist.device.type == "cuda" else float("nan")
     results = []
     for layout in layouts:
         for kernels in args.kernels.split(","):
@@ -291,9 +266,8 @@ def main(argv: list[str] | None = None) -> None:
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps({**results[-1], "tflops": tflops}) + "\n")
-            gc.collect()
+            free_memory()
             if dist.device.type == "cuda":
-                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
     if dist.main:
         name = torch.cuda.get_device_name() if dist.device.type == "cuda" else "cpu"

@@ -1,9 +1,10 @@
-"""`python -m kernels.bench loss`: the fused TTT loss against eager, torch.compile and the matmul floor.
+"""`python -m eagle3.bench loss [--shapes a,b,c,c*]`: the fused TTT loss against eager,
+torch.compile and the matmul floor, on the GPU.
 
 One training-like iteration = K = 7 steps sharing the draft head w [V, H]; step k has its own hidden
 rows h_k [N, H], target rows p[k : k + N] (views of one [N + K, V] tensor, as in training) and valid
 mask; total = Σ_k 0.8^k · Σ loss_k / n, then total.backward(). Timed fwd+bwd of that iteration
-(median of triton.testing.do_bench) for:
+(`timing.median_ms_of_calls`: median of triton.testing.do_bench over 7 calls) for:
 
   eager      K calls of kernels.reference.ttt_loss
   compile    K calls of torch.compile(kernels.reference.ttt_loss)
@@ -21,13 +22,11 @@ same errors for eager bf16.
 """
 from __future__ import annotations
 
-import datetime
-import gc
+import argparse
 
 import torch
-import triton
-from triton.testing import do_bench
 
+from eagle3.bench.timing import describe_device, free_memory, matmul_tflops, median_ms_of_calls, peak_bytes
 from kernels.reference import ttt_loss as reference_loss
 from kernels.ttt_loss import ttt_loss, ttt_loss_steps
 
@@ -114,39 +113,14 @@ def cublas_only(prob: Problem):
     return run
 
 
-def time_ms(fn) -> float:
-    fn()                                   # compile / autotune / allocate outside the timing
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    est = start.elapsed_time(end)
-    return do_bench(fn, warmup=1, rep=7 * est, return_mode="median")
-
-
 def memory(prob: Problem, fn) -> tuple[float, float]:
     """(extra, raw) GiB of one iteration; see the module docstring."""
     prob.zero_grads()
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    raw = torch.cuda.max_memory_allocated() - base
+    raw, out = peak_bytes(fn)
     grads = sum(t.grad.nbytes for t in prob.leaves() if t.grad is not None)
     del out
     prob.zero_grads()
     return (raw - grads) / GiB, raw / GiB
-
-
-def matmul_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: torch.matmul(a, b), warmup=100, rep=500, return_mode="median")
-    return 2 * 8192 ** 3 / ms / 1e9
 
 
 # --- correctness ---------------------------------------------------------------------------------
@@ -206,14 +180,14 @@ def bench_shape(label: str, rate: float, rows: list, checks: list, times: dict):
                 print(f"[{label}] {name} check failed: {exc!r}", flush=True)
         print(f"[{label}] checked", flush=True)
         del ref
-        gc.collect()
+        free_memory()
         torch._dynamo.reset()
         methods = {"eager": per_step(prob, reference_loss),
                    "compile": per_step(prob, torch.compile(reference_loss, dynamic=False)),
                    **methods, "cublas": cublas_only(prob)}
     for name, fn in methods.items():
         try:
-            ms = time_ms(fn)
+            ms = median_ms_of_calls(fn, calls=7)
             extra, raw = memory(prob, fn) if name != "cublas" else (float("nan"), float("nan"))
         except Exception as exc:  # keep the rest of the table
             print(f"[{label}] {name} failed: {exc!r}", flush=True)
@@ -226,8 +200,7 @@ def bench_shape(label: str, rate: float, rows: list, checks: list, times: dict):
     times[(label, "floor")] = (floor, 0.0)
     rows.append((label, "floor", floor, rate, float("nan"), float("nan")))
     del prob, methods
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory()
 
 
 def ratios(times: dict, label: str) -> list[str]:
@@ -256,9 +229,7 @@ def ratios(times: dict, label: str) -> list[str]:
 
 def run(shapes: str = "all") -> None:
     labels = list(SHAPES) + ["c*"] if shapes == "all" else shapes.split(",")
-    props = torch.cuda.get_device_properties(0)
-    print(f"{datetime.date.today()} {props.name}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"K={K}, V={V}, bf16", flush=True)
+    print(f"{describe_device()}, K={K}, V={V}, bf16", flush=True)
     rate = matmul_tflops()
     print(f"bf16 torch.matmul 8192^3: {rate:.0f} TFLOP/s", flush=True)
     rows, checks, times = [], [], {}
@@ -293,3 +264,9 @@ def run(shapes: str = "all") -> None:
             if ("c*", name) in times:
                 line += f"; time(c)/time(c, all valid) {c / times[('c*', name)][0]:.3f}"
             print(line)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.bench loss", description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="all", help="comma-separated shape labels (a,b,c,c*) or 'all'")
+    run(parser.parse_args(argv).shapes)

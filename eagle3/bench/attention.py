@@ -1,13 +1,14 @@
-"""`python -m kernels.bench attention`: TTT attention, forward + backward, on the GPU.
+"""`python -m eagle3.bench attention [--shapes a,b,c]`: TTT attention, forward + backward, on the GPU.
 
 For each shape (all K = 7 steps, i.e. S = 7 key/value steps, bf16, D = 128):
   a  T = 4096, one sequence, 64 q heads, 8 kv heads
   b  the same with 8 packed sequences of random lengths summing to 4096
   c  T = 8192, one sequence, 64 q heads, 64 kv heads
 it first checks the Triton kernel against an fp32 reference (output and dq, dk, dv), then times
-fwd+bwd (median of triton.testing.do_bench) and measures peak memory for:
+fwd+bwd (`timing.median_ms`: median of triton.testing.do_bench) and measures peak memory for:
   triton       kernels.ttt_attention.ttt_attention
-  flex         torch.compile(flex_attention) with the TTT block mask (mask built once, untimed)
+  flex         kernels.flex.ttt_attention, what `train.kernels = "torch"` runs: compiled
+               flex_attention with the TTT block mask (mask built on the untimed first call)
   sdpa floor   causal SDPA over the step-0 keys only (no diagonal terms): the floor; per-sequence
                calls for packed sequences, each on its own input tensors
   eager        kernels.reference.ttt_attention (materializes the fp32 score matrices)
@@ -16,20 +17,21 @@ FLOPs are the useful ones, counted the FlashAttention way: forward = 4 * D * Hq 
 sequences of n(n+1)/2 causal pairs + (S-1) * T diagonal pairs), backward = 2.5 x forward. The floor
 is counted without the diagonal pairs. Masked-out work that an implementation still does is not
 counted. Peak memory is the peak allocated during one fwd+bwd minus what was allocated before it
-(inputs and dO excluded; outputs, saved tensors, gradients and workspaces included).
+(inputs and dO excluded; outputs, saved tensors, gradients and workspaces included). Packed
+boundaries go to every contender as the trainer passes them: int32 in pinned host memory.
 """
 from __future__ import annotations
 
-import datetime
-import gc
+import argparse
 import os
 import random
 import traceback
 
 import torch
 import torch.nn.functional as F
-import triton
 
+from eagle3.bench.timing import describe_device, free_memory, median_ms, peak_bytes
+from kernels.flex import ttt_attention as flex_attention
 from kernels.reference import ttt_attention as reference_attention
 from kernels.ttt_attention import ttt_attention
 
@@ -62,7 +64,7 @@ def _make_case(label: str, seed: int = 0) -> dict:
     randn = lambda *size: torch.randn(*size, device=DEVICE, dtype=DTYPE, generator=gen)
     cu = None
     if len(lengths) > 1:
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).pin_memory()
     return dict(label=label, T=T, hq=hq, hkv=hkv, lengths=lengths, cu=cu,
                 q=randn(T, hq, HEAD_DIM), k=randn(S_STEPS, T, hkv, HEAD_DIM),
                 v=randn(S_STEPS, T, hkv, HEAD_DIM), do=randn(T, hq, HEAD_DIM))
@@ -122,46 +124,15 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x.detach().clone().requires_grad_()
 
 
-def _triton(case):
-    inputs = [_leaf(case[n]) for n in ("q", "k", "v")]
-    return inputs, lambda q, k, v: [ttt_attention(q, k, v, cu_seqlens=case["cu"])], [case["do"]]
+def _kernel(attention):
+    """A contender with the trainer's attention signature (kernels/reference.py's)."""
+    def build(case):
+        inputs = [_leaf(case[n]) for n in ("q", "k", "v")]
+        return inputs, lambda q, k, v: [attention(q, k, v, cu_seqlens=case["cu"])], [case["do"]]
+    return build
 
 
-def _eager(case):
-    inputs = [_leaf(case[n]) for n in ("q", "k", "v")]
-    return inputs, lambda q, k, v: [reference_attention(q, k, v, cu_seqlens=case["cu"])], [case["do"]]
-
-
-_compiled_flex = None
-
-
-def _flex(case):
-    """flex_attention over the keys of all steps laid side by side: [1, Hkv, S*T, D] (a free view)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    T = case["T"]
-    seq_id = torch.repeat_interleave(torch.arange(len(case["lengths"]), device=DEVICE),
-                                     torch.tensor(case["lengths"], device=DEVICE))
-
-    def ttt_mask(b, h, q_idx, kv_idx):
-        step, pos = kv_idx // T, kv_idx % T
-        causal = (step == 0) & (pos <= q_idx) & (seq_id[pos] == seq_id[q_idx])
-        return causal | ((step > 0) & (pos == q_idx))
-
-    block_mask = create_block_mask(ttt_mask, B=None, H=None, Q_LEN=T, KV_LEN=S_STEPS * T, device=DEVICE)
-    q = _leaf(case["q"][None])                                        # [1, T, Hq, D]
-    k = _leaf(case["k"].reshape(1, S_STEPS * T, case["hkv"], HEAD_DIM))  # [1, S*T, Hkv, D]
-    v = _leaf(case["v"].reshape(1, S_STEPS * T, case["hkv"], HEAD_DIM))
-
-    def run(q, k, v):
-        o = _compiled_flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                           block_mask=block_mask, enable_gqa=True)
-        return [o.transpose(1, 2)]
-
-    return [q, k, v], run, [case["do"][None]]
+_triton, _flex, _eager = _kernel(ttt_attention), _kernel(flex_attention), _kernel(reference_attention)
 
 
 def _sdpa_floor(case):
@@ -201,26 +172,14 @@ def _measure(build, case) -> tuple[float, float]:
         torch.autograd.grad(outs, inputs, douts)
 
     step()  # compile / autotune outside the measurements
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    ms = triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median")
-    del inputs, run, douts
-    gc.collect()
-    torch.cuda.empty_cache()
-    return ms, peak
+    peak = peak_bytes(step)[0] / 2**30
+    return median_ms(step, warmup=25, rep=200), peak
 
 
 def _bench_case(label: str) -> dict:
     case = _make_case(label)
     errors = check(case)
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory()
     ok = all(e < TOLERANCE for e in errors.values())
     print(f"\nshape ({label}): T={case['T']} Hq={case['hq']} Hkv={case['hkv']} D={HEAD_DIM} S={S_STEPS} "
           f"bf16, sequences {case['lengths']}")
@@ -242,9 +201,9 @@ def _bench_case(label: str) -> dict:
             print(f"  {name:27s} failed: {type(exc).__name__}: {str(exc)[:300]}")
             if os.environ.get("BENCH_TRACEBACK"):
                 traceback.print_exc()
-            gc.collect()
-            torch.cuda.empty_cache()
             continue
+        finally:
+            free_memory()   # what the contender left (after a failure: once its traceback is gone)
         rows[name] = (ms, flops / ms / 1e9, gib)
         print(f"  {name:27s} {ms:9.2f} ms {flops / ms / 1e9:7.1f} TFLOP/s {gib:7.2f} GiB", flush=True)
     return dict(case=case, errors=errors, ok=ok, rows=rows)
@@ -252,9 +211,7 @@ def _bench_case(label: str) -> dict:
 
 def run(shapes: str = "all") -> None:
     labels = list(SHAPES) if shapes == "all" else [s.strip() for s in shapes.split(",") if s.strip()]
-    props = torch.cuda.get_device_properties(0)
-    print(f"TTT attention fwd+bwd, {datetime.date.today()}, {props.name} ({props.multi_processor_count} SMs), "
-          f"torch {torch.__version__}, triton {triton.__version__}")
+    print(f"TTT attention fwd+bwd, {describe_device()}")
     results = [_bench_case(label) for label in labels]
 
     print("\n| shape | implementation | fwd+bwd ms | TFLOP/s | peak GiB |")
@@ -276,3 +233,9 @@ def run(shapes: str = "all") -> None:
                   f"| {kern[0] / floor[0]:.2f} | {kern[2] / flex[2]:.2f} |")
         else:
             print(f"| {res['case']['label']} | {verdict} | n/a | n/a | n/a | n/a |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.bench attention", description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="all", help="comma-separated shape labels (a,b,c) or 'all'")
+    run(parser.parse_args(argv).shapes)

@@ -1,0 +1,210 @@
+"""`python -m eagle3.bench moe`: Kimi-K2.5 extraction on one GPU: one real-size MoE layer's
+throughput, and the peak memory of a 4-layer real-width streamed extraction (`--tiny`: the same
+code at toy size on the CPU).
+
+Weights are random, generated on the device in the layout `DeepseekTarget.load_layer` produces from
+the real checkpoint format (int4 pack-quantized routed experts stacked per layer, bf16 rest, fp32
+router and bias), so no 600 GB checkpoint is needed. FLOPs count the active parameters of each
+token (MLA projections, the causal attention itself, router, 8 routed + 1 shared expert). Times:
+`timing.median_ms_of_calls` (median of triton.testing.do_bench over 5 calls after 2 warm-ups).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from eagle3.bench.timing import describe_device, matmul_tflops, median_ms_of_calls, peak_bytes, wall_s
+from eagle3.models import deepseek, quant, streaming, tiny
+from eagle3.models.checkpoint import read_config
+
+# the real Kimi-K2.5 text config (its published sizes); 16 sequences of 4096 tokens: a 64k-token chunk
+KIMI_MODEL = dict(hidden=7168, heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128,
+                  intermediate=18432, moe_intermediate=2048, experts=384, top_k=8, n_group=1, topk_group=1,
+                  first_dense=1, vocab=163840, yarn_original=4096, yarn_factor=64.0)
+KIMI = dict(model=KIMI_MODEL, seqs=16, seq_len=4096)
+TINY = dict(model=dict(KIMI_MODEL, hidden=64, heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope=16, qk_rope=8,
+                       v_head=16, intermediate=128, moe_intermediate=32, experts=8, top_k=2, vocab=512,
+                       yarn_original=128),
+            seqs=2, seq_len=64)
+
+
+def kimi_config(s: dict, layers: int):
+    """The text config of shape `s` with `layers` decoder layers."""
+    cfg = tiny._kimi_config(layers=layers, **s["model"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(json.dumps(cfg))
+        return read_config(path)
+
+
+class GeneratedCheckpoint:
+    """What the runner reads from a checkpoint besides the layers: the config, embedding, final norm
+    and head (random, on the device). Every tensor counts as present: the layers come from
+    `GeneratedKimi`."""
+
+    def __init__(self, config, device: torch.device):
+        self.config, self.device = config, device
+
+    def has(self, name: str) -> bool:
+        return True
+
+    def get(self, name: str) -> torch.Tensor:
+        V, H, dev = self.config.vocab_size, self.config.hidden_size, self.device
+        if name == "norm.weight":
+            return torch.ones(H, device=dev, dtype=torch.bfloat16)
+        return torch.randn(V, H, device=dev, dtype=torch.bfloat16) * (1.0 if name.startswith("embed") else H ** -0.5)
+
+
+class GeneratedKimi(deepseek.DeepseekTarget):
+    """DeepseekTarget whose layers are random, made on the device instead of read from disk."""
+
+    def load_layer(self, i: int) -> dict[str, torch.Tensor]:
+        s, H, dev, dt = self.spec, self.cfg.hidden_size, self.device, self.dtype
+        w = {name: torch.randn(*shape, device=dev, dtype=dt) * shape[1] ** -0.5
+             for name, shape in self._shapes(i).items()}
+        w.update({n: torch.ones(d, device=dev, dtype=dt) for n, d in (
+            ("input_layernorm", H), ("post_attention_layernorm", H), ("self_attn.kv_a_layernorm", s.kv_lora_rank),
+            ("self_attn.q_a_layernorm", s.q_lora_rank))})
+        if s.is_moe(i):
+            E, I = s.n_routed_experts, s.moe_intermediate_size
+            w["mlp.gate"] = torch.randn(E, H, device=dev) * H ** -0.5
+            w["mlp.gate.bias"] = torch.randn(E, device=dev) * 0.01
+            for key, (rows, inp) in (("gate_up", (2 * I, H)), ("down", (H, I))):
+                w[f"experts.{key}.weight_packed"] = torch.randint(-2 ** 31, 2 ** 31 - 1, (E, rows, inp // 8),
+                                                                  dtype=torch.int32, device=dev)
+                # int4 values have std ~4.6: weights of std inp^-0.5 like the bf16 layers
+                w[f"experts.{key}.weight_scale"] = torch.full((E, rows, inp // 32), inp ** -0.5 / 4.6,
+                                                              dtype=torch.bfloat16, device=dev)
+        return w
+
+
+# The kernel choices below are made inside eagle3.models by functions that take no parameter, so the
+# alternatives are swapped in for one `with` block only and restored on leaving it.
+
+def per_expert_matmuls():
+    """One matmul per expert instead of torch._grouped_mm."""
+    return mock.patch.object(deepseek, "grouped_mm_supported", lambda x: False)
+
+
+def eager_dequantization():
+    """The eager torch dequantization instead of the Triton kernel."""
+    return mock.patch.object(quant, "_dequantize_triton", quant.dequantize_int4_torch)
+
+
+def layer_flops(model, s: dict) -> dict[str, float]:
+    """Useful FLOPs of one MoE layer over s["seqs"] sequences of s["seq_len"] tokens (active parameters only)."""
+    spec, H, nh = model.spec, model.cfg.hidden_size, model.heads
+    tokens = s["seqs"] * s["seq_len"]
+    proj = H * spec.q_lora_rank + spec.q_lora_rank * nh * spec.qk_head_dim
+    proj += H * (spec.kv_lora_rank + spec.qk_rope_head_dim)
+    proj += spec.kv_lora_rank * nh * (spec.qk_nope_head_dim + spec.v_head_dim) + nh * spec.v_head_dim * H
+    pairs = s["seqs"] * s["seq_len"] * (s["seq_len"] + 1) // 2
+    experts = (spec.num_experts_per_tok + spec.n_shared_experts) * 3 * H * spec.moe_intermediate_size
+    return {"attention projections": 2 * proj * tokens,
+            "attention (causal)": 2 * nh * (spec.qk_head_dim + spec.v_head_dim) * pairs,
+            "router": 2 * H * spec.n_routed_experts * tokens,
+            "experts (8 routed + 1 shared)": 2 * experts * tokens}
+
+
+def check_grouped_mm(device: torch.device) -> bool:
+    """torch._grouped_mm on this device against the per-expert loop, at a small bf16 shape."""
+    x = torch.randn(300, 256, device=device, dtype=torch.bfloat16)
+    w = torch.randn(3, 128, 256, device=device, dtype=torch.bfloat16)
+    sizes = [100, 0, 200]
+    ends = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    try:
+        got = deepseek.expert_matmul(x, w, sizes, ends)
+    except RuntimeError as e:
+        print(f"grouped mm failed: {e}")
+        return False
+    expect = torch.cat([x[:100] @ w[0].T, x[100:] @ w[2].T])
+    return bool(((got.float() - expect.float()).norm() / expect.float().norm()) < 1e-2)
+
+
+def check_dequant(w) -> bool:
+    """The Triton kernel against the eager torch dequantization, on real-size experts."""
+    p, sc = w["experts.down.weight_packed"][:3], w["experts.down.weight_scale"][:3]
+    return torch.equal(quant.dequantize_int4(p, sc, torch.bfloat16), quant.dequantize_int4_torch(p, sc, torch.bfloat16))
+
+
+def bench_layer(s: dict, device: torch.device, peak: float) -> dict:
+    model = GeneratedKimi(GeneratedCheckpoint(kimi_config(s, layers=4), device), device, torch.bfloat16)
+    w = model.load_layer(1)
+    ok, grouped_ok = check_dequant(w), check_grouped_mm(device)
+    print(f"triton dequant == torch dequant on real-size experts: {ok}; grouped mm works: {grouped_ok}")
+    with contextlib.ExitStack() as fallbacks:   # keep measuring where a check failed, and say so
+        if not ok:
+            fallbacks.enter_context(eager_dequantization())
+        if not grouped_ok:
+            fallbacks.enter_context(per_expert_matmuls())
+        return {**time_layer(model, w, s, device, peak), "triton_dequant_ok": ok, "grouped_mm_ok": grouped_ok}
+
+
+def time_layer(model, w: dict, s: dict, device: torch.device, peak: float) -> dict:
+    T, cuda = s["seqs"] * s["seq_len"], device.type == "cuda"
+    x = torch.randn(T, model.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    cu = torch.arange(0, T + 1, s["seq_len"], device=device)
+    pos = torch.arange(T, device=device) % s["seq_len"]
+    transient = peak_bytes(lambda: model.layer_forward(w, x, pos, cu))[0] / 2 ** 30 if cuda else float("nan")
+    t_layer = median_ms_of_calls(lambda: model.layer_forward(w, x, pos, cu), calls=5, warmup_calls=2) / 1e3
+    xn = torch.randn_like(x)
+    t_attn = median_ms_of_calls(lambda: model._attention(w, xn, pos, cu, None), calls=5, warmup_calls=2) / 1e3
+    t_moe = median_ms_of_calls(lambda: model._moe(w, xn), calls=5, warmup_calls=2) / 1e3
+    with per_expert_matmuls():
+        t_moe_loop = median_ms_of_calls(lambda: model._moe(w, xn), calls=3) / 1e3
+    E = model.spec.n_routed_experts
+    quarter = list(range(E // 4))
+    t_deq = median_ms_of_calls(lambda: (model._expert_weights(w, "gate_up", quarter),
+                                        model._expert_weights(w, "down", quarter)), calls=5, warmup_calls=2) * 4 / 1e3
+    p, sc = w["experts.gate_up.weight_packed"][:8], w["experts.gate_up.weight_scale"][:8]
+    t_deq_eager = median_ms_of_calls(lambda: quant.dequantize_int4_torch(p, sc, torch.bfloat16),
+                                     calls=5, warmup_calls=2) * E / 8 / 1e3
+    idx, _ = deepseek.route(torch.nn.functional.linear(xn.float(), w["mlp.gate"]), w["mlp.gate.bias"], model.spec)
+    counts = torch.bincount(idx.flatten(), minlength=E)
+    flops = layer_flops(model, s)
+    total = sum(flops.values())
+    return {"tokens": T, "layer_s": t_layer, "tokens_per_s": T / t_layer, "tflops": total / t_layer / 1e12,
+            "peak_share": total / t_layer / 1e12 / peak, "flops": flops, "attention_s": t_attn, "moe_s": t_moe,
+            "moe_per_expert_loop_s": t_moe_loop,
+            "dequant_all_experts_s": t_deq, "dequant_all_experts_eager_s": t_deq_eager,
+            "layer_transient_gib": transient, "expert_tokens_min_max": [int(counts.min()), int(counts.max())]}
+
+
+def bench_streamed(s: dict, device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    ckpt = GeneratedCheckpoint(kimi_config(s, layers=4), device)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    runner = streaming.TargetRunner(ckpt, [1, 2, 3], device, torch.bfloat16, chunk_tokens=s["seqs"] * s["seq_len"])
+    # the runner's model reads layers from its checkpoint; this one makes each layer when the runner loads it
+    runner.model = GeneratedKimi(ckpt, device, torch.bfloat16)
+    ids = torch.randint(0, ckpt.config.vocab_size, (s["seqs"] * s["seq_len"],))
+    cu = list(range(0, s["seqs"] * s["seq_len"] + 1, s["seq_len"]))
+    elapsed, out = wall_s(lambda: runner.run(ids, cu))
+    assert all(torch.isfinite(out[k].float()).all() for k in ("aux_hidden", "final_hidden"))
+    allocated, reserved = (torch.cuda.max_memory_allocated() / 2 ** 30, torch.cuda.max_memory_reserved() / 2 ** 30) \
+        if cuda else (float("nan"), float("nan"))
+    return {"layers": "1 dense + 3 MoE", "tokens": s["seqs"] * s["seq_len"], "wall_s": elapsed,
+            "peak_allocated_gib": allocated, "peak_reserved_gib": reserved}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.bench moe", description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (smoke test)")
+    args = parser.parse_args(argv)
+    s, device = (TINY, torch.device("cpu")) if args.tiny else (KIMI, torch.device("cuda"))
+    print(describe_device())
+    with torch.no_grad():
+        peak = matmul_tflops() if device.type == "cuda" else float("nan")
+        print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")
+        layer = bench_layer(s, device, peak)
+        print(json.dumps(layer, indent=1))
+        streamed = bench_streamed(s, device)
+        print(json.dumps(streamed, indent=1))

@@ -1,0 +1,118 @@
+"""The one timer of the benches.
+
+`median_ms` times GPU work: `triton.testing.do_bench` (median, L2 flushed before each call) where
+Triton and CUDA are there, otherwise the same budgets with CUDA events around each call (the host
+clock on the CPU); `median_ms_of_calls` is the same for work slow enough that the figure should
+rest on a fixed number of calls. `wall_s` times work with host steps in it (a training step, a
+pipeline stage); `peak_bytes` gives the memory a piece of GPU work adds.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import statistics
+import time
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def median_ms(fn: Callable[[], object], warmup: float = 25, rep: float = 100) -> float:
+    """Median milliseconds of one fn() after `warmup` ms of warm-up calls, over `rep` ms of calls
+    (at least one of each; the budgets of do_bench)."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:   # no Triton (macOS, Windows)
+        do_bench = None
+    if do_bench is None or not torch.cuda.is_available():
+        return _median_ms_of_events(fn, warmup, rep)
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def median_ms_of_calls(fn: Callable[[], object], calls: int, warmup_calls: int = 1) -> float:
+    """`median_ms` over `calls` calls after `warmup_calls`, the budgets taken from one timed call."""
+    fn()                               # compile / autotune / allocate outside the estimate
+    once = elapsed_ms(fn)
+    # half a call of slack: the budgets are divided by an estimate that includes the L2 flush, rounded down
+    return median_ms(fn, warmup=warmup_calls * once, rep=(calls + 0.5) * once)
+
+
+def elapsed_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds of one fn(): CUDA events around it on the GPU (the host returns before the GPU
+    is done), the host clock on the CPU."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _median_ms_of_events(fn: Callable[[], object], warmup: float, rep: float) -> float:
+    """do_bench's procedure without Triton (and without its L2 flush)."""
+    fn()
+    estimate = max(elapsed_ms(lambda: [fn() for _ in range(5)]) / 5, 1e-6)
+    for _ in range(max(1, int(warmup / estimate))):
+        fn()
+    return statistics.median(elapsed_ms(fn) for _ in range(max(1, int(rep / estimate))))
+
+
+def wall_s(fn: Callable[[], T]) -> tuple[float, T]:
+    """(seconds, fn()) on the host clock, the GPU's queued work finished before and after: the time
+    of work whose host steps count too."""
+    synchronize()
+    start = time.perf_counter()
+    out = fn()
+    synchronize()
+    return time.perf_counter() - start, out
+
+
+def synchronize() -> None:
+    """Wait for the GPU work this process queued (none if it never used CUDA: no context is made)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def peak_bytes(fn: Callable[[], T]) -> tuple[int, T]:
+    """(peak bytes allocated during fn() above what was allocated before it, fn()), with what
+    earlier work left for the collector freed first."""
+    free_memory()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, out
+
+
+def free_memory() -> None:
+    """Drop what earlier work left (tensors in reference cycles, the allocator's cached blocks)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def matmul_tflops() -> float:
+    """The bf16 matmul rate of this GPU, measured now (8192^3): the floor and MFU of the benches."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * 8192 ** 3 / median_ms(lambda: a @ b, warmup=100, rep=500) / 1e9
+
+
+def describe_device() -> str:
+    """Today's date, the GPU (or the CPU) and the versions: the first line of a bench's output."""
+    device = "cpu"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        device = f"{props.name} ({props.multi_processor_count} SMs)"
+    try:
+        import triton
+        versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    except ImportError:
+        versions = f"torch {torch.__version__}, no triton"
+    return f"{datetime.date.today()} {device}, {versions}"
