@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from eagle3.models.checkpoint import Checkpoint, TargetError, inspect
+from eagle3.models.checkpoint import Checkpoint, TargetError
+from eagle3.models.inspect import inspect
 
 # (default, help) of --config for the commands that read a config
 CONFIG = ("config.toml", "TOML config file (default: config.toml)")

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.files import free_bytes, make_readable, open_safetensors, read_json, tensor_bytes
+from eagle3.resolve import Resolved
 
 try:
     from numpy._core.multiarray import _reconstruct
@@ -153,7 +154,13 @@ def _write_or_fail(tmp: Path, write) -> None:
 
 
 def read_state(path: str | Path) -> dict:
-    return read_json(Path(path) / STATE, CheckpointError, "not a complete checkpoint")
+    state = read_json(Path(path) / STATE, CheckpointError, "not a complete checkpoint")
+    if "resolved" not in state and "draft_spec" in state:   # written before the record existed
+        config = state["config"]
+        state["resolved"] = {"aux_layer_ids": state.pop("aux_layer_ids"), "draft_spec": state.pop("draft_spec"),
+                             "data_dir": state.pop("data_dir"),
+                             "verifier_name": config["export"].get("verifier_name") or config["target"]["path"]}
+    return state
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -213,8 +220,8 @@ def restore(path: Path, model, optimizer, scheduler, rank: int) -> dict:
 
 def load_draft(path: str | Path, device: torch.device | str = "cpu"):
     """(Eagle3Draft with the checkpoint's weights, state.json) for evaluation and decoding."""
-    from eagle3.draft import DraftSpec, Eagle3Draft
+    from eagle3.draft import Eagle3Draft
     state = read_state(path)
-    draft = Eagle3Draft(DraftSpec(**state["draft_spec"]))
+    draft = Eagle3Draft(Resolved.from_dict(state["resolved"]).draft_spec)
     draft.load_state_dict(load_weights(path))
     return draft.to(device).eval(), state

@@ -6,32 +6,15 @@ buffers owned by the trainer, not by this module.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from eagle3.resolve import DraftSpec
 from eagle3.ops import apply_rope, compiled, llama_inv_freq, rms_norm, rope_cos_sin, silu_mul, swiglu
-
-
-@dataclass
-class DraftSpec:
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    num_layers: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    draft_vocab_size: int
-    target_vocab_size: int
-    target_hidden_size: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +30,8 @@ class RMSNorm(nn.Module):
 
 @dataclass
 class Rows:
-    """Which packed rows a TTT step computes (row skipping; None = all `total` rows).
+    """Which packed rows a TTT step computes (row skipping; None = all `total` rows), and the
+    gathers and scatters that go with it, so that the layers see only the rows they work on.
 
     `computed` [C]: global indices of the rows whose inputs are given; `kept` [N]: indices into the
     computed rows whose outputs are needed. Every computed row still provides its keys and values."""
@@ -63,9 +47,26 @@ class Rows:
     def all_kept(self) -> "Rows":
         return Rows(self.total, self.computed, None)
 
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """[C, ...] of the computed rows -> [N, ...] of the kept ones."""
+        return x if self.kept is None else x[self.kept]
 
-def _to_rows(t: torch.Tensor, index: torch.Tensor | None, total: int) -> torch.Tensor:
-    """Scatter t [n, ...] into zeros [total, ...] at `index` (identity when index is None)."""
+    def spread_computed(self, x: torch.Tensor) -> torch.Tensor:
+        """[C, ...] -> [total, ...], zero where not computed (keys and values: no other row reads those)."""
+        return _scatter(x, self.computed, self.total)
+
+    def spread_kept(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [total, ...], zero where not kept (queries for the attention kernels)."""
+        return _scatter(x, self.kept_global(), self.total)
+
+    def take_kept(self, x: torch.Tensor) -> torch.Tensor:
+        """[total, ...] -> [N, ...]: the inverse of `spread_kept`."""
+        index = self.kept_global()
+        return x if index is None else x[index]
+
+
+def _scatter(t: torch.Tensor, index: torch.Tensor | None, total: int) -> torch.Tensor:
+    """t [n, ...] into zeros [total, ...] at `index` (identity when index is None)."""
     if index is None:
         return t
     return t.new_zeros((total, *t.shape[1:])).index_copy(0, index, t)
@@ -89,15 +90,12 @@ class Attention(nn.Module):
         C = x.shape[0]
         k = self.rope(self.k_proj(x).view(C, self.kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(C, self.kv_heads, self.head_dim)
-        if rows.kept is not None:
-            x, cos, sin = x[rows.kept], cos[rows.kept], sin[rows.kept]
+        x, cos, sin = rows.keep(x), rows.keep(cos), rows.keep(sin)
         q = self.rope(self.q_proj(x).view(x.shape[0], self.heads, self.head_dim), cos, sin)
-        cache.append((_to_rows(k, rows.computed, rows.total), _to_rows(v, rows.computed, rows.total)))
+        cache.append((rows.spread_computed(k), rows.spread_computed(v)))
         keys = torch.stack([kv[0] for kv in cache])      # [S, T, Hkv, D]
         values = torch.stack([kv[1] for kv in cache])
-        kept = rows.kept_global()
-        out = attention(_to_rows(q, kept, rows.total), keys, values, cu_seqlens)
-        out = out if kept is None else out[kept]
+        out = rows.take_kept(attention(rows.spread_kept(q), keys, values, cu_seqlens))
         return self.o_proj(out.flatten(1))
 
 
@@ -135,7 +133,7 @@ class DecoderLayer(nn.Module):
             x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
         else:
             x = self.input_layernorm(h)
-        h = (h if rows.kept is None else h[rows.kept]) + self.self_attn(x, cos, sin, cache, attention,
+        h = rows.keep(h) + self.self_attn(x, cos, sin, cache, attention,
                                                                         cu_seqlens, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -181,6 +179,19 @@ class Eagle3Draft(nn.Module):
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, emb, cos, sin, cache, attention, cu_seqlens, rows if i == last else rows.all_kept())
         return h
+
+    def unroll(self, aux: torch.Tensor, attention, cu_seqlens, next_inputs) -> Iterator[torch.Tensor]:
+        """The draft's chain, as training-time test and speculative decoding both run it: fc over
+        the aux states [T, 3H], then one `step` per round of `next_inputs(k, h)`, which is given
+        the previous output (fc's for k = 0) and returns step k's (h, token embeddings, positions,
+        rows), or None to stop. Yields each step's pre-norm output; the steps share one KV cache."""
+        caches = [[] for _ in self.layers]
+        h, k = self.project(aux), 0
+        while (inputs := next_inputs(k, h)) is not None:
+            h_in, emb, positions, rows = inputs
+            h = self.step(h_in, emb, positions, caches, attention, cu_seqlens, rows)
+            yield h
+            k += 1
 
     def head_input(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)

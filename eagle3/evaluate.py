@@ -31,7 +31,8 @@ import torch
 
 from eagle3 import checkpoint as ckpt_io
 from eagle3.config import Config
-from eagle3.data.batching import pack, split_holdout, to_device
+from eagle3.data.batch import Batch
+from eagle3.data.batching import pack, split_holdout
 from eagle3.data.inputs import CHAT_KEYS, InputError
 from eagle3.data.shards import MANIFEST, ShardReader, check_manifest
 from eagle3.draft import Eagle3Draft
@@ -97,13 +98,13 @@ class Evaluation:
         self.buckets = {b: torch.zeros(steps, 7) for b in BUCKETS}
         self.decoded = [0, 0]                  # tokens, rounds of the replayed decoding
 
-    def add(self, metrics: torch.Tensor, detail: dict, batch: dict) -> None:
+    def add(self, metrics: torch.Tensor, detail: dict, batch: Batch) -> None:
         self.total += metrics.cpu()
-        T = batch["input_ids"].numel()
-        label_row = (torch.arange(T, device=batch["loss_mask"].device) + 2).clamp(max=T - 1)
-        position = reply_positions(batch["loss_mask"], batch["cu_seqlens"])[label_row].cpu()
+        T = batch.rows
+        label_row = (torch.arange(T, device=batch.loss_mask.device) + 2).clamp(max=T - 1)
+        position = reply_positions(batch.loss_mask, batch.cu_seqlens)[label_row].cpu()
         correct, accepted, start = (detail[k].cpu() for k in ("correct", "accepted", "start"))
-        tokens, rounds = decoding_rounds(accepted, batch["loss_mask"].cpu(), batch["cu_seqlens"].cpu())
+        tokens, rounds = decoding_rounds(accepted, batch.loss_mask.cpu(), batch.cu_seqlens.cpu())
         self.decoded = [self.decoded[0] + tokens, self.decoded[1] + rounds]
         for (lo, hi), sums in self.buckets.items():
             rows = start & (position >= lo) & (position < (hi if hi is not None else T + 1))
@@ -132,7 +133,7 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
     _check_checkpoint_target(state, target, checkpoint_dir)
     data_dir = Path(cfg.resolved_train_data_dir())
     reader = ShardReader(data_dir)
-    check_manifest(reader.manifest, target.config, state["aux_layer_ids"], data_dir)
+    check_manifest(reader.manifest, target.config, state["resolved"]["aux_layer_ids"], data_dir)
     trained = state["config"]["train"]   # the held-out split and K the draft was trained with
     dtype = torch.float32
     embed = target.get("embed_tokens.weight").to(device, dtype)
@@ -141,7 +142,7 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
     _, held_out = split_holdout(reader.sequences, trained["eval_fraction"])
     result = Evaluation(steps)
     for refs in pack(held_out, cfg.train.batch_tokens):
-        batch = to_device(reader.read(refs), device, dtype)
+        batch = reader.read(refs).to(device, dtype)
         _, metrics, detail = ttt_forward(draft, batch, embed, head_rows, steps, ttt_attention,
                                          ttt_loss_steps, trained["loss_decay"],
                                          objective=Objective(oov_rows=trained.get("oov_rows", False)))
@@ -237,7 +238,7 @@ def load_any_draft(path: str | Path, target: Checkpoint) -> tuple[Eagle3Draft, l
     if (path / ckpt_io.STATE).exists():
         draft, state = ckpt_io.load_draft(path)
         _check_checkpoint_target(state, target, path)
-        return draft, state["aux_layer_ids"], state["config"]["train"]["ttt_steps"]
+        return draft, state["resolved"]["aux_layer_ids"], state["config"]["train"]["ttt_steps"]
     if (path / "config.json").exists():
         draft, aux = load_vllm_draft(path, target)
         return draft, aux, None

@@ -20,7 +20,7 @@ from eagle3.config import Config, from_dict
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.files import make_readable, read_json
 from eagle3.ops import TORCH_DTYPES, llama_inv_freq
-from eagle3.models.checkpoint import Checkpoint, _rope
+from eagle3.models.checkpoint import Checkpoint, rope_settings
 from eagle3.vocab import VocabError, check_vocab
 
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -43,7 +43,8 @@ def _llama_layer_config(spec: dict, dtype: str) -> dict:
 
 
 def vllm_config(state: dict, cfg: Config) -> dict:
-    spec = state["draft_spec"]
+    resolved = state["resolved"]
+    spec = resolved["draft_spec"]
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -52,27 +53,27 @@ def vllm_config(state: dict, cfg: Config) -> dict:
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.export.speculative_tokens}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": cfg.export.verifier_name or cfg.target.path,
+            "verifier": {"name_or_path": cfg.export.verifier_name or resolved["verifier_name"],
                          "architectures": state["target_architectures"]},
         },
         "transformer_layer_config": _llama_layer_config(spec, cfg.export.dtype),
         "draft_vocab_size": spec["draft_vocab_size"],
         "target_hidden_size": spec["target_hidden_size"],
         "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in state["aux_layer_ids"]],
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in resolved["aux_layer_ids"]],
         "torch_dtype": cfg.export.dtype,
     }
 
 
 def sglang_config(state: dict, cfg: Config) -> dict:
-    spec = state["draft_spec"]
+    spec = state["resolved"]["draft_spec"]
     config = _llama_layer_config(spec, cfg.export.dtype)
     config.update({
         "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
         "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
         # SGLang reads only eagle_config's ids, as outputs of layers (ours; its target models capture
         # the input of layer id + 1): ModelRunner.__init__ in sglang/srt/model_executor/model_runner.py
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(state["aux_layer_ids"]),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(state["resolved"]["aux_layer_ids"]),
                          "use_aux_hidden_state": True},
         "torch_dtype": cfg.export.dtype,
     })
@@ -119,8 +120,8 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
     cfg = cfg or from_dict(state["config"], str(checkpoint_dir / ckpt_io.STATE))
     weights = ckpt_io.load_weights(checkpoint_dir)
     check_vocab(weights["d2t"], weights["t2d"], str(checkpoint_dir / ckpt_io.MODEL))
-    spec = state["draft_spec"]
-    if len(state["aux_layer_ids"]) != 3:
+    spec = state["resolved"]["draft_spec"]
+    if len(state["resolved"]["aux_layer_ids"]) != 3:
         raise ExportError(f"{checkpoint_dir}: EAGLE-3 export needs exactly 3 aux layers")
     dtype = TORCH_DTYPES[cfg.export.dtype]
     written = {}
@@ -226,7 +227,7 @@ def _draft_spec(config: dict, files: dict[str, Path], where: str) -> DraftSpec:
     heads = layer.get("num_attention_heads") or 32
     head_dim = layer.get("head_dim") or q[0] // heads
     layers = {int(n.split(".")[1]) for n in files if n.startswith("layers.") and n.split(".")[1].isdigit()}
-    theta, _ = _rope(layer)
+    theta, _ = rope_settings(layer)
     return DraftSpec(
         hidden_size=layer.get("hidden_size") or fc[0], num_attention_heads=heads,
         num_key_value_heads=layer.get("num_key_value_heads") or max(1, k[0] // max(1, head_dim)),
@@ -315,7 +316,7 @@ def load_vllm_draft(path: str | Path, target: Checkpoint | None = None) -> tuple
     where = str(path / "model.safetensors")
     draft = Eagle3Draft(_draft_spec(config, files, where))
     draft.load_state_dict(_draft_tensors(files, draft, where))
-    _, scaling = _rope(config["transformer_layer_config"])
+    _, scaling = rope_settings(config["transformer_layer_config"])
     if scaling:  # our draft's buffer is plain RoPE; the layer config asks for scaled frequencies
         try:
             draft.inv_freq.copy_(llama_inv_freq(draft.spec.head_dim, draft.spec.rope_theta, scaling))

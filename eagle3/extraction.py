@@ -16,11 +16,12 @@ import torch
 from tqdm import tqdm
 
 from eagle3 import distributed
-from eagle3.config import Config
-from eagle3.resolve import resolve_aux_layer_ids, resolve_device
+from eagle3.config import Config, ConfigError
+from eagle3.resolve import resolve, resolve_device
 from eagle3.data.chat import TOKENIZER_FILES
 from eagle3.data.inputs import InputError, InputStats, Record, file_sha256, read_records
-from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, encode_aux_fp8, sha256_file, shard_name,
+from eagle3.data.fp8 import encode_aux_fp8
+from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, sha256_file, shard_name,
                                 write_shard)
 from eagle3.files import atomic_write_text, read_json, writable_dir
 from eagle3.ops import TORCH_DTYPES
@@ -150,7 +151,7 @@ def run(cfg: Config) -> Path:
 
 def _run(cfg: Config, dist: distributed.Dist) -> Path:
     ckpt = Checkpoint(cfg.target.path)
-    aux_ids = resolve_aux_layer_ids(cfg, ckpt)
+    aux_ids = resolve(cfg, ckpt).aux_layer_ids   # the whole record: a draft that cannot be built fails now
     records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len,
                                   cfg.data.on_error, target_dir=ckpt.dir)
     out = writable_dir(cfg.extract.output_dir, DataError, "extract.output_dir")
@@ -199,5 +200,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     cfg = cli(argv, "Extract target hidden states into shards.", prog)
     try:
         run(cfg)
-    except (TargetError, InputError, DataError) as e:
+    except (TargetError, InputError, DataError, ConfigError) as e:
         raise SystemExit(f"error: {e}") from None

@@ -1,11 +1,57 @@
-"""Settings left "auto" in the config turned into values, in one place for every stage (the
-device; the target layers whose outputs the draft reads)."""
+"""Settings left "auto" in the config turned into values, in one place for every stage: the
+device, and the record `resolve` makes for a config and a target (aux layers, draft shape, data
+directory, verifier), which checkpoints carry so that resume, evaluate and export read what
+training used rather than deriving it again."""
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass
 
 import torch
 
-from eagle3.config import Config
-from eagle3.models.checkpoint import Checkpoint, TargetError
+from eagle3.config import Config, ConfigError
+from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig
+
+@dataclass
+class DraftSpec:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    target_hidden_size: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    aux_layer_ids: list[int]        # target layers (0-based) whose outputs the draft reads
+    draft_spec: DraftSpec
+    data_dir: str                   # the hidden-state shards (train.data_dir, auto: extract.output_dir)
+    verifier_name: str              # what the exported config names as the verifier (auto: target.path)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Resolved":
+        return cls(**{**d, "draft_spec": DraftSpec(**d["draft_spec"])})
+
+
+def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
+    """Every "auto" of `cfg` that depends on the target, checked: a draft that cannot be built
+    fails here, at the start of extraction, not after it."""
+    text = ckpt.config
+    draft_vocab = cfg.vocab.draft_vocab_size or min(32000, text.vocab_size)
+    return Resolved(resolve_aux_layer_ids(cfg, ckpt), resolve_draft_spec(cfg, text, draft_vocab),
+                    cfg.resolved_train_data_dir(), cfg.export.verifier_name or cfg.target.path)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -20,3 +66,24 @@ def resolve_aux_layer_ids(cfg: Config, ckpt: Checkpoint) -> list[int]:
     if any(not 0 <= i < n for i in ids):
         raise TargetError(f"{cfg.source}: target.aux_layer_ids = {ids}; the target has layers 0..{n - 1}")
     return list(ids)
+
+
+def resolve_draft_spec(cfg: Config, text: TextConfig, draft_vocab: int) -> DraftSpec:
+    d = cfg.draft
+    hidden = d.hidden_size or text.hidden_size
+    if hidden != text.hidden_size:
+        raise ConfigError(f"{cfg.source}: draft.hidden_size = {hidden}, but the frozen target embedding "
+                         f"is {text.hidden_size} wide ({text.source}: hidden_size)")
+    heads = d.num_attention_heads or text.num_attention_heads
+    kv = d.num_key_value_heads or text.num_key_value_heads
+    if heads % kv:
+        raise ConfigError(f"{cfg.source}: draft.num_attention_heads {heads} is not a multiple of "
+                         f"draft.num_key_value_heads {kv}")
+    return DraftSpec(
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+        head_dim=d.head_dim or text.raw.get("head_dim") or hidden // heads,
+        intermediate_size=d.intermediate_size or text.intermediate_size, num_layers=d.num_layers,
+        rms_norm_eps=d.rms_norm_eps or text.rms_norm_eps, rope_theta=d.rope_theta or text.rope_theta,
+        max_position_embeddings=d.max_position_embeddings or text.max_position_embeddings,
+        draft_vocab_size=draft_vocab, target_vocab_size=text.vocab_size,
+        target_hidden_size=text.hidden_size)

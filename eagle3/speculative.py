@@ -45,18 +45,21 @@ class Drafter:
         cu = torch.tensor(bounds, dtype=torch.int32, device=device)
         positions = positions_from_cu_seqlens(cu, bounds[-1])                # [T]
         last = cu[1:].long() - 1                                             # [B] each sequence's last row
-        rows = Rows(bounds[-1], computed=last)
         row_tokens = torch.tensor([x for t, a in zip(tokens, auxes) for x in t[1:a.shape[0] + 1]], device=device)
-        caches = [[] for _ in self.draft.layers]
-        h = self.draft.step(self.draft.project(torch.cat(auxes)), self.embed[row_tokens], positions, caches,
-                            ttt_attention, cu)[last]                         # row t reads x[t+1]
         proposed = []
-        for step in range(k):
-            if step:
-                h = self.draft.step(h, self.embed[proposed[-1]], positions[last] + step, caches,
-                                    ttt_attention, cu, rows)                 # [B, H]
+
+        def next_inputs(step: int, h: torch.Tensor):
+            if step == 0:                                                    # row t reads x[t+1]
+                return h, self.embed[row_tokens], positions, None
+            h = h[last] if step == 1 else h                                  # [B, H] each chain's state
             best = self.draft.lm_head(self.draft.head_input(h)).argmax(-1)  # [B] draft ids
             proposed.append(best + self.draft.d2t[best])                    # [B] target ids
+            if step == k:
+                return None
+            return h, self.embed[proposed[-1]], positions[last] + step, Rows(bounds[-1], computed=last)
+
+        for _ in self.draft.unroll(torch.cat(auxes), ttt_attention, cu, next_inputs):
+            pass                                                             # next_inputs makes the proposals
         return torch.stack(proposed, 1).tolist()
 
 

@@ -8,6 +8,7 @@ The global batch of optimizer step s is the same whatever the number of ranks: m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -20,41 +21,21 @@ from tqdm import tqdm
 
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import distributed
-from eagle3.config import Config
-from eagle3.data.batching import Prefetcher, pack, split_holdout, to_device
+from eagle3.config import Config, ConfigError
+from eagle3.data.batch import Batch
+from eagle3.data.batching import Prefetcher, pack, split_holdout
 from eagle3.data.shards import DataError, ShardReader, check_manifest, loss_token_counts
-from eagle3.draft import DraftSpec, Eagle3Draft
+from eagle3.draft import Eagle3Draft
 from eagle3.export import export_all
-from eagle3.resolve import resolve_aux_layer_ids
+from eagle3.resolve import resolve
 from eagle3.files import strict_json, writable_dir
-from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig
-from eagle3.ttt import Objective, all_step_targets, live_rows, loss_denominator, loss_rows, summarize, ttt_forward
+from eagle3.models.checkpoint import Checkpoint, TargetError
+from eagle3.ttt import Objective, plan_rows, summarize, ttt_forward
 from eagle3.vocab import VocabError, build_vocab
 
 
 class TrainError(ValueError):
     pass
-
-
-def resolve_draft_spec(cfg: Config, text: TextConfig, draft_vocab: int) -> DraftSpec:
-    d = cfg.draft
-    hidden = d.hidden_size or text.hidden_size
-    if hidden != text.hidden_size:
-        raise TrainError(f"{cfg.source}: draft.hidden_size = {hidden}, but the frozen target embedding "
-                         f"is {text.hidden_size} wide ({text.source}: hidden_size)")
-    heads = d.num_attention_heads or text.num_attention_heads
-    kv = d.num_key_value_heads or text.num_key_value_heads
-    if heads % kv:
-        raise TrainError(f"{cfg.source}: draft.num_attention_heads {heads} is not a multiple of "
-                         f"draft.num_key_value_heads {kv}")
-    return DraftSpec(
-        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
-        head_dim=d.head_dim or text.raw.get("head_dim") or hidden // heads,
-        intermediate_size=d.intermediate_size or text.intermediate_size, num_layers=d.num_layers,
-        rms_norm_eps=d.rms_norm_eps or text.rms_norm_eps, rope_theta=d.rope_theta or text.rope_theta,
-        max_position_embeddings=d.max_position_embeddings or text.max_position_embeddings,
-        draft_vocab_size=draft_vocab, target_vocab_size=text.vocab_size,
-        target_hidden_size=text.hidden_size)
 
 
 # Settings a resumed run must share with its checkpoint: data order and learning-rate schedule.
@@ -280,15 +261,14 @@ class Trainer:
 
         self.target = Checkpoint(cfg.target.path)
         text = self.target.config
-        self.aux_ids = resolve_aux_layer_ids(cfg, self.target)
-        self.data_dir = Path(cfg.resolved_train_data_dir())
+        self.resolved = resolve(cfg, self.target)
+        self.data_dir = Path(self.resolved.data_dir)
         self.reader = ShardReader(self.data_dir)
-        check_manifest(self.reader.manifest, text, self.aux_ids, self.data_dir)
+        check_manifest(self.reader.manifest, text, self.resolved.aux_layer_ids, self.data_dir)
 
-        draft_vocab = cfg.vocab.draft_vocab_size or min(32000, text.vocab_size)
-        d2t, t2d = build_vocab(loss_token_counts(self.reader.manifest), text.vocab_size, draft_vocab)
-        self.spec = resolve_draft_spec(cfg, text, draft_vocab)
-        draft = Eagle3Draft(self.spec)
+        spec = self.resolved.draft_spec
+        d2t, t2d = build_vocab(loss_token_counts(self.reader.manifest), text.vocab_size, spec.draft_vocab_size)
+        draft = Eagle3Draft(spec)
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
         self.t2d_cpu = t2d
@@ -326,7 +306,7 @@ class Trainer:
             # turn the host-side copies the step keeps (sequence boundaries) into device tensors
             self.ddp = nn.parallel.DistributedDataParallel(
                 self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
-        self.attention, self.loss_steps = select_kernels(t.kernels, self.device, self.spec.head_dim, cfg.source)
+        self.attention, self.loss_steps = select_kernels(t.kernels, self.device, spec.head_dim, cfg.source)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
         # first non-finite step and its cause (CAUSES), steps skipped since the last log; on the device
         self.first_nonfinite = torch.full((2,), -1, dtype=torch.long, device=self.device)
@@ -351,10 +331,9 @@ class Trainer:
                       "freeze_lm_head = false", file=sys.stderr)
 
     def _state(self) -> dict:
-        return {"config": self.cfg.to_dict(), "draft_spec": self.spec.to_dict(), "aux_layer_ids": self.aux_ids,
+        return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
                 "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
-                "world_size": self.dist.world, "data_dir": str(self.data_dir),
-                "schedule_total": self.schedule.total}
+                "world_size": self.dist.world, "schedule_total": self.schedule.total}
 
     def _maybe_resume(self) -> int:
         choice = self.cfg.train.resume
@@ -363,10 +342,11 @@ class Trainer:
             return 0
         state = ckpt_io.read_state(path)
         now = self._state()
-        for key in ("draft_spec", "aux_layer_ids", "target", "data_dir"):
-            if state[key] != now[key]:
-                raise TrainError(f"{path}/state.json: {key} differs from this run's ({state[key]} vs "
-                                 f"{now[key]}); choose another train.output_dir to start a new run")
+        was = {**state["resolved"], "target": state["target"]}
+        for key, value in {**now["resolved"], "target": now["target"]}.items():
+            if key != "verifier_name" and was[key] != value:   # the verifier is only a name in the export
+                raise TrainError(f"{path}/state.json: {key} differs from this run's ({was[key]} vs "
+                                 f"{value}); choose another train.output_dir to start a new run")
         self._check_global_batch(path, state)
         for section, key, before in HEAD_FIXED:   # they decide the trainable parameters (optimizer state)
             was = state["config"].get(section, {}).get(key, before)
@@ -437,21 +417,13 @@ class Trainer:
             return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_steps,
                          t.loss_decay, scale, t.skip_dead_rows, objective)
 
-    HOST_KEYS = ("cu_seqlens_host", "loss_denominator")
-
-    def prepare_batch(self, batch: dict) -> dict:
+    def prepare_batch(self, batch: Batch) -> Batch:
         """Host-side work on a batch read from the shards, done by the prefetch thread off the step's
-        critical path: what the step would otherwise sync (or spend CPU time) to learn. Adds live
-        rows and each step's loss rows (moved to the device with the batch), the sequence
-        boundaries and the loss denominator (kept on the host)."""
-        steps = self.cfg.train.ttt_steps
-        targets = all_step_targets(batch, steps, self.t2d_cpu, self.cfg.train.oov_rows)
-        live = live_rows(targets) if self.cfg.train.skip_dead_rows else [None] * steps
-        batch = {**batch, "loss_rows": loss_rows(targets, live), "cu_seqlens_host": batch["cu_seqlens"].to(torch.int32),
-                 "loss_denominator": int(loss_denominator(batch))}
-        if self.cfg.train.skip_dead_rows:
-            batch["live_rows"] = live
-        return batch
+        critical path: what the step would otherwise sync (or spend CPU time) to learn: the row
+        plan (moved to the device with the batch) and the sequence boundaries (kept on the host)."""
+        t = self.cfg.train
+        plan = plan_rows(batch, t.ttt_steps, self.t2d_cpu, t.skip_dead_rows, t.oov_rows)
+        return dataclasses.replace(batch, plan=plan, cu_seqlens_host=batch.cu_seqlens.to(torch.int32))
 
     def prefetcher(self, start: int) -> Prefetcher:
         """This rank's micro-batches from optimizer step `start` on, read ahead. On CUDA the prefetch
@@ -460,25 +432,20 @@ class Trainer:
         return Prefetcher(self.reader, self.plan.rank_batches(start, self.dist.rank), self.cfg.train.prefetch,
                           pin=self.cuda, prepare=self.prepare_batch if self.cuda else None)
 
-    def _prepared(self, batch: dict) -> dict:
+    def _prepared(self, batch: Batch) -> Batch:
         """The batch as `prepare_batch` leaves it (the prefetcher's work, done here if it was not)."""
-        return batch if "loss_rows" in batch else self.prepare_batch(batch)
+        return batch if batch.plan is not None else self.prepare_batch(batch)
 
-    def _on_device(self, batch: dict) -> dict:
-        """A prepared batch on the device (host-side keys stay on the host)."""
-        host = {k: batch[k] for k in self.HOST_KEYS}
-        rows = {k: [r.to(self.device, non_blocking=True) for r in batch[k]] for k in ("loss_rows", "live_rows")
-                if k in batch}
-        tensors = {k: v for k, v in batch.items() if k not in host and k not in rows}
-        return {**to_device(tensors, self.device, self.float_dtype), **rows, **host}
+    def _on_device(self, batch: Batch) -> Batch:
+        return batch.to(self.device, self.float_dtype)
 
-    def train_step(self, batches: list[dict], step: int = 0) -> torch.Tensor:
+    def train_step(self, batches: list[Batch], step: int = 0) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the metric sums [K, 7] (zeros
         for a step with a non-finite loss or gradient norm, which changes no weight)."""
         batches = [self._prepared(b) for b in batches]
         loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
         # torch.full passes the value as a kernel argument: no pageable copy, no sync
-        denom = torch.full((), float(sum(b["loss_denominator"] for b in batches)), device=self.device)
+        denom = torch.full((), float(sum(b.plan.denominator for b in batches)), device=self.device)
         denom = self.dist.all_reduce(denom).clamp(min=1)
         metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
         for a, batch in enumerate(batches):
@@ -539,7 +506,7 @@ class Trainer:
         saved = None
         for step in range(self.start_step, total):
             micro = [next(batches) for _ in range(t.grad_accum)]
-            tokens += sum(b["input_ids"].numel() for b in micro)
+            tokens += sum(b.rows for b in micro)
             done = step + 1
             window += self.train_step(micro, done)
             if any(done % every == 0 for every in (t.log_every, t.eval_every, t.checkpoint_every)) or done == total:
@@ -614,5 +581,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     cfg = cli(argv, "Train an EAGLE-3 draft with training-time test.", prog)
     try:
         run(cfg)
-    except (TargetError, DataError, VocabError, TrainError, ckpt_io.CheckpointError) as e:
+    except (TargetError, DataError, VocabError, TrainError, ConfigError, ckpt_io.CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None

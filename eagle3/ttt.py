@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from eagle3.data.batch import Batch, RowPlan
 from eagle3.draft import Rows
 from eagle3.ops import positions_from_cu_seqlens
 
@@ -75,15 +76,15 @@ def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int
     return probs
 
 
-def loss_denominator(batch: dict) -> torch.Tensor:
+def loss_denominator(batch: Batch) -> torch.Tensor:
     """Loss-masked rows of a micro-batch: rows whose step-0 label x[t+2] is an assistant token."""
-    positions, seq_len = row_layout(batch["cu_seqlens"], batch["input_ids"].shape[0])
-    return label_rows(0, positions, seq_len, batch["loss_mask"]).sum()
+    positions, seq_len = row_layout(batch.cu_seqlens, batch.rows)
+    return label_rows(0, positions, seq_len, batch.loss_mask).sum()
 
 
-def all_step_targets(batch: dict, steps: int, t2d: torch.Tensor, oov_rows: bool = False) -> list[StepTargets]:
-    positions, seq_len = row_layout(batch["cu_seqlens"], batch["input_ids"].shape[0])
-    return [step_targets(k, positions, seq_len, batch["loss_mask"], batch["target_argmax"].long(), t2d, oov_rows)
+def all_step_targets(batch: Batch, steps: int, t2d: torch.Tensor, oov_rows: bool = False) -> list[StepTargets]:
+    positions, seq_len = row_layout(batch.cu_seqlens, batch.rows)
+    return [step_targets(k, positions, seq_len, batch.loss_mask, batch.target_argmax.long(), t2d, oov_rows)
             for k in range(steps)]
 
 
@@ -99,7 +100,7 @@ def live_rows(targets: list[StepTargets]) -> list[torch.Tensor]:
     """Per step, the rows whose work can still reach the loss: row t is live at step k when it is
     valid at some step >= k (its chain feeds nobody else's loss after step 0). [N_k] indices,
     nested: live rows of step k+1 are live at step k. Computing them costs one host sync per
-    step; the trainer computes them on the CPU with the batch instead (`batch["live_rows"]`)."""
+    step; the trainer finds them on the CPU with the batch instead (`plan_rows`)."""
     alive = torch.stack([tg.valid for tg in targets]).flip(0).cummax(0).values.flip(0)
     return [a.nonzero().flatten() for a in alive]
 
@@ -110,16 +111,21 @@ def loss_rows(targets: list[StepTargets], live: list) -> list[torch.Tensor]:
     return [(tg.valid if r is None else tg.valid[r]).nonzero().flatten() for tg, r in zip(targets, live)]
 
 
-def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
+def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool = True,
+              oov_rows: bool = False) -> RowPlan:
+    """The batch's row plan (see `RowPlan`), wherever the batch and t2d are (the host, in training)."""
+    targets = all_step_targets(batch, steps, t2d, oov_rows)
+    live = live_rows(targets) if skip_dead_rows else None
+    return RowPlan(steps, oov_rows, live, loss_rows(targets, live or [None] * steps), int(loss_denominator(batch)))
+
+
+def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
                 attention, loss_steps, decay: float = 0.8, scale: float | torch.Tensor = 1.0,
                 skip_dead_rows: bool = True, objective: Objective = Objective()):
     """Unrolled TTT over one packed micro-batch.
 
-    batch: aux_hidden [T, 3H], final_hidden [T, H], input_ids [T], loss_mask [T], target_argmax [T],
-    cu_seqlens [n+1] (all on the draft's device), optionally live_rows (see `live_rows`; present
-    exactly when the batch was prepared for skip_dead_rows), loss_rows (see `loss_rows`, used only
-    when found for this skip_dead_rows and number of steps) and cu_seqlens_host (int32 on the host,
-    pinned on CUDA).
+    batch: on the draft's device; its row plan is used when it was made for this unroll (steps,
+    skip_dead_rows, rows trained) and found here otherwise.
     embed: frozen target embedding [V_t, H]; head_rows: target lm_head rows of the draft vocab
     [V_d, H]. `attention` and `loss_steps` have the signatures of `kernels.ttt_attention`
     and `kernels.ttt_loss_steps`. With skip_dead_rows, work that cannot reach the loss is skipped
@@ -130,37 +136,39 @@ def ttt_forward(draft, batch: dict, embed: torch.Tensor, head_rows: torch.Tensor
     columns are METRICS plus the accepted-length sum in column 6 of row 0; the detail holds, per
     row, `correct` [steps, T] and `accepted` [T] (leading correct steps), for evaluation.
     """
-    ids, greedy = batch["input_ids"].long(), batch["target_argmax"].long()
-    T = ids.shape[0]
+    ids, greedy = batch.input_ids.long(), batch.target_argmax.long()
+    T = batch.rows
     targets = all_step_targets(batch, steps, draft.t2d, objective.oov_rows)
-    positions = row_layout(batch["cu_seqlens"], T)[0]
-    live = (batch.get("live_rows") or live_rows(targets)) if skip_dead_rows else [None] * steps
-    probs = target_probs(batch["final_hidden"], head_rows, steps, objective.hard_label)
-    aux = batch["aux_hidden"]
-    h = draft.project(noisy(aux, objective.aux_noise) if objective.aux_noise > 0 else aux)
-    caches = [[] for _ in draft.layers]
-    head_inputs, kept = [], []
+    positions = row_layout(batch.cu_seqlens, T)[0]
+    plan = batch.plan
+    if plan is None or not plan.fits(steps, skip_dead_rows, objective.oov_rows):
+        plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.oov_rows)
+    live = plan.live or [None] * steps
+    probs = target_probs(batch.final_hidden, head_rows, steps, objective.hard_label)
+    aux = batch.aux_hidden
+    kept = []
     # the kernels read the boundaries on the host: a host copy, when the trainer gives one, saves a sync
-    cu_attention = batch.get("cu_seqlens_host", batch["cu_seqlens"].to(torch.int32))
-    for k, tg in enumerate(targets):
-        if k > 0 and live[k] is not None and live[k].numel() == 0:
-            break  # nothing reaches the loss any more (step 0 always runs: DDP wants every parameter used)
+    cu_attention = batch.cu_seqlens_host if batch.cu_seqlens_host is not None else batch.cu_seqlens.to(torch.int32)
+
+    def next_inputs(k: int, h: torch.Tensor):
+        """Step k reads x[t+1+k] at position t+k; its rows carry the chains still alive."""
+        if k == steps or (k > 0 and live[k] is not None and live[k].numel() == 0):
+            return None   # nothing reaches the loss any more (step 0 always runs: DDP wants every parameter used)
         rows = _step_rows(k, live, T)
         computed = rows.computed if rows.computed is not None else slice(None)
-        if k > 0 and rows.computed is not None:                     # carry the chains still alive
+        if k > 0 and rows.computed is not None:
             h = h[torch.searchsorted(kept[-1], rows.computed)] if kept[-1] is not None else h[rows.computed]
-        h = draft.step(h, embed[ids[tg.index[computed]]], positions[computed] + k, caches, attention,
-                       cu_attention, rows)
         kept.append(rows.kept_global())
-        head_inputs.append(draft.head_input(h).to(embed.dtype))   # the loss runs in the compute dtype
+        return h, embed[ids[targets[k].index[computed]]], positions[computed] + k, rows
+
+    head_inputs = [draft.head_input(h).to(embed.dtype)      # the loss runs in the compute dtype
+                   for h in draft.unroll(noisy(aux, objective.aux_noise) if objective.aux_noise > 0 else aux,
+                                         attention, cu_attention, next_inputs)]
     done = len(head_inputs)
-    valids = batch.get("loss_rows")
-    if valids is None or ("live_rows" in batch) != skip_dead_rows or len(valids) != steps:
-        valids = [tg.valid if r is None else tg.valid[r] for tg, r in zip(targets, kept)]   # not found for this mode
     total, losses, argmaxes = loss_steps(
         head_inputs, draft.lm_head.weight.to(embed.dtype),
         [probs[k:k + T] if r is None else probs[k + r] for k, r in enumerate(kept)],
-        valids[:done], [decay ** k * scale for k in range(done)])
+        plan.loss[:done], [decay ** k * scale for k in range(done)])
     losses = [_to_all_rows(x, r, T, 0) for x, r in zip(losses, kept)] + [total.new_zeros(T)] * (steps - done)
     argmaxes = [_to_all_rows(x, r, T, -1) for x, r in zip(argmaxes, kept)] + [greedy.new_full((T,), -1)] * (
         steps - done)

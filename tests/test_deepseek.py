@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import KIMI_FIXTURE, ROOT
-from eagle3.models.checkpoint import inspect
+from eagle3.models.inspect import inspect
 from eagle3.models import deepseek, quant, tiny
 from eagle3.models.checkpoint import Checkpoint, TargetError, read_config
 from eagle3.models.streaming import TargetRunner

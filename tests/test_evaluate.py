@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from conftest import make_config
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import extraction, generate, training
-from eagle3.data.batching import split_holdout, to_device
+from eagle3.data.batching import split_holdout
 from eagle3.data.shards import ShardReader
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.__main__ import main
@@ -164,7 +164,7 @@ def held_out_batches(cfg, draft, state, target):
     reader = ShardReader(cfg.extract.output_dir)
     _, held_out = split_holdout(reader.sequences, state["config"]["train"]["eval_fraction"])
     for ref in held_out:
-        batch = to_device(reader.read([ref]), torch.device("cpu"), torch.float32)
+        batch = reader.read([ref]).to(torch.device("cpu"), torch.float32)
         yield batch, ttt_forward(draft, batch, target.embed, target.head[draft.t2d], cfg.train.ttt_steps,
                                  ttt_attention, ttt_loss_steps)[2]
 
@@ -176,11 +176,11 @@ def test_estimate_equals_real_acceptance_on_each_held_out_row(regenerated_run):
     same number of tokens."""
     cfg = regenerated_run
     draft, state = ckpt_io.load_draft(ckpt_io.latest(cfg.train.output_dir))
-    target = IncrementalTarget(Checkpoint(cfg.target.path), state["aux_layer_ids"], torch.device("cpu"))
+    target = IncrementalTarget(Checkpoint(cfg.target.path), state["resolved"]["aux_layer_ids"], torch.device("cpu"))
     drafter, K = Drafter(draft, target.embed), cfg.train.ttt_steps
     estimated, real = [], []
     for batch, detail in held_out_batches(cfg, draft, state, target):
-        ids, mask = batch["input_ids"].long(), batch["loss_mask"]
+        ids, mask = batch.input_ids.long(), batch.loss_mask
         for t in range(ids.numel() - K - 1):
             if not mask[t + 2:t + 2 + K].all():   # whole chain inside the reply: nothing cuts it short
                 continue
@@ -217,17 +217,17 @@ def test_replayed_rounds_match_real_decoding_of_held_out_replies(regenerated_run
     from eagle3.evaluate import decoding_rounds
     cfg = regenerated_run
     draft, state = ckpt_io.load_draft(ckpt_io.latest(cfg.train.output_dir))
-    target = IncrementalTarget(Checkpoint(cfg.target.path), state["aux_layer_ids"], torch.device("cpu"))
+    target = IncrementalTarget(Checkpoint(cfg.target.path), state["resolved"]["aux_layer_ids"], torch.device("cpu"))
     replayed, real = [0, 0], [0, 0]
     for batch, detail in held_out_batches(cfg, draft, state, target):
-        mask = batch["loss_mask"].tolist()
+        mask = batch.loss_mask.tolist()
         start, end = mask.index(1), len(mask) - mask[::-1].index(1)
         assert all(mask[start:end]) and end == len(mask)          # one reply, at the end
-        tokens, rounds = decoding_rounds(detail["accepted"], batch["loss_mask"], batch["cu_seqlens"])
+        tokens, rounds = decoding_rounds(detail["accepted"], batch.loss_mask, batch.cu_seqlens)
         replayed = [replayed[0] + tokens, replayed[1] + rounds]
-        decoded = speculative_decode(target, Drafter(draft, target.embed), batch["input_ids"][:start].tolist(),
+        decoded = speculative_decode(target, Drafter(draft, target.embed), batch.input_ids[:start].tolist(),
                                      end - start, cfg.train.ttt_steps)
-        assert decoded.tokens == batch["input_ids"][start:end].tolist()   # the data is the target's own
+        assert decoded.tokens == batch.input_ids[start:end].tolist()   # the data is the target's own
         real = [real[0] + sum(decoded.accepted), real[1] + len(decoded.accepted)]
     print("replayed", replayed, "real", real)
     assert real[0] > real[1] + 20                                  # drafts were accepted
@@ -263,7 +263,7 @@ def decode_directly(cfg, checkpoint, k: int) -> list[int]:
     """Accepted counts of every round, from speculative_decode itself on the prompts' user parts."""
     draft, state = ckpt_io.load_draft(checkpoint)
     ckpt = Checkpoint(cfg.target.path)
-    target = IncrementalTarget(ckpt, state["aux_layer_ids"], torch.device("cpu"))
+    target = IncrementalTarget(ckpt, state["resolved"]["aux_layer_ids"], torch.device("cpu"))
     drafter, stop = Drafter(draft, target.embed), generate.stop_tokens(cfg, ckpt)
     accepted = []
     for line in open(cfg.evaluate.prompts).read().splitlines()[:cfg.evaluate.max_prompts]:

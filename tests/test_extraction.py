@@ -37,8 +37,8 @@ def test_shards_and_honest_manifest(tmp_path, llama_target, token_data):
         assert sha256_file(out / shard["file"]) == shard["sha256"]
     reader = ShardReader(out, verify=True)
     batch = reader.read(reader.sequences[3:6])
-    assert batch["cu_seqlens"].tolist()[-1] == batch["input_ids"].numel()
-    assert batch["input_ids"][: len(lines[3]["input_ids"])].tolist() == lines[3]["input_ids"]
+    assert batch.cu_seqlens.tolist()[-1] == batch.input_ids.numel()
+    assert batch.input_ids[: len(lines[3]["input_ids"])].tolist() == lines[3]["input_ids"]
 
 
 def test_chunk_size_does_not_change_shards(tmp_path, llama_target, token_data):
@@ -95,11 +95,10 @@ def test_fp8_aux_storage_is_read_back_transparently(tmp_path, llama_target, toke
     assert size(fp8) < 0.8 * size(bf16)
     refs = ShardReader(fp8).sequences[:4]
     batch, exact = ShardReader(fp8).read(refs), ShardReader(bf16).read(refs)
-    assert batch["aux_hidden"].dtype == torch.float8_e4m3fn and batch["aux_scale"].shape == (
-        batch["input_ids"].numel(), 3)
-    from eagle3.data.batching import to_device
-    decoded = to_device(batch, torch.device("cpu"), torch.float32)["aux_hidden"]
-    err = (decoded - exact["aux_hidden"].float()).norm() / exact["aux_hidden"].float().norm()
+    assert batch.aux_hidden.dtype == torch.float8_e4m3fn and batch.aux_scale.shape == (
+        batch.input_ids.numel(), 3)
+    decoded = batch.to(torch.device("cpu"), torch.float32).aux_hidden
+    err = (decoded - exact.aux_hidden.float()).norm() / exact.aux_hidden.float().norm()
     assert err < 0.05
 
 
@@ -138,4 +137,4 @@ def test_reused_directory_after_deleting_the_manifest_redoes_every_shard(tmp_pat
     extraction.run(make_config(tmp_path, llama_target, other))
     reader = ShardReader(out, verify=True)
     first = json.loads(other.read_text().splitlines()[0])["input_ids"]
-    assert reader.read(reader.sequences[:1])["input_ids"].tolist() == first
+    assert reader.read(reader.sequences[:1]).input_ids.tolist() == first

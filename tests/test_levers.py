@@ -86,7 +86,6 @@ def test_the_trainer_passes_the_levers_and_evaluates_without_noise(tmp_path, lla
         eval_a, eval_b = (trainer._forward(trainer.model, batch)[0] for _ in range(2))
         train_a, train_b = (trainer._forward(trainer.model, batch, training=True)[0] for _ in range(2))
     assert torch.equal(eval_a, eval_b) and not torch.equal(train_a, train_b)
-    trained = sum(b.numel() for b in batch["loss_rows"])
+    trained = sum(b.numel() for b in batch.plan.loss)
     cfg.train.oov_rows = False
-    assert trained > sum(r.numel() for r in trainer.prepare_batch(trainer.reader.read(trainer.plan.epoch(0)[0]))[
-        "loss_rows"])
+    assert trained > sum(r.numel() for r in trainer.prepare_batch(trainer.reader.read(trainer.plan.epoch(0)[0])).plan.loss)

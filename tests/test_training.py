@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, make_config
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import training
+from eagle3.config import ConfigError
 from eagle3.data.shards import DataError
 from eagle3.vocab import check_vocab
 
@@ -61,7 +62,7 @@ def test_train_in_process_logs_checkpoints_and_exports(tmp_path, llama_target, t
     assert len(train[0]["loss"]) == 3 and 1 <= evals[-1]["accept_len"] <= 4
     assert [p.name for p in ckpt_io.complete_checkpoints(out)] == ["step-00000003", "step-00000006"]
     state = ckpt_io.read_state(out / "checkpoints" / "step-00000006")
-    assert state["config"]["train"]["max_steps"] == 6 and state["aux_layer_ids"] == [1, 1, 1]
+    assert state["config"]["train"]["max_steps"] == 6 and state["resolved"]["aux_layer_ids"] == [1, 1, 1]
 
     vllm, sglang = out / "export" / "vllm", out / "export" / "sglang"
     vcfg = json.loads((vllm / "config.json").read_text())
@@ -143,7 +144,7 @@ def test_bad_inputs_fail_with_clear_messages(tmp_path, llama_target, token_data,
         training.run(cfg)
     cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden,
                                                              "draft.hidden_size": 64})
-    with pytest.raises(training.TrainError, match="draft.hidden_size = 64.*32 wide"):
+    with pytest.raises(ConfigError, match="draft.hidden_size = 64.*32 wide"):
         training.run(cfg)
     cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden,
                                                              "train.batch_tokens": 10})
@@ -178,31 +179,25 @@ def test_triton_kernels_match_torch_reference_in_training(tmp_path, llama_target
         assert la[step] == pytest.approx(lb[step], rel=1e-4)
 
 
-def test_batches_prepared_by_the_prefetch_thread_equal_those_prepared_in_the_step(tmp_path, llama_target,
+def test_the_prefetcher_yields_planned_batches_in_order_that_train_like_raw_ones(tmp_path, llama_target,
                                                                                    token_data, hidden):
-    """On CUDA the prefetch thread prepares batches (live rows, loss rows, boundaries, denominator);
-    the result must be what the step computes itself from a raw batch."""
+    """On CUDA the prefetch thread reads the micro-batches ahead and finds their row plans on the
+    host; it must yield the plan's micro-batches in order, and a planned batch must give the loss
+    that ttt_forward gets by finding the rows itself (on the device) from the raw batch."""
     from eagle3 import config as config_mod
-    from eagle3.data.batching import Prefetcher, to_device
+    from eagle3.data.batching import Prefetcher
+    from eagle3.ttt import loss_denominator
     trainer = training.Trainer(config_mod.load(str(ROOT / "config.toml"),
                                                cli_args(tmp_path, llama_target, token_data, hidden)))
-    refs = list(trainer.plan.rank_batches(0, 0))[:2]
+    refs = list(trainer.plan.rank_batches(0, 0))[:3]
     ahead = Prefetcher(trainer.reader, refs, 2, pin=False, prepare=trainer.prepare_batch)
-    prepared = [next(ahead) for _ in refs]
-    for refs_one, ahead in zip(refs, prepared):
-        here = trainer._prepared(trainer.reader.read(refs_one))
-        assert set(ahead) == set(here) and {"live_rows", "loss_rows", "loss_denominator"} <= set(here)
-        for key in here:
-            a, b = ahead[key], here[key]
-            assert all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, list) else (
-                torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), key
-        loss_ahead = trainer._forward(trainer.model, trainer._on_device(ahead))[0]
-        prepared_here = trainer._forward(trainer.model, trainer._on_device(here))[0]
-        # and with nothing prepared: ttt_forward finds the rows itself, on the device
-        raw = to_device(trainer.reader.read(refs_one), trainer.device, trainer.float_dtype)
-        loss_here = trainer._forward(trainer.model, raw)[0]
-        assert torch.equal(prepared_here, loss_ahead)
-        assert torch.equal(loss_ahead, loss_here) and loss_ahead > 0
+    for refs_one, planned in zip(refs, [next(ahead) for _ in refs]):
+        raw = trainer.reader.read(refs_one)
+        assert torch.equal(planned.input_ids, raw.input_ids) and torch.equal(planned.cu_seqlens, raw.cu_seqlens)
+        assert raw.plan is None and planned.plan.denominator == int(loss_denominator(raw)) > 0
+        loss_planned = trainer._forward(trainer.model, trainer._on_device(planned))[0]
+        loss_raw = trainer._forward(trainer.model, trainer._on_device(raw))[0]
+        assert torch.equal(loss_planned, loss_raw) and loss_planned > 0
 
 
 def test_a_corrupt_state_json_is_named_on_resume(tmp_path, llama_target, token_data, hidden):

@@ -1,8 +1,10 @@
+import dataclasses
 import shutil
 
 import pytest
 import torch
 
+from eagle3.data.batch import Batch
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.ttt import loss_denominator, step_targets, summarize, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss, ttt_loss_steps
@@ -84,17 +86,16 @@ def tiny_draft(seed=0):
 def random_batch(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     T = sum(lengths)
-    return {"aux_hidden": torch.randn(T, 48, generator=g), "final_hidden": torch.randn(T, 16, generator=g),
-            "input_ids": torch.randint(0, 40, (T,), generator=g, dtype=torch.int32),
-            "loss_mask": (torch.rand(T, generator=g) > 0.3).to(torch.uint8),
-            "target_argmax": torch.randint(0, 40, (T,), generator=g, dtype=torch.int32),
-            "cu_seqlens": torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())}
+    return Batch(aux_hidden=torch.randn(T, 48, generator=g), final_hidden=torch.randn(T, 16, generator=g),
+                 input_ids=torch.randint(0, 40, (T,), generator=g, dtype=torch.int32),
+                 loss_mask=(torch.rand(T, generator=g) > 0.3).to(torch.uint8),
+                 target_argmax=torch.randint(0, 40, (T,), generator=g, dtype=torch.int32),
+                 cu_seqlens=torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist()))
 
 
 def slice_batch(batch, a, b):
-    out = {k: v[a:b] for k, v in batch.items() if k != "cu_seqlens"}
-    out["cu_seqlens"] = torch.tensor([0, b - a])
-    return out
+    return Batch(batch.input_ids[a:b], batch.loss_mask[a:b], batch.target_argmax[a:b], batch.aux_hidden[a:b],
+                 batch.final_hidden[a:b], torch.tensor([0, b - a]))
 
 
 def test_packed_sequences_do_not_interact():
@@ -107,7 +108,7 @@ def test_packed_sequences_do_not_interact():
     packed_grad = draft.fc.weight.grad.clone()
     draft.zero_grad()
     sep_total, sep_metrics = 0, 0
-    bounds = batch["cu_seqlens"].tolist()
+    bounds = batch.cu_seqlens.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
         t, m, _ = ttt_forward(draft, slice_batch(batch, a, b), embed, head, 4, ttt_attention, ttt_loss_steps)
         t.backward()
@@ -124,8 +125,8 @@ def test_ttt_step_uses_own_previous_output_and_shifted_tokens():
     draft = tiny_draft(1)
     embed, head = torch.randn(40, 16), torch.randn(24, 16)
     batch = random_batch([16], seed=3)
-    batch["loss_mask"][:] = 1
-    batch["target_argmax"] = draft.t2d.nonzero().flatten()[torch.arange(16) % 24].to(torch.int32)
+    batch.loss_mask[:] = 1
+    batch.target_argmax = draft.t2d.nonzero().flatten()[torch.arange(16) % 24].to(torch.int32)
     outputs = {}
 
     def recording_loss(hs, w, ps, valids, weights):
@@ -133,8 +134,8 @@ def test_ttt_step_uses_own_previous_output_and_shifted_tokens():
         return ttt_loss_steps(hs, w, ps, valids, weights)
 
     ttt_forward(draft, batch, embed, head, 3, ttt_attention, recording_loss)
-    changed = {k: v.clone() for k, v in batch.items()}
-    changed["input_ids"][10:] = (changed["input_ids"][10:] + 1) % 40   # tokens from position 10 on
+    changed = dataclasses.replace(batch, input_ids=batch.input_ids.clone())
+    changed.input_ids[10:] = (changed.input_ids[10:] + 1) % 40   # tokens from position 10 on
     before = outputs.pop("h")
     ttt_forward(draft, changed, embed, head, 3, ttt_attention, recording_loss)
     after = outputs["h"]
@@ -158,7 +159,7 @@ def test_skipping_dead_rows_is_exact(layers, chains):
     """Rows with no valid target at any later step are dropped; loss, gradients and metrics equal
     the full computation, also with the live and loss rows found beforehand on the host (as the
     trainer does), with rows found for the other mode (ignored), and when every chain dies early."""
-    from eagle3.ttt import all_step_targets, live_rows, loss_rows
+    from eagle3.ttt import plan_rows
     torch.manual_seed(0)
     spec = DraftSpec(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                      intermediate_size=32, num_layers=layers, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -170,25 +171,22 @@ def test_skipping_dead_rows_is_exact(layers, chains):
     draft.d2t.copy_(reference.d2t)
     embed, head = torch.randn(40, 16), torch.randn(24, 16)
     batch = random_batch([13, 20, 9, 14], seed=5)
-    batch["target_argmax"] = draft.t2d.nonzero().flatten()[torch.arange(56) % 24].to(torch.int32)
+    batch.target_argmax = draft.t2d.nonzero().flatten()[torch.arange(56) % 24].to(torch.int32)
     if chains == "user_turns":   # a user turn, a whole user sequence, a short reply
-        batch["loss_mask"][:8] = 0
-        batch["loss_mask"][33:42] = 0
-        batch["loss_mask"][42:56] = torch.tensor([0] * 10 + [1] * 4)
+        batch.loss_mask[:8] = 0
+        batch.loss_mask[33:42] = 0
+        batch.loss_mask[42:56] = torch.tensor([0] * 10 + [1] * 4)
     else:                         # labels only at positions 2 and 3: nothing is valid from step 2 on
-        batch["loss_mask"][:] = 0
+        batch.loss_mask[:] = 0
         for a in (0, 13, 33, 42):
-            batch["loss_mask"][a + 2:a + 4] = 1
-    targets = all_step_targets(batch, 5, draft.t2d)
-    live = live_rows(targets)
-    found = {True: {"live_rows": live, "loss_rows": loss_rows(targets, live)},
-             False: {"loss_rows": loss_rows(targets, [None] * 5)}}
+            batch.loss_mask[a + 2:a + 4] = 1
+    found = {skip: plan_rows(batch, 5, draft.t2d, skip) for skip in (True, False)}
     results = []
-    for skip, extra in ((False, {}), (False, found[False]), (False, found[True]), (True, {}),
-                        (True, found[True]), (True, found[False])):
+    for skip, plan in ((False, None), (False, found[False]), (False, found[True]), (True, None),
+                       (True, found[True]), (True, found[False])):
         draft.zero_grad()
-        total, metrics, detail = ttt_forward(draft, {**batch, **extra}, embed, head, 5, ttt_attention,
-                                             ttt_loss_steps, skip_dead_rows=skip)
+        total, metrics, detail = ttt_forward(draft, dataclasses.replace(batch, plan=plan), embed, head, 5,
+                                             ttt_attention, ttt_loss_steps, skip_dead_rows=skip)
         total.backward()
         results.append((total.detach(), metrics, detail["accepted"],
                         {n: p.grad.clone() for n, p in draft.named_parameters()}))
@@ -200,7 +198,8 @@ def test_skipping_dead_rows_is_exact(layers, chains):
         assert torch.equal(a1, a0)
         for name in g0:
             torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6)
-    assert all(set(live[k + 1].tolist()) <= set(live[k].tolist()) for k in range(4))
+    live = found[True].live
+    assert found[False].live is None and all(set(live[k + 1].tolist()) <= set(live[k].tolist()) for k in range(4))
     if chains == "user_turns":
         assert live[1].numel() < 56
     else:
@@ -212,7 +211,7 @@ def test_batch_with_no_assistant_token_gives_zero_loss_and_grads():
     needs to finish its reduction."""
     draft = tiny_draft()
     batch = random_batch([10, 12])
-    batch["loss_mask"][:] = 0
+    batch.loss_mask[:] = 0
     total, metrics, _ = ttt_forward(draft, batch, torch.randn(40, 16), torch.randn(24, 16), 3, ttt_attention,
                                     ttt_loss_steps)
     total.backward()
@@ -245,7 +244,7 @@ def test_compiled_elementwise_ops_give_the_same_loss_and_grads():
     """`train.compile_ops` (RMSNorm, RoPE, SiLU*up through torch.compile, dynamic row counts) is a
     pure speed change: same loss and gradients as the eager draft, skipping rows or not."""
     batch = random_batch([13, 20, 9, 14], seed=5)
-    batch["loss_mask"][:8] = 0
+    batch.loss_mask[:8] = 0
     embed, head = torch.randn(40, 16), torch.randn(24, 16)
     results = []
     for compile_ops in (False, True):

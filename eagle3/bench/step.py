@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from eagle3 import config as config_mod
 from eagle3 import distributed
 from eagle3.bench.timing import free_memory, matmul_tflops, wall_s
+from eagle3.data.batch import Batch
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, write_shard
 from eagle3.files import atomic_write_text
 from eagle3.models.checkpoint import read_config
@@ -117,7 +118,7 @@ def step_flops(s: dict, steps: int, tokens: int, head_trained: bool) -> float:
     return tokens * (3 * (fc + steps * (per_row_step + attention)) + steps * head + target_probs)
 
 
-def gpu_busy_fraction(trainer: Trainer, batch: dict, table: Path | None = None) -> tuple[float, float]:
+def gpu_busy_fraction(trainer: Trainer, batch: Batch, table: Path | None = None) -> tuple[float, float]:
     """(busy share, wall seconds) of one step under the profiler: union of the GPU kernels' time.
     `table`: where to write the step's kernels by GPU time (where the time goes)."""
     from torch.profiler import ProfilerActivity, profile
@@ -148,7 +149,7 @@ def gpu_busy_fraction(trainer: Trainer, batch: dict, table: Path | None = None) 
     return busy / 1e6 / wall, wall
 
 
-def host_syncs(trainer: Trainer, batch: dict) -> list[str]:
+def host_syncs(trainer: Trainer, batch: Batch) -> list[str]:
     """Where one step waits for the GPU (torch's sync debug mode; the step should need none)."""
     import threading
     import traceback
@@ -216,7 +217,7 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             first = metrics   # the same weights and data on every path: losses agree across kernels
         if i >= warmup:
             times.append(elapsed)
-            tokens = batch["input_ids"].numel()
+            tokens = batch.rows
     table = profile_dir / f"profile-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}.txt" \
         if profile_dir else None
     busy = gpu_busy_fraction(trainer, next(batches), table)[0] if cuda else float("nan")

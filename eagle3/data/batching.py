@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from eagle3.data.shards import SeqRef, ShardReader, decode_aux_fp8
+from eagle3.data.batch import Batch
+from eagle3.data.shards import SeqRef, ShardReader
 
 
 def split_holdout(refs: list[SeqRef], fraction: float) -> tuple[list[SeqRef], list[SeqRef]]:
@@ -41,18 +42,12 @@ def pack(refs: list[SeqRef], budget: int, seed: int | None = None, epoch: int = 
     return batches
 
 
-def pin_memory(batch: dict) -> dict:
-    """Every tensor of the batch, also inside lists, in pinned memory (for asynchronous copies)."""
-    return {k: [t.pin_memory() for t in v] if isinstance(v, list) else
-            v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 class Prefetcher:
     """Reads micro-batches in a background thread in the given order, applies `prepare` (host-side
     work the step would otherwise do on its critical path) and pins them on CUDA."""
 
     def __init__(self, reader: ShardReader, batches: list[list[SeqRef]], depth: int, pin: bool,
-                 prepare: Callable[[dict], dict] | None = None):
+                 prepare: Callable[[Batch], Batch] | None = None):
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._thread = threading.Thread(target=self._work, args=(reader, batches, pin, prepare), daemon=True)
         self._thread.start()
@@ -64,7 +59,7 @@ class Prefetcher:
                 if prepare is not None:
                     batch = prepare(batch)
                 if pin:
-                    batch = pin_memory(batch)
+                    batch = batch.pin_memory()
                 self._queue.put(batch)
         except Exception as e:  # surfaced in the consumer
             self._queue.put(e)
@@ -72,22 +67,8 @@ class Prefetcher:
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict[str, torch.Tensor]:
+    def __next__(self) -> Batch:
         item = self._queue.get()
         if isinstance(item, Exception):
             raise item
         return item
-
-
-def to_device(batch: dict, device: torch.device, float_dtype: torch.dtype) -> dict:
-    """Move a batch to the device; fp8 aux states (`aux_scale` present) are decoded there."""
-    batch = dict(batch)
-    scale = batch.pop("aux_scale", None)
-    aux = batch.pop("aux_hidden")
-    out = {k: v.to(device, float_dtype if v.is_floating_point() else None, non_blocking=True)
-           for k, v in batch.items()}
-    if scale is None:
-        out["aux_hidden"] = aux.to(device, float_dtype, non_blocking=True)
-    else:
-        out["aux_hidden"] = decode_aux_fp8(aux.to(device, non_blocking=True), scale.to(device), float_dtype)
-    return out

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle3.data.batch import Batch
 from eagle3.files import make_readable, open_safetensors, read_json, short_of_space, tensor_bytes
 from eagle3.models.checkpoint import TextConfig
 
@@ -21,24 +22,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES = {"input_ids": "int32", "loss_mask": "uint8", "cu_seqlens": "int64", "aux_hidden": "bfloat16",
           "final_hidden": "bfloat16", "target_argmax": "int32"}
-
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def encode_aux_fp8(aux: torch.Tensor, layers: int = 3) -> dict[str, torch.Tensor]:
-    """aux [T, layers*H] -> float8_e4m3fn values with an fp32 scale per token and layer [T, layers]."""
-    T = aux.shape[0]
-    x = aux.float().view(T, layers, -1)
-    scale = (x.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
-    values = (x / scale[..., None]).to(torch.float8_e4m3fn).view(T, -1)
-    return {"aux_hidden": values, "aux_scale": scale}
-
-
-def decode_aux_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `encode_aux_fp8`: [T, layers*H] in `dtype` (runs wherever the tensors are)."""
-    T, layers = scale.shape
-    return (values.view(T, layers, -1).to(torch.float32) * scale[..., None]).view(T, -1).to(dtype)
 
 
 # extraction verifies its finished shards against the journal and redoes the bad ones
@@ -146,9 +129,9 @@ class ShardReader:
             refs += [SeqRef(s, a, b, len(refs) + i) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
         return refs
 
-    def read(self, refs: list[SeqRef]) -> dict[str, torch.Tensor]:
+    def read(self, refs: list[SeqRef]) -> Batch:
         """Pack `refs` into one batch: the shard tensors plus cu_seqlens of the batch. fp8 shards
-        also give `aux_scale`; `decode_aux_fp8` turns them back into bf16 (on the GPU, in training)."""
+        also give `aux_scale`; `Batch.to` decodes them (on the GPU, in training)."""
         keys = [k for k in self._handle(0).keys() if k != "cu_seqlens"]
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
         for ref in refs:
@@ -158,7 +141,7 @@ class ShardReader:
         batch = {k: torch.cat(v) for k, v in parts.items()}
         lengths = torch.tensor([r.length for r in refs], dtype=torch.int64)
         batch["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-        return batch
+        return Batch.from_tensors(batch)
 
 
 def check_manifest(manifest: dict, target: TextConfig, aux_ids: list[int], where: Path) -> None:

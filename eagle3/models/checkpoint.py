@@ -19,7 +19,7 @@ class TargetError(ValueError):
     """The target checkpoint is missing something or is inconsistent; the message names the file."""
 
 
-def _require(cfg: dict, key: str, where: str, kind: type = int):
+def require(cfg: dict, key: str, where: str, kind: type = int):
     if key not in cfg:
         raise TargetError(f"{where}: missing field '{key}'")
     value = cfg[key]
@@ -71,7 +71,7 @@ class TextConfig:
                 "vocab_size": self.vocab_size, "num_hidden_layers": self.num_hidden_layers}
 
 
-def _rope(text: dict) -> tuple[float, dict | None]:
+def rope_settings(text: dict) -> tuple[float, dict | None]:
     """rope_theta and the scaling dict, from `rope_scaling` or `rope_parameters`, `type` or `rope_type`."""
     params = text.get("rope_parameters") or {}
     scaling = text.get("rope_scaling") or (params if params.get("rope_type", params.get("type")) else None)
@@ -113,8 +113,8 @@ def read_config(path: Path) -> TextConfig:
         text, where = outer["text_config"], f"{path}:text_config"
         if not isinstance(text, dict):
             raise TargetError(f"{where}: expected an object")
-    theta, scaling = _rope(text)
-    heads = _require(text, "num_attention_heads", where)
+    theta, scaling = rope_settings(text)
+    heads = require(text, "num_attention_heads", where)
     quant = text.get("quantization_config") or outer.get("quantization_config")
     tie = text.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))
     cfg = TextConfig(
@@ -122,13 +122,13 @@ def read_config(path: Path) -> TextConfig:
         model_type=str(outer.get("model_type", "")),
         text_model_type=str(text.get("model_type", outer.get("model_type", ""))),
         architectures=list(text.get("architectures") or outer.get("architectures") or []),
-        hidden_size=_require(text, "hidden_size", where),
-        vocab_size=_require(text, "vocab_size", where),
-        num_hidden_layers=_require(text, "num_hidden_layers", where),
+        hidden_size=require(text, "hidden_size", where),
+        vocab_size=require(text, "vocab_size", where),
+        num_hidden_layers=require(text, "num_hidden_layers", where),
         num_attention_heads=heads,
         num_key_value_heads=text.get("num_key_value_heads") or heads,
-        intermediate_size=_require(text, "intermediate_size", where),
-        rms_norm_eps=float(_require(text, "rms_norm_eps", where, float)),
+        intermediate_size=require(text, "intermediate_size", where),
+        rms_norm_eps=float(require(text, "rms_norm_eps", where, float)),
         rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=bool(tie),
         quantization=_describe_quant(quant),
         max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
@@ -232,65 +232,3 @@ class Checkpoint:
         handle, full = self._handle(name)
         sl = handle.get_slice(full)
         return {"name": full, "shape": list(sl.get_shape()), "dtype": sl.get_dtype()}
-
-
-def inspect(target: str) -> dict:
-    """What the pipeline will read from a target; weights reported missing if absent."""
-    ckpt = Checkpoint(target, require_weights=False)
-    c = ckpt.config
-    report = {"path": str(ckpt.dir), "model_type": c.model_type, "text_model_type": c.text_model_type,
-              "architectures": c.architectures, "config_source": c.source, "hidden_size": c.hidden_size,
-              "vocab_size": c.vocab_size, "num_hidden_layers": c.num_hidden_layers,
-              "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-              "aux_layer_ids": c.default_aux_layer_ids(), "tie_word_embeddings": c.tie_word_embeddings,
-              "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling, "quantization": c.quantization}
-    if not ckpt.weight_map:
-        report["weights"] = "missing: no model.safetensors or model.safetensors.index.json"
-        for name in ("embed_tokens", "lm_head", "norm"):
-            report[name] = None
-        return report
-    report["weights"] = {"files": len(set(ckpt.weight_map.values())),
-                         "text_tensors": len(ckpt.text_tensor_names()),
-                         "skipped_tensors": len(ckpt.weight_map) - len(ckpt.text_tensor_names()),
-                         "prefix": ckpt.prefix}
-    for name in ("embed_tokens", "lm_head", "norm"):
-        report[name] = ckpt.info(f"{name}.weight")
-    _check_shapes(ckpt, report)
-    if c.is_deepseek:
-        _check_deepseek(ckpt, report)
-    return report
-
-
-def _check_deepseek(ckpt: Checkpoint, report: dict) -> None:
-    """MoE layout, and every tensor the DeepSeek-V3 forward reads present in the weight map."""
-    from eagle3.models.deepseek import DeepseekSpec, required_tensor_names
-    spec = DeepseekSpec.from_config(ckpt.config)
-    report["moe"] = {"routed_experts": spec.n_routed_experts, "shared_experts": spec.n_shared_experts,
-                     "experts_per_token": spec.num_experts_per_tok, "n_group": spec.n_group,
-                     "topk_group": spec.topk_group, "dense_layers": spec.first_k_dense_replace,
-                     "moe_intermediate_size": spec.moe_intermediate_size}
-    needed = list(dict.fromkeys(ckpt.full_name(n) for n in required_tensor_names(ckpt)))
-    missing = [n for n in needed if n not in ckpt.weight_map]
-    if missing:
-        index = ckpt.dir / ("model.safetensors.index.json" if (ckpt.dir / "model.safetensors.index.json").exists()
-                            else "model.safetensors")
-        raise TargetError(f"{index}: {len(missing)} of the {len(needed)} tensors the forward needs are missing, "
-                          f"first: {missing[0]}")
-    report["weights"]["forward_tensors"] = len(needed)
-    report["weights"]["int4_linears"] = sum(n.endswith(".weight_packed") for n in needed)
-    report["weights"]["unused_text_tensors"] = len(ckpt.text_tensor_names()) - len(needed)
-
-
-def _check_shapes(ckpt: Checkpoint, report: dict) -> None:
-    c = ckpt.config
-    for name in ("embed_tokens", "lm_head"):
-        if report[name]["shape"] != [c.vocab_size, c.hidden_size]:
-            raise TargetError(f"{ckpt.dir}: {report[name]['name']} has shape {report[name]['shape']}, but "
-                              f"{c.source} says vocab_size {c.vocab_size} x hidden_size {c.hidden_size}")
-    if report["norm"]["shape"] != [c.hidden_size]:
-        raise TargetError(f"{ckpt.dir}: {report['norm']['name']} has shape {report['norm']['shape']}; "
-                          f"expected [{c.hidden_size}]")
-    missing = [n for i in range(c.num_hidden_layers) for n in (f"layers.{i}.input_layernorm.weight",)
-               if not ckpt.has(n)]
-    if missing:
-        raise TargetError(f"{ckpt.dir}: {len(missing)} layers have no tensors, e.g. {ckpt.full_name(missing[0])}")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from eagle3.ops import rms_norm, swiglu
 from eagle3.models import quant
-from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig, _require
+from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import cached_attention_packed, causal_attention_packed
 
 # experts dequantized and multiplied together: 32 Kimi experts are 2.8 GB of bf16, enough rows
@@ -48,20 +48,20 @@ class DeepseekSpec:
         raw, where = c.raw, c.source
         q_lora = raw.get("q_lora_rank")
         if q_lora is not None:
-            q_lora = _require(raw, "q_lora_rank", where)
+            q_lora = require(raw, "q_lora_rank", where)
         moe = raw.get("n_routed_experts") is not None
         spec = cls(
             q_lora_rank=q_lora,
-            kv_lora_rank=_require(raw, "kv_lora_rank", where),
-            qk_nope_head_dim=_require(raw, "qk_nope_head_dim", where),
-            qk_rope_head_dim=_require(raw, "qk_rope_head_dim", where),
-            v_head_dim=_require(raw, "v_head_dim", where),
+            kv_lora_rank=require(raw, "kv_lora_rank", where),
+            qk_nope_head_dim=require(raw, "qk_nope_head_dim", where),
+            qk_rope_head_dim=require(raw, "qk_rope_head_dim", where),
+            v_head_dim=require(raw, "v_head_dim", where),
             first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
             moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
-            n_routed_experts=_require(raw, "n_routed_experts", where) if moe else 0,
+            n_routed_experts=require(raw, "n_routed_experts", where) if moe else 0,
             n_shared_experts=int(raw.get("n_shared_experts") or 0),
-            num_experts_per_tok=_require(raw, "num_experts_per_tok", where) if moe else 0,
-            moe_intermediate_size=_require(raw, "moe_intermediate_size", where) if moe else 0,
+            num_experts_per_tok=require(raw, "num_experts_per_tok", where) if moe else 0,
+            moe_intermediate_size=require(raw, "moe_intermediate_size", where) if moe else 0,
             n_group=int(raw.get("n_group") or 1),
             topk_group=int(raw.get("topk_group") or 1),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),

@@ -1,0 +1,72 @@
+"""One packed micro-batch as the trainer sees it: the shard tensors, typed, and the host-side row plan.
+
+T rows are the tokens of n sequences packed end to end; `cu_seqlens` [n+1] holds their boundaries.
+The row plan is what the step would otherwise have to learn on the device (with a host sync per
+TTT step): it is found on the host, once per batch, by `eagle3.ttt.plan_rows`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from eagle3.data.fp8 import decode_aux_fp8
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Which rows each TTT step computes and trains, for one batch and one objective."""
+    steps: int                          # K, the unroll it was made for
+    oov_rows: bool                      # the objective's row rule it was made for
+    live: list[torch.Tensor] | None     # per step, rows [N_k] whose work reaches the loss; None: every row runs
+    loss: list[torch.Tensor]            # per step, the valid rows as indices into the rows that step keeps
+    denominator: int                    # loss-masked rows (step-0 label is an assistant token)
+
+    def fits(self, steps: int, skip_dead_rows: bool, oov_rows: bool) -> bool:
+        return self.steps == steps and (self.live is not None) == skip_dead_rows and self.oov_rows == oov_rows
+
+    def to(self, device: torch.device) -> "RowPlan":
+        move = lambda rows: [r.to(device, non_blocking=True) for r in rows]   # noqa: E731
+        return dataclasses.replace(self, live=None if self.live is None else move(self.live), loss=move(self.loss))
+
+    def pin_memory(self) -> "RowPlan":
+        return dataclasses.replace(self, live=None if self.live is None else [r.pin_memory() for r in self.live],
+                                   loss=[r.pin_memory() for r in self.loss])
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor             # [T] int32: x
+    loss_mask: torch.Tensor             # [T] uint8: 1 on assistant tokens
+    target_argmax: torch.Tensor         # [T] int32: g[t], the target's greedy token after x[t]
+    aux_hidden: torch.Tensor            # [T, 3H]: the aux layers' outputs (fp8 codes when aux_scale is set)
+    final_hidden: torch.Tensor          # [T, H]: the target's last hidden state (after its final norm)
+    cu_seqlens: torch.Tensor            # [n+1] int64
+    aux_scale: torch.Tensor | None = None   # [T, 3] fp32 per-token, per-layer scales of fp8 aux states
+    cu_seqlens_host: torch.Tensor | None = None   # int32 copy kept on the host: the kernels read it there
+    plan: RowPlan | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "Batch":
+        """From the tensors a shard holds (plus cu_seqlens of the batch)."""
+        return cls(**tensors)
+
+    def to(self, device: torch.device, float_dtype: torch.dtype) -> "Batch":
+        """The batch on the device, floats in `float_dtype`, fp8 aux states decoded there; the host
+        copy of the boundaries stays on the host."""
+        move = lambda t: t.to(device, float_dtype if t.is_floating_point() else None, non_blocking=True)  # noqa: E731
+        aux = (move(self.aux_hidden) if self.aux_scale is None else
+               decode_aux_fp8(self.aux_hidden.to(device, non_blocking=True), self.aux_scale.to(device), float_dtype))
+        return Batch(move(self.input_ids), move(self.loss_mask), move(self.target_argmax), aux,
+                     move(self.final_hidden), self.cu_seqlens.to(device, non_blocking=True),
+                     cu_seqlens_host=self.cu_seqlens_host, plan=None if self.plan is None else self.plan.to(device))
+
+    def pin_memory(self) -> "Batch":
+        """Every tensor in pinned memory (for asynchronous copies)."""
+        pinned = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return Batch(**{k: v.pin_memory() if isinstance(v, (torch.Tensor, RowPlan)) else v for k, v in pinned.items()})

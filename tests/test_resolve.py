@@ -1,0 +1,58 @@
+"""One resolve step: every "auto" turned into a value once, checked before extraction, carried by
+checkpoints and read back by resume and export."""
+import dataclasses
+import json
+
+import pytest
+
+from conftest import make_config
+from eagle3 import checkpoint as ckpt_io
+from eagle3 import extraction, training
+from eagle3.config import ConfigError
+from eagle3.export import export_all
+from eagle3.models.checkpoint import Checkpoint
+from eagle3.resolve import resolve
+
+
+def test_auto_takes_the_targets_values_and_the_record_is_frozen(tmp_path, llama_target, token_data):
+    cfg = make_config(tmp_path, llama_target, token_data, **{"vocab.draft_vocab_size": "auto",
+                                                             "extract.output_dir": tmp_path / "shards"})
+    r = resolve(cfg, Checkpoint(llama_target))
+    spec = r.draft_spec
+    assert (spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim) == (32, 4, 2, 8)
+    assert spec.draft_vocab_size == spec.target_vocab_size == 256          # min(32000, target vocab)
+    assert r.aux_layer_ids == [1, 1, 1] and r.data_dir == str(tmp_path / "shards")
+    assert r.verifier_name == str(llama_target)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.data_dir = "elsewhere"
+
+
+def test_a_draft_that_cannot_be_built_fails_before_extraction(tmp_path, llama_target, token_data):
+    cfg = make_config(tmp_path, llama_target, token_data, **{"draft.num_attention_heads": 3})
+    with pytest.raises(ConfigError, match="draft.num_attention_heads 3 is not a multiple of draft.num_key_value_heads 2"):
+        extraction.run(cfg)
+    assert not (tmp_path / "hidden").exists()
+
+
+def test_checkpoints_carry_the_record_and_old_checkpoints_read_the_same(tmp_path, llama_target, token_data,
+                                                                        hidden):
+    cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.max_steps": 3,
+                                                             "export.verifier_name": "org/target"})
+    training.run(cfg)
+    ckpt = ckpt_io.latest(cfg.train.output_dir)
+    state = ckpt_io.read_state(ckpt)
+    assert state["resolved"] == resolve(cfg, Checkpoint(llama_target)).to_dict()
+    new = export_all(ckpt, tmp_path / "new")
+
+    # a state.json written before the record existed: the same values under top-level keys
+    old = json.loads((ckpt / ckpt_io.STATE).read_text())
+    record = old.pop("resolved")
+    old.update({k: record[k] for k in ("aux_layer_ids", "draft_spec", "data_dir")})
+    (ckpt / ckpt_io.STATE).write_text(json.dumps(old))
+    assert ckpt_io.read_state(ckpt)["resolved"] == record
+    for fmt, path in export_all(ckpt, tmp_path / "old").items():
+        assert (path / "config.json").read_text() == (new[fmt] / "config.json").read_text()
+
+    with pytest.raises(training.TrainError, match="draft_spec differs"):   # resume refuses another draft shape
+        training.Trainer(make_config(tmp_path, llama_target, token_data, **{
+            "extract.output_dir": hidden, "train.max_steps": 6, "draft.intermediate_size": 48}))
