@@ -162,10 +162,12 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     return hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 or not x.is_cuda)
 
 
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int], ends: torch.Tensor) -> torch.Tensor:
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int], ends: torch.Tensor,
+                  grouped: bool = True) -> torch.Tensor:
     """x [n, K] with rows grouped by expert (sizes[j] rows for expert j, ends = their cumsum, int32),
-    w [B, N, K] the experts' weights -> [n, N], each group times its expert's w[j].T."""
-    if grouped_mm_supported(x):
+    w [B, N, K] the experts' weights -> [n, N], each group times its expert's w[j].T; one grouped
+    GEMM where torch has it (and `grouped`), else one matmul per expert."""
+    if grouped and grouped_mm_supported(x):
         return torch._grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=ends)
     return torch.cat([F.linear(part, w[j]) for j, part in enumerate(x.split(sizes))])
 
@@ -253,6 +255,9 @@ class DeepseekTarget:
     def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
         self.ckpt, self.cfg, self.device, self.dtype = ckpt, ckpt.config, device, dtype
         self.spec = DeepseekSpec.from_config(self.cfg)
+        # the fast paths, switchable for benchmarks and for a device where one misbehaves
+        self.grouped_mm = True        # experts of a block in one torch._grouped_mm
+        self.triton_dequant = True    # int4 experts dequantised by the Triton kernel on CUDA
         self.heads = self.cfg.num_attention_heads
         self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
 
@@ -394,10 +399,11 @@ class DeepseekTarget:
             rows = slice(starts[block[0]], starts[block[-1] + 1])
             sizes = [counts[e] for e in block]
             ends = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
-            gu = expert_matmul(x[token[rows]], self._expert_weights(w, "gate_up", block), sizes, ends)  # [n, 2I]
+            gu = expert_matmul(x[token[rows]], self._expert_weights(w, "gate_up", block), sizes, ends,
+                               self.grouped_mm)                                                         # [n, 2I]
             # the routing weight scales the [n, I] activation rather than the [n, H] output: cheaper
             h = (F.silu(gu[:, :I]) * gu[:, I:]).float().mul_(pair_w[rows, None]).to(x.dtype)
-            y = expert_matmul(h, self._expert_weights(w, "down", block), sizes, ends)               # [n, H]
+            y = expert_matmul(h, self._expert_weights(w, "down", block), sizes, ends, self.grouped_mm)  # [n, H]
             acc.index_add_(0, token[rows], y.float())
         return acc
 
@@ -407,4 +413,5 @@ class DeepseekTarget:
         if f"experts.{key}.weight" in w:
             return w[f"experts.{key}.weight"].index_select(0, ids)
         return quant.dequantize_int4(w[f"experts.{key}.weight_packed"].index_select(0, ids),
-                                     w[f"experts.{key}.weight_scale"].index_select(0, ids), self.dtype)
+                                     w[f"experts.{key}.weight_scale"].index_select(0, ids), self.dtype,
+                                     self.triton_dequant)
