@@ -178,6 +178,6 @@ def test_missing_layer_tensor_fails_before_any_compute(tmp_path):
 
 
 def test_a_null_rope_theta_means_the_default():
-    from eagle3.models.checkpoint import _rope
+    from eagle3.models.checkpoint import rope_settings
     assert rope_settings({"rope_theta": None}) == (10000.0, None)
     assert rope_settings({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}) == (5e5, None)
