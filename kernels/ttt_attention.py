@@ -82,6 +82,15 @@ def _sequence(CU_SEQLENS, seq, T, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(CU_SEQLENS, T, GROUP: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(q head, kv head, sequence start, sequence length, first query position) of this program.
+    Heaviest (last) query tiles first, so the causal imbalance does not land in the tail."""
+    head = tl.program_id(1)
+    start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
+    return head, head // GROUP, start, seqlen, (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+
+
+@triton.jit
 def _load_rows(base, rows, row_stride, offs_d, row_mask, UPCAST: tl.constexpr):
     """A [rows, D] tile of a row-major matrix; zeros on masked rows (they then add nothing)."""
     x = tl.load(base + rows[:, None] * row_stride + offs_d[None, :], mask=row_mask[:, None], other=0.0)
@@ -152,14 +161,9 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
                 T, S, qk_scale, seqlen_bucket,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
                 UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Heaviest (last) query tiles first, so the causal imbalance does not land in the tail.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
-    m0 = tile * BLOCK_M
+    head, kv_head, start, seqlen, m0 = _query_tile(CU_SEQLENS, T, GROUP, VARLEN, BLOCK_M)
     if m0 >= seqlen:
         return
-    kv_head = head // GROUP
     offs_m = m0 + tl.arange(0, BLOCK_M)  # positions inside the sequence
     offs_d = tl.arange(0, HEAD_DIM)
     row_mask = offs_m < seqlen
@@ -347,13 +351,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq for one query tile of one q head: causal step-0 tiles, then the diagonal terms."""
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest first, as in the forward
-    head = tl.program_id(1)
-    start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
-    m0 = tile * BLOCK_M
+    head, kv_head, start, seqlen, m0 = _query_tile(CU_SEQLENS, T, GROUP, VARLEN, BLOCK_M)
     if m0 >= seqlen:
         return
-    kv_head = head // GROUP
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_mask = offs_m < seqlen

@@ -53,22 +53,22 @@ class Recipe:
     max_files: int = 0                # corpus files (sorted by path); 0 = all
     holdout_every: int = 20           # every n-th file gives the judging prompts, never draft data
     vocab: int = 2048
-    hidden: int = 256
+    hidden: int = 256                 # the target: a Llama of 7.3M parameters
     layers: int = 8                   # aux layers [1, 3, 4] (ours) = inputs of [2, 4, 5] (vLLM, peer)
     heads: int = 4
     kv_heads: int = 2
     intermediate: int = 768
     seq_len: int = 512
     batch_seqs: int = 128
-    target_steps: int = 1500
+    target_steps: int = 1500          # x batch_seqs x seq_len: 98M tokens, 28 passes over the corpus
     target_lr: float = 3e-3
     prompt_len: int = 128
     reply_len: int = 192              # new tokens per regenerated reply
-    train_prompts: int = 1024
+    train_prompts: int = 3072         # 983k tokens of draft data (1024 left every draft far from trained)
     eval_prompts: int = 64
     eval_new_tokens: int = 128
     generate_batch: int = 256
-    draft_vocab: int = 256
+    draft_vocab: int = 256            # the draft's side from here on, the same for both trainers
     epochs: int = 4
     ttt_steps: int = 7
     loss_decay: float = 0.8
