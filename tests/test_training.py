@@ -108,6 +108,23 @@ def test_ddp_two_processes_equal_one_process(tmp_path, llama_target, token_data,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_n_processes_equal_one_process_with_n_micro_batches(tmp_path, llama_target, token_data, hidden, ranks):
+    """The N-rank path of an 8-GPU node, on the CPU with gloo: same global batch, same training."""
+    small = {"train.batch_tokens": 48, "train.max_steps": 4, "train.checkpoint_every": 4, "train.eval_every": 4}
+    one, many = tmp_path / "one", tmp_path / "many"
+    run_train(cli_args(one, llama_target, token_data, hidden, **small, **{"train.grad_accum": ranks}))
+    run_train(cli_args(many, llama_target, token_data, hidden, **small), nproc=ranks)
+    a, b = final_weights(one / "train"), final_weights(many / "train")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    la, lb = train_losses(one / "train"), train_losses(many / "train")
+    assert la.keys() == lb.keys() == {1, 2, 3, 4}
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-4)
+
+
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, llama_target, token_data, hidden):
     steps = {"train.max_steps": 14}
     straight = tmp_path / "straight"
