@@ -14,7 +14,8 @@ from eagle3.models.checkpoint import Checkpoint
 def work(tmp_path_factory):
     work = tmp_path_factory.mktemp("quality")
     bench_main(["quality", "--tiny", "--work", str(work), "--device", "cpu", "--stages", "target,data,ours,measure",
-                "--variant", "base", "--variant", "trained-head:train.freeze_lm_head=false"])
+                "--variant", "base", "--variant", "trained-head:train.freeze_lm_head=false",
+                "--variant", "aux:target.aux_layer_ids=[1,3,6]"])
     return work
 
 
@@ -45,7 +46,7 @@ def test_judging_prompts_never_come_from_the_draft_data(work):
 @pytest.mark.slow
 def test_measure_reports_real_decoding_of_every_variant_losslessly(work):
     results = json.loads((work / "quality.json").read_text())["results"]
-    assert set(results) == {"base", "trained-head"}
+    assert set(results) == {"base", "trained-head", "aux"}
     for m in results.values():
         assert m["mismatches"] == 0 and m["prompts"] == quality.TINY.eval_prompts
         assert 1.0 <= m["real_accept_len"] <= 1 + quality.TINY.ttt_steps
@@ -55,12 +56,19 @@ def test_measure_reports_real_decoding_of_every_variant_losslessly(work):
     trained = load_file(work / "ours-trained-head" / "export" / "vllm" / "model.safetensors")["lm_head.weight"]
     assert not torch.equal(frozen, trained)   # the variant's override reached the trainer
     assert "| base |" in quality.table(results)
+    # a variant that changes the hidden states reads shards of its own, and its export says which layers
+    assert json.loads((work / "hidden-aux" / "manifest.json").read_text())["aux_layer_ids"] == [1, 3, 6]
+    config = json.loads((work / "ours-aux" / "export" / "vllm" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 7]
+    assert not (work / "hidden-base").exists() and not (work / "hidden-trained-head").exists()
 
 
 def test_variant_syntax():
     assert quality.parse_variant("base") == ("base", {})
     assert quality.parse_variant("lr:train.lr=1e-3,train.warmup_steps=5") == (
         "lr", {"train.lr": "1e-3", "train.warmup_steps": "5"})
+    assert quality.parse_variant("aux:target.aux_layer_ids=[1,3,6],train.lr=1e-3") == (
+        "aux", {"target.aux_layer_ids": "[1,3,6]", "train.lr": "1e-3"})
     with pytest.raises(SystemExit, match="name"):
         quality.parse_variant("a b:train.lr=1")
     with pytest.raises(SystemExit, match="expected"):

@@ -328,30 +328,47 @@ def our_config(r: Recipe, work: Path, run_dir: Path, overrides: dict | None = No
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """"name" or "name:section.key=value,section.key=value" -> (name, overrides)."""
+    """"name" or "name:section.key=value,section.key=value" -> (name, overrides); a value may be a
+    list ("target.aux_layer_ids=[1,3,6]": commas inside brackets do not split)."""
     name, _, rest = text.partition(":")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise SystemExit(f"error: --variant {text!r}: the name must be letters, digits, '_', '.' or '-'")
-    pairs = [p.split("=", 1) for p in rest.split(",") if p]
+    pairs = [p.split("=", 1) for p in re.split(r",(?![^\[]*\])", rest) if p]
     if any(len(p) != 2 for p in pairs):
         raise SystemExit(f"error: --variant {text!r}: expected name:section.key=value,...")
     return name, dict(pairs)
 
 
+# a variant that changes one of these changes the hidden states: it gets shards of its own
+EXTRACTION_KEYS = ("target.", "data.", "extract.")
+
+
+def extract_once(r: Recipe, work: Path, hidden: Path, overrides: dict, device: str) -> float | None:
+    """Extract into `hidden` unless a complete extraction is there; its seconds, or None."""
+    from eagle3 import extraction
+    manifest = hidden / "manifest.json"
+    if manifest.exists() and json.loads(manifest.read_text()).get("complete"):
+        return None
+    cfg = our_config(r, work, work / "unused", {"extract.device": device, **overrides, "extract.output_dir": hidden})
+    return wall_s(lambda: extraction.run(cfg))[0]
+
+
 def run_ours(r: Recipe, work: Path, variants: list[str], device: str) -> dict:
     from eagle3 import checkpoint as ckpt_io
-    from eagle3 import extraction, training
+    from eagle3 import training
     out = {}
-    if not (work / "hidden" / "manifest.json").exists() or not json.loads(
-            (work / "hidden" / "manifest.json").read_text()).get("complete"):
-        extract_cfg = our_config(r, work, work / "unused", {"extract.device": device})
-        out["extract_s"] = wall_s(lambda: extraction.run(extract_cfg))[0]
+    if (seconds := extract_once(r, work, work / "hidden", {}, device)) is not None:
+        out["extract_s"] = seconds
     for text in variants:
         name, overrides = parse_variant(text)
         run_dir = work / f"ours-{name}"
         if (run_dir / "export" / "vllm" / "config.json").exists():
             continue
-        cfg = our_config(r, work, run_dir, {"train.device": device, **overrides})
+        shaping = {k: v for k, v in overrides.items() if k.startswith(EXTRACTION_KEYS)}
+        hidden = work / (f"hidden-{name}" if shaping else "hidden")
+        if shaping and (seconds := extract_once(r, work, hidden, shaping, device)) is not None:
+            out[f"extract_s/{name}"] = seconds
+        cfg = our_config(r, work, run_dir, {"train.device": device, **overrides, "extract.output_dir": hidden})
         # a run killed by the call's time limit resumes: its time then covers only the rest
         resumed = ckpt_io.latest(run_dir)
         out[f"train_s/{name}"] = wall_s(lambda: training.run(cfg))[0]
