@@ -93,6 +93,10 @@ class DraftConfig:
 
 @dataclass
 class TrainConfig:
+    source: Literal["shards", "online"] = setting(
+        "shards", "`shards`: train on extracted hidden states (`train.data_dir`); `online`: run the target on "
+        "`data.path` for each micro-batch (the `extract.dtype`, `extract.aux_dtype` and `extract.chunk_tokens` "
+        "settings apply) and write nothing but checkpoints")
     data_dir: str | None = setting(None, "shards to train on; auto: `extract.output_dir`")
     output_dir: str = setting("runs/demo/train", "`checkpoints/`, `metrics.jsonl`, `export/`")
     max_steps: int = setting(200, "optimizer steps; 0 = run `train.epochs` epochs")

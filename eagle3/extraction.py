@@ -20,9 +20,8 @@ from eagle3.config import Config, ConfigError
 from eagle3.resolve import resolve, resolve_device
 from eagle3.data.chat import TOKENIZER_FILES
 from eagle3.data.inputs import InputError, InputStats, Record, file_sha256, read_records
-from eagle3.data.fp8 import encode_aux_fp8
 from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, sha256_file, shard_name,
-                                write_shard)
+                                shard_tensors, write_shard)
 from eagle3.files import atomic_write_text, read_json, writable_dir
 from eagle3.ops import TORCH_DTYPES
 from eagle3.models.checkpoint import Checkpoint, TargetError
@@ -110,21 +109,6 @@ def _verified(out: Path, done: dict[str, dict], mine: list[int]) -> dict[str, di
     return done
 
 
-def _shard_tensors(records: list[Record], out: dict[str, torch.Tensor], aux_dtype: str) -> dict[str, torch.Tensor]:
-    lengths = [len(r.input_ids) for r in records]
-    tensors = {
-        "input_ids": torch.from_numpy(np.concatenate([r.input_ids for r in records])),
-        "loss_mask": torch.from_numpy(np.concatenate([r.loss_mask for r in records])),
-        "cu_seqlens": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
-        "aux_hidden": out["aux_hidden"].to(torch.bfloat16),
-        "final_hidden": out["final_hidden"].to(torch.bfloat16),
-        "target_argmax": out["target_argmax"].to(torch.int32),
-    }
-    if aux_dtype == "float8_e4m3fn":
-        tensors.update(encode_aux_fp8(out["aux_hidden"]))
-    return tensors
-
-
 def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats) -> dict:
     data_sha = file_sha256(cfg.data.path)
     dtypes = dict(DTYPES)
@@ -172,7 +156,7 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
             shard_records = records[plan[i][0]:plan[i][1]]
             ids = torch.from_numpy(np.concatenate([r.input_ids for r in shard_records]))
             cu = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in shard_records])]).tolist()
-            tensors = _shard_tensors(shard_records, runner.run(ids, cu), cfg.extract.aux_dtype)
+            tensors = shard_tensors(shard_records, runner.run(ids, cu), cfg.extract.aux_dtype)
             entry = write_shard(out, i, tensors)
             entry["plan_key"] = header["plan_key"]
             atomic_write_text(_journal(out) / (shard_name(i) + ".json"), json.dumps(entry))

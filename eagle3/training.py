@@ -24,6 +24,7 @@ from eagle3 import distributed
 from eagle3.config import Config, ConfigError
 from eagle3.data.batch import Batch
 from eagle3.data.batching import Prefetcher, pack, split_holdout
+from eagle3.data.online import OnlineReader
 from eagle3.data.shards import DataError, ShardReader, check_manifest, loss_token_counts
 from eagle3.draft import Eagle3Draft
 from eagle3.export import export_all
@@ -263,8 +264,7 @@ class Trainer:
         text = self.target.config
         self.resolved = resolve(cfg, self.target)
         self.data_dir = Path(self.resolved.data_dir)
-        self.reader = ShardReader(self.data_dir)
-        check_manifest(self.reader.manifest, text, self.resolved.aux_layer_ids, self.data_dir)
+        self.reader = self._reader(cfg)
 
         spec = self.resolved.draft_spec
         d2t, t2d = build_vocab(loss_token_counts(self.reader.manifest), text.vocab_size, spec.draft_vocab_size)
@@ -288,8 +288,9 @@ class Trainer:
             raise TrainError(f"{cfg.source}: train.batch_tokens = {t.batch_tokens} is smaller than the "
                              f"longest sequence ({longest} tokens); raise it or lower data.max_seq_len")
         source = self.reader.manifest.get("source", {}).get("path", "?")
-        self.plan = Plan(train_refs, t.batch_tokens, t.seed, self.dist.world, t.grad_accum, t.max_steps,
-                         t.epochs, data=f"train.data_dir {self.data_dir} (extracted from data.path {source})")
+        self.plan = Plan(train_refs, t.batch_tokens, t.seed, self.dist.world, t.grad_accum, t.max_steps, t.epochs,
+                         data=f"data.path {source} (online)" if self.online else
+                         f"train.data_dir {self.data_dir} (extracted from data.path {source})")
 
         # a frozen lm_head is in neither the optimizer, gradient clipping nor DDP's buckets
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -329,6 +330,27 @@ class Trainer:
                 print("warning: train.freeze_lm_head = true with draft.lm_head_init = \"random\": the draft's "
                       "lm_head stays random and is never trained; use lm_head_init = \"target\" or "
                       "freeze_lm_head = false", file=sys.stderr)
+
+    def _reader(self, cfg: Config) -> ShardReader | OnlineReader:
+        """Where the micro-batches come from: the shards, or (online) the target run on data.path."""
+        self.online = cfg.train.source == "online"
+        if self.online:   # each rank streams the target on its own micro-batches, on the training device
+            return OnlineReader(cfg, self.target, self.resolved.aux_layer_ids, self.device)
+        reader = ShardReader(self.data_dir)
+        check_manifest(reader.manifest, self.target.config, self.resolved.aux_layer_ids, self.data_dir)
+        return reader
+
+    def _side_rates(self, tokens_all: int, elapsed: float) -> dict:
+        """Online, which side bounds the run (all ranks, since the last log): the target's tokens/s
+        over its forward's busy time, the draft's over the loop's time not spent waiting for batches."""
+        if not self.online:
+            return {}
+        r = self.reader
+        made = self.dist.all_reduce(torch.tensor([float(r.target_tokens), r.target_seconds], device=self.device))
+        r.target_tokens, r.target_seconds = 0, 0.0
+        busy = float(made[1]) / self.dist.world
+        return {"target_tokens_per_s": float(made[0]) / busy if busy else float("nan"),
+                "draft_tokens_per_s": tokens_all / max(elapsed - self.waited, 1e-9)}
 
     def _state(self) -> dict:
         return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
@@ -501,11 +523,13 @@ class Trainer:
         t, total = self.cfg.train, self.plan.total
         batches = self.prefetcher(self.start_step)
         window = torch.zeros(t.ttt_steps, 7, device=self.device)
-        tokens, clock = 0, time.perf_counter()
+        tokens, clock, self.waited = 0, time.perf_counter(), 0.0
         bar = tqdm(total=total, initial=self.start_step, unit="step", desc="train", disable=not self.dist.main)
         saved = None
         for step in range(self.start_step, total):
+            wait = time.perf_counter()
             micro = [next(batches) for _ in range(t.grad_accum)]
+            self.waited += time.perf_counter() - wait
             tokens += sum(b.rows for b in micro)
             done = step + 1
             window += self.train_step(micro, done)
@@ -513,16 +537,19 @@ class Trainer:
                 self.check_finite()
             if done % t.log_every == 0 or done == total:
                 tokens_all = int(self.dist.all_reduce(torch.tensor(float(tokens), device=self.device)))
-                rate = tokens_all / (time.perf_counter() - clock)
+                elapsed = time.perf_counter() - clock
+                rate = tokens_all / elapsed
                 record = {"step": done, "split": "train", "lr": self.scheduler.get_last_lr()[0],
-                          "grad_norm": float(self.grad_norm), "tokens_per_s": rate,
+                          "grad_norm": float(self.grad_norm), "tokens_per_s": rate, **self._side_rates(tokens_all, elapsed),
                           "skipped_steps": int(self.skipped), **summarize(self.dist.all_reduce(window))}
                 self.log.write(record)
                 bar.set_postfix(loss=f"{record['loss'][0]:.3f}", acc0=f"{record['acc'][0]:.3f}",
-                                tok_s=f"{rate:,.0f}")
+                                tok_s=f"{rate:,.0f}", **({"target_tok_s": f"{record['target_tokens_per_s']:,.0f}",
+                                                          "draft_tok_s": f"{record['draft_tokens_per_s']:,.0f}"}
+                                                         if self.online else {}))
                 window.zero_()
                 self.skipped.zero_()
-                tokens, clock = 0, time.perf_counter()
+                tokens, clock, self.waited = 0, time.perf_counter(), 0.0
             if done % t.eval_every == 0 or done == total:
                 result = self.evaluate()
                 if result is not None:

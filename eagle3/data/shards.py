@@ -11,10 +11,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from eagle3.data.batch import Batch
+from eagle3.data.fp8 import encode_aux_fp8
+from eagle3.data.inputs import Record
 from eagle3.files import make_readable, open_safetensors, read_json, short_of_space, tensor_bytes
 from eagle3.models.checkpoint import TextConfig
 
@@ -45,6 +48,23 @@ def shard_name(index: int) -> str:
 
 
 SHARD_HEADER = 1 << 16   # the safetensors header of a shard, generously
+
+
+def shard_tensors(records: list[Record], out: dict[str, torch.Tensor], aux_dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors of a shard (or of an online micro-batch): the records' tokens and masks, and the
+    target's outputs for them (a TargetRunner's) in the stored dtypes."""
+    lengths = [len(r.input_ids) for r in records]
+    tensors = {
+        "input_ids": torch.from_numpy(np.concatenate([r.input_ids for r in records])),
+        "loss_mask": torch.from_numpy(np.concatenate([r.loss_mask for r in records])),
+        "cu_seqlens": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
+        "aux_hidden": out["aux_hidden"].to(torch.bfloat16),
+        "final_hidden": out["final_hidden"].to(torch.bfloat16),
+        "target_argmax": out["target_argmax"].to(torch.int32),
+    }
+    if aux_dtype == "float8_e4m3fn":
+        tensors.update(encode_aux_fp8(out["aux_hidden"]))
+    return tensors
 
 
 def write_shard(directory: Path, index: int, tensors: dict[str, torch.Tensor]) -> dict:

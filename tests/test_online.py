@@ -1,0 +1,67 @@
+"""Online training (`train.source = "online"`): the target runs on data.path for each micro-batch and
+nothing but checkpoints is written; it must train exactly as extract-then-train on the same data."""
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import make_config
+from eagle3 import checkpoint as ckpt_io
+from eagle3 import training
+from test_training import cli_args, final_weights, run_train, train_losses
+
+# what the `hidden` fixture's extraction used: the online forward must run the same
+AS_EXTRACTED = {"train.source": "online", "extract.dtype": "float32", "extract.chunk_tokens": 300}
+
+
+def assert_same_training(a, b):
+    la, lb = train_losses(a), train_losses(b)
+    assert la.keys() == lb.keys() and la
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-5, abs=1e-5), step
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-5)
+
+
+def test_online_trains_like_extract_then_train_and_writes_no_shards(tmp_path, llama_target, token_data, hidden):
+    offline = make_config(tmp_path / "offline", llama_target, token_data, **{"extract.output_dir": hidden})
+    training.run(offline)
+    unused = tmp_path / "never-written"
+    online = make_config(tmp_path / "online", llama_target, token_data, **{"train.source": "online",
+                                                                          "extract.output_dir": unused})
+    training.run(online)
+    assert_same_training(tmp_path / "offline" / "train", tmp_path / "online" / "train")
+    assert not unused.exists()
+    assert sorted(p.name for p in (tmp_path / "online").iterdir()) == ["train"]
+    log = (tmp_path / "online" / "train" / "metrics.jsonl").read_text()
+    assert '"target_tokens_per_s"' in log and '"draft_tokens_per_s"' in log
+
+
+@pytest.mark.slow
+def test_online_on_two_ranks_trains_like_offline_on_two_ranks(tmp_path, llama_target, token_data, hidden):
+    run_train(cli_args(tmp_path / "offline", llama_target, token_data, hidden), nproc=2)
+    run_train(cli_args(tmp_path / "online", llama_target, token_data, tmp_path / "none", **AS_EXTRACTED), nproc=2)
+    assert_same_training(tmp_path / "offline" / "train", tmp_path / "online" / "train")
+
+
+@pytest.mark.slow
+def test_a_killed_online_run_resumes_to_the_same_weights(tmp_path, llama_target, token_data):
+    args = lambda d: cli_args(d, llama_target, token_data, tmp_path / "none",   # noqa: E731
+                              **AS_EXTRACTED, **{"train.max_steps": 12})
+    run_train(args(tmp_path / "straight"))
+    proc = run_train(args(tmp_path / "killed"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = tmp_path / "killed" / "train" / "checkpoints" / "step-00000004"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert ckpt_io.latest(tmp_path / "killed" / "train").name < "step-00000012", "the run was not interrupted"
+    assert "resumed from" in run_train(args(tmp_path / "killed")).stderr
+    a, b = final_weights(tmp_path / "straight" / "train"), final_weights(tmp_path / "killed" / "train")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
