@@ -9,7 +9,8 @@ import torch
 
 from conftest import make_config
 from eagle3 import checkpoint as ckpt_io
-from eagle3 import training
+from eagle3 import extraction, training
+from eagle3.models import tiny
 from test_training import cli_args, final_weights, run_train, train_losses
 
 # what the `hidden` fixture's extraction used: the online forward must run the same
@@ -39,6 +40,18 @@ def test_online_trains_like_extract_then_train_and_writes_no_shards(tmp_path, ll
     assert sorted(p.name for p in (tmp_path / "online").iterdir()) == ["train"]
     log = (tmp_path / "online" / "train" / "metrics.jsonl").read_text()
     assert '"target_tokens_per_s"' in log and '"draft_tokens_per_s"' in log
+
+
+def test_online_on_the_kimi_layout_with_int4_experts_trains_like_offline(tmp_path, token_data):
+    """MLA, MoE and packed int4 experts in the online forward: the same states as extraction's."""
+    kimi = tiny.make_kimi(tmp_path / "kimi", vocab=256)
+    overrides = {"extract.output_dir": tmp_path / "hidden", "draft.num_attention_heads": 4,
+                 "draft.num_key_value_heads": 4, "train.max_steps": 4}
+    offline = make_config(tmp_path / "offline", kimi, token_data, **overrides)
+    extraction.run(offline)
+    training.run(offline)
+    training.run(make_config(tmp_path / "online", kimi, token_data, **overrides, **{"train.source": "online"}))
+    assert_same_training(tmp_path / "offline" / "train", tmp_path / "online" / "train")
 
 
 @pytest.mark.slow
