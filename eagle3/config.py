@@ -97,6 +97,9 @@ class TrainConfig:
         "shards", "`shards`: train on extracted hidden states (`train.data_dir`); `online`: run the target on "
         "`data.path` for each micro-batch (the `extract.dtype`, `extract.aux_dtype` and `extract.chunk_tokens` "
         "settings apply) and write nothing but checkpoints")
+    online_target: Literal["stream", "resident"] = setting(
+        "stream", "online: `stream` the target's layers from the checkpoint for every micro-batch (memory: two "
+        "layers), or keep them `resident` on each rank's device after the first (memory: the whole target)")
     data_dir: str | None = setting(None, "shards to train on; auto: `extract.output_dir`")
     output_dir: str = setting("runs/demo/train", "`checkpoints/`, `metrics.jsonl`, `export/`")
     max_steps: int = setting(200, "optimizer steps; 0 = run `train.epochs` epochs")

@@ -42,6 +42,18 @@ def test_online_trains_like_extract_then_train_and_writes_no_shards(tmp_path, ll
     assert '"target_tokens_per_s"' in log and '"draft_tokens_per_s"' in log
 
 
+def test_a_resident_target_gives_the_same_states_as_a_streamed_one(tmp_path, llama_target, token_data):
+    from eagle3.data.online import OnlineReader
+    from eagle3.models.checkpoint import Checkpoint
+    readers = [OnlineReader(make_config(tmp_path, llama_target, token_data, **{"train.online_target": mode}),
+                            Checkpoint(llama_target), [1, 2, 3], torch.device("cpu")) for mode in ("stream", "resident")]
+    refs = readers[0].sequences[:5]
+    for _ in range(2):                                   # the resident reader's second pass reuses its layers
+        a, b = (r.read(refs) for r in readers)
+        assert torch.equal(a.aux_hidden, b.aux_hidden) and torch.equal(a.target_argmax, b.target_argmax)
+    assert readers[0].runner.resident is None and len(readers[1].runner.resident) == 5
+
+
 def test_online_on_the_kimi_layout_with_int4_experts_trains_like_offline(tmp_path, token_data):
     """MLA, MoE and packed int4 experts in the online forward: the same states as extraction's."""
     kimi = tiny.make_kimi(tmp_path / "kimi", vocab=256)

@@ -5,7 +5,7 @@ target forward when training asks for the batch, never written to disk.
 records of `data.path`: sequence i is record i, as extraction numbers them, so the same seed gives
 the same held-out split, the same packing and the same batches as extract-then-train, and the
 states are rounded to the dtypes shards store. Each rank runs the whole target layer by layer
-(extraction's streaming executor) on its own micro-batches.
+(extraction's executor, streaming or with the layers kept resident) on its own micro-batches.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class OnlineReader:
         self.sequences = [SeqRef(0, 0, len(r.input_ids), i) for i, r in enumerate(self.records)]
         self.aux_dtype = cfg.extract.aux_dtype
         self.runner = TargetRunner(ckpt, aux_layer_ids, device, TORCH_DTYPES[cfg.extract.dtype],
-                                   cfg.extract.chunk_tokens)
+                                   cfg.extract.chunk_tokens, resident=cfg.train.online_target == "resident")
         # what an extraction of the same data would record: the draft vocabulary comes from it
         counts = Counter()
         for r in self.records:
