@@ -395,9 +395,14 @@ def _configs(pairs):
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M is the query tile, BLOCK_N the key tile.
 # Chosen from a sweep on an H200 (HEAD_DIM=128, bf16). Each compiles for sm_90 with no or a few
 # bytes of register spills (checked with ptxas); configs whose spills grew large were dropped.
-_FWD_CONFIGS = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3)]
-_DKDV_CONFIGS = [(64, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 128, 8, 3), (16, 64, 4, 3)]
-_DQ_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 32, 4, 3)]
+# Other GPUs: the autotuner skips a config that does not fit the device (Triton reports it out of
+# resources, e.g. shared memory on sm_86/89/120, about 100 KB against Hopper's 228 KB), and FALLBACK,
+# small tiles in two stages (under 48 KB of shared memory at HEAD_DIM=128), fits every GPU Triton
+# supports; the interpreter tests run it too (tests/test_ttt_attention.py, "fallback_tiles").
+FALLBACK = (32, 32, 4, 2)
+_FWD_CONFIGS = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), FALLBACK]
+_DKDV_CONFIGS = [(64, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 128, 8, 3), (16, 64, 4, 3), FALLBACK]
+_DQ_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 32, 4, 3), FALLBACK]
 # seqlen_bucket is the longest sequence rounded up to a power of two: the tuner reruns once per size
 # class, not for every new batch length.
 _TUNE_KEY = ["HEAD_DIM", "GROUP", "VARLEN", "seqlen_bucket"]

@@ -23,6 +23,7 @@ TOLERANCE = 1e-5  # fp32 under the interpreter; observed errors are about 3e-7
 # name -> (T, Hq, Hkv, D, steps, packed lengths or None, interpreter tiling)
 TILES_A = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16), "rows": 16}
 TILES_B = {"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16), "rows": 8}
+TILES_FALLBACK = {"fwd": (32, 32), "dkdv": (32, 32), "dq": (32, 32), "rows": 16}   # kernels.ttt_attention.FALLBACK
 MATCH_CASES = {
     "gqa_odd_length": (37, 4, 2, 64, 3, None, TILES_A),          # no multiple of any block size
     "gqa_odd_length_small_tiles": (37, 4, 2, 64, 3, None, TILES_B),
@@ -31,6 +32,7 @@ MATCH_CASES = {
     "packed_with_empty_sequence": (45, 4, 1, 64, 2, [13, 0, 27, 5], TILES_A),
     "packed_many_tiles_d128": (120, 2, 1, 128, 3, [70, 33, 1, 16], TILES_B),
     "packed_many_tiles_gqa": (120, 4, 2, 64, 4, [70, 33, 1, 16], TILES_A),
+    "fallback_tiles": (120, 4, 2, 128, 3, [70, 33, 1, 16], TILES_FALLBACK),  # the config every GPU can run
 }
 OTHER_CASES = ["custom_scale", "bf16_upcast", "sequences_isolated", "rejects_bad_arguments"]
 
@@ -70,6 +72,12 @@ def test_forward_and_gradients_match_reference(results, name):
 def test_custom_scale(results):
     errors = _result(results, "custom_scale")["errors"]
     assert max(errors.values()) < TOLERANCE, errors
+
+
+def test_the_fallback_case_runs_the_kernels_fallback_tiling():
+    from kernels.ttt_attention import FALLBACK
+    tiles = {FALLBACK[:2]}
+    assert {TILES_FALLBACK[k] for k in ("fwd", "dkdv", "dq")} == tiles
 
 
 def test_bf16_inputs_are_upcast_under_the_interpreter(results):
