@@ -5,11 +5,13 @@ training used rather than deriving it again."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from eagle3.config import Config, ConfigError
 from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig
+
 
 @dataclass
 class DraftSpec:
@@ -34,7 +36,8 @@ class DraftSpec:
 class Resolved:
     aux_layer_ids: list[int]        # target layers (0-based) whose outputs the draft reads
     draft_spec: DraftSpec
-    data_dir: str                   # the hidden-state shards (train.data_dir, auto: extract.output_dir)
+    data_dir: str                   # what training reads: the shards (train.data_dir, auto: extract.output_dir),
+                                    # or with train.source = "online" the input file (data.path)
     verifier_name: str              # what the exported config names as the verifier (auto: target.path)
 
     def to_dict(self) -> dict:
@@ -50,8 +53,10 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
     fails here, at the start of extraction, not after it."""
     text = ckpt.config
     draft_vocab = cfg.vocab.draft_vocab_size or min(32000, text.vocab_size)
+    # what training reads: the shards, or online the input file itself (normalised: "./x" is "x")
+    data = cfg.data.path if cfg.train.source == "online" else cfg.resolved_train_data_dir()
     return Resolved(resolve_aux_layer_ids(cfg, ckpt), resolve_draft_spec(cfg, text, draft_vocab),
-                    cfg.resolved_train_data_dir(), cfg.export.verifier_name or cfg.target.path)
+                    str(Path(data)), cfg.export.verifier_name or cfg.target.path)
 
 
 def resolve_device(name: str) -> torch.device:

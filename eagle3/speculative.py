@@ -40,6 +40,8 @@ class Drafter:
         >= 1 run only each sequence's last row: at step j a query sees the step-0 keys and its own
         chain, so the other rows cannot change it. Draft tokens stay on the device until the one
         transfer at the end (a reference, not a fast path: step 0 recomputes every row each round)."""
+        if k < 1:
+            raise ValueError(f"k = {k}: a round drafts at least one token")
         device = auxes[0].device
         bounds = list(accumulate((a.shape[0] for a in auxes), initial=0))
         cu = torch.tensor(bounds, dtype=torch.int32, device=device)

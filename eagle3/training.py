@@ -345,9 +345,10 @@ class Trainer:
         over its forward's busy time, the draft's over the loop's time not spent waiting for batches."""
         if not self.online:
             return {}
-        r = self.reader
-        made = self.dist.all_reduce(torch.tensor([float(r.target_tokens), r.target_seconds], device=self.device))
-        r.target_tokens, r.target_seconds = 0, 0.0
+        totals = (self.reader.target_tokens, self.reader.target_seconds)
+        since = [now - before for now, before in zip(totals, self.target_totals)]
+        self.target_totals = totals
+        made = self.dist.all_reduce(torch.tensor([float(since[0]), since[1]], device=self.device))
         busy = float(made[1]) / self.dist.world
         return {"target_tokens_per_s": float(made[0]) / busy if busy else float("nan"),
                 "draft_tokens_per_s": tokens_all / max(elapsed - self.waited, 1e-9)}
@@ -523,7 +524,7 @@ class Trainer:
         t, total = self.cfg.train, self.plan.total
         batches = self.prefetcher(self.start_step)
         window = torch.zeros(t.ttt_steps, 7, device=self.device)
-        tokens, clock, self.waited = 0, time.perf_counter(), 0.0
+        tokens, clock, self.waited, self.target_totals = 0, time.perf_counter(), 0.0, (0, 0.0)
         bar = tqdm(total=total, initial=self.start_step, unit="step", desc="train", disable=not self.dist.main)
         saved = None
         for step in range(self.start_step, total):

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from eagle3.data.batch import Batch, RowPlan
 from eagle3.draft import Rows
@@ -70,8 +69,9 @@ def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int
     T = final_hidden.shape[0]
     probs = final_hidden.new_zeros(T + steps, head_rows.shape[0])
     p = torch.softmax((final_hidden[1:] @ head_rows.T).float(), dim=-1)        # [T - 1, V_d]
-    if hard_label > 0:
-        p = (1 - hard_label) * p + hard_label * F.one_hot(p.argmax(-1), p.shape[-1]).to(p.dtype)
+    if hard_label > 0:   # in place: a one-hot [T, V_d] would cost as much as p again, twice
+        top = p.argmax(-1, keepdim=True)
+        p.mul_(1 - hard_label).scatter_add_(1, top, p.new_full(top.shape, hard_label))
     probs[:T - 1] = p
     return probs
 

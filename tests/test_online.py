@@ -66,6 +66,18 @@ def test_online_on_the_kimi_layout_with_int4_experts_trains_like_offline(tmp_pat
     assert_same_training(tmp_path / "offline" / "train", tmp_path / "online" / "train")
 
 
+def test_a_resumed_online_run_checks_the_input_file_not_the_unused_shard_directory(tmp_path, llama_target,
+                                                                                   token_data):
+    first = {"train.source": "online", "train.max_steps": 3, "extract.output_dir": tmp_path / "a"}
+    training.run(make_config(tmp_path, llama_target, token_data, **first))
+    more = {**first, "train.max_steps": 6}
+    training.Trainer(make_config(tmp_path, llama_target, token_data, **{**more, "extract.output_dir": tmp_path / "b"}))
+    other = tmp_path / "other.jsonl"
+    other.write_text(token_data.read_text())
+    with pytest.raises(training.TrainError, match="data_dir differs"):
+        training.Trainer(make_config(tmp_path, llama_target, other, **more))
+
+
 @pytest.mark.slow
 def test_online_on_two_ranks_trains_like_offline_on_two_ranks(tmp_path, llama_target, token_data, hidden):
     run_train(cli_args(tmp_path / "offline", llama_target, token_data, hidden), nproc=2)

@@ -25,6 +25,8 @@ def test_auto_takes_the_targets_values_and_the_record_is_frozen(tmp_path, llama_
     assert r.verifier_name == str(llama_target)
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.data_dir = "elsewhere"
+    spelled = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": f"{tmp_path}/./shards/"})
+    assert resolve(spelled, Checkpoint(llama_target)).data_dir == r.data_dir   # one directory, one record
 
 
 def test_a_draft_that_cannot_be_built_fails_before_extraction(tmp_path, llama_target, token_data):

@@ -9,6 +9,8 @@ states are rounded to the dtypes shards store. Each rank runs the whole target l
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections import Counter
 
@@ -40,14 +42,21 @@ class OnlineReader:
         self.manifest = {"source": {"path": str(d.path), "sequences": stats.sequences},
                          "shards": [{"loss_tokens": sum(counts.values()),
                                      "loss_token_counts": {str(k): v for k, v in sorted(counts.items())}}]}
-        self.target_tokens, self.target_seconds = 0, 0.0   # for the log: which side bounds the run
+        # totals since the start, for the log (which side bounds the run); the log takes differences
+        self.target_tokens, self.target_seconds = 0, 0.0
+        # one forward at a time (the prefetch thread and evaluation both read): memory for one, and
+        # the totals stay exact
+        self._lock = threading.Lock()
+        # the prefetch thread's current CUDA device is 0 whatever the rank: Triton launches there
+        self._device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     def read(self, refs: list[SeqRef]) -> Batch:
         records = [self.records[r.index] for r in refs]
         ids = torch.from_numpy(np.concatenate([r.input_ids for r in records]))
         cu = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])]).tolist()
-        start = time.perf_counter()
-        out = self.runner.run(ids, cu)        # returns CPU tensors: the forward has finished
-        self.target_seconds += time.perf_counter() - start
-        self.target_tokens += ids.numel()
+        with self._lock, self._device:
+            start = time.perf_counter()
+            out = self.runner.run(ids, cu)        # returns CPU tensors: the forward has finished
+            self.target_seconds += time.perf_counter() - start
+            self.target_tokens += ids.numel()
         return Batch.from_tensors(shard_tensors(records, out, self.aux_dtype))
