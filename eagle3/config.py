@@ -85,6 +85,10 @@ class DraftConfig:
     rms_norm_eps: float | None = setting(None, "auto: the target's")
     rope_theta: float | None = setting(None, "auto: the target's (the draft uses plain Llama RoPE)")
     max_position_embeddings: int | None = setting(None, "auto: the target's")
+    norm_before_residual: bool = setting(
+        False, "the first layer's residual stream starts from `hidden_norm(fc(aux))` instead of `fc(aux)` "
+        "(speculators' and vLLM's `norm_before_residual`); exported for vLLM, refused for SGLang (not known "
+        "to read it)")
     lm_head_init: Literal["target", "random"] = setting(
         "target", "`target`: the draft's `lm_head` starts as the target's `lm_head` rows of the draft vocab (the "
         "embedding rows for a tied target), exactly, in fp32; `random`. Measured on a small real target: real "
@@ -343,6 +347,9 @@ def validate(cfg: Config) -> None:
                                  "weight_decay": "a number >= 0", "prefetch": "an integer >= 1",
                                  "aux_noise": "a number >= 0",
                                  "hard_label": "a number in [0, 1]"}.get(key, "> 0"))
+    if cfg.draft.norm_before_residual and "sglang" in cfg.export.formats:   # found now, not at the end
+        raise ConfigError(f"{cfg.source}: draft.norm_before_residual = true cannot be exported for SGLang (not "
+                          f"known to read it); set export.formats = [\"vllm\"]")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"{cfg.source}: train.betas = {t.betas}; expected two numbers in [0, 1)")
     if not 0 <= t.eval_fraction < 1:

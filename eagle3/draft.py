@@ -120,6 +120,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         H = spec.hidden_size
         self.first = first
+        self.norm_before_residual = spec.norm_before_residual
         self.input_layernorm = RMSNorm(H, spec.rms_norm_eps)
         if first:
             self.hidden_norm = RMSNorm(H, spec.rms_norm_eps)
@@ -129,7 +130,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, emb, cos, sin, cache, attention, cu_seqlens, rows: Rows):
         """h, emb, cos, sin for the computed rows -> the layer's output for the kept rows."""
-        if self.first:
+        if self.first and self.norm_before_residual:   # the normed state is also the residual
+            h = self.hidden_norm(h)
+            x = torch.cat([self.input_layernorm(emb), h], dim=-1)
+        elif self.first:
             x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
         else:
             x = self.input_layernorm(h)

@@ -59,7 +59,7 @@ def vllm_config(state: dict, cfg: Config) -> dict:
         "transformer_layer_config": _llama_layer_config(spec, cfg.export.dtype),
         "draft_vocab_size": spec["draft_vocab_size"],
         "target_hidden_size": spec["target_hidden_size"],
-        "norm_before_residual": False,
+        "norm_before_residual": spec.get("norm_before_residual", False),
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in resolved["aux_layer_ids"]],
         "torch_dtype": cfg.export.dtype,
     }
@@ -135,6 +135,10 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
             if spec["num_layers"] != 1:
                 raise ExportError(f"{checkpoint_dir}: SGLang's EAGLE-3 draft has one layer (midlayer); "
                                   f"this draft has {spec['num_layers']}; export vllm only")
+            if spec.get("norm_before_residual"):
+                raise ExportError(f"{checkpoint_dir}: draft.norm_before_residual = true, which SGLang's "
+                                  "LlamaForCausalLMEagle3 is not known to read (it would decode with another "
+                                  "draft); export vllm only")
             tensors = export_weights(weights, lambda i: "midlayer", 1, dtype)
             written[fmt] = _write(out_dir / "sglang", sglang_config(state, cfg), tensors)
     return written
@@ -148,7 +152,6 @@ class DraftLoadError(ValueError):
 
 # speculators settings that change the draft's computation in ways our draft does not have
 UNSUPPORTED_FLAGS = {
-    "norm_before_residual": "the first layer's residual is the normed hidden state",
     "norm_before_fc": "an RMSNorm on the concatenated aux states before fc",
     "fc_norm": "an RMSNorm on each aux state before fc",
     "norm_output": "the normed output feeds the next draft step (EAGLE-3.1)",
@@ -237,7 +240,8 @@ def _draft_spec(config: dict, files: dict[str, Path], where: str) -> DraftSpec:
         max_position_embeddings=layer.get("max_position_embeddings") or 2048,
         draft_vocab_size=config.get("draft_vocab_size") or head[0],
         target_vocab_size=layer.get("vocab_size") or (t2d[0] if t2d else 32000),
-        target_hidden_size=config.get("target_hidden_size") or fc[1] // 3)
+        target_hidden_size=config.get("target_hidden_size") or fc[1] // 3,
+        norm_before_residual=bool(config.get("norm_before_residual")))
 
 
 def _draft_tensors(files: dict[str, Path], draft: Eagle3Draft, where: str) -> dict[str, torch.Tensor]:

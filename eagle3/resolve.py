@@ -27,6 +27,7 @@ class DraftSpec:
     draft_vocab_size: int
     target_vocab_size: int
     target_hidden_size: int
+    norm_before_residual: bool = False   # layer 0's residual is hidden_norm(h), not h (vLLM reads the flag)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,4 +92,4 @@ def resolve_draft_spec(cfg: Config, text: TextConfig, draft_vocab: int) -> Draft
         rms_norm_eps=d.rms_norm_eps or text.rms_norm_eps, rope_theta=d.rope_theta or text.rope_theta,
         max_position_embeddings=d.max_position_embeddings or text.max_position_embeddings,
         draft_vocab_size=draft_vocab, target_vocab_size=text.vocab_size,
-        target_hidden_size=text.hidden_size)
+        target_hidden_size=text.hidden_size, norm_before_residual=d.norm_before_residual)

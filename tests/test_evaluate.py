@@ -328,7 +328,7 @@ def vllm_variant(src: Path, dst: Path, config=None, tensors=None) -> Path:
      r"model\.safetensors: tensor norm\.weight has shape \[7\]"),
     (None, lambda t: t.update({"layers.0.self_attn.q_proj.bias": torch.zeros(32)}),
      r"model\.safetensors: tensor layers\.0\.self_attn\.q_proj\.bias is part of the draft's computation"),
-    (lambda c: c.update(norm_before_residual=True), None, r"config\.json: norm_before_residual = true"),
+    (lambda c: c.update(norm_before_fc=True), None, r"config\.json: norm_before_fc = true"),
     (lambda c: c.update(norm_output=True), None, r"config\.json: norm_output = true"),
     (lambda c: c["transformer_layer_config"].update(model_type="qwen3"), None,
      r"config\.json: transformer_layer_config\.model_type = 'qwen3'"),

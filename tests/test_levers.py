@@ -1,4 +1,5 @@
-"""Recipe levers of the training objective: rows outside the draft vocab, input noise, hard labels, fp32 residual."""
+"""Recipe levers: rows outside the draft vocab, input noise, hard labels, fp32 residual, norm before residual."""
+import pytest
 import torch
 
 from conftest import make_config
@@ -89,3 +90,29 @@ def test_the_trainer_passes_the_levers_and_evaluates_without_noise(tmp_path, lla
     trained = sum(b.numel() for b in batch.plan.loss)
     cfg.train.oov_rows = False
     assert trained > sum(r.numel() for r in trainer.prepare_batch(trainer.reader.read(trainer.plan.epoch(0)[0])).plan.loss)
+
+
+def test_norm_before_residual_starts_the_residual_from_the_normed_state(tmp_path, llama_target, token_data, hidden):
+    import dataclasses
+    import json
+    from eagle3.config import ConfigError
+    from eagle3.export import load_vllm_draft
+    plain = tiny_draft()
+    normed = type(plain)(dataclasses.replace(plain.spec, norm_before_residual=True))
+    normed.load_state_dict(plain.state_dict())
+    h, emb = torch.randn(6, 16), torch.randn(6, 16)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    step = lambda d, x: d.step(x, emb, torch.arange(6), [[]], ttt_attention, cu)   # noqa: E731
+    # hidden_norm starts at weight 1, where normalising twice is normalising once
+    torch.testing.assert_close(step(normed, h), step(plain, plain.layers[0].hidden_norm(h)), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(step(normed, h), step(plain, h))
+
+    with pytest.raises(ConfigError, match="norm_before_residual = true cannot be exported for SGLang"):
+        make_config(tmp_path, llama_target, token_data, **{"draft.norm_before_residual": "true"})
+    cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.max_steps": 2,
+                                                             "draft.norm_before_residual": "true",
+                                                             "export.formats": '["vllm"]'})
+    training.run(cfg)
+    vllm = tmp_path / "train" / "export" / "vllm"
+    assert json.loads((vllm / "config.json").read_text())["norm_before_residual"] is True
+    assert load_vllm_draft(vllm)[0].spec.norm_before_residual        # and evaluate decodes with it
