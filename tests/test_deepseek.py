@@ -66,11 +66,64 @@ print("ok")
 """
 
 
-def test_triton_dequant_kernel_interpreted():
-    # fp32 output: the interpreter's bf16 rounding differs from the GPU's
+_W4A16_CHECK = """
+import sys, numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from eagle3.models import quant
+rng = np.random.default_rng(2)
+for E, N, K, group, sizes, blocks in [(3, 40, 64, 32, [5, 0, 37], None), (2, 16, 128, 128, [16, 1], None),
+                                      (4, 24, 96, 32, [3, 9, 0, 20], (16, 16, 16))]:
+    packed = torch.from_numpy(rng.integers(-2**31, 2**31, size=(E, N, K // 8)).astype(np.int32))
+    scale = torch.randn(E, N, K // group) * 0.1
+    x = torch.randn(sum(sizes), K)
+    got = quant.grouped_matmul_int4(x, packed, scale, sizes, blocks)
+    w = quant.dequantize_int4_torch(packed, scale, torch.float32)
+    expect = torch.cat([part @ w[j].T for j, part in enumerate(x.split(sizes))])
+    assert (got - expect).abs().max() <= 1e-5 * expect.abs().max(), (E, N, K, sizes)
+try:
+    quant.grouped_matmul_int4(torch.randn(4, 64), packed, scale, [2, 2, 0, 0])   # packed is K = 96 wide
+    print("no error for mismatched shapes")
+except ValueError as e:
+    print("ok" if "do not match" in str(e) else e)
+"""
+
+
+_W4A16_LAYER = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from eagle3.models import tiny
+from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.deepseek import DeepseekTarget
+model = DeepseekTarget(Checkpoint(tiny.make_kimi(sys.argv[2], experts=8, top_k=2)), torch.device("cpu"), torch.float32)
+w = model.load_layer(1)                                   # a MoE layer with int4 experts
+x = torch.randn(37, model.cfg.hidden_size)
+plain = model._moe(w, x)
+model.w4a16 = True
+fused = model._moe(w, x)
+print("ok" if torch.allclose(fused, plain, rtol=1e-5, atol=1e-5) else (fused - plain).abs().max().item())
+"""
+
+
+def interpreted(script: str, *args) -> None:
+    """Run `script` in a child with TRITON_INTERPRET=1 (it must be set before triton is imported);
+    the script prints "ok" when its checks pass."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _TRITON_CHECK, str(ROOT)], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT), *map(str, args)], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr[-2000:]
+
+
+def test_w4a16_moe_layer_equals_dequantise_then_gemm(tmp_path):
+    interpreted(_W4A16_LAYER, tmp_path / "kimi")
+
+
+def test_w4a16_grouped_matmul_interpreted():
+    """int4 experts dequantised in the GEMM's load path == dequantise, then one matmul per expert."""
+    interpreted(_W4A16_CHECK)
+
+
+def test_triton_dequant_kernel_interpreted():
+    interpreted(_TRITON_CHECK)   # fp32 output: the interpreter's bf16 rounding differs from the GPU's
 
 
 # ---------------------------------------------------------------------------------------------

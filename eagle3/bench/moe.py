@@ -140,6 +140,16 @@ def time_layer(model, w: dict, s: dict, device: torch.device, peak: float) -> di
     grouped, model.grouped_mm = model.grouped_mm, False
     t_moe_loop = median_ms_of_calls(lambda: model._moe(w, xn), calls=3) / 1e3   # one matmul per expert
     model.grouped_mm = grouped
+    w4a16 = {}
+    if cuda:   # int4 experts straight into the GEMM: its time, transient memory and agreement
+        model.w4a16 = True
+        fused = model._moe(w, xn)
+        w4a16 = {"moe_w4a16_s": median_ms_of_calls(lambda: model._moe(w, xn), calls=5, warmup_calls=2) / 1e3,
+                 "moe_w4a16_transient_gib": peak_bytes(lambda: model._moe(w, xn))[0] / 2 ** 30}
+        model.w4a16 = False
+        plain = model._moe(w, xn).float()
+        w4a16["moe_w4a16_rel_err"] = float((fused.float() - plain).norm() / plain.norm())
+        w4a16["moe_transient_gib"] = peak_bytes(lambda: model._moe(w, xn))[0] / 2 ** 30
     E = model.spec.n_routed_experts
     quarter = list(range(E // 4))
     t_deq = median_ms_of_calls(lambda: (model._expert_weights(w, "gate_up", quarter),
@@ -153,7 +163,7 @@ def time_layer(model, w: dict, s: dict, device: torch.device, peak: float) -> di
     total = sum(flops.values())
     return {"tokens": T, "layer_s": t_layer, "tokens_per_s": T / t_layer, "tflops": total / t_layer / 1e12,
             "peak_share": total / t_layer / 1e12 / peak, "flops": flops, "attention_s": t_attn, "moe_s": t_moe,
-            "moe_per_expert_loop_s": t_moe_loop,
+            "moe_per_expert_loop_s": t_moe_loop, **w4a16,
             "dequant_all_experts_s": t_deq, "dequant_all_experts_eager_s": t_deq_eager,
             "layer_transient_gib": transient, "expert_tokens_min_max": [int(counts.min()), int(counts.max())]}
 

@@ -258,6 +258,8 @@ class DeepseekTarget:
         # the fast paths, switchable for benchmarks and for a device where one misbehaves
         self.grouped_mm = True        # experts of a block in one torch._grouped_mm
         self.triton_dequant = True    # int4 experts dequantised by the Triton kernel on CUDA
+        self.w4a16 = False            # int4 experts straight into one grouped GEMM (quant.grouped_matmul_int4);
+                                      # off until measured against the dequantise-then-GEMM path
         self.heads = self.cfg.num_attention_heads
         self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
 
@@ -392,8 +394,14 @@ class DeepseekTarget:
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
-        active = [e for e, n in enumerate(counts) if n]
         acc = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        if self.w4a16 and "experts.gate_up.weight_packed" in w:   # all experts, one launch each (Triton)
+            gu = quant.grouped_matmul_int4(x[token], w["experts.gate_up.weight_packed"],
+                                           w["experts.gate_up.weight_scale"], counts)                # [T k, 2I]
+            h = (F.silu(gu[:, :I]) * gu[:, I:]).float().mul_(pair_w[:, None]).to(x.dtype)
+            y = quant.grouped_matmul_int4(h, w["experts.down.weight_packed"], w["experts.down.weight_scale"], counts)
+            return acc.index_add_(0, token, y.float())
+        active = [e for e, n in enumerate(counts) if n]
         for b in range(0, len(active), EXPERT_BLOCK):
             block = active[b:b + EXPERT_BLOCK]
             rows = slice(starts[block[0]], starts[block[-1] + 1])

@@ -8,6 +8,7 @@ Which one a linear is gets decided by its keys, never by the config's ignore lis
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -82,6 +83,74 @@ def _triton_kernel():
                  mask=(r[:, None] < rows) & (col[None, :] < words * 8))
 
     return dequant
+
+
+# ---------------------------------------------------------------------------------------------
+# W4A16: the experts' int4 weights dequantised inside the GEMM's load path (no bf16 copy of them)
+
+W4A16_BLOCKS = {"gpu": (64, 128, 64), "interpret": (16, 16, 32)}   # BLOCK_M, BLOCK_N, BLOCK_K
+
+
+def grouped_matmul_int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sizes: list[int],
+                        blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [n, K] with rows grouped by expert (sizes[j] rows for expert j, host ints), packed int32
+    [E, N, K/8], scale [E, N, K/group] -> [n, N] in x's dtype: each group times its expert's
+    dequantised W[j].T, all experts in one launch (what `dequantize_int4` then a grouped GEMM give)."""
+    import triton
+    E, N, words = packed.shape
+    K = words * 8
+    if x.shape[1] != K or len(sizes) != E or sum(sizes) != x.shape[0]:
+        raise ValueError(f"x {list(x.shape)}, packed {list(packed.shape)}, sizes {sizes}: shapes do not match")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    block_m, block_n, block_k = blocks or W4A16_BLOCKS["interpret" if interpret else "gpu"]
+    # the tile schedule from the host-side sizes (no device sync): expert and first row of each row tile
+    ends = torch.tensor(sizes).cumsum(0)
+    tiles = [(e, int(ends[e]) - size + m) for e, size in enumerate(sizes) for m in range(0, size, block_m)]
+    out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    if not tiles:
+        return out
+    schedule = torch.tensor(tiles, dtype=torch.int32).to(x.device, non_blocking=True)
+    grid = (len(tiles), triton.cdiv(N, block_n))
+    _w4a16_kernel()[grid](x.contiguous(), packed.contiguous(), scale.contiguous(), out, schedule,
+                          ends.to(torch.int32).to(x.device, non_blocking=True), N, K, scale.shape[-1],
+                          UPCAST=interpret, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+@functools.cache
+def _w4a16_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def w4a16(X, P, S, O, SCHEDULE, ENDS, N, K: tl.constexpr, GROUPS: tl.constexpr, UPCAST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        e = tl.load(SCHEDULE + 2 * tl.program_id(0))
+        rows = tl.load(SCHEDULE + 2 * tl.program_id(0) + 1) + tl.arange(0, BLOCK_M)
+        row_ok = rows < tl.load(ENDS + e)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        words, group = K // 8, K // GROUPS
+        p_rows = P + e.to(tl.int64) * N * words + cols[:, None].to(tl.int64) * words    # [BN, 1]
+        s_rows = S + e.to(tl.int64) * N * GROUPS + cols[:, None].to(tl.int64) * GROUPS
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(X + rows[:, None].to(tl.int64) * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            word = tl.load(p_rows + (k // 8)[None, :], mask=w_ok, other=0)                # [BN, BK], each word 8x
+            nib = (word >> ((k % 8) * 4)[None, :]) & 0xF
+            w = (nib - 8).to(tl.float32) * tl.load(s_rows + (k // group)[None, :], mask=w_ok, other=0.0).to(tl.float32)
+            if UPCAST:   # the interpreter's bf16 dot is wrong: fp32 there
+                acc += tl.dot(x.to(tl.float32), tl.trans(w))
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        tl.store(O + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+    return w4a16
 
 
 def check_packed(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, expected: tuple[int, int]) -> None:
