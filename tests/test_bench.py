@@ -72,3 +72,12 @@ def test_the_timer_gives_the_median_of_calls_on_the_cpu():
     assert len(calls) >= 1 + 5 + 2
     seconds, out = timing.wall_s(lambda: time.sleep(0.01) or 7)
     assert out == 7 and 0.01 <= seconds < 1
+
+
+def test_the_peers_steady_state_rate_is_read_from_its_last_epoch():
+    from eagle3.bench.step import peer_tokens_per_s
+    log = ("Epoch 0 100%|##########| 10/10 [04:31<00:00, 27.10s/it]\n"      # the compiling epoch
+           "Epoch 1 100%|##########| 10/10 [00:10<00:00,  1.25s/it]\n")
+    assert peer_tokens_per_s(log, 16384) == 16384 / 1.25
+    assert peer_tokens_per_s("Epoch 3 100%|#| 10/10 [00:05<00:00,  2.00it/s]", 100) == 200
+    assert peer_tokens_per_s("rc 1 CUDA out of memory", 16384) is None

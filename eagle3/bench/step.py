@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import tempfile
@@ -243,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
                         "(kept, and reused by the next bench with the same --dir)")
     parser.add_argument("--profile-dir", default=None, help="write each run's GPU kernel table here")
     parser.add_argument("--json", default=None, help="append the results here as JSON lines")
+    parser.add_argument("--peer-script", default=None,
+                        help="also run the peer's Kimi step (speculators 0.9.0: .peer/speculators_kimi_step.py, its "
+                             "wheels on PYTHONPATH) in this call and print ours (layout a) / the peer's tokens/s")
     parser.add_argument("--train-head", action="store_true",
                         help="a random lm_head, trained (the figures recorded before 2026-11-30); default: "
                              "the target's rows, frozen (our default and the peer's)")
@@ -285,9 +289,34 @@ def main(argv: list[str] | None = None) -> None:
         for layout in layouts:
             if (layout, "torch") in by and (layout, "triton") in by:
                 print(f"layout {layout}: triton / torch tokens/s = {by[(layout, 'triton')] / by[(layout, 'torch')]:.2f}x")
+        if args.peer_script:
+            compare_with_peer(by.get(("a", "triton")), args.peer_script, s["seqs"] * s["seq_len"])
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     distributed.teardown()
+
+
+def peer_tokens_per_s(log: str, tokens_per_step: int) -> float | None:
+    """Steady-state tokens/s from the peer's progress bars: the last completed epoch's s/it (or it/s)."""
+    rates = re.findall(r"Epoch \d+ 100%.*?([\d.]+)(s/it|it/s)\]", log)
+    if not rates:
+        return None
+    value, unit = rates[-1]
+    seconds = float(value) if unit == "s/it" else 1 / float(value)
+    return tokens_per_step / seconds
+
+
+def compare_with_peer(ours: float | None, script: str, tokens_per_step: int) -> None:
+    """The peer's step on the same shapes, run here after ours (same GPU, same call)."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True)
+    log = run.stdout + run.stderr
+    peer = peer_tokens_per_s(log, tokens_per_step)
+    print(f"peer ({script}): rc {run.returncode}, "
+          + (f"{peer:,.0f} tokens/s" if peer else "no completed epoch found in its output:\n" + log[-3000:]))
+    if ours and peer:
+        print(f"layout a: ours (triton) / speculators 0.9.0 tokens/s = {ours / peer:.2f}x")
 
 
 if __name__ == "__main__":
