@@ -125,6 +125,28 @@ def test_n_processes_equal_one_process_with_n_micro_batches(tmp_path, llama_targ
 
 
 @pytest.mark.slow
+def test_a_run_killed_on_four_ranks_resumes_to_the_same_weights(tmp_path, llama_target, token_data, hidden):
+    """The whole process group (torchrun and its workers) killed mid-run, then the same command."""
+    run = {"train.batch_tokens": 48, "train.max_steps": 10, "train.checkpoint_every": 2, "train.eval_every": 10}
+    run_train(cli_args(tmp_path / "straight", llama_target, token_data, hidden, **run), nproc=4)
+    killed = tmp_path / "killed"
+    proc = run_train(cli_args(killed, llama_target, token_data, hidden, **run), nproc=4, start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = killed / "train" / "checkpoints" / "step-00000004"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ckpt_io.latest(killed / "train").name < "step-00000010", "the run was not interrupted"
+    out = run_train(cli_args(killed, llama_target, token_data, hidden, **run), nproc=4)
+    assert "resumed from" in out.stderr
+    a, b = final_weights(tmp_path / "straight" / "train"), final_weights(killed / "train")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, llama_target, token_data, hidden):
     steps = {"train.max_steps": 14}
     straight = tmp_path / "straight"
