@@ -67,12 +67,13 @@ def test_killed_extraction_resumes_without_redoing(tmp_path, llama_target, token
     assert all(os.stat(out / f).st_mtime_ns == t for f, t in stamps.items())  # finished shards untouched
 
 
-def test_two_ranks_write_the_same_shards(tmp_path, llama_target, token_data):
+@pytest.mark.parametrize("ranks", [2, pytest.param(8, marks=pytest.mark.slow)])
+def test_n_ranks_write_the_same_shards(tmp_path, llama_target, token_data, ranks):
     single = extraction.run(make_config(tmp_path / "one", llama_target, token_data))
     args = [f"--target.path={llama_target}", f"--data.path={token_data}", "--extract.device=cpu",
             f"--extract.output_dir={tmp_path / 'two'}", "--extract.shard_tokens=400", "--extract.chunk_tokens=300",
             "--extract.dtype=float32"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                            "extract.py", "--config", "config.toml", *args], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
