@@ -32,18 +32,19 @@ def test_unknown_key_names_allowed_keys(tmp_path):
 def test_wrong_type_names_key(tmp_path):
     with pytest.raises(ConfigError, match=r"train.max_steps: expected int, got 'ten'"):
         load(write(tmp_path, '[train]\nmax_steps = "ten"\n'))
-    with pytest.raises(ConfigError, match=r"command line --train.ttt_steps: train.ttt_steps: expected int"):
-        load(None, ["--train.ttt_steps", "1.5"])
-    with pytest.raises(ConfigError, match=r"train.kernels = 'cuda'; expected one of"):
-        load(None, ["--train.kernels", "cuda"])
-    with pytest.raises(ConfigError, match=r"train.batch_tokens = 0; expected a positive integer"):
-        load(None, ["--train.batch_tokens", "0"])
-    with pytest.raises(ConfigError, match=r"train.grad_clip = 0.0; expected > 0"):
-        load(None, ["--train.grad_clip", "0"])
-    with pytest.raises(ConfigError, match=r"train.min_lr_ratio = 2.0; expected a number in \[0, 1\]"):
-        load(None, ["--train.min_lr_ratio", "2"])
-    with pytest.raises(ConfigError, match=r"aux_layer_ids = \[1, 2\]; EAGLE-3 needs exactly 3"):
-        load(None, ["--target.aux_layer_ids", "[1, 2]"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--train.ttt_steps", "1.5"], r"command line --train.ttt_steps: train.ttt_steps: expected int"),
+    (["--train.kernels", "cuda"], r"train.kernels = 'cuda'; expected one of"),
+    (["--train.batch_tokens", "0"], r"train.batch_tokens = 0; expected a positive integer"),
+    (["--train.grad_clip", "0"], r"train.grad_clip = 0.0; expected > 0"),
+    (["--train.min_lr_ratio", "2"], r"train.min_lr_ratio = 2.0; expected a number in \[0, 1\]"),
+    (["--target.aux_layer_ids", "[1, 2]"], r"aux_layer_ids = \[1, 2\]; EAGLE-3 needs exactly 3"),
+])
+def test_a_bad_override_names_the_key_and_what_was_expected(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load(None, args)
 
 
 def test_bad_toml_and_missing_file(tmp_path):
