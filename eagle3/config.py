@@ -164,6 +164,10 @@ class TrainConfig:
         True, "the draft's `lm_head` keeps its initial weights: no gradient, not in the optimizer (the exports "
         "carry the target's rows); with the target's rows, frozen 3.25 vs trained 3.24 real τ. A resumed run "
         "must keep it and `draft.lm_head_init` (checkpoints from before these keys count as `random`, `false`)")
+    float8: bool = setting(
+        False, "the draft's linear layers (fc, attention, MLP) as fp8 GEMMs: e4m3 forward, e5m2 gradients, one "
+        "dynamic scale per tensor, fp32 masters; needs fp8 tensor cores (compute capability >= 8.9). The loss's "
+        "lm_head GEMMs stay bf16. Not yet measured for speed or real τ, so off")
     fp32_residual: bool = setting(
         False, "keep the draft's residual stream and the state carried between TTT steps in fp32 (matmuls stay "
         "bf16), as speculators does; measured: no change in real τ on the quality benchmark, so off")

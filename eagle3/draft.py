@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from eagle3.float8 import dense_linear
+from eagle3.float8 import linear as float8_linear
 from eagle3.resolve import DraftSpec
 from eagle3.ops import apply_rope, compiled, llama_inv_freq, rms_norm, rope_cos_sin, silu_mul, swiglu
 
@@ -82,21 +83,22 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_dim, s.num_key_value_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.num_attention_heads * s.head_dim, s.hidden_size, bias=False)
         self.rope = apply_rope
+        self.linear = dense_linear
 
     def forward(self, x, cos, sin, cache: list, attention, cu_seqlens, rows: Rows):
         """x [C, in_dim] for the computed rows; appends this step's keys/values (laid out over all
         rows, zero where not computed: no other row reads them) to `cache`, attends over all
         cached steps; returns [N, H] for the kept rows."""
         C = x.shape[0]
-        k = self.rope(self.k_proj(x).view(C, self.kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(C, self.kv_heads, self.head_dim)
+        k = self.rope(self.linear(x, self.k_proj.weight).view(C, self.kv_heads, self.head_dim), cos, sin)
+        v = self.linear(x, self.v_proj.weight).view(C, self.kv_heads, self.head_dim)
         x, cos, sin = rows.keep(x), rows.keep(cos), rows.keep(sin)
-        q = self.rope(self.q_proj(x).view(x.shape[0], self.heads, self.head_dim), cos, sin)
+        q = self.rope(self.linear(x, self.q_proj.weight).view(x.shape[0], self.heads, self.head_dim), cos, sin)
         cache.append((rows.spread_computed(k), rows.spread_computed(v)))
         keys = torch.stack([kv[0] for kv in cache])      # [S, T, Hkv, D]
         values = torch.stack([kv[1] for kv in cache])
         out = rows.take_kept(attention(rows.spread_kept(q), keys, values, cu_seqlens))
-        return self.o_proj(out.flatten(1))
+        return self.linear(out.flatten(1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -106,10 +108,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = silu_mul
+        self.linear = dense_linear
 
     def forward(self, x):
-        return swiglu(x, self.gate_proj.weight.to(x.dtype), self.up_proj.weight.to(x.dtype),
-                      self.down_proj.weight.to(x.dtype), self.act)
+        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.act, self.linear)
 
 
 class DecoderLayer(nn.Module):
@@ -157,7 +159,14 @@ class Eagle3Draft(nn.Module):
         # bf16 training rounds the residual stream at every add and every TTT step; fp32 keeps the
         # chain's state exact while the matmuls stay bf16 (the trainer sets it, train.fp32_residual)
         self.fp32_residual = False
+        self.linear = dense_linear
         self.reset_parameters()
+
+    def use_float8(self) -> None:
+        """Every linear layer of the draft (fc, attention projections, MLP) as fp8 GEMMs (train.float8)."""
+        for m in self.modules():
+            if "linear" in vars(m):
+                m.linear = float8_linear
 
     def compile_elementwise(self) -> None:
         """RMSNorm, RoPE and SiLU·up through torch.compile (GPU training: their eager fp32 chains
@@ -202,5 +211,5 @@ class Eagle3Draft(nn.Module):
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """fc over the concatenated aux states [T, 3H] -> the step-0 residual stream [T, H]."""
-        h = F.linear(aux, self.fc.weight.to(aux.dtype))
+        h = self.linear(aux, self.fc.weight)
         return h.float() if self.fp32_residual else h

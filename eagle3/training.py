@@ -20,7 +20,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from eagle3 import checkpoint as ckpt_io
-from eagle3 import distributed
+from eagle3 import distributed, float8
 from eagle3.config import Config, ConfigError
 from eagle3.data.batch import Batch
 from eagle3.data.batching import Prefetcher, pack, split_holdout
@@ -275,6 +275,16 @@ class Trainer:
         if self.cuda and t.compile_ops:
             draft.compile_elementwise()
         draft.fp32_residual = t.fp32_residual
+        if t.float8:
+            try:
+                float8.check_device(self.device, cfg.source)
+                float8.check_dims({"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+                                   "num_attention_heads x head_dim": spec.num_attention_heads * spec.head_dim,
+                                   "num_key_value_heads x head_dim": spec.num_key_value_heads * spec.head_dim},
+                                  cfg.source)
+            except ValueError as e:
+                raise TrainError(str(e)) from None
+            draft.use_float8()
         # the target's head rows of the draft vocab in their stored precision (tied: the embedding's)
         target_rows = self.target.get("lm_head.weight")[t2d]
         self.init_head(draft, target_rows)

@@ -192,8 +192,10 @@ def same_weights_on_all_ranks(trainer: Trainer) -> bool:
 
 def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup: int, tflops: float,
               profile_dir: Path | None = None, train_head: bool = False) -> dict:
+    path, fp8 = kernels.removesuffix("-fp8"), kernels.endswith("-fp8")   # "triton-fp8": also train.float8
     args = ["--target.path", str(root / "target"), "--train.data_dir", str(root / f"data-{layout}"),
-            "--train.output_dir", str(root / f"out-{layout}-{kernels}"), "--train.kernels", kernels,
+            "--train.output_dir", str(root / f"out-{layout}-{kernels}"), "--train.kernels", path,
+            "--train.float8", str(fp8).lower(),
             "--train.batch_tokens", str(s["seqs"] * s["seq_len"]), "--train.eval_fraction", "0",
             "--train.max_steps", str(steps + warmup + 2), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
@@ -201,8 +203,8 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             "--draft.intermediate_size", str(s["inter"]),
             # "torch" is the established recipe: every row computed, eager layers; ours skips dead
             # rows and fuses the layers' elementwise chains
-            "--train.skip_dead_rows", str(kernels != "torch").lower(),
-            "--train.compile_ops", str(kernels != "torch").lower(),
+            "--train.skip_dead_rows", str(path != "torch").lower(),
+            "--train.compile_ops", str(path != "torch").lower(),
             # the default (and the peer's) head: the target's rows, frozen; --train-head: the
             # workload of the figures recorded before 2026-11-30 (random head, trained)
             "--draft.lm_head_init", "random" if train_head else "target",
@@ -236,7 +238,8 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", default="a,b")
-    parser.add_argument("--kernels", default="torch,triton")
+    parser.add_argument("--kernels", default="torch,triton",
+                        help="comma list of torch, triton; a -fp8 suffix adds train.float8 (e.g. triton-fp8)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")

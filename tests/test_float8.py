@@ -1,0 +1,56 @@
+"""fp8 training GEMMs (`train.float8`), on the CPU (torch._scaled_mm runs there too)."""
+import json
+
+import pytest
+import torch
+
+from conftest import make_config
+from eagle3 import float8, training
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("rows", [37, 64])          # 37: padded to a multiple of 16 inside
+def test_fp8_linear_forward_and_backward_follow_the_fp32_ones(rows):
+    torch.manual_seed(0)
+    x = (torch.randn(rows, 96) * 30).requires_grad_()  # dynamic scales: any magnitude
+    w = (torch.randn(48, 96) * 0.01).requires_grad_()
+    g = torch.randn(rows, 48)
+    y = float8.linear(x, w)
+    dx, dw = torch.autograd.grad(y, (x, w), g)
+    ref = x @ w.T
+    rdx, rdw = torch.autograd.grad(ref, (x, w), g)
+    assert y.shape == ref.shape and dw.dtype == torch.float32
+    # e4m3 keeps 3 mantissa bits, e5m2 2: a few percent, not more
+    assert rel(y, ref) < 0.05 and rel(dx, rdx) < 0.08 and rel(dw, rdw) < 0.08
+    assert rel(y, ref) > 1e-4                          # and it did run in fp8
+    three = torch.randn(2, 5, 96)                      # leading dimensions are kept
+    assert float8.linear(three, w).shape == (2, 5, 48)
+
+
+def test_the_fp8_step_keeps_fp32_masters_and_trains(tmp_path, llama_target, token_data, hidden):
+    cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.float8": "true",
+                                                             "train.max_steps": 6})
+    trainer = training.Trainer(cfg)
+    draft = trainer.model.draft
+    assert draft.linear is float8.linear and draft.layers[0].mlp.linear is float8.linear
+    assert all(p.dtype == torch.float32 for p in trainer.params)
+    trainer.run()
+    records = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"][0] for r in records if r["split"] == "train"]
+    assert losses[-1] < losses[0]
+
+
+def test_float8_refuses_a_gpu_without_fp8_tensor_cores(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"c.toml: train.float8 = true needs .*A100 has 8.0"):
+        float8.check_device(torch.device("cuda", 0), "c.toml")
+    float8.check_device(torch.device("cpu"), "c.toml")   # the CPU runs torch._scaled_mm
+
+
+def test_float8_names_a_width_that_is_not_a_multiple_of_16():
+    with pytest.raises(ValueError, match=r"c.toml: .*multiples of 16; intermediate_size = 100"):
+        float8.check_dims({"hidden_size": 64, "intermediate_size": 100}, "c.toml")
