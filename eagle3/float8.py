@@ -18,13 +18,17 @@ MAX = {E4M3: 448.0, E5M2: 57344.0}
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The default: x @ w.T in x's dtype (w is an fp32 master)."""
-    return F.linear(x, w.to(x.dtype))
+    """The default: x @ w.T (w is an fp32 master). Under autocast the weight goes in as it is:
+    autocast casts it once per step and reuses the copy; without, it takes x's dtype."""
+    return F.linear(x, w if torch.is_autocast_enabled(x.device.type) else w.to(x.dtype))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., k] @ w.T with w [n, k], as fp8 GEMMs forward and backward."""
-    return _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    """x [..., k] @ w.T with w [n, k], as fp8 GEMMs forward and backward; the output in autocast's
+    dtype where autocast is on (as the dense path's), else in x's."""
+    device = x.device.type
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w, out_dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,21 +49,23 @@ def _mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:   # x [m, k], w [n, k]
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:   # x [m, k], w [n, k]
         m = x.shape[0]
         xq, sx = to_fp8(_pad_rows(x), E4M3)                               # [m16, k]
         wq, sw = to_fp8(w, E4M3)
         ctx.save_for_backward(xq, sx, wq, sw)
-        ctx.rows, ctx.w_dtype = m, w.dtype
-        return _mm(xq, sx, wq, sw, x.dtype)[:m]
+        ctx.rows, ctx.x_dtype, ctx.w_dtype = m, x.dtype, w.dtype
+        return _mm(xq, sx, wq, sw, out_dtype)[:m]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         xq, sx, wq, sw = ctx.saved_tensors
         gq, sg = to_fp8(_pad_rows(grad.reshape(ctx.rows, -1)), E5M2)      # [m16, n]
-        dx = _mm(gq, sg, wq.t().contiguous(), sw, grad.dtype)[:ctx.rows]  # [m, k] = dY @ W
+        dx = None
+        if ctx.needs_input_grad[0]:   # not for fc: the aux states need none
+            dx = _mm(gq, sg, wq.t().contiguous(), sw, ctx.x_dtype)[:ctx.rows]      # [m, k] = dY @ W
         dw = _mm(gq.t().contiguous(), sg, xq.t().contiguous(), sx, torch.float32)   # [n, k] = dYᵀ @ X
-        return dx, dw.to(ctx.w_dtype)
+        return dx, dw.to(ctx.w_dtype), None
 
 
 def check_device(device: torch.device, where: str) -> None:

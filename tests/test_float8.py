@@ -54,3 +54,12 @@ def test_float8_refuses_a_gpu_without_fp8_tensor_cores(monkeypatch):
 def test_float8_names_a_width_that_is_not_a_multiple_of_16():
     with pytest.raises(ValueError, match=r"c.toml: .*multiples of 16; intermediate_size = 100"):
         float8.check_dims({"hidden_size": 64, "intermediate_size": 100}, "c.toml")
+
+
+def test_under_autocast_fp8_outputs_what_the_dense_path_outputs():
+    x, w = torch.randn(20, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):     # an fp32 input, as with train.fp32_residual
+        fp8, dense = float8.linear(x, w), float8.dense_linear(x, w)
+    assert fp8.dtype == dense.dtype == torch.bfloat16
+    fp8.float().sum().backward()
+    assert x.grad.dtype == w.grad.dtype == torch.float32

@@ -141,7 +141,7 @@ def time_layer(model, w: dict, s: dict, device: torch.device, peak: float) -> di
     t_moe_loop = median_ms_of_calls(lambda: model._moe(w, xn), calls=3) / 1e3   # one matmul per expert
     model.grouped_mm = grouped
     w4a16 = {}
-    if cuda:   # int4 experts straight into the GEMM: its time, transient memory and agreement
+    if cuda and "experts.gate_up.weight_packed" in w:   # int4 experts straight into the GEMM: time, memory, agreement
         model.w4a16 = True
         fused = model._moe(w, xn)
         w4a16 = {"moe_w4a16_s": median_ms_of_calls(lambda: model._moe(w, xn), calls=5, warmup_calls=2) / 1e3,
