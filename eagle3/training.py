@@ -24,6 +24,7 @@ from eagle3 import distributed, float8
 from eagle3.config import Config, ConfigError
 from eagle3.data.batch import Batch
 from eagle3.data.batching import Prefetcher, pack, split_holdout
+from eagle3.data.errors import InputError
 from eagle3.data.online import OnlineReader
 from eagle3.data.shards import DataError, ShardReader, check_manifest, loss_token_counts
 from eagle3.draft import Eagle3Draft
@@ -620,5 +621,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     cfg = cli(argv, "Train an EAGLE-3 draft with training-time test.", prog)
     try:
         run(cfg)
-    except (TargetError, DataError, VocabError, TrainError, ConfigError, ckpt_io.CheckpointError) as e:
+    except (TargetError, DataError, InputError, VocabError, TrainError, ConfigError, ckpt_io.CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None

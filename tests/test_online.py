@@ -102,3 +102,13 @@ def test_a_killed_online_run_resumes_to_the_same_weights(tmp_path, llama_target,
     a, b = final_weights(tmp_path / "straight" / "train"), final_weights(tmp_path / "killed" / "train")
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_a_bad_input_line_online_is_named_without_a_traceback(tmp_path, llama_target, token_data):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(token_data.read_text().splitlines()[0] + "\n[1, 2]\n")
+    out = run_train(cli_args(tmp_path, llama_target, bad, tmp_path / "none", **{"train.source": "online"}),
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = out.communicate(timeout=300)
+    assert out.returncode != 0 and f"error: {bad}:2:" in err and "Traceback" not in err
+    assert not (tmp_path / "train" / "checkpoints").exists()
