@@ -112,9 +112,10 @@ def loss_rows(targets: list[StepTargets], live: list) -> list[torch.Tensor]:
 
 
 def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool = True,
-              oov_rows: bool = False) -> RowPlan:
-    """The batch's row plan (see `RowPlan`), wherever the batch and t2d are (the host, in training)."""
-    targets = all_step_targets(batch, steps, t2d, oov_rows)
+              oov_rows: bool = False, targets: list[StepTargets] | None = None) -> RowPlan:
+    """The batch's row plan (see `RowPlan`), wherever the batch and t2d are (the host, in training);
+    `targets`: the batch's `all_step_targets`, when the caller has them already."""
+    targets = targets or all_step_targets(batch, steps, t2d, oov_rows)
     live = live_rows(targets) if skip_dead_rows else None
     return RowPlan(steps, oov_rows, live, loss_rows(targets, live or [None] * steps), int(loss_denominator(batch)))
 
@@ -142,7 +143,7 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     positions = row_layout(batch.cu_seqlens, T)[0]
     plan = batch.plan
     if plan is None or not plan.fits(steps, skip_dead_rows, objective.oov_rows):
-        plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.oov_rows)
+        plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.oov_rows, targets)
     live = plan.live or [None] * steps
     probs = target_probs(batch.final_hidden, head_rows, steps, objective.hard_label)
     aux = batch.aux_hidden
