@@ -15,7 +15,7 @@ import torch.nn as nn
 from eagle3.float8 import dense_linear
 from eagle3.float8 import linear as float8_linear
 from eagle3.resolve import DraftSpec
-from eagle3.ops import apply_rope, compiled, llama_inv_freq, rms_norm, rope_cos_sin, silu_mul, swiglu
+from eagle3.ops import apply_rope, compiled, llama_inv_freq, rms_norm, rope_cos_sin, scatter_rows, silu_mul, swiglu
 
 
 class RMSNorm(nn.Module):
@@ -54,23 +54,16 @@ class Rows:
 
     def spread_computed(self, x: torch.Tensor) -> torch.Tensor:
         """[C, ...] -> [total, ...], zero where not computed (keys and values: no other row reads those)."""
-        return _scatter(x, self.computed, self.total)
+        return scatter_rows(x, self.computed, self.total)
 
     def spread_kept(self, x: torch.Tensor) -> torch.Tensor:
         """[N, ...] -> [total, ...], zero where not kept (queries for the attention kernels)."""
-        return _scatter(x, self.kept_global(), self.total)
+        return scatter_rows(x, self.kept_global(), self.total)
 
     def take_kept(self, x: torch.Tensor) -> torch.Tensor:
         """[total, ...] -> [N, ...]: the inverse of `spread_kept`."""
         index = self.kept_global()
         return x if index is None else x[index]
-
-
-def _scatter(t: torch.Tensor, index: torch.Tensor | None, total: int) -> torch.Tensor:
-    """t [n, ...] into zeros [total, ...] at `index` (identity when index is None)."""
-    if index is None:
-        return t
-    return t.new_zeros((total, *t.shape[1:])).index_copy(0, index, t)
 
 
 class Attention(nn.Module):

@@ -74,3 +74,10 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Ten
     """Position of each packed token inside its own sequence: [T] int64."""
     starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff(), output_size=total)
     return torch.arange(total, device=cu_seqlens.device) - starts
+
+
+def scatter_rows(t: torch.Tensor, index: torch.Tensor | None, total: int, fill=0) -> torch.Tensor:
+    """t [n, ...] into [total, ...] filled with `fill`, at rows `index` (t itself when index is None)."""
+    if index is None:
+        return t
+    return t.new_full((total, *t.shape[1:]), fill).index_copy(0, index, t)

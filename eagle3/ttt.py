@@ -13,7 +13,7 @@ import torch
 
 from eagle3.data.batch import Batch, RowPlan
 from eagle3.draft import Rows
-from eagle3.ops import positions_from_cu_seqlens
+from eagle3.ops import positions_from_cu_seqlens, scatter_rows
 
 METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_rows")
 
@@ -170,8 +170,8 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
         head_inputs, draft.lm_head.weight.to(embed.dtype),
         [probs[k:k + T] if r is None else probs[k + r] for k, r in enumerate(kept)],
         plan.loss[:done], [decay ** k * scale for k in range(done)])
-    losses = [_to_all_rows(x, r, T, 0) for x, r in zip(losses, kept)] + [total.new_zeros(T)] * (steps - done)
-    argmaxes = [_to_all_rows(x, r, T, -1) for x, r in zip(argmaxes, kept)] + [greedy.new_full((T,), -1)] * (
+    losses = [scatter_rows(x, r, T, 0) for x, r in zip(losses, kept)] + [total.new_zeros(T)] * (steps - done)
+    argmaxes = [scatter_rows(x, r, T, -1) for x, r in zip(argmaxes, kept)] + [greedy.new_full((T,), -1)] * (
         steps - done)
     return (total, *step_metrics(targets, losses, argmaxes, greedy, draft.d2t))
 
@@ -180,12 +180,6 @@ def _step_rows(k: int, live: list, T: int) -> Rows:
     if live[k] is None:
         return Rows(T)
     return Rows(T, kept=live[0]) if k == 0 else Rows(T, computed=live[k])
-
-
-def _to_all_rows(x: torch.Tensor, index: torch.Tensor | None, T: int, fill) -> torch.Tensor:
-    if index is None:
-        return x
-    return x.new_full((T,), fill).index_copy(0, index, x)
 
 
 def step_metrics(targets: list[StepTargets], losses, argmaxes, greedy, d2t) -> tuple[torch.Tensor, dict]:
