@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eagle3.config import ConfigError
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
 
@@ -72,7 +74,7 @@ def check_device(device: torch.device, where: str) -> None:
     """fp8 GEMMs need fp8 tensor cores on a GPU; say so at start-up, not at the first step."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
-        raise ValueError(f"{where}: train.float8 = true needs a GPU with fp8 tensor cores (compute capability "
+        raise ConfigError(f"{where}: train.float8 = true needs a GPU with fp8 tensor cores (compute capability "
                          f">= 8.9: Ada, Hopper, Blackwell); {name} has "
                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
 
@@ -81,5 +83,5 @@ def check_dims(dims: dict[str, int], where: str) -> None:
     """torch._scaled_mm on a GPU wants every matrix dimension a multiple of 16 (rows are padded here)."""
     odd = {name: size for name, size in dims.items() if size % 16}
     if odd:
-        raise ValueError(f"{where}: train.float8 = true needs the draft's widths to be multiples of 16; "
+        raise ConfigError(f"{where}: train.float8 = true needs the draft's widths to be multiples of 16; "
                          + ", ".join(f"{name} = {size}" for name, size in odd.items()))
