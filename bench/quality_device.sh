@@ -4,7 +4,9 @@
 # a call stopped at its time limit still returns what it finished).
 #   here:  the peer's wheels (speculators 0.9.0 and what it needs) in .whl/, its quality script in .peer/
 #   there: bash bench/quality_device.sh STAGE...     (carry .whl, .peer and .quality)
-# a STAGE is target, data, peer, measure or ours@VARIANT (VARIANT as --variant takes it: name[:key=value,...]);
+# a STAGE is target, data, peer, measure, ours@VARIANT (VARIANT as --variant takes it: name[:key=value,...])
+# or peer@NAME:FLAGS (--peer-variant); a STAGE prefixed "bg:" runs in the background beside the next ones
+# (quality screening on one GPU: its training times then do not count), "wait" waits for them;
 # QUALITY_ARGS="--recipe train_prompts=3072 ..." passes more options to every stage
 set -uo pipefail
 out=${OUT:-/tmp/quality-out}; work=${WORK:-.quality}
@@ -15,15 +17,23 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"
 pack() {
   (cd "$work" && tar czf "$out/target.tgz" target 2>/dev/null)
-  (cd "$work" && tar czf "$out/results.tgz" --ignore-failed-read $(ls -d regen.jsonl prompts.jsonl quality.json peer \
-     peer.log eval-*.json ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null))
+  (cd "$work" && tar czf "$out/results.tgz" --ignore-failed-read $(ls -d regen.jsonl prompts.jsonl quality.json peer*/*.json peer*/*.safetensors \
+     peer*.log eval-*.json ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null))
+}
+run_stage() {
+  local stage=$1 args
+  args=(--stages "${stage%%@*}")
+  [[ $stage == ours@* ]] && args+=(--variant "${stage#ours@}")
+  [[ $stage == peer@* ]] && args+=(--peer-variant "${stage#peer@}")
+  python3 -m eagle3.bench quality --work "$work" "${args[@]}" --peer-script .peer/speculators_quality.py ${QUALITY_ARGS:-} \
+    2>&1 | grep -v "it/s]\|s/it]\|conv/s]\|step/s]\|s/step]" | sed "s|^|[${stage%%:*}] |" | tee -a "$out/log.txt"
 }
 for stage in "$@"; do
   echo "== stage $stage $(date +%T)"
-  args=(--stages "${stage%%@*}")
-  [[ $stage == ours@* ]] && args+=(--variant "${stage#ours@}")
-  python3 -m eagle3.bench quality --work "$work" "${args[@]}" --peer-script .peer/speculators_quality.py ${QUALITY_ARGS:-} \
-    2>&1 | grep -v "it/s]\|s/it]\|conv/s]\|step/s]\|s/step]" | tee -a "$out/log.txt"
-  pack
+  if [[ $stage == wait ]]; then wait; pack
+  elif [[ $stage == bg:* ]]; then run_stage "${stage#bg:}" &
+  else run_stage "$stage"; pack
+  fi
 done
+wait
 echo "== done $(date +%T)"

@@ -160,6 +160,9 @@ def read_state(path: str | Path) -> dict:
         state["resolved"] = {"aux_layer_ids": state.pop("aux_layer_ids"), "draft_spec": state.pop("draft_spec"),
                              "data_dir": state.pop("data_dir"),
                              "verifier_name": config["export"].get("verifier_name") or config["target"]["path"]}
+    # settings added to the draft since the state was written take their defaults (the draft it trained)
+    if "resolved" in state:
+        state["resolved"] = Resolved.from_dict(state["resolved"]).to_dict()
     return state
 
 

@@ -89,6 +89,15 @@ class DraftConfig:
         False, "the first layer's residual stream starts from `hidden_norm(fc(aux))` instead of `fc(aux)` "
         "(speculators' and vLLM's `norm_before_residual`); exported for vLLM, refused for SGLang (not known "
         "to read it)")
+    norm_before_fc: bool = setting(
+        False, "one RMSNorm over the concatenated aux states before `fc` (speculators' `norm_before_fc`, part of "
+        "its EAGLE-3.1 defaults; vLLM reads it, weight `input_norm.weight`); exclusive with `fc_norm`")
+    fc_norm: bool = setting(
+        False, "an RMSNorm on each aux state before `fc` (the EAGLE-3.1 paper's form; `fc_norm.{i}.weight`); "
+        "exclusive with `norm_before_fc`")
+    norm_output: bool = setting(
+        False, "the normed output `norm(h)` is both the head's input and the state fed to the next draft step "
+        "(EAGLE-3.1's `norm_output`; vLLM reads it)")
     lm_head_init: Literal["target", "random"] = setting(
         "target", "`target`: the draft's `lm_head` starts as the target's `lm_head` rows of the draft vocab (the "
         "embedding rows for a tied target), exactly, in fp32; `random`. Measured on a small real target: real "
@@ -351,9 +360,14 @@ def validate(cfg: Config) -> None:
                                  "weight_decay": "a number >= 0", "prefetch": "an integer >= 1",
                                  "aux_noise": "a number >= 0",
                                  "hard_label": "a number in [0, 1]"}.get(key, "> 0"))
-    if cfg.draft.norm_before_residual and "sglang" in cfg.export.formats:   # found now, not at the end
-        raise ConfigError(f"{cfg.source}: draft.norm_before_residual = true cannot be exported for SGLang (not "
-                          f"known to read it); set export.formats = [\"vllm\"]")
+    d = cfg.draft
+    if d.norm_before_fc and d.fc_norm:
+        raise ConfigError(f"{cfg.source}: draft.norm_before_fc and draft.fc_norm are both true; they are two forms "
+                          "of the norm before fc (one over the concatenation, one per aux state): choose one")
+    for key in NORM_FLAGS:   # found now, not at the end of training
+        if getattr(d, key) and "sglang" in cfg.export.formats:
+            raise ConfigError(f"{cfg.source}: draft.{key} = true cannot be exported for SGLang (its "
+                              f"LlamaForCausalLMEagle3 does not read it); set export.formats = [\"vllm\"]")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"{cfg.source}: train.betas = {t.betas}; expected two numbers in [0, 1)")
     if not 0 <= t.eval_fraction < 1:
@@ -373,6 +387,11 @@ def validate(cfg: Config) -> None:
     ids = cfg.target.aux_layer_ids
     if ids is not None and len(ids) != 3:
         raise ConfigError(f"{cfg.source}: target.aux_layer_ids = {ids}; EAGLE-3 needs exactly 3 layers")
+
+
+# the draft's norm settings, under the config keys speculators and vLLM use; SGLang's EAGLE-3 draft reads
+# none of them: with one on, an SGLang export would decode another draft
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 def from_dict(data: dict, origin: str) -> Config:

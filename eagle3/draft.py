@@ -141,7 +141,12 @@ class Eagle3Draft(nn.Module):
     def __init__(self, spec: DraftSpec):
         super().__init__()
         self.spec = spec
-        self.fc = nn.Linear(3 * spec.target_hidden_size, spec.hidden_size, bias=False)
+        H_t = spec.target_hidden_size
+        if spec.norm_before_fc:
+            self.input_norm = RMSNorm(3 * H_t, spec.rms_norm_eps)
+        if spec.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(H_t, spec.rms_norm_eps) for _ in range(3))
+        self.fc = nn.Linear(3 * H_t, spec.hidden_size, bias=False)
         self.layers = nn.ModuleList(DecoderLayer(spec, i == 0) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
@@ -177,20 +182,21 @@ class Eagle3Draft(nn.Module):
     def step(self, h: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, caches: list[list],
              attention, cu_seqlens, rows: Rows | None = None) -> torch.Tensor:
         """One TTT step: h, token embeddings [C, H] and positions [C] of the computed rows ->
-        pre-norm output [N, H] of the kept rows (all T rows when `rows` is None). Only the last
+        output [N, H] of the kept rows (all T rows when `rows` is None; pre-norm unless
+        norm_output), the next step's state. Only the last
         layer drops rows: earlier layers' outputs of every computed row feed the next layer's keys."""
         rows = rows or Rows(h.shape[0])
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, emb, cos, sin, cache, attention, cu_seqlens, rows if i == last else rows.all_kept())
-        return h
+        return self.norm(h) if self.spec.norm_output else h
 
     def unroll(self, aux: torch.Tensor, attention, cu_seqlens, next_inputs) -> Iterator[torch.Tensor]:
         """The draft's chain, as training-time test and speculative decoding both run it: fc over
         the aux states [T, 3H], then one `step` per round of `next_inputs(k, h)`, which is given
         the previous output (fc's for k = 0) and returns step k's (h, token embeddings, positions,
-        rows), or None to stop. Yields each step's pre-norm output; the steps share one KV cache."""
+        rows), or None to stop. Yields each step's output (`step`'s); the steps share one KV cache."""
         caches = [[] for _ in self.layers]
         h, k = self.project(aux), 0
         while (inputs := next_inputs(k, h)) is not None:
@@ -200,9 +206,15 @@ class Eagle3Draft(nn.Module):
             k += 1
 
     def head_input(self, h: torch.Tensor) -> torch.Tensor:
-        return self.norm(h)
+        """A step's output -> the lm_head's input (with norm_output the step has normed it already)."""
+        return h if self.spec.norm_output else self.norm(h)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """fc over the concatenated aux states [T, 3H] -> the step-0 residual stream [T, H]."""
+        """fc over the concatenated aux states [T, 3H] (normed first with norm_before_fc / fc_norm)
+        -> the step-0 residual stream [T, H]."""
+        if self.spec.norm_before_fc:
+            aux = self.input_norm(aux)
+        elif self.spec.fc_norm:
+            aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
         h = self.linear(aux, self.fc.weight)
         return h.float() if self.fp32_residual else h

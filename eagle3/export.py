@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3 import checkpoint as ckpt_io
-from eagle3.config import Config, from_dict
+from eagle3.config import NORM_FLAGS, Config, from_dict
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.files import make_readable, read_json
 from eagle3.ops import TORCH_DTYPES, llama_inv_freq
@@ -26,6 +26,9 @@ from eagle3.vocab import VocabError, check_vocab
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
               "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")
+
+# outside the layers: the EAGLE-3.1 norms before fc (`input_norm`, `fc_norm.{i}`) only when the draft has them
+TOP_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "input_norm.weight")
 
 
 class ExportError(ValueError):
@@ -59,7 +62,7 @@ def vllm_config(state: dict, cfg: Config) -> dict:
         "transformer_layer_config": _llama_layer_config(spec, cfg.export.dtype),
         "draft_vocab_size": spec["draft_vocab_size"],
         "target_hidden_size": spec["target_hidden_size"],
-        "norm_before_residual": spec.get("norm_before_residual", False),
+        **{key: spec.get(key, False) for key in NORM_FLAGS},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in resolved["aux_layer_ids"]],
         "torch_dtype": cfg.export.dtype,
     }
@@ -83,15 +86,15 @@ def sglang_config(state: dict, cfg: Config) -> dict:
 def export_weights(weights: dict[str, torch.Tensor], layer_prefix: str, num_layers: int,
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Map trained names onto the serving names; float weights cast to `dtype`, vocab maps kept."""
-    out = {"fc.weight": weights["fc.weight"], "norm.weight": weights["norm.weight"],
-           "lm_head.weight": weights["lm_head.weight"]}
+    top = [k for k in weights if k in TOP_KEYS or k.startswith("fc_norm.")]
+    out = {k: weights[k] for k in top}
     for i in range(num_layers):
         for key in LAYER_KEYS if i == 0 else [k for k in LAYER_KEYS if k != "hidden_norm.weight"]:
             src = f"layers.{i}.{key}"
             if src not in weights:   # an engine would silently keep a random tensor for it
                 raise ExportError(f"checkpoint weights lack {src}")
             out[f"{layer_prefix(i)}.{key}"] = weights[src]
-    left = set(weights) - {"d2t", "t2d", "fc.weight", "norm.weight", "lm_head.weight"} - {
+    left = set(weights) - {"d2t", "t2d", *top} - {
         f"layers.{i}.{k}" for i in range(num_layers) for k in LAYER_KEYS}
     if left:
         raise ExportError(f"checkpoint weights not exported: {sorted(left)[:5]}")
@@ -135,10 +138,10 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
             if spec["num_layers"] != 1:
                 raise ExportError(f"{checkpoint_dir}: SGLang's EAGLE-3 draft has one layer (midlayer); "
                                   f"this draft has {spec['num_layers']}; export vllm only")
-            if spec.get("norm_before_residual"):
-                raise ExportError(f"{checkpoint_dir}: draft.norm_before_residual = true, which SGLang's "
-                                  "LlamaForCausalLMEagle3 is not known to read (it would decode with another "
-                                  "draft); export vllm only")
+            for key in NORM_FLAGS:
+                if spec.get(key):
+                    raise ExportError(f"{checkpoint_dir}: draft.{key} = true, which SGLang's LlamaForCausalLMEagle3 "
+                                      "does not read (it would decode with another draft); export vllm only")
             tensors = export_weights(weights, lambda i: "midlayer", 1, dtype)
             written[fmt] = _write(out_dir / "sglang", sglang_config(state, cfg), tensors)
     return written
@@ -150,16 +153,10 @@ class DraftLoadError(ValueError):
     """A draft directory that cannot be used; the message names the file and the field or tensor."""
 
 
-# speculators settings that change the draft's computation in ways our draft does not have
-UNSUPPORTED_FLAGS = {
-    "norm_before_fc": "an RMSNorm on the concatenated aux states before fc",
-    "fc_norm": "an RMSNorm on each aux state before fc",
-    "norm_output": "the normed output feeds the next draft step (EAGLE-3.1)",
-}
 # Names of the draft's own computation: one we do not know would change the result if dropped
 # (a bias, a qk-norm, an input norm), so it is an error; anything else (the frozen embedding copy,
 # the verifier head) is ignored with a note.
-DRAFT_PARTS = ("fc", "layers.", "norm.", "lm_head.", "input_norm.", "hidden_norm.", "midlayer.")
+DRAFT_PARTS = ("fc", "layers.", "norm.", "lm_head.", "input_norm.", "hidden_norm.", "midlayer.", "fc_norm.")
 
 
 def read_draft_config(path: Path) -> dict:
@@ -170,9 +167,8 @@ def read_draft_config(path: Path) -> dict:
         found = config.get("speculators_model_type") if isinstance(config, dict) else None
         raise DraftLoadError(f"{file}: speculators_model_type is {found!r}; expected 'eagle3' (a "
                              "speculators/vLLM EAGLE-3 draft; an SGLang-layout draft is not read)")
-    for flag, what in UNSUPPORTED_FLAGS.items():
-        if config.get(flag):
-            raise DraftLoadError(f"{file}: {flag} = true ({what}) is not supported by this trainer's draft")
+    if config.get("norm_before_fc") and config.get("fc_norm"):
+        raise DraftLoadError(f"{file}: norm_before_fc and fc_norm are both true; a draft has one of them")
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise DraftLoadError(f"{file}: transformer_layer_config must be an object (the draft layer's config)")
@@ -241,7 +237,7 @@ def _draft_spec(config: dict, files: dict[str, Path], where: str) -> DraftSpec:
         draft_vocab_size=config.get("draft_vocab_size") or head[0],
         target_vocab_size=layer.get("vocab_size") or (t2d[0] if t2d else 32000),
         target_hidden_size=config.get("target_hidden_size") or fc[1] // 3,
-        norm_before_residual=bool(config.get("norm_before_residual")))
+        **{key: bool(config.get(key)) for key in NORM_FLAGS})
 
 
 def _draft_tensors(files: dict[str, Path], draft: Eagle3Draft, where: str) -> dict[str, torch.Tensor]:

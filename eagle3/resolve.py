@@ -28,6 +28,9 @@ class DraftSpec:
     target_vocab_size: int
     target_hidden_size: int
     norm_before_residual: bool = False   # layer 0's residual is hidden_norm(h), not h (vLLM reads the flag)
+    norm_before_fc: bool = False         # one RMSNorm over the concatenated aux states before fc
+    fc_norm: bool = False                # an RMSNorm per aux state before fc
+    norm_output: bool = False            # norm(h) is the head's input and the next step's state
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,4 +95,5 @@ def resolve_draft_spec(cfg: Config, text: TextConfig, draft_vocab: int) -> Draft
         rms_norm_eps=d.rms_norm_eps or text.rms_norm_eps, rope_theta=d.rope_theta or text.rope_theta,
         max_position_embeddings=d.max_position_embeddings or text.max_position_embeddings,
         draft_vocab_size=draft_vocab, target_vocab_size=text.vocab_size,
-        target_hidden_size=text.hidden_size, norm_before_residual=d.norm_before_residual)
+        target_hidden_size=text.hidden_size, norm_before_residual=d.norm_before_residual,
+        norm_before_fc=d.norm_before_fc, fc_norm=d.fc_norm, norm_output=d.norm_output)

@@ -116,3 +116,83 @@ def test_norm_before_residual_starts_the_residual_from_the_normed_state(tmp_path
     vllm = tmp_path / "train" / "export" / "vllm"
     assert json.loads((vllm / "config.json").read_text())["norm_before_residual"] is True
     assert load_vllm_draft(vllm)[0].spec.norm_before_residual        # and evaluate decodes with it
+
+
+def rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_eagle31_norms_compute_what_speculators_and_vllm_compute():
+    """norm_before_fc: one norm over the concatenated aux states; fc_norm: one per aux state;
+    norm_output: norm(h) is the next step's state and the head's input (speculators' Eagle3DraftModel)."""
+    import dataclasses
+    plain = tiny_draft()
+    aux, emb = torch.randn(6, 48), torch.randn(6, 16)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    w3 = 1 + 0.1 * torch.randn(48)
+
+    def variant(**flags):
+        d = type(plain)(dataclasses.replace(plain.spec, **flags))
+        d.load_state_dict(plain.state_dict(), strict=False)          # the shared weights; new norms start at 1
+        for name, p in d.named_parameters():
+            if name == "input_norm.weight":
+                p.data.copy_(w3)
+            elif name.startswith("fc_norm."):
+                p.data.copy_(w3.view(3, 16)[int(name.split(".")[1])])
+        return d
+
+    fc = plain.fc.weight
+    torch.testing.assert_close(variant(norm_before_fc=True).project(aux), rms(aux, w3) @ fc.T)
+    per_layer = torch.cat([rms(a, w) for a, w in zip(aux.chunk(3, -1), w3.view(3, 16))], -1)
+    torch.testing.assert_close(variant(fc_norm=True).project(aux), per_layer @ fc.T)
+    assert not torch.allclose(per_layer, rms(aux, w3))              # the two forms differ
+
+    normed = variant(norm_output=True)
+    chain = lambda d: list(d.unroll(aux, ttt_attention, cu, lambda k, h: None if k == 2 else (   # noqa: E731
+        h, emb, torch.arange(6) + k, None)))
+    out_plain, out_normed = chain(plain), chain(normed)
+    torch.testing.assert_close(out_normed[0], plain.norm(out_plain[0]))          # step 0: same input state
+    h1 = plain.step(plain.norm(out_plain[0]), emb, torch.arange(6) + 1, [[]], ttt_attention, cu)
+    assert not torch.allclose(out_normed[1], plain.norm(out_plain[1]))          # step 1 reads the normed state
+    torch.testing.assert_close(normed.head_input(out_normed[0]), plain.head_input(out_plain[0]))
+    assert h1.shape == out_normed[1].shape
+
+
+@pytest.mark.parametrize("flags, tensors", [
+    ({"draft.norm_before_fc": "true", "draft.norm_output": "true", "draft.norm_before_residual": "true"},
+     ["input_norm.weight"]),
+    ({"draft.fc_norm": "true"}, ["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"]),
+])
+def test_eagle31_norms_train_export_and_decode_back(tmp_path, llama_target, token_data, hidden, flags, tensors):
+    import json
+    from safetensors import safe_open
+    from eagle3 import checkpoint as ckpt_io
+    from eagle3.export import load_vllm_draft
+    cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.max_steps": 3,
+                                                             "export.formats": '["vllm"]', **flags})
+    training.run(cfg)
+    vllm = tmp_path / "train" / "export" / "vllm"
+    config = json.loads((vllm / "config.json").read_text())
+    for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        assert config[key] is (flags.get(f"draft.{key}") == "true")
+    with safe_open(vllm / "model.safetensors", "pt") as f:
+        assert set(tensors) <= set(f.keys())
+        assert not any(torch.equal(f.get_tensor(n).float(), torch.ones(16)) for n in tensors)   # trained
+    loaded, _ = load_vllm_draft(vllm)
+    trained = ckpt_io.load_draft(ckpt_io.latest(tmp_path / "train"))[0]
+    aux = torch.randn(5, 3 * loaded.spec.target_hidden_size)
+    emb, cu = torch.randn(5, loaded.spec.hidden_size), torch.tensor([0, 5], dtype=torch.int32)
+    outputs = [list(d.unroll(aux, ttt_attention, cu, lambda k, h: None if k == 2 else (
+        h, emb, torch.arange(5) + k, None))) for d in (loaded, trained)]
+    for a, b in zip(*outputs):   # the export (bf16) decodes what was trained
+        torch.testing.assert_close(a, b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_eagle31_norm_settings_are_checked_at_start(tmp_path, llama_target, token_data):
+    from eagle3.config import ConfigError
+    with pytest.raises(ConfigError, match="norm_before_fc and draft.fc_norm are both true"):
+        make_config(tmp_path, llama_target, token_data, **{"draft.norm_before_fc": "true", "draft.fc_norm": "true",
+                                                           "export.formats": '["vllm"]'})
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        with pytest.raises(ConfigError, match=f"draft.{key} = true cannot be exported for SGLang"):
+            make_config(tmp_path, llama_target, token_data, **{f"draft.{key}": "true"})

@@ -379,22 +379,27 @@ def run_ours(r: Recipe, work: Path, variants: list[str], device: str) -> dict:
 
 # --- the peer ------------------------------------------------------------------------------------
 
-def run_peer(r: Recipe, work: Path, script: Path) -> dict:
-    if (work / "peer" / "config.json").exists():
+def run_peer(r: Recipe, work: Path, script: Path, variant: str | None = None) -> dict:
+    """The peer on the recipe, into `peer/`; a variant "name:--flag ..." passes its flags to the peer's
+    script and trains into `peer-name/` (e.g. `eagle31:--eagle31`, speculators' own norm defaults)."""
+    name, _, flags = (variant or "").partition(":")
+    label = f"peer-{name}" if name else "peer"
+    if (work / label / "config.json").exists():
         return {}
-    cmd = [sys.executable, str(script), str(work / "target"), str(work / "regen.jsonl"), str(work / "peer"),
+    cmd = [sys.executable, str(script), str(work / "target"), str(work / "regen.jsonl"), str(work / label),
            "--epochs", str(r.epochs), "--ttt-steps", str(r.ttt_steps), "--draft-vocab", str(r.draft_vocab),
            "--lr", str(r.lr), "--decay", str(r.loss_decay), "--batch-tokens", str(r.batch_tokens),
-           "--work", str(work / "peer_run")]
+           "--work", str(work / f"{label}_run"), *flags.split()]
     wall, p = wall_s(lambda: subprocess.run(cmd, capture_output=True, text=True))
     log = p.stdout + p.stderr
-    (work / "peer.log").write_text(log)
+    (work / f"{label}.log").write_text(log)
     if p.returncode:
-        raise SystemExit(f"error: the peer failed (rc {p.returncode}); its log: {work / 'peer.log'}\n{log[-3000:]}")
+        raise SystemExit(f"error: the peer failed (rc {p.returncode}); its log: {work / f'{label}.log'}\n{log[-3000:]}")
     found = {k: float(v) for k, v in re.findall(r"peer (extraction|training): (?:rc \d+, )?.*?(\d+)s", log)}
-    result = {"peer_wall_s": wall, "peer_extract_s": found.get("extraction"), "peer_train_s": found.get("training")}
-    (work / "peer" / "bench.json").write_text(strict_json(result))
-    return result
+    result = {"peer_wall_s": wall, "peer_extract_s": found.get("extraction"), "peer_train_s": found.get("training"),
+              "variant": variant}
+    (work / label / "bench.json").write_text(strict_json(result))
+    return {f"{k}/{name}" if name else k: v for k, v in result.items() if k != "variant"}
 
 
 # --- measure -------------------------------------------------------------------------------------
@@ -402,8 +407,9 @@ def run_peer(r: Recipe, work: Path, script: Path) -> dict:
 def drafts(work: Path) -> dict[str, Path]:
     found = {p.name.removeprefix("ours-"): p / "export" / "vllm" for p in sorted(work.glob("ours-*"))
              if (p / "export" / "vllm" / "config.json").exists()}
-    if (work / "peer" / "config.json").exists():
-        found["peer"] = work / "peer"
+    for p in sorted(work.glob("peer*")):
+        if (p / "config.json").exists():
+            found[p.name] = p
     return found
 
 
@@ -417,7 +423,7 @@ def measure(r: Recipe, work: Path, device: str) -> dict:
     for name, path in drafts(work).items():
         report = real_decoding(cfg, path, work / "prompts.jsonl", greedy_cache=greedy_cache,
                                out=work / f"eval-{name}.json")
-        bench = path.parent.parent / "bench.json" if name != "peer" else path / "bench.json"
+        bench = path / "bench.json" if name.startswith("peer") else path.parent.parent / "bench.json"
         results[name] = {**{k: report[k] for k in ("real_accept_len", "per_position_acceptance", "rounds",
                                                    "mismatches", "prompts", "new_tokens")},
                          **(json.loads(bench.read_text()) if bench.exists() else {})}
@@ -469,6 +475,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="our recipe variant, name[:section.key=value,...]; repeatable (default: base)")
     parser.add_argument("--peer-script", default=".peer/speculators_quality.py",
                         help="the peer's quality script (speculators 0.9.0 training on a Llama target)")
+    parser.add_argument("--peer-variant", default=None,
+                        help="name:--flag ...: the peer with these flags of its script, into peer-name/")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
     parser.add_argument("--recipe", action="append", default=[],
@@ -493,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
     if "ours" in stages:
         summary.setdefault("ours", {}).update(run_ours(r, work, args.variant or ["base"], device))
     if "peer" in stages:
-        summary.setdefault("peer", {}).update(run_peer(r, work, Path(args.peer_script)))
+        summary.setdefault("peer", {}).update(run_peer(r, work, Path(args.peer_script), args.peer_variant))
     if "measure" in stages:
         summary["results"] = measure(r, work, device)
         print(table(summary["results"]))
