@@ -15,10 +15,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"
+# a file coming back from $OUT is at most 16 MiB: the results travel in 15 MiB parts (cat results.tgz.* | tar xz)
 pack() {
-  (cd "$work" && tar czf "$out/target.tgz" target 2>/dev/null)
-  (cd "$work" && tar czf "$out/results.tgz" --ignore-failed-read $(ls -d regen.jsonl prompts.jsonl quality.json peer*/*.json peer*/*.safetensors \
-     peer*.log eval-*.json ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null))
+  rm -f "$out"/results.tgz.*
+  (cd "$work" && tar czf - --ignore-failed-read $(ls -d regen.jsonl prompts.jsonl quality.json peer*/*.json peer*/*.safetensors \
+     peer*.log eval-*.json ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null) \
+     | split -b 15m -d - "$out/results.tgz.")
 }
 run_stage() {
   local stage=$1 args
@@ -34,6 +36,7 @@ for stage in "$@"; do
   elif [[ $stage == bg:* ]]; then run_stage "${stage#bg:}" &
   else run_stage "$stage"; pack
   fi
+  [[ $stage != target ]] || (cd "$work" && tar czf "$out/target.tgz" target)
 done
 wait
 echo "== done $(date +%T)"

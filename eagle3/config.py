@@ -184,6 +184,10 @@ class TrainConfig:
         False, "also train the rows whose target greedy token is outside the draft vocabulary, towards the "
         "target's distribution renormalised over the draft vocabulary (speculators does); they always count "
         "as misses")
+    prompt_rows: bool = setting(
+        False, "also train the rows whose label is a prompt token (loss_mask 0: user/system turns, prompts), "
+        "towards the target's distribution there (extraction stores it for every token): more trained rows "
+        "from the same data; accuracy, acceptance and the held-out loss still count assistant rows only")
     aux_noise: float = setting(
         0.0, "Gaussian noise added to each aux layer's hidden state during training, as a multiple of its "
         "per-token RMS (0 = none)")

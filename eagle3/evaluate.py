@@ -31,7 +31,7 @@ import torch
 
 from eagle3 import checkpoint as ckpt_io
 from eagle3.config import Config
-from eagle3.data.batch import Batch
+from eagle3.data.batch import Batch, RowRule
 from eagle3.data.batching import pack, split_holdout
 from eagle3.data.inputs import CHAT_KEYS, InputError
 from eagle3.data.shards import MANIFEST, ShardReader, check_manifest
@@ -145,7 +145,7 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
         batch = reader.read(refs).to(device, dtype)
         _, metrics, detail = ttt_forward(draft, batch, embed, head_rows, steps, ttt_attention,
                                          ttt_loss_steps, trained["loss_decay"],
-                                         objective=Objective(oov_rows=trained.get("oov_rows", False)))
+                                         objective=Objective(RowRule(oov=trained.get("oov_rows", False))))
         result.add(metrics, detail, batch)
     return {"checkpoint": str(checkpoint_dir), "step": state["step"], "held_out_sequences": len(held_out),
             **result.report()}

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import distributed, float8
 from eagle3.config import Config, ConfigError
-from eagle3.data.batch import Batch
+from eagle3.data.batch import Batch, RowRule
 from eagle3.data.batching import Prefetcher, pack, split_holdout
 from eagle3.data.errors import InputError
 from eagle3.data.online import OnlineReader
@@ -442,8 +442,9 @@ class Trainer:
 
     def _forward(self, model, batch, scale=1.0, training=False):
         t = self.cfg.train
-        # evaluation sees clean inputs and measures the loss against p itself
-        objective = Objective(t.oov_rows, *((t.aux_noise, t.hard_label) if training else (0.0, 0.0)))
+        # evaluation sees clean inputs and measures the loss against p itself, on assistant rows
+        rows = RowRule(t.oov_rows, t.prompt_rows and training)
+        objective = Objective(rows, *((t.aux_noise, t.hard_label) if training else (0.0, 0.0)))
         with self._autocast():
             return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_steps,
                          t.loss_decay, scale, t.skip_dead_rows, objective)
@@ -453,7 +454,7 @@ class Trainer:
         critical path: what the step would otherwise sync (or spend CPU time) to learn: the row
         plan (moved to the device with the batch) and the sequence boundaries (kept on the host)."""
         t = self.cfg.train
-        plan = plan_rows(batch, t.ttt_steps, self.t2d_cpu, t.skip_dead_rows, t.oov_rows)
+        plan = plan_rows(batch, t.ttt_steps, self.t2d_cpu, t.skip_dead_rows, RowRule(t.oov_rows, t.prompt_rows))
         return dataclasses.replace(batch, plan=plan, cu_seqlens_host=batch.cu_seqlens.to(torch.int32))
 
     def prefetcher(self, start: int) -> Prefetcher:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.data.batch import Batch, RowPlan
+from eagle3.data.batch import Batch, RowPlan, RowRule
 from eagle3.draft import Rows
 from eagle3.ops import positions_from_cu_seqlens, scatter_rows
 
@@ -21,8 +21,8 @@ METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_row
 @dataclass(frozen=True)
 class Objective:
     """Recipe levers of the training objective, beside the unroll itself (K, decay)."""
-    oov_rows: bool = False      # also train rows whose target greedy token is outside the draft vocab
-                                # (towards p renormalised over the draft vocab, as speculators does)
+    rows: RowRule = RowRule()   # rows trained besides in-vocab assistant rows (oov: towards p renormalised
+                                # over the draft vocab, as speculators does; prompt: loss_mask-0 labels)
     aux_noise: float = 0.0      # std of Gaussian noise added to each aux layer's state, relative to its
                                 # per-token RMS (training only; 0 = none)
     hard_label: float = 0.0     # weight w of the target's top draft-vocab token in the loss target:
@@ -42,21 +42,28 @@ def row_layout(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Te
     return positions_from_cu_seqlens(cu_seqlens, T), torch.repeat_interleave(lengths, lengths, output_size=T)
 
 
-def label_rows(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """[T] bool: at step k, row t's label x[t+2+k] is inside its sequence and an assistant token."""
+def label_rows(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor,
+               prompt: bool = False) -> torch.Tensor:
+    """[T] bool: at step k, row t's label x[t+2+k] is inside its sequence and an assistant token
+    (any token with `prompt`)."""
     T = positions.shape[0]
+    inside = positions + 2 + k < seq_len
+    if prompt:
+        return inside
     label_row = (torch.arange(T, device=positions.device) + 2 + k).clamp(max=T - 1)
-    return (positions + 2 + k < seq_len) & loss_mask[label_row].bool()
+    return inside & loss_mask[label_row].bool()
 
 
 def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor,
-                 greedy: torch.Tensor, t2d: torch.Tensor, oov_rows: bool = False) -> StepTargets:
-    """Step k's label rows; a row whose target greedy token is outside the draft vocab (the draft
-    cannot be right there) is trained only with `oov_rows`, and always counts as a miss."""
+                 greedy: torch.Tensor, t2d: torch.Tensor, rule: RowRule = RowRule()) -> StepTargets:
+    """Step k's label rows: assistant rows count for accuracy; those whose target greedy token is
+    outside the draft vocab (the draft cannot be right there) are trained only with `rule.oov` and
+    always count as misses; prompt rows are trained only with `rule.prompt`."""
     T = positions.shape[0]
     index = (torch.arange(T, device=positions.device) + 1 + k).clamp(max=T - 1)
     acc_rows = label_rows(k, positions, seq_len, loss_mask)
-    valid = acc_rows if oov_rows else acc_rows & t2d[greedy[index].long()]
+    trained = label_rows(k, positions, seq_len, loss_mask, prompt=True) if rule.prompt else acc_rows
+    valid = trained if rule.oov else trained & t2d[greedy[index].long()]
     return StepTargets(index, valid, acc_rows)
 
 
@@ -76,15 +83,16 @@ def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int
     return probs
 
 
-def loss_denominator(batch: Batch) -> torch.Tensor:
-    """Loss-masked rows of a micro-batch: rows whose step-0 label x[t+2] is an assistant token."""
+def loss_denominator(batch: Batch, rule: RowRule = RowRule()) -> torch.Tensor:
+    """The loss's normaliser: rows whose step-0 label x[t+2] is an assistant token (any token with
+    `rule.prompt`)."""
     positions, seq_len = row_layout(batch.cu_seqlens, batch.rows)
-    return label_rows(0, positions, seq_len, batch.loss_mask).sum()
+    return label_rows(0, positions, seq_len, batch.loss_mask, rule.prompt).sum()
 
 
-def all_step_targets(batch: Batch, steps: int, t2d: torch.Tensor, oov_rows: bool = False) -> list[StepTargets]:
+def all_step_targets(batch: Batch, steps: int, t2d: torch.Tensor, rule: RowRule = RowRule()) -> list[StepTargets]:
     positions, seq_len = row_layout(batch.cu_seqlens, batch.rows)
-    return [step_targets(k, positions, seq_len, batch.loss_mask, batch.target_argmax.long(), t2d, oov_rows)
+    return [step_targets(k, positions, seq_len, batch.loss_mask, batch.target_argmax.long(), t2d, rule)
             for k in range(steps)]
 
 
@@ -112,12 +120,12 @@ def loss_rows(targets: list[StepTargets], live: list) -> list[torch.Tensor]:
 
 
 def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool = True,
-              oov_rows: bool = False, targets: list[StepTargets] | None = None) -> RowPlan:
+              rule: RowRule = RowRule(), targets: list[StepTargets] | None = None) -> RowPlan:
     """The batch's row plan (see `RowPlan`), wherever the batch and t2d are (the host, in training);
     `targets`: the batch's `all_step_targets`, when the caller has them already."""
-    targets = targets or all_step_targets(batch, steps, t2d, oov_rows)
+    targets = targets or all_step_targets(batch, steps, t2d, rule)
     live = live_rows(targets) if skip_dead_rows else None
-    return RowPlan(steps, oov_rows, live, loss_rows(targets, live or [None] * steps), int(loss_denominator(batch)))
+    return RowPlan(steps, rule, live, loss_rows(targets, live or [None] * steps), int(loss_denominator(batch, rule)))
 
 
 def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
@@ -132,18 +140,18 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     and `kernels.ttt_loss_steps`. With skip_dead_rows, work that cannot reach the loss is skipped
     (exactly: same loss and gradients): at step 0 every row makes its keys and values but only
     live rows run the rest; from step 1 on only live rows are computed at all. `objective` holds
-    the recipe levers (rows trained, input noise, loss target); prepared live/loss rows must follow its oov_rows.
+    the recipe levers (rows trained, input noise, loss target); prepared live/loss rows must follow its row rule.
     Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, 7], per-row detail): metric
     columns are METRICS plus the accepted-length sum in column 6 of row 0; the detail holds, per
     row, `correct` [steps, T] and `accepted` [T] (leading correct steps), for evaluation.
     """
     ids, greedy = batch.input_ids.long(), batch.target_argmax.long()
     T = batch.rows
-    targets = all_step_targets(batch, steps, draft.t2d, objective.oov_rows)
+    targets = all_step_targets(batch, steps, draft.t2d, objective.rows)
     positions = row_layout(batch.cu_seqlens, T)[0]
     plan = batch.plan
-    if plan is None or not plan.fits(steps, skip_dead_rows, objective.oov_rows):
-        plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.oov_rows, targets)
+    if plan is None or not plan.fits(steps, skip_dead_rows, objective.rows):
+        plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.rows, targets)
     live = plan.live or [None] * steps
     probs = target_probs(batch.final_hidden, head_rows, steps, objective.hard_label)
     aux = batch.aux_hidden
@@ -190,7 +198,7 @@ def step_metrics(targets: list[StepTargets], losses, argmaxes, greedy, d2t) -> t
     accepted = torch.zeros_like(greedy)
     corrects = []
     for k, (tg, loss, argmax) in enumerate(zip(targets, losses, argmaxes)):
-        correct = tg.valid & (argmax + d2t[argmax.clamp(min=0)] == greedy[tg.index])
+        correct = tg.valid & tg.acc_rows & (argmax + d2t[argmax.clamp(min=0)] == greedy[tg.index])
         metrics[k, :6] = torch.stack([loss.detach().sum(), tg.valid.sum(), correct.sum(), tg.acc_rows.sum(),
                                       (correct & run).sum(), (tg.acc_rows & run).sum()]).float()
         run = run & correct

@@ -4,7 +4,8 @@ import torch
 
 from conftest import make_config
 from eagle3 import extraction, training
-from eagle3.ttt import Objective, noisy, step_targets, target_probs, ttt_forward
+from eagle3.data.batch import RowRule
+from eagle3.ttt import Objective, noisy, plan_rows, step_targets, target_probs, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps
 from test_ttt import random_batch, tiny_draft
 
@@ -16,7 +17,7 @@ def test_oov_rows_are_trained_only_when_asked_and_always_count_as_misses():
     t2d[4] = False                                   # the target's greedy token 4 is outside the draft vocab
     positions, seq_len = torch.arange(8), torch.full((8,), 8)
     drop = step_targets(1, positions, seq_len, mask, greedy, t2d)
-    keep = step_targets(1, positions, seq_len, mask, greedy, t2d, oov_rows=True)
+    keep = step_targets(1, positions, seq_len, mask, greedy, t2d, RowRule(oov=True))
     assert torch.equal(keep.acc_rows, drop.acc_rows) and torch.equal(keep.valid, keep.acc_rows)
     assert (keep.valid & ~drop.valid).nonzero().flatten().tolist() == [2]   # row 2 reads x[4] at step 1
 
@@ -24,7 +25,7 @@ def test_oov_rows_are_trained_only_when_asked_and_always_count_as_misses():
     embed, head = torch.randn(40, 16), torch.randn(24, 16)
     _, m_drop, _ = ttt_forward(draft, batch, embed, head, 3, ttt_attention, ttt_loss_steps)
     _, m_keep, d_keep = ttt_forward(draft, batch, embed, head, 3, ttt_attention, ttt_loss_steps,
-                                    objective=Objective(oov_rows=True))
+                                    objective=Objective(RowRule(oov=True)))
     assert (m_keep[:, 1] > m_drop[:, 1]).all()                     # more rows trained at every step
     assert torch.equal(m_keep[:, 2:], m_drop[:, 2:])               # same accuracy, rows and acceptance
 
@@ -196,3 +197,23 @@ def test_eagle31_norm_settings_are_checked_at_start(tmp_path, llama_target, toke
     for key in ("norm_before_fc", "fc_norm", "norm_output"):
         with pytest.raises(ConfigError, match=f"draft.{key} = true cannot be exported for SGLang"):
             make_config(tmp_path, llama_target, token_data, **{f"draft.{key}": "true"})
+
+
+def test_prompt_rows_train_prompt_labels_but_count_only_assistant_rows():
+    mask = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])                 # a 4-token prompt, a 4-token reply
+    greedy, t2d = torch.arange(8), torch.ones(8, dtype=torch.bool)
+    positions, seq_len = torch.arange(8), torch.full((8,), 8)
+    plain = step_targets(0, positions, seq_len, mask, greedy, t2d)
+    prompt = step_targets(0, positions, seq_len, mask, greedy, t2d, RowRule(prompt=True))
+    assert plain.valid.nonzero().flatten().tolist() == [2, 3, 4, 5]           # labels x[4..7]
+    assert prompt.valid.nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]    # labels x[2..7]
+    assert torch.equal(prompt.acc_rows, plain.acc_rows)
+
+    draft, batch = tiny_draft(), random_batch([11, 17])
+    embed, head = torch.randn(40, 16), torch.randn(24, 16)
+    _, m_plain, _ = ttt_forward(draft, batch, embed, head, 3, ttt_attention, ttt_loss_steps)
+    _, m_prompt, _ = ttt_forward(draft, batch, embed, head, 3, ttt_attention, ttt_loss_steps,
+                                 objective=Objective(RowRule(prompt=True)))
+    assert (m_prompt[:, 1] > m_plain[:, 1]).all()                  # more rows trained at every step
+    assert torch.equal(m_prompt[:, 2:], m_plain[:, 2:])            # same accuracy, rows and acceptance
+    assert plan_rows(batch, 3, draft.t2d, rule=RowRule(prompt=True)).denominator > plan_rows(batch, 3, draft.t2d).denominator

@@ -15,16 +15,24 @@ from eagle3.data.fp8 import decode_aux_fp8
 
 
 @dataclass(frozen=True)
+class RowRule:
+    """Which label rows the loss trains besides assistant rows whose target greedy token is in the draft
+    vocab (always trained). Accuracy and acceptance count assistant rows only, whatever the rule."""
+    oov: bool = False       # rows whose target greedy token is outside the draft vocab (always misses)
+    prompt: bool = False    # rows whose label is a prompt token (loss_mask 0): the target's distribution there
+
+
+@dataclass(frozen=True)
 class RowPlan:
     """Which rows each TTT step computes and trains, for one batch and one objective."""
     steps: int                          # K, the unroll it was made for
-    oov_rows: bool                      # the objective's row rule it was made for
+    rule: RowRule                       # the objective's row rule it was made for
     live: list[torch.Tensor] | None     # per step, rows [N_k] whose work reaches the loss; None: every row runs
     loss: list[torch.Tensor]            # per step, the valid rows as indices into the rows that step keeps
-    denominator: int                    # loss-masked rows (step-0 label is an assistant token)
+    denominator: int                    # rows the rule trains at step 0 (t2d aside): the loss's normaliser
 
-    def fits(self, steps: int, skip_dead_rows: bool, oov_rows: bool) -> bool:
-        return self.steps == steps and (self.live is not None) == skip_dead_rows and self.oov_rows == oov_rows
+    def fits(self, steps: int, skip_dead_rows: bool, rule: RowRule) -> bool:
+        return self.steps == steps and (self.live is not None) == skip_dead_rows and self.rule == rule
 
     def to(self, device: torch.device) -> "RowPlan":
         move = lambda rows: [r.to(device, non_blocking=True) for r in rows]   # noqa: E731
