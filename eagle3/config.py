@@ -122,8 +122,13 @@ class TrainConfig:
     grad_accum: int = setting(1, "micro-batches per rank per optimizer step")
     ttt_steps: int = setting(7, "training-time-test unroll K")
     loss_decay: float = setting(0.8, "the loss of TTT step k is weighted `loss_decay**k`")
-    lr: float = setting(1e-4, "AdamW peak learning rate: linear warmup, then cosine")
-    min_lr_ratio: float = setting(0.1, "the cosine decays to `lr × min_lr_ratio`")
+    lr: float = setting(1e-4, "AdamW peak learning rate: linear warmup, then `train.schedule`")
+    schedule: Literal["cosine", "wsd"] = setting(
+        "cosine", "after warmup: `cosine` from lr to `lr × min_lr_ratio` over all the steps; `wsd` (warmup, "
+        "stable, decay) at lr until the last `train.decay_fraction` of the steps, then linearly to `lr × "
+        "min_lr_ratio`")
+    decay_fraction: float = setting(0.2, "`wsd`: the share of the steps over which the learning rate decays")
+    min_lr_ratio: float = setting(0.1, "the schedule ends at `lr × min_lr_ratio`")
     warmup_steps: int = setting(20, "linear warmup steps")
     betas: list[float] = setting([0.9, 0.95], "AdamW betas")
     weight_decay: float = setting(0.0, "AdamW weight decay")
@@ -355,12 +360,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{cfg.source}: train.max_steps must be >= 0 and train.epochs > 0")
     ranges = {"lr": t.lr > 0, "grad_clip": t.grad_clip > 0, "loss_decay": t.loss_decay > 0,
               "min_lr_ratio": 0 <= t.min_lr_ratio <= 1, "warmup_steps": t.warmup_steps >= 0,
+              "decay_fraction": 0 < t.decay_fraction <= 1,
               "weight_decay": t.weight_decay >= 0, "prefetch": t.prefetch >= 1, "aux_noise": t.aux_noise >= 0,
               "hard_label": 0 <= t.hard_label <= 1}
     for key, ok in ranges.items():
         if not ok:
             raise ConfigError(f"{cfg.source}: train.{key} = {getattr(t, key)}; expected "
                               + {"min_lr_ratio": "a number in [0, 1]", "warmup_steps": "an integer >= 0",
+                                 "decay_fraction": "a number in (0, 1]",
                                  "weight_decay": "a number >= 0", "prefetch": "an integer >= 1",
                                  "aux_noise": "a number >= 0",
                                  "hard_label": "a number in [0, 1]"}.get(key, "> 0"))

@@ -44,7 +44,10 @@ class TrainError(ValueError):
 # (train.grad_accum may change with the world size: their product, the global batch, must not.)
 # (train.max_steps may be raised to extend a run: the LR schedule keeps the total it was built with.)
 RESUME_FIXED = ("seed", "batch_tokens", "eval_fraction", "epochs", "ttt_steps",
-                "loss_decay", "lr", "min_lr_ratio", "warmup_steps", "betas", "weight_decay")
+                "loss_decay", "lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_fraction", "betas",
+                "weight_decay")
+# what a checkpoint written before a RESUME_FIXED key existed ran with
+RESUME_BEFORE = {"schedule": "cosine", "decay_fraction": 0.2}
 # (section, key, value of a checkpoint written before the key existed): how the head starts and
 # whether it trains; a change alters the optimizer's parameters, so a resume must keep them.
 HEAD_FIXED = (("draft", "lm_head_init", "random"), ("train", "freeze_lm_head", False))
@@ -89,14 +92,21 @@ def select_kernels(choice: str, device: torch.device, head_dim: int, where: str 
 
 
 class Schedule:
-    """Linear warmup to lr, then cosine to lr * min_lr_ratio at the last step (LambdaLR factor)."""
+    """Linear warmup to lr, then to lr * min_lr_ratio at the last step (LambdaLR factor): by a
+    cosine over all the steps after warmup, or (`wsd`) at lr until the last `decay_fraction` of the
+    steps and linearly down over those."""
 
-    def __init__(self, warmup: int, total: int, min_ratio: float):
+    def __init__(self, warmup: int, total: int, min_ratio: float, kind: str = "cosine", decay_fraction: float = 0.2):
         self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+        self.kind, self.decay_fraction = kind, decay_fraction
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
+        if self.kind == "wsd":
+            decay = max(1, round(self.decay_fraction * self.total))
+            progress = min(1.0, max(0, step - (self.total - decay)) / decay)
+            return 1 - (1 - self.min_ratio) * progress
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -304,7 +314,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                                            fused=self.cuda)
-        self.schedule = Schedule(t.warmup_steps, self.plan.total, t.min_lr_ratio)
+        self.schedule = Schedule(t.warmup_steps, self.plan.total, t.min_lr_ratio, t.schedule, t.decay_fraction)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         # the model is initialised alike on every rank; draws from here on (aux_noise) must differ
         torch.manual_seed(t.seed + 1_000_003 * self.dist.rank)
@@ -387,8 +397,9 @@ class Trainer:
                                  f"--{section}.{key} {json.dumps(was)}, or choose another train.output_dir to "
                                  "start a new run)")
         for key in RESUME_FIXED:   # they decide the data order and the LR schedule already followed
-            if state["config"]["train"][key] != now["config"]["train"][key]:
-                raise TrainError(f"{path}/state.json: train.{key} was {state['config']['train'][key]!r}, this run "
+            was = state["config"]["train"].get(key, RESUME_BEFORE.get(key))
+            if was != now["config"]["train"][key]:
+                raise TrainError(f"{path}/state.json: train.{key} was {was!r}, this run "
                                  f"has {now['config']['train'][key]!r}; a resumed run must keep it (or choose "
                                  "another train.output_dir to start a new run)")
         self._check_end(path, state)

@@ -632,3 +632,23 @@ def test_readme_installs_what_ci_installs():
     assert f'pip install "torch=={pins["torch"]}" --index-url https://download.pytorch.org/whl/cpu' in readme
     assert f'pip install "triton=={pins["triton"]}" -e ".[test,chat]"' in readme
     assert "pip install torch &&" not in readme
+
+
+def test_wsd_schedule_holds_lr_then_decays_linearly_and_old_checkpoints_resume_as_cosine(
+        tmp_path, llama_target, token_data, hidden, trained):
+    from eagle3.training import Schedule
+    wsd = Schedule(warmup=2, total=10, min_ratio=0.1, kind="wsd", decay_fraction=0.3)
+    assert [round(wsd(s), 6) for s in range(12)] == [0.5, 1, 1, 1, 1, 1, 1, 1, 0.7, 0.4, 0.1, 0.1]
+    cosine = Schedule(warmup=2, total=10, min_ratio=0.1)
+    assert cosine(2) == 1 and cosine(6) == pytest.approx(0.55) and cosine(10) == pytest.approx(0.1)
+    # a checkpoint from before train.schedule existed ran the cosine: it resumes as one, refuses wsd
+    run_tmp, _ = trained
+    older = tmp_path / "older"
+    shutil.copytree(run_tmp / "train", older / "train")
+    last = ckpt_io.latest(older / "train")
+    state = ckpt_io.read_state(last)
+    del state["config"]["train"]["schedule"], state["config"]["train"]["decay_fraction"]
+    (last / ckpt_io.STATE).write_text(json.dumps(state))
+    assert training.Trainer(config(older, llama_target, token_data, hidden)).start_step == 6
+    with pytest.raises(training.TrainError, match="train.schedule was 'cosine', this run has 'wsd'"):
+        training.Trainer(config(older, llama_target, token_data, hidden, **{"train.schedule": "wsd"}))
