@@ -38,5 +38,5 @@ for stage in "$@"; do
   fi
   [[ $stage != target ]] || (cd "$work" && tar czf "$out/target.tgz" target)
 done
-wait
+wait; pack
 echo "== done $(date +%T)"

@@ -124,9 +124,9 @@ class TrainConfig:
     loss_decay: float = setting(0.8, "the loss of TTT step k is weighted `loss_decay**k`")
     lr: float = setting(1e-4, "AdamW peak learning rate: linear warmup, then `train.schedule`")
     schedule: Literal["cosine", "wsd"] = setting(
-        "cosine", "after warmup: `cosine` from lr to `lr × min_lr_ratio` over all the steps; `wsd` (warmup, "
-        "stable, decay) at lr until the last `train.decay_fraction` of the steps, then linearly to `lr × "
-        "min_lr_ratio`")
+        "wsd", "after warmup: `wsd` (warmup, stable, decay) at lr until the last `train.decay_fraction` of the "
+        "steps, then linearly to `lr × min_lr_ratio`; `cosine` from lr to `lr × min_lr_ratio` over all the "
+        "steps. Measured on the quality benchmark (same lr, tokens): wsd 1.043x the cosine's real τ")
     decay_fraction: float = setting(0.2, "`wsd`: the share of the steps over which the learning rate decays")
     min_lr_ratio: float = setting(0.1, "the schedule ends at `lr × min_lr_ratio`")
     warmup_steps: int = setting(20, "linear warmup steps")
@@ -190,9 +190,11 @@ class TrainConfig:
         "target's distribution renormalised over the draft vocabulary (speculators does); they always count "
         "as misses")
     prompt_rows: bool = setting(
-        False, "also train the rows whose label is a prompt token (loss_mask 0: user/system turns, prompts), "
+        True, "also train the rows whose label is a prompt token (loss_mask 0: user/system turns, prompts), "
         "towards the target's distribution there (extraction stores it for every token): more trained rows "
-        "from the same data; accuracy, acceptance and the held-out loss still count assistant rows only")
+        "from the same data; accuracy, acceptance and the held-out loss still count assistant rows only. "
+        "Measured on the quality benchmark (code, prompts like the replies): 1.017x real τ alone, 1.022x with "
+        "wsd; on chat data whose prompts differ from the replies, compare with `false` by real decoding")
     aux_noise: float = setting(
         0.0, "Gaussian noise added to each aux layer's hidden state during training, as a multiple of its "
         "per-token RMS (0 = none)")

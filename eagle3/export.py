@@ -27,8 +27,12 @@ LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v
               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
               "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")
 
-# outside the layers: the EAGLE-3.1 norms before fc (`input_norm`, `fc_norm.{i}`) only when the draft has them
-TOP_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "input_norm.weight")
+
+
+def top_keys(spec: dict) -> list[str]:
+    """The tensors outside the layers: the EAGLE-3.1 norms before fc only when the draft has them."""
+    return (["fc.weight", "norm.weight", "lm_head.weight"] + ["input_norm.weight"] * bool(spec.get("norm_before_fc"))
+            + [f"fc_norm.{i}.weight" for i in range(3 if spec.get("fc_norm") else 0)])
 
 
 class ExportError(ValueError):
@@ -83,10 +87,12 @@ def sglang_config(state: dict, cfg: Config) -> dict:
     return config
 
 
-def export_weights(weights: dict[str, torch.Tensor], layer_prefix: str, num_layers: int,
+def export_weights(weights: dict[str, torch.Tensor], spec: dict, layer_prefix, num_layers: int,
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Map trained names onto the serving names; float weights cast to `dtype`, vocab maps kept."""
-    top = [k for k in weights if k in TOP_KEYS or k.startswith("fc_norm.")]
+    top = top_keys(spec)
+    if missing := [k for k in top if k not in weights]:   # an engine would keep its initial tensor
+        raise ExportError(f"checkpoint weights lack {missing[0]} (the draft's settings ask for {missing})")
     out = {k: weights[k] for k in top}
     for i in range(num_layers):
         for key in LAYER_KEYS if i == 0 else [k for k in LAYER_KEYS if k != "hidden_norm.weight"]:
@@ -130,7 +136,7 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
     written = {}
     for fmt in cfg.export.formats:
         if fmt == "vllm":
-            tensors = export_weights(weights, lambda i: f"layers.{i}", spec["num_layers"], dtype)
+            tensors = export_weights(weights, spec, lambda i: f"layers.{i}", spec["num_layers"], dtype)
             written[fmt] = _write(out_dir / "vllm", vllm_config(state, cfg), tensors)
         elif fmt != "sglang":
             raise ExportError(f"export format {fmt!r}; expected 'vllm' or 'sglang'")
@@ -142,7 +148,7 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
                 if spec.get(key):
                     raise ExportError(f"{checkpoint_dir}: draft.{key} = true, which SGLang's LlamaForCausalLMEagle3 "
                                       "does not read (it would decode with another draft); export vllm only")
-            tensors = export_weights(weights, lambda i: "midlayer", 1, dtype)
+            tensors = export_weights(weights, spec, lambda i: "midlayer", 1, dtype)
             written[fmt] = _write(out_dir / "sglang", sglang_config(state, cfg), tensors)
     return written
 
@@ -237,7 +243,8 @@ def _draft_spec(config: dict, files: dict[str, Path], where: str) -> DraftSpec:
         draft_vocab_size=config.get("draft_vocab_size") or head[0],
         target_vocab_size=layer.get("vocab_size") or (t2d[0] if t2d else 32000),
         target_hidden_size=config.get("target_hidden_size") or fc[1] // 3,
-        **{key: bool(config.get(key)) for key in NORM_FLAGS})
+        # absent norm_before_residual: what vLLM's speculators config reader then serves, true
+        **{key: bool(config.get(key, key == "norm_before_residual")) for key in NORM_FLAGS})
 
 
 def _draft_tensors(files: dict[str, Path], draft: Eagle3Draft, where: str) -> dict[str, torch.Tensor]:

@@ -45,9 +45,9 @@ class TrainError(ValueError):
 # (train.max_steps may be raised to extend a run: the LR schedule keeps the total it was built with.)
 RESUME_FIXED = ("seed", "batch_tokens", "eval_fraction", "epochs", "ttt_steps",
                 "loss_decay", "lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_fraction", "betas",
-                "weight_decay")
+                "weight_decay", "prompt_rows")
 # what a checkpoint written before a RESUME_FIXED key existed ran with
-RESUME_BEFORE = {"schedule": "cosine", "decay_fraction": 0.2}
+RESUME_BEFORE = {"schedule": "cosine", "decay_fraction": 0.2, "prompt_rows": False}
 # (section, key, value of a checkpoint written before the key existed): how the head starts and
 # whether it trains; a change alters the optimizer's parameters, so a resume must keep them.
 HEAD_FIXED = (("draft", "lm_head_init", "random"), ("train", "freeze_lm_head", False))
@@ -103,9 +103,9 @@ class Schedule:
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
-        if self.kind == "wsd":
-            decay = max(1, round(self.decay_fraction * self.total))
-            progress = min(1.0, max(0, step - (self.total - decay)) / decay)
+        if self.kind == "wsd":   # the decay starts after warmup, however large decay_fraction is
+            start = max(self.warmup, self.total - max(1, round(self.decay_fraction * self.total)))
+            progress = min(1.0, max(0, step - start) / max(1, self.total - start))
             return 1 - (1 - self.min_ratio) * progress
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -398,10 +398,13 @@ class Trainer:
                                  "start a new run)")
         for key in RESUME_FIXED:   # they decide the data order and the LR schedule already followed
             was = state["config"]["train"].get(key, RESUME_BEFORE.get(key))
+            if key == "decay_fraction" and now["config"]["train"]["schedule"] == "cosine":
+                continue   # the cosine does not read it (and a changed schedule is refused above)
             if was != now["config"]["train"][key]:
                 raise TrainError(f"{path}/state.json: train.{key} was {was!r}, this run "
-                                 f"has {now['config']['train'][key]!r}; a resumed run must keep it (or choose "
-                                 "another train.output_dir to start a new run)")
+                                 f"has {now['config']['train'][key]!r}; a resumed run must keep it (set "
+                                 f"--train.{key} {json.dumps(was)} to resume it, or choose another "
+                                 "train.output_dir to start a new run)")
         self._check_end(path, state)
         ckpt_io.restore(path, self.model.draft, self.optimizer, self.scheduler, self.dist.rank)
         # a run extended past its old end (a larger train.max_steps) keeps the schedule it was built
@@ -453,19 +456,22 @@ class Trainer:
 
     def _forward(self, model, batch, scale=1.0, training=False):
         t = self.cfg.train
-        # evaluation sees clean inputs and measures the loss against p itself, on assistant rows
-        rows = RowRule(t.oov_rows, t.prompt_rows and training)
-        objective = Objective(rows, *((t.aux_noise, t.hard_label) if training else (0.0, 0.0)))
+        # evaluation sees clean inputs and measures the loss against p itself
+        objective = Objective(self.row_rule(training), *((t.aux_noise, t.hard_label) if training else (0.0, 0.0)))
         with self._autocast():
             return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_steps,
                          t.loss_decay, scale, t.skip_dead_rows, objective)
 
-    def prepare_batch(self, batch: Batch) -> Batch:
+    def row_rule(self, training: bool) -> RowRule:
+        """The rows the loss trains; evaluation measures on assistant rows only (no prompt rows)."""
+        return RowRule(self.cfg.train.oov_rows, self.cfg.train.prompt_rows and training)
+
+    def prepare_batch(self, batch: Batch, training: bool = True) -> Batch:
         """Host-side work on a batch read from the shards, done by the prefetch thread off the step's
         critical path: what the step would otherwise sync (or spend CPU time) to learn: the row
         plan (moved to the device with the batch) and the sequence boundaries (kept on the host)."""
         t = self.cfg.train
-        plan = plan_rows(batch, t.ttt_steps, self.t2d_cpu, t.skip_dead_rows, RowRule(t.oov_rows, t.prompt_rows))
+        plan = plan_rows(batch, t.ttt_steps, self.t2d_cpu, t.skip_dead_rows, self.row_rule(training))
         return dataclasses.replace(batch, plan=plan, cu_seqlens_host=batch.cu_seqlens.to(torch.int32))
 
     def prefetcher(self, start: int) -> Prefetcher:
@@ -537,7 +543,8 @@ class Trainer:
         batches = pack(self.eval_refs, self.cfg.train.batch_tokens)
         metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
         for batch_refs in batches[self.dist.rank::self.dist.world]:
-            metrics += self._forward(self.model, self._on_device(self._prepared(self.reader.read(batch_refs))))[1]
+            batch = self.prepare_batch(self.reader.read(batch_refs), training=False)
+            metrics += self._forward(self.model, self._on_device(batch))[1]
         return summarize(self.dist.all_reduce(metrics))
 
     def run(self) -> Path:

@@ -639,16 +639,23 @@ def test_wsd_schedule_holds_lr_then_decays_linearly_and_old_checkpoints_resume_a
     from eagle3.training import Schedule
     wsd = Schedule(warmup=2, total=10, min_ratio=0.1, kind="wsd", decay_fraction=0.3)
     assert [round(wsd(s), 6) for s in range(12)] == [0.5, 1, 1, 1, 1, 1, 1, 1, 0.7, 0.4, 0.1, 0.1]
+    whole = Schedule(warmup=2, total=10, min_ratio=0.1, kind="wsd", decay_fraction=1.0)   # never into warmup
+    assert whole(1) == 1 and whole(2) == 1 and whole(6) == pytest.approx(0.55) and whole(10) == pytest.approx(0.1)
     cosine = Schedule(warmup=2, total=10, min_ratio=0.1)
     assert cosine(2) == 1 and cosine(6) == pytest.approx(0.55) and cosine(10) == pytest.approx(0.1)
-    # a checkpoint from before train.schedule existed ran the cosine: it resumes as one, refuses wsd
+    # a checkpoint from before train.schedule / train.prompt_rows existed ran the cosine on assistant
+    # rows: it resumes as such when asked, and refuses today's defaults naming them
     run_tmp, _ = trained
     older = tmp_path / "older"
     shutil.copytree(run_tmp / "train", older / "train")
     last = ckpt_io.latest(older / "train")
     state = ckpt_io.read_state(last)
-    del state["config"]["train"]["schedule"], state["config"]["train"]["decay_fraction"]
+    for key in ("schedule", "decay_fraction", "prompt_rows"):
+        del state["config"]["train"][key]
     (last / ckpt_io.STATE).write_text(json.dumps(state))
-    assert training.Trainer(config(older, llama_target, token_data, hidden)).start_step == 6
+    as_before = {"train.schedule": "cosine", "train.prompt_rows": "false", "train.decay_fraction": 0.5}
+    assert training.Trainer(config(older, llama_target, token_data, hidden, **as_before)).start_step == 6
     with pytest.raises(training.TrainError, match="train.schedule was 'cosine', this run has 'wsd'"):
-        training.Trainer(config(older, llama_target, token_data, hidden, **{"train.schedule": "wsd"}))
+        training.Trainer(config(older, llama_target, token_data, hidden))
+    with pytest.raises(training.TrainError, match="train.prompt_rows was False, this run has True"):
+        training.Trainer(config(older, llama_target, token_data, hidden, **{"train.schedule": "cosine"}))

@@ -233,9 +233,9 @@ def test_the_prefetcher_yields_planned_batches_in_order_that_train_like_raw_ones
     for refs_one, planned in zip(refs, [next(ahead) for _ in refs]):
         raw = trainer.reader.read(refs_one)
         assert torch.equal(planned.input_ids, raw.input_ids) and torch.equal(planned.cu_seqlens, raw.cu_seqlens)
-        assert raw.plan is None and planned.plan.denominator == int(loss_denominator(raw)) > 0
-        loss_planned = trainer._forward(trainer.model, trainer._on_device(planned))[0]
-        loss_raw = trainer._forward(trainer.model, trainer._on_device(raw))[0]
+        assert raw.plan is None and planned.plan.denominator == int(loss_denominator(raw, trainer.row_rule(True))) > 0
+        loss_planned = trainer._forward(trainer.model, trainer._on_device(planned), training=True)[0]
+        loss_raw = trainer._forward(trainer.model, trainer._on_device(raw), training=True)[0]
         assert torch.equal(loss_planned, loss_raw) and loss_planned > 0
 
 

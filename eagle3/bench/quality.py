@@ -22,7 +22,9 @@ and its data are built once and carried to the calls that train and measure):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import random
@@ -331,8 +333,9 @@ def parse_variant(text: str) -> tuple[str, dict]:
     """"name" or "name:section.key=value,section.key=value" -> (name, overrides); a value may be a
     list ("target.aux_layer_ids=[1,3,6]": commas inside brackets do not split)."""
     name, _, rest = text.partition(":")
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise SystemExit(f"error: --variant {text!r}: the name must be letters, digits, '_', '.' or '-'")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.startswith("peer"):
+        raise SystemExit(f"error: --variant {text!r}: the name must be letters, digits, '_', '.' or '-', "
+                         "not starting with 'peer' (the peer's drafts are named so)")
     pairs = [p.split("=", 1) for p in re.split(r",(?![^\[]*\])", rest) if p]
     if any(len(p) != 2 for p in pairs):
         raise SystemExit(f"error: --variant {text!r}: expected name:section.key=value,...")
@@ -343,8 +346,24 @@ def parse_variant(text: str) -> tuple[str, dict]:
 EXTRACTION_KEYS = ("target.", "data.", "extract.")
 
 
+@contextlib.contextmanager
+def locked(work: Path):
+    """One process at a time: stages run side by side (the device driver's `bg:` stages) share `work`."""
+    with open(work / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def extract_once(r: Recipe, work: Path, hidden: Path, overrides: dict, device: str) -> float | None:
     """Extract into `hidden` unless a complete extraction is there; its seconds, or None."""
+    with locked(work):
+        return _extract_once(r, work, hidden, overrides, device)
+
+
+def _extract_once(r: Recipe, work: Path, hidden: Path, overrides: dict, device: str) -> float | None:
     from eagle3 import extraction
     manifest = hidden / "manifest.json"
     if manifest.exists() and json.loads(manifest.read_text()).get("complete"):
@@ -383,6 +402,8 @@ def run_peer(r: Recipe, work: Path, script: Path, variant: str | None = None) ->
     """The peer on the recipe, into `peer/`; a variant "name:--flag ..." passes its flags to the peer's
     script and trains into `peer-name/` (e.g. `eagle31:--eagle31`, speculators' own norm defaults)."""
     name, _, flags = (variant or "").partition(":")
+    if flags and not name:
+        raise SystemExit(f"error: --peer-variant {variant!r}: flags need a name (name:--flag ...)")
     label = f"peer-{name}" if name else "peer"
     if (work / label / "config.json").exists():
         return {}
@@ -491,19 +512,26 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
         "cpu" if args.device == "auto" else args.device)
     summary_path = work / "quality.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    check_recipe(summary.get("recipe"), dataclasses.asdict(r), work)
-    summary["recipe"] = dataclasses.asdict(r)
+    built = json.loads(summary_path.read_text()) if summary_path.exists() else {}   # written whole, atomically
+    check_recipe(built.get("recipe"), dataclasses.asdict(r), work)
+    new: dict = {"recipe": dataclasses.asdict(r)}
     if "target" in stages and not (work / "target" / "config.json").exists():
-        summary["target"] = build_target(r, work, torch.device(device))
+        new["target"] = build_target(r, work, torch.device(device))
     if "data" in stages and not (work / "regen.jsonl").exists():
-        summary["data"] = build_data(r, work, device)
+        new["data"] = build_data(r, work, device)
     if "ours" in stages:
-        summary.setdefault("ours", {}).update(run_ours(r, work, args.variant or ["base"], device))
+        new["ours"] = run_ours(r, work, args.variant or ["base"], device)
     if "peer" in stages:
-        summary.setdefault("peer", {}).update(run_peer(r, work, Path(args.peer_script), args.peer_variant))
+        new["peer"] = run_peer(r, work, Path(args.peer_script), args.peer_variant)
     if "measure" in stages:
-        summary["results"] = measure(r, work, device)
-        print(table(summary["results"]))
-    summary_path.write_text(strict_json(summary, indent=1))
+        new["results"] = measure(r, work, device)
+        print(table(new["results"]))
+    with locked(work):   # merged into what processes beside this one wrote meanwhile
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        for key, value in new.items():
+            if key in ("ours", "peer"):
+                summary.setdefault(key, {}).update(value)
+            else:
+                summary[key] = value
+        atomic_write_text(summary_path, strict_json(summary, indent=1))
     print(strict_json({k: v for k, v in summary.items() if k != "recipe"}, indent=1))
