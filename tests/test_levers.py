@@ -21,13 +21,19 @@ def test_oov_rows_are_trained_only_when_asked_and_always_count_as_misses():
     assert torch.equal(keep.acc_rows, drop.acc_rows) and torch.equal(keep.valid, keep.acc_rows)
     assert (keep.valid & ~drop.valid).nonzero().flatten().tolist() == [2]   # row 2 reads x[4] at step 1
 
+    assert_more_rows_trained_same_counts(RowRule(oov=True))
+
+
+def assert_more_rows_trained_same_counts(rule):
+    """A row rule that trains more rows: more valid rows at every step, the same accuracy, counted
+    rows and acceptance as the default rule."""
     draft, batch = tiny_draft(), random_batch([11, 17])
     embed, head = torch.randn(40, 16), torch.randn(24, 16)
-    _, m_drop, _ = ttt_forward(draft, batch, embed, head, 3, ttt_attention, ttt_loss_steps)
-    _, m_keep, d_keep = ttt_forward(draft, batch, embed, head, 3, ttt_attention, ttt_loss_steps,
-                                    objective=Objective(RowRule(oov=True)))
-    assert (m_keep[:, 1] > m_drop[:, 1]).all()                     # more rows trained at every step
-    assert torch.equal(m_keep[:, 2:], m_drop[:, 2:])               # same accuracy, rows and acceptance
+    _, plain, _ = ttt_forward(draft, batch, embed, head, 3, ttt_attention, ttt_loss_steps)
+    _, more, _ = ttt_forward(draft, batch, embed, head, 3, ttt_attention, ttt_loss_steps, objective=Objective(rule))
+    assert (more[:, 1] > plain[:, 1]).all()
+    assert torch.equal(more[:, 2:], plain[:, 2:])
+    return draft, batch
 
 
 def test_aux_noise_scales_with_each_layer_and_is_off_at_zero():
@@ -209,11 +215,5 @@ def test_prompt_rows_train_prompt_labels_but_count_only_assistant_rows():
     assert prompt.valid.nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]    # labels x[2..7]
     assert torch.equal(prompt.acc_rows, plain.acc_rows)
 
-    draft, batch = tiny_draft(), random_batch([11, 17])
-    embed, head = torch.randn(40, 16), torch.randn(24, 16)
-    _, m_plain, _ = ttt_forward(draft, batch, embed, head, 3, ttt_attention, ttt_loss_steps)
-    _, m_prompt, _ = ttt_forward(draft, batch, embed, head, 3, ttt_attention, ttt_loss_steps,
-                                 objective=Objective(RowRule(prompt=True)))
-    assert (m_prompt[:, 1] > m_plain[:, 1]).all()                  # more rows trained at every step
-    assert torch.equal(m_prompt[:, 2:], m_plain[:, 2:])            # same accuracy, rows and acceptance
+    draft, batch = assert_more_rows_trained_same_counts(RowRule(prompt=True))
     assert plan_rows(batch, 3, draft.t2d, rule=RowRule(prompt=True)).denominator > plan_rows(batch, 3, draft.t2d).denominator

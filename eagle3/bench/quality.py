@@ -16,7 +16,7 @@ and its data are built once and carried to the calls that train and measure):
   chain speculative decoding, greedy, with the lossless check against the target's own output.
 
     python -m eagle3.bench quality --work runs/quality --stages target,data
-    python -m eagle3.bench quality --work runs/quality --stages ours,peer,measure --peer-script .peer/speculators_quality.py
+    python -m eagle3.bench quality --work runs/quality --stages ours,peer,measure --peer-script bench/peer/speculators_quality.py
     python -m eagle3.bench quality --tiny --work /tmp/q      # the same code at toy size on the CPU
 """
 from __future__ import annotations
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
     parser.add_argument("--variant", action="append", default=None,
                         help="our recipe variant, name[:section.key=value,...]; repeatable (default: base)")
-    parser.add_argument("--peer-script", default=".peer/speculators_quality.py",
+    parser.add_argument("--peer-script", default="bench/peer/speculators_quality.py",
                         help="the peer's quality script (speculators 0.9.0 training on a Llama target)")
     parser.add_argument("--peer-variant", default=None,
                         help="name:--flag ...: the peer with these flags of its script, into peer-name/")

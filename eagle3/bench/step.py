@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-dir", default=None, help="write each run's GPU kernel table here")
     parser.add_argument("--json", default=None, help="append the results here as JSON lines")
     parser.add_argument("--peer-script", default=None,
-                        help="also run the peer's Kimi step (speculators 0.9.0: .peer/speculators_kimi_step.py, its "
+                        help="also run the peer's Kimi step (speculators 0.9.0: bench/peer/speculators_kimi_step.py, its "
                              "wheels on PYTHONPATH) in this call and print ours (layout a) / the peer's tokens/s")
     parser.add_argument("--train-head", action="store_true",
                         help="a random lm_head, trained (the figures recorded before 2026-11-30); default: "
