@@ -1,5 +1,6 @@
 """`python -m eagle3.bench quality` at toy size on the CPU: every stage but the peer, end to end."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +74,10 @@ def test_variant_syntax():
         quality.parse_variant("a b:train.lr=1")
     with pytest.raises(SystemExit, match="expected"):
         quality.parse_variant("x:train.lr")
+    with pytest.raises(SystemExit, match="not starting with 'peer'"):   # the peer's drafts are named so
+        quality.parse_variant("peer2:train.lr=1")
+    with pytest.raises(SystemExit, match="flags need a name"):
+        quality.run_peer(quality.TINY, Path("/nonexistent"), Path("script.py"), ":--eagle31")
     changed = quality.with_changes(quality.Recipe(), ["train_prompts=3072", "lr=1e-3"])
     assert (changed.train_prompts, changed.lr, changed.epochs) == (3072, 1e-3, quality.Recipe().epochs)
     with pytest.raises(SystemExit, match="key=value"):
