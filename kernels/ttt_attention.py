@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.interpreter import fix_loop_bounds
+
 # Read once, at import: it is also what decides whether @triton.jit builds interpreted functions.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
@@ -41,29 +43,8 @@ INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16), "rows": 1
 ROWS_BLOCK_GPU = 32  # rows per program of the two elementwise backward kernels
 
 
-def _fix_interpreter_loop_bounds():
-    """Let interpreted kernels loop to run-time bounds (`for n0 in range(0, m0, BLOCK_N)`).
-
-    Triton 3.6's interpreter holds scalars as 1-element arrays and gives them `__index__ = int(array)`,
-    which NumPy >= 2.4 refuses for arrays that are not 0-d. Convert through the single element
-    instead. Only installed under TRITON_INTERPRET=1; harmless for other interpreted kernels.
-    """
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_index_fixed", False):
-        return
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patch._index_fixed = True
-    interpreter._patch_lang_tensor = patch
-
-
 if INTERPRET:
-    _fix_interpreter_loop_bounds()
+    fix_loop_bounds()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -72,7 +72,8 @@ sys.path.insert(0, sys.argv[1])
 from eagle3.models import quant
 rng = np.random.default_rng(2)
 for E, N, K, group, sizes, blocks in [(3, 40, 64, 32, [5, 0, 37], None), (2, 16, 128, 128, [16, 1], None),
-                                      (4, 24, 96, 32, [3, 9, 0, 20], (16, 16, 16))]:
+                                      (4, 24, 96, 32, [3, 9, 0, 20], (16, 16, 16)),
+                                      (3, 40, 128, 32, [5, 0, 37], (16, 16, 64))]:   # 2 scale groups a block
     packed = torch.from_numpy(rng.integers(-2**31, 2**31, size=(E, N, K // 8)).astype(np.int32))
     scale = torch.randn(E, N, K // group) * 0.1
     x = torch.randn(sum(sizes), K)
@@ -93,7 +94,9 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 from eagle3.models import tiny
 from eagle3.models.checkpoint import Checkpoint
+from eagle3.models import deepseek
 from eagle3.models.deepseek import DeepseekTarget
+deepseek.EXPERT_BLOCK = 3                                  # both paths in blocks of 3 experts, the last one short
 model = DeepseekTarget(Checkpoint(tiny.make_kimi(sys.argv[2], experts=8, top_k=2)), torch.device("cpu"), torch.float32)
 w = model.load_layer(1)                                   # a MoE layer with int4 experts
 x = torch.randn(37, model.cfg.hidden_size)

@@ -258,8 +258,9 @@ class DeepseekTarget:
         # the fast paths, switchable for benchmarks and for a device where one misbehaves
         self.grouped_mm = True        # experts of a block in one torch._grouped_mm
         self.triton_dequant = True    # int4 experts dequantised by the Triton kernel on CUDA
-        self.w4a16 = False            # int4 experts straight into one grouped GEMM (quant.grouped_matmul_int4);
-                                      # off until measured against the dequantise-then-GEMM path
+        self.w4a16 = False            # int4 experts straight into the grouped GEMM (quant.grouped_matmul_int4);
+                                      # off until measured faster than dequantise-then-GEMM (its first
+                                      # version was 24x slower on an H200: bench/RESULTS.md)
         self.heads = self.cfg.num_attention_heads
         self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
 
@@ -395,12 +396,8 @@ class DeepseekTarget:
         for n in counts:
             starts.append(starts[-1] + n)
         acc = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        if self.w4a16 and "experts.gate_up.weight_packed" in w:   # all experts, one launch each (Triton)
-            gu = quant.grouped_matmul_int4(x[token], w["experts.gate_up.weight_packed"],
-                                           w["experts.gate_up.weight_scale"], counts)                # [T k, 2I]
-            h = (F.silu(gu[:, :I]) * gu[:, I:]).float().mul_(pair_w[:, None]).to(x.dtype)
-            y = quant.grouped_matmul_int4(h, w["experts.down.weight_packed"], w["experts.down.weight_scale"], counts)
-            return acc.index_add_(0, token, y.float())
+        if self.w4a16 and "experts.gate_up.weight_packed" in w:
+            return self._routed_w4a16(w, x, token, pair_w, counts, starts, acc)
         active = [e for e, n in enumerate(counts) if n]
         for b in range(0, len(active), EXPERT_BLOCK):
             block = active[b:b + EXPERT_BLOCK]
@@ -412,6 +409,24 @@ class DeepseekTarget:
             # the routing weight scales the [n, I] activation rather than the [n, H] output: cheaper
             h = (F.silu(gu[:, :I]) * gu[:, I:]).float().mul_(pair_w[rows, None]).to(x.dtype)
             y = expert_matmul(h, self._expert_weights(w, "down", block), sizes, ends, self.grouped_mm)  # [n, H]
+            acc.index_add_(0, token[rows], y.float())
+        return acc
+
+    def _routed_w4a16(self, w, x, token, pair_w, counts, starts, acc):
+        """`_routed` with the int4 experts read by the GEMM itself (one launch per projection and block
+        of EXPERT_BLOCK consecutive experts): no bf16 copy of the weights, activations a block at a time."""
+        I = self.spec.moe_intermediate_size
+        for e0 in range(0, len(counts), EXPERT_BLOCK):
+            experts = slice(e0, min(e0 + EXPERT_BLOCK, len(counts)))
+            rows = slice(starts[experts.start], starts[experts.stop])
+            if rows.start == rows.stop:
+                continue
+            sizes = counts[experts]
+            gu = quant.grouped_matmul_int4(x[token[rows]], w["experts.gate_up.weight_packed"][experts],
+                                           w["experts.gate_up.weight_scale"][experts], sizes)           # [n, 2I]
+            h = (F.silu(gu[:, :I]) * gu[:, I:]).float().mul_(pair_w[rows, None]).to(x.dtype)
+            y = quant.grouped_matmul_int4(h, w["experts.down.weight_packed"][experts],
+                                          w["experts.down.weight_scale"][experts], sizes)               # [n, H]
             acc.index_add_(0, token[rows], y.float())
         return acc
 

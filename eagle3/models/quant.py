@@ -88,21 +88,32 @@ def _triton_kernel():
 # ---------------------------------------------------------------------------------------------
 # W4A16: the experts' int4 weights dequantised inside the GEMM's load path (no bf16 copy of them)
 
-W4A16_BLOCKS = {"gpu": (64, 128, 64), "interpret": (16, 16, 32)}   # BLOCK_M, BLOCK_N, BLOCK_K
+# BLOCK_M is fixed (the host builds the tile schedule from it); on a GPU BLOCK_N, BLOCK_K, warps and
+# stages are autotuned per (N, K): the autotuner skips a config a device cannot run (shared memory on
+# sm_86/89/120 is about 100 KB against Hopper's 228 KB) and FALLBACK runs everywhere.
+W4A16_BLOCK_M = {"gpu": 64, "interpret": 16}
+W4A16_INTERPRET_NK = (16, 32)   # BLOCK_N, BLOCK_K under the interpreter (one config, no tuning)
+W4A16_FALLBACK = (32, 32, 4, 2)   # BLOCK_N, BLOCK_K, num_warps, num_stages
+W4A16_CONFIGS = [(128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3), (64, 64, 4, 3), W4A16_FALLBACK]
 
 
 def grouped_matmul_int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sizes: list[int],
                         blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [n, K] with rows grouped by expert (sizes[j] rows for expert j, host ints), packed int32
     [E, N, K/8], scale [E, N, K/group] -> [n, N] in x's dtype: each group times its expert's
-    dequantised W[j].T, all experts in one launch (what `dequantize_int4` then a grouped GEMM give)."""
+    dequantised W[j].T, all experts in one launch (what `dequantize_int4` then a grouped GEMM give).
+    `blocks` (BLOCK_M, BLOCK_N, BLOCK_K) fixes the tiling (tests); else it is tuned on a GPU."""
     import triton
     E, N, words = packed.shape
     K = words * 8
     if x.shape[1] != K or len(sizes) != E or sum(sizes) != x.shape[0]:
         raise ValueError(f"x {list(x.shape)}, packed {list(packed.shape)}, sizes {sizes}: shapes do not match")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    block_m, block_n, block_k = blocks or W4A16_BLOCKS["interpret" if interpret else "gpu"]
+    if interpret:   # the K loop's run-time bound
+        from kernels.interpreter import fix_loop_bounds
+        fix_loop_bounds()
+    group = K // scale.shape[-1]
+    block_m = blocks[0] if blocks else W4A16_BLOCK_M["interpret" if interpret else "gpu"]
     # the tile schedule from the host-side sizes (no device sync): expert and first row of each row tile
     ends = torch.tensor(sizes).cumsum(0)
     tiles = [(e, int(ends[e]) - size + m) for e, size in enumerate(sizes) for m in range(0, size, block_m)]
@@ -110,11 +121,34 @@ def grouped_matmul_int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tens
     if not tiles:
         return out
     schedule = torch.tensor(tiles, dtype=torch.int32).to(x.device, non_blocking=True)
-    grid = (len(tiles), triton.cdiv(N, block_n))
-    _w4a16_kernel()[grid](x.contiguous(), packed.contiguous(), scale.contiguous(), out, schedule,
-                          ends.to(torch.int32).to(x.device, non_blocking=True), N, K, scale.shape[-1],
-                          UPCAST=interpret, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    args = (x.contiguous(), packed.contiguous(), scale.contiguous(), out, schedule,
+            ends.to(torch.int32).to(x.device, non_blocking=True), N, K, scale.shape[-1])
+    if blocks or interpret:
+        block_n, block_k = blocks[1:] if blocks else W4A16_INTERPRET_NK
+        if not _fits_group(block_k, group):
+            raise ValueError(f"BLOCK_K {block_k} and the scale group {group}: one must divide the other")
+        grid = (len(tiles), triton.cdiv(N, block_n))
+        _w4a16_kernel()[grid](*args, GROUP=group, UPCAST=interpret, BLOCK_M=block_m, BLOCK_N=block_n,
+                              BLOCK_K=block_k)
+    else:
+        grid = lambda meta: (len(tiles), triton.cdiv(N, meta["BLOCK_N"]))   # noqa: E731
+        _w4a16_tuned(group)[grid](*args, GROUP=group, UPCAST=False, BLOCK_M=block_m)
     return out
+
+
+def _fits_group(block_k: int, group: int) -> bool:
+    """A K block holds whole scale groups, or lies inside one (the kernel's scale broadcast)."""
+    return block_k % group == 0 or group % block_k == 0
+
+
+@functools.cache
+def _w4a16_tuned(group: int):
+    import triton
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+               for n, k, w, st in W4A16_CONFIGS if _fits_group(k, group)]
+    if not configs:
+        raise ValueError(f"int4 scale group {group}: no W4A16 tile fits it (BLOCK_K and group must divide)")
+    return triton.autotune(configs=configs, key=["N", "K"])(_w4a16_kernel())
 
 
 @functools.cache
@@ -123,26 +157,32 @@ def _w4a16_kernel():
     import triton.language as tl
 
     @triton.jit
-    def w4a16(X, P, S, O, SCHEDULE, ENDS, N, K: tl.constexpr, GROUPS: tl.constexpr, UPCAST: tl.constexpr,
+    def w4a16(X, P, S, O, SCHEDULE, ENDS, N, K, GROUPS, GROUP: tl.constexpr, UPCAST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # one [BLOCK_M, BLOCK_N] output tile of one expert; the weights come in as packed int32 words
+        # [BLOCK_N, BLOCK_K / 8], unpacked and scaled in registers (an eighth of bf16's bytes read)
+        SCALES: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP        # scale groups per K block (>= 1)
         e = tl.load(SCHEDULE + 2 * tl.program_id(0))
         rows = tl.load(SCHEDULE + 2 * tl.program_id(0) + 1) + tl.arange(0, BLOCK_M)
         row_ok = rows < tl.load(ENDS + e)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        words, group = K // 8, K // GROUPS
+        words = K // 8
         p_rows = P + e.to(tl.int64) * N * words + cols[:, None].to(tl.int64) * words    # [BN, 1]
         s_rows = S + e.to(tl.int64) * N * GROUPS + cols[:, None].to(tl.int64) * GROUPS
+        x_rows = X + rows[:, None].to(tl.int64) * K
+        shifts = (tl.arange(0, 8) * 4)[None, None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):   # K at run time: a loop, not unrolled code
             k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            x = tl.load(X + rows[:, None].to(tl.int64) * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w_ok = col_ok[:, None] & k_ok[None, :]
-            word = tl.load(p_rows + (k // 8)[None, :], mask=w_ok, other=0)                # [BN, BK], each word 8x
-            nib = (word >> ((k % 8) * 4)[None, :]) & 0xF
-            w = (nib - 8).to(tl.float32) * tl.load(s_rows + (k // group)[None, :], mask=w_ok, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+            wi = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            word = tl.load(p_rows + wi[None, :], mask=col_ok[:, None] & (wi < words)[None, :], other=0)
+            nib = ((word[:, :, None] >> shifts) & 0xF) - 8                                  # [BN, BK/8, 8]
+            gi = k0 // GROUP + tl.arange(0, SCALES)
+            s = tl.load(s_rows + gi[None, :], mask=col_ok[:, None] & (gi < GROUPS)[None, :], other=0.0)
+            w = tl.reshape(nib.to(tl.float32), (BLOCK_N, SCALES, BLOCK_K // SCALES)) * s.to(tl.float32)[:, :, None]
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K))
             if UPCAST:   # the interpreter's bf16 dot is wrong: fp32 there
                 acc += tl.dot(x.to(tl.float32), tl.trans(w))
             else:
