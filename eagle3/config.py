@@ -128,7 +128,8 @@ class TrainConfig:
         "steps, then linearly to `lr × min_lr_ratio`; `cosine` from lr to `lr × min_lr_ratio` over all the "
         "steps. Measured on the quality benchmark (same lr, tokens): wsd 1.043x the cosine's real τ")
     decay_fraction: float = setting(0.2, "`wsd`: the share of the steps over which the learning rate decays")
-    min_lr_ratio: float = setting(0.1, "the schedule ends at `lr × min_lr_ratio`")
+    min_lr_ratio: float = setting(0.1, "the schedule ends at `lr × min_lr_ratio` (reached after the last step: "
+                                  "steps past the planned end, when a run is extended, run at it)")
     warmup_steps: int = setting(20, "linear warmup steps")
     betas: list[float] = setting([0.9, 0.95], "AdamW betas")
     weight_decay: float = setting(0.0, "AdamW weight decay")

@@ -1,5 +1,5 @@
 """The training loop: DDP over the draft's trainable parameters, token-budget micro-batches,
-gradient accumulation, AdamW with warmup + cosine, evaluation, logging, checkpoints, export.
+gradient accumulation, AdamW with warmup + wsd or cosine, evaluation, logging, checkpoints, export.
 
 Works as one plain process and under `torchrun --nproc_per_node N` (NCCL on GPUs, gloo on CPU).
 The global batch of optimizer step s is the same whatever the number of ranks: micro-batch
