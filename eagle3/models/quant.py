@@ -8,6 +8,7 @@ Which one a linear is gets decided by its keys, never by the config's ignore lis
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import torch
@@ -115,24 +116,26 @@ def grouped_matmul_int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tens
     group = K // scale.shape[-1]
     block_m = blocks[0] if blocks else W4A16_BLOCK_M["interpret" if interpret else "gpu"]
     # the tile schedule from the host-side sizes (no device sync): expert and first row of each row tile
-    ends = torch.tensor(sizes).cumsum(0)
-    tiles = [(e, int(ends[e]) - size + m) for e, size in enumerate(sizes) for m in range(0, size, block_m)]
+    ends = list(itertools.accumulate(sizes))
+    tiles = [(e, ends[e] - size + m) for e, size in enumerate(sizes) for m in range(0, size, block_m)]
     out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     if not tiles:
         return out
     schedule = torch.tensor(tiles, dtype=torch.int32).to(x.device, non_blocking=True)
+    # the autotuner's key: N, K and the rows per expert (to a power of two), which decide the best tile
+    rows_bucket = triton.next_power_of_2(max(sizes))
     args = (x.contiguous(), packed.contiguous(), scale.contiguous(), out, schedule,
-            ends.to(torch.int32).to(x.device, non_blocking=True), N, K, scale.shape[-1])
+            torch.tensor(ends, dtype=torch.int32).to(x.device, non_blocking=True), N, K, scale.shape[-1], rows_bucket)
     if blocks or interpret:
         block_n, block_k = blocks[1:] if blocks else W4A16_INTERPRET_NK
         if not _fits_group(block_k, group):
             raise ValueError(f"BLOCK_K {block_k} and the scale group {group}: one must divide the other")
         grid = (len(tiles), triton.cdiv(N, block_n))
-        _w4a16_kernel()[grid](*args, GROUP=group, UPCAST=interpret, BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_K=block_k)
+        _w4a16_kernel()[grid](*args, GROUP=group, UPCAST=interpret, IEEE=x.dtype == torch.float32,
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     else:
         grid = lambda meta: (len(tiles), triton.cdiv(N, meta["BLOCK_N"]))   # noqa: E731
-        _w4a16_tuned(group)[grid](*args, GROUP=group, UPCAST=False, BLOCK_M=block_m)
+        _w4a16_tuned(group)[grid](*args, GROUP=group, UPCAST=False, IEEE=x.dtype == torch.float32, BLOCK_M=block_m)
     return out
 
 
@@ -148,7 +151,7 @@ def _w4a16_tuned(group: int):
                for n, k, w, st in W4A16_CONFIGS if _fits_group(k, group)]
     if not configs:
         raise ValueError(f"int4 scale group {group}: no W4A16 tile fits it (BLOCK_K and group must divide)")
-    return triton.autotune(configs=configs, key=["N", "K"])(_w4a16_kernel())
+    return triton.autotune(configs=configs, key=["N", "K", "ROWS_BUCKET"])(_w4a16_kernel())
 
 
 @functools.cache
@@ -157,10 +160,13 @@ def _w4a16_kernel():
     import triton.language as tl
 
     @triton.jit
-    def w4a16(X, P, S, O, SCHEDULE, ENDS, N, K, GROUPS, GROUP: tl.constexpr, UPCAST: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def w4a16(X, P, S, O, SCHEDULE, ENDS, N, K, GROUPS, ROWS_BUCKET, GROUP: tl.constexpr, UPCAST: tl.constexpr,
+              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # one [BLOCK_M, BLOCK_N] output tile of one expert; the weights come in as packed int32 words
-        # [BLOCK_N, BLOCK_K / 8], unpacked and scaled in registers (an eighth of bf16's bytes read)
+        # [BLOCK_N, BLOCK_K / 8], unpacked and scaled in registers (an eighth of bf16's bytes read).
+        # It computes the transposed tile, W·xᵀ [BLOCK_N, BLOCK_M]: the dequantised weights are then
+        # the MMA's first operand, which Hopper's wgmma reads from registers (no shared-memory round
+        # trip, so the MMA can overlap the next block's unpacking). ROWS_BUCKET: the autotuner's key.
         SCALES: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP        # scale groups per K block (>= 1)
         e = tl.load(SCHEDULE + 2 * tl.program_id(0))
         rows = tl.load(SCHEDULE + 2 * tl.program_id(0) + 1) + tl.arange(0, BLOCK_M)
@@ -172,7 +178,7 @@ def _w4a16_kernel():
         s_rows = S + e.to(tl.int64) * N * GROUPS + cols[:, None].to(tl.int64) * GROUPS
         x_rows = X + rows[:, None].to(tl.int64) * K
         shifts = (tl.arange(0, 8) * 4)[None, None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):   # K at run time: a loop, not unrolled code
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -184,11 +190,13 @@ def _w4a16_kernel():
             w = tl.reshape(nib.to(tl.float32), (BLOCK_N, SCALES, BLOCK_K // SCALES)) * s.to(tl.float32)[:, :, None]
             w = tl.reshape(w, (BLOCK_N, BLOCK_K))
             if UPCAST:   # the interpreter's bf16 dot is wrong: fp32 there
-                acc += tl.dot(x.to(tl.float32), tl.trans(w))
+                acc += tl.dot(w, tl.trans(x.to(tl.float32)))
+            elif IEEE:   # fp32 inputs: exact fp32 products, not TF32
+                acc += tl.dot(w, tl.trans(x), input_precision="ieee")
             else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-        tl.store(O + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+                acc += tl.dot(w.to(x.dtype), tl.trans(x))
+        tl.store(O + rows[None, :].to(tl.int64) * N + cols[:, None], acc.to(O.dtype.element_ty),
+                 mask=row_ok[None, :] & col_ok[:, None])
 
     return w4a16
 
