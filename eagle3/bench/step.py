@@ -191,7 +191,7 @@ def same_weights_on_all_ranks(trainer: Trainer) -> bool:
 
 
 def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup: int, tflops: float,
-              profile_dir: Path | None = None, train_head: bool = False) -> dict:
+              profile_dir: Path | None = None, train_head: bool = False, prompt_rows: bool = False) -> dict:
     path, fp8 = kernels.removesuffix("-fp8"), kernels.endswith("-fp8")   # "triton-fp8": also train.float8
     args = ["--target.path", str(root / "target"), "--train.data_dir", str(root / f"data-{layout}"),
             "--train.output_dir", str(root / f"out-{layout}-{kernels}"), "--train.kernels", path,
@@ -208,7 +208,10 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             # the default (and the peer's) head: the target's rows, frozen; --train-head: the
             # workload of the figures recorded before 2026-11-30 (random head, trained)
             "--draft.lm_head_init", "random" if train_head else "target",
-            "--train.freeze_lm_head", str(not train_head).lower()]
+            "--train.freeze_lm_head", str(not train_head).lower(),
+            # assistant rows only: the peer's workload and the recorded figures' (our default, prompt
+            # rows trained too, is --prompt-rows: more rows through the MLP and loss on layout b)
+            "--train.prompt_rows", str(prompt_rows).lower()]
     trainer = Trainer(config_mod.load(None, args))
     cuda = trainer.device.type == "cuda"
     batches = trainer.prefetcher(0)
@@ -250,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer-script", default=None,
                         help="also run the peer's Kimi step (speculators 0.9.0: bench/peer/speculators_kimi_step.py, its "
                              "wheels on PYTHONPATH) in this call and print ours (layout a) / the peer's tokens/s")
+    parser.add_argument("--prompt-rows", action="store_true",
+                        help="train prompt rows too (train.prompt_rows, our default); default: assistant rows "
+                             "only, the peer's workload and the recorded figures'")
     parser.add_argument("--train-head", action="store_true",
                         help="a random lm_head, trained (the figures recorded before 2026-11-30); default: "
                              "the target's rows, frozen (our default and the peer's)")
@@ -268,7 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     for layout in layouts:
         for kernels in args.kernels.split(","):
             results.append(bench_one(root, layout, kernels, s, args.steps, args.warmup, tflops,
-                                     Path(args.profile_dir) if args.profile_dir else None, args.train_head))
+                                     Path(args.profile_dir) if args.profile_dir else None, args.train_head,
+                                     args.prompt_rows))
             if dist.main:
                 print(json.dumps(results[-1]), flush=True)
                 if args.json:

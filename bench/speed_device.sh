@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 14's speed figures on the GPU machine, a part per argument (each under a 10-minute call):
+#   step   the full Kimi-size step, layouts (a) and (b), Triton kernels in bf16 and with train.float8,
+#          the default frozen target head, then the peer's step (speculators 0.9.0, its first epoch
+#          compiles for 4-5 minutes) and the ours/peer ratio, all in this call
+#   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer (W4A16 included)
+#   here:  the peer's wheels in .whl/ (see bench/peer/)    there: bash bench/speed_device.sh PART...
+# Each part's output is written to $OUT/PART.txt (and the step's JSON lines to $OUT/step.jsonl) as it
+# runs, so a call stopped at its limit still returns what it finished.
+set -uo pipefail
+out=${OUT:-/tmp/speed-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/env.txt"
+quiet() { grep -v "it/s]\|s/it]\|step/s]\|s/step]"; }
+for part in "$@"; do
+  echo "== $part $(date +%T)"
+  case $part in
+    step)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+      PYTHONPATH=/tmp/site python3 -m eagle3.bench --layouts a,b --kernels triton,triton-fp8 --steps 3 --warmup 2 \
+        --dir /tmp/bd --json "$out/step.jsonl" --peer-script bench/peer/speculators_kimi_step.py 2>&1 | quiet | tee "$out/step.txt" ;;
+    kernels)
+      { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m eagle3.bench moe; } \
+        2>&1 | quiet | tee "$out/kernels.txt" ;;
+    *) echo "unknown part $part: expected step or kernels"; exit 2 ;;
+  esac
+done
+echo "== done $(date +%T)"
