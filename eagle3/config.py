@@ -110,9 +110,11 @@ class TrainConfig:
         "shards", "`shards`: train on extracted hidden states (`train.data_dir`); `online`: run the target on "
         "`data.path` for each micro-batch (the `extract.dtype`, `extract.aux_dtype` and `extract.chunk_tokens` "
         "settings apply) and write nothing but checkpoints")
-    online_target: Literal["stream", "resident"] = setting(
+    online_target: Literal["stream", "resident", "staged"] = setting(
         "stream", "online: `stream` the target's layers from the checkpoint for every micro-batch (memory: two "
-        "layers), or keep them `resident` on each rank's device after the first (memory: the whole target)")
+        "layers), keep them `resident` on each rank's device after the first (memory: the whole target), or "
+        "`staged`: the ranks hold contiguous layer stages between them (memory: 1/world of the target each) "
+        "and every micro-batch flows through all of them (each read a collective of all ranks)")
     data_dir: str | None = setting(None, "shards to train on; auto: `extract.output_dir`")
     output_dir: str = setting("runs/demo/train", "`checkpoints/`, `metrics.jsonl`, `export/`")
     max_steps: int = setting(200, "optimizer steps; 0 = run `train.epochs` epochs")

@@ -363,7 +363,7 @@ class Trainer:
         over its forward's busy time, the draft's over the loop's time not spent waiting for batches."""
         if not self.online:
             return {}
-        totals = (self.reader.target_tokens, self.reader.target_seconds)
+        totals = (self.reader.totals.tokens, self.reader.totals.seconds)
         since = [now - before for now, before in zip(totals, self.target_totals)]
         self.target_totals = totals
         made = self.dist.all_reduce(torch.tensor([float(since[0]), since[1]], device=self.device))
@@ -542,9 +542,14 @@ class Trainer:
             return None
         batches = pack(self.eval_refs, self.cfg.train.batch_tokens)
         metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
-        for batch_refs in batches[self.dist.rank::self.dist.world]:
-            batch = self.prepare_batch(self.reader.read(batch_refs), training=False)
-            metrics += self._forward(self.model, self._on_device(batch))[1]
+        reader, world, rank = self.reader, self.dist.world, self.dist.rank
+        for first in range(0, len(batches), world):   # rank r reads batches r, r + world, ...
+            refs = batches[first + rank] if first + rank < len(batches) else []
+            if not refs and not reader.lockstep:
+                continue
+            batch = reader.read(refs)   # staged online: a collective, so every rank reads, even nothing
+            if batch is not None:
+                metrics += self._forward(self.model, self._on_device(self.prepare_batch(batch, training=False)))[1]
         return summarize(self.dist.all_reduce(metrics))
 
     def run(self) -> Path:

@@ -85,6 +85,31 @@ def test_online_on_two_ranks_trains_like_offline_on_two_ranks(tmp_path, llama_ta
     assert_same_training(tmp_path / "offline" / "train", tmp_path / "online" / "train")
 
 
+def test_staged_on_two_ranks_trains_like_offline_on_two_ranks(tmp_path, llama_target, token_data, hidden):
+    """The target's layers split between the two ranks, every micro-batch passed along (and the
+    held-out evaluation, whose batches do not split evenly, read by both ranks in lockstep)."""
+    run_train(cli_args(tmp_path / "offline", llama_target, token_data, hidden), nproc=2)
+    staged = {**AS_EXTRACTED, "train.online_target": "staged", "train.eval_every": 2}
+    run_train(cli_args(tmp_path / "staged", llama_target, token_data, tmp_path / "none", **staged), nproc=2)
+    assert_same_training(tmp_path / "offline" / "train", tmp_path / "staged" / "train")
+
+
+def test_a_staged_target_gives_each_rank_the_states_of_its_own_batch(tmp_path, llama_target, token_data):
+    """One process: a single stage is the whole target, and an empty batch gives None."""
+    from eagle3.data.online import OnlineReader
+    from eagle3.resolve import resolve
+    from eagle3.models.checkpoint import Checkpoint
+    cfgs = [make_config(tmp_path, llama_target, token_data, **{"train.online_target": m}) for m in ("stream", "staged")]
+    ckpt = Checkpoint(llama_target)
+    aux = resolve(cfgs[0], ckpt).aux_layer_ids
+    stream, staged = (OnlineReader(c, ckpt, aux, torch.device("cpu")) for c in cfgs)
+    refs = stream.sequences[:3]
+    a, b = stream.read(refs), staged.read(refs)
+    for name in ("aux_hidden", "final_hidden", "target_argmax"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert staged.read([]) is None and staged.lockstep and not stream.lockstep
+
+
 @pytest.mark.slow
 def test_a_killed_online_run_resumes_to_the_same_weights(tmp_path, llama_target, token_data):
     args = lambda d: cli_args(d, llama_target, token_data, tmp_path / "none",   # noqa: E731

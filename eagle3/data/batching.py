@@ -44,22 +44,30 @@ def pack(refs: list[SeqRef], budget: int, seed: int | None = None, epoch: int = 
 
 class Prefetcher:
     """Reads micro-batches in a background thread in the given order, applies `prepare` (host-side
-    work the step would otherwise do on its critical path) and pins them on CUDA."""
+    work the step would otherwise do on its critical path) and pins them on CUDA. A reader whose
+    reads are collectives (`lockstep`: the staged online target) is read in the caller's thread
+    instead, when the step asks: its messages then never run beside the step's own collectives
+    (two NCCL communicators driven from two threads can wait on each other across ranks)."""
 
     def __init__(self, reader: ShardReader, batches: list[list[SeqRef]], depth: int, pin: bool,
                  prepare: Callable[[Batch], Batch] | None = None):
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        self._thread = threading.Thread(target=self._work, args=(reader, batches, pin, prepare), daemon=True)
-        self._thread.start()
+        self._inline = self._produce(reader, batches, pin, prepare) if reader.lockstep else None
+        if self._inline is None:
+            self._thread = threading.Thread(target=self._work, args=(reader, batches, pin, prepare), daemon=True)
+            self._thread.start()
+
+    @staticmethod
+    def _produce(reader, batches, pin, prepare):
+        for refs in batches:
+            batch = reader.read(refs)
+            if prepare is not None:
+                batch = prepare(batch)
+            yield batch.pin_memory() if pin else batch
 
     def _work(self, reader, batches, pin, prepare):
         try:
-            for refs in batches:
-                batch = reader.read(refs)
-                if prepare is not None:
-                    batch = prepare(batch)
-                if pin:
-                    batch = batch.pin_memory()
+            for batch in self._produce(reader, batches, pin, prepare):
                 self._queue.put(batch)
         except Exception as e:  # surfaced in the consumer
             self._queue.put(e)
@@ -68,6 +76,8 @@ class Prefetcher:
         return self
 
     def __next__(self) -> Batch:
+        if self._inline is not None:
+            return next(self._inline)
         item = self._queue.get()
         if isinstance(item, Exception):
             raise item

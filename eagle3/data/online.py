@@ -5,7 +5,10 @@ target forward when training asks for the batch, never written to disk.
 records of `data.path`: sequence i is record i, as extraction numbers them, so the same seed gives
 the same held-out split, the same packing and the same batches as extract-then-train, and the
 states are rounded to the dtypes shards store. Each rank runs the whole target layer by layer
-(extraction's executor, streaming or with the layers kept resident) on its own micro-batches.
+(extraction's executor, streaming or with the layers kept resident) on its own micro-batches, or
+(`staged`) the ranks hold the target's layers between them and pass every micro-batch along: then a
+read is a collective (`lockstep`), made by every rank in the same order, on a process group of its
+own, in the training loop's thread (the prefetcher reads such a reader inline).
 """
 from __future__ import annotations
 
@@ -13,17 +16,27 @@ import contextlib
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from eagle3.config import Config
 from eagle3.data.batch import Batch
 from eagle3.data.inputs import read_records
 from eagle3.data.shards import SeqRef, shard_tensors
 from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.staged import StagedTarget
 from eagle3.models.streaming import TargetRunner
 from eagle3.ops import TORCH_DTYPES
+
+
+@dataclass
+class TargetTotals:
+    """Target tokens and seconds since the start, for the log (which side bounds the run)."""
+    tokens: int = 0
+    seconds: float = 0.0
 
 
 class OnlineReader:
@@ -33,8 +46,16 @@ class OnlineReader:
                                            target_dir=ckpt.dir)
         self.sequences = [SeqRef(0, 0, len(r.input_ids), i) for i, r in enumerate(self.records)]
         self.aux_dtype = cfg.extract.aux_dtype
-        self.runner = TargetRunner(ckpt, aux_layer_ids, device, TORCH_DTYPES[cfg.extract.dtype],
-                                   cfg.extract.chunk_tokens, resident=cfg.train.online_target == "resident")
+        mode, dtype = cfg.train.online_target, TORCH_DTYPES[cfg.extract.dtype]
+        # staged: every read is a collective (all ranks, the same order), on a group of its own
+        self.lockstep = mode == "staged"
+        if self.lockstep:
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            self.runner = StagedTarget(ckpt, aux_layer_ids, device, dtype, rank, world)
+            self.group = dist.new_group() if dist.is_initialized() else None
+        else:
+            self.runner = TargetRunner(ckpt, aux_layer_ids, device, dtype, cfg.extract.chunk_tokens,
+                                       resident=mode == "resident")
         # what an extraction of the same data would record: the draft vocabulary comes from it
         counts = Counter()
         for r in self.records:
@@ -42,21 +63,23 @@ class OnlineReader:
         self.manifest = {"source": {"path": str(d.path), "sequences": stats.sequences},
                          "shards": [{"loss_tokens": sum(counts.values()),
                                      "loss_token_counts": {str(k): v for k, v in sorted(counts.items())}}]}
-        # totals since the start, for the log (which side bounds the run); the log takes differences
-        self.target_tokens, self.target_seconds = 0, 0.0
+        self.totals = TargetTotals()   # the log takes differences
         # one forward at a time (the prefetch thread and evaluation both read): memory for one, and
         # the totals stay exact
         self._lock = threading.Lock()
         # the prefetch thread's current CUDA device is 0 whatever the rank: Triton launches there
         self._device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
-    def read(self, refs: list[SeqRef]) -> Batch:
+    def read(self, refs: list[SeqRef]) -> Batch | None:
+        """The micro-batch of `refs`; staged, every rank calls it in lockstep, `refs` empty where a
+        rank has no batch this time (then None)."""
         records = [self.records[r.index] for r in refs]
-        ids = torch.from_numpy(np.concatenate([r.input_ids for r in records]))
-        cu = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])]).tolist()
+        ids = torch.from_numpy(np.concatenate([r.input_ids for r in records]) if records else np.zeros(0, np.int64))
+        cu = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])]).astype(int).tolist()
         with self._lock, self._device:
             start = time.perf_counter()
-            out = self.runner.run(ids, cu)        # returns CPU tensors: the forward has finished
-            self.target_seconds += time.perf_counter() - start
-            self.target_tokens += ids.numel()
-        return Batch.from_tensors(shard_tensors(records, out, self.aux_dtype))
+            # CPU tensors back: the forward has finished
+            out = self.runner.run(ids, cu, self.group) if self.lockstep else self.runner.run(ids, cu)
+            self.totals.seconds += time.perf_counter() - start
+            self.totals.tokens += ids.numel()
+        return Batch.from_tensors(shard_tensors(records, out, self.aux_dtype)) if records else None

@@ -121,6 +121,7 @@ class SeqRef:
 
 class ShardReader:
     """Random access to the sequences of an extraction directory."""
+    lockstep = False   # reads are independent per rank (online's staged reads are not)
 
     def __init__(self, directory: str | Path, verify: bool = False):
         self.dir = Path(directory)

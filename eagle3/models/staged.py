@@ -1,0 +1,113 @@
+"""The target resident across the ranks of one node as contiguous layer stages (online training's
+`train.online_target = "staged"`): rank r keeps layers [L·r/W, L·(r+1)/W) and every rank's
+micro-batch flows through all the stages.
+
+`StagedTarget.run` is a collective over its process group: every rank calls it with its own
+micro-batch (or none), in the same order. After the batches' sizes and ids are gathered, 2W - 1
+ticks follow; at tick t rank r runs batch t - r (the micro-batch of rank t - r) through its layers.
+Each tick ends with one batch of point-to-point messages posted by every rank in one global order:
+the activations to the next stage, and the aux states (from the stage holding the aux layer) and
+final state and greedy token (from the last stage) to the batch's owner. Per rank it returns what
+`TargetRunner.run` returns for its own micro-batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.streaming import build_model, check_tensors, greedy_argmax
+from eagle3.ops import positions_from_cu_seqlens, rms_norm
+
+
+def stage_layers(num_layers: int, rank: int, world: int) -> range:
+    return range(num_layers * rank // world, num_layers * (rank + 1) // world)
+
+
+class StagedTarget:
+    def __init__(self, ckpt: Checkpoint, aux_layer_ids: list[int], device: torch.device, dtype: torch.dtype,
+                 rank: int, world: int):
+        self.aux_layer_ids, self.device, self.dtype, self.rank, self.world = aux_layer_ids, device, dtype, rank, world
+        self.model = build_model(ckpt, device, dtype)
+        check_tensors(ckpt, self.model)
+        self.stages = [stage_layers(ckpt.config.num_hidden_layers, r, world) for r in range(world)]
+        self.layers = {i: self.model.load_layer(i) for i in self.stages[rank]}
+        self.hidden, self.eps = ckpt.config.hidden_size, ckpt.config.rms_norm_eps
+        first, last = rank == 0, rank == world - 1
+        self.embed = ckpt.get("embed_tokens.weight").to(device, dtype) if first else None
+        self.norm = ckpt.get("norm.weight").to(device, dtype) if last else None
+        self.head = ckpt.get("lm_head.weight").to(device, dtype) if last else None
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, cu_seqlens: list[int], group) -> dict[str, torch.Tensor] | None:
+        """input_ids [T] (T may be 0: this rank has no batch this time), cu_seqlens (python ints) ->
+        CPU tensors aux [T, 3H], final [T, H], argmax [T] int32 (None for an empty batch)."""
+        metas = [(input_ids.tolist(), list(cu_seqlens))] * self.world   # one process: one stage, no messages
+        if dist.is_initialized():
+            dist.all_gather_object(metas, metas[0], group=group)
+        kept: dict = {}      # ("aux", batch, layer) / ("final", batch) / ("argmax", batch) -> tensor
+        arriving: dict = {}  # batch -> its activation from the previous stage
+        for tick in range(2 * self.world - 1):
+            b = tick - self.rank
+            h = self._forward(b, metas[b], arriving.pop(b, None), kept) if self._runs(b, metas) else None
+            self._exchange(tick, metas, h, kept, arriving, group)
+        if not metas[self.rank][0]:
+            return None
+        mine = self.rank
+        aux = torch.cat([kept[("aux", mine, i)] for i in self.aux_layer_ids], dim=-1)
+        return {"aux_hidden": aux.cpu(), "final_hidden": kept[("final", mine)].cpu(),
+                "target_argmax": kept[("argmax", mine)].cpu()}
+
+    def _runs(self, b: int, metas: list) -> bool:
+        return 0 <= b < self.world and len(metas[b][0]) > 0
+
+    def _forward(self, b: int, meta: tuple, h: torch.Tensor | None, kept: dict) -> torch.Tensor:
+        """This stage's layers on batch b; what it keeps goes to `kept`; returns the activation."""
+        ids, cu = meta
+        cu_t = torch.tensor(cu, device=self.device)
+        positions = positions_from_cu_seqlens(cu_t, len(ids))
+        if self.rank == 0:
+            h = self.embed[torch.tensor(ids, device=self.device)]
+        for i in self.stages[self.rank]:
+            h = self.model.layer_forward(self.layers[i], h, positions, cu_t)
+            if i in self.aux_layer_ids:
+                kept[("aux", b, i)] = h
+        if self.rank == self.world - 1:
+            kept[("final", b)] = rms_norm(h, self.norm, self.eps)
+            kept[("argmax", b)] = greedy_argmax(kept[("final", b)], self.head)
+        return h
+
+    def _messages(self, tick: int, metas: list):
+        """Every message of the tick, in the one order all ranks post them: (kind, src, dst, batch, layer)."""
+        for src in range(self.world):
+            b = tick - src
+            if not self._runs(b, metas):
+                continue
+            for i in self.aux_layer_ids:
+                if i in self.stages[src] and src != b:
+                    yield "aux", src, b, b, i
+            if src < self.world - 1:
+                yield "act", src, src + 1, b, None
+            elif src != b:
+                yield "final", src, b, b, None
+                yield "argmax", src, b, b, None
+
+    def _exchange(self, tick: int, metas: list, h, kept: dict, arriving: dict, group) -> None:
+        ops, received = [], []
+        for kind, src, dst, b, layer in self._messages(tick, metas):
+            key = (kind, b, layer) if kind == "aux" else (kind, b)
+            if src == self.rank:
+                ops.append(dist.P2POp(dist.isend, (h if kind == "act" else kept[key]).contiguous(), dst, group))
+            elif dst == self.rank:
+                rows = len(metas[b][0])
+                buf = (torch.empty(rows, dtype=torch.int32, device=self.device) if kind == "argmax"
+                       else torch.empty(rows, self.hidden, dtype=self.dtype, device=self.device))
+                ops.append(dist.P2POp(dist.irecv, buf, src, group))
+                received.append((kind, b, key, buf))
+        for request in dist.batch_isend_irecv(ops) if ops else []:
+            request.wait()
+        for kind, b, key, buf in received:
+            if kind == "act":
+                arriving[b] = buf
+            else:
+                kept[key] = buf
