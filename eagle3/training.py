@@ -559,7 +559,10 @@ class Trainer:
         tokens, clock, self.waited, self.target_totals = 0, time.perf_counter(), 0.0, (0, 0.0)
         bar = tqdm(total=total, initial=self.start_step, unit="step", desc="train", disable=not self.dist.main)
         saved = None
+        # staged online reads run here, after the queued draft work: finish it first, or it is timed as theirs
+        settle = torch.cuda.synchronize if self.cuda and self.reader.lockstep else lambda: None
         for step in range(self.start_step, total):
+            settle()
             wait = time.perf_counter()
             micro = [next(batches) for _ in range(t.grad_accum)]
             self.waited += time.perf_counter() - wait

@@ -52,7 +52,8 @@ class Prefetcher:
     def __init__(self, reader: ShardReader, batches: list[list[SeqRef]], depth: int, pin: bool,
                  prepare: Callable[[Batch], Batch] | None = None):
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        self._inline = self._produce(reader, batches, pin, prepare) if reader.lockstep else None
+        # inline, a batch is used as soon as it is read: pinning would only add a host copy
+        self._inline = self._produce(reader, batches, False, prepare) if reader.lockstep else None
         if self._inline is None:
             self._thread = threading.Thread(target=self._work, args=(reader, batches, pin, prepare), daemon=True)
             self._thread.start()

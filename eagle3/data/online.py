@@ -13,6 +13,7 @@ own, in the training loop's thread (the prefetcher reads such a reader inline).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import Counter
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eagle3.config import Config
+from eagle3.config import Config, ConfigError
 from eagle3.data.batch import Batch
 from eagle3.data.inputs import read_records
 from eagle3.data.shards import SeqRef, shard_tensors
@@ -51,8 +52,13 @@ class OnlineReader:
         self.lockstep = mode == "staged"
         if self.lockstep:
             rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-            self.runner = StagedTarget(ckpt, aux_layer_ids, device, dtype, rank, world)
+            if world != int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+                raise ConfigError(f"{cfg.source}: train.online_target = \"staged\" splits the target across the "
+                                  f"GPUs of one node; this run has {world} ranks, "
+                                  f"{os.environ['LOCAL_WORLD_SIZE']} per node: use \"stream\" or \"resident\"")
+            # the group first: a rank that fails loading its stage then fails alone, not inside new_group
             self.group = dist.new_group() if dist.is_initialized() else None
+            self.runner = StagedTarget(ckpt, aux_layer_ids, device, dtype, rank, world, cfg.extract.chunk_tokens)
         else:
             self.runner = TargetRunner(ckpt, aux_layer_ids, device, dtype, cfg.extract.chunk_tokens,
                                        resident=mode == "resident")
@@ -69,6 +75,7 @@ class OnlineReader:
         self._lock = threading.Lock()
         # the prefetch thread's current CUDA device is 0 whatever the rank: Triton launches there
         self._device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        self._device_is_cuda = device.type == "cuda"
 
     def read(self, refs: list[SeqRef]) -> Batch | None:
         """The micro-batch of `refs`; staged, every rank calls it in lockstep, `refs` empty where a
@@ -77,6 +84,8 @@ class OnlineReader:
         ids = torch.from_numpy(np.concatenate([r.input_ids for r in records]) if records else np.zeros(0, np.int64))
         cu = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])]).astype(int).tolist()
         with self._lock, self._device:
+            if self.lockstep and self._device_is_cuda:   # time the forward, not the queued draft work
+                torch.cuda.synchronize()
             start = time.perf_counter()
             # CPU tensors back: the forward has finished
             out = self.runner.run(ids, cu, self.group) if self.lockstep else self.runner.run(ids, cu)

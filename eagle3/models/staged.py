@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3.models.checkpoint import Checkpoint
-from eagle3.models.streaming import build_model, check_tensors, greedy_argmax
+from eagle3.models.streaming import build_model, check_tensors, greedy_argmax, split_chunks
 from eagle3.ops import positions_from_cu_seqlens, rms_norm
 
 
@@ -26,8 +26,9 @@ def stage_layers(num_layers: int, rank: int, world: int) -> range:
 
 class StagedTarget:
     def __init__(self, ckpt: Checkpoint, aux_layer_ids: list[int], device: torch.device, dtype: torch.dtype,
-                 rank: int, world: int):
+                 rank: int, world: int, chunk_tokens: int = 65536):
         self.aux_layer_ids, self.device, self.dtype, self.rank, self.world = aux_layer_ids, device, dtype, rank, world
+        self.chunk_tokens = chunk_tokens   # whole sequences at most this many tokens a pass: activation memory
         self.model = build_model(ckpt, device, dtype)
         check_tensors(ckpt, self.model)
         self.stages = [stage_layers(ckpt.config.num_hidden_layers, r, world) for r in range(world)]
@@ -62,16 +63,23 @@ class StagedTarget:
         return 0 <= b < self.world and len(metas[b][0]) > 0
 
     def _forward(self, b: int, meta: tuple, h: torch.Tensor | None, kept: dict) -> torch.Tensor:
-        """This stage's layers on batch b; what it keeps goes to `kept`; returns the activation."""
+        """This stage's layers on batch b, `chunk_tokens` of whole sequences at a time (sequences do not
+        see each other); what it keeps goes to `kept`; returns the activation."""
         ids, cu = meta
-        cu_t = torch.tensor(cu, device=self.device)
-        positions = positions_from_cu_seqlens(cu_t, len(ids))
         if self.rank == 0:
             h = self.embed[torch.tensor(ids, device=self.device)]
-        for i in self.stages[self.rank]:
-            h = self.model.layer_forward(self.layers[i], h, positions, cu_t)
-            if i in self.aux_layer_ids:
-                kept[("aux", b, i)] = h
+        outs, aux = [], {i: [] for i in self.stages[self.rank] if i in self.aux_layer_ids}
+        for first, last in split_chunks(cu, self.chunk_tokens):
+            cu_t = torch.tensor([c - cu[first] for c in cu[first:last + 1]], device=self.device)
+            x = h[cu[first]:cu[last]]
+            positions = positions_from_cu_seqlens(cu_t, x.shape[0])
+            for i in self.stages[self.rank]:
+                x = self.model.layer_forward(self.layers[i], x, positions, cu_t)
+                if i in aux:
+                    aux[i].append(x)
+            outs.append(x)
+        h = torch.cat(outs)
+        kept.update({("aux", b, i): torch.cat(parts) for i, parts in aux.items()})
         if self.rank == self.world - 1:
             kept[("final", b)] = rms_norm(h, self.norm, self.eps)
             kept[("argmax", b)] = greedy_argmax(kept[("final", b)], self.head)
@@ -106,6 +114,9 @@ class StagedTarget:
                 received.append((kind, b, key, buf))
         for request in dist.batch_isend_irecv(ops) if ops else []:
             request.wait()
+        for kind, src, dst, b, layer in self._messages(tick, metas):   # sent: no longer needed here
+            if src == self.rank and kind != "act":
+                kept.pop((kind, b, layer) if kind == "aux" else (kind, b), None)
         for kind, b, key, buf in received:
             if kind == "act":
                 arriving[b] = buf
