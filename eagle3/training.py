@@ -479,7 +479,8 @@ class Trainer:
         thread also prepares them; on the CPU the step prepares its own, since a second thread
         doing tensor work there competes with the training for the same cores."""
         return Prefetcher(self.reader, self.plan.rank_batches(start, self.dist.rank), self.cfg.train.prefetch,
-                          pin=self.cuda, prepare=self.prepare_batch if self.cuda else None)
+                          pin=self.cuda, prepare=self.prepare_batch if self.cuda else None,
+                          together=self.cfg.train.grad_accum)
 
     def _prepared(self, batch: Batch) -> Batch:
         """The batch as `prepare_batch` leaves it (the prefetcher's work, done here if it was not)."""

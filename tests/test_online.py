@@ -88,8 +88,9 @@ def test_online_on_two_ranks_trains_like_offline_on_two_ranks(tmp_path, llama_ta
 def test_staged_on_two_ranks_trains_like_offline_on_two_ranks(tmp_path, llama_target, token_data, hidden):
     """The target's layers split between the two ranks, every micro-batch passed along (and the
     held-out evaluation, whose batches do not split evenly, read by both ranks in lockstep)."""
-    run_train(cli_args(tmp_path / "offline", llama_target, token_data, hidden), nproc=2)
-    staged = {**AS_EXTRACTED, "train.online_target": "staged", "train.eval_every": 2}
+    run_train(cli_args(tmp_path / "offline", llama_target, token_data, hidden, **{"train.grad_accum": 2}), nproc=2)
+    # a step's two micro-batches per rank pass the pipeline together
+    staged = {**AS_EXTRACTED, "train.online_target": "staged", "train.eval_every": 2, "train.grad_accum": 2}
     run_train(cli_args(tmp_path / "staged", llama_target, token_data, tmp_path / "none", **staged), nproc=2)
     assert_same_training(tmp_path / "offline" / "train", tmp_path / "staged" / "train")
 

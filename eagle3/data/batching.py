@@ -2,6 +2,7 @@
 epoch, read ahead in a background thread."""
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Callable
@@ -50,13 +51,21 @@ class Prefetcher:
     (two NCCL communicators driven from two threads can wait on each other across ranks)."""
 
     def __init__(self, reader: ShardReader, batches: list[list[SeqRef]], depth: int, pin: bool,
-                 prepare: Callable[[Batch], Batch] | None = None):
+                 prepare: Callable[[Batch], Batch] | None = None, together: int = 1):
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        # inline, a batch is used as soon as it is read: pinning would only add a host copy
-        self._inline = self._produce(reader, batches, False, prepare) if reader.lockstep else None
+        # inline, `together` micro-batches (a step's) are read in one collective, and each is used as
+        # soon as it is read: pinning would only add a host copy
+        self._inline = self._read_inline(reader, batches, prepare, together) if reader.lockstep else None
         if self._inline is None:
             self._thread = threading.Thread(target=self._work, args=(reader, batches, pin, prepare), daemon=True)
             self._thread.start()
+
+    @staticmethod
+    def _read_inline(reader, batches, prepare, together: int):
+        batches = iter(batches)
+        while chunk := list(itertools.islice(batches, together)):
+            for batch in reader.read_many(chunk):
+                yield prepare(batch) if prepare is not None else batch
 
     @staticmethod
     def _produce(reader, batches, pin, prepare):

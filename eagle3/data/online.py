@@ -80,15 +80,23 @@ class OnlineReader:
     def read(self, refs: list[SeqRef]) -> Batch | None:
         """The micro-batch of `refs`; staged, every rank calls it in lockstep, `refs` empty where a
         rank has no batch this time (then None)."""
-        records = [self.records[r.index] for r in refs]
-        ids = torch.from_numpy(np.concatenate([r.input_ids for r in records]) if records else np.zeros(0, np.int64))
-        cu = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])]).astype(int).tolist()
+        return self.read_many([refs])[0]
+
+    def read_many(self, batches: list[list[SeqRef]]) -> list[Batch | None]:
+        """Several micro-batches; staged, in one pass of the pipeline (fewer idle ticks), every rank
+        reading as many at once."""
+        records = [[self.records[r.index] for r in refs] for refs in batches]
+        inputs = [(torch.from_numpy(np.concatenate([r.input_ids for r in recs]) if recs else np.zeros(0, np.int64)),
+                   np.concatenate([[0], np.cumsum([len(r.input_ids) for r in recs])]).astype(int).tolist())
+                  for recs in records]
         with self._lock, self._device:
             if self.lockstep and self._device_is_cuda:   # time the forward, not the queued draft work
                 torch.cuda.synchronize()
             start = time.perf_counter()
             # CPU tensors back: the forward has finished
-            out = self.runner.run(ids, cu, self.group) if self.lockstep else self.runner.run(ids, cu)
+            outs = (self.runner.run(inputs, self.group) if self.lockstep
+                    else [self.runner.run(ids, cu) for ids, cu in inputs])
             self.totals.seconds += time.perf_counter() - start
-            self.totals.tokens += ids.numel()
-        return Batch.from_tensors(shard_tensors(records, out, self.aux_dtype)) if records else None
+            self.totals.tokens += sum(ids.numel() for ids, _ in inputs)
+        return [Batch.from_tensors(shard_tensors(recs, out, self.aux_dtype)) if recs else None
+                for recs, out in zip(records, outs)]

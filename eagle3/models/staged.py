@@ -2,13 +2,15 @@
 `train.online_target = "staged"`): rank r keeps layers [L·r/W, L·(r+1)/W) and every rank's
 micro-batch flows through all the stages.
 
-`StagedTarget.run` is a collective over its process group: every rank calls it with its own
-micro-batch (or none), in the same order. After the batches' sizes and ids are gathered, 2W - 1
-ticks follow; at tick t rank r runs batch t - r (the micro-batch of rank t - r) through its layers.
-Each tick ends with one batch of point-to-point messages posted by every rank in one global order:
-the activations to the next stage, and the aux states (from the stage holding the aux layer) and
-final state and greedy token (from the last stage) to the batch's owner. Per rank it returns what
-`TargetRunner.run` returns for its own micro-batch.
+`StagedTarget.run` is a collective over its process group: every rank calls it with its own A
+micro-batches (A the same on every rank; a batch may be empty), in the same order. The W·A batches
+are numbered g = a·W + r (batch a of rank r: its owner is g mod W); after their sizes and ids are
+gathered, W·A + W - 1 ticks follow; at tick t rank r runs batch t - r through its layers, so the
+pipeline is full but for its W - 1 ticks of filling and draining. Each tick ends with one batch of
+point-to-point messages posted by every rank in one global order: the activations to the next
+stage, and the aux states (from the stage holding the aux layer) and final state and greedy token
+(from the last stage) to the batch's owner. Per rank it returns what `TargetRunner.run` returns,
+for each of its own micro-batches.
 """
 from __future__ import annotations
 
@@ -40,27 +42,32 @@ class StagedTarget:
         self.head = ckpt.get("lm_head.weight").to(device, dtype) if last else None
 
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor, cu_seqlens: list[int], group) -> dict[str, torch.Tensor] | None:
-        """input_ids [T] (T may be 0: this rank has no batch this time), cu_seqlens (python ints) ->
-        CPU tensors aux [T, 3H], final [T, H], argmax [T] int32 (None for an empty batch)."""
-        metas = [(input_ids.tolist(), list(cu_seqlens))] * self.world   # one process: one stage, no messages
+    def run(self, batches: list[tuple[torch.Tensor, list[int]]], group) -> list[dict[str, torch.Tensor] | None]:
+        """This rank's micro-batches, each (input_ids [T], cu_seqlens as python ints; T may be 0) ->
+        for each, CPU tensors aux [T, 3H], final [T, H], argmax [T] int32 (None for an empty batch)."""
+        mine = [(ids.tolist(), list(cu)) for ids, cu in batches]
+        gathered = [mine] * self.world   # one process: one stage, no messages
         if dist.is_initialized():
-            dist.all_gather_object(metas, metas[0], group=group)
+            dist.all_gather_object(gathered, mine, group=group)
+        if len({len(g) for g in gathered}) != 1:
+            raise RuntimeError(f"staged target: the ranks read {[len(g) for g in gathered]} micro-batches at once; "
+                               "every rank must read as many")
+        metas = [gathered[g % self.world][g // self.world] for g in range(self.world * len(mine))]
         kept: dict = {}      # ("aux", batch, layer) / ("final", batch) / ("argmax", batch) -> tensor
         arriving: dict = {}  # batch -> its activation from the previous stage
-        for tick in range(2 * self.world - 1):
+        for tick in range(len(metas) + self.world - 1):
             b = tick - self.rank
             h = self._forward(b, metas[b], arriving.pop(b, None), kept) if self._runs(b, metas) else None
             self._exchange(tick, metas, h, kept, arriving, group)
-        if not metas[self.rank][0]:
-            return None
-        mine = self.rank
-        aux = torch.cat([kept[("aux", mine, i)] for i in self.aux_layer_ids], dim=-1)
-        return {"aux_hidden": aux.cpu(), "final_hidden": kept[("final", mine)].cpu(),
-                "target_argmax": kept[("argmax", mine)].cpu()}
+        return [self._result(a * self.world + self.rank, kept) if meta[0] else None for a, meta in enumerate(mine)]
+
+    def _result(self, b: int, kept: dict) -> dict[str, torch.Tensor]:
+        aux = torch.cat([kept[("aux", b, i)] for i in self.aux_layer_ids], dim=-1)
+        return {"aux_hidden": aux.cpu(), "final_hidden": kept[("final", b)].cpu(),
+                "target_argmax": kept[("argmax", b)].cpu()}
 
     def _runs(self, b: int, metas: list) -> bool:
-        return 0 <= b < self.world and len(metas[b][0]) > 0
+        return 0 <= b < len(metas) and len(metas[b][0]) > 0
 
     def _forward(self, b: int, meta: tuple, h: torch.Tensor | None, kept: dict) -> torch.Tensor:
         """This stage's layers on batch b, `chunk_tokens` of whole sequences at a time (sequences do not
@@ -91,14 +98,15 @@ class StagedTarget:
             b = tick - src
             if not self._runs(b, metas):
                 continue
+            owner = b % self.world
             for i in self.aux_layer_ids:
-                if i in self.stages[src] and src != b:
-                    yield "aux", src, b, b, i
+                if i in self.stages[src] and src != owner:
+                    yield "aux", src, owner, b, i
             if src < self.world - 1:
                 yield "act", src, src + 1, b, None
-            elif src != b:
-                yield "final", src, b, b, None
-                yield "argmax", src, b, b, None
+            elif src != owner:
+                yield "final", src, owner, b, None
+                yield "argmax", src, owner, b, None
 
     def _exchange(self, tick: int, metas: list, h, kept: dict, arriving: dict, group) -> None:
         ops, received = [], []
