@@ -138,3 +138,13 @@ def test_a_bad_input_line_online_is_named_without_a_traceback(tmp_path, llama_ta
     _, err = out.communicate(timeout=300)
     assert out.returncode != 0 and f"error: {bad}:2:" in err and "Traceback" not in err
     assert not (tmp_path / "train" / "checkpoints").exists()
+
+
+def test_a_staged_target_is_refused_across_nodes(tmp_path, llama_target, token_data, monkeypatch):
+    from eagle3.config import ConfigError
+    from eagle3.data.online import OnlineReader
+    from eagle3.models.checkpoint import Checkpoint
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")   # this process's world (1) is not one node's ranks
+    cfg = make_config(tmp_path, llama_target, token_data, **{"train.online_target": "staged"})
+    with pytest.raises(ConfigError, match='online_target = "staged" splits the target across the GPUs of one node'):
+        OnlineReader(cfg, Checkpoint(llama_target), [0, 1, 2], torch.device("cpu"))
