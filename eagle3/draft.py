@@ -125,15 +125,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, emb, cos, sin, cache, attention, cu_seqlens, rows: Rows):
         """h, emb, cos, sin for the computed rows -> the layer's output for the kept rows."""
-        if self.first and self.norm_before_residual:   # the normed state is also the residual
-            h = self.hidden_norm(h)
-            x = torch.cat([self.input_layernorm(emb), h], dim=-1)
-        elif self.first:
-            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+        if self.first:
+            normed = self.hidden_norm(h)
+            if self.norm_before_residual:   # the normed state is also the residual
+                h = normed
+            x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
         else:
             x = self.input_layernorm(h)
-        h = rows.keep(h) + self.self_attn(x, cos, sin, cache, attention,
-                                                                        cu_seqlens, rows)
+        h = rows.keep(h) + self.self_attn(x, cos, sin, cache, attention, cu_seqlens, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

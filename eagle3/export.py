@@ -28,7 +28,6 @@ LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v
               "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")
 
 
-
 def top_keys(spec: dict) -> list[str]:
     """The tensors outside the layers: the EAGLE-3.1 norms before fc only when the draft has them."""
     return (["fc.weight", "norm.weight", "lm_head.weight"] + ["input_norm.weight"] * bool(spec.get("norm_before_fc"))

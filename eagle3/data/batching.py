@@ -55,25 +55,19 @@ class Prefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         # inline, `together` micro-batches (a step's) are read in one collective, and each is used as
         # soon as it is read: pinning would only add a host copy
-        self._inline = self._read_inline(reader, batches, prepare, together) if reader.lockstep else None
+        self._inline = self._produce(reader, batches, False, prepare, together) if reader.lockstep else None
         if self._inline is None:
             self._thread = threading.Thread(target=self._work, args=(reader, batches, pin, prepare), daemon=True)
             self._thread.start()
 
     @staticmethod
-    def _read_inline(reader, batches, prepare, together: int):
+    def _produce(reader, batches, pin, prepare, together: int = 1):
         batches = iter(batches)
         while chunk := list(itertools.islice(batches, together)):
             for batch in reader.read_many(chunk):
-                yield prepare(batch) if prepare is not None else batch
-
-    @staticmethod
-    def _produce(reader, batches, pin, prepare):
-        for refs in batches:
-            batch = reader.read(refs)
-            if prepare is not None:
-                batch = prepare(batch)
-            yield batch.pin_memory() if pin else batch
+                if prepare is not None:
+                    batch = prepare(batch)
+                yield batch.pin_memory() if pin else batch
 
     def _work(self, reader, batches, pin, prepare):
         try:

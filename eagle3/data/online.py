@@ -74,8 +74,8 @@ class OnlineReader:
         # the totals stay exact
         self._lock = threading.Lock()
         # the prefetch thread's current CUDA device is 0 whatever the rank: Triton launches there
-        self._device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        self._device_is_cuda = device.type == "cuda"
+        self._cuda = device.type == "cuda"
+        self._device = torch.cuda.device(device) if self._cuda else contextlib.nullcontext()
 
     def read(self, refs: list[SeqRef]) -> Batch | None:
         """The micro-batch of `refs`; staged, every rank calls it in lockstep, `refs` empty where a
@@ -90,7 +90,7 @@ class OnlineReader:
                    np.concatenate([[0], np.cumsum([len(r.input_ids) for r in recs])]).astype(int).tolist())
                   for recs in records]
         with self._lock, self._device:
-            if self.lockstep and self._device_is_cuda:   # time the forward, not the queued draft work
+            if self.lockstep and self._cuda:   # time the forward, not the queued draft work
                 torch.cuda.synchronize()
             start = time.perf_counter()
             # CPU tensors back: the forward has finished

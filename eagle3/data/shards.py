@@ -150,6 +150,9 @@ class ShardReader:
             refs += [SeqRef(s, a, b, len(refs) + i) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
         return refs
 
+    def read_many(self, batches: list[list[SeqRef]]) -> list[Batch]:
+        return [self.read(refs) for refs in batches]
+
     def read(self, refs: list[SeqRef]) -> Batch:
         """Pack `refs` into one batch: the shard tensors plus cu_seqlens of the batch. fp8 shards
         also give `aux_scale`; `Batch.to` decodes them (on the GPU, in training)."""

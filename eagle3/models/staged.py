@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from eagle3.models.checkpoint import Checkpoint
-from eagle3.models.streaming import build_model, check_tensors, greedy_argmax, split_chunks
-from eagle3.ops import positions_from_cu_seqlens, rms_norm
+from eagle3.models.streaming import build_model, check_tensors, greedy_argmax, run_layers, split_chunks
+from eagle3.ops import rms_norm
 
 
 def stage_layers(num_layers: int, rank: int, world: int) -> range:
@@ -53,7 +53,7 @@ class StagedTarget:
             raise RuntimeError(f"staged target: the ranks read {[len(g) for g in gathered]} micro-batches at once; "
                                "every rank must read as many")
         metas = [gathered[g % self.world][g // self.world] for g in range(self.world * len(mine))]
-        kept: dict = {}      # ("aux", batch, layer) / ("final", batch) / ("argmax", batch) -> tensor
+        kept: dict = {}      # (kind, batch, layer or None) of the messages, "aux" / "final" / "argmax" -> tensor
         arriving: dict = {}  # batch -> its activation from the previous stage
         for tick in range(len(metas) + self.world - 1):
             b = tick - self.rank
@@ -63,8 +63,8 @@ class StagedTarget:
 
     def _result(self, b: int, kept: dict) -> dict[str, torch.Tensor]:
         aux = torch.cat([kept[("aux", b, i)] for i in self.aux_layer_ids], dim=-1)
-        return {"aux_hidden": aux.cpu(), "final_hidden": kept[("final", b)].cpu(),
-                "target_argmax": kept[("argmax", b)].cpu()}
+        return {"aux_hidden": aux.cpu(), "final_hidden": kept[("final", b, None)].cpu(),
+                "target_argmax": kept[("argmax", b, None)].cpu()}
 
     def _runs(self, b: int, metas: list) -> bool:
         return 0 <= b < len(metas) and len(metas[b][0]) > 0
@@ -75,21 +75,18 @@ class StagedTarget:
         ids, cu = meta
         if self.rank == 0:
             h = self.embed[torch.tensor(ids, device=self.device)]
-        outs, aux = [], {i: [] for i in self.stages[self.rank] if i in self.aux_layer_ids}
+        outs, aux = [], {}
         for first, last in split_chunks(cu, self.chunk_tokens):
-            cu_t = torch.tensor([c - cu[first] for c in cu[first:last + 1]], device=self.device)
-            x = h[cu[first]:cu[last]]
-            positions = positions_from_cu_seqlens(cu_t, x.shape[0])
-            for i in self.stages[self.rank]:
-                x = self.model.layer_forward(self.layers[i], x, positions, cu_t)
-                if i in aux:
-                    aux[i].append(x)
+            x, captured = run_layers(self.model, self.layers.items(), h[cu[first]:cu[last]],
+                                     [c - cu[first] for c in cu[first:last + 1]], self.aux_layer_ids)
             outs.append(x)
+            for i, y in captured.items():
+                aux.setdefault(i, []).append(y)
         h = torch.cat(outs)
         kept.update({("aux", b, i): torch.cat(parts) for i, parts in aux.items()})
         if self.rank == self.world - 1:
-            kept[("final", b)] = rms_norm(h, self.norm, self.eps)
-            kept[("argmax", b)] = greedy_argmax(kept[("final", b)], self.head)
+            kept[("final", b, None)] = rms_norm(h, self.norm, self.eps)
+            kept[("argmax", b, None)] = greedy_argmax(kept[("final", b, None)], self.head)
         return h
 
     def _messages(self, tick: int, metas: list):
@@ -109,24 +106,24 @@ class StagedTarget:
                 yield "argmax", src, owner, b, None
 
     def _exchange(self, tick: int, metas: list, h, kept: dict, arriving: dict, group) -> None:
-        ops, received = [], []
+        ops, sent, received = [], [], []
         for kind, src, dst, b, layer in self._messages(tick, metas):
-            key = (kind, b, layer) if kind == "aux" else (kind, b)
+            key = (kind, b, layer)
             if src == self.rank:
                 ops.append(dist.P2POp(dist.isend, (h if kind == "act" else kept[key]).contiguous(), dst, group))
+                sent.append(key)
             elif dst == self.rank:
                 rows = len(metas[b][0])
                 buf = (torch.empty(rows, dtype=torch.int32, device=self.device) if kind == "argmax"
                        else torch.empty(rows, self.hidden, dtype=self.dtype, device=self.device))
                 ops.append(dist.P2POp(dist.irecv, buf, src, group))
-                received.append((kind, b, key, buf))
+                received.append((key, buf))
         for request in dist.batch_isend_irecv(ops) if ops else []:
             request.wait()
-        for kind, src, dst, b, layer in self._messages(tick, metas):   # sent: no longer needed here
-            if src == self.rank and kind != "act":
-                kept.pop((kind, b, layer) if kind == "aux" else (kind, b), None)
-        for kind, b, key, buf in received:
-            if kind == "act":
-                arriving[b] = buf
+        for key in sent:   # sent away: no longer needed here
+            kept.pop(key, None)
+        for key, buf in received:
+            if key[0] == "act":
+                arriving[key[1]] = buf
             else:
                 kept[key] = buf

@@ -71,21 +71,12 @@ class TargetRunner:
         return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
 
     def _run_chunk(self, ids: torch.Tensor, cu: list[int]) -> dict[str, torch.Tensor]:
-        ids = ids.to(self.device, torch.long)
-        cu_t = torch.tensor(cu, device=self.device)
-        positions = positions_from_cu_seqlens(cu_t, ids.numel())
-        h = self.embed[ids]
-        captured = {}
-        for i, weights in enumerate(self._layers()):
-            h = self.model.layer_forward(weights, h, positions, cu_t)
-            del weights
-            if i in self.aux_layer_ids:
-                captured[i] = h
+        h, captured = run_layers(self.model, enumerate(self._layers()), self.embed[ids.to(self.device, torch.long)],
+                                 cu, self.aux_layer_ids)
         final = rms_norm(h, self.norm, self.model.cfg.rms_norm_eps)
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         return {"aux_hidden": aux.cpu(), "final_hidden": final.cpu(),
                 "target_argmax": greedy_argmax(final, self.head).cpu()}
-
 
     def _layers(self):
         """Each layer's weights in order: streamed (the next one loads while this one computes), or
@@ -104,6 +95,19 @@ class TargetRunner:
             yield weights
         if self.resident is not None:   # only a whole pass: one cut short by an error loads again
             self.resident = loaded
+
+
+def run_layers(model, layers, h: torch.Tensor, cu: list[int], aux_layer_ids: list[int]):
+    """h [T, H] of whole packed sequences (boundaries `cu`, python ints from 0) through `layers`,
+    (index, weights) pairs in order -> (h after them, {aux layer index among them: its output})."""
+    cu_t = torch.tensor(cu, device=h.device)
+    positions = positions_from_cu_seqlens(cu_t, h.shape[0])
+    captured = {}
+    for i, weights in layers:
+        h = model.layer_forward(weights, h, positions, cu_t)
+        if i in aux_layer_ids:
+            captured[i] = h
+    return h, captured
 
 
 def greedy_argmax(final: torch.Tensor, head: torch.Tensor, rows: int = 4096,
