@@ -358,18 +358,15 @@ def locked(work: Path):
 
 
 def extract_once(r: Recipe, work: Path, hidden: Path, overrides: dict, device: str) -> float | None:
-    """Extract into `hidden` unless a complete extraction is there; its seconds, or None."""
-    with locked(work):
-        return _extract_once(r, work, hidden, overrides, device)
-
-
-def _extract_once(r: Recipe, work: Path, hidden: Path, overrides: dict, device: str) -> float | None:
+    """Extract into `hidden` unless a complete extraction is there (one process at a time); its
+    seconds, or None."""
     from eagle3 import extraction
     manifest = hidden / "manifest.json"
-    if manifest.exists() and json.loads(manifest.read_text()).get("complete"):
-        return None
-    cfg = our_config(r, work, work / "unused", {"extract.device": device, **overrides, "extract.output_dir": hidden})
-    return wall_s(lambda: extraction.run(cfg))[0]
+    with locked(work):
+        if manifest.exists() and json.loads(manifest.read_text()).get("complete"):
+            return None
+        cfg = our_config(r, work, work / "unused", {"extract.device": device, **overrides, "extract.output_dir": hidden})
+        return wall_s(lambda: extraction.run(cfg))[0]
 
 
 def run_ours(r: Recipe, work: Path, variants: list[str], device: str) -> dict:
