@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 14's speed figures on the GPU machine, a part per argument (each under a 10-minute call):
-#   step   the full Kimi-size step, layouts (a) and (b), Triton kernels in bf16 and with train.float8,
-#          the default frozen target head, then the peer's step (speculators 0.9.0, its first epoch
+#   step   the full Kimi-size step, layout (a), Triton kernels in bf16 and with train.float8, the
+#          default frozen target head, then the peer's step (speculators 0.9.0, its first epoch
 #          compiles for 4-5 minutes) and the ours/peer ratio, all in this call
+#   step-b the same step on layout (b): the torch path, Triton in bf16 and with train.float8
 #   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer (W4A16 included)
 #   here:  the peer's wheels in .whl/ (see bench/peer/)    there: bash bench/speed_device.sh PART...
 # Each part's output is written to $OUT/PART.txt (and the step's JSON lines to $OUT/step.jsonl) as it
@@ -19,12 +20,15 @@ for part in "$@"; do
   case $part in
     step)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-      PYTHONPATH=/tmp/site python3 -m eagle3.bench --layouts a,b --kernels triton,triton-fp8 --steps 3 --warmup 2 \
-        --dir /tmp/bd --json "$out/step.jsonl" --peer-script bench/peer/speculators_kimi_step.py 2>&1 | quiet | tee "$out/step.txt" ;;
+      PYTHONPATH=/tmp/site python3 -m eagle3.bench --layouts a --kernels triton,triton-fp8 --steps 3 --warmup 2 \
+        --dir /tmp/bd --json "$out/step.jsonl" --profile-dir "$out/prof" --peer-script bench/peer/speculators_kimi_step.py 2>&1 | quiet | tee "$out/step.txt" ;;
+    step-b)
+      python3 -m eagle3.bench --layouts b --kernels torch,triton,triton-fp8 --steps 3 --warmup 2 --dir /tmp/bd \
+        --json "$out/step-b.jsonl" 2>&1 | quiet | tee "$out/step-b.txt" ;;
     kernels)
       { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m eagle3.bench moe; } \
         2>&1 | quiet | tee "$out/kernels.txt" ;;
-    *) echo "unknown part $part: expected step or kernels"; exit 2 ;;
+    *) echo "unknown part $part: expected step, step-b or kernels"; exit 2 ;;
   esac
 done
 echo "== done $(date +%T)"
