@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 14's speed figures on the GPU machine, a part per argument (each under a 10-minute call):
-#   step   the full Kimi-size step, layout (a), Triton kernels in bf16 and with train.float8, the
-#          default frozen target head, then the peer's step (speculators 0.9.0, its first epoch
-#          compiles for 4-5 minutes) and the ours/peer ratio, all in this call
+#   step   the peer's step (speculators 0.9.0, its first epoch compiles for 4-5 minutes), then the
+#          full Kimi-size step on layout (a), Triton kernels in bf16 and with train.float8, the
+#          default frozen target head, and the ours/peer ratio, all in this call
 #   step-b the same step on layout (b): the torch path, Triton in bf16 and with train.float8
 #   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer (W4A16 included)
 #   here:  the peer's wheels in .whl/ (see bench/peer/)    there: bash bench/speed_device.sh PART...
@@ -14,7 +14,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/env.txt"
-quiet() { grep -v "it/s]\|s/it]\|step/s]\|s/step]"; }
+quiet() { grep --line-buffered -v "it/s]\|s/it]\|step/s]\|s/step]"; }
 for part in "$@"; do
   echo "== $part $(date +%T)"
   case $part in

@@ -4,16 +4,20 @@ Forward: the input and the weight cast to float8_e4m3fn with one dynamic scale p
 448); their product in the input's dtype. Backward: the output gradient in float8_e5m2 (more range,
 amax / 57344); dX = dY·W and dW = dYᵀ·X as scaled fp8 matmuls of the copies saved by the forward
 (they also halve the activation memory kept for backward). The fp32 master weights stay with the
-optimizer; each step casts them afresh. `torch._scaled_mm` runs on GPUs with fp8 tensor cores
+optimizer; a TTT forward casts each once for its K steps (`casts_reused`). The casts are fused by
+torch.compile on a GPU: an eager cast is five passes over the tensor. `torch._scaled_mm` runs on GPUs with fp8 tensor cores
 (compute capability 8.9 and later: Ada, Hopper, Blackwell) and on the CPU (the tests); it wants every
 dimension a multiple of 16, so rows are zero-padded (zero rows add nothing to dW).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from eagle3.config import ConfigError
+from eagle3.ops import compiled
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -30,44 +34,75 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     dtype where autocast is on (as the dense path's), else in x's."""
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w, out_dtype).reshape(*x.shape[:-1], w.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _Float8Linear.apply(x2, w, *cast(x, E4M3), *cast(w, E4M3), out_dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t / scale in `dtype`, scale): one fp32 scale for the tensor, its amax at the format's largest value."""
-    scale = (t.detach().abs().amax().float() / MAX[dtype]).clamp(min=1e-12)
-    return (t.float() / scale).to(dtype), scale
+def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """t [..., k] as (q [m16, k], qᵀ [k, m16] contiguous, scale): t / scale in `dtype` with one fp32
+    scale for the tensor (its amax at the format's largest value), its m rows zero-padded to a
+    multiple of 16. Both layouts, because Hopper's fp8 GEMM takes only a row-major A and a
+    column-major B."""
+    t = t.reshape(-1, t.shape[-1])
+    t = F.pad(t, (0, 0, 0, -t.shape[0] % 16))
+    scale = (t.abs().amax().float() / MAX[dtype]).clamp(min=1e-12)
+    q = (t.float() / scale).to(dtype)
+    return q, q.t().contiguous(), scale
 
 
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    return F.pad(t, (0, 0, 0, -t.shape[0] % 16))
+_reused: dict | None = None
+
+
+@contextlib.contextmanager
+def casts_reused():
+    """Inside: a weight is cast once while it is unchanged (its version), and an activation cast
+    for one linear layer is reused by the next one reading the same tensor. One TTT forward passes
+    the same weights through K steps and one input to k, v, q (gate, up): one cast instead of K (3)."""
+    global _reused
+    outer, _reused = _reused, {}
+    try:
+        yield
+    finally:
+        _reused = outer
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`to_fp8(t, dtype)`, fused by torch.compile on a GPU, reused inside `casts_reused` (weights
+    for the whole scope; activations only by the next call: each would otherwise live until the
+    forward ends)."""
+    fn = compiled(to_fp8) if t.is_cuda else to_fp8
+    if _reused is None:
+        return fn(t.detach(), dtype)
+    slot = id(t) if isinstance(t, torch.nn.Parameter) else "activation"
+    held = _reused.get(slot)
+    if held is None or held[0] is not t or held[1] != (t._version, dtype):
+        held = _reused[slot] = (t, (t._version, dtype), fn(t.detach(), dtype))
+    return held[2]
 
 
 def _mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
         out_dtype: torch.dtype) -> torch.Tensor:
-    """a [m, k] @ b[n, k].T * scale_a * scale_b, both row-major fp8 (b.T is the column-major operand)."""
-    return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    """a [m, k] row-major @ b [k, n] column-major (a transposed row-major tensor), times both scales."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:   # x [m, k], w [n, k]
-        m = x.shape[0]
-        xq, sx = to_fp8(_pad_rows(x), E4M3)                               # [m16, k]
-        wq, sw = to_fp8(w, E4M3)
-        ctx.save_for_backward(xq, sx, wq, sw)
-        ctx.rows, ctx.x_dtype, ctx.w_dtype = m, x.dtype, w.dtype
-        return _mm(xq, sx, wq, sw, out_dtype)[:m]
+    def forward(ctx, x, w, xq, xq_t, sx, wq, wq_t, sw, out_dtype):   # x [m, k], w [n, k]; their casts
+        ctx.save_for_backward(xq_t, sx, wq_t, sw)   # fp8 copies: half the memory of bf16 ones
+        ctx.rows, ctx.x_dtype, ctx.w_dtype = x.shape[0], x.dtype, w.dtype
+        return _mm(xq, sx, wq.t(), sw, out_dtype)[:x.shape[0]]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        xq, sx, wq, sw = ctx.saved_tensors
-        gq, sg = to_fp8(_pad_rows(grad.reshape(ctx.rows, -1)), E5M2)      # [m16, n]
+        xq_t, sx, wq_t, sw = ctx.saved_tensors
+        gq, gq_t, sg = cast(grad.reshape(ctx.rows, -1), E5M2)             # [m16, n], [n, m16]
         dx = None
         if ctx.needs_input_grad[0]:   # not for fc: the aux states need none
-            dx = _mm(gq, sg, wq.t().contiguous(), sw, ctx.x_dtype)[:ctx.rows]      # [m, k] = dY @ W
-        dw = _mm(gq.t().contiguous(), sg, xq.t().contiguous(), sx, torch.float32)   # [n, k] = dYᵀ @ X
-        return dx, dw.to(ctx.w_dtype), None
+            dx = _mm(gq, sg, wq_t.t(), sw, ctx.x_dtype)[:ctx.rows]       # [m, k] = dY @ W
+        dw = _mm(gq_t, sg, xq_t.t(), sx, torch.float32)                  # [n, k] = dYᵀ @ X
+        return dx, dw.to(ctx.w_dtype), *[None] * 7
 
 
 def check_device(device: torch.device, where: str) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle3 import float8
 from eagle3.data.batch import Batch, RowPlan, RowRule
 from eagle3.draft import Rows
 from eagle3.ops import positions_from_cu_seqlens, scatter_rows
@@ -170,9 +171,10 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
         kept.append(rows.kept_global())
         return h, embed[ids[targets[k].index[computed]]], positions[computed] + k, rows
 
-    head_inputs = [draft.head_input(h).to(embed.dtype)      # the loss runs in the compute dtype
-                   for h in draft.unroll(noisy(aux, objective.aux_noise) if objective.aux_noise > 0 else aux,
-                                         attention, cu_attention, next_inputs)]
+    with float8.casts_reused():   # train.float8: each weight cast once for the K steps
+        head_inputs = [draft.head_input(h).to(embed.dtype)      # the loss runs in the compute dtype
+                       for h in draft.unroll(noisy(aux, objective.aux_noise) if objective.aux_noise > 0 else aux,
+                                             attention, cu_attention, next_inputs)]
     done = len(head_inputs)
     total, losses, argmaxes = loss_steps(
         head_inputs, draft.lm_head.weight.to(embed.dtype),

@@ -63,3 +63,45 @@ def test_under_autocast_fp8_outputs_what_the_dense_path_outputs():
     assert fp8.dtype == dense.dtype == torch.bfloat16
     fp8.float().sum().backward()
     assert x.grad.dtype == w.grad.dtype == torch.float32
+
+
+def test_inside_casts_reused_a_weight_is_cast_once_until_it_changes(monkeypatch):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(32, 64) * 0.05)
+    xs = [torch.randn(20, 64, requires_grad=True) for _ in range(3)]
+    g = torch.randn(20, 32)
+
+    def grads(x):
+        return torch.autograd.grad(float8.linear(x, w), (x, w), g)
+
+    plain = [grads(x) for x in xs]
+    calls = []
+    monkeypatch.setattr(float8, "to_fp8", lambda t, dtype: _count(calls, t, dtype))
+    with float8.casts_reused():
+        reused = [grads(x) for x in xs]
+        assert calls.count((32, 64)) == 1            # the weight: once for the three inputs
+        with torch.no_grad():
+            w.mul_(2)                                # an in-place change: cast again
+        grads(xs[0])
+        assert calls.count((32, 64)) == 2
+    for (dx, dw), (rdx, rdw) in zip(reused, plain):   # the same numbers as casting every time
+        assert torch.equal(dx, rdx) and torch.equal(dw, rdw)
+
+
+def test_inside_casts_reused_one_input_of_two_layers_is_cast_once(monkeypatch):
+    w1, w2 = torch.nn.Parameter(torch.randn(16, 64)), torch.nn.Parameter(torch.randn(48, 64))
+    x = torch.randn(20, 64)
+    calls = []
+    monkeypatch.setattr(float8, "to_fp8", lambda t, dtype: _count(calls, t, dtype))
+    with float8.casts_reused():
+        float8.linear(x, w1), float8.linear(x, w2)
+        float8.linear(x.clone(), w1)                # another tensor, equal values: cast anew
+    assert calls.count((20, 64)) == 2 and len(calls) == 4
+
+
+_to_fp8 = float8.to_fp8
+
+
+def _count(calls, t, dtype):
+    calls.append(tuple(t.shape))
+    return _to_fp8(t, dtype)

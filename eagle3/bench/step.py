@@ -22,6 +22,7 @@ import re
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -212,6 +213,7 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             # assistant rows only: the peer's workload and the recorded figures' (our default, prompt
             # rows trained too, is --prompt-rows: more rows through the MLP and loss on layout b)
             "--train.prompt_rows", str(prompt_rows).lower()]
+    started = time.perf_counter()
     trainer = Trainer(config_mod.load(None, args))
     cuda = trainer.device.type == "cuda"
     batches = trainer.prefetcher(0)
@@ -235,7 +237,8 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
             "gpu_idle": 1 - busy, "same_weights_on_all_ranks": same_weights_on_all_ranks(trainer),
             "host_syncs": len(syncs), "host_sync_sites": sorted(set(syncs)),
-            "first_step_loss": [round(x, 4) for x in summarize(first)["loss"]]}
+            "first_step_loss": [round(x, 4) for x in summarize(first)["loss"]],
+            "bench_s": round(time.perf_counter() - started)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
             write_shards(root / f"data-{layout}", root / "target", layout, s, dist.world * (args.steps + args.warmup + 2))
     dist.barrier()
     tflops = matmul_tflops() if dist.device.type == "cuda" else float("nan")
+    # the peer first: its 4-5 minute compile is the call's long pole, and ours then has what is left
+    peer = run_peer(args.peer_script, s["seqs"] * s["seq_len"]) if args.peer_script and dist.main else None
     results = []
     for layout in layouts:
         for kernels in args.kernels.split(","):
@@ -299,8 +304,10 @@ def main(argv: list[str] | None = None) -> None:
         for layout in layouts:
             if (layout, "torch") in by and (layout, "triton") in by:
                 print(f"layout {layout}: triton / torch tokens/s = {by[(layout, 'triton')] / by[(layout, 'torch')]:.2f}x")
-        if args.peer_script:
-            compare_with_peer(by.get(("a", "triton")), args.peer_script, s["seqs"] * s["seq_len"])
+        ours = by.get(("a", "triton"))
+        if ours and peer:
+            print(f"layout a: ours (triton) / speculators 0.9.0 tokens/s = {ours / peer:.2f}x "
+                  f"({ours:,.0f} / {peer:,.0f}, same call)")
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     distributed.teardown()
@@ -316,17 +323,18 @@ def peer_tokens_per_s(log: str, tokens_per_step: int) -> float | None:
     return tokens_per_step / seconds
 
 
-def compare_with_peer(ours: float | None, script: str, tokens_per_step: int) -> None:
-    """The peer's step on the same shapes, run here after ours (same GPU, same call)."""
+def run_peer(script: str, tokens_per_step: int, samples: int = 48) -> float | None:
+    """The peer's step on the same shapes and GPU (its own script, `samples` sequences of 4096 tokens:
+    11 steps per epoch, the second epoch steady, as in its recorded figures): its tokens/s."""
     import subprocess
     import sys
-    run = subprocess.run([sys.executable, script], capture_output=True, text=True)
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, script, str(samples)], capture_output=True, text=True)
     log = run.stdout + run.stderr
     peer = peer_tokens_per_s(log, tokens_per_step)
-    print(f"peer ({script}): rc {run.returncode}, "
-          + (f"{peer:,.0f} tokens/s" if peer else "no completed epoch found in its output:\n" + log[-3000:]))
-    if ours and peer:
-        print(f"layout a: ours (triton) / speculators 0.9.0 tokens/s = {ours / peer:.2f}x")
+    print(f"peer ({script}): rc {run.returncode}, {time.perf_counter() - started:.0f} s, "
+          + (f"{peer:,.0f} tokens/s" if peer else "no completed epoch found in its output:\n" + log[-3000:]), flush=True)
+    return peer
 
 
 if __name__ == "__main__":
