@@ -3,7 +3,10 @@
 #   step   the peer's step (speculators 0.9.0, its first epoch compiles for 4-5 minutes), then the
 #          full Kimi-size step on layout (a), Triton kernels in bf16 and with train.float8, the
 #          default frozen target head, and the ours/peer ratio, all in this call
+#   step-a the step on layout (a) alone: Triton with train.float8 and in bf16, with profile tables
 #   step-b the same step on layout (b): the torch path, Triton in bf16 and with train.float8
+#   fp8    the casts and GEMMs of train.float8 at the step's shapes (python -m eagle3.bench fp8)
+#   moe    the Kimi MoE layer alone (W4A16 included)
 #   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer (W4A16 included)
 #   here:  the peer's wheels in .whl/ (see bench/peer/)    there: bash bench/speed_device.sh PART...
 # Each part's output is written to $OUT/PART.txt (and the step's JSON lines to $OUT/step.jsonl) as it
@@ -22,13 +25,18 @@ for part in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
       PYTHONPATH=/tmp/site python3 -m eagle3.bench --layouts a --kernels triton,triton-fp8 --steps 3 --warmup 2 \
         --dir /tmp/bd --json "$out/step.jsonl" --profile-dir "$out/prof" --peer-script bench/peer/speculators_kimi_step.py 2>&1 | quiet | tee "$out/step.txt" ;;
+    step-a)
+      python3 -m eagle3.bench --layouts a --kernels triton-fp8,triton --steps 3 --warmup 2 --dir /tmp/bd \
+        --json "$out/step-a.jsonl" --profile-dir "$out/prof" 2>&1 | quiet | tee "$out/step-a.txt" ;;
     step-b)
       python3 -m eagle3.bench --layouts b --kernels torch,triton,triton-fp8 --steps 3 --warmup 2 --dir /tmp/bd \
         --json "$out/step-b.jsonl" 2>&1 | quiet | tee "$out/step-b.txt" ;;
+    fp8) python3 -m eagle3.bench fp8 2>&1 | quiet | tee "$out/fp8.txt" ;;
+    moe) python3 -m eagle3.bench moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
     kernels)
       { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m eagle3.bench moe; } \
         2>&1 | quiet | tee "$out/kernels.txt" ;;
-    *) echo "unknown part $part: expected step, step-b or kernels"; exit 2 ;;
+    *) echo "unknown part $part: expected step, step-a, step-b, fp8, moe or kernels"; exit 2 ;;
   esac
 done
 echo "== done $(date +%T)"

@@ -4,8 +4,8 @@ Forward: the input and the weight cast to float8_e4m3fn with one dynamic scale p
 448); their product in the input's dtype. Backward: the output gradient in float8_e5m2 (more range,
 amax / 57344); dX = dY·W and dW = dYᵀ·X as scaled fp8 matmuls of the copies saved by the forward
 (they also halve the activation memory kept for backward). The fp32 master weights stay with the
-optimizer; a TTT forward casts each once for its K steps (`casts_reused`). The casts are fused by
-torch.compile on a GPU: an eager cast is five passes over the tensor. `torch._scaled_mm` runs on GPUs with fp8 tensor cores
+optimizer; a TTT forward casts each once for its K steps (`casts_reused`). A cast is two Triton
+kernels (`kernels/fp8_cast.py`: amax, then one read and two writes, as it is and transposed). `torch._scaled_mm` runs on GPUs with fp8 tensor cores
 (compute capability 8.9 and later: Ada, Hopper, Blackwell) and on the CPU (the tests); it wants every
 dimension a multiple of 16, so rows are zero-padded (zero rows add nothing to dW).
 """
@@ -17,10 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.config import ConfigError
-from eagle3.ops import compiled
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-MAX = {E4M3: 448.0, E5M2: 57344.0}
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -37,18 +35,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     y = _Float8Linear.apply(x2, w, *cast(x, E4M3), *cast(w, E4M3), out_dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])
-
-
-def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """t [..., k] as (q [m16, k], qᵀ [k, m16] contiguous, scale): t / scale in `dtype` with one fp32
-    scale for the tensor (its amax at the format's largest value), its m rows zero-padded to a
-    multiple of 16. Both layouts, because Hopper's fp8 GEMM takes only a row-major A and a
-    column-major B."""
-    t = t.reshape(-1, t.shape[-1])
-    t = F.pad(t, (0, 0, 0, -t.shape[0] % 16))
-    scale = (t.abs().amax().float() / MAX[dtype]).clamp(min=1e-12)
-    q = (t.float() / scale).to(dtype)
-    return q, q.t().contiguous(), scale
 
 
 _reused: dict | None = None
@@ -68,10 +54,11 @@ def casts_reused():
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`to_fp8(t, dtype)`, fused by torch.compile on a GPU, reused inside `casts_reused` (weights
-    for the whole scope; activations only by the next call: each would otherwise live until the
-    forward ends)."""
-    fn = compiled(to_fp8) if t.is_cuda else to_fp8
+    """t [..., k] -> (q [m16, k], qᵀ [k, m16], scale): `kernels.fp8_cast` (its Triton kernels on a
+    GPU, its torch reference elsewhere), reused inside `casts_reused` (weights for the whole scope;
+    activations only by the next call: each would otherwise live until the forward ends)."""
+    from kernels import fp8_cast   # Triton on first use, as the other kernels
+    fn = fp8_cast.to_fp8 if t.is_cuda else fp8_cast.to_fp8_reference
     if _reused is None:
         return fn(t.detach(), dtype)
     slot = id(t) if isinstance(t, torch.nn.Parameter) else "activation"

@@ -76,8 +76,12 @@ def test_the_timer_gives_the_median_of_calls_on_the_cpu():
 
 def test_the_peers_steady_state_rate_is_read_from_its_last_epoch():
     from eagle3.bench.step import peer_tokens_per_s
-    log = ("Epoch 0 100%|##########| 10/10 [04:31<00:00, 27.10s/it]\n"      # the compiling epoch
-           "Epoch 1 100%|##########| 10/10 [00:10<00:00,  1.25s/it]\n")
-    assert peer_tokens_per_s(log, 16384) == 16384 / 1.25
-    assert peer_tokens_per_s("Epoch 3 100%|#| 10/10 [00:05<00:00,  2.00it/s]", 100) == 200
+
+    def epoch(n, *ms):   # the peer's log (speculators 0.9.0), one record per step
+        return (f"[04:28:31] INFO     Training epoch {n}/2 started                    trainer.py:737\n"
+                + "".join(f"                    profile/fwd_ms=398.646,\n                    profile/step_ms={t},"
+                          f"\n                    lr=9.58e-05, global_step={i}\n" for i, t in enumerate(ms)))
+    log = epoch(1, "2.41e+05", "1.10e+03") + epoch(2, "4.56e+03", "1.25e+03", "1.25e+03", "960.5") + "Epoch 2 100%"
+    assert peer_tokens_per_s(log, 16384) == 16384 / 1.25         # the last epoch's median step
+    assert peer_tokens_per_s(epoch(1, "500"), 100) == 200
     assert peer_tokens_per_s("rc 1 CUDA out of memory", 16384) is None

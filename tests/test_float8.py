@@ -6,6 +6,7 @@ import torch
 
 from conftest import make_config
 from eagle3 import float8, training
+from kernels import fp8_cast
 
 
 def rel(a, b):
@@ -76,7 +77,7 @@ def test_inside_casts_reused_a_weight_is_cast_once_until_it_changes(monkeypatch)
 
     plain = [grads(x) for x in xs]
     calls = []
-    monkeypatch.setattr(float8, "to_fp8", lambda t, dtype: _count(calls, t, dtype))
+    monkeypatch.setattr(fp8_cast, "to_fp8_reference", lambda t, dtype: _count(calls, t, dtype))
     with float8.casts_reused():
         reused = [grads(x) for x in xs]
         assert calls.count((32, 64)) == 1            # the weight: once for the three inputs
@@ -92,14 +93,14 @@ def test_inside_casts_reused_one_input_of_two_layers_is_cast_once(monkeypatch):
     w1, w2 = torch.nn.Parameter(torch.randn(16, 64)), torch.nn.Parameter(torch.randn(48, 64))
     x = torch.randn(20, 64)
     calls = []
-    monkeypatch.setattr(float8, "to_fp8", lambda t, dtype: _count(calls, t, dtype))
+    monkeypatch.setattr(fp8_cast, "to_fp8_reference", lambda t, dtype: _count(calls, t, dtype))
     with float8.casts_reused():
         float8.linear(x, w1), float8.linear(x, w2)
         float8.linear(x.clone(), w1)                # another tensor, equal values: cast anew
     assert calls.count((20, 64)) == 2 and len(calls) == 4
 
 
-_to_fp8 = float8.to_fp8
+_to_fp8 = fp8_cast.to_fp8_reference
 
 
 def _count(calls, t, dtype):

@@ -1,8 +1,8 @@
-"""`python -m eagle3.bench [step] [options]` or `python -m eagle3.bench {quality,attention,loss,moe} [options]`."""
+"""`python -m eagle3.bench [step] [options]` or `python -m eagle3.bench {quality,attention,loss,moe,fp8} [options]`."""
 import importlib
 import sys
 
-BENCHES = ("step", "quality", "attention", "loss", "moe")
+BENCHES = ("step", "quality", "attention", "loss", "moe", "fp8")
 
 
 def main(argv: list[str] | None = None) -> None:

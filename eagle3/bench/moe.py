@@ -190,13 +190,16 @@ def bench_streamed(s: dict, device: torch.device) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench moe", description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (smoke test)")
+    parser.add_argument("--parts", default="layer,streamed",
+                        help="comma list: layer (one MoE layer's time, W4A16 included), streamed (4-layer memory)")
     args = parser.parse_args(argv)
+    parts = args.parts.split(",")
     s, device = (TINY, torch.device("cpu")) if args.tiny else (KIMI, torch.device("cuda"))
     print(describe_device())
     with torch.no_grad():
         peak = matmul_tflops() if device.type == "cuda" else float("nan")
         print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")
-        layer = bench_layer(s, device, peak)
-        print(json.dumps(layer, indent=1))
-        streamed = bench_streamed(s, device)
-        print(json.dumps(streamed, indent=1))
+        if "layer" in parts:
+            print(json.dumps(bench_layer(s, device, peak), indent=1))
+        if "streamed" in parts:
+            print(json.dumps(bench_streamed(s, device), indent=1))

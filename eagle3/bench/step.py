@@ -314,13 +314,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def peer_tokens_per_s(log: str, tokens_per_step: int) -> float | None:
-    """Steady-state tokens/s from the peer's progress bars: the last completed epoch's s/it (or it/s)."""
-    rates = re.findall(r"Epoch \d+ 100%.*?([\d.]+)(s/it|it/s)\]", log)
-    if not rates:
-        return None
-    value, unit = rates[-1]
-    seconds = float(value) if unit == "s/it" else 1 / float(value)
-    return tokens_per_step / seconds
+    """Steady-state tokens/s from the peer's log: the median of its own per-step times
+    (`profile/step_ms`) over its last epoch (the first compiles for minutes); None without one."""
+    starts = list(re.finditer(r"Training epoch \d+/\d+ started", log))
+    last = log[starts[-1].end():] if starts else ""
+    times = [float(v) for v in re.findall(r"profile/step_ms=([\d.]+(?:e[+-]?\d+)?)", last)]
+    return tokens_per_step / (statistics.median(times) / 1e3) if times else None
 
 
 def run_peer(script: str, tokens_per_step: int, samples: int = 48) -> float | None:

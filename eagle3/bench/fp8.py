@@ -1,0 +1,63 @@
+"""`python -m eagle3.bench fp8`: the pieces of `train.float8` at the Kimi-size draft's shapes.
+
+For each operand of the step (an attention input [rows, 2H], an MLP gradient [rows, I], ...): the
+cast (`kernels.fp8_cast`: amax, then both layouts) against the same arithmetic under torch.compile
+and eagerly, checked bit for bit; the GEMM it feeds in fp8 (`torch._scaled_mm`) against bf16; and
+whether the fp8 GEMM plus its two casts beat the bf16 GEMM.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from eagle3.bench.timing import describe_device, median_ms
+from eagle3.float8 import E4M3, E5M2, _mm
+from kernels import fp8_cast
+
+H, I, ROWS = 7168, 18432, 14336      # hidden, intermediate, rows of a layout-(a) TTT step
+# (name, a [m, k] cast, b [n, k]): the forward of q and gate, dX of down (a = dY, e5m2)
+SHAPES = [("attention in: x [rows, 2H] @ Wq", (ROWS, 2 * H), (8192, 2 * H), E4M3),
+          ("mlp in: x [rows, H] @ Wgate", (ROWS, H), (I, H), E4M3),
+          ("mlp grad: dY [rows, I] @ Wgate", (ROWS, I), (H, I), E5M2)]
+
+
+def bench_shape(name: str, a_shape, b_shape, fmt) -> dict:
+    a = torch.randn(a_shape, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(b_shape, device="cuda", dtype=torch.bfloat16) * 0.02
+    compiled = torch.compile(fp8_cast.to_fp8_reference, dynamic=True)
+    got, want = fp8_cast.to_fp8(a, fmt), fp8_cast.to_fp8_reference(a, fmt)
+    same = all(torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,
+                           w.view(torch.uint8) if w.element_size() == 1 else w) for g, w in zip(got, want))
+    bq, bqt, sb = fp8_cast.to_fp8(b, E4M3)
+    aq, _, sa = got
+    gb = (a.numel() * 2 + aq.numel() * 2) / 1e9        # bytes the cast must move: read bf16, write fp8 twice
+    r = {"name": name, "a": list(a_shape), "b": list(b_shape), "format": str(fmt).removeprefix("torch."),
+         "bit_equal": same,
+         "cast_triton_ms": median_ms(lambda: fp8_cast.to_fp8(a, fmt)),
+         "cast_compiled_ms": median_ms(lambda: compiled(a, fmt)),
+         "cast_eager_ms": median_ms(lambda: fp8_cast.to_fp8_reference(a, fmt)),
+         "gemm_bf16_ms": median_ms(lambda: a @ b.t()),
+         "gemm_fp8_ms": median_ms(lambda: _mm(aq, sa, bq.t(), sb, torch.bfloat16))}
+    r["cast_gb_per_s"] = gb / r["cast_triton_ms"] * 1e3
+    r["fp8_with_casts_vs_bf16"] = (r["gemm_fp8_ms"] + r["cast_triton_ms"]) / r["gemm_bf16_ms"]
+    return r
+
+
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="python -m eagle3.bench fp8", description=__doc__.split("\n")[0]).parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        raise SystemExit("error: python -m eagle3.bench fp8 needs a GPU with fp8 tensor cores (compute capability >= 8.9)")
+    print(describe_device())
+    print("| operand | a | format | bit-equal | cast triton / compiled / eager ms | cast GB/s | GEMM bf16 / fp8 ms "
+          "| fp8 + cast / bf16 |")
+    print("| --- | --- | --- | --- | --- | ---: | --- | ---: |")
+    for shape in SHAPES:
+        r = bench_shape(*shape)
+        print(f"| {r['name']} | {r['a']} | {r['format']} | {r['bit_equal']} | {r['cast_triton_ms']:.3f} / "
+              f"{r['cast_compiled_ms']:.3f} / {r['cast_eager_ms']:.3f} | {r['cast_gb_per_s']:,.0f} | "
+              f"{r['gemm_bf16_ms']:.3f} / {r['gemm_fp8_ms']:.3f} | {r['fp8_with_casts_vs_bf16']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

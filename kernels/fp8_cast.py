@@ -1,0 +1,101 @@
+"""fp8 cast for training GEMMs: a tensor with one dynamic scale, in both layouts, in two passes.
+
+Hopper's fp8 GEMM takes only a row-major A and a column-major B, so each operand of the forward and
+backward products is wanted both as it is and transposed. For t [m, k] this returns
+
+    scale = max(amax(|t|) / MAX, 1e-12)              (MAX: 448 for e4m3, 57344 for e5m2)
+    q     = t / scale in fp8, [m16, k]               rows zero-padded to a multiple of 16
+    qᵀ    = the same values, [k, m16] contiguous
+
+with two kernels: an amax over the tensor (many programs, one atomic max each) and a tiled cast that
+reads each tile once and writes it twice, as it is and transposed. torch.compile's version of the
+same arithmetic took 1.5 ms where the bytes need 0.3 (H200, a [14336, 18432] bf16 gradient): a
+whole-tensor reduction with dynamic shapes, and the transposed copy as a third pass.
+
+`to_fp8_reference` is the ground truth (and the CPU path): the same values bit for bit, since the
+division is IEEE (div_rn) and the fp8 conversion rounds to nearest even in both.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.interpreter import fix_loop_bounds
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if INTERPRET:
+    fix_loop_bounds()
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def to_fp8_reference(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """t [..., k] -> (q [m16, k], qᵀ [k, m16], fp32 scale) in torch."""
+    t = t.reshape(-1, t.shape[-1])
+    t = F.pad(t, (0, 0, 0, -t.shape[0] % 16))
+    amax = t.abs().amax() if t.numel() else t.new_zeros(())
+    scale = (amax.float() / MAX[dtype]).clamp(min=1e-12)
+    q = (t.float() / scale).to(dtype)
+    return q, q.t().contiguous(), scale
+
+
+@triton.jit
+def _amax_kernel(x_ptr, n, amax_ptr, BLOCK: tl.constexpr):
+    """Each program: the max |x| of its strided blocks, then one atomic max (|x| >= 0: fp32 order)."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(pid.to(tl.int64) * BLOCK, n, programs * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
+    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, m, m16, k,
+                 OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_K] tile of x -> the same tile of q and, transposed, of qᵀ."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = cols[None, :] < k
+    x = tl.load(x_ptr + rows[:, None] * k + cols[None, :], mask=(rows[:, None] < m) & inside, other=0.0)
+    q = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)).to(OUT)   # padding rows: zeros
+    tl.store(q_ptr + rows[:, None] * k + cols[None, :], q, mask=(rows[:, None] < m16) & inside)
+    tl.store(qt_ptr + cols[:, None] * m16 + rows[None, :], tl.trans(q),
+             mask=(cols[:, None] < k) & (rows[None, :] < m16))
+
+
+_OUT = {E4M3: tl.float8e4nv, E5M2: tl.float8e5}
+
+
+def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`to_fp8_reference` in two Triton kernels, no host sync (the scale stays on the device)."""
+    x = t.reshape(-1, t.shape[-1]).contiguous()
+    m, k = x.shape
+    m16 = m + -m % 16
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    if x.numel():
+        block = 4096
+        programs = min(triton.cdiv(x.numel(), block), 4 * _sms(x.device))
+        _amax_kernel[(programs,)](x, x.numel(), amax, BLOCK=block, num_warps=8)
+    scale = (amax[0] / MAX[dtype]).clamp(min=1e-12)
+    # the interpreter rounds some values to the wrong fp8 (-125.9 / 0.98 -> -64, not -128): there the
+    # kernel writes fp32 and torch converts
+    out = torch.float32 if INTERPRET else dtype
+    q = torch.empty(m16, k, dtype=out, device=x.device)
+    qt = torch.empty(k, m16, dtype=out, device=x.device)
+    if q.numel():
+        grid = (triton.cdiv(m16, 64), triton.cdiv(k, 64))
+        _cast_kernel[grid](x, q, qt, scale, m, m16, k, OUT=tl.float32 if INTERPRET else _OUT[dtype],
+                           BLOCK_M=64, BLOCK_K=64, num_warps=4)
+    if INTERPRET:
+        q, qt = q.to(dtype), qt.to(dtype)
+    return q, qt, scale
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
