@@ -181,10 +181,13 @@ class TrainConfig:
         True, "the draft's `lm_head` keeps its initial weights: no gradient, not in the optimizer (the exports "
         "carry the target's rows); with the target's rows, frozen 3.25 vs trained 3.24 real τ. A resumed run "
         "must keep it and `draft.lm_head_init` (checkpoints from before these keys count as `random`, `false`)")
-    float8: bool = setting(
-        False, "the draft's linear layers (fc, attention, MLP) as fp8 GEMMs: e4m3 forward, e5m2 gradients, one "
-        "dynamic scale per tensor, fp32 masters; needs fp8 tensor cores (compute capability >= 8.9). The loss's "
-        "lm_head GEMMs stay bf16. Not yet measured for speed or real τ, so off")
+    float8: bool | None = setting(
+        None, "the draft's linear layers (fc, attention, MLP) as fp8 GEMMs: e4m3 forward, e5m2 gradients, one "
+        "dynamic scale per tensor, fp32 masters; the loss's lm_head GEMMs stay bf16. auto: on where training "
+        "runs on a GPU with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell) and the "
+        "draft's widths are multiples of 16, off elsewhere (the choice is printed at start-up); `true` "
+        "refuses a device or shape that cannot. Measured (H200, Kimi-size draft): 1.30x the bf16 step on "
+        "layout (a), 1.27x on (b); real τ on the quality benchmark within 0.15% of bf16 at the same tokens")
     fp32_residual: bool = setting(
         False, "keep the draft's residual stream and the state carried between TTT steps in fp32 (matmuls stay "
         "bf16), as speculators does; measured: no change in real τ on the quality benchmark, so off")

@@ -12,6 +12,7 @@ dimension a multiple of 16, so rows are zero-padded (zero rows add nothing to dW
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,32 @@ class _Float8Linear(torch.autograd.Function):
             dx = _mm(gq, sg, wq_t.t(), sw, ctx.x_dtype)[:ctx.rows]       # [m, k] = dY @ W
         dw = _mm(gq_t, sg, xq_t.t(), sx, torch.float32)                  # [n, k] = dYᵀ @ X
         return dx, dw.to(ctx.w_dtype), *[None] * 7
+
+
+def choose(setting: bool | None, device: torch.device, spec, where: str) -> bool:
+    """train.float8 for this run: `true` checked (an error names what cannot), `false`, or auto: on
+    where the device and the draft's widths allow it, with a line on stderr saying which and why."""
+    dims = draft_dims(spec)
+    if setting is not None:
+        if setting:
+            check_device(device, where)
+            check_dims(dims, where)
+        return setting
+    odd = [name for name, size in dims.items() if size % 16]
+    on = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) and not odd
+    if device.type == "cuda":
+        why = ("fp8 tensor cores" if on else f"widths not multiples of 16: {', '.join(odd)}" if odd
+               else f"no fp8 tensor cores on {torch.cuda.get_device_name(device)}")
+        print(f"train.float8 = auto: {'on' if on else 'off'} ({why})", file=sys.stderr)
+    return on
+
+
+def draft_dims(spec) -> dict[str, int]:
+    """The widths the fp8 GEMMs multiply along, by the names a user can change."""
+    return {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+            "num_attention_heads x head_dim": spec.num_attention_heads * spec.head_dim,
+            "num_key_value_heads x head_dim": spec.num_key_value_heads * spec.head_dim,
+            "3 x target_hidden_size": 3 * spec.target_hidden_size}
 
 
 def check_device(device: torch.device, where: str) -> None:

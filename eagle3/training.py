@@ -286,12 +286,8 @@ class Trainer:
         if self.cuda and t.compile_ops:
             draft.compile_elementwise()
         draft.fp32_residual = t.fp32_residual
-        if t.float8:
-            float8.check_device(self.device, cfg.source)
-            float8.check_dims({"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
-                               "num_attention_heads x head_dim": spec.num_attention_heads * spec.head_dim,
-                               "num_key_value_heads x head_dim": spec.num_key_value_heads * spec.head_dim,
-                               "3 x target_hidden_size": 3 * spec.target_hidden_size}, cfg.source)
+        self.float8 = float8.choose(t.float8, self.device, spec, cfg.source)
+        if self.float8:
             draft.use_float8()
         # the target's head rows of the draft vocab in their stored precision (tied: the embedding's)
         target_rows = self.target.get("lm_head.weight")[t2d]

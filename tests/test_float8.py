@@ -106,3 +106,23 @@ _to_fp8 = fp8_cast.to_fp8_reference
 def _count(calls, t, dtype):
     calls.append(tuple(t.shape))
     return _to_fp8(t, dtype)
+
+
+def test_auto_float8_is_on_only_where_the_gpu_and_the_widths_allow_it(monkeypatch, capsys):
+    from types import SimpleNamespace
+    spec = SimpleNamespace(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, target_hidden_size=64)
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA X")
+    assert float8.choose(None, torch.device("cpu"), spec, "c.toml") is False
+    for capability, widths, on, said in [((9, 0), {}, True, "on (fp8 tensor cores)"),
+                                         ((8, 0), {}, False, "off (no fp8 tensor cores on NVIDIA X)"),
+                                         ((9, 0), {"intermediate_size": 100}, False, "off (widths not multiples "
+                                                                                      "of 16: intermediate_size)")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert float8.choose(None, gpu, SimpleNamespace(**{**vars(spec), **widths}), "c.toml") is on
+        assert f"train.float8 = auto: {said}" in capsys.readouterr().err
+    assert float8.choose(False, gpu, spec, "c.toml") is False           # an explicit choice is kept
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="needs a GPU with fp8 tensor cores"):
+        float8.choose(True, gpu, spec, "c.toml")
