@@ -3,7 +3,8 @@
 #   step   the peer's step (speculators 0.9.0, its first epoch compiles for 4-5 minutes), then the
 #          full Kimi-size step on layout (a), Triton kernels in bf16 and with train.float8, the
 #          default frozen target head, and the ours/peer ratio, all in this call
-#   step-a the step on layout (a) alone: Triton with train.float8 and in bf16, with profile tables
+#   step-a the step on layout (a) alone: Triton with train.float8, with train.float8_head too, and in
+#          bf16, with profile tables
 #   step-b the same step on layout (b): the torch path, Triton in bf16 and with train.float8
 #   fp8    the casts and GEMMs of train.float8 at the step's shapes (python -m eagle3.bench fp8)
 #   moe    the Kimi MoE layer alone (W4A16 included)
@@ -26,7 +27,7 @@ for part in "$@"; do
       PYTHONPATH=/tmp/site python3 -m eagle3.bench --layouts a --kernels triton,triton-fp8 --steps 3 --warmup 2 \
         --dir /tmp/bd --json "$out/step.jsonl" --profile-dir "$out/prof" --peer-script bench/peer/speculators_kimi_step.py 2>&1 | quiet | tee "$out/step.txt" ;;
     step-a)
-      python3 -m eagle3.bench --layouts a --kernels triton-fp8,triton --steps 3 --warmup 2 --dir /tmp/bd \
+      python3 -m eagle3.bench --layouts a --kernels triton-fp8,triton-fp8-head,triton --steps 3 --warmup 2 --dir /tmp/bd \
         --json "$out/step-a.jsonl" --profile-dir "$out/prof" 2>&1 | quiet | tee "$out/step-a.txt" ;;
     step-b)
       python3 -m eagle3.bench --layouts b --kernels torch,triton,triton-fp8 --steps 3 --warmup 2 --dir /tmp/bd \

@@ -188,6 +188,11 @@ class TrainConfig:
         "draft's widths are multiples of 16, off elsewhere (the choice is printed at start-up); `true` "
         "refuses a device or shape that cannot. Measured (H200, Kimi-size draft): 1.30x the bf16 step on "
         "layout (a), 1.27x on (b); real τ on the quality benchmark within 0.15% of bf16 at the same tokens")
+    float8_head: bool = setting(
+        False, "the loss's lm_head GEMMs (the logits and their input gradient) as fp8 GEMMs too: h e4m3, dz e5m2, "
+        "the head e4m3, one scale per chunk; needs the Triton loss (`train.kernels` auto or triton on a GPU "
+        "with fp8 tensor cores) and a draft vocab and hidden size that are multiples of 16. Held-out metrics "
+        "stay exact. Not yet measured for speed or real τ, so off")
     fp32_residual: bool = setting(
         False, "keep the draft's residual stream and the state carried between TTT steps in fp32 (matmuls stay "
         "bf16), as speculators does; measured: no change in real τ on the quality benchmark, so off")

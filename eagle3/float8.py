@@ -12,6 +12,7 @@ dimension a multiple of 16, so rows are zero-padded (zero rows add nothing to dW
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import torch
@@ -30,7 +31,10 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., k] @ w.T with w [n, k], as fp8 GEMMs forward and backward; the output in autocast's
-    dtype where autocast is on (as the dense path's), else in x's."""
+    dtype where autocast is on (as the dense path's), else in x's. Without autograd (held-out
+    evaluation) the dense path: metrics measure the draft as it is served, in bf16."""
+    if not torch.is_grad_enabled():
+        return dense_linear(x, w)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     x2 = x.reshape(-1, x.shape[-1])
@@ -109,6 +113,17 @@ def choose(setting: bool | None, device: torch.device, spec, where: str) -> bool
                else f"no fp8 tensor cores on {torch.cuda.get_device_name(device)}")
         print(f"train.float8 = auto: {'on' if on else 'off'} ({why})", file=sys.stderr)
     return on
+
+
+def head_loss(loss_steps, device: torch.device, spec, where: str):
+    """train.float8_head: the Triton `ttt_loss_steps` with its lm_head GEMMs in fp8, checked."""
+    from kernels import ttt_loss_steps
+    if loss_steps is not ttt_loss_steps or device.type != "cuda":
+        raise ConfigError(f"{where}: train.float8_head = true needs the Triton loss on a GPU (train.kernels "
+                         "\"auto\" or \"triton\" on CUDA)")
+    check_device(device, where)
+    check_dims({"hidden_size": spec.hidden_size, "draft_vocab_size": spec.draft_vocab_size}, where)
+    return functools.partial(ttt_loss_steps, float8=True)
 
 
 def draft_dims(spec) -> dict[str, int]:

@@ -322,6 +322,8 @@ class Trainer:
             self.ddp = nn.parallel.DistributedDataParallel(
                 self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
         self.attention, self.loss_steps = select_kernels(t.kernels, self.device, spec.head_dim, cfg.source)
+        if t.float8_head:
+            self.loss_steps = float8.head_loss(self.loss_steps, self.device, spec, cfg.source)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
         # first non-finite step and its cause (CAUSES), steps skipped since the last log; on the device
         self.first_nonfinite = torch.full((2,), -1, dtype=torch.long, device=self.device)

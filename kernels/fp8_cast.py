@@ -56,24 +56,27 @@ def _amax_kernel(x_ptr, n, amax_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, m, m16, k,
-                 OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_M, BLOCK_K] tile of x -> the same tile of q and, transposed, of qᵀ."""
+def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, m, m16, k, OUT: tl.constexpr, TRANSPOSED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_K] tile of x -> the same tile of q and (TRANSPOSED), transposed, of qᵀ."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = cols[None, :] < k
     x = tl.load(x_ptr + rows[:, None] * k + cols[None, :], mask=(rows[:, None] < m) & inside, other=0.0)
     q = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)).to(OUT)   # padding rows: zeros
     tl.store(q_ptr + rows[:, None] * k + cols[None, :], q, mask=(rows[:, None] < m16) & inside)
-    tl.store(qt_ptr + cols[:, None] * m16 + rows[None, :], tl.trans(q),
-             mask=(cols[:, None] < k) & (rows[None, :] < m16))
+    if TRANSPOSED:
+        tl.store(qt_ptr + cols[:, None] * m16 + rows[None, :], tl.trans(q),
+                 mask=(cols[:, None] < k) & (rows[None, :] < m16))
 
 
 _OUT = {E4M3: tl.float8e4nv, E5M2: tl.float8e5}
 
 
-def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`to_fp8_reference` in two Triton kernels, no host sync (the scale stays on the device)."""
+def to_fp8(t: torch.Tensor, dtype: torch.dtype, transposed: bool = True
+           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`to_fp8_reference` in two Triton kernels, no host sync (the scale stays on the device);
+    qᵀ is None when not `transposed` (an operand only ever used as A)."""
     x = t.reshape(-1, t.shape[-1]).contiguous()
     m, k = x.shape
     m16 = m + -m % 16
@@ -87,13 +90,14 @@ def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     # kernel writes fp32 and torch converts
     out = torch.float32 if INTERPRET else dtype
     q = torch.empty(m16, k, dtype=out, device=x.device)
-    qt = torch.empty(k, m16, dtype=out, device=x.device)
+    qt = torch.empty(k, m16, dtype=out, device=x.device) if transposed else q
     if q.numel():
         grid = (triton.cdiv(m16, 64), triton.cdiv(k, 64))
         _cast_kernel[grid](x, q, qt, scale, m, m16, k, OUT=tl.float32 if INTERPRET else _OUT[dtype],
-                           BLOCK_M=64, BLOCK_K=64, num_warps=4)
+                           TRANSPOSED=transposed, BLOCK_M=64, BLOCK_K=64, num_warps=4)
+    qt = qt if transposed else None
     if INTERPRET:
-        q, qt = q.to(dtype), qt.to(dtype)
+        q, qt = q.to(dtype), qt.to(dtype) if transposed else None
     return q, qt, scale
 
 

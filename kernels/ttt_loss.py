@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fp8_cast
+
 # Rows per chunk: enough for the GEMMs to run at full rate and for few bf16 roundings of the dw
 # accumulator, small enough that the chunk buffers (logits [chunk, V] plus two [chunk, H]) stay
 # well under 1 GiB. 8192 rows at V = 32000 in bf16.
@@ -128,15 +130,40 @@ def _soft_ce(z, p, rows, g, loss, argmax) -> None:
 
 
 class _Workspace:
-    """The chunk buffers, allocated once per call and reused by every chunk and step."""
+    """The chunk buffers, allocated once per call and reused by every chunk and step, and the two
+    GEMMs that read w: in w's dtype, or (float8) as scaled fp8 GEMMs of w cast once per call."""
 
-    def __init__(self, w: torch.Tensor, chunk: int | None, max_rows: int):
+    def __init__(self, w: torch.Tensor, chunk: int | None, max_rows: int, float8: bool = False):
         V, H = w.shape
         if chunk is None:
             chunk = max(128, CHUNK_BYTES // (V * w.element_size()) // 128 * 128)
         self.chunk = max(1, min(chunk, max_rows))
-        self.z = w.new_empty(self.chunk, V)
+        self.z = w.new_empty(self.chunk + -self.chunk % 16, V)   # fp8 GEMMs write rows in 16s
         self._w, self._h, self._dh = w, None, None
+        self.float8 = float8
+        if float8:   # w [V, H] and wᵀ [H, V] in e4m3, one scale: B of the logits and of dh
+            self._wq, self._wq_t, self._sw = fp8_cast.to_fp8(w, fp8_cast.E4M3)
+
+    def logits(self, h_c: torch.Tensor) -> torch.Tensor:
+        """z = h_c wᵀ [n, V], in the workspace."""
+        n = h_c.shape[0]
+        if not self.float8:
+            return torch.matmul(h_c, self._w.t(), out=self.z[:n])
+        hq, _, sh = fp8_cast.to_fp8(h_c, fp8_cast.E4M3, transposed=False)             # [n16, H]
+        torch._scaled_mm(hq, self._wq.t(), scale_a=sh, scale_b=self._sw, out_dtype=self.z.dtype,
+                         out=self.z[:hq.shape[0]])
+        return self.z[:n]
+
+    def input_grad(self, dz: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [n, H] = dz w, dz [n, V] (in fp8: e5m2 with one scale per chunk, as the draft's
+        linear layers take their output gradients)."""
+        if not self.float8:
+            return torch.matmul(dz, self._w, out=out)
+        dq, _, sd = fp8_cast.to_fp8(dz, fp8_cast.E5M2, transposed=False)                # [n16, V]
+        full = dq.shape[0] == out.shape[0]
+        y = torch._scaled_mm(dq, self._wq_t.t(), scale_a=sd, scale_b=self._sw, out_dtype=out.dtype,
+                             out=out if full else None)
+        return y if full else out.copy_(y[:out.shape[0]])
 
     def gathered(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, H] buffers for compacted rows of h and dh (only when some rows are not valid)."""
@@ -178,15 +205,15 @@ def _score_rows(h, w, p, rows, ws, loss, argmax, g=None, dh=None, dw=None, dw_fr
         else:
             h_buf, dh_buf = ws.gathered(b - a)
             h_c = torch.index_select(h, 0, r, out=h_buf)
-        z = torch.matmul(h_c, w.t(), out=ws.z[: b - a])
+        z = ws.logits(h_c)
         _soft_ce(z, p, r, g, loss, argmax)
         if g is None:
             continue
         if dh is not None:
             if dense:
-                torch.matmul(z, w, out=dh[a:b])
+                ws.input_grad(z, dh[a:b])
             else:
-                dh.index_copy_(0, r, torch.matmul(z, w, out=dh_buf))
+                dh.index_copy_(0, r, ws.input_grad(z, dh_buf))
         if dw is not None:
             if dw_fresh:
                 torch.matmul(z.t(), h_c, out=dw)
@@ -266,13 +293,13 @@ class TTTLossStepsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, meta, *hs):
-        ps, valids, weights, chunk, grad_mode = meta
+        ps, valids, weights, chunk, grad_mode, float8 = meta
         # needs_input_grad ignores torch.no_grad(): grad_mode comes from the caller.
         need_w = grad_mode and ctx.needs_input_grad[0]
         need_h = [grad_mode and n for n in ctx.needs_input_grad[2:]]
         grads = need_w or any(need_h)
         rows = [_valid_rows(v, h.shape[0], h.device) for h, v in zip(hs, valids)]
-        ws = _Workspace(w, chunk, max([r.numel() for r in rows] + [1]))
+        ws = _Workspace(w, chunk, max([r.numel() for r in rows] + [1]), float8)
         dw = torch.zeros_like(w) if need_w else None
         K = len(hs)
         dw_fresh, total = True, 0.0
@@ -318,7 +345,7 @@ def _row_weights(weight, N: int, device) -> torch.Tensor:
 def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[torch.Tensor],
                    valids: Sequence[torch.Tensor | None] | None = None,
                    weights: Sequence[float | torch.Tensor] | None = None, chunk: int | None = None,
-                   ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+                   float8: bool = False) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """All K TTT steps at once: (total, losses, argmaxes).
 
     hs[k] [N_k, H], ps[k] [N_k, V] and valids[k] bool [N_k] (or None) are step k's inputs to
@@ -327,7 +354,10 @@ def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[tor
     total = Σ_k Σ_i weights[k]_i · loss_k,i is an fp32 scalar, differentiable in every hs[k] and w;
     losses[k] / argmaxes[k] are `ttt_loss`'s outputs for step k (not differentiable). The gradient
     is computed during forward (3 GEMMs per step instead of 4), with dw accumulated in bf16 across
-    chunks when w is bf16. Extra memory: the gradient buffers plus one chunk.
+    chunks when w is bf16. Extra memory: the gradient buffers plus one chunk. `float8`: the logits
+    and dh GEMMs as scaled fp8 GEMMs (h chunks e4m3, dz e5m2, w e4m3 cast once; dw stays in w's
+    dtype), only where gradients are computed (evaluation measures in w's dtype); V and H must be
+    multiples of 16.
     """
     K = len(hs)
     valids = [None] * K if valids is None else list(valids)
@@ -336,5 +366,9 @@ def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[tor
         raise ValueError("ttt_loss_steps: hs, ps, valids and weights need one entry per step")
     ps = [_check(h, w, p) for h, p in zip(hs, ps)]
     hs = [h.contiguous() for h in hs]
-    outs = TTTLossStepsFunction.apply(w.contiguous(), (ps, valids, weights, chunk, torch.is_grad_enabled()), *hs)
+    if float8 and (w.shape[0] % 16 or w.shape[1] % 16):
+        raise ValueError(f"ttt_loss_steps: float8 needs V and H multiples of 16, w is {tuple(w.shape)}")
+    grad_mode = torch.is_grad_enabled()
+    outs = TTTLossStepsFunction.apply(w.contiguous(), (ps, valids, weights, chunk, grad_mode, float8 and grad_mode),
+                                      *hs)
     return outs[0], list(outs[1:1 + K]), list(outs[1 + K:])

@@ -126,3 +126,30 @@ def test_auto_float8_is_on_only_where_the_gpu_and_the_widths_allow_it(monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match="needs a GPU with fp8 tensor cores"):
         float8.choose(True, gpu, spec, "c.toml")
+
+
+def test_without_autograd_the_fp8_linear_is_the_dense_one():
+    x, w = torch.randn(20, 32), torch.randn(16, 32)
+    with torch.no_grad():                                # held-out evaluation: the draft as served
+        assert torch.equal(float8.linear(x, w), float8.dense_linear(x, w))
+    assert not torch.equal(float8.linear(x, w), float8.dense_linear(x, w))
+
+
+def test_float8_head_needs_the_triton_loss_on_a_gpu(tmp_path, llama_target, token_data, hidden):
+    cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.float8_head": "true"})
+    with pytest.raises(ValueError, match=r"train.float8_head = true needs the Triton loss on a GPU"):
+        training.Trainer(cfg)
+
+
+def test_float8_head_wraps_the_triton_loss_and_checks_its_widths(monkeypatch):
+    from types import SimpleNamespace
+
+    import kernels
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu, spec = torch.device("cuda", 0), SimpleNamespace(hidden_size=64, draft_vocab_size=256)
+    loss = float8.head_loss(kernels.ttt_loss_steps, gpu, spec, "c.toml")
+    assert loss.func is kernels.ttt_loss_steps and loss.keywords == {"float8": True}
+    with pytest.raises(ValueError, match=r"multiples of 16; draft_vocab_size = 100"):
+        float8.head_loss(kernels.ttt_loss_steps, gpu, SimpleNamespace(hidden_size=64, draft_vocab_size=100), "c.toml")
+    with pytest.raises(ValueError, match="needs the Triton loss"):
+        float8.head_loss(kernels.ttt_loss_steps_reference, gpu, spec, "c.toml")

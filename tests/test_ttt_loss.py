@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ["fp32_rows_not_valid", "bf16_matches_reference", "peaked_flat_and_unnormalized_targets",
          "vocab_block_edges_and_ties", "no_valid_rows_and_no_grad", "all_steps_at_once",
-         "valid_rows_as_indices"]
+         "valid_rows_as_indices", "float8_gemms_follow_the_exact_ones"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,6 +213,43 @@ def case_all_steps_at_once():
     errs = [_rel(h.grad, hd.grad) for h, hd in zip(hs, hds)] + [_rel(w.grad, wd.grad)]
     assert max(errs) < 1e-5, f"gradient errors (dh per step, dw) {errs}"
     assert (hs[2].grad == 0).all(), "a step with no valid rows must give dh = 0"
+
+
+def case_float8_gemms_follow_the_exact_ones():
+    """float8 = True (logits and dh as scaled fp8 GEMMs) against the same call in fp32: a few percent
+    (e4m3 inputs, e5m2 dz), not more; dw (computed from the same dz, in w's dtype) likewise. Odd row
+    counts and chunks exercise the padding to 16 rows, masks the gathered path; V and H must be
+    multiples of 16."""
+    import torch
+    from kernels.ttt_loss import ttt_loss_steps
+    K, N, H, V = 3, 37, 64, 320
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(V, H, generator=g) / H ** 0.5 * 4
+    p_all = torch.softmax(torch.randn(N + K, V, generator=g) * 3, -1)
+    ps = [p_all[k:k + N] for k in range(K)]
+    hs = [torch.randn(N, H, generator=g) for _ in range(K)]
+    valids = [None, torch.rand(N, generator=g) > 0.3, torch.zeros(N, dtype=torch.bool)]
+
+    def run(float8):
+        wr, hr = w.clone().requires_grad_(), [h.clone().requires_grad_() for h in hs]
+        total, losses, argmaxes = ttt_loss_steps(hr, wr, ps, valids, [1.0, 0.8, 0.64], chunk=24, float8=float8)
+        total.backward()
+        return total, losses, argmaxes, [h.grad for h in hr], wr.grad
+
+    exact, fp8 = run(False), run(True)
+    assert _rel(fp8[0], exact[0]) < 0.03, f"total {_rel(fp8[0], exact[0]):.3g}"
+    assert 1e-5 < _rel(fp8[1][0], exact[1][0]) < 0.05, "step 0 losses: not fp8, or too far"
+    agree = (fp8[2][0] == exact[2][0]).float().mean().item()
+    assert agree > 0.8, f"argmax agreement {agree:.2f}"
+    errs = [_rel(a, b) for a, b in zip(fp8[3][:2], exact[3][:2])] + [_rel(fp8[4], exact[4])]
+    assert max(errs) < 0.1, f"gradient errors (dh steps 0, 1; dw) {errs}"
+    assert (fp8[3][2] == 0).all(), "a step with no valid rows must give dh = 0"
+    try:
+        ttt_loss_steps(hs, w[:100], [p[:, :100] for p in ps], float8=True)
+    except ValueError as exc:
+        assert "multiples of 16" in str(exc)
+    else:
+        raise AssertionError("V = 100 must be refused with float8")
 
 
 def case_valid_rows_as_indices():

@@ -15,11 +15,14 @@ from eagle3.bench.timing import describe_device, median_ms
 from eagle3.float8 import E4M3, E5M2, _mm
 from kernels import fp8_cast
 
-H, I, ROWS = 7168, 18432, 14336      # hidden, intermediate, rows of a layout-(a) TTT step
-# (name, a [m, k] cast, b [n, k]): the forward of q and gate, dX of down (a = dY, e5m2)
+H, I, V, ROWS = 7168, 18432, 32000, 14336      # hidden, intermediate, draft vocab, rows of a layout-(a) TTT step
+# (name, a [m, k] cast, b [n, k], a's format): the forward of q and gate, dX of gate (a = dY, e5m2)
 SHAPES = [("attention in: x [rows, 2H] @ Wq", (ROWS, 2 * H), (8192, 2 * H), E4M3),
           ("mlp in: x [rows, H] @ Wgate", (ROWS, H), (I, H), E4M3),
-          ("mlp grad: dY [rows, I] @ Wgate", (ROWS, I), (H, I), E5M2)]
+          ("mlp grad: dY [rows, I] @ Wgate", (ROWS, I), (H, I), E5M2),
+          # train.float8_head: the loss's GEMMs over one chunk of rows (8192 at V = 32000)
+          ("loss logits: h [chunk, H] @ head", (8192, H), (V, H), E4M3),
+          ("loss dh: dz [chunk, V] @ head", (8192, V), (H, V), E5M2)]
 
 
 def bench_shape(name: str, a_shape, b_shape, fmt) -> dict:

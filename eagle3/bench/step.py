@@ -193,10 +193,12 @@ def same_weights_on_all_ranks(trainer: Trainer) -> bool:
 
 def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup: int, tflops: float,
               profile_dir: Path | None = None, train_head: bool = False, prompt_rows: bool = False) -> dict:
-    path, fp8 = kernels.removesuffix("-fp8"), kernels.endswith("-fp8")   # "triton-fp8": also train.float8
+    # "triton-fp8": also train.float8; "triton-fp8-head": and train.float8_head
+    path, *options = kernels.split("-")
+    fp8, fp8_head = "fp8" in options, "head" in options
     args = ["--target.path", str(root / "target"), "--train.data_dir", str(root / f"data-{layout}"),
             "--train.output_dir", str(root / f"out-{layout}-{kernels}"), "--train.kernels", path,
-            "--train.float8", str(fp8).lower(),
+            "--train.float8", str(fp8).lower(), "--train.float8_head", str(fp8_head).lower(),
             "--train.batch_tokens", str(s["seqs"] * s["seq_len"]), "--train.eval_fraction", "0",
             "--train.max_steps", str(steps + warmup + 2), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
@@ -245,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", default="a,b")
     parser.add_argument("--kernels", default="torch,triton",
-                        help="comma list of torch, triton; a -fp8 suffix adds train.float8 (e.g. triton-fp8)")
+                        help="comma list of torch, triton; a -fp8 suffix adds train.float8 (e.g. triton-fp8), "
+                             "-fp8-head also train.float8_head")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
