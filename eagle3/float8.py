@@ -32,8 +32,9 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., k] @ w.T with w [n, k], as fp8 GEMMs forward and backward; the output in autocast's
     dtype where autocast is on (as the dense path's), else in x's. Without autograd (held-out
-    evaluation) the dense path: metrics measure the draft as it is served, in bf16."""
-    if not torch.is_grad_enabled():
+    evaluation) the dense path: metrics measure the draft as it is served, in bf16. The output may
+    be a view of the padded product: do not modify it in place."""
+    if not torch.is_grad_enabled() or x.numel() == 0:   # nothing to cast: a step-0 batch with no trained row
         return dense_linear(x, w)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
@@ -89,17 +90,19 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         xq_t, sx, wq_t, sw = ctx.saved_tensors
-        gq, gq_t, sg = cast(grad.reshape(ctx.rows, -1), E5M2)             # [m16, n], [n, m16]
-        dx = None
+        gq, gq_t, sg = cast(grad.reshape(ctx.rows, grad.shape[-1]), E5M2)   # [m16, n], [n, m16]
+        dx = dw = None
         if ctx.needs_input_grad[0]:   # not for fc: the aux states need none
             dx = _mm(gq, sg, wq_t.t(), sw, ctx.x_dtype)[:ctx.rows]       # [m, k] = dY @ W
-        dw = _mm(gq_t, sg, xq_t.t(), sx, torch.float32)                  # [n, k] = dYᵀ @ X
-        return dx, dw.to(ctx.w_dtype), *[None] * 7
+        if ctx.needs_input_grad[1]:
+            dw = _mm(gq_t, sg, xq_t.t(), sx, torch.float32).to(ctx.w_dtype)   # [n, k] = dYᵀ @ X
+        return dx, dw, *[None] * 7
 
 
-def choose(setting: bool | None, device: torch.device, spec, where: str) -> bool:
+def choose(setting: bool | None, device: torch.device, spec, where: str, say: bool = True) -> bool:
     """train.float8 for this run: `true` checked (an error names what cannot), `false`, or auto: on
-    where the device and the draft's widths allow it, with a line on stderr saying which and why."""
+    where the device and the draft's widths allow it, with a line on stderr (when `say`: rank 0)
+    saying which and why. Every rank decides alike: same GPU kind, same draft."""
     dims = draft_dims(spec)
     if setting is not None:
         if setting:
@@ -107,10 +110,18 @@ def choose(setting: bool | None, device: torch.device, spec, where: str) -> bool
             check_dims(dims, where)
         return setting
     odd = [name for name, size in dims.items() if size % 16]
-    on = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) and not odd
-    if device.type == "cuda":
-        why = ("fp8 tensor cores" if on else f"widths not multiples of 16: {', '.join(odd)}" if odd
-               else f"no fp8 tensor cores on {torch.cuda.get_device_name(device)}")
+    if device.type != "cuda":
+        why = f"{device.type}: fp8 GEMMs need a GPU"
+    elif torch.version.hip is not None:   # ROCm's fp8 formats are the fnuz ones, not e4m3fn / e5m2
+        why = "ROCm: not supported"
+    elif torch.cuda.get_device_capability(device) < (8, 9):
+        why = f"no fp8 tensor cores on {torch.cuda.get_device_name(device)}"
+    elif odd:
+        why = f"widths not multiples of 16: {', '.join(odd)}"
+    else:
+        why = "fp8 tensor cores"
+    on = why == "fp8 tensor cores"
+    if say:
         print(f"train.float8 = auto: {'on' if on else 'off'} ({why})", file=sys.stderr)
     return on
 

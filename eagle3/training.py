@@ -286,7 +286,7 @@ class Trainer:
         if self.cuda and t.compile_ops:
             draft.compile_elementwise()
         draft.fp32_residual = t.fp32_residual
-        self.float8 = float8.choose(t.float8, self.device, spec, cfg.source)
+        self.float8 = float8.choose(t.float8, self.device, spec, cfg.source, say=self.dist.main)
         if self.float8:
             draft.use_float8()
         # the target's head rows of the draft vocab in their stored precision (tied: the embedding's)
@@ -372,7 +372,8 @@ class Trainer:
     def _state(self) -> dict:
         return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
                 "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
-                "world_size": self.dist.world, "schedule_total": self.schedule.total}
+                "world_size": self.dist.world, "schedule_total": self.schedule.total,
+                "float8_used": self.float8}   # what train.float8 (auto: the GPU) resolved to
 
     def _maybe_resume(self) -> int:
         choice = self.cfg.train.resume
@@ -412,6 +413,9 @@ class Trainer:
             was = (state["world_size"], state["config"]["train"]["grad_accum"])
             other = (f"; written by world size {was[0]} x train.grad_accum {was[1]}, now {self.dist.world} x "
                      f"{self.cfg.train.grad_accum}: the same global batch" if was[0] != self.dist.world else "")
+            if state.get("float8_used", self.float8) != self.float8:   # auto on another GPU kind, say
+                other += (f"; its steps so far ran {'with' if state['float8_used'] else 'without'} fp8 GEMMs, "
+                          f"from here {'with' if self.float8 else 'without'} (train.float8)")
             print(f"resumed from {path} (step {state['step']}{other})", file=sys.stderr)
         return state["step"]
 

@@ -12,8 +12,10 @@ reads each tile once and writes it twice, as it is and transposed. torch.compile
 same arithmetic took 1.5 ms where the bytes need 0.3 (H200, a [14336, 18432] bf16 gradient): a
 whole-tensor reduction with dynamic shapes, and the transposed copy as a third pass.
 
-`to_fp8_reference` is the ground truth (and the CPU path): the same values bit for bit, since the
-division is IEEE (div_rn) and the fp8 conversion rounds to nearest even in both.
+`to_fp8_reference` is the ground truth (and the CPU path): the same values bit for bit for finite
+inputs, since the division is IEEE (div_rn) and the fp8 conversion rounds to nearest even in both
+(a NaN, which the reference's amax keeps, the atomic max may drop; training stops at a non-finite
+loss either way).
 """
 from __future__ import annotations
 

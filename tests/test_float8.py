@@ -115,6 +115,9 @@ def test_auto_float8_is_on_only_where_the_gpu_and_the_widths_allow_it(monkeypatc
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA X")
     assert float8.choose(None, torch.device("cpu"), spec, "c.toml") is False
+    assert "train.float8 = auto: off (cpu: fp8 GEMMs need a GPU)" in capsys.readouterr().err
+    assert float8.choose(None, torch.device("cpu"), spec, "c.toml", say=False) is False   # not rank 0
+    assert capsys.readouterr().err == ""
     for capability, widths, on, said in [((9, 0), {}, True, "on (fp8 tensor cores)"),
                                          ((8, 0), {}, False, "off (no fp8 tensor cores on NVIDIA X)"),
                                          ((9, 0), {"intermediate_size": 100}, False, "off (widths not multiples "
@@ -122,6 +125,10 @@ def test_auto_float8_is_on_only_where_the_gpu_and_the_widths_allow_it(monkeypatc
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert float8.choose(None, gpu, SimpleNamespace(**{**vars(spec), **widths}), "c.toml") is on
         assert f"train.float8 = auto: {said}" in capsys.readouterr().err
+    monkeypatch.setattr(torch.version, "hip", "6.2")                    # ROCm: other fp8 formats
+    assert float8.choose(None, gpu, spec, "c.toml") is False
+    assert "train.float8 = auto: off (ROCm: not supported)" in capsys.readouterr().err
+    monkeypatch.setattr(torch.version, "hip", None)
     assert float8.choose(False, gpu, spec, "c.toml") is False           # an explicit choice is kept
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match="needs a GPU with fp8 tensor cores"):
@@ -153,3 +160,26 @@ def test_float8_head_wraps_the_triton_loss_and_checks_its_widths(monkeypatch):
         float8.head_loss(kernels.ttt_loss_steps, gpu, SimpleNamespace(hidden_size=64, draft_vocab_size=100), "c.toml")
     with pytest.raises(ValueError, match="needs the Triton loss"):
         float8.head_loss(kernels.ttt_loss_steps_reference, gpu, spec, "c.toml")
+
+
+def test_a_checkpoint_says_whether_fp8_ran_and_a_resume_without_it_says_so(tmp_path, llama_target, token_data,
+                                                                          hidden, capsys):
+    from eagle3 import checkpoint as ckpt_io
+    first = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.float8": "true",
+                                                               "train.max_steps": 3})
+    training.Trainer(first).run()
+    assert ckpt_io.read_state(ckpt_io.latest(tmp_path / "train"))["float8_used"] is True
+    capsys.readouterr()
+    again = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.float8": "false",
+                                                               "train.max_steps": 6})
+    trainer = training.Trainer(again)
+    assert "its steps so far ran with fp8 GEMMs, from here without (train.float8)" in capsys.readouterr().err
+    trainer.run()
+    assert ckpt_io.read_state(ckpt_io.latest(tmp_path / "train"))["float8_used"] is False
+
+
+def test_a_zero_row_input_passes_the_fp8_linear_both_ways():
+    x, w = torch.randn(0, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    y = float8.linear(x, w)                               # a micro-batch with no trained row, at step 0
+    y.sum().backward()
+    assert y.shape == (0, 16) and x.grad.shape == (0, 32) and (w.grad == 0).all()

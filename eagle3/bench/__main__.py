@@ -1,8 +1,8 @@
-"""`python -m eagle3.bench [step] [options]` or `python -m eagle3.bench {quality,attention,loss,moe,fp8} [options]`."""
+"""`python -m eagle3.bench [step] [options]` or `python -m eagle3.bench {quality,attention,loss,moe,fp8,online,node} [options]`."""
 import importlib
 import sys
 
-BENCHES = ("step", "quality", "attention", "loss", "moe", "fp8")
+BENCHES = ("step", "quality", "attention", "loss", "moe", "fp8", "online", "node")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma list: layer (one MoE layer's time, W4A16 included), streamed (4-layer memory)")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
+    if not set(parts) <= {"layer", "streamed"}:
+        parser.error(f"--parts {args.parts}: expected a comma list of layer, streamed")
     s, device = (TINY, torch.device("cpu")) if args.tiny else (KIMI, torch.device("cuda"))
     print(describe_device())
     with torch.no_grad():

@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     s = TINY if args.tiny else KIMI
     dist = distributed.setup()
+    if args.peer_script and dist.world > 1:   # the other ranks would wait in a collective for its minutes
+        raise SystemExit("error: --peer-script runs the peer on one GPU: run it without torchrun")
     root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
     layouts = args.layouts.split(",")
     if dist.main:
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         name = torch.cuda.get_device_name() if dist.device.type == "cuda" else "cpu"
         print(f"\n{name}, torch {torch.__version__}, bf16 matmul {tflops:.0f} TFLOP/s (8192^3), "
               f"{dist.world} rank(s), micro-batch {s['seqs']} x {s['seq_len']} tokens")
-        print("| layout | kernels | step ms | tokens/s/GPU | MFU | peak GiB | GPU idle | host syncs/step "
+        print("| layout | kernels | step ms | tokens/s/GPU | MFU (bf16 peak) | peak GiB | GPU idle | host syncs/step "
               "| same weights on all ranks | first step loss0 |")
         print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
         for r in results:
@@ -327,12 +329,16 @@ def peer_tokens_per_s(log: str, tokens_per_step: int) -> float | None:
 
 def run_peer(script: str, tokens_per_step: int, samples: int = 48) -> float | None:
     """The peer's step on the same shapes and GPU (its own script, `samples` sequences of 4096 tokens:
-    11 steps per epoch, the second epoch steady, as in its recorded figures): its tokens/s."""
+    12 steps per epoch, the second epoch steady, as in its recorded figures): its tokens/s, from the
+    full log the script writes to $OUT (or /tmp)/kimi_peer.log (its stdout keeps only a summary)."""
+    import os
     import subprocess
     import sys
     started = time.perf_counter()
+    log_file = Path(os.environ.get("OUT", "/tmp")) / "kimi_peer.log"
+    log_file.unlink(missing_ok=True)
     run = subprocess.run([sys.executable, script, str(samples)], capture_output=True, text=True)
-    log = run.stdout + run.stderr
+    log = (log_file.read_text() if log_file.exists() else "") + run.stdout + run.stderr
     peer = peer_tokens_per_s(log, tokens_per_step)
     print(f"peer ({script}): rc {run.returncode}, {time.perf_counter() - started:.0f} s, "
           + (f"{peer:,.0f} tokens/s" if peer else "no completed epoch found in its output:\n" + log[-3000:]), flush=True)

@@ -1,0 +1,305 @@
+"""`python -m eagle3.bench online`: online training's target placements against offline extraction
+then training, for the same tokens, on a real-width 4-layer Kimi-layout target with the Kimi-size draft.
+
+The target (layer 0 dense, layers 1-3 MoE: MLA, 384 int4 experts of 2048, top-8 + 1 shared expert,
+hidden 7168, vocab 163840: `moe.KIMI_MODEL`) is written to `--dir` once as a real checkpoint
+(Kimi-K2.5's wrapper config, `language_model.` prefix, a packed/scale/shape triple per int4 expert
+linear, one safetensors file per layer plus an index): random weights made on the GPU by
+`moe.GeneratedKimi`, unstacked into the checkpoint's names, reused by the next run of the same shape
+(about 35 GB; the seconds and GB/s of writing it are printed). The data are pre-tokenized JSON lines
+of 4096-token sequences (a 512-token prompt, then the reply: layout (a) of the step bench) drawn from
+32000 ids; the target's head rows of all other ids are zero, so its greedy token is always in the
+draft vocabulary and every row is trained, as on real data (random head rows would leave ~80% of the
+rows without a target: a far cheaper draft step than a real run's).
+
+Each placement trains the step bench's Kimi-size draft (64/8 heads of 128, intermediate 18432, draft
+vocab 32000) for `--steps` optimizer steps of one 16384-token micro-batch per rank, on the same
+sequences, under `torchrun --standalone --nproc_per_node NPROC` launched by this bench (one launch per
+phase; each rank runs `--worker`, which also records its time and peak memory): `offline` extracts
+the shards (extraction's code, shard i on rank i mod N) and then trains on them; `stream`, `resident`
+and `staged` train with `train.source = "online"` and that `train.online_target`.
+
+Figures, all ranks together: steady rates are medians over the training log's per-step windows after
+the first (compilation and first loads excluded): online the log's `target_tokens_per_s`,
+`draft_tokens_per_s` and `tokens_per_s` (end to end); offline the extraction's tokens over its
+processes' own seconds (runner start-up included), the training's `tokens_per_s`, and end to end
+1 / (1/extraction + 1/training), the two run one after the other on the same GPUs. Wall: the
+placement's launches, process start-up, compilation and the final checkpoint included. Peak: the
+highest `torch.cuda.max_memory_allocated` of any rank in any phase. Disk: the bytes the placement left
+(shards, the final checkpoint; no export). Cost: GPU-seconds per 1k tokens at the steady end-to-end rate.
+
+    python -m eagle3.bench online [--placements offline,stream,resident,staged] [--nproc 2] [--steps 8]
+                                  [--dir DIR] [--json FILE]
+    python -m eagle3.bench online --table FILE    # the markdown table of the rows a --json FILE holds
+    python -m eagle3.bench online --tiny          # the same at toy sizes on the CPU (gloo)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3 import config as config_mod
+from eagle3 import extraction, training
+from eagle3.bench import moe, step
+from eagle3.bench.timing import describe_device, free_memory
+from eagle3.models import tiny
+from eagle3.models.checkpoint import read_config
+
+ROOT = Path(__file__).resolve().parents[2]   # where extract.py, train.py and config.toml are
+PLACEMENTS = ("offline", "stream", "resident", "staged")
+KIMI = dict(model=moe.KIMI_MODEL, layers=4, draft=step.KIMI, shard_tokens=65536, steps=8)
+# step.TINY's draft (hidden 64) and vocabulary on moe.TINY's target; shards of one micro-batch, so
+# that every rank extracts some
+TINY = dict(model=dict(moe.TINY["model"], vocab=step.TINY["vocab"]), layers=4, draft=step.TINY, shard_tokens=512,
+            steps=3)
+PREFIX = "language_model.model."   # Kimi-K2.5's text tensors
+STAMP = "bench-target.json"        # written last: the target is complete, and of which shape
+
+
+def data_ids(s: dict) -> torch.Tensor:
+    """The token ids the data use (draft_vocab of them): the draft vocabulary, and the target's head rows kept."""
+    return torch.randperm(s["model"]["vocab"], generator=torch.Generator().manual_seed(1))[:s["draft"]["draft_vocab"]]
+
+
+def layer_tensors(model: moe.GeneratedKimi, i: int) -> dict[str, torch.Tensor]:
+    """Layer i made on the device in the layout `DeepseekTarget.load_layer` returns, back in the
+    checkpoint's names on the host: the stacked experts split into one int4 triple per linear."""
+    w = {k: v.cpu() for k, v in model.load_layer(i).items()}
+    p = f"{PREFIX}layers.{i}."
+    out = {p + ("mlp.gate.e_score_correction_bias" if k == "mlp.gate.bias" else k + ".weight"): v
+           for k, v in w.items() if not k.startswith("experts.")}
+    if "experts.gate_up.weight_packed" not in w:
+        return out
+    for key, projs in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+        packed, scale = w[f"experts.{key}.weight_packed"], w[f"experts.{key}.weight_scale"]
+        rows = packed.shape[1] // len(projs)   # load_layer stacks gate rows before up rows
+        for e in range(packed.shape[0]):
+            for j, proj in enumerate(projs):
+                base, part = f"{p}mlp.experts.{e}.{proj}.", slice(j * rows, (j + 1) * rows)
+                out[base + "weight_packed"], out[base + "weight_scale"] = packed[e, part], scale[e, part]
+                out[base + "weight_shape"] = torch.tensor([rows, packed.shape[2] * 8], dtype=torch.int32)
+    return out
+
+
+def outer_tensors(ckpt: moe.GeneratedCheckpoint, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Embedding, final norm and head; the head's rows outside `ids` zero (its greedy token stays in them)."""
+    head = ckpt.get("lm_head.weight")
+    outside = torch.ones(head.shape[0], dtype=torch.bool, device=head.device)
+    outside[ids.to(head.device)] = False
+    head[outside] = 0
+    return {PREFIX + "embed_tokens.weight": ckpt.get("embed_tokens.weight").cpu(),
+            PREFIX + "norm.weight": ckpt.get("norm.weight").cpu(), "language_model.lm_head.weight": head.cpu()}
+
+
+def write_target(out: Path, s: dict, device: torch.device) -> dict:
+    """The Kimi-layout checkpoint of shape `s` in `out`, unless one of that shape is there:
+    {"reused"} or {"bytes", "seconds"} of writing it."""
+    config = tiny._kimi_config(layers=s["layers"], **s["model"])
+    stamp = {"config": config, "data_ids": data_ids(s).tolist()[:8], "writer": 1}
+    if (out / STAMP).exists() and json.loads((out / STAMP).read_text()) == stamp:
+        return {"reused": True}
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    ckpt = moe.GeneratedCheckpoint(read_config(out / "config.json"), device)
+    model = moe.GeneratedKimi(ckpt, device, torch.bfloat16)
+    files = [lambda i=i: layer_tensors(model, i) for i in range(s["layers"])] + [lambda: outer_tensors(ckpt, data_ids(s))]
+    weight_map, written, start = {}, 0, time.perf_counter()
+    for n, make in enumerate(files):
+        name = f"model-{n + 1:05d}-of-{len(files):05d}.safetensors"
+        tensors = make()
+        save_file(tensors, out / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        written += (out / name).stat().st_size
+        del tensors
+    free_memory()   # the workers need the GPU this process generated on
+    index = {"metadata": {"total_size": written}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    (out / STAMP).write_text(json.dumps(stamp))
+    return {"reused": False, "bytes": written, "seconds": time.perf_counter() - start}
+
+
+def write_data(path: Path, s: dict, sequences: int) -> None:
+    """`sequences` pre-tokenized lines of the draft shape's seq_len (layout a's mask), ids from
+    `data_ids` (kept when the file is there: its name holds the count and length)."""
+    if path.exists():
+        return
+    d, g, ids = s["draft"], torch.Generator().manual_seed(2), data_ids(s)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        for _ in range(sequences):
+            x = ids[torch.randint(0, len(ids), (d["seq_len"],), generator=g)]
+            f.write(json.dumps({"input_ids": x.tolist(), "loss_mask": step.loss_mask("a", d, g).tolist()}) + "\n")
+    tmp.rename(path)
+
+
+def prepare(root: Path, s: dict, sequences: int, device: torch.device) -> tuple[Path, Path, dict]:
+    """(target dir, data file, what writing the target took) under `root`, made or reused."""
+    data = root / f"data-{sequences}x{s['draft']['seq_len']}.jsonl"
+    root.mkdir(parents=True, exist_ok=True)
+    write_data(data, s, sequences)
+    return root / "target", data, write_target(root / "target", s, device)
+
+
+def torchrun(nproc: int, args: list[str]) -> list[str]:
+    """The command running `args` (a script, or -m module, and its arguments) on `nproc` local ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def launch(nproc: int, args: list[str], **run) -> tuple[float, subprocess.CompletedProcess]:
+    """(seconds, result) of `torchrun(nproc, args)` from the repository root; fails naming the command."""
+    cmd = torchrun(nproc, args)
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, **run)
+    if done.returncode:
+        tail = f"\n{done.stderr[-3000:]}" if isinstance(done.stderr, str) else ""
+        raise RuntimeError(f"rc {done.returncode}: {' '.join(cmd)}{tail}")
+    return time.perf_counter() - start, done
+
+
+def run_dir(root: Path, placement: str) -> Path:
+    return root / "runs" / placement
+
+
+def config_args(root: Path, s: dict, data: Path, placement: str, steps: int, cpu: bool) -> list[str]:
+    """The config of `placement`'s phases: the draft shape of the step bench, one checkpoint at the
+    end, a log line per step (the rates' windows), no held-out split and no export."""
+    d, out = s["draft"], run_dir(root, placement)
+    cfg = {"target.path": root / "target", "data.path": data, "target.aux_layer_ids": "[1, 2, 3]",
+           "extract.output_dir": out / "hidden", "extract.shard_tokens": s["shard_tokens"],
+           "train.output_dir": out / "train", "train.batch_tokens": d["seqs"] * d["seq_len"],
+           "train.max_steps": steps, "train.checkpoint_every": steps, "train.log_every": 1,
+           "train.eval_fraction": 0, "train.resume": "never", "export.formats": "[]",
+           "vocab.draft_vocab_size": d["draft_vocab"], "draft.num_attention_heads": d["heads"],
+           "draft.num_key_value_heads": d["kv_heads"], "draft.head_dim": d["head_dim"],
+           "draft.intermediate_size": d["inter"]}
+    if placement != "offline":
+        cfg.update({"train.source": "online", "train.online_target": placement})
+    if cpu:
+        cfg.update({"train.device": "cpu", "extract.device": "cpu"})
+    return [x for k, v in cfg.items() for x in (f"--{k}", str(v))]
+
+
+def work(root: Path, s: dict, data: Path, placement: str, phase: str, steps: int, cpu: bool) -> None:
+    """One rank of a placement's phase (under torchrun): run it, then record its seconds and peak memory."""
+    cfg = config_mod.load(None, config_args(root, s, data, placement, steps, cpu))
+    start = time.perf_counter()
+    (extraction if phase == "extract" else training).run(cfg)
+    seconds = time.perf_counter() - start
+    rank, cuda = int(os.environ.get("RANK", "0")), torch.cuda.is_initialized()
+    report = {"rank": rank, "seconds": seconds,
+              "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+              "reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30 if cuda else None}
+    (run_dir(root, placement) / f"{phase}-rank{rank}.json").write_text(json.dumps(report))
+
+
+def steady(values: list) -> float | None:
+    """Median of the per-step windows after the first (compilation, first loads); the one if alone."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values[1:] if len(values) > 1 else values) if values else None
+
+
+def run_placement(root: Path, s: dict, data: Path, placement: str, args: argparse.Namespace) -> dict:
+    out = run_dir(root, placement)
+    shutil.rmtree(out, ignore_errors=True)   # a fresh run: extraction would resume from old shards
+    out.mkdir(parents=True)
+    phases = ("extract", "train") if placement == "offline" else ("train",)
+    walls = {}
+    for phase in phases:
+        worker = ["-m", "eagle3.bench", "online", "--worker", f"{placement}:{phase}", "--dir", str(root),
+                  "--nproc", str(args.nproc), "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
+        walls[phase] = launch(args.nproc, worker)[0]
+    reports = {phase: [json.loads(p.read_text()) for p in sorted(out.glob(f"{phase}-rank*.json"))] for phase in phases}
+    log = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    log = [r for r in log if r["split"] == "train"]
+    tokens = sum(len(json.loads(line)["input_ids"]) for line in data.read_text().splitlines())
+    draft, e2e = steady([r.get("draft_tokens_per_s") for r in log]), steady([r["tokens_per_s"] for r in log])
+    target = steady([r.get("target_tokens_per_s") for r in log])
+    if placement == "offline":   # extraction, then training on its shards, on the same GPUs
+        target = tokens / max(r["seconds"] for r in reports["extract"])
+        draft = e2e
+        e2e = 1 / (1 / target + 1 / draft)
+    peaks = [r["peak_gib"] for rs in reports.values() for r in rs if r["peak_gib"] is not None]
+    disk = sum(f.stat().st_size for sub in ("hidden", "train") for f in (out / sub).rglob("*") if f.is_file())
+    row = {"placement": placement, "ranks": args.nproc, "tokens": tokens, "steps": args.steps,
+           "wall_s": sum(walls.values()), "phase_wall_s": walls, "target_tokens_per_s": target,
+           "draft_tokens_per_s": draft, "tokens_per_s": e2e, "wall_tokens_per_s": tokens / sum(walls.values()),
+           "peak_gib": max(peaks) if peaks else None, "reports": reports, "disk_bytes": disk,
+           "gpu_s_per_1k_tokens": args.nproc * 1000 / e2e, "shape": "tiny" if args.tiny else "kimi",
+           "device": describe_device()}
+    if not args.keep:
+        shutil.rmtree(out / "hidden", ignore_errors=True)
+        shutil.rmtree(out / "train", ignore_errors=True)
+    return row
+
+
+def _num(x, fmt: str = ",.0f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("placement", "ranks", "tokens", "wall s", "target tok/s", "draft tok/s", "end-to-end tok/s",
+            "tok/s over wall", "peak GiB/GPU", "disk GB written", "GPU-s / 1k tokens")
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for r in rows:
+        lines.append(f"| {r['placement']} | {r['ranks']} | {r['tokens']:,} | {r['wall_s']:.0f} "
+                     f"| {_num(r['target_tokens_per_s'])} | {_num(r['draft_tokens_per_s'])} | {_num(r['tokens_per_s'])} "
+                     f"| {_num(r['wall_tokens_per_s'])} | {_num(r['peak_gib'], '.1f')} | {r['disk_bytes'] / 1e9:.2f} "
+                     f"| {_num(r['gpu_s_per_1k_tokens'], '.3f')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.bench online", description=__doc__.split("\n")[0])
+    parser.add_argument("--placements", default=",".join(PLACEMENTS), help="comma list of " + ", ".join(PLACEMENTS))
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) of every placement")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps, one micro-batch per rank each: the tokens (default 8, --tiny 3)")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (gloo)")
+    parser.add_argument("--dir", default=None, help="where the target, data and runs go (the target and data are "
+                        "kept and reused by the next run with the same --dir; default: a temporary directory)")
+    parser.add_argument("--json", default=None, help="append each placement's row here as a JSON line")
+    parser.add_argument("--table", default=None, metavar="FILE", help="print the table of the rows in FILE and exit")
+    parser.add_argument("--keep", action="store_true", help="keep each placement's shards and checkpoint")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)   # PLACEMENT:PHASE, one rank
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table([json.loads(line) for line in Path(args.table).read_text().splitlines()]))
+        return
+    s = TINY if args.tiny else KIMI
+    args.steps = args.steps or s["steps"]
+    root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-online-"))
+    sequences = args.steps * args.nproc * s["draft"]["seqs"]   # every micro-batch read once
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if args.worker:
+        placement, phase = args.worker.split(":")
+        work(root, s, root / f"data-{sequences}x{s['draft']['seq_len']}.jsonl", placement, phase, args.steps,
+             device.type == "cpu")
+        return
+    print(describe_device(), flush=True)
+    target, data, written = prepare(root, s, sequences, device)
+    print(f"target {target}: " + ("reused" if written["reused"] else f"{written['bytes'] / 1e9:.1f} GB written in "
+          f"{written['seconds']:.0f} s ({written['bytes'] / 1e9 / written['seconds']:.2f} GB/s)"), flush=True)
+    rows = []
+    for placement in args.placements.split(","):
+        rows.append(run_placement(root, s, data, placement, args))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "reports"}), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
+    print(f"\n{args.nproc} rank(s), {rows[0]['tokens']:,} tokens each, micro-batch "
+          f"{s['draft']['seqs']} x {s['draft']['seq_len']} tokens per rank\n" + table(rows))
+    if args.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
