@@ -74,7 +74,7 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
     return held[2]
 
 
-def _mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
+def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
         out_dtype: torch.dtype) -> torch.Tensor:
     """a [m, k] row-major @ b [k, n] column-major (a transposed row-major tensor), times both scales."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
@@ -85,7 +85,7 @@ class _Float8Linear(torch.autograd.Function):
     def forward(ctx, x, w, xq, xq_t, sx, wq, wq_t, sw, out_dtype):   # x [m, k], w [n, k]; their casts
         ctx.save_for_backward(xq_t, sx, wq_t, sw)   # fp8 copies: half the memory of bf16 ones
         ctx.rows, ctx.x_dtype, ctx.w_dtype = x.shape[0], x.dtype, w.dtype
-        return _mm(xq, sx, wq.t(), sw, out_dtype)[:x.shape[0]]
+        return scaled_mm(xq, sx, wq.t(), sw, out_dtype)[:x.shape[0]]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -93,9 +93,9 @@ class _Float8Linear(torch.autograd.Function):
         gq, gq_t, sg = cast(grad.reshape(ctx.rows, grad.shape[-1]), E5M2)   # [m16, n], [n, m16]
         dx = dw = None
         if ctx.needs_input_grad[0]:   # not for fc: the aux states need none
-            dx = _mm(gq, sg, wq_t.t(), sw, ctx.x_dtype)[:ctx.rows]       # [m, k] = dY @ W
+            dx = scaled_mm(gq, sg, wq_t.t(), sw, ctx.x_dtype)[:ctx.rows]       # [m, k] = dY @ W
         if ctx.needs_input_grad[1]:
-            dw = _mm(gq_t, sg, xq_t.t(), sx, torch.float32).to(ctx.w_dtype)   # [n, k] = dYᵀ @ X
+            dw = scaled_mm(gq_t, sg, xq_t.t(), sx, torch.float32).to(ctx.w_dtype)   # [n, k] = dYᵀ @ X
         return dx, dw, *[None] * 7
 
 

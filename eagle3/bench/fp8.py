@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from eagle3.bench.timing import describe_device, median_ms
-from eagle3.float8 import E4M3, E5M2, _mm
+from eagle3.float8 import E4M3, E5M2, scaled_mm
 from kernels import fp8_cast
 
 H, I, V, ROWS = 7168, 18432, 32000, 14336      # hidden, intermediate, draft vocab, rows of a layout-(a) TTT step
@@ -41,7 +41,7 @@ def bench_shape(name: str, a_shape, b_shape, fmt) -> dict:
          "cast_compiled_ms": median_ms(lambda: compiled(a, fmt)),
          "cast_eager_ms": median_ms(lambda: fp8_cast.to_fp8_reference(a, fmt)),
          "gemm_bf16_ms": median_ms(lambda: a @ b.t()),
-         "gemm_fp8_ms": median_ms(lambda: _mm(aq, sa, bq.t(), sb, torch.bfloat16))}
+         "gemm_fp8_ms": median_ms(lambda: scaled_mm(aq, sa, bq.t(), sb, torch.bfloat16))}
     r["cast_gb_per_s"] = gb / r["cast_triton_ms"] * 1e3
     r["fp8_with_casts_vs_bf16"] = (r["gemm_fp8_ms"] + r["cast_triton_ms"]) / r["gemm_bf16_ms"]
     return r

@@ -14,7 +14,7 @@ rows without a target: a far cheaper draft step than a real run's).
 
 Each placement trains the step bench's Kimi-size draft (64/8 heads of 128, intermediate 18432, draft
 vocab 32000) for `--steps` optimizer steps of one 16384-token micro-batch per rank, on the same
-sequences, under `torchrun --standalone --nproc_per_node NPROC` launched by this bench (one launch per
+sequences, under `torchrun --standalone --nproc_per_node RANKS` launched by this bench (one launch per
 phase; each rank runs `--worker`, which also records its time and peak memory): `offline` extracts
 the shards (extraction's code, shard i on rank i mod N) and then trains on them; `stream`, `resident`
 and `staged` train with `train.source = "online"` and that `train.online_target`.
@@ -28,7 +28,7 @@ placement's launches, process start-up, compilation and the final checkpoint inc
 highest `torch.cuda.max_memory_allocated` of any rank in any phase. Disk: the bytes the placement left
 (shards, the final checkpoint; no export). Cost: GPU-seconds per 1k tokens at the steady end-to-end rate.
 
-    python -m eagle3.bench online [--placements offline,stream,resident,staged] [--nproc 2] [--steps 8]
+    python -m eagle3.bench online [--placements offline,stream,resident,staged] [--ranks 2] [--steps 8]
                                   [--dir DIR] [--json FILE]
     python -m eagle3.bench online --table FILE    # the markdown table of the rows a --json FILE holds
     python -m eagle3.bench online --tiny          # the same at toy sizes on the CPU (gloo)
@@ -153,14 +153,21 @@ def prepare(root: Path, s: dict, sequences: int, device: torch.device) -> tuple[
     return root / "target", data, write_target(root / "target", s, device)
 
 
-def torchrun(nproc: int, args: list[str]) -> list[str]:
-    """The command running `args` (a script, or -m module, and its arguments) on `nproc` local ranks."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+def describe_written(target: Path, written: dict) -> str:
+    if written["reused"]:
+        return f"target {target}: reused"
+    gb, seconds = written["bytes"] / 1e9, written["seconds"]
+    return f"target {target}: {gb:.1f} GB written in {seconds:.0f} s ({gb / seconds:.2f} GB/s)"
 
 
-def launch(nproc: int, args: list[str], **run) -> tuple[float, subprocess.CompletedProcess]:
-    """(seconds, result) of `torchrun(nproc, args)` from the repository root; fails naming the command."""
-    cmd = torchrun(nproc, args)
+def torchrun(ranks: int, args: list[str]) -> list[str]:
+    """The command running `args` (a script, or -m module, and its arguments) on `ranks` local ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *args]
+
+
+def launch(ranks: int, args: list[str], **run) -> tuple[float, subprocess.CompletedProcess]:
+    """(seconds, result) of `torchrun(ranks, args)` from the repository root; fails naming the command."""
+    cmd = torchrun(ranks, args)
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, **run)
     if done.returncode:
@@ -173,9 +180,10 @@ def run_dir(root: Path, placement: str) -> Path:
     return root / "runs" / placement
 
 
-def config_args(root: Path, s: dict, data: Path, placement: str, steps: int, cpu: bool) -> list[str]:
-    """The config of `placement`'s phases: the draft shape of the step bench, one checkpoint at the
-    end, a log line per step (the rates' windows), no held-out split and no export."""
+def config_args(root: Path, s: dict, data: Path, placement: str, steps: int, cpu: bool, **extra) -> list[str]:
+    """The config of `placement`'s phases as command-line overrides: the draft shape of the step bench,
+    one checkpoint at the end, a log line per step (the rates' windows), no held-out split, no export;
+    `extra` ({"train.resume": "auto"}) changes or adds keys."""
     d, out = s["draft"], run_dir(root, placement)
     cfg = {"target.path": root / "target", "data.path": data, "target.aux_layer_ids": "[1, 2, 3]",
            "extract.output_dir": out / "hidden", "extract.shard_tokens": s["shard_tokens"],
@@ -189,6 +197,7 @@ def config_args(root: Path, s: dict, data: Path, placement: str, steps: int, cpu
         cfg.update({"train.source": "online", "train.online_target": placement})
     if cpu:
         cfg.update({"train.device": "cpu", "extract.device": "cpu"})
+    cfg.update(extra)
     return [x for k, v in cfg.items() for x in (f"--{k}", str(v))]
 
 
@@ -219,8 +228,8 @@ def run_placement(root: Path, s: dict, data: Path, placement: str, args: argpars
     walls = {}
     for phase in phases:
         worker = ["-m", "eagle3.bench", "online", "--worker", f"{placement}:{phase}", "--dir", str(root),
-                  "--nproc", str(args.nproc), "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
-        walls[phase] = launch(args.nproc, worker)[0]
+                  "--ranks", str(args.ranks), "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
+        walls[phase] = launch(args.ranks, worker)[0]
     reports = {phase: [json.loads(p.read_text()) for p in sorted(out.glob(f"{phase}-rank*.json"))] for phase in phases}
     log = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     log = [r for r in log if r["split"] == "train"]
@@ -233,11 +242,12 @@ def run_placement(root: Path, s: dict, data: Path, placement: str, args: argpars
         e2e = 1 / (1 / target + 1 / draft)
     peaks = [r["peak_gib"] for rs in reports.values() for r in rs if r["peak_gib"] is not None]
     disk = sum(f.stat().st_size for sub in ("hidden", "train") for f in (out / sub).rglob("*") if f.is_file())
-    row = {"placement": placement, "ranks": args.nproc, "tokens": tokens, "steps": args.steps,
+    row = {"placement": placement, "ranks": args.ranks, "tokens": tokens, "steps": args.steps,
            "wall_s": sum(walls.values()), "phase_wall_s": walls, "target_tokens_per_s": target,
            "draft_tokens_per_s": draft, "tokens_per_s": e2e, "wall_tokens_per_s": tokens / sum(walls.values()),
            "peak_gib": max(peaks) if peaks else None, "reports": reports, "disk_bytes": disk,
-           "gpu_s_per_1k_tokens": args.nproc * 1000 / e2e, "shape": "tiny" if args.tiny else "kimi",
+           "last_loss0": log[-1]["loss"][0],   # the same tokens and seed: about equal for every placement
+           "gpu_s_per_1k_tokens": args.ranks * 1000 / e2e, "shape": "tiny" if args.tiny else "kimi",
            "device": describe_device()}
     if not args.keep:
         shutil.rmtree(out / "hidden", ignore_errors=True)
@@ -251,20 +261,20 @@ def _num(x, fmt: str = ",.0f") -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("placement", "ranks", "tokens", "wall s", "target tok/s", "draft tok/s", "end-to-end tok/s",
-            "tok/s over wall", "peak GiB/GPU", "disk GB written", "GPU-s / 1k tokens")
+            "tok/s over wall", "peak GiB/GPU", "disk GB written", "GPU-s / 1k tokens", "last step loss0")
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for r in rows:
         lines.append(f"| {r['placement']} | {r['ranks']} | {r['tokens']:,} | {r['wall_s']:.0f} "
                      f"| {_num(r['target_tokens_per_s'])} | {_num(r['draft_tokens_per_s'])} | {_num(r['tokens_per_s'])} "
-                     f"| {_num(r['wall_tokens_per_s'])} | {_num(r['peak_gib'], '.1f')} | {r['disk_bytes'] / 1e9:.2f} "
-                     f"| {_num(r['gpu_s_per_1k_tokens'], '.3f')} |")
+                     f"| {_num(r['wall_tokens_per_s'])} | {_num(r['peak_gib'], '.1f')} | {r['disk_bytes'] / 1e9:.3g} "
+                     f"| {_num(r['gpu_s_per_1k_tokens'], '.3f')} | {r['last_loss0']:.4f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench online", description=__doc__.split("\n")[0])
     parser.add_argument("--placements", default=",".join(PLACEMENTS), help="comma list of " + ", ".join(PLACEMENTS))
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) of every placement")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks (GPUs) of every placement: torchrun --nproc_per_node")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps, one micro-batch per rank each: the tokens (default 8, --tiny 3)")
     parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (gloo)")
@@ -281,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     s = TINY if args.tiny else KIMI
     args.steps = args.steps or s["steps"]
     root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-online-"))
-    sequences = args.steps * args.nproc * s["draft"]["seqs"]   # every micro-batch read once
+    sequences = args.steps * args.ranks * s["draft"]["seqs"]   # every micro-batch read once
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if args.worker:
         placement, phase = args.worker.split(":")
@@ -290,8 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(describe_device(), flush=True)
     target, data, written = prepare(root, s, sequences, device)
-    print(f"target {target}: " + ("reused" if written["reused"] else f"{written['bytes'] / 1e9:.1f} GB written in "
-          f"{written['seconds']:.0f} s ({written['bytes'] / 1e9 / written['seconds']:.2f} GB/s)"), flush=True)
+    print(describe_written(target, written), flush=True)
     rows = []
     for placement in args.placements.split(","):
         rows.append(run_placement(root, s, data, placement, args))
@@ -299,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
-    print(f"\n{args.nproc} rank(s), {rows[0]['tokens']:,} tokens each, micro-batch "
+    print(f"\n{args.ranks} rank(s), {rows[0]['tokens']:,} tokens each, micro-batch "
           f"{s['draft']['seqs']} x {s['draft']['seq_len']} tokens per rank\n" + table(rows))
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
