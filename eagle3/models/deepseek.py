@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from eagle3.ops import rms_norm, swiglu
+from eagle3.ops import compiled, rms_norm, swiglu
 from eagle3.models import quant
 from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import cached_attention_packed, causal_attention_packed
@@ -162,6 +163,13 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     return hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 or not x.is_cuda)
 
 
+def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[n, 2I] gate | up of each (token, expert) pair -> silu(gate) · up · the pair's routing weight [n]
+    (scaling the [n, I] activation rather than the [n, H] output: cheaper)."""
+    I = gate_up.shape[1] // 2
+    return (F.silu(gate_up[:, :I]) * gate_up[:, I:]).float().mul_(weight[:, None]).to(gate_up.dtype)
+
+
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int], ends: torch.Tensor,
                   grouped: bool = True) -> torch.Tensor:
     """x [n, K] with rows grouped by expert (sizes[j] rows for expert j, ends = their cumsum, int32),
@@ -263,6 +271,8 @@ class DeepseekTarget:
                                       # version was 24x slower on an H200: bench/RESULTS.md)
         self.heads = self.cfg.num_attention_heads
         self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
+        # on a GPU one fused kernel: eagerly its fp32 chain moves ~7x the bytes of its input
+        self.expert_act = compiled(weighted_swiglu) if device.type == "cuda" else weighted_swiglu
 
     def layer_tensor_names(self, i: int) -> list[str]:
         return layer_tensor_names(self.ckpt, self.spec, i)
@@ -386,49 +396,50 @@ class DeepseekTarget:
     def _routed(self, w, x, idx, weights):
         """Σ_k weights[t, k] · expert_idx[t, k](x_t), fp32 [T, H]: (token, slot) pairs sorted by
         expert; per block of EXPERT_BLOCK active experts, their weights dequantized into one
-        buffer and one grouped GEMM per projection over all the block's rows."""
+        buffer (or read packed by the W4A16 GEMM) and one grouped GEMM per projection over all the
+        block's rows; each pair's output lands in its (token, slot) row, and the k slots of a token
+        are summed once at the end (an fp32 index_add over the sorted rows moved 3x the bytes)."""
         T, k = idx.shape
-        I = self.spec.moe_intermediate_size
         order = idx.flatten().argsort(stable=True)
         token, pair_w = order // k, weights.flatten()[order]
         counts = torch.bincount(idx.flatten(), minlength=self.spec.n_routed_experts).tolist()  # one sync
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
-        acc = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        if self.w4a16 and "experts.gate_up.weight_packed" in w:
-            return self._routed_w4a16(w, x, token, pair_w, counts, starts, acc)
+        pairs = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)   # row t·k + slot
+        blocks = self._blocks_w4a16 if self.w4a16 and "experts.gate_up.weight_packed" in w else self._blocks
+        for rows, gate_up, down in blocks(w, counts, starts):
+            h = self.expert_act(gate_up(x[token[rows]]), pair_w[rows])                          # [n, I]
+            pairs.index_copy_(0, order[rows], down(h))                                          # [n, H]
+        return torch.sum(pairs.view(T, k, -1), 1, dtype=torch.float32)
+
+    def _blocks(self, w, counts, starts):
+        """(rows, gate_up, down) per block of EXPERT_BLOCK active experts: their weights dequantized
+        into one buffer, one grouped GEMM per projection over the block's rows."""
         active = [e for e, n in enumerate(counts) if n]
         for b in range(0, len(active), EXPERT_BLOCK):
             block = active[b:b + EXPERT_BLOCK]
-            rows = slice(starts[block[0]], starts[block[-1] + 1])
             sizes = [counts[e] for e in block]
-            ends = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
-            gu = expert_matmul(x[token[rows]], self._expert_weights(w, "gate_up", block), sizes, ends,
-                               self.grouped_mm)                                                         # [n, 2I]
-            # the routing weight scales the [n, I] activation rather than the [n, H] output: cheaper
-            h = (F.silu(gu[:, :I]) * gu[:, I:]).float().mul_(pair_w[rows, None]).to(x.dtype)
-            y = expert_matmul(h, self._expert_weights(w, "down", block), sizes, ends, self.grouped_mm)  # [n, H]
-            acc.index_add_(0, token[rows], y.float())
-        return acc
+            ends = torch.tensor(sizes, device=self.device).cumsum(0).to(torch.int32)
+            yield (slice(starts[block[0]], starts[block[-1] + 1]),
+                   *(partial(self._dequantized_matmul, w=w, key=key, block=block, sizes=sizes, ends=ends)
+                     for key in ("gate_up", "down")))
 
-    def _routed_w4a16(self, w, x, token, pair_w, counts, starts, acc):
-        """`_routed` with the int4 experts read by the GEMM itself (one launch per projection and block
-        of EXPERT_BLOCK consecutive experts): no bf16 copy of the weights, activations a block at a time."""
-        I = self.spec.moe_intermediate_size
+    def _dequantized_matmul(self, x, w, key, block, sizes, ends):
+        """x's rows times their experts' `key` projection, dequantized just for this call (one
+        projection's buffer alive at a time)."""
+        return expert_matmul(x, self._expert_weights(w, key, block), sizes, ends, self.grouped_mm)
+
+    def _blocks_w4a16(self, w, counts, starts):
+        """`_blocks` with the int4 experts read by the GEMM itself (one launch per projection and
+        block of EXPERT_BLOCK consecutive experts): no bf16 copy of the weights."""
         for e0 in range(0, len(counts), EXPERT_BLOCK):
             experts = slice(e0, min(e0 + EXPERT_BLOCK, len(counts)))
             rows = slice(starts[experts.start], starts[experts.stop])
-            if rows.start == rows.stop:
-                continue
-            sizes = counts[experts]
-            gu = quant.grouped_matmul_int4(x[token[rows]], w["experts.gate_up.weight_packed"][experts],
-                                           w["experts.gate_up.weight_scale"][experts], sizes)           # [n, 2I]
-            h = (F.silu(gu[:, :I]) * gu[:, I:]).float().mul_(pair_w[rows, None]).to(x.dtype)
-            y = quant.grouped_matmul_int4(h, w["experts.down.weight_packed"][experts],
-                                          w["experts.down.weight_scale"][experts], sizes)               # [n, H]
-            acc.index_add_(0, token[rows], y.float())
-        return acc
+            if rows.start < rows.stop:
+                yield (rows, *(partial(quant.grouped_matmul_int4, packed=w[f"experts.{key}.weight_packed"][experts],
+                                       scale=w[f"experts.{key}.weight_scale"][experts], sizes=counts[experts])
+                               for key in ("gate_up", "down")))
 
     def _expert_weights(self, w, key: str, experts: list[int]) -> torch.Tensor:
         """Dense [len(experts), out, in] weights of the chosen experts."""
