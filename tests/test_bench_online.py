@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from eagle3.bench import moe, node, online
 from eagle3.data.shards import read_manifest, sha256_file
@@ -21,7 +22,8 @@ def test_the_written_target_is_a_kimi_checkpoint_of_the_generated_layers(tmp_pat
     assert online.write_target(tmp_path, online.TINY, CPU) == {"reused": True}
     ckpt = Checkpoint(tmp_path)
     assert ckpt.config.model_type == "kimi_k25" and ckpt.prefix == "language_model.model."
-    assert ckpt.has("layers.1.mlp.experts.7.down_proj.weight_packed") and not ckpt.has("layers.0.mlp.experts.0.up_proj.weight_packed")
+    assert ckpt.has("layers.1.mlp.experts.7.down_proj.weight_packed")   # int4 experts, layer 0 dense
+    assert not ckpt.has("layers.0.mlp.experts.0.up_proj.weight_packed") and ckpt.has("layers.0.mlp.up_proj.weight")
     loaded = DeepseekTarget(ckpt, CPU, torch.bfloat16)
     check_tensors(ckpt, loaded)                    # every tensor the forward reads is there
     torch.manual_seed(0)                           # the writer's draws, in its order: layers 0..3
@@ -53,7 +55,8 @@ def test_every_placement_trains_the_same_tokens_and_is_measured(tmp_path, capsys
         assert r["last_loss0"] == pytest.approx(rows["offline"]["last_loss0"], rel=1e-3)
     offline = rows["offline"]
     assert [x["rank"] for x in offline["reports"]["extract"]] == [0, 1]
-    assert offline["tokens_per_s"] == pytest.approx(1 / (1 / offline["target_tokens_per_s"] + 1 / offline["draft_tokens_per_s"]))
+    extract_then_train = 1 / (1 / offline["target_tokens_per_s"] + 1 / offline["draft_tokens_per_s"])
+    assert offline["tokens_per_s"] == pytest.approx(extract_then_train)
     # offline alone wrote hidden states: at least aux (3 H) and final (H) in bf16 for every token
     hidden_bytes = tokens * 4 * online.TINY["model"]["hidden"] * 2
     for name in ("stream", "resident", "staged"):
@@ -87,7 +90,6 @@ def test_extraction_on_two_ranks_is_compared_shard_by_shard_with_one(tmp_path):
     # a shard that came out otherwise is found, and by how much
     altered = tmp_path / "altered"
     shutil.copytree(tmp_path / "hidden-1", altered)
-    from safetensors.torch import load_file, save_file
     shard = read_manifest(altered)["shards"][2]
     tensors = load_file(altered / shard["file"])
     tensors["final_hidden"][5] += 1.0

@@ -34,7 +34,7 @@ TINY = dict(model=dict(KIMI_MODEL, hidden=64, heads=4, q_lora_rank=32, kv_lora_r
 
 def kimi_config(s: dict, layers: int):
     """The text config of shape `s` with `layers` decoder layers."""
-    cfg = tiny._kimi_config(layers=layers, **s["model"])
+    cfg = tiny.kimi_k25_config(layers=layers, **s["model"])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.json"
         path.write_text(json.dumps(cfg))

@@ -107,7 +107,8 @@ def extract_ranks(root: Path, s: dict, ranks: list[int], shards: int, device: to
         row = {"ranks": n, "shards": shards, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
         if rows:
             row["speedup"] = rows[0]["wall_s"] / wall
-            row["against"] = {"ranks": rows[0]["ranks"], **compare_shards(root / f"hidden-{rows[0]['ranks']}", out, device)}
+            first = rows[0]["ranks"]
+            row["against"] = {"ranks": first, **compare_shards(root / f"hidden-{first}", out, device)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -115,7 +116,8 @@ def extract_ranks(root: Path, s: dict, ranks: list[int], shards: int, device: to
 
 def extract_table(rows: list[dict]) -> str:
     lines = ["| ranks | shards | tokens | wall s | tokens/s | speed-up | same plan | bit-equal shards | greedy tokens "
-             "agreeing | largest difference (aux, final) |", "| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
+             "agreeing | largest difference (aux, final) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
     for r in rows:
         c = r.get("against")
         same = (f"| {c['same_plan']} | {c['bit_equal']} of {c['shards']} | {c['argmax_agreement']:.4%} | "
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--dir", default=None, help="work directory (the target is kept and reused; default: temporary)")
         p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (gloo)")
         p.add_argument("--json", default=None, help="append the results here as JSON lines")
-    sub.choices["extract"].add_argument("--ranks", default="1,8", help="comma list of rank counts, the first the reference")
+    sub.choices["extract"].add_argument("--ranks", default="1,8", help="comma list of rank counts; the first: the reference")
     sub.choices["extract"].add_argument("--shards", type=int, default=8)
     for flag, default in (("--ranks", 8), ("--steps", 40), ("--every", 5), ("--kill-at", 10)):
         sub.choices["resume"].add_argument(flag, type=int, default=default)

@@ -105,8 +105,8 @@ def outer_tensors(ckpt: moe.GeneratedCheckpoint, ids: torch.Tensor) -> dict[str,
 def write_target(out: Path, s: dict, device: torch.device) -> dict:
     """The Kimi-layout checkpoint of shape `s` in `out`, unless one of that shape is there:
     {"reused"} or {"bytes", "seconds"} of writing it."""
-    config = tiny._kimi_config(layers=s["layers"], **s["model"])
-    stamp = {"config": config, "data_ids": data_ids(s).tolist()[:8], "writer": 1}
+    config = tiny.kimi_k25_config(layers=s["layers"], **s["model"])
+    stamp = {"config": config, "draft_vocab": s["draft"]["draft_vocab"]}   # what the weights depend on
     if (out / STAMP).exists() and json.loads((out / STAMP).read_text()) == stamp:
         return {"reused": True}
     shutil.rmtree(out, ignore_errors=True)
@@ -115,7 +115,8 @@ def write_target(out: Path, s: dict, device: torch.device) -> dict:
     torch.manual_seed(0)
     ckpt = moe.GeneratedCheckpoint(read_config(out / "config.json"), device)
     model = moe.GeneratedKimi(ckpt, device, torch.bfloat16)
-    files = [lambda i=i: layer_tensors(model, i) for i in range(s["layers"])] + [lambda: outer_tensors(ckpt, data_ids(s))]
+    files = [lambda i=i: layer_tensors(model, i) for i in range(s["layers"])]
+    files.append(lambda: outer_tensors(ckpt, data_ids(s)))
     weight_map, written, start = {}, 0, time.perf_counter()
     for n, make in enumerate(files):
         name = f"model-{n + 1:05d}-of-{len(files):05d}.safetensors"
@@ -123,7 +124,7 @@ def write_target(out: Path, s: dict, device: torch.device) -> dict:
         save_file(tensors, out / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
         written += (out / name).stat().st_size
-        del tensors
+        del tensors   # before the next layer is made: host memory for one layer at a time
     free_memory()   # the workers need the GPU this process generated on
     index = {"metadata": {"total_size": written}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -145,9 +146,13 @@ def write_data(path: Path, s: dict, sequences: int) -> None:
     tmp.rename(path)
 
 
+def data_path(root: Path, s: dict, sequences: int) -> Path:
+    return root / f"data-{sequences}x{s['draft']['seq_len']}.jsonl"
+
+
 def prepare(root: Path, s: dict, sequences: int, device: torch.device) -> tuple[Path, Path, dict]:
     """(target dir, data file, what writing the target took) under `root`, made or reused."""
-    data = root / f"data-{sequences}x{s['draft']['seq_len']}.jsonl"
+    data = data_path(root, s, sequences)
     root.mkdir(parents=True, exist_ok=True)
     write_data(data, s, sequences)
     return root / "target", data, write_target(root / "target", s, device)
@@ -220,6 +225,16 @@ def steady(values: list) -> float | None:
     return statistics.median(values[1:] if len(values) > 1 else values) if values else None
 
 
+def rates(log: list[dict], reports: dict, tokens: int) -> tuple[float, float, float]:
+    """Steady (target, draft, end-to-end) tokens/s of all ranks: online from the training log; offline
+    the extraction's tokens over its slowest rank's seconds, then training on its shards, on the same GPUs."""
+    e2e = steady([r["tokens_per_s"] for r in log])
+    if "extract" not in reports:
+        return steady([r["target_tokens_per_s"] for r in log]), steady([r["draft_tokens_per_s"] for r in log]), e2e
+    target = tokens / max(r["seconds"] for r in reports["extract"])
+    return target, e2e, 1 / (1 / target + 1 / e2e)
+
+
 def run_placement(root: Path, s: dict, data: Path, placement: str, args: argparse.Namespace) -> dict:
     out = run_dir(root, placement)
     shutil.rmtree(out, ignore_errors=True)   # a fresh run: extraction would resume from old shards
@@ -234,12 +249,7 @@ def run_placement(root: Path, s: dict, data: Path, placement: str, args: argpars
     log = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     log = [r for r in log if r["split"] == "train"]
     tokens = sum(len(json.loads(line)["input_ids"]) for line in data.read_text().splitlines())
-    draft, e2e = steady([r.get("draft_tokens_per_s") for r in log]), steady([r["tokens_per_s"] for r in log])
-    target = steady([r.get("target_tokens_per_s") for r in log])
-    if placement == "offline":   # extraction, then training on its shards, on the same GPUs
-        target = tokens / max(r["seconds"] for r in reports["extract"])
-        draft = e2e
-        e2e = 1 / (1 / target + 1 / draft)
+    target, draft, e2e = rates(log, reports, tokens)
     peaks = [r["peak_gib"] for rs in reports.values() for r in rs if r["peak_gib"] is not None]
     disk = sum(f.stat().st_size for sub in ("hidden", "train") for f in (out / sub).rglob("*") if f.is_file())
     row = {"placement": placement, "ranks": args.ranks, "tokens": tokens, "steps": args.steps,
@@ -295,8 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if args.worker:
         placement, phase = args.worker.split(":")
-        work(root, s, root / f"data-{sequences}x{s['draft']['seq_len']}.jsonl", placement, phase, args.steps,
-             device.type == "cpu")
+        work(root, s, data_path(root, s, sequences), placement, phase, args.steps, device.type == "cpu")
         return
     print(describe_device(), flush=True)
     target, data, written = prepare(root, s, sequences, device)

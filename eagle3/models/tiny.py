@@ -130,9 +130,9 @@ _KIMI_QUANT = {
 }
 
 
-def _kimi_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head, intermediate,
-                 moe_intermediate, experts, top_k, n_group, topk_group, first_dense, vocab, yarn_original,
-                 yarn_factor) -> dict:
+def kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head, intermediate,
+                    moe_intermediate, experts, top_k, n_group, topk_group, first_dense, vocab, yarn_original,
+                    yarn_factor) -> dict:
     """Kimi-K2.5's config.json layout (same keys and value types as the real file), small sizes."""
     # special ids sit in the top 256 of the vocab, as Kimi's 163584.. do
     ids = {"bos_token_id": vocab - 256, "eos_token_id": vocab - 255, "pad_token_id": vocab - 1}
@@ -184,7 +184,7 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
     tensors, int4 pack-quantized routed experts (bf16 everything else), fp32 gate bias, sharded."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = _kimi_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head,
+    config = kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head,
                           intermediate, moe_intermediate, experts, top_k, n_group, topk_group, first_dense,
                           vocab, yarn_original, yarn_factor)
     (out / "config.json").write_text(json.dumps(config, indent=2))

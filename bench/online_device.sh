@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 15's GPU figures on nvidia-h200-x2: online training's target placements against offline
+# extraction + training, for the same 262,144 tokens (8 steps x 2 ranks x 16,384), on the real-width
+# 4-layer Kimi-layout target (1 dense + 3 MoE layers, int4 experts) with the Kimi-size draft. A part
+# per argument, each `python -m eagle3.bench online --placements PART --ranks 2` (the bench launches
+# `torchrun --standalone --nproc_per_node 2` itself, one launch per phase, and records each rank's
+# time and peak memory):
+#   offline   extraction on 2 ranks (4 shards of 65,536 tokens, 15 GB), then training on the shards
+#   stream    online, every layer read from the checkpoint for each micro-batch
+#   resident  online, the whole target kept on each GPU after the first pass
+#   staged    online, layers 0-1 on GPU 0 and 2-3 on GPU 1, every micro-batch through both
+#   table     the markdown table of every row in $OUT/online.jsonl so far (rows from earlier calls:
+#             copy their online.jsonl into $OUT first, or cat them together here afterwards)
+# The first part on a fresh machine writes the target to /tmp/online (35.1 GB: layer 0 1.0 GB, each MoE
+# layer 9.8 GB, embedding and head 4.7 GB; made on the GPU, serialised by safetensors on one CPU
+# thread); later parts, and later calls while the machine is still warm, reuse it. Nothing to carry.
+# Expected durations (estimates: nothing of this has run on a GPU yet; the bench prints the real ones):
+#   writing the target  1-2 min: 0.4 GB/s measured for save_file on the slow CPU machine, ~1 GB/s expected
+#   offline   3-4 min: per rank 2 shards, each streaming the 4 layers (~35 GB from the page cache, ~10 s),
+#             running them (~1 s) and writing 3.7 GB; training: start-up, Triton autotuning and compilation
+#             (~1-1.5 min), 8 steps of ~0.7 s, the final 10 GB checkpoint (draft + AdamW state)
+#   stream    3-4 min: 8 micro-batches per rank, each streaming the target (~10-15 s), + start-up
+#   resident  ~2 min: one pass loading the target, then ~1 s per step, + start-up
+#   staged    ~2 min
+# so: call 1 `bash bench/online_device.sh offline resident table` (~7 min with the target),
+#     call 2 `bash bench/online_device.sh staged stream table` (~7 min, ~5 on a still-warm machine).
+# Disk: target 35.1 GB + shards 15 GB + one 10 GB checkpoint at a time (each placement's removed once
+# measured) of the 128 GiB. Output, as it runs (a call stopped at its limit returns what finished):
+# $OUT/online.txt (the log), $OUT/online.jsonl (one row per finished placement), $OUT/env.txt.
+set -uo pipefail
+out=${OUT:-/tmp/online-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$out/env.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$out/env.txt"
+df -h /tmp | tee -a "$out/env.txt"
+quiet() { grep --line-buffered -v "it/s]\|s/it]\|step/s]\|s/step]\|tok/s]"; }
+for part in "$@"; do
+  echo "== $part $(date +%T)" | tee -a "$out/online.txt"
+  case $part in
+    offline|stream|resident|staged)
+      python3 -m eagle3.bench online --placements "$part" --ranks 2 --dir /tmp/online --json "$out/online.jsonl" \
+        2>&1 | quiet | tee -a "$out/online.txt" ;;
+    table) python3 -m eagle3.bench online --table "$out/online.jsonl" | tee -a "$out/online.txt" ;;
+    *) echo "unknown part $part: expected offline, stream, resident, staged or table"; exit 2 ;;
+  esac
+done
+echo "== done $(date +%T)" | tee -a "$out/online.txt"
