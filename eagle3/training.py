@@ -318,9 +318,16 @@ class Trainer:
         self.ddp = self.model
         if self.dist.world > 1:
             # device_ids=None: batches are already on the device, and DDP moving the inputs would
-            # turn the host-side copies the step keeps (sequence boundaries) into device tensors
+            # turn the host-side copies the step keeps (sequence boundaries) into device tensors.
+            # find_unused_parameters=True only for what it switches off: DDP otherwise rebuilds its
+            # buckets after a process's first step, so a resumed run's first step (old layout) sums
+            # the gradients of 3+ ranks in another order than the uninterrupted run's (rebuilt
+            # layout), and the weights drift apart by rounding. Every weight's gradient is ready at
+            # the very end of the unroll's backward anyway (step 0 uses them all), so the layout
+            # costs no overlap.
             self.ddp = nn.parallel.DistributedDataParallel(
-                self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
+                self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True,
+                find_unused_parameters=True)
         self.attention, self.loss_steps = select_kernels(t.kernels, self.device, spec.head_dim, cfg.source)
         if t.float8_head:
             self.loss_steps = float8.head_loss(self.loss_steps, self.device, spec, cfg.source)

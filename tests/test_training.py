@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, make_config
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import training
+from eagle3.bench.online import kill_tree
 from eagle3.config import ConfigError
 from eagle3.data.shards import DataError
 from eagle3.vocab import check_vocab
@@ -130,14 +131,13 @@ def test_a_run_killed_on_four_ranks_resumes_to_the_same_weights(tmp_path, llama_
     run = {"train.batch_tokens": 48, "train.max_steps": 10, "train.checkpoint_every": 2, "train.eval_every": 10}
     run_train(cli_args(tmp_path / "straight", llama_target, token_data, hidden, **run), nproc=4)
     killed = tmp_path / "killed"
-    proc = run_train(cli_args(killed, llama_target, token_data, hidden, **run), nproc=4, start_new_session=True,
+    proc = run_train(cli_args(killed, llama_target, token_data, hidden, **run), nproc=4,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = killed / "train" / "checkpoints" / "step-00000004"
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_tree(proc)   # torchrun and its workers (they run in sessions of their own: not its group)
     assert ckpt_io.latest(killed / "train").name < "step-00000010", "the run was not interrupted"
     out = run_train(cli_args(killed, llama_target, token_data, hidden, **run), nproc=4)
     assert "resumed from" in out.stderr

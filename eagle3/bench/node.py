@@ -12,8 +12,8 @@
     python -m eagle3.bench node resume [--ranks 8] [--steps 40] [--every 5] [--kill-at 10] [--dir DIR] [--tiny]
         `train.py` on N ranks on the same shards (the online bench's toy Kimi-layout target and
         draft: a check of resume, not of speed): uninterrupted twice (the second gives the run-to-run
-        floor, 0 where training is deterministic), and once killed with SIGKILL (torchrun and its
-        workers, as one process group) as soon as checkpoint `--kill-at` is complete, then rerun with
+        floor, 0 where training is deterministic), and once killed with SIGKILL (torchrun and every
+        worker: `online.kill_tree`) as soon as checkpoint `--kill-at` is complete, then rerun with
         the same command; its final weights against the uninterrupted run's
 
 `--tiny`: toy sizes on the CPU (gloo).
@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -136,18 +134,14 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def kill_when(cmd: list[str], marker: Path, timeout: float = 900) -> None:
-    """Run `cmd` as its own process group and SIGKILL the whole group once `marker` exists."""
-    proc = subprocess.Popen(cmd, cwd=online.ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + timeout
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:   # the group is gone already: the check below says what happened
-        pass
-    proc.wait()
+def kill_when(cmd: list[str], marker: Path, log: Path, timeout: float = 900) -> None:
+    """Run `cmd` (its output to `log`) and SIGKILL it with all its workers once `marker` exists."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=online.ROOT, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        online.kill_tree(proc)
 
 
 def kill_resume(root: Path, s: dict, ranks: int, steps: int, every: int, kill_at: int, device: torch.device) -> dict:
@@ -170,11 +164,12 @@ def kill_resume(root: Path, s: dict, ranks: int, steps: int, every: int, kill_at
     for name in ("straight", "again", "killed"):
         shutil.rmtree(root / name, ignore_errors=True)
     walls = {name: online.launch(ranks, args(name))[0] for name in ("straight", "again")}
-    kill_when(online.torchrun(ranks, args("killed")), ckpt_io.step_dir(root / "killed", kill_at))
+    kill_when(online.torchrun(ranks, args("killed")), ckpt_io.step_dir(root / "killed", kill_at),
+              root / "killed.log")
     stopped = ckpt_io.latest(root / "killed")
     if stopped is None or stopped == ckpt_io.step_dir(root / "killed", steps):
         raise RuntimeError(f"the run to kill was not interrupted (newest checkpoint: {stopped})")
-    walls["resumed"], resumed = online.launch(ranks, args("killed"), capture_output=True, text=True)
+    walls["resumed"], resumed = online.launch(ranks, args("killed"), capture=True)
     straight, again, killed = (final_weights(root / name) for name in ("straight", "again", "killed"))
     return {"ranks": ranks, "steps": steps, "killed_after": stopped.name, "resumed": "resumed from" in resumed.stderr,
             "bit_equal": all(torch.equal(straight[k], killed[k]) for k in straight),

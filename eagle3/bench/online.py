@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -170,15 +171,68 @@ def torchrun(ranks: int, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *args]
 
 
-def launch(ranks: int, args: list[str], **run) -> tuple[float, subprocess.CompletedProcess]:
-    """(seconds, result) of `torchrun(ranks, args)` from the repository root; fails naming the command."""
+# one phase's limit: a hung rank (a lost NCCL peer) must not hold the GPUs for the parts after it
+PHASE_TIMEOUT = 900
+
+
+def launch(ranks: int, args: list[str], capture: bool = False,
+           timeout: float = PHASE_TIMEOUT) -> tuple[float, subprocess.CompletedProcess]:
+    """(seconds, result) of `torchrun(ranks, args)` from the repository root (`capture`: its output as
+    text); fails naming the command, and past `timeout` kills it with its workers."""
     cmd = torchrun(ranks, args)
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, **run)
-    if done.returncode:
-        tail = f"\n{done.stderr[-3000:]}" if isinstance(done.stderr, str) else ""
-        raise RuntimeError(f"rc {done.returncode}: {' '.join(cmd)}{tail}")
-    return time.perf_counter() - start, done
+    pipe = subprocess.PIPE if capture else None
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=pipe, stderr=pipe, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            raise RuntimeError(f"timed out after {timeout:.0f} s (killed with its workers): {' '.join(cmd)}")
+    if proc.returncode:
+        raise RuntimeError(f"rc {proc.returncode}: {' '.join(cmd)}" + (f"\n{err[-3000:]}" if err else ""))
+    return time.perf_counter() - start, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):   # gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def kill_tree(proc: subprocess.Popen, wait: float = 60) -> None:
+    """SIGKILL a launch and every process below it, as a crashed node would lose them all (torchrun
+    starts its workers in sessions of their own: killing its process group leaves them running),
+    then wait until none is left."""
+    victims = [proc.pid, *descendants(proc.pid)]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    deadline = time.time() + wait
+    while any(alive(pid) for pid in victims[1:]):
+        if time.time() > deadline:
+            raise RuntimeError(f"processes {[p for p in victims[1:] if alive(p)]} outlived SIGKILL")
+        time.sleep(0.05)
 
 
 def run_dir(root: Path, placement: str) -> Path:
