@@ -340,6 +340,13 @@ def test_streaming_chunks_give_the_same_output(kimi):
         torch.testing.assert_close(small[key], big[key], rtol=1e-5, atol=1e-5)
 
 
+def test_a_moe_layer_takes_zero_tokens(kimi):
+    model = deepseek.DeepseekTarget(Checkpoint(kimi), torch.device("cpu"), torch.float32)
+    x = torch.zeros(0, model.cfg.hidden_size)
+    out = model.layer_forward(model.load_layer(1), x, torch.zeros(0, dtype=torch.long), torch.tensor([0, 0]))
+    assert out.shape == x.shape
+
+
 def test_only_active_experts_are_dequantized(kimi, monkeypatch):
     model = deepseek.DeepseekTarget(Checkpoint(kimi), torch.device("cpu"), torch.float32)
     weights = model.load_layer(1)

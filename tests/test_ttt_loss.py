@@ -238,6 +238,9 @@ def case_float8_gemms_follow_the_exact_ones():
 
     exact, fp8 = run(False), run(True)
     assert _rel(fp8[0], exact[0]) < 0.03, f"total {_rel(fp8[0], exact[0]):.3g}"
+    wr, hr = w.clone().requires_grad_(), [h.clone().requires_grad_() for h in hs]   # chunks of 16: no copy path
+    ttt_loss_steps(hr, wr, ps, valids, [1.0, 0.8, 0.64], chunk=16, float8=True)[0].backward()
+    assert max(_rel(a, b) for a, b in zip([h.grad for h in hr][:2], exact[3][:2])) < 0.1
     assert 1e-5 < _rel(fp8[1][0], exact[1][0]) < 0.05, "step 0 losses: not fp8, or too far"
     agree = (fp8[2][0] == exact[2][0]).float().mean().item()
     assert agree > 0.8, f"argmax agreement {agree:.2f}"

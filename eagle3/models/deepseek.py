@@ -387,14 +387,14 @@ class DeepseekTarget:
 
     def _moe(self, w, x):
         idx, weights = route(F.linear(x.float(), w["mlp.gate"]), w.get("mlp.gate.bias"), self.spec)
-        out = self._routed(w, x, idx, weights).to(x.dtype)
+        out = self._routed(w, x, idx, weights)
         if self.spec.n_shared_experts:
             out = out + swiglu(x, w["mlp.shared_experts.gate_proj"], w["mlp.shared_experts.up_proj"],
                                w["mlp.shared_experts.down_proj"])
         return out
 
     def _routed(self, w, x, idx, weights):
-        """Σ_k weights[t, k] · expert_idx[t, k](x_t), fp32 [T, H]: (token, slot) pairs sorted by
+        """Σ_k weights[t, k] · expert_idx[t, k](x_t), [T, H] in x's dtype: (token, slot) pairs sorted by
         expert; per block of EXPERT_BLOCK active experts, their weights dequantized into one
         buffer (or read packed by the W4A16 GEMM) and one grouped GEMM per projection over all the
         block's rows; each pair's output lands in its (token, slot) row, and the k slots of a token
@@ -411,7 +411,7 @@ class DeepseekTarget:
         for rows, gate_up, down in blocks(w, counts, starts):
             h = self.expert_act(gate_up(x[token[rows]]), pair_w[rows])                          # [n, I]
             pairs.index_copy_(0, order[rows], down(h))                                          # [n, H]
-        return torch.sum(pairs.view(T, k, -1), 1, dtype=torch.float32)
+        return pairs.view(T, k, x.shape[1]).sum(1)   # summed in fp32 (the reduction's accumulator), stored in x's dtype
 
     def _blocks(self, w, counts, starts):
         """(rows, gate_up, down) per block of EXPERT_BLOCK active experts: their weights dequantized
