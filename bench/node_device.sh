@@ -6,8 +6,9 @@
 #            parameter bit-equal across the 8 ranks, host syncs per step
 #   scale-b  the same on layout b
 #   extract  extract.py on 1 rank, then under torchrun on 8, on the online bench's real-width 4-layer
-#            Kimi-layout target (8 shards of 65,536 tokens): the node's extraction tokens/s and its
-#            shards against 1 rank's (same plan, bit-equal files, the largest difference per tensor)
+#            Kimi-layout target (16 shards of 65,536 tokens: two per rank on 8, so the steady rate,
+#            start-up left out, is measured too): the node's extraction tokens/s and its shards against
+#            1 rank's (same plan, bit-equal files, the largest difference per tensor)
 #   resume   train.py on 8 ranks (toy Kimi-layout target and draft, 40 steps, a checkpoint every 5):
 #            uninterrupted twice (the run-to-run floor), and SIGKILLed (torchrun and its workers) once
 #            step 10's checkpoint is complete, then rerun: its final weights against the uninterrupted
@@ -16,12 +17,13 @@
 #            steps, 2 warm-up, the profiled and the sync-checked one; ~52 GB with their sha256, 1.5-2.5 min),
 #            then each run ~1.5 min (start-up, autotuning, 7 steps); the 1-GPU run reuses the shards,
 #            which are removed at the end of the part (disk: 235 GiB)
-#   extract  ~5.5 min: the target (35.1 GB, 1-2 min, or reused from /tmp/online), 1 rank extracting
-#            8 shards (~17 s each: the layers streamed from the page cache, the 3.7 GB shard written and
-#            hashed), 8 ranks one shard each (~30 s with start-up), the comparison on the GPU (~30 s)
+#   extract  ~8 min: the target (35.1 GB, 1-2 min, or reused from /tmp/online), 1 rank extracting
+#            16 shards (~17 s each: the layers streamed from the page cache, the 3.7 GB shard written and
+#            hashed), 8 ranks two shards each (~50 s with start-up), the comparison on the GPU (~30 s)
 #   resume   ~3 min: the shards (in this process, seconds), 4 launches of 8 ranks of ~30-40 s each
-# so: call 1 `bash bench/node_device.sh scale-a resume` (~8 min), call 2 `scale-b` (~5 min), call 3
-# `extract` (~5.5 min); scale-a and scale-b fit one call only if the shards write fast.
+# so: call 1 `bash bench/node_device.sh resume scale-a` (~8 min; resume first: scale-a's estimate is
+# the shakier), call 2 `scale-b` (~5 min), call 3 `extract` (~8 min). Each part runs under
+# `timeout` (PART_LIMIT seconds, default 560) and a failed part is marked "== PART FAILED rc=N".
 # Output, as it runs: $OUT/node.txt (the log), $OUT/scale-{1,8}.jsonl (the step bench's rows),
 # $OUT/extract.jsonl, $OUT/resume.jsonl, $OUT/env.txt: 6 files.
 set -uo pipefail
@@ -33,23 +35,29 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$out/env.txt"
 df -h /tmp | tee -a "$out/env.txt"
 quiet() { grep --line-buffered -v "it/s]\|s/it]\|step/s]\|s/step]\|tok/s]"; }
+limit=${PART_LIMIT:-560}
+run() { timeout -k 20 "$limit" "$@"; }
+failed() { echo "== $part FAILED rc=$1 $(date +%T)" | tee -a "$out/node.txt"; }
 for part in "$@"; do
   echo "== $part $(date +%T)" | tee -a "$out/node.txt"
   case $part in
     scale-a|scale-b)
       layout=${part#scale-}
       step=(-m eagle3.bench --layouts "$layout" --kernels "$kernels" --steps 3 --warmup 2 --dir /tmp/bd)
-      { python3 -m torch.distributed.run --standalone --nproc_per_node 8 "${step[@]}" --json "$out/scale-8.jsonl"
-        python3 "${step[@]}" --json "$out/scale-1.jsonl"
+      { run python3 -m torch.distributed.run --standalone --nproc_per_node 8 "${step[@]}" --json "$out/scale-8.jsonl" &&
+        run python3 "${step[@]}" --json "$out/scale-1.jsonl" &&
         python3 -m eagle3.bench node scaling "$out/scale-1.jsonl" "$out/scale-8.jsonl"; } 2>&1 | quiet | tee -a "$out/node.txt"
+      rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || failed "$rc"
       rm -rf "/tmp/bd/data-$layout" ;;
     extract)
-      python3 -m eagle3.bench node extract --ranks 1,8 --shards 8 --dir /tmp/online --json "$out/extract.jsonl" \
+      run python3 -m eagle3.bench node extract --ranks 1,8 --shards 16 --dir /tmp/online --json "$out/extract.jsonl" \
         2>&1 | quiet | tee -a "$out/node.txt"
+      rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || failed "$rc"
       rm -rf /tmp/online/hidden-* ;;
     resume)
-      python3 -m eagle3.bench node resume --ranks 8 --steps 40 --every 5 --kill-at 10 --dir /tmp/resume \
-        --json "$out/resume.jsonl" 2>&1 | quiet | tee -a "$out/node.txt" ;;
+      run python3 -m eagle3.bench node resume --ranks 8 --steps 40 --every 5 --kill-at 10 --dir /tmp/resume \
+        --json "$out/resume.jsonl" 2>&1 | quiet | tee -a "$out/node.txt"
+      rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || failed "$rc" ;;
     *) echo "unknown part $part: expected scale-a, scale-b, extract or resume"; exit 2 ;;
   esac
 done

@@ -35,12 +35,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$out/env.txt"
 df -h /tmp | tee -a "$out/env.txt"
 quiet() { grep --line-buffered -v "it/s]\|s/it]\|step/s]\|s/step]\|tok/s]"; }
+limit=${PART_LIMIT:-560}   # a hung part must not take the rest of the call
 for part in "$@"; do
   echo "== $part $(date +%T)" | tee -a "$out/online.txt"
   case $part in
     offline|stream|resident|staged)
-      python3 -m eagle3.bench online --placements "$part" --ranks 2 --dir /tmp/online --json "$out/online.jsonl" \
-        2>&1 | quiet | tee -a "$out/online.txt" ;;
+      timeout -k 20 "$limit" python3 -m eagle3.bench online --placements "$part" --ranks 2 --dir /tmp/online \
+        --json "$out/online.jsonl" 2>&1 | quiet | tee -a "$out/online.txt"
+      rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || echo "== $part FAILED rc=$rc $(date +%T)" | tee -a "$out/online.txt" ;;
     table) python3 -m eagle3.bench online --table "$out/online.jsonl" | tee -a "$out/online.txt" ;;
     *) echo "unknown part $part: expected offline, stream, resident, staged or table"; exit 2 ;;
   esac

@@ -102,7 +102,8 @@ def extract_ranks(root: Path, s: dict, ranks: list[int], shards: int, device: to
         shutil.rmtree(out, ignore_errors=True)   # a fresh run: a rerun would keep the finished shards
         args = online.config_args(root, s, data, "offline", 1, device.type == "cpu", **{"extract.output_dir": out})
         wall = online.launch(n, ["extract.py", "--config", "config.toml", *args])[0]
-        row = {"ranks": n, "shards": shards, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+        row = {"ranks": n, "shards": shards, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+               "steady_tokens_per_s": online.extraction_steady(out, n)}   # start-up left out
         if rows:
             row["speedup"] = rows[0]["wall_s"] / wall
             first = rows[0]["ranks"]
@@ -113,16 +114,17 @@ def extract_ranks(root: Path, s: dict, ranks: list[int], shards: int, device: to
 
 
 def extract_table(rows: list[dict]) -> str:
-    lines = ["| ranks | shards | tokens | wall s | tokens/s | speed-up | same plan | bit-equal shards | greedy tokens "
-             "agreeing | largest difference (aux, final) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
+    lines = ["| ranks | shards | tokens | wall s | tokens/s (wall) | steady tokens/s | speed-up (wall) | same plan "
+             "| bit-equal shards | greedy tokens agreeing | largest difference (aux, final) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
     for r in rows:
         c = r.get("against")
         same = (f"| {c['same_plan']} | {c['bit_equal']} of {c['shards']} | {c['argmax_agreement']:.4%} | "
                 f"{c['max_abs_diff'].get('aux_hidden', 0):.3g}, {c['max_abs_diff'].get('final_hidden', 0):.3g} |"
                 if c else "| (reference) | | | |")
+        steady = f"{r['steady_tokens_per_s']:,.0f}" if r.get("steady_tokens_per_s") else "-"
         lines.append(f"| {r['ranks']} | {r['shards']} | {r['tokens']:,} | {r['wall_s']:.0f} | {r['tokens_per_s']:,.0f} "
-                     f"| {r.get('speedup', 1.0):.2f}x " + same)
+                     f"| {steady} | {r.get('speedup', 1.0):.2f}x " + same)
     return "\n".join(lines)
 
 

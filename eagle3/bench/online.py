@@ -21,8 +21,8 @@ and `staged` train with `train.source = "online"` and that `train.online_target`
 
 Figures, all ranks together: steady rates are medians over the training log's per-step windows after
 the first (compilation and first loads excluded): online the log's `target_tokens_per_s`,
-`draft_tokens_per_s` and `tokens_per_s` (end to end); offline the extraction's tokens over its
-processes' own seconds (runner start-up included), the training's `tokens_per_s`, and end to end
+`draft_tokens_per_s` and `tokens_per_s` (end to end); offline the extraction's steady rate from its
+shards' write times (each rank's shards after its first: `extraction_steady`), the training's `tokens_per_s`, and end to end
 1 / (1/extraction + 1/training), the two run one after the other on the same GPUs. Wall: the
 placement's launches, process start-up, compilation and the final checkpoint included. Peak: the
 highest `torch.cuda.max_memory_allocated` of any rank in any phase. Disk: the bytes the placement left
@@ -54,6 +54,7 @@ from eagle3 import config as config_mod
 from eagle3 import extraction, training
 from eagle3.bench import moe, step
 from eagle3.bench.timing import describe_device, free_memory
+from eagle3.data.shards import MANIFEST
 from eagle3.models import tiny
 from eagle3.models.checkpoint import read_config
 
@@ -279,13 +280,30 @@ def steady(values: list) -> float | None:
     return statistics.median(values[1:] if len(values) > 1 else values) if values else None
 
 
-def rates(log: list[dict], reports: dict, tokens: int) -> tuple[float, float, float]:
+def extraction_steady(hidden: Path, ranks: int) -> float | None:
+    """The extraction's steady tokens/s, all ranks together, from its shards' write times: per rank
+    (shard i is rank i % ranks's) the tokens of its shards after its first over the time from its
+    first to its last, so start-up, loading the embedding and first compiles are left out as the
+    online rates leave out their first window. None when no rank wrote two shards."""
+    shards = json.loads((hidden / MANIFEST).read_text())["shards"]
+    total, measured = 0.0, False
+    for r in range(ranks):
+        mine = shards[r::ranks]
+        if len(mine) > 1:
+            times = [(hidden / e["file"]).stat().st_mtime for e in mine]
+            total += sum(e["tokens"] for e in mine[1:]) / max(times[-1] - times[0], 1e-9)
+            measured = True
+    return total if measured else None
+
+
+def rates(log: list[dict], reports: dict, tokens: int, hidden: Path, ranks: int) -> tuple[float, float, float]:
     """Steady (target, draft, end-to-end) tokens/s of all ranks: online from the training log; offline
-    the extraction's tokens over its slowest rank's seconds, then training on its shards, on the same GPUs."""
+    the extraction's steady rate (its tokens over its slowest rank's seconds where no rank wrote two
+    shards), then training on its shards, on the same GPUs."""
     e2e = steady([r["tokens_per_s"] for r in log])
     if "extract" not in reports:
         return steady([r["target_tokens_per_s"] for r in log]), steady([r["draft_tokens_per_s"] for r in log]), e2e
-    target = tokens / max(r["seconds"] for r in reports["extract"])
+    target = extraction_steady(hidden, ranks) or tokens / max(r["seconds"] for r in reports["extract"])
     return target, e2e, 1 / (1 / target + 1 / e2e)
 
 
@@ -303,7 +321,7 @@ def run_placement(root: Path, s: dict, data: Path, placement: str, args: argpars
     log = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     log = [r for r in log if r["split"] == "train"]
     tokens = sum(len(json.loads(line)["input_ids"]) for line in data.read_text().splitlines())
-    target, draft, e2e = rates(log, reports, tokens)
+    target, draft, e2e = rates(log, reports, tokens, out / "hidden", args.ranks)
     peaks = [r["peak_gib"] for rs in reports.values() for r in rs if r["peak_gib"] is not None]
     disk = sum(f.stat().st_size for sub in ("hidden", "train") for f in (out / sub).rglob("*") if f.is_file())
     row = {"placement": placement, "ranks": args.ranks, "tokens": tokens, "steps": args.steps,
