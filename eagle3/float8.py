@@ -5,9 +5,11 @@ Forward: the input and the weight cast to float8_e4m3fn with one dynamic scale p
 amax / 57344); dX = dY·W and dW = dYᵀ·X as scaled fp8 matmuls of the copies saved by the forward
 (they also halve the activation memory kept for backward). The fp32 master weights stay with the
 optimizer; a TTT forward casts each once for its K steps (`casts_reused`). A cast is two Triton
-kernels (`kernels/fp8_cast.py`: amax, then one read and two writes, as it is and transposed). `torch._scaled_mm` runs on GPUs with fp8 tensor cores
-(compute capability 8.9 and later: Ada, Hopper, Blackwell) and on the CPU (the tests); it wants every
-dimension a multiple of 16, so rows are zero-padded (zero rows add nothing to dW).
+kernels (`kernels/fp8_cast.py`: amax, then one read and two writes, as it is and transposed).
+`torch._scaled_mm` runs on GPUs with fp8 tensor cores (compute capability 8.9 and later: Ada,
+Hopper, Blackwell) and on the CPU (the tests); it wants every dimension a multiple of 16, so rows
+are zero-padded (zero rows add nothing to dW). `train.float8 = auto` (`choose`) turns this on where
+it can run; `train.float8_head` (`head_loss`) does the same for the loss's lm_head GEMMs.
 """
 from __future__ import annotations
 
@@ -38,8 +40,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, w)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    x2 = x.reshape(-1, x.shape[-1])
-    y = _Float8Linear.apply(x2, w, *cast(x, E4M3), *cast(w, E4M3), out_dtype)
+    y = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w, *cast(x, E4M3), *cast(w, E4M3), out_dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
