@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from eagle3 import checkpoint as ckpt_io
 from eagle3 import distributed, float8
 from eagle3.config import Config, ConfigError
 from eagle3.data.batch import Batch, RowRule
-from eagle3.data.batching import Prefetcher, pack, split_holdout
+from eagle3.data.batching import Prefetcher, device_tensors, one_ahead, pack, split_holdout
 from eagle3.data.errors import InputError
 from eagle3.data.online import OnlineReader
 from eagle3.data.shards import DataError, ShardReader, check_manifest, loss_token_counts
@@ -491,6 +492,32 @@ class Trainer:
                           pin=self.cuda, prepare=self.prepare_batch if self.cuda else None,
                           together=self.cfg.train.grad_accum)
 
+    def device_batches(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        """The micro-batches on the training device, each copied while the step before it computes:
+        on CUDA from pinned host memory on a stream of its own (on the compute stream the copies ran
+        in stream order between steps: about 17 ms of a 0.9 s Kimi-size step with every SM idle), the
+        compute stream waiting for a batch only when it takes it. Elsewhere, and for online readers
+        (their batches are made on the device), the batches as they come."""
+        if not self.cuda or self.online:
+            yield from batches
+            return
+        stream = torch.cuda.Stream(self.device)
+
+        def start(batch: Batch) -> tuple[Batch, torch.cuda.Event]:
+            with torch.cuda.stream(stream):
+                moved = self._on_device(self._prepared(batch))
+                return moved, stream.record_event()
+
+        def take(started: tuple[Batch, torch.cuda.Event]) -> Batch:
+            batch, copied = started
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
+            for t in device_tensors(batch):   # made on the copy stream, used and freed on this one
+                t.record_stream(compute)
+            return batch
+
+        yield from one_ahead(batches, start, take)
+
     def _prepared(self, batch: Batch) -> Batch:
         """The batch as `prepare_batch` leaves it (the prefetcher's work, done here if it was not)."""
         return batch if batch.plan is not None else self.prepare_batch(batch)
@@ -564,7 +591,7 @@ class Trainer:
 
     def run(self) -> Path:
         t, total = self.cfg.train, self.plan.total
-        batches = self.prefetcher(self.start_step)
+        batches = self.device_batches(self.prefetcher(self.start_step))
         window = torch.zeros(t.ttt_steps, 7, device=self.device)
         tokens, clock, self.waited, self.target_totals = 0, time.perf_counter(), 0.0, (0, 0.0)
         bar = tqdm(total=total, initial=self.start_step, unit="step", desc="train", disable=not self.dist.main)

@@ -253,3 +253,16 @@ def test_a_corrupt_state_json_is_named_on_resume(tmp_path, llama_target, token_d
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert f"{state}: not valid JSON" in out.stderr.strip().splitlines()[-1]
+
+
+def test_one_ahead_starts_the_next_item_before_handing_over_the_current():
+    from eagle3.data.batching import one_ahead
+    log = []
+    out = []
+    for item in one_ahead(range(3), start=lambda x: log.append(f"start {x}") or x,
+                          take=lambda x: log.append(f"take {x}") or x):
+        out.append(item)
+        log.append(f"use {item}")
+    assert out == [0, 1, 2]
+    assert log == ["start 0", "start 1", "take 0", "use 0", "start 2", "take 1", "use 1", "take 2", "use 2"]
+    assert list(one_ahead([], start=lambda x: x, take=lambda x: x)) == []

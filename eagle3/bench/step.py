@@ -3,8 +3,10 @@
 Writes a stand-in target (config, embedding, norm and head only: what the trainer reads) and
 synthetic hidden-state shards in the real format, then times `Trainer.train_step` (forward over
 all K steps, backward, optimizer step; DDP under torchrun) with the shards read through the
-trainer's own prefetcher (median wall time of a step, the GPU's queued work finished on both
-sides: `timing.wall_s`). Prints tokens/s per GPU, model FLOPs utilization (matmul FLOPs of
+trainer's own prefetcher and device copies (`Trainer.device_batches`: each micro-batch's copy to the
+GPU overlaps the step before), `--steps` steps back to back as the training loop runs them, the GPU's
+queued work finished on both sides (`timing.wall_s`; until 2026-12-01 the median of single steps,
+each with its own copy on the compute stream). Prints tokens/s per GPU, model FLOPs utilization (matmul FLOPs of
 computing every row at every step, fwd+bwd, over the bf16 matmul rate measured in the same run),
 peak GPU memory and the share of step time the GPU is idle, per data layout and kernel choice:
 "torch" is the established recipe (compiled flex_attention, compiled loss, every row computed),
@@ -218,21 +220,26 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
     started = time.perf_counter()
     trainer = Trainer(config_mod.load(None, args))
     cuda = trainer.device.type == "cuda"
-    batches = trainer.prefetcher(0)
-    times, tokens = [], 0
-    for i in range(warmup + steps):
-        batch = next(batches)
-        elapsed, metrics = wall_s(lambda: trainer.train_step([batch]))
+    # as the training loop takes them: each micro-batch's copy to the GPU overlaps the step before
+    batches = trainer.device_batches(trainer.prefetcher(0))
+    for i in range(warmup):
+        metrics = trainer.train_step([next(batches)])
         if i == 0:
             first = metrics   # the same weights and data on every path: losses agree across kernels
-        if i >= warmup:
-            times.append(elapsed)
-            tokens = batch.rows
+    rows = []
+
+    def loop():   # back to back, as in training: a sync between steps would hide the next copy
+        for _ in range(steps):
+            batch = next(batches)
+            rows.append(batch.rows)
+            trainer.train_step([batch])
+
+    step = wall_s(loop)[0] / steps
+    tokens = statistics.mean(rows)
     table = profile_dir / f"profile-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}.txt" \
         if profile_dir else None
     busy = gpu_busy_fraction(trainer, next(batches), table)[0] if cuda else float("nan")
     syncs = host_syncs(trainer, next(batches)) if cuda else []
-    step = statistics.median(times)
     flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens, train_head)
     return {"layout": layout, "kernels": kernels, "world": trainer.dist.world, "step_s": step,
             "tokens_per_s_per_gpu": tokens / step, "mfu": flops / step / 1e12 / tflops if cuda else float("nan"),
