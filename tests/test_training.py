@@ -266,3 +266,24 @@ def test_one_ahead_starts_the_next_item_before_handing_over_the_current():
     assert out == [0, 1, 2]
     assert log == ["start 0", "start 1", "take 0", "use 0", "start 2", "take 1", "use 1", "take 2", "use 2"]
     assert list(one_ahead([], start=lambda x: x, take=lambda x: x)) == []
+
+
+def test_one_ahead_over_the_prefetcher_ends_with_its_data():
+    """The prefetch thread marks the end: one_ahead asks once more than there are batches."""
+    import threading
+
+    from eagle3.data.batching import Prefetcher, one_ahead
+
+    class Reader:
+        lockstep = False
+
+        def read_many(self, chunk):
+            return list(chunk)
+
+    out = []
+    consumer = threading.Thread(target=lambda: out.extend(
+        one_ahead(Prefetcher(Reader(), [10, 11, 12], depth=2, pin=False), start=lambda x: x, take=lambda x: x)))
+    consumer.start()
+    consumer.join(timeout=20)
+    assert not consumer.is_alive(), "one_ahead waited for a batch after the last"
+    assert out == [10, 11, 12]

@@ -233,6 +233,7 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             batch = next(batches)
             rows.append(batch.rows)
             trainer.train_step([batch])
+            del batch
 
     step = wall_s(loop)[0] / steps
     tokens = statistics.mean(rows)
@@ -273,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a random lm_head, trained (the figures recorded before 2026-11-30); default: "
                              "the target's rows, frozen (our default and the peer's)")
     args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1 (the first-step loss is the first warm-up step's)")
     s = TINY if args.tiny else KIMI
     dist = distributed.setup()
     if args.peer_script and dist.world > 1:   # the other ranks would wait in a collective for its minutes

@@ -54,6 +54,7 @@ class Batch:
     aux_scale: torch.Tensor | None = None   # [T, 3] fp32 per-token, per-layer scales of fp8 aux states
     cu_seqlens_host: torch.Tensor | None = None   # int32 copy kept on the host: the kernels read it there
     plan: RowPlan | None = None
+    ready: object = None                # a CUDA event: the batch's copy to the device, still in flight
 
     @property
     def rows(self) -> int:
@@ -69,7 +70,8 @@ class Batch:
         copy of the boundaries stays on the host."""
         move = lambda t: t.to(device, float_dtype if t.is_floating_point() else None, non_blocking=True)  # noqa: E731
         aux = (move(self.aux_hidden) if self.aux_scale is None else
-               decode_aux_fp8(self.aux_hidden.to(device, non_blocking=True), self.aux_scale.to(device), float_dtype))
+               decode_aux_fp8(self.aux_hidden.to(device, non_blocking=True),
+                              self.aux_scale.to(device, non_blocking=True), float_dtype))
         return Batch(move(self.input_ids), move(self.loss_mask), move(self.target_argmax), aux,
                      move(self.final_hidden), self.cu_seqlens.to(device, non_blocking=True),
                      cu_seqlens_host=self.cu_seqlens_host, plan=None if self.plan is None else self.plan.to(device))

@@ -76,6 +76,7 @@ class Prefetcher:
         try:
             for batch in self._produce(reader, batches, pin, prepare):
                 self._queue.put(batch)
+            self._queue.put(StopIteration())   # the end, for a consumer that asks once more (one_ahead)
         except Exception as e:  # surfaced in the consumer
             self._queue.put(e)
 
