@@ -56,15 +56,19 @@ def scaling(one: list[dict], many: list[dict]) -> list[dict]:
     return rows
 
 
+def markdown(columns: list[str], cells: list[list[str]]) -> str:
+    """A markdown table; a column whose name starts with "#" is right-aligned (the "#" dropped)."""
+    head = [c.lstrip("#") for c in columns]
+    rule = ["---:" if c.startswith("#") else "---" for c in columns]
+    return "\n".join("| " + " | ".join(row) + " |" for row in [head, rule, *cells])
+
+
 def scaling_table(rows: list[dict]) -> str:
-    lines = ["| layout | kernels | GPUs | 1-GPU tok/s | tok/s/GPU | node tok/s | scaling | >= 0.95 N | "
-             "same weights on all ranks | host syncs/step (N, 1) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
-    for r in rows:
-        lines.append(f"| {r['layout']} | {r['kernels']} | {r['world']} | {r['one_gpu']:,.0f} | {r['per_gpu']:,.0f} "
-                     f"| {r['node']:,.0f} | {r['scaling']:.2f}x | {r['meets']} | {r['same_weights']} "
-                     f"| {r['host_syncs']}, {r['host_syncs_one_gpu']} |")
-    return "\n".join(lines)
+    return markdown(["layout", "kernels", "#GPUs", "#1-GPU tok/s", "#tok/s/GPU", "#node tok/s", "#scaling", ">= 0.95 N",
+                     "same weights on all ranks", "#host syncs/step (N, 1)"],
+                    [[r["layout"], r["kernels"], str(r["world"]), f"{r['one_gpu']:,.0f}", f"{r['per_gpu']:,.0f}",
+                      f"{r['node']:,.0f}", f"{r['scaling']:.2f}x", str(r["meets"]), str(r["same_weights"]),
+                      f"{r['host_syncs']}, {r['host_syncs_one_gpu']}"] for r in rows])
 
 
 def compare_shards(a: Path, b: Path, device: torch.device) -> dict:
@@ -114,18 +118,18 @@ def extract_ranks(root: Path, s: dict, ranks: list[int], shards: int, device: to
 
 
 def extract_table(rows: list[dict]) -> str:
-    lines = ["| ranks | shards | tokens | wall s | tokens/s (wall) | steady tokens/s | speed-up (wall) | same plan "
-             "| bit-equal shards | greedy tokens agreeing | largest difference (aux, final) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
+    cells = []
     for r in rows:
         c = r.get("against")
-        same = (f"| {c['same_plan']} | {c['bit_equal']} of {c['shards']} | {c['argmax_agreement']:.4%} | "
-                f"{c['max_abs_diff'].get('aux_hidden', 0):.3g}, {c['max_abs_diff'].get('final_hidden', 0):.3g} |"
-                if c else "| (reference) | | | |")
+        same = ([str(c["same_plan"]), f"{c['bit_equal']} of {c['shards']}", f"{c['argmax_agreement']:.4%}",
+                 f"{c['max_abs_diff'].get('aux_hidden', 0):.3g}, {c['max_abs_diff'].get('final_hidden', 0):.3g}"]
+                if c else ["(reference)", "", "", ""])
         steady = f"{r['steady_tokens_per_s']:,.0f}" if r.get("steady_tokens_per_s") else "-"
-        lines.append(f"| {r['ranks']} | {r['shards']} | {r['tokens']:,} | {r['wall_s']:.0f} | {r['tokens_per_s']:,.0f} "
-                     f"| {steady} | {r.get('speedup', 1.0):.2f}x " + same)
-    return "\n".join(lines)
+        cells.append([str(r["ranks"]), str(r["shards"]), f"{r['tokens']:,}", f"{r['wall_s']:.0f}",
+                      f"{r['tokens_per_s']:,.0f}", steady, f"{r.get('speedup', 1.0):.2f}x", *same])
+    return markdown(["#ranks", "#shards", "#tokens", "#wall s", "#tokens/s (wall)", "#steady tokens/s",
+                     "#speed-up (wall)", "same plan", "#bit-equal shards", "#greedy tokens agreeing",
+                     "largest difference (aux, final)"], cells)
 
 
 def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
