@@ -319,16 +319,9 @@ class Trainer:
         self.ddp = self.model
         if self.dist.world > 1:
             # device_ids=None: batches are already on the device, and DDP moving the inputs would
-            # turn the host-side copies the step keeps (sequence boundaries) into device tensors.
-            # find_unused_parameters=True only for what it switches off: DDP otherwise rebuilds its
-            # buckets after a process's first step, so a resumed run's first step (old layout) sums
-            # the gradients of 3+ ranks in another order than the uninterrupted run's (rebuilt
-            # layout), and the weights drift apart by rounding. Every weight's gradient is ready at
-            # the very end of the unroll's backward anyway (step 0 uses them all), so the layout
-            # costs no overlap.
+            # turn the host-side copies the step keeps (sequence boundaries) into device tensors
             self.ddp = nn.parallel.DistributedDataParallel(
-                self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True,
-                find_unused_parameters=True)
+                self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
         self.attention, self.loss_steps = select_kernels(t.kernels, self.device, spec.head_dim, cfg.source)
         if t.float8_head:
             self.loss_steps = float8.head_loss(self.loss_steps, self.device, spec, cfg.source)
@@ -516,6 +509,17 @@ class Trainer:
         """The batch as `prepare_batch` leaves it (the prefetcher's work, done here if it was not)."""
         return batch if batch.plan is not None else self.prepare_batch(batch)
 
+    def settle_buckets(self, batch: Batch) -> None:
+        """DDP lays its gradient buckets out again after a process's first backward (in the order
+        the gradients became ready), and 3 or more ranks' gradients are summed in another order in
+        each layout: a run resumed from a checkpoint would round its first step unlike the run it
+        continues (6e-8 apart on 4 CPU ranks). One backward at the start of every process, its
+        gradients dropped and its random draws undone, puts every step of every process in the
+        rebuilt layout."""
+        with torch.random.fork_rng(devices=[self.device] if self.cuda else []):
+            self._forward(self.ddp, self._on_device(self._prepared(batch)), training=True)[0].backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _on_device(self, batch: Batch) -> Batch:
         """The batch on the training device: copied here, or (`device_batches`) its copy on the
         copy stream waited for by this stream, which from now on also owns its memory."""
@@ -605,6 +609,8 @@ class Trainer:
             wait = time.perf_counter()
             micro = [next(batches) for _ in range(t.grad_accum)]
             self.waited += time.perf_counter() - wait
+            if step == self.start_step and self.dist.world > 1:
+                self.settle_buckets(micro[0])
             tokens += sum(b.rows for b in micro)
             done = step + 1
             window += self.train_step(micro, done)
