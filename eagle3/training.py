@@ -24,7 +24,7 @@ from eagle3 import checkpoint as ckpt_io
 from eagle3 import distributed, float8
 from eagle3.config import Config, ConfigError
 from eagle3.data.batch import Batch, RowRule
-from eagle3.data.batching import Prefetcher, device_tensors, one_ahead, pack, split_holdout
+from eagle3.data.batching import Prefetcher, one_ahead, pack, split_holdout
 from eagle3.data.errors import InputError
 from eagle3.data.online import OnlineReader
 from eagle3.data.shards import DataError, ShardReader, check_manifest, loss_token_counts
@@ -503,7 +503,7 @@ class Trainer:
                 moved = self._on_device(self._prepared(batch))
                 return dataclasses.replace(moved, ready=stream.record_event())
 
-        yield from one_ahead(batches, start, lambda batch: batch)
+        yield from one_ahead(batches, start)
 
     def _prepared(self, batch: Batch) -> Batch:
         """The batch as `prepare_batch` leaves it (the prefetcher's work, done here if it was not)."""
@@ -527,7 +527,7 @@ class Trainer:
             return batch.to(self.device, self.float_dtype)
         here = torch.cuda.current_stream(self.device)
         here.wait_event(batch.ready)
-        for t in device_tensors(batch):   # allocated on the copy stream, used and freed on this one
+        for t in batch.device_tensors():   # allocated on the copy stream, used and freed on this one
             t.record_stream(here)
         return dataclasses.replace(batch, ready=None)
 

@@ -259,13 +259,12 @@ def test_one_ahead_starts_the_next_item_before_handing_over_the_current():
     from eagle3.data.batching import one_ahead
     log = []
     out = []
-    for item in one_ahead(range(3), start=lambda x: log.append(f"start {x}") or x,
-                          take=lambda x: log.append(f"take {x}") or x):
+    for item in one_ahead(range(3), start=lambda x: log.append(f"start {x}") or x):
         out.append(item)
         log.append(f"use {item}")
     assert out == [0, 1, 2]
-    assert log == ["start 0", "start 1", "take 0", "use 0", "start 2", "take 1", "use 1", "take 2", "use 2"]
-    assert list(one_ahead([], start=lambda x: x, take=lambda x: x)) == []
+    assert log == ["start 0", "start 1", "use 0", "start 2", "use 1", "use 2"]
+    assert list(one_ahead([], start=lambda x: x)) == []
 
 
 def test_one_ahead_over_the_prefetcher_ends_with_its_data():
@@ -282,7 +281,7 @@ def test_one_ahead_over_the_prefetcher_ends_with_its_data():
 
     out = []
     consumer = threading.Thread(target=lambda: out.extend(
-        one_ahead(Prefetcher(Reader(), [10, 11, 12], depth=2, pin=False), start=lambda x: x, take=lambda x: x)))
+        one_ahead(Prefetcher(Reader(), [10, 11, 12], depth=2, pin=False), start=lambda x: x)))
     consumer.start()
     consumer.join(timeout=20)
     assert not consumer.is_alive(), "one_ahead waited for a batch after the last"

@@ -56,15 +56,8 @@ def scaling(one: list[dict], many: list[dict]) -> list[dict]:
     return rows
 
 
-def markdown(columns: list[str], cells: list[list[str]]) -> str:
-    """A markdown table; a column whose name starts with "#" is right-aligned (the "#" dropped)."""
-    head = [c.lstrip("#") for c in columns]
-    rule = ["---:" if c.startswith("#") else "---" for c in columns]
-    return "\n".join("| " + " | ".join(row) + " |" for row in [head, rule, *cells])
-
-
 def scaling_table(rows: list[dict]) -> str:
-    return markdown(["layout", "kernels", "#GPUs", "#1-GPU tok/s", "#tok/s/GPU", "#node tok/s", "#scaling", ">= 0.95 N",
+    return online.markdown(["layout", "kernels", "#GPUs", "#1-GPU tok/s", "#tok/s/GPU", "#node tok/s", "#scaling", ">= 0.95 N",
                      "same weights on all ranks", "#host syncs/step (N, 1)"],
                     [[r["layout"], r["kernels"], str(r["world"]), f"{r['one_gpu']:,.0f}", f"{r['per_gpu']:,.0f}",
                       f"{r['node']:,.0f}", f"{r['scaling']:.2f}x", str(r["meets"]), str(r["same_weights"]),
@@ -127,24 +120,24 @@ def extract_table(rows: list[dict]) -> str:
         steady = f"{r['steady_tokens_per_s']:,.0f}" if r.get("steady_tokens_per_s") else "-"
         cells.append([str(r["ranks"]), str(r["shards"]), f"{r['tokens']:,}", f"{r['wall_s']:.0f}",
                       f"{r['tokens_per_s']:,.0f}", steady, f"{r.get('speedup', 1.0):.2f}x", *same])
-    return markdown(["#ranks", "#shards", "#tokens", "#wall s", "#tokens/s (wall)", "#steady tokens/s",
+    return online.markdown(["#ranks", "#shards", "#tokens", "#wall s", "#tokens/s (wall)", "#steady tokens/s",
                      "#speed-up (wall)", "same plan", "#bit-equal shards", "#greedy tokens agreeing",
                      "largest difference (aux, final)"], cells)
 
 
 def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(ckpt_io.latest(output_dir) / ckpt_io.MODEL)
+    return ckpt_io.load_weights(ckpt_io.latest(output_dir))
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def kill_when(cmd: list[str], marker: Path, log: Path, timeout: float = 900) -> None:
+def kill_when(cmd: list[str], marker: Path, log: Path) -> None:
     """Run `cmd` (its output to `log`) and SIGKILL it with all its workers once `marker` exists."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=online.ROOT, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.time() + timeout
+        deadline = time.time() + online.PHASE_TIMEOUT
         while not marker.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         online.kill_tree(proc)

@@ -176,19 +176,18 @@ def torchrun(ranks: int, args: list[str]) -> list[str]:
 PHASE_TIMEOUT = 900
 
 
-def launch(ranks: int, args: list[str], capture: bool = False,
-           timeout: float = PHASE_TIMEOUT) -> tuple[float, subprocess.CompletedProcess]:
+def launch(ranks: int, args: list[str], capture: bool = False) -> tuple[float, subprocess.CompletedProcess]:
     """(seconds, result) of `torchrun(ranks, args)` from the repository root (`capture`: its output as
-    text); fails naming the command, and past `timeout` kills it with its workers."""
+    text); fails naming the command, and past PHASE_TIMEOUT kills it with its workers."""
     cmd = torchrun(ranks, args)
     start = time.perf_counter()
     pipe = subprocess.PIPE if capture else None
     with subprocess.Popen(cmd, cwd=ROOT, stdout=pipe, stderr=pipe, text=True) as proc:
         try:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(timeout=PHASE_TIMEOUT)
         except subprocess.TimeoutExpired:
             kill_tree(proc)
-            raise RuntimeError(f"timed out after {timeout:.0f} s (killed with its workers): {' '.join(cmd)}")
+            raise RuntimeError(f"timed out after {PHASE_TIMEOUT} s (killed with its workers): {' '.join(cmd)}")
     if proc.returncode:
         raise RuntimeError(f"rc {proc.returncode}: {' '.join(cmd)}" + (f"\n{err[-3000:]}" if err else ""))
     return time.perf_counter() - start, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
@@ -218,7 +217,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def kill_tree(proc: subprocess.Popen, wait: float = 60) -> None:
+def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a launch and every process below it, as a crashed node would lose them all (torchrun
     starts its workers in sessions of their own: killing its process group leaves them running),
     then wait until none is left."""
@@ -229,7 +228,7 @@ def kill_tree(proc: subprocess.Popen, wait: float = 60) -> None:
         except ProcessLookupError:
             pass
     proc.wait()
-    deadline = time.time() + wait
+    deadline = time.time() + 60
     while any(alive(pid) for pid in victims[1:]):
         if time.time() > deadline:
             raise RuntimeError(f"processes {[p for p in victims[1:] if alive(p)]} outlived SIGKILL")
@@ -320,7 +319,7 @@ def run_placement(root: Path, s: dict, data: Path, placement: str, args: argpars
     reports = {phase: [json.loads(p.read_text()) for p in sorted(out.glob(f"{phase}-rank*.json"))] for phase in phases}
     log = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     log = [r for r in log if r["split"] == "train"]
-    tokens = sum(len(json.loads(line)["input_ids"]) for line in data.read_text().splitlines())
+    tokens = args.steps * args.ranks * s["draft"]["seqs"] * s["draft"]["seq_len"]   # every sequence of the data once
     target, draft, e2e = rates(log, reports, tokens, out / "hidden", args.ranks)
     peaks = [r["peak_gib"] for rs in reports.values() for r in rs if r["peak_gib"] is not None]
     disk = sum(f.stat().st_size for sub in ("hidden", "train") for f in (out / sub).rglob("*") if f.is_file())
@@ -341,16 +340,20 @@ def _num(x, fmt: str = ",.0f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def markdown(columns: list[str], cells: list[list[str]]) -> str:
+    """A markdown table; a column whose name starts with "#" is right-aligned (the "#" dropped)."""
+    head = [c.lstrip("#") for c in columns]
+    rule = ["---:" if c.startswith("#") else "---" for c in columns]
+    return "\n".join("| " + " | ".join(row) + " |" for row in [head, rule, *cells])
+
+
 def table(rows: list[dict]) -> str:
-    head = ("placement", "ranks", "tokens", "wall s", "target tok/s", "draft tok/s", "end-to-end tok/s",
-            "tok/s over wall", "peak GiB/GPU", "disk GB written", "GPU-s / 1k tokens", "last step loss0")
-    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
-    for r in rows:
-        lines.append(f"| {r['placement']} | {r['ranks']} | {r['tokens']:,} | {r['wall_s']:.0f} "
-                     f"| {_num(r['target_tokens_per_s'])} | {_num(r['draft_tokens_per_s'])} | {_num(r['tokens_per_s'])} "
-                     f"| {_num(r['wall_tokens_per_s'])} | {_num(r['peak_gib'], '.1f')} | {r['disk_bytes'] / 1e9:.3g} "
-                     f"| {_num(r['gpu_s_per_1k_tokens'], '.3f')} | {r['last_loss0']:.4f} |")
-    return "\n".join(lines)
+    return markdown(["placement", "#ranks", "#tokens", "#wall s", "#target tok/s", "#draft tok/s", "#end-to-end tok/s",
+                     "#tok/s over wall", "#peak GiB/GPU", "#disk GB written", "#GPU-s / 1k tokens", "#last step loss0"],
+                    [[r["placement"], str(r["ranks"]), f"{r['tokens']:,}", f"{r['wall_s']:.0f}",
+                      _num(r["target_tokens_per_s"]), _num(r["draft_tokens_per_s"]), _num(r["tokens_per_s"]),
+                      _num(r["wall_tokens_per_s"]), _num(r["peak_gib"], ".1f"), f"{r['disk_bytes'] / 1e9:.3g}",
+                      _num(r["gpu_s_per_1k_tokens"], ".3f"), f"{r['last_loss0']:.4f}"] for r in rows])
 
 
 def main(argv: list[str] | None = None) -> None:

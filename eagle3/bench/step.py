@@ -337,9 +337,9 @@ def peer_tokens_per_s(log: str, tokens_per_step: int) -> float | None:
     return tokens_per_step / (statistics.median(times) / 1e3) if times else None
 
 
-def run_peer(script: str, tokens_per_step: int, samples: int = 48) -> float | None:
-    """The peer's step on the same shapes and GPU (its own script, `samples` sequences of 4096 tokens:
-    12 steps per epoch, the second epoch steady, as in its recorded figures): its tokens/s, from the
+def run_peer(script: str, tokens_per_step: int) -> float | None:
+    """The peer's step on the same shapes and GPU (its own script at its defaults, 48 sequences of 4096
+    tokens: 12 steps per epoch, the second epoch steady, as in its recorded figures): its tokens/s, from the
     full log the script writes to $OUT (or /tmp)/kimi_peer.log (its stdout keeps only a summary)."""
     import os
     import subprocess
@@ -347,7 +347,7 @@ def run_peer(script: str, tokens_per_step: int, samples: int = 48) -> float | No
     started = time.perf_counter()
     log_file = Path(os.environ.get("OUT", "/tmp")) / "kimi_peer.log"
     log_file.unlink(missing_ok=True)
-    run = subprocess.run([sys.executable, script, str(samples)], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True)
     log = (log_file.read_text() if log_file.exists() else "") + run.stdout + run.stderr
     peer = peer_tokens_per_s(log, tokens_per_step)
     print(f"peer ({script}): rc {run.returncode}, {time.perf_counter() - started:.0f} s, "

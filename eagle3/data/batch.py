@@ -76,6 +76,13 @@ class Batch:
                      move(self.final_hidden), self.cu_seqlens.to(device, non_blocking=True),
                      cu_seqlens_host=self.cu_seqlens_host, plan=None if self.plan is None else self.plan.to(device))
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Its tensors on a GPU (the host copy of the boundaries excluded)."""
+        rows = [] if self.plan is None else [*(self.plan.live or []), *self.plan.loss]
+        tensors = [self.input_ids, self.loss_mask, self.target_argmax, self.aux_hidden, self.final_hidden,
+                   self.cu_seqlens, self.aux_scale, *rows]
+        return [t for t in tensors if t is not None and t.is_cuda]
+
     def pin_memory(self) -> "Batch":
         """Every tensor in pinned memory (for asynchronous copies)."""
         pinned = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -6,14 +6,11 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
 
 import torch
 
 from eagle3.data.batch import Batch
 from eagle3.data.shards import SeqRef, ShardReader
-
-T = TypeVar("T")
 
 
 def split_holdout(refs: list[SeqRef], fraction: float) -> tuple[list[SeqRef], list[SeqRef]]:
@@ -92,22 +89,13 @@ class Prefetcher:
         return item
 
 
-def one_ahead(items: Iterable, start: Callable[..., T], take: Callable[[T], object]) -> Iterator:
-    """take(start(x)) for each x in order, with start(x[n+1]) called before x[n] is handed over:
-    work `start` queues (a copy to the GPU) then runs while the consumer works on x[n]."""
+def one_ahead(items: Iterable, start: Callable) -> Iterator:
+    """start(x) for each x in order, with start(x[n+1]) called before start(x[n])'s result is handed
+    over: work `start` queues (a copy to the GPU) then runs while the consumer works on x[n]."""
     pending = None
     for item in items:
         pending, current = start(item), pending
         if current is not None:
-            yield take(current)
+            yield current
     if pending is not None:
-        yield take(pending)
-
-
-def device_tensors(batch: Batch) -> list[torch.Tensor]:
-    """The batch's tensors on a GPU (its host copy of the boundaries excluded)."""
-    plan = batch.plan
-    rows = [] if plan is None else [*(plan.live or []), *plan.loss]
-    tensors = [batch.input_ids, batch.loss_mask, batch.target_argmax, batch.aux_hidden, batch.final_hidden,
-               batch.cu_seqlens, batch.aux_scale, *rows]
-    return [t for t in tensors if t is not None and t.is_cuda]
+        yield pending

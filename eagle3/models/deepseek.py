@@ -14,7 +14,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from eagle3.ops import compiled, rms_norm, swiglu
+from eagle3.ops import compiled, rms_norm, silu_mul, swiglu
 from eagle3.models import quant
 from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import cached_attention_packed, causal_attention_packed
@@ -167,7 +167,7 @@ def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     """[n, 2I] gate | up of each (token, expert) pair -> silu(gate) · up · the pair's routing weight [n]
     (scaling the [n, I] activation rather than the [n, H] output: cheaper)."""
     I = gate_up.shape[1] // 2
-    return (F.silu(gate_up[:, :I]) * gate_up[:, I:]).float().mul_(weight[:, None]).to(gate_up.dtype)
+    return silu_mul(gate_up[:, :I], gate_up[:, I:]).float().mul_(weight[:, None]).to(gate_up.dtype)
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int], ends: torch.Tensor,
