@@ -4,7 +4,9 @@
 #          full Kimi-size step on layout (a), Triton kernels in bf16 and with train.float8, the
 #          default frozen target head, and the ours/peer ratio, all in this call
 #   step-a the step on layout (a) alone: Triton with train.float8, with train.float8_head too, and in
-#          bf16, with profile tables
+#          bf16, with profile tables (STEP_KERNELS=... to time fewer)
+#   sweep  the TTT attention's config sweep: each kernel's candidates one by one (330 s at most)
+#   attention  the TTT attention bench at shapes a and c
 #   step-b the same step on layout (b): the torch path, Triton in bf16 and with train.float8
 #   fp8    the casts and GEMMs of train.float8 at the step's shapes (python -m eagle3.bench fp8)
 #   moe    the Kimi MoE layer alone (W4A16 included)
@@ -27,17 +29,19 @@ for part in "$@"; do
       PYTHONPATH=/tmp/site python3 -m eagle3.bench --layouts a --kernels triton,triton-fp8 --steps 3 --warmup 2 \
         --dir /tmp/bd --json "$out/step.jsonl" --profile-dir "$out/prof" --peer-script bench/peer/speculators_kimi_step.py 2>&1 | quiet | tee "$out/step.txt" ;;
     step-a)
-      python3 -m eagle3.bench --layouts a --kernels triton-fp8,triton-fp8-head,triton --steps 3 --warmup 2 --dir /tmp/bd \
+      python3 -m eagle3.bench --layouts a --kernels ${STEP_KERNELS:-triton-fp8,triton-fp8-head,triton} --steps 3 --warmup 2 --dir /tmp/bd \
         --json "$out/step-a.jsonl" --profile-dir "$out/prof" 2>&1 | quiet | tee "$out/step-a.txt" ;;
     step-b)
       python3 -m eagle3.bench --layouts b --kernels torch,triton,triton-fp8 --steps 3 --warmup 2 --dir /tmp/bd \
         --json "$out/step-b.jsonl" 2>&1 | quiet | tee "$out/step-b.txt" ;;
     fp8) python3 -m eagle3.bench fp8 2>&1 | quiet | tee "$out/fp8.txt" ;;
     moe) python3 -m eagle3.bench moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
+    sweep) python3 -m eagle3.bench attention --sweep --sweep-seconds 330 2>&1 | quiet | tee "$out/sweep.txt" ;;
+    attention) python3 -m eagle3.bench attention --shapes a,c 2>&1 | quiet | tee "$out/attention.txt" ;;
     kernels)
       { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m eagle3.bench moe; } \
         2>&1 | quiet | tee "$out/kernels.txt" ;;
-    *) echo "unknown part $part: expected step, step-a, step-b, fp8, moe or kernels"; exit 2 ;;
+    *) echo "unknown part $part: expected step, step-a, step-b, fp8, moe, sweep, attention or kernels"; exit 2 ;;
   esac
 done
 echo "== done $(date +%T)"

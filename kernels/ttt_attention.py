@@ -25,6 +25,7 @@ on a GPU the block sizes are autotuned.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -141,7 +142,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
                 stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_ot, stride_oh,
                 T, S, qk_scale, seqlen_bucket,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
-                UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
     head, kv_head, start, seqlen, m0 = _query_tile(CU_SEQLENS, T, GROUP, VARLEN, BLOCK_M)
     if m0 >= seqlen:
         return
@@ -159,7 +160,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
     # Diagonal keys first: they make every valid row's running max finite before any masked tile.
     acc, m_i, l_i = _fwd_diag(acc, m_i, l_i, q, K0, V0, S, stride_ks, stride_kt, offs_m, offs_d,
                               row_mask, qk_scale, UPCAST)
-    for n0 in range(0, m0, BLOCK_N):
+    for n0 in tl.range(0, m0, BLOCK_N, warp_specialize=WS):
         acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, stride_kt, n0, offs_m, offs_d,
                                          seqlen, qk_scale, BLOCK_N, False, UPCAST)
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N):
@@ -254,7 +255,7 @@ def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m
 def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, stride_kt, stride_kh,
                        stride_dot, stride_doh, T, start, seqlen, n0, kv_head, qk_scale, sm_scale,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
     """dk_0, dv_0 of the step-0 keys n0 .. n0+BLOCK_N of one kv head, summed over its q heads."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -275,7 +276,7 @@ def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, st
         for m0 in range(n0, diag_end, BLOCK_M):
             dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
                                     offs_n, offs_d, seqlen, qk_scale, BLOCK_M, True, UPCAST)
-        for m0 in range(n0 + BLOCK_N, seqlen, BLOCK_M):
+        for m0 in tl.range(n0 + BLOCK_N, seqlen, BLOCK_M, warp_specialize=WS):
             dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
                                     offs_n, offs_d, seqlen, qk_scale, BLOCK_M, False, UPCAST)
     out = kv_base + offs_n[:, None] * stride_kt + offs_d[None, :]
@@ -288,7 +289,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
                      stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
                      T, qk_scale, sm_scale, seqlen_bucket,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
-                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
     """dk_0, dv_0 for key tiles i and n_tiles-1-i of one kv head.
 
     Key tile i is seen by every query after it, so early tiles cost the most. Pairing each tile with
@@ -303,7 +304,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
     for tile in range(pair, mirror + 1, tl.maximum(mirror - pair, 1)):
         _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, stride_kt, stride_kh,
                            stride_dot, stride_doh, T, start, seqlen, tile * BLOCK_N, kv_head, qk_scale,
-                           sm_scale, GROUP, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N)
+                           sm_scale, GROUP, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N, WS)
 
 
 @triton.jit
@@ -330,7 +331,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
                    stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
                    stride_dqt, stride_dqh, T, S, H_Q, qk_scale, sm_scale, seqlen_bucket,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
-                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
     """dq for one query tile of one q head: causal step-0 tiles, then the diagonal terms."""
     head, kv_head, start, seqlen, m0 = _query_tile(CU_SEQLENS, T, GROUP, VARLEN, BLOCK_M)
     if m0 >= seqlen:
@@ -355,7 +356,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
         kj = _load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, True)
         ds = tl.load(DS + ((j - 1) * H_Q + head) * T + start + offs_m, mask=row_mask, other=0.0)
         dq += ds[:, None] * kj
-    for n0 in range(0, m0, BLOCK_N):
+    for n0 in tl.range(0, m0, BLOCK_N, warp_specialize=WS):
         dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen,
                           qk_scale, BLOCK_N, False, UPCAST)
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N):
@@ -369,43 +370,78 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
 # Launch configuration: autotuned on a GPU, one fixed tiling under the interpreter
 # ----------------------------------------------------------------------------------------------
 
-def _configs(pairs):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
-
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M is the query tile, BLOCK_N the key tile.
-# Chosen from a sweep on an H200 (HEAD_DIM=128, bf16). Each compiles for sm_90 with no or a few
-# bytes of register spills (checked with ptxas); configs whose spills grew large were dropped.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, warp_specialize]); BLOCK_M is the query tile, BLOCK_N the
+# key tile, warp_specialize (default off) Triton's automatic warp specialization of the main loop.
+# Chosen from a sweep on an H200 (HEAD_DIM=128, bf16; `python -m eagle3.bench attention --sweep` times
+# the SWEEP lists below one config at a time). Each compiles for sm_90 with no or a few bytes of
+# register spills (checked with ptxas); configs whose spills grew large were dropped.
 # Other GPUs: the autotuner skips a config that does not fit the device (Triton reports it out of
 # resources, e.g. shared memory on sm_86/89/120, about 100 KB against Hopper's 228 KB), and FALLBACK,
 # small tiles in two stages (under 48 KB of shared memory at HEAD_DIM=128), fits every GPU Triton
 # supports; the interpreter tests run it too (tests/test_ttt_attention.py, "fallback_tiles").
 FALLBACK = (32, 32, 4, 2)
-_FWD_CONFIGS = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), FALLBACK]
-_DKDV_CONFIGS = [(64, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 128, 8, 3), (16, 64, 4, 3), FALLBACK]
-_DQ_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 32, 4, 3), FALLBACK]
+CONFIGS = {
+    "fwd": [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), FALLBACK],
+    "dkdv": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 128, 8, 3), (16, 64, 4, 3),
+             FALLBACK],
+    "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 32, 4, 3), FALLBACK],
+}
+# Candidates for the sweep: the tuned lists, warp-specialized variants and other tilings. On the H200
+# (2026-12-01) warp specialization changed nothing beyond noise (Triton 3.6's Hopper pass; it crashed
+# compiling the forward at 64 x 64 with 4 warps, dropped here) and (64, 128, 8, 3) made dK/dV 4-5%
+# faster (now first in CONFIGS); the results are in bench/RESULTS.md.
+SWEEP = {
+    "fwd": CONFIGS["fwd"][:-1] + [(128, 128, 8, 3, True), (128, 64, 8, 3, True), (128, 128, 8, 2, True),
+                                  (128, 64, 8, 4)],
+    "dkdv": CONFIGS["dkdv"][:-1] + [(64, 128, 8, 2, True), (32, 128, 8, 3, True), (64, 128, 8, 3, True),
+                                    (64, 128, 8, 4)],
+    "dq": CONFIGS["dq"][:-1] + [(128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 4, True),
+                                (64, 64, 4, 3), (128, 32, 8, 4)],
+}
 # seqlen_bucket is the longest sequence rounded up to a power of two: the tuner reruns once per size
 # class, not for every new batch length.
 _TUNE_KEY = ["HEAD_DIM", "GROUP", "VARLEN", "seqlen_bucket"]
 
 
-def _kernel(kernel, pairs):
-    if INTERPRET:
-        return kernel
-    return triton.autotune(configs=_configs(pairs), key=_TUNE_KEY)(kernel)
+def _options(config) -> dict:
+    """Launch keywords of a (BLOCK_M, BLOCK_N, num_warps, num_stages[, warp_specialize]) tuple."""
+    block_m, block_n, warps, stages, *ws = config
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "WS": bool(ws and ws[0]), "num_warps": warps,
+            "num_stages": stages}
 
 
-_fwd = _kernel(_fwd_kernel, _FWD_CONFIGS)
-_bwd_dkdv = _kernel(_bwd_dkdv_kernel, _DKDV_CONFIGS)
-_bwd_dq = _kernel(_bwd_dq_kernel, _DQ_CONFIGS)
+def _tuned(kernel, configs):
+    meta = [_options(c) for c in configs]
+    configs = [triton.Config({k: m[k] for k in ("BLOCK_M", "BLOCK_N", "WS")}, num_warps=m["num_warps"],
+                             num_stages=m["num_stages"]) for m in meta]
+    return triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
 
 
-def _fixed(name):
-    """Launch options: none on a GPU (the autotuner picks), a fixed tiling under the interpreter."""
-    if not INTERPRET:
-        return {}
-    block_m, block_n = INTERPRET_BLOCKS[name]
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 1}
+_KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
+_TUNED = {} if INTERPRET else {name: _tuned(k, CONFIGS[name]) for name, k in _KERNELS.items()}
+_pinned: dict[str, tuple] = {}
+
+
+@contextlib.contextmanager
+def pinned(name: str, config: tuple):
+    """Launch kernel `name` ("fwd", "dkdv" or "dq") with `config` instead of the autotuner's pick."""
+    _pinned[name] = config
+    try:
+        yield
+    finally:
+        del _pinned[name]
+
+
+def _launch(name, grid, *args, **kwargs):
+    """A pinned config, else one fixed tiling under the interpreter, else the autotuned kernel."""
+    if name in _pinned:
+        kwargs.update(_options(_pinned[name]))
+    elif INTERPRET:
+        block_m, block_n = INTERPRET_BLOCKS[name]
+        kwargs.update(BLOCK_M=block_m, BLOCK_N=block_n, WS=False, num_warps=4, num_stages=1)
+    else:
+        return _TUNED[name][grid](*args, **kwargs)
+    return _KERNELS[name][grid](*args, **kwargs)
 
 
 def _rows_block():
@@ -436,10 +472,10 @@ def _forward(q, k, v, cu, n_seq, max_len, scale):
     o = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
-    _fwd[grid](q, k, v, o, lse, cu,
-               q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), o.stride(0), o.stride(1),
-               T, S, scale * LOG2E, triton.next_power_of_2(max_len),
-               GROUP=Hq // Hkv, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET, **_fixed("fwd"))
+    _launch("fwd", grid, q, k, v, o, lse, cu,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), o.stride(0), o.stride(1),
+            T, S, scale * LOG2E, triton.next_power_of_2(max_len),
+            GROUP=Hq // Hkv, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET)
     return o, lse
 
 
@@ -464,17 +500,17 @@ def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale):
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
             T, S, Hq, qk_scale, scale, GROUP=group, HEAD_DIM=D, BLOCK=rows)
     grid_kv = lambda meta: (triton.cdiv(triton.cdiv(max_len, meta["BLOCK_N"]), 2), Hkv, n_seq)
-    _bwd_dkdv[grid_kv](
-        q, k, v, do, lse, delta, dk, dv, cu,
+    _launch(
+        "dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
         T, qk_scale, scale, bucket,
-        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET, **_fixed("dkdv"))
+        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET)
     grid_q = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
-    _bwd_dq[grid_q](
-        q, k, v, do, lse, delta, ds, dq, cu,
+    _launch(
+        "dq", grid_q, q, k, v, do, lse, delta, ds, dq, cu,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
         dq.stride(0), dq.stride(1), T, S, Hq, qk_scale, scale, bucket,
-        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET, **_fixed("dq"))
+        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET)
     return dq, dk, dv
 
 

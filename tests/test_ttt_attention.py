@@ -34,7 +34,7 @@ MATCH_CASES = {
     "packed_many_tiles_gqa": (120, 4, 2, 64, 4, [70, 33, 1, 16], TILES_A),
     "fallback_tiles": (120, 4, 2, 128, 3, [70, 33, 1, 16], TILES_FALLBACK),  # the config every GPU can run
 }
-OTHER_CASES = ["custom_scale", "bf16_upcast", "sequences_isolated", "rejects_bad_arguments"]
+OTHER_CASES = ["custom_scale", "bf16_upcast", "sequences_isolated", "rejects_bad_arguments", "pinned_configs"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,6 +78,24 @@ def test_the_fallback_case_runs_the_kernels_fallback_tiling():
     from kernels.ttt_attention import FALLBACK
     tiles = {FALLBACK[:2]}
     assert {TILES_FALLBACK[k] for k in ("fwd", "dkdv", "dq")} == tiles
+
+
+def test_config_lists_keep_the_tiling_rules_and_end_with_the_fallback():
+    from kernels.ttt_attention import CONFIGS, FALLBACK, SWEEP
+    assert all(configs[-1] == FALLBACK for configs in CONFIGS.values())
+    for lists in (CONFIGS, SWEEP):
+        for name, configs in lists.items():
+            for block_m, block_n, *_ in configs:
+                # fwd/dq step over key tiles inside a query tile, dkdv over query tiles inside a key tile
+                assert (block_m % block_n if name in ("fwd", "dq") else block_n % block_m) == 0, (name, block_m, block_n)
+
+
+def test_a_pinned_config_is_the_one_launched(results):
+    # What the sweep relies on: kernels.ttt_attention.pinned overrides the tiling, stages and warp
+    # specialization of exactly the kernel it names, and the result is still right.
+    res = _result(results, "pinned_configs")
+    assert res["seen"] == {"fwd": [16, 16, True, 2], "dkdv": [16, 32, True, 2], "dq": [32, 16, False, 3]}
+    assert max(res["errors"].values()) < TOLERANCE, res["errors"]
 
 
 def test_bf16_inputs_are_upcast_under_the_interpreter(results):
@@ -158,6 +176,29 @@ def _other_case(name):
         out2 = ttt_attention(q, k2, v, cu_seqlens=cu)
         return {"other_sequence_unchanged": torch.equal(out[14:], out2[14:]),
                 "own_sequence_changed": not torch.allclose(out[:14], out2[:14])}
+    if name == "pinned_configs":
+        import kernels.ttt_attention as tta
+        seen = {}
+
+        class Spy:  # records the launch keywords of one kernel, then launches it
+            def __init__(self, name, kernel):
+                self.name, self.kernel = name, kernel
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    seen[self.name] = [kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "WS", "num_stages")]
+                    return self.kernel[grid](*args, **kwargs)
+                return launch
+
+        kernels = tta._KERNELS
+        tta._KERNELS = {n: Spy(n, k) for n, k in kernels.items()}
+        try:
+            with tta.pinned("fwd", (16, 16, 4, 2, True)), tta.pinned("dkdv", (16, 32, 4, 2, True)), \
+                    tta.pinned("dq", (32, 16, 4, 3)):
+                errors = _errors(45, 4, 2, 64, 3, [20, 25])
+        finally:
+            tta._KERNELS = kernels
+        return {"errors": errors, "seen": seen}
     if name == "rejects_bad_arguments":
         q, k, v, _ = _inputs(8, 4, 2, 64, 2)
         calls = {

@@ -23,8 +23,10 @@ boundaries go to every contender as the trainer passes them: int32 in pinned hos
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import random
+import time
 import traceback
 
 import torch
@@ -34,6 +36,9 @@ from eagle3.bench.timing import describe_device, free_memory, median_ms, peak_by
 from kernels.flex import ttt_attention as flex_attention
 from kernels.reference import ttt_attention as reference_attention
 from kernels.ttt_attention import ttt_attention
+
+# the module itself (kernels.ttt_attention as an attribute is the function of that name)
+kernel_module = importlib.import_module("kernels.ttt_attention")
 
 S_STEPS, HEAD_DIM, DTYPE = 7, 128, torch.bfloat16
 SHAPES = {
@@ -235,7 +240,67 @@ def run(shapes: str = "all") -> None:
             print(f"| {res['case']['label']} | {verdict} | n/a | n/a | n/a | n/a |")
 
 
+# ----------------------------------------------------------------------------------------------
+# Sweep: each kernel's candidate configs one at a time (the others autotuned)
+# ----------------------------------------------------------------------------------------------
+
+def _time_config(case, name, config, expected) -> tuple[float, float]:
+    """(median fwd+bwd ms, max rel error against `expected`) with kernel `name` pinned to `config`."""
+    inputs, run, douts = _triton(case)
+
+    def step():
+        outs = run(*inputs)
+        return outs + list(torch.autograd.grad(outs, inputs, douts))
+
+    with kernel_module.pinned(name, config):
+        got = step()   # compiles
+        error = max(_rel(a, b) for a, b in zip(got, expected))
+        del got
+        return median_ms(step, warmup=10, rep=100), error
+
+
+def sweep(shapes: str, budget_s: float) -> None:
+    """Time every SWEEP config of every kernel at each shape; stops starting new ones after budget_s."""
+    deadline = time.monotonic() + budget_s
+    print(f"TTT attention config sweep, {describe_device()}")
+    print("| shape | kernel | config (BLOCK_M, BLOCK_N, warps, stages[, warp-specialized]) | fwd+bwd ms "
+          "| vs autotuned | max rel err vs autotuned |")
+    print("|---|---|---|---:|---:|---:|")
+    for label in [s.strip() for s in shapes.split(",") if s.strip()]:
+        case = _make_case(label)
+        inputs, run, douts = _triton(case)
+        outs = run(*inputs)
+        expected = [o.detach() for o in outs] + list(torch.autograd.grad(outs, inputs, douts))
+        base, _ = _measure(_triton, case)
+        print(f"| {label} | (autotuned) | | {base:.3f} | 1.000 | |", flush=True)
+        for name, configs in kernel_module.SWEEP.items():
+            for config in configs:
+                if time.monotonic() > deadline:
+                    print(f"| {label} | {name} | {config} | not run: sweep budget spent | | |")
+                    continue
+                try:
+                    ms, error = _time_config(case, name, config, expected)
+                    flag = "" if error < TOLERANCE else " WRONG"
+                    print(f"| {label} | {name} | {config} | {ms:.3f} | {ms / base:.3f} | {error:.1e}{flag} |",
+                          flush=True)
+                except Exception as exc:  # a config that does not compile or run is reported, not fatal
+                    print(f"| {label} | {name} | {config} | failed: {type(exc).__name__}: "
+                          f"{str(exc)[:120].replace(chr(10), ' ')} | | |", flush=True)
+                finally:
+                    free_memory()
+        del case, inputs, outs, expected
+        free_memory()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench attention", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="all", help="comma-separated shape labels (a,b,c) or 'all'")
-    run(parser.parse_args(argv).shapes)
+    parser.add_argument("--sweep", action="store_true",
+                        help="time each kernel's candidate configs (kernels.ttt_attention.SWEEP) one by one")
+    parser.add_argument("--sweep-seconds", type=float, default=300.0,
+                        help="start no new sweep config after this many seconds")
+    args = parser.parse_args(argv)
+    if args.sweep:
+        sweep("a,c" if args.shapes == "all" else args.shapes, args.sweep_seconds)
+    else:
+        run(args.shapes)
