@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16's figures on nvidia-h200-x8 (one 8-GPU node), a part per argument:
-#   scale-a  the training-step bench (Kimi-size draft, layout a, KERNELS: triton-fp8, the default on an
+#   scale-a  the training-step bench (Kimi-size draft, layout a, KERNELS: triton-fp8-head, the default on an
 #            H200) under torchrun on 8 GPUs, then on 1 GPU, same shards, same call; then
 #            `python -m eagle3.bench node scaling`: 8-GPU over 1-GPU tokens/s (the bar: >= 7.6x), every
 #            parameter bit-equal across the 8 ranks, host syncs per step
@@ -30,7 +30,7 @@ set -uo pipefail
 out=${OUT:-/tmp/node-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-kernels=${KERNELS:-triton-fp8}
+kernels=${KERNELS:-triton-fp8-head}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$out/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$out/env.txt"
 df -h /tmp | tee -a "$out/env.txt"

@@ -127,15 +127,30 @@ def choose(setting: bool | None, device: torch.device, spec, where: str, say: bo
     return on
 
 
-def head_loss(loss_steps, device: torch.device, spec, where: str):
-    """train.float8_head: the Triton `ttt_loss_steps` with its lm_head GEMMs in fp8, checked."""
+def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torch.device, spec, where: str,
+              say: bool = True):
+    """train.float8_head for this run -> the loss to train with: `loss_steps`, or the Triton
+    `ttt_loss_steps` with its lm_head GEMMs in fp8. `true` is checked (an error names what cannot);
+    auto is on where train.float8 resolved on, the loss is the Triton one on a GPU and the head's widths
+    are multiples of 16, with a line on stderr (when `say`: rank 0) saying which and why."""
     from kernels import ttt_loss_steps
-    if loss_steps is not ttt_loss_steps or device.type != "cuda":
-        raise ConfigError(f"{where}: train.float8_head = true needs the Triton loss on a GPU (train.kernels "
-                         "\"auto\" or \"triton\" on CUDA)")
-    check_device(device, where)
-    check_dims({"hidden_size": spec.hidden_size, "draft_vocab_size": spec.draft_vocab_size}, where)
-    return functools.partial(ttt_loss_steps, float8=True)
+    triton_gpu = loss_steps is ttt_loss_steps and device.type == "cuda"
+    dims = {"hidden_size": spec.hidden_size, "draft_vocab_size": spec.draft_vocab_size}
+    if setting:
+        if not triton_gpu:
+            raise ConfigError(f"{where}: train.float8_head = true needs the Triton loss on a GPU (train.kernels "
+                              "\"auto\" or \"triton\" on CUDA)")
+        check_device(device, where)
+        check_dims(dims, where)
+    elif setting is None:
+        odd = [name for name, size in dims.items() if size % 16]
+        why = ("train.float8 is off" if not draft_float8 else
+               "the loss is not the Triton one on a GPU" if not triton_gpu else
+               f"widths not multiples of 16: {', '.join(odd)}" if odd else "fp8 tensor cores")
+        setting = why == "fp8 tensor cores"
+        if say:
+            print(f"train.float8_head = auto: {'on' if setting else 'off'} ({why})", file=sys.stderr)
+    return functools.partial(ttt_loss_steps, float8=True) if setting else loss_steps
 
 
 def draft_dims(spec) -> dict[str, int]:

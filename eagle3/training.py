@@ -255,6 +255,21 @@ def move_old_run(output_dir: Path) -> Path | None:
     return moved
 
 
+def fp8_changes(state: dict, float8: bool, float8_head: bool) -> str:
+    """What a resumed run does differently in fp8 from the checkpoint's steps so far ("" if nothing;
+    auto on another GPU kind, say). A checkpoint from before a choice was recorded ran what its
+    config said: those settings were plain booleans then."""
+    said = ""
+    for key, setting, now, what in (("float8_used", "float8", float8, "fp8 GEMMs (train.float8)"),
+                                    ("float8_head_used", "float8_head", float8_head,
+                                     "fp8 head GEMMs (train.float8_head)")):
+        was = state.get(key, bool(state["config"]["train"].get(setting)))
+        if was != now:
+            said += (f"; its steps so far ran {'with' if was else 'without'} {what}, "
+                     f"from here {'with' if now else 'without'}")
+    return said
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg, t = cfg, cfg.train
@@ -315,6 +330,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         # the model is initialised alike on every rank; draws from here on (aux_noise) must differ
         torch.manual_seed(t.seed + 1_000_003 * self.dist.rank)
+        self.attention, self.loss_steps = select_kernels(t.kernels, self.device, spec.head_dim, cfg.source)
+        plain = self.loss_steps
+        self.loss_steps = float8.head_loss(t.float8_head, self.float8, plain, self.device, spec, cfg.source,
+                                           say=self.dist.main)
+        self.float8_head = self.loss_steps is not plain
         self.start_step = self._maybe_resume()
         self.ddp = self.model
         if self.dist.world > 1:
@@ -322,9 +342,6 @@ class Trainer:
             # turn the host-side copies the step keeps (sequence boundaries) into device tensors
             self.ddp = nn.parallel.DistributedDataParallel(
                 self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
-        self.attention, self.loss_steps = select_kernels(t.kernels, self.device, spec.head_dim, cfg.source)
-        if t.float8_head:
-            self.loss_steps = float8.head_loss(self.loss_steps, self.device, spec, cfg.source)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
         # first non-finite step and its cause (CAUSES), steps skipped since the last log; on the device
         self.first_nonfinite = torch.full((2,), -1, dtype=torch.long, device=self.device)
@@ -374,7 +391,8 @@ class Trainer:
         return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
                 "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
                 "world_size": self.dist.world, "schedule_total": self.schedule.total,
-                "float8_used": self.float8}   # what train.float8 (auto: the GPU) resolved to
+                # what train.float8 and train.float8_head (auto: the GPU) resolved to
+                "float8_used": self.float8, "float8_head_used": self.float8_head}
 
     def _maybe_resume(self) -> int:
         choice = self.cfg.train.resume
@@ -414,9 +432,7 @@ class Trainer:
             was = (state["world_size"], state["config"]["train"]["grad_accum"])
             other = (f"; written by world size {was[0]} x train.grad_accum {was[1]}, now {self.dist.world} x "
                      f"{self.cfg.train.grad_accum}: the same global batch" if was[0] != self.dist.world else "")
-            if state.get("float8_used", self.float8) != self.float8:   # auto on another GPU kind, say
-                other += (f"; its steps so far ran {'with' if state['float8_used'] else 'without'} fp8 GEMMs, "
-                          f"from here {'with' if self.float8 else 'without'} (train.float8)")
+            other += fp8_changes(state, self.float8, self.float8_head)
             print(f"resumed from {path} (step {state['step']}{other})", file=sys.stderr)
         return state["step"]
 

@@ -142,7 +142,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
                 stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_ot, stride_oh,
                 T, S, qk_scale, seqlen_bucket,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
-                UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
+                UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     head, kv_head, start, seqlen, m0 = _query_tile(CU_SEQLENS, T, GROUP, VARLEN, BLOCK_M)
     if m0 >= seqlen:
         return
@@ -160,7 +160,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
     # Diagonal keys first: they make every valid row's running max finite before any masked tile.
     acc, m_i, l_i = _fwd_diag(acc, m_i, l_i, q, K0, V0, S, stride_ks, stride_kt, offs_m, offs_d,
                               row_mask, qk_scale, UPCAST)
-    for n0 in tl.range(0, m0, BLOCK_N, warp_specialize=WS):
+    for n0 in range(0, m0, BLOCK_N):
         acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, stride_kt, n0, offs_m, offs_d,
                                          seqlen, qk_scale, BLOCK_N, False, UPCAST)
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N):
@@ -255,7 +255,7 @@ def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m
 def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, stride_kt, stride_kh,
                        stride_dot, stride_doh, T, start, seqlen, n0, kv_head, qk_scale, sm_scale,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk_0, dv_0 of the step-0 keys n0 .. n0+BLOCK_N of one kv head, summed over its q heads."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -276,7 +276,7 @@ def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, st
         for m0 in range(n0, diag_end, BLOCK_M):
             dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
                                     offs_n, offs_d, seqlen, qk_scale, BLOCK_M, True, UPCAST)
-        for m0 in tl.range(n0 + BLOCK_N, seqlen, BLOCK_M, warp_specialize=WS):
+        for m0 in range(n0 + BLOCK_N, seqlen, BLOCK_M):
             dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
                                     offs_n, offs_d, seqlen, qk_scale, BLOCK_M, False, UPCAST)
     out = kv_base + offs_n[:, None] * stride_kt + offs_d[None, :]
@@ -289,7 +289,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
                      stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
                      T, qk_scale, sm_scale, seqlen_bucket,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
-                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
+                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk_0, dv_0 for key tiles i and n_tiles-1-i of one kv head.
 
     Key tile i is seen by every query after it, so early tiles cost the most. Pairing each tile with
@@ -304,7 +304,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
     for tile in range(pair, mirror + 1, tl.maximum(mirror - pair, 1)):
         _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, stride_kt, stride_kh,
                            stride_dot, stride_doh, T, start, seqlen, tile * BLOCK_N, kv_head, qk_scale,
-                           sm_scale, GROUP, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N, WS)
+                           sm_scale, GROUP, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -331,7 +331,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
                    stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
                    stride_dqt, stride_dqh, T, S, H_Q, qk_scale, sm_scale, seqlen_bucket,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
-                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
+                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq for one query tile of one q head: causal step-0 tiles, then the diagonal terms."""
     head, kv_head, start, seqlen, m0 = _query_tile(CU_SEQLENS, T, GROUP, VARLEN, BLOCK_M)
     if m0 >= seqlen:
@@ -356,7 +356,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
         kj = _load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, True)
         ds = tl.load(DS + ((j - 1) * H_Q + head) * T + start + offs_m, mask=row_mask, other=0.0)
         dq += ds[:, None] * kj
-    for n0 in tl.range(0, m0, BLOCK_N, warp_specialize=WS):
+    for n0 in range(0, m0, BLOCK_N):
         dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen,
                           qk_scale, BLOCK_N, False, UPCAST)
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N):
@@ -370,10 +370,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
 # Launch configuration: autotuned on a GPU, one fixed tiling under the interpreter
 # ----------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages[, warp_specialize]); BLOCK_M is the query tile, BLOCK_N the
-# key tile, warp_specialize (default off) Triton's automatic warp specialization of the main loop.
-# Chosen from a sweep on an H200 (HEAD_DIM=128, bf16; `python -m eagle3.bench attention --sweep` times
-# the SWEEP lists below one config at a time). Each compiles for sm_90 with no or a few bytes of
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M is the query tile, BLOCK_N the key tile.
+# Chosen on an H200 (HEAD_DIM=128, bf16) by `python -m eagle3.bench attention --sweep`, which times
+# the SWEEP lists below one config at a time. Each compiles for sm_90 with no or a few bytes of
 # register spills (checked with ptxas); configs whose spills grew large were dropped.
 # Other GPUs: the autotuner skips a config that does not fit the device (Triton reports it out of
 # resources, e.g. shared memory on sm_86/89/120, about 100 KB against Hopper's 228 KB), and FALLBACK,
@@ -386,17 +385,13 @@ CONFIGS = {
              FALLBACK],
     "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 32, 4, 3), FALLBACK],
 }
-# Candidates for the sweep: the tuned lists, warp-specialized variants and other tilings. On the H200
-# (2026-12-01) warp specialization changed nothing beyond noise (Triton 3.6's Hopper pass; it crashed
-# compiling the forward at 64 x 64 with 4 warps, dropped here) and (64, 128, 8, 3) made dK/dV 4-5%
-# faster (now first in CONFIGS); the results are in bench/RESULTS.md.
+# Candidates for the sweep: the tuned lists and other tilings. On the H200 (2026-12-01) (64, 128, 8,
+# 3) took 3.6-4.7% off the whole fwd+bwd through dK/dV (now first in its list); Triton 3.6's automatic
+# warp specialization of the main loops changed nothing (bench/RESULTS.md) and was left out.
 SWEEP = {
-    "fwd": CONFIGS["fwd"][:-1] + [(128, 128, 8, 3, True), (128, 64, 8, 3, True), (128, 128, 8, 2, True),
-                                  (128, 64, 8, 4)],
-    "dkdv": CONFIGS["dkdv"][:-1] + [(64, 128, 8, 2, True), (32, 128, 8, 3, True), (64, 128, 8, 3, True),
-                                    (64, 128, 8, 4)],
-    "dq": CONFIGS["dq"][:-1] + [(128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 4, True),
-                                (64, 64, 4, 3), (128, 32, 8, 4)],
+    "fwd": CONFIGS["fwd"][:-1] + [(128, 64, 8, 4), (128, 128, 8, 2)],
+    "dkdv": CONFIGS["dkdv"][:-1] + [(64, 128, 8, 4), (64, 64, 4, 3)],
+    "dq": CONFIGS["dq"][:-1] + [(64, 64, 4, 3), (128, 32, 8, 4)],
 }
 # seqlen_bucket is the longest sequence rounded up to a power of two: the tuner reruns once per size
 # class, not for every new batch length.
@@ -404,17 +399,14 @@ _TUNE_KEY = ["HEAD_DIM", "GROUP", "VARLEN", "seqlen_bucket"]
 
 
 def _options(config) -> dict:
-    """Launch keywords of a (BLOCK_M, BLOCK_N, num_warps, num_stages[, warp_specialize]) tuple."""
-    block_m, block_n, warps, stages, *ws = config
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "WS": bool(ws and ws[0]), "num_warps": warps,
-            "num_stages": stages}
+    """Launch keywords of a (BLOCK_M, BLOCK_N, num_warps, num_stages) tuple."""
+    block_m, block_n, warps, stages = config
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
 def _tuned(kernel, configs):
-    meta = [_options(c) for c in configs]
-    configs = [triton.Config({k: m[k] for k in ("BLOCK_M", "BLOCK_N", "WS")}, num_warps=m["num_warps"],
-                             num_stages=m["num_stages"]) for m in meta]
-    return triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
+    return triton.autotune(configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                                    for m, n, w, s in configs], key=_TUNE_KEY)(kernel)
 
 
 _KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
@@ -425,11 +417,25 @@ _pinned: dict[str, tuple] = {}
 @contextlib.contextmanager
 def pinned(name: str, config: tuple):
     """Launch kernel `name` ("fwd", "dkdv" or "dq") with `config` instead of the autotuner's pick."""
+    if name not in _KERNELS:
+        raise ValueError(f"pinned: no kernel {name!r} (expected one of {', '.join(_KERNELS)})")
+    before = _pinned.get(name)
     _pinned[name] = config
     try:
         yield
     finally:
-        del _pinned[name]
+        if before is None:
+            del _pinned[name]
+        else:
+            _pinned[name] = before
+
+
+def best_config(name: str) -> tuple | None:
+    """The autotuner's last pick for kernel `name` (None before it tuned, or under the interpreter)."""
+    best = getattr(_TUNED.get(name), "best_config", None)
+    if best is None:
+        return None
+    return (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
 
 
 def _launch(name, grid, *args, **kwargs):
@@ -438,7 +444,7 @@ def _launch(name, grid, *args, **kwargs):
         kwargs.update(_options(_pinned[name]))
     elif INTERPRET:
         block_m, block_n = INTERPRET_BLOCKS[name]
-        kwargs.update(BLOCK_M=block_m, BLOCK_N=block_n, WS=False, num_warps=4, num_stages=1)
+        kwargs.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1)
     else:
         return _TUNED[name][grid](*args, **kwargs)
     return _KERNELS[name][grid](*args, **kwargs)

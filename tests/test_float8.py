@@ -154,12 +154,49 @@ def test_float8_head_wraps_the_triton_loss_and_checks_its_widths(monkeypatch):
     import kernels
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     gpu, spec = torch.device("cuda", 0), SimpleNamespace(hidden_size=64, draft_vocab_size=256)
-    loss = float8.head_loss(kernels.ttt_loss_steps, gpu, spec, "c.toml")
+    loss = float8.head_loss(True, True, kernels.ttt_loss_steps, gpu, spec, "c.toml")
     assert loss.func is kernels.ttt_loss_steps and loss.keywords == {"float8": True}
     with pytest.raises(ValueError, match=r"multiples of 16; draft_vocab_size = 100"):
-        float8.head_loss(kernels.ttt_loss_steps, gpu, SimpleNamespace(hidden_size=64, draft_vocab_size=100), "c.toml")
+        float8.head_loss(True, True, kernels.ttt_loss_steps, gpu, SimpleNamespace(hidden_size=64, draft_vocab_size=100),
+                         "c.toml")
     with pytest.raises(ValueError, match="needs the Triton loss"):
-        float8.head_loss(kernels.ttt_loss_steps_reference, gpu, spec, "c.toml")
+        float8.head_loss(True, True, kernels.ttt_loss_steps_reference, gpu, spec, "c.toml")
+    assert float8.head_loss(False, True, kernels.ttt_loss_steps, gpu, spec, "c.toml") is kernels.ttt_loss_steps
+
+
+def test_auto_float8_head_follows_train_float8_and_the_triton_loss(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import kernels
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu, spec = torch.device("cuda", 0), SimpleNamespace(hidden_size=64, draft_vocab_size=256)
+    loss = float8.head_loss(None, True, kernels.ttt_loss_steps, gpu, spec, "c.toml")
+    assert loss.func is kernels.ttt_loss_steps and loss.keywords == {"float8": True}
+    assert "train.float8_head = auto: on (fp8 tensor cores)" in capsys.readouterr().err
+    for draft_fp8, loss_steps, device, widths, said in [
+            (False, kernels.ttt_loss_steps, gpu, {}, "train.float8 is off"),
+            (True, kernels.ttt_loss_steps_reference, gpu, {}, "the loss is not the Triton one on a GPU"),
+            (True, kernels.ttt_loss_steps, torch.device("cpu"), {}, "the loss is not the Triton one on a GPU"),
+            (True, kernels.ttt_loss_steps, gpu, {"draft_vocab_size": 100}, "widths not multiples of 16: draft_vocab_size")]:
+        chosen = float8.head_loss(None, draft_fp8, loss_steps, device, SimpleNamespace(**{**vars(spec), **widths}),
+                                  "c.toml")
+        assert chosen is loss_steps
+        assert f"train.float8_head = auto: off ({said})" in capsys.readouterr().err
+    float8.head_loss(None, True, kernels.ttt_loss_steps, gpu, spec, "c.toml", say=False)   # not rank 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_resume_says_which_fp8_choice_changed_also_for_checkpoints_that_predate_the_record():
+    new = {"float8_used": True, "float8_head_used": False, "config": {"train": {"float8": None, "float8_head": None}}}
+    assert training.fp8_changes(new, True, False) == ""
+    assert training.fp8_changes(new, True, True) == \
+        "; its steps so far ran without fp8 head GEMMs (train.float8_head), from here with"
+    old = {"config": {"train": {"float8": True, "float8_head": False}}}   # neither choice recorded: the config's
+    assert training.fp8_changes(old, True, False) == ""
+    assert training.fp8_changes(old, True, True) == \
+        "; its steps so far ran without fp8 head GEMMs (train.float8_head), from here with"
+    assert training.fp8_changes({"config": {"train": {"float8": False}}}, True, False) == \
+        "; its steps so far ran without fp8 GEMMs (train.float8), from here with"
 
 
 def test_a_checkpoint_says_whether_fp8_ran_and_a_resume_without_it_says_so(tmp_path, llama_target, token_data,
@@ -173,7 +210,7 @@ def test_a_checkpoint_says_whether_fp8_ran_and_a_resume_without_it_says_so(tmp_p
     again = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.float8": "false",
                                                                "train.max_steps": 6})
     trainer = training.Trainer(again)
-    assert "its steps so far ran with fp8 GEMMs, from here without (train.float8)" in capsys.readouterr().err
+    assert "its steps so far ran with fp8 GEMMs (train.float8), from here without" in capsys.readouterr().err
     trainer.run()
     assert ckpt_io.read_state(ckpt_io.latest(tmp_path / "train"))["float8_used"] is False
 

@@ -90,11 +90,20 @@ def test_config_lists_keep_the_tiling_rules_and_end_with_the_fallback():
                 assert (block_m % block_n if name in ("fwd", "dq") else block_n % block_m) == 0, (name, block_m, block_n)
 
 
+def test_pinning_an_unknown_kernel_is_refused():
+    from kernels.ttt_attention import pinned
+    with pytest.raises(ValueError, match="no kernel 'fwdd'"):
+        with pinned("fwdd", (32, 32, 4, 2)):
+            pass
+
+
 def test_a_pinned_config_is_the_one_launched(results):
-    # What the sweep relies on: kernels.ttt_attention.pinned overrides the tiling, stages and warp
-    # specialization of exactly the kernel it names, and the result is still right.
+    # What the sweep relies on: kernels.ttt_attention.pinned overrides the tiling, warps and stages of
+    # exactly the kernel it names (the innermost pin wins, and leaving it restores the outer one), and
+    # the result is still right.
     res = _result(results, "pinned_configs")
-    assert res["seen"] == {"fwd": [16, 16, True, 2], "dkdv": [16, 32, True, 2], "dq": [32, 16, False, 3]}
+    assert res["seen_inner"] == [32, 16, 2, 3]
+    assert res["seen"] == {"fwd": [16, 16, 8, 2], "dkdv": [16, 32, 4, 2], "dq": [32, 16, 4, 3]}
     assert max(res["errors"].values()) < TOLERANCE, res["errors"]
 
 
@@ -186,19 +195,22 @@ def _other_case(name):
 
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):
-                    seen[self.name] = [kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "WS", "num_stages")]
+                    seen[self.name] = [kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")]
                     return self.kernel[grid](*args, **kwargs)
                 return launch
 
         kernels = tta._KERNELS
         tta._KERNELS = {n: Spy(n, k) for n, k in kernels.items()}
         try:
-            with tta.pinned("fwd", (16, 16, 4, 2, True)), tta.pinned("dkdv", (16, 32, 4, 2, True)), \
-                    tta.pinned("dq", (32, 16, 4, 3)):
+            with tta.pinned("fwd", (16, 16, 8, 2)), tta.pinned("dkdv", (16, 32, 4, 2)), tta.pinned("dq", (32, 16, 4, 3)):
+                with tta.pinned("fwd", (32, 16, 2, 3)):   # nested: the inner pin wins, then the outer is back
+                    inner = _errors(45, 4, 2, 64, 3, [20, 25])
+                    seen_inner = dict(seen)
                 errors = _errors(45, 4, 2, 64, 3, [20, 25])
         finally:
             tta._KERNELS = kernels
-        return {"errors": errors, "seen": seen}
+        errors.update({f"nested {k}": e for k, e in inner.items()})
+        return {"errors": errors, "seen": seen, "seen_inner": seen_inner["fwd"]}
     if name == "rejects_bad_arguments":
         q, k, v, _ = _inputs(8, 4, 2, 64, 2)
         calls = {

@@ -23,6 +23,7 @@ boundaries go to every contender as the trainer passes them: int32 in pinned hos
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import random
@@ -245,34 +246,45 @@ def run(shapes: str = "all") -> None:
 # ----------------------------------------------------------------------------------------------
 
 def _time_config(case, name, config, expected) -> tuple[float, float]:
-    """(median fwd+bwd ms, max rel error against `expected`) with kernel `name` pinned to `config`."""
+    """(median fwd+bwd ms, max rel error against `expected`) with kernel `name` pinned to `config`
+    (config None: the autotuned kernels)."""
     inputs, run, douts = _triton(case)
 
     def step():
         outs = run(*inputs)
         return outs + list(torch.autograd.grad(outs, inputs, douts))
 
-    with kernel_module.pinned(name, config):
-        got = step()   # compiles
-        error = max(_rel(a, b) for a, b in zip(got, expected))
+    with kernel_module.pinned(name, config) if config else contextlib.nullcontext():
+        got = step()   # compiles (autotunes)
+        error = max(_rel(a, b) for a, b in zip(got, expected)) if expected else 0.0
         del got
         return median_ms(step, warmup=10, rep=100), error
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ")[:160]
+
+
 def sweep(shapes: str, budget_s: float) -> None:
-    """Time every SWEEP config of every kernel at each shape; stops starting new ones after budget_s."""
+    """Time every SWEEP config of every kernel at each shape, the other kernels autotuned; starts no new
+    shape or config after budget_s. A config that fails to compile or run is a row, not the end."""
     deadline = time.monotonic() + budget_s
     print(f"TTT attention config sweep, {describe_device()}")
-    print("| shape | kernel | config (BLOCK_M, BLOCK_N, warps, stages[, warp-specialized]) | fwd+bwd ms "
-          "| vs autotuned | max rel err vs autotuned |")
+    print("| shape | kernel | config (BLOCK_M, BLOCK_N, warps, stages) | fwd+bwd ms | vs autotuned "
+          "| max rel err vs autotuned |")
     print("|---|---|---|---:|---:|---:|")
     for label in [s.strip() for s in shapes.split(",") if s.strip()]:
+        if time.monotonic() > deadline:
+            print(f"| {label} | | | not run: sweep budget spent | | |")
+            continue
         case = _make_case(label)
         inputs, run, douts = _triton(case)
         outs = run(*inputs)
         expected = [o.detach() for o in outs] + list(torch.autograd.grad(outs, inputs, douts))
-        base, _ = _measure(_triton, case)
-        print(f"| {label} | (autotuned) | | {base:.3f} | 1.000 | |", flush=True)
+        del inputs, outs
+        base, _ = _time_config(case, None, None, None)
+        picks = ", ".join(f"{name} {kernel_module.best_config(name)}" for name in kernel_module.SWEEP)
+        print(f"| {label} | (autotuned: {picks}) | | {base:.3f} | 1.000 | |", flush=True)
         for name, configs in kernel_module.SWEEP.items():
             for config in configs:
                 if time.monotonic() > deadline:
@@ -284,11 +296,14 @@ def sweep(shapes: str, budget_s: float) -> None:
                     print(f"| {label} | {name} | {config} | {ms:.3f} | {ms / base:.3f} | {error:.1e}{flag} |",
                           flush=True)
                 except Exception as exc:  # a config that does not compile or run is reported, not fatal
-                    print(f"| {label} | {name} | {config} | failed: {type(exc).__name__}: "
-                          f"{str(exc)[:120].replace(chr(10), ' ')} | | |", flush=True)
-                finally:
+                    print(f"| {label} | {name} | {config} | failed: {_cell(f'{type(exc).__name__}: {exc}')} | | |",
+                          flush=True)
+                try:
                     free_memory()
-        del case, inputs, outs, expected
+                except RuntimeError as exc:   # a sticky CUDA error: nothing after it can be trusted
+                    print(f"sweep stopped: {_cell(str(exc))}")
+                    return
+        del case, expected
         free_memory()
 
 
@@ -296,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench attention", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="all", help="comma-separated shape labels (a,b,c) or 'all'")
     parser.add_argument("--sweep", action="store_true",
-                        help="time each kernel's candidate configs (kernels.ttt_attention.SWEEP) one by one")
+                        help="time each kernel's candidate configs (kernels.ttt_attention.SWEEP) one by one "
+                             "(shapes a and c unless --shapes names others)")
     parser.add_argument("--sweep-seconds", type=float, default=300.0,
                         help="start no new sweep config after this many seconds")
     args = parser.parse_args(argv)

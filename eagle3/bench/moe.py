@@ -192,12 +192,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (smoke test)")
     parser.add_argument("--parts", default="layer,streamed",
                         help="comma list: layer (one MoE layer's time, W4A16 included), streamed (4-layer memory)")
+    parser.add_argument("--expert-block", type=int, default=deepseek.EXPERT_BLOCK,
+                        help="experts dequantized and multiplied together (eagle3.models.deepseek.EXPERT_BLOCK)")
     args = parser.parse_args(argv)
+    if args.expert_block < 1:
+        parser.error(f"--expert-block {args.expert_block}: expected at least 1")
+    deepseek.EXPERT_BLOCK = args.expert_block
     parts = args.parts.split(",")
     if not set(parts) <= {"layer", "streamed"}:
         parser.error(f"--parts {args.parts}: expected a comma list of layer, streamed")
     s, device = (TINY, torch.device("cpu")) if args.tiny else (KIMI, torch.device("cuda"))
-    print(describe_device())
+    print(describe_device(), f"expert block {deepseek.EXPERT_BLOCK}")
     with torch.no_grad():
         peak = matmul_tflops() if device.type == "cuda" else float("nan")
         print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")

@@ -180,35 +180,6 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int], ends: torc
     return torch.cat([F.linear(part, w[j]) for j, part in enumerate(x.split(sizes))])
 
 
-class _Ahead:
-    """Work queued ahead on a second CUDA stream (run inline off CUDA): `submit(fn)` runs fn there
-    once the current stream's queued work is done, `take` makes the current stream wait for it and
-    keeps its output tensors' memory from being reused before the current stream is done with them."""
-
-    def __init__(self, device):
-        device = torch.device(device)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def submit(self, fn):
-        if self.stream is None:
-            return fn(), None
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            out = fn()
-            done = torch.cuda.Event()
-            done.record()
-        return out, done
-
-    def take(self, pending) -> dict[str, torch.Tensor]:
-        out, done = pending
-        if done is not None:
-            here = torch.cuda.current_stream(self.stream.device)
-            here.wait_event(done)
-            for t in out.values():
-                t.record_stream(here)
-        return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Tensor names
 
@@ -444,26 +415,20 @@ class DeepseekTarget:
 
     def _blocks(self, w, counts, starts):
         """(rows, gate_up, down) per block of EXPERT_BLOCK active experts: their weights dequantized
-        into one buffer per projection, one grouped GEMM per projection over the block's rows. On
-        CUDA the next block's weights are dequantized on a side stream while this block's GEMMs run
-        (memory-bound work under compute-bound work; two blocks' weights, 5.6 GB for Kimi, alive)."""
+        into one buffer, one grouped GEMM per projection over the block's rows."""
         active = [e for e, n in enumerate(counts) if n]
-        blocks = [active[b:b + EXPERT_BLOCK] for b in range(0, len(active), EXPERT_BLOCK)]
-        ahead = _Ahead(self.device)
-        pending = ahead.submit(partial(self._block_weights, w, blocks[0])) if blocks else None
-        for i, block in enumerate(blocks):
-            weights = ahead.take(pending)
-            if i + 1 < len(blocks):
-                pending = ahead.submit(partial(self._block_weights, w, blocks[i + 1]))
+        for b in range(0, len(active), EXPERT_BLOCK):
+            block = active[b:b + EXPERT_BLOCK]
             sizes = [counts[e] for e in block]
             ends = torch.tensor(sizes, device=self.device).cumsum(0).to(torch.int32)
             yield (slice(starts[block[0]], starts[block[-1] + 1]),
-                   *(partial(expert_matmul, w=weights[key], sizes=sizes, ends=ends, grouped=self.grouped_mm)
+                   *(partial(self._dequantized_matmul, w=w, key=key, block=block, sizes=sizes, ends=ends)
                      for key in ("gate_up", "down")))
-            del weights
 
-    def _block_weights(self, w, block: list[int]) -> dict[str, torch.Tensor]:
-        return {key: self._expert_weights(w, key, block) for key in ("gate_up", "down")}
+    def _dequantized_matmul(self, x, w, key, block, sizes, ends):
+        """x's rows times their experts' `key` projection, dequantized just for this call (one
+        projection's buffer alive at a time)."""
+        return expert_matmul(x, self._expert_weights(w, key, block), sizes, ends, self.grouped_mm)
 
     def _blocks_w4a16(self, w, counts, starts):
         """`_blocks` with the int4 experts read by the GEMM itself (one launch per projection and
