@@ -258,12 +258,13 @@ def move_old_run(output_dir: Path) -> Path | None:
 def fp8_changes(state: dict, float8: bool, float8_head: bool) -> str:
     """What a resumed run does differently in fp8 from the checkpoint's steps so far ("" if nothing;
     auto on another GPU kind, say). A checkpoint from before a choice was recorded ran what its
-    config said: those settings were plain booleans then."""
+    config said where that was true or false; where it said auto, what ran is unknown: nothing said."""
     said = ""
     for key, setting, now, what in (("float8_used", "float8", float8, "fp8 GEMMs (train.float8)"),
                                     ("float8_head_used", "float8_head", float8_head,
                                      "fp8 head GEMMs (train.float8_head)")):
-        was = state.get(key, bool(state["config"]["train"].get(setting)))
+        configured = state["config"]["train"].get(setting, False)
+        was = state.get(key, now if configured is None else bool(configured))
         if was != now:
             said += (f"; its steps so far ran {'with' if was else 'without'} {what}, "
                      f"from here {'with' if now else 'without'}")

@@ -90,14 +90,10 @@ def test_the_peers_steady_state_rate_is_read_from_its_last_epoch():
 def test_the_peer_run_reads_the_full_log_its_script_writes(tmp_path, monkeypatch):
     from eagle3.bench.step import run_peer
     script = tmp_path / "peer.py"   # writes its log as bench/peer/speculators_kimi_step.py does, prints a summary
-    script.write_text("import os, pathlib, sys\n"
-                      "pathlib.Path(os.environ['OUT'], 'argv').write_text(' '.join(sys.argv[1:]))\n"
+    script.write_text("import os, pathlib\n"
                       "pathlib.Path(os.environ['OUT'], 'kimi_peer.log').write_text("
                       "'Training epoch 2/2 started\\n profile/step_ms=2.00e+03,\\n profile/step_ms=1000.0,\\n"
                       " profile/step_ms=1.00e+03,\\n')\n"
                       "print('rc 0 5s')\n")
     monkeypatch.setenv("OUT", str(tmp_path))
     assert run_peer(str(script), 16384) == 16384.0
-    assert (tmp_path / "argv").read_text() == "48"                  # its default sample count
-    assert run_peer(str(script), 16384, samples=32) == 16384.0
-    assert (tmp_path / "argv").read_text() == "32"

@@ -85,9 +85,24 @@ def test_config_lists_keep_the_tiling_rules_and_end_with_the_fallback():
     assert all(configs[-1] == FALLBACK for configs in CONFIGS.values())
     for lists in (CONFIGS, SWEEP):
         for name, configs in lists.items():
+            assert all(len(config) == 4 for config in configs), configs   # (BLOCK_M, BLOCK_N, warps, stages)
             for block_m, block_n, *_ in configs:
                 # fwd/dq step over key tiles inside a query tile, dkdv over query tiles inside a key tile
                 assert (block_m % block_n if name in ("fwd", "dq") else block_n % block_m) == 0, (name, block_m, block_n)
+
+
+def test_best_config_reads_the_autotuners_pick(monkeypatch):
+    from types import SimpleNamespace
+
+    import triton
+
+    import kernels.ttt_attention as tta
+    assert tta.best_config("dq") is None       # nothing tuned in this (CPU) process
+    monkeypatch.setitem(tta._TUNED, "dkdv", SimpleNamespace(
+        best_config=triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3)))
+    assert tta.best_config("dkdv") == (64, 128, 8, 3)
+    monkeypatch.setitem(tta._TUNED, "dkdv", SimpleNamespace())     # a tuner that has not run
+    assert tta.best_config("dkdv") is None
 
 
 def test_pinning_an_unknown_kernel_is_refused():

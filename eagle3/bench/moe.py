@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parts", default="layer,streamed",
                         help="comma list: layer (one MoE layer's time, W4A16 included), streamed (4-layer memory)")
     parser.add_argument("--expert-block", type=int, default=deepseek.EXPERT_BLOCK,
-                        help="experts dequantized and multiplied together (eagle3.models.deepseek.EXPERT_BLOCK)")
+                        help="experts per grouped GEMM: dequantized together on the default path, read packed "
+                             "together by W4A16 (eagle3.models.deepseek.EXPERT_BLOCK)")
     args = parser.parse_args(argv)
     if args.expert_block < 1:
         parser.error(f"--expert-block {args.expert_block}: expected at least 1")

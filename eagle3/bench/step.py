@@ -264,8 +264,6 @@ def main(argv: list[str] | None = None) -> None:
                         "(kept, and reused by the next bench with the same --dir)")
     parser.add_argument("--profile-dir", default=None, help="write each run's GPU kernel table here")
     parser.add_argument("--json", default=None, help="append the results here as JSON lines")
-    parser.add_argument("--peer-samples", type=int, default=48,
-                        help="sequences of 4096 tokens the peer trains on per epoch (4 per step; 2 epochs)")
     parser.add_argument("--peer-script", default=None,
                         help="also run the peer's Kimi step (speculators 0.9.0: bench/peer/speculators_kimi_step.py, its "
                              "wheels on PYTHONPATH) in this call and print ours (layout a) / the peer's tokens/s")
@@ -291,8 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.barrier()
     tflops = matmul_tflops() if dist.device.type == "cuda" else float("nan")
     # the peer first: its 4-5 minute compile is the call's long pole, and ours then has what is left
-    peer = (run_peer(args.peer_script, s["seqs"] * s["seq_len"], args.peer_samples)
-            if args.peer_script and dist.main else None)
+    peer = run_peer(args.peer_script, s["seqs"] * s["seq_len"]) if args.peer_script and dist.main else None
     results = []
     for layout in layouts:
         for kernels in args.kernels.split(","):
@@ -340,18 +337,17 @@ def peer_tokens_per_s(log: str, tokens_per_step: int) -> float | None:
     return tokens_per_step / (statistics.median(times) / 1e3) if times else None
 
 
-def run_peer(script: str, tokens_per_step: int, samples: int = 48) -> float | None:
-    """The peer's step on the same shapes and GPU (its own script, `samples` sequences of 4096 tokens,
-    4 to a step: its default 48 gives 12 steps per epoch, the second epoch steady, as in its recorded
-    figures; fewer save its data-writing time, not its compilation): its tokens/s, from the full log the
-    script writes to $OUT (or /tmp)/kimi_peer.log (its stdout keeps only a summary)."""
+def run_peer(script: str, tokens_per_step: int) -> float | None:
+    """The peer's step on the same shapes and GPU (its own script at its defaults, 48 sequences of 4096
+    tokens: 12 steps per epoch, the second epoch steady, as in its recorded figures): its tokens/s, from the
+    full log the script writes to $OUT (or /tmp)/kimi_peer.log (its stdout keeps only a summary)."""
     import os
     import subprocess
     import sys
     started = time.perf_counter()
     log_file = Path(os.environ.get("OUT", "/tmp")) / "kimi_peer.log"
     log_file.unlink(missing_ok=True)
-    run = subprocess.run([sys.executable, script, str(samples)], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True)
     log = (log_file.read_text() if log_file.exists() else "") + run.stdout + run.stderr
     peer = peer_tokens_per_s(log, tokens_per_step)
     print(f"peer ({script}): rc {run.returncode}, {time.perf_counter() - started:.0f} s, "
