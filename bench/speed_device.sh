@@ -17,8 +17,9 @@
 #   moe    the Kimi MoE layer alone (W4A16 included)
 #   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer (W4A16 included)
 #   here:  the peer's wheels in .whl/ (see bench/peer/)    there: bash bench/speed_device.sh PART...
-# Each part's output is written to $OUT/PART.txt (and the step's JSON lines to $OUT/step.jsonl) as it
-# runs, so a call stopped at its limit still returns what it finished.
+# Each part's output is written to $OUT/PART.txt as it runs (step, step-a, step-b: also PART.jsonl;
+# peer, step: kimi_peer.log; step-a: prof.tgz, its profile tables), plus env.txt: a call stopped at its
+# limit still returns what it finished. At most 8 files come back from a call: count the parts' files.
 set -uo pipefail
 out=${OUT:-/tmp/speed-out}
 mkdir -p "$out"
@@ -38,8 +39,10 @@ for part in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
       PYTHONPATH=/tmp/site python3 bench/peer/speculators_kimi_step.py 2>&1 | quiet | tee "$out/peer.txt" ;;
     step-a)
+      rm -rf /tmp/prof
       python3 -m eagle3.bench --layouts a --kernels ${STEP_KERNELS:-triton-fp8,triton-fp8-head,triton} --steps 3 --warmup 2 --dir /tmp/bd \
-        --json "$out/step-a.jsonl" --profile-dir "$out/prof" 2>&1 | quiet | tee "$out/step-a.txt" ;;
+        --json "$out/step-a.jsonl" --profile-dir /tmp/prof 2>&1 | quiet | tee "$out/step-a.txt"
+      tar czf "$out/prof.tgz" -C /tmp prof ;;   # one file back for all the kernel tables
     step-b)
       python3 -m eagle3.bench --layouts b --kernels torch,triton,triton-fp8 --steps 3 --warmup 2 --dir /tmp/bd \
         --json "$out/step-b.jsonl" 2>&1 | quiet | tee "$out/step-b.txt" ;;
@@ -48,7 +51,7 @@ for part in "$@"; do
     sweep) python3 -m eagle3.bench attention --sweep --sweep-seconds 330 2>&1 | quiet | tee "$out/sweep.txt" ;;
     attention) python3 -m eagle3.bench attention --shapes a,c 2>&1 | quiet | tee "$out/attention.txt" ;;
     kernels)
-      { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m eagle3.bench moe; } \
+      { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m eagle3.bench moe --parts layer; } \
         2>&1 | quiet | tee "$out/kernels.txt" ;;
     *) echo "unknown part $part: expected peer, step, step-a, step-b, fp8, moe, sweep, attention or kernels"; exit 2 ;;
   esac

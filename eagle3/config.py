@@ -322,8 +322,13 @@ def _coerce(value: object, tp: object, where: str) -> object:
         if value is None or value == "auto":
             if type(None) in args:
                 return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], where)
+        inner = next(a for a in args if a is not type(None))
+        try:
+            return _coerce(value, inner, where)
+        except ConfigError:
+            if typing.get_origin(inner) is list:   # its own message names the bad item
+                raise
+            raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}") from None   # "bool | auto"
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):

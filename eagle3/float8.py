@@ -110,7 +110,7 @@ def choose(setting: bool | None, device: torch.device, spec, where: str, say: bo
             check_device(device, where)
             check_dims(dims, where)
         return setting
-    odd = [name for name, size in dims.items() if size % 16]
+    odd = _odd(dims)
     if device.type != "cuda":
         why = f"{device.type}: fp8 GEMMs need a GPU"
     elif torch.version.hip is not None:   # ROCm's fp8 formats are the fnuz ones, not e4m3fn / e5m2
@@ -140,10 +140,10 @@ def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torc
         if not triton_gpu:
             raise ConfigError(f"{where}: train.float8_head = true needs the Triton loss on a GPU (train.kernels "
                               "\"auto\" or \"triton\" on CUDA)")
-        check_device(device, where)
-        check_dims(dims, where)
+        check_device(device, where, "train.float8_head")
+        check_dims(dims, where, "train.float8_head")
     elif setting is None:
-        odd = [name for name, size in dims.items() if size % 16]
+        odd = _odd(dims)
         why = ("train.float8 is off" if not draft_float8 else
                "the loss is not the Triton one on a GPU" if not triton_gpu else
                f"widths not multiples of 16: {', '.join(odd)}" if odd else "fp8 tensor cores")
@@ -161,18 +161,25 @@ def draft_dims(spec) -> dict[str, int]:
             "3 x target_hidden_size": 3 * spec.target_hidden_size}
 
 
-def check_device(device: torch.device, where: str) -> None:
+def _odd(dims: dict[str, int]) -> list[str]:
+    return [name for name, size in dims.items() if size % 16]
+
+
+def check_device(device: torch.device, where: str, key: str = "train.float8") -> None:
     """fp8 GEMMs need fp8 tensor cores on a GPU; say so at start-up, not at the first step."""
+    if device.type == "cuda" and torch.version.hip is not None:
+        raise ConfigError(f"{where}: {key} = true is not supported on ROCm (its fp8 formats are the fnuz ones, "
+                          "not e4m3fn / e5m2)")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
-        raise ConfigError(f"{where}: train.float8 = true needs a GPU with fp8 tensor cores (compute capability "
+        raise ConfigError(f"{where}: {key} = true needs a GPU with fp8 tensor cores (compute capability "
                          f">= 8.9: Ada, Hopper, Blackwell); {name} has "
                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
 
 
-def check_dims(dims: dict[str, int], where: str) -> None:
+def check_dims(dims: dict[str, int], where: str, key: str = "train.float8") -> None:
     """torch._scaled_mm on a GPU wants every matrix dimension a multiple of 16 (rows are padded here)."""
-    odd = {name: size for name, size in dims.items() if size % 16}
+    odd = _odd(dims)
     if odd:
-        raise ConfigError(f"{where}: train.float8 = true needs the draft's widths to be multiples of 16; "
-                         + ", ".join(f"{name} = {size}" for name, size in odd.items()))
+        raise ConfigError(f"{where}: {key} = true needs the draft's widths to be multiples of 16; "
+                          + ", ".join(f"{name} = {dims[name]}" for name in odd))

@@ -508,8 +508,9 @@ class Trainer:
         before the current one is handed over, and the compute stream waits for a copy only when the
         step takes that micro-batch (`_on_device`). On the compute stream the copies ran in stream
         order with every SM idle: about 17 ms of a 0.9 s Kimi-size step. Device memory: the step's
-        micro-batches and one more. Elsewhere, and for online readers (their batches are made on the
-        device), the batches as they come."""
+        micro-batches and one more. Elsewhere, and for online readers, the batches as they come
+        (pulling one ahead would move a staged target's collective read out of step with the other
+        ranks; for the stream and resident placements the overlap is unmeasured, so left out)."""
         if not self.cuda or self.online:
             yield from batches
             return

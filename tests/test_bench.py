@@ -97,3 +97,18 @@ def test_the_peer_run_reads_the_full_log_its_script_writes(tmp_path, monkeypatch
                       "print('rc 0 5s')\n")
     monkeypatch.setenv("OUT", str(tmp_path))
     assert run_peer(str(script), 16384) == 16384.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["attention"], "eagle3.bench attention needs a CUDA GPU"),
+    (["loss"], "eagle3.bench loss needs a CUDA GPU"),
+    (["moe", "--parts", "layer"], "eagle3.bench moe needs a CUDA GPU; --tiny runs it at toy size on the CPU"),
+])
+def test_gpu_benches_say_they_need_a_gpu(monkeypatch, argv, message):
+    import importlib
+
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bench = importlib.import_module(f"eagle3.bench.{argv[0]}")
+    with pytest.raises(SystemExit, match=message):
+        bench.main(argv[1:])

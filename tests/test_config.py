@@ -37,6 +37,7 @@ def test_wrong_type_names_key(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--train.ttt_steps", "1.5"], r"command line --train.ttt_steps: train.ttt_steps: expected int"),
     (["--train.kernels", "cuda"], r"train.kernels = 'cuda'; expected one of"),
+    (["--train.float8_head", "maybe"], r"train.float8_head: expected bool \| auto, got 'maybe'"),
     (["--train.batch_tokens", "0"], r"train.batch_tokens = 0; expected a positive integer"),
     (["--train.grad_clip", "0"], r"train.grad_clip = 0.0; expected > 0"),
     (["--train.min_lr_ratio", "2"], r"train.min_lr_ratio = 2.0; expected a number in \[0, 1\]"),

@@ -50,6 +50,12 @@ def test_float8_refuses_a_gpu_without_fp8_tensor_cores(monkeypatch):
     with pytest.raises(ValueError, match=r"c.toml: train.float8 = true needs .*A100 has 8.0"):
         float8.check_device(torch.device("cuda", 0), "c.toml")
     float8.check_device(torch.device("cpu"), "c.toml")   # the CPU runs torch._scaled_mm
+    with pytest.raises(ValueError, match=r"c.toml: train.float8_head = true needs .*A100"):
+        float8.check_device(torch.device("cuda", 0), "c.toml", "train.float8_head")   # the setting that asked
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    monkeypatch.setattr(torch.version, "hip", "6.2")                 # ROCm: refused up front, as auto is
+    with pytest.raises(ValueError, match=r"c.toml: train.float8 = true is not supported on ROCm"):
+        float8.check_device(torch.device("cuda", 0), "c.toml")
 
 
 def test_float8_names_a_width_that_is_not_a_multiple_of_16():
@@ -156,7 +162,7 @@ def test_float8_head_wraps_the_triton_loss_and_checks_its_widths(monkeypatch):
     gpu, spec = torch.device("cuda", 0), SimpleNamespace(hidden_size=64, draft_vocab_size=256)
     loss = float8.head_loss(True, True, kernels.ttt_loss_steps, gpu, spec, "c.toml")
     assert loss.func is kernels.ttt_loss_steps and loss.keywords == {"float8": True}
-    with pytest.raises(ValueError, match=r"multiples of 16; draft_vocab_size = 100"):
+    with pytest.raises(ValueError, match=r"train.float8_head = true needs .*multiples of 16; draft_vocab_size = 100"):
         float8.head_loss(True, True, kernels.ttt_loss_steps, gpu, SimpleNamespace(hidden_size=64, draft_vocab_size=100),
                          "c.toml")
     with pytest.raises(ValueError, match="needs the Triton loss"):

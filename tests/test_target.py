@@ -71,13 +71,17 @@ def test_inspect_tiny_checkpoint(llama_target):
     assert report["aux_layer_ids"] == [1, 1, 1]
 
 
-def test_inconsistent_shapes_are_reported(tmp_path):
+@pytest.mark.parametrize("reader", ["inspect", "runner"])   # the runner: before any compute
+def test_inconsistent_shapes_are_reported(tmp_path, reader):
     path = tiny.make_llama(tmp_path, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, vocab=64)
     cfg = json.loads((path / "config.json").read_text())
     cfg["vocab_size"] = 100
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(TargetError, match=r"model.embed_tokens.weight has shape \[64, 32\].*vocab_size 100"):
-        inspect(str(path))
+        if reader == "inspect":
+            inspect(str(path))
+        else:
+            TargetRunner(Checkpoint(path), [1, 1, 2], torch.device("cpu"), torch.float32)
 
 
 def test_tied_embeddings_and_only_requested_tensors(tmp_path):

@@ -33,7 +33,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from eagle3.bench.timing import describe_device, free_memory, median_ms, peak_bytes
+from eagle3.bench.timing import describe_device, free_memory, median_ms, peak_bytes, require_cuda
 from kernels.flex import ttt_attention as flex_attention
 from kernels.reference import ttt_attention as reference_attention
 from kernels.ttt_attention import ttt_attention
@@ -245,9 +245,9 @@ def run(shapes: str = "all") -> None:
 # Sweep: each kernel's candidate configs one at a time (the others autotuned)
 # ----------------------------------------------------------------------------------------------
 
-def _time_config(case, name, config, expected) -> tuple[float, float]:
-    """(median fwd+bwd ms, max rel error against `expected`) with kernel `name` pinned to `config`
-    (config None: the autotuned kernels)."""
+def _time_config(case, name, config, expected) -> tuple[float, float, list[torch.Tensor]]:
+    """(median fwd+bwd ms, max rel error against `expected`, the output and gradients) with kernel
+    `name` pinned to `config` (config None: the autotuned kernels, nothing to compare with)."""
     inputs, run, douts = _triton(case)
 
     def step():
@@ -255,10 +255,9 @@ def _time_config(case, name, config, expected) -> tuple[float, float]:
         return outs + list(torch.autograd.grad(outs, inputs, douts))
 
     with kernel_module.pinned(name, config) if config else contextlib.nullcontext():
-        got = step()   # compiles (autotunes)
+        got = [t.detach() for t in step()]   # compiles (autotunes)
         error = max(_rel(a, b) for a, b in zip(got, expected)) if expected else 0.0
-        del got
-        return median_ms(step, warmup=10, rep=100), error
+        return median_ms(step, warmup=10, rep=100), error, got
 
 
 def _cell(text: str) -> str:
@@ -278,11 +277,7 @@ def sweep(shapes: str, budget_s: float) -> None:
             print(f"| {label} | | | not run: sweep budget spent | | |")
             continue
         case = _make_case(label)
-        inputs, run, douts = _triton(case)
-        outs = run(*inputs)
-        expected = [o.detach() for o in outs] + list(torch.autograd.grad(outs, inputs, douts))
-        del inputs, outs
-        base, _ = _time_config(case, None, None, None)
+        base, _, expected = _time_config(case, None, None, None)
         picks = ", ".join(f"{name} {kernel_module.best_config(name)}" for name in kernel_module.SWEEP)
         print(f"| {label} | (autotuned: {picks}) | | {base:.3f} | 1.000 | |", flush=True)
         for name, configs in kernel_module.SWEEP.items():
@@ -291,7 +286,7 @@ def sweep(shapes: str, budget_s: float) -> None:
                     print(f"| {label} | {name} | {config} | not run: sweep budget spent | | |")
                     continue
                 try:
-                    ms, error = _time_config(case, name, config, expected)
+                    ms, error, _ = _time_config(case, name, config, expected)
                     flag = "" if error < TOLERANCE else " WRONG"
                     print(f"| {label} | {name} | {config} | {ms:.3f} | {ms / base:.3f} | {error:.1e}{flag} |",
                           flush=True)
@@ -316,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-seconds", type=float, default=300.0,
                         help="start no new sweep config after this many seconds")
     args = parser.parse_args(argv)
+    require_cuda("attention")
     if args.sweep:
         sweep("a,c" if args.shapes == "all" else args.shapes, args.sweep_seconds)
     else:

@@ -26,7 +26,8 @@ import argparse
 
 import torch
 
-from eagle3.bench.timing import describe_device, free_memory, matmul_tflops, median_ms_of_calls, peak_bytes
+from eagle3.bench.timing import (describe_device, free_memory, matmul_tflops, median_ms_of_calls, peak_bytes,
+                                 require_cuda)
 from kernels.reference import ttt_loss as reference_loss
 from kernels.ttt_loss import ttt_loss, ttt_loss_steps
 
@@ -269,4 +270,6 @@ def run(shapes: str = "all") -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench loss", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="all", help="comma-separated shape labels (a,b,c,c*) or 'all'")
-    run(parser.parse_args(argv).shapes)
+    args = parser.parse_args(argv)
+    require_cuda("loss")
+    run(args.shapes)

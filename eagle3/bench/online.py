@@ -54,7 +54,8 @@ from eagle3 import config as config_mod
 from eagle3 import extraction, training
 from eagle3.bench import moe, step
 from eagle3.bench.timing import describe_device, free_memory
-from eagle3.data.shards import MANIFEST
+from eagle3.data.shards import read_manifest
+from eagle3.files import atomic_write_text
 from eagle3.models import tiny
 from eagle3.models.checkpoint import read_config
 
@@ -140,12 +141,11 @@ def write_data(path: Path, s: dict, sequences: int) -> None:
     if path.exists():
         return
     d, g, ids = s["draft"], torch.Generator().manual_seed(2), data_ids(s)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        for _ in range(sequences):
-            x = ids[torch.randint(0, len(ids), (d["seq_len"],), generator=g)]
-            f.write(json.dumps({"input_ids": x.tolist(), "loss_mask": step.loss_mask("a", d, g).tolist()}) + "\n")
-    tmp.rename(path)
+    lines = []
+    for _ in range(sequences):
+        x = ids[torch.randint(0, len(ids), (d["seq_len"],), generator=g)]
+        lines.append(json.dumps({"input_ids": x.tolist(), "loss_mask": step.loss_mask("a", d, g).tolist()}) + "\n")
+    atomic_write_text(path, "".join(lines))
 
 
 def data_path(root: Path, s: dict, sequences: int) -> Path:
@@ -284,7 +284,7 @@ def extraction_steady(hidden: Path, ranks: int) -> float | None:
     (shard i is rank i % ranks's) the tokens of its shards after its first over the time from its
     first to its last, so start-up, loading the embedding and first compiles are left out as the
     online rates leave out their first window. None when no rank wrote two shards."""
-    shards = json.loads((hidden / MANIFEST).read_text())["shards"]
+    shards = read_manifest(hidden)["shards"]
     total, measured = 0.0, False
     for r in range(ranks):
         mine = shards[r::ranks]

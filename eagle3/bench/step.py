@@ -47,18 +47,24 @@ TINY = dict(hidden=64, vocab=2048, heads=1, kv_heads=1, head_dim=64, inter=128, 
 
 
 def write_target(out: Path, s: dict) -> None:
-    """A stand-in target: a Kimi-like text config and only the tensors the trainer reads."""
+    """A stand-in target: a Kimi-like text config and only the tensors the trainer reads. Kept for the
+    next run with the same --dir (4.7 GB at Kimi size): config.json is written last, so its presence
+    with the same contents means the weights are complete."""
     out.mkdir(parents=True, exist_ok=True)
     config = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": s["hidden"],
               "vocab_size": s["vocab"], "num_hidden_layers": 61, "num_attention_heads": s["heads"],
               "num_key_value_heads": s["heads"], "intermediate_size": s["inter"], "rms_norm_eps": 1e-5,
               "rope_theta": 50000.0, "max_position_embeddings": 262144, "tie_word_embeddings": False}
-    (out / "config.json").write_text(json.dumps(config))
+    written = out / "config.json"
+    if written.exists() and json.loads(written.read_text()) == config:
+        return
+    written.unlink(missing_ok=True)
     g = torch.Generator().manual_seed(0)
     save_file({"model.embed_tokens.weight": torch.randn(s["vocab"], s["hidden"], generator=g).bfloat16(),
                "model.norm.weight": torch.ones(s["hidden"]).bfloat16(),
                "lm_head.weight": (torch.randn(s["vocab"], s["hidden"], generator=g) * s["hidden"] ** -0.5).bfloat16()},
               out / "model.safetensors")
+    atomic_write_text(written, json.dumps(config))
 
 
 def loss_mask(layout: str, s: dict, g: torch.Generator) -> torch.Tensor:

@@ -116,3 +116,9 @@ def describe_device() -> str:
     except ImportError:
         versions = f"torch {torch.__version__}, no triton"
     return f"{datetime.date.today()} {device}, {versions}"
+
+
+def require_cuda(bench: str, otherwise: str = "") -> None:
+    """A GPU-only bench stops with a message on a machine without CUDA, not a traceback."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"error: python -m eagle3.bench {bench} needs a CUDA GPU{otherwise}")

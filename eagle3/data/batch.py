@@ -77,11 +77,15 @@ class Batch:
                      cu_seqlens_host=self.cu_seqlens_host, plan=None if self.plan is None else self.plan.to(device))
 
     def device_tensors(self) -> list[torch.Tensor]:
-        """Its tensors on a GPU (the host copy of the boundaries excluded)."""
-        rows = [] if self.plan is None else [*(self.plan.live or []), *self.plan.loss]
-        tensors = [self.input_ids, self.loss_mask, self.target_argmax, self.aux_hidden, self.final_hidden,
-                   self.cu_seqlens, self.aux_scale, *rows]
-        return [t for t in tensors if t is not None and t.is_cuda]
+        """Its tensors on a GPU (the host copy of the boundaries excluded): every field, as pin_memory."""
+        tensors = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, RowPlan):
+                tensors += [*(v.live or []), *v.loss]
+            elif isinstance(v, torch.Tensor):
+                tensors.append(v)
+        return [t for t in tensors if t.is_cuda]
 
     def pin_memory(self) -> "Batch":
         """Every tensor in pinned memory (for asynchronous copies)."""

@@ -232,3 +232,17 @@ class Checkpoint:
         handle, full = self._handle(name)
         sl = handle.get_slice(full)
         return {"name": full, "shape": list(sl.get_shape()), "dtype": sl.get_dtype()}
+
+    def outer_tensors(self) -> dict[str, dict]:
+        """`info` of the embedding, head and final norm, checked against the config: a mismatch is
+        named here, not met as a broadcasting error in the forward (or a rank left waiting)."""
+        c = self.config
+        info = {name: self.info(f"{name}.weight") for name in ("embed_tokens", "lm_head", "norm")}
+        for name in ("embed_tokens", "lm_head"):
+            if info[name]["shape"] != [c.vocab_size, c.hidden_size]:
+                raise TargetError(f"{self.dir}: {info[name]['name']} has shape {info[name]['shape']}, but "
+                                  f"{c.source} says vocab_size {c.vocab_size} x hidden_size {c.hidden_size}")
+        if info["norm"]["shape"] != [c.hidden_size]:
+            raise TargetError(f"{self.dir}: {info['norm']['name']} has shape {info['norm']['shape']}; "
+                              f"expected [{c.hidden_size}]")
+        return info

@@ -7,6 +7,7 @@ tokens, a few at a time, and runs each expert's tokens as one matmul.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -403,9 +404,7 @@ class DeepseekTarget:
         order = idx.flatten().argsort(stable=True)
         token, pair_w = order // k, weights.flatten()[order]
         counts = torch.bincount(idx.flatten(), minlength=self.spec.n_routed_experts).tolist()  # one sync
-        starts = [0]
-        for n in counts:
-            starts.append(starts[-1] + n)
+        starts = list(itertools.accumulate(counts, initial=0))
         pairs = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)   # row t·k + slot
         blocks = self._blocks_w4a16 if self.w4a16 and "experts.gate_up.weight_packed" in w else self._blocks
         for rows, gate_up, down in blocks(w, counts, starts):
@@ -420,7 +419,8 @@ class DeepseekTarget:
         for b in range(0, len(active), EXPERT_BLOCK):
             block = active[b:b + EXPERT_BLOCK]
             sizes = [counts[e] for e in block]
-            ends = torch.tensor(sizes, device=self.device).cumsum(0).to(torch.int32)
+            # small host lists to the device without waiting for the queued work (as quant's GEMM does)
+            ends = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32).to(self.device, non_blocking=True)
             yield (slice(starts[block[0]], starts[block[-1] + 1]),
                    *(partial(self._dequantized_matmul, w=w, key=key, block=block, sizes=sizes, ends=ends)
                      for key in ("gate_up", "down")))
@@ -443,7 +443,7 @@ class DeepseekTarget:
 
     def _expert_weights(self, w, key: str, experts: list[int]) -> torch.Tensor:
         """Dense [len(experts), out, in] weights of the chosen experts."""
-        ids = torch.tensor(experts, device=self.device)
+        ids = torch.tensor(experts).to(self.device, non_blocking=True)
         if f"experts.{key}.weight" in w:
             return w[f"experts.{key}.weight"].index_select(0, ids)
         return quant.dequantize_int4(w[f"experts.{key}.weight_packed"].index_select(0, ids),

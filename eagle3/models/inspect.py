@@ -25,9 +25,8 @@ def inspect(target: str) -> dict:
                          "text_tensors": len(ckpt.text_tensor_names()),
                          "skipped_tensors": len(ckpt.weight_map) - len(ckpt.text_tensor_names()),
                          "prefix": ckpt.prefix}
-    for name in ("embed_tokens", "lm_head", "norm"):
-        report[name] = ckpt.info(f"{name}.weight")
-    _check_shapes(ckpt, report)
+    report.update(ckpt.outer_tensors())
+    _check_layers(ckpt)
     if c.is_deepseek:
         _check_deepseek(ckpt, report)
     return report
@@ -52,15 +51,8 @@ def _check_deepseek(ckpt: Checkpoint, report: dict) -> None:
     report["weights"]["unused_text_tensors"] = len(ckpt.text_tensor_names()) - len(needed)
 
 
-def _check_shapes(ckpt: Checkpoint, report: dict) -> None:
+def _check_layers(ckpt: Checkpoint) -> None:
     c = ckpt.config
-    for name in ("embed_tokens", "lm_head"):
-        if report[name]["shape"] != [c.vocab_size, c.hidden_size]:
-            raise TargetError(f"{ckpt.dir}: {report[name]['name']} has shape {report[name]['shape']}, but "
-                              f"{c.source} says vocab_size {c.vocab_size} x hidden_size {c.hidden_size}")
-    if report["norm"]["shape"] != [c.hidden_size]:
-        raise TargetError(f"{ckpt.dir}: {report['norm']['name']} has shape {report['norm']['shape']}; "
-                          f"expected [{c.hidden_size}]")
     missing = [n for i in range(c.num_hidden_layers) for n in (f"layers.{i}.input_layernorm.weight",)
                if not ckpt.has(n)]
     if missing:

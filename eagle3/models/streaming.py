@@ -22,13 +22,15 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
 
 
 def check_tensors(ckpt: Checkpoint, model) -> None:
-    """Fail before any compute if a tensor some layer will read is absent from the checkpoint."""
+    """Fail before any compute if a tensor some layer will read is absent from the checkpoint, or the
+    embedding, head or final norm disagrees with the config."""
     names = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
     names += [n for i in range(ckpt.config.num_hidden_layers) for n in model.layer_tensor_names(i)]
     missing = [n for n in names if not ckpt.has(n)]
     if missing:
         raise TargetError(f"{ckpt.dir}: {len(missing)} of the {len(names)} tensors the forward reads are "
                           f"missing from the checkpoint, first: {ckpt.full_name(missing[0])}")
+    ckpt.outer_tensors()
 
 
 def split_chunks(cu_seqlens: list[int], chunk_tokens: int) -> list[tuple[int, int]]:
@@ -100,7 +102,7 @@ class TargetRunner:
 def run_layers(model, layers, h: torch.Tensor, cu: list[int], aux_layer_ids: list[int]):
     """h [T, H] of whole packed sequences (boundaries `cu`, python ints from 0) through `layers`,
     (index, weights) pairs in order -> (h after them, {aux layer index among them: its output})."""
-    cu_t = torch.tensor(cu, device=h.device)
+    cu_t = torch.tensor(cu).to(h.device, non_blocking=True)   # no wait for the queued work
     positions = positions_from_cu_seqlens(cu_t, h.shape[0])
     captured = {}
     for i, weights in layers:
