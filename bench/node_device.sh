@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16's figures on nvidia-h200-x8 (one 8-GPU node), a part per argument:
 #   scale-a  the training-step bench (Kimi-size draft, layout a, KERNELS: triton-fp8-head, the default on an
-#            H200) under torchrun on 8 GPUs, then on 1 GPU, same shards, same call; then
+#            H200) under torchrun on 8 GPUs (NPROC, default 8), then on 1 GPU, same shards, same call; then
 #            `python -m eagle3.bench node scaling`: 8-GPU over 1-GPU tokens/s (the bar: >= 7.6x), every
 #            parameter bit-equal across the 8 ranks, host syncs per step
 #   scale-b  the same on layout b
@@ -24,13 +24,14 @@
 # so: call 1 `bash bench/node_device.sh resume scale-a` (~8 min; resume first: scale-a's estimate is
 # the shakier), call 2 `scale-b` (~5 min), call 3 `extract` (~8 min). Each part runs under
 # `timeout` (PART_LIMIT seconds, default 560) and a failed part is marked "== PART FAILED rc=N".
-# Output, as it runs: $OUT/node.txt (the log), $OUT/scale-{1,8}.jsonl (the step bench's rows),
+# Output, as it runs: $OUT/node.txt (the log), $OUT/scale-{1,NPROC}.jsonl (the step bench's rows),
 # $OUT/extract.jsonl, $OUT/resume.jsonl, $OUT/env.txt: 6 files.
 set -uo pipefail
 out=${OUT:-/tmp/node-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 kernels=${KERNELS:-triton-fp8-head}
+n=${NPROC:-8}   # scale-a/scale-b on fewer GPUs: NPROC=2 on nvidia-h200-x2 (issue 14's 2-GPU scaling)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$out/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$out/env.txt"
 df -h /tmp | tee -a "$out/env.txt"
@@ -44,9 +45,9 @@ for part in "$@"; do
     scale-a|scale-b)
       layout=${part#scale-}
       step=(-m eagle3.bench --layouts "$layout" --kernels "$kernels" --steps 3 --warmup 2 --dir /tmp/bd)
-      { run python3 -m torch.distributed.run --standalone --nproc_per_node 8 "${step[@]}" --json "$out/scale-8.jsonl" &&
+      { run python3 -m torch.distributed.run --standalone --nproc_per_node "$n" "${step[@]}" --json "$out/scale-$n.jsonl" &&
         run python3 "${step[@]}" --json "$out/scale-1.jsonl" &&
-        python3 -m eagle3.bench node scaling "$out/scale-1.jsonl" "$out/scale-8.jsonl"; } 2>&1 | quiet | tee -a "$out/node.txt"
+        python3 -m eagle3.bench node scaling "$out/scale-1.jsonl" "$out/scale-$n.jsonl"; } 2>&1 | quiet | tee -a "$out/node.txt"
       rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || failed "$rc"
       rm -rf "/tmp/bd/data-$layout" ;;
     extract)

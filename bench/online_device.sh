@@ -14,16 +14,10 @@
 # The first part on a fresh machine writes the target to /tmp/online (35.1 GB: layer 0 1.0 GB, each MoE
 # layer 9.8 GB, embedding and head 4.7 GB; made on the GPU, serialised by safetensors on one CPU
 # thread); later parts, and later calls while the machine is still warm, reuse it. Nothing to carry.
-# Expected durations (estimates: nothing of this has run on a GPU yet; the bench prints the real ones):
-#   writing the target  1-2 min: 0.4 GB/s measured for save_file on the slow CPU machine, ~1 GB/s expected
-#   offline   3-4 min: per rank 2 shards, each streaming the 4 layers (~35 GB from the page cache, ~10 s),
-#             running them (~1 s) and writing 3.7 GB; training: start-up, Triton autotuning and compilation
-#             (~1-1.5 min), 8 steps of ~0.7 s, the final 10 GB checkpoint (draft + AdamW state)
-#   stream    3-4 min: 8 micro-batches per rank, each streaming the target (~10-15 s), + start-up
-#   resident  ~2 min: one pass loading the target, then ~1 s per step, + start-up
-#   staged    ~2 min
-# so: call 1 `bash bench/online_device.sh offline resident table` (~7 min with the target),
-#     call 2 `bash bench/online_device.sh staged stream table` (~7 min, ~5 on a still-warm machine).
+# Durations measured on nvidia-h200-x2 (2026-12-01): writing the target 41-42 s (0.85 GB/s); offline 164 s
+# (extraction 58, training 106), resident 101 s, staged 115 s, stream 118 s, each with its launches, start-up
+# and final checkpoint; call 1 `bash bench/online_device.sh offline resident table` took 341 s, call 2
+# `bash bench/online_device.sh staged stream table` 304 s (on a fresh machine, the target written again).
 # Disk: target 35.1 GB + shards 15 GB + one 10 GB checkpoint at a time (each placement's removed once
 # measured) of the 128 GiB. Output, as it runs (a call stopped at its limit returns what finished):
 # $OUT/online.txt (the log), $OUT/online.jsonl (one row per finished placement), $OUT/env.txt.

@@ -7,7 +7,10 @@
 #          the fourth session: the peer took 485 s and our part was cut off)
 #   step   the peer's step, then the full Kimi-size step on layout (a), Triton kernels in bf16 and
 #          with train.float8 and train.float8_head (the defaults on an fp8 GPU), the default frozen
-#          target head, and the ours/peer ratios, all in this call; no profiles (they cost time)
+#          target head, and the ours/peer ratios, all in this call; no profiles (they cost time).
+#          On nvidia-h200-x2, PEER_GPU=1 runs the peer on GPU 1 beside ours on GPU 0: one call of
+#          ~8 minutes, no `peer` call first (ours is timed while the peer compiles; its timed epoch
+#          comes after ours)
 #   step-a the step on layout (a) alone: Triton with train.float8, with train.float8_head too, and in
 #          bf16, with profile tables (STEP_KERNELS=... to time fewer)
 #   sweep  the TTT attention's config sweep: each kernel's candidates one by one (none started after 330 s)
@@ -34,7 +37,7 @@ for part in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
       PYTHONPATH=/tmp/site python3 -m eagle3.bench --layouts a --kernels triton,triton-fp8-head --steps 3 --warmup 2 \
         --dir /tmp/bd --json "$out/step.jsonl" --peer-script bench/peer/speculators_kimi_step.py \
-        2>&1 | quiet | tee "$out/step.txt" ;;
+        ${PEER_GPU:+--peer-gpu "$PEER_GPU"} 2>&1 | quiet | tee "$out/step.txt" ;;
     peer)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
       PYTHONPATH=/tmp/site python3 bench/peer/speculators_kimi_step.py 2>&1 | quiet | tee "$out/peer.txt" ;;

@@ -88,15 +88,17 @@ def test_the_peers_steady_state_rate_is_read_from_its_last_epoch():
 
 
 def test_the_peer_run_reads_the_full_log_its_script_writes(tmp_path, monkeypatch):
-    from eagle3.bench.step import run_peer
+    from eagle3.bench.step import finish_peer, start_peer
     script = tmp_path / "peer.py"   # writes its log as bench/peer/speculators_kimi_step.py does, prints a summary
     script.write_text("import os, pathlib\n"
                       "pathlib.Path(os.environ['OUT'], 'kimi_peer.log').write_text("
                       "'Training epoch 2/2 started\\n profile/step_ms=2.00e+03,\\n profile/step_ms=1000.0,\\n"
                       " profile/step_ms=1.00e+03,\\n')\n"
-                      "print('rc 0 5s')\n")
+                      "print('rc 0 5s', os.environ.get('CUDA_VISIBLE_DEVICES'))\n")
     monkeypatch.setenv("OUT", str(tmp_path))
-    assert run_peer(str(script), 16384) == 16384.0
+    assert finish_peer(start_peer(str(script), None), 16384) == 16384.0
+    assert finish_peer(start_peer(str(script), 1), 16384) == 16384.0   # --peer-gpu: beside ours, on GPU 1
+    assert (tmp_path / "kimi_peer.out").read_text() == "rc 0 5s 1\n"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -112,3 +114,11 @@ def test_gpu_benches_say_they_need_a_gpu(monkeypatch, argv, message):
     bench = importlib.import_module(f"eagle3.bench.{argv[0]}")
     with pytest.raises(SystemExit, match=message):
         bench.main(argv[1:])
+
+
+@pytest.mark.parametrize("argv", [["--peer-gpu", "1"], ["--peer-gpu", "0", "--peer-script", "peer.py"]])
+def test_peer_gpu_needs_the_peer_and_another_gpu(argv, capsys):
+    from eagle3.bench import step
+    with pytest.raises(SystemExit):
+        step.main(["--tiny"] + argv)
+    assert "--peer-gpu needs --peer-script and names a GPU other than ours (0)" in capsys.readouterr().err

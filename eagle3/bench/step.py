@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -273,6 +276,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer-script", default=None,
                         help="also run the peer's Kimi step (speculators 0.9.0: bench/peer/speculators_kimi_step.py, its "
                              "wheels on PYTHONPATH) in this call and print ours (layout a) / the peer's tokens/s")
+    parser.add_argument("--peer-gpu", type=int, default=None,
+                        help="run the peer on this GPU of the host, beside ours on GPU 0, instead of before ours "
+                             "(a 2-GPU machine: the call takes the peer's minutes, not the sum; ours is timed "
+                             "while the peer compiles on the CPU, the peer's timed epoch starts after ours ended)")
     parser.add_argument("--prompt-rows", action="store_true",
                         help="train prompt rows too (train.prompt_rows, our default); default: assistant rows "
                              "only, the peer's workload and the recorded figures'")
@@ -282,10 +289,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1 (the first-step loss is the first warm-up step's)")
+    if args.peer_gpu is not None and (not args.peer_script or args.peer_gpu < 1):
+        parser.error("--peer-gpu needs --peer-script and names a GPU other than ours (0): 1 or more")
     s = TINY if args.tiny else KIMI
     dist = distributed.setup()
     if args.peer_script and dist.world > 1:   # the other ranks would wait in a collective for its minutes
         raise SystemExit("error: --peer-script runs the peer on one GPU: run it without torchrun")
+    # the peer first: on our GPU it runs alone before ours (its 4-5 minute compile is the call's long
+    # pole); on another (--peer-gpu) it runs beside ours, its data and compilation overlapping our work
+    peer_run = start_peer(args.peer_script, args.peer_gpu) if args.peer_script and dist.main else None
+    peer = finish_peer(peer_run, s["seqs"] * s["seq_len"]) if peer_run and args.peer_gpu is None else None
     root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
     layouts = args.layouts.split(",")
     if dist.main:
@@ -294,8 +307,6 @@ def main(argv: list[str] | None = None) -> None:
             write_shards(root / f"data-{layout}", root / "target", layout, s, dist.world * (args.steps + args.warmup + 2))
     dist.barrier()
     tflops = matmul_tflops() if dist.device.type == "cuda" else float("nan")
-    # the peer first: its 4-5 minute compile is the call's long pole, and ours then has what is left
-    peer = run_peer(args.peer_script, s["seqs"] * s["seq_len"]) if args.peer_script and dist.main else None
     results = []
     for layout in layouts:
         for kernels in args.kernels.split(","):
@@ -310,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
             free_memory()
             if dist.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+    if peer_run and args.peer_gpu is not None:
+        peer = finish_peer(peer_run, s["seqs"] * s["seq_len"])
     if dist.main:
         name = torch.cuda.get_device_name() if dist.device.type == "cuda" else "cpu"
         print(f"\n{name}, torch {torch.__version__}, bf16 matmul {tflops:.0f} TFLOP/s (8192^3), "
@@ -343,23 +356,30 @@ def peer_tokens_per_s(log: str, tokens_per_step: int) -> float | None:
     return tokens_per_step / (statistics.median(times) / 1e3) if times else None
 
 
-def run_peer(script: str, tokens_per_step: int) -> float | None:
-    """The peer's step on the same shapes and GPU (its own script at its defaults, 48 sequences of 4096
-    tokens: 12 steps per epoch, the second epoch steady, as in its recorded figures): its tokens/s, from the
-    full log the script writes to $OUT (or /tmp)/kimi_peer.log (its stdout keeps only a summary)."""
-    import os
-    import subprocess
-    import sys
-    started = time.perf_counter()
+def start_peer(script: str, gpu: int | None) -> tuple[subprocess.Popen, Path, float]:
+    """Start the peer's step (its own script at its defaults, 48 sequences of 4096 tokens: 12 steps per
+    epoch, the second epoch steady, as in its recorded figures) on GPU `gpu` (None: the one ours uses,
+    so the caller waits for it before timing ours). Its full log goes to $OUT (or /tmp)/kimi_peer.log
+    (the script's own stdout keeps only a summary); its stdout and stderr to kimi_peer.out beside it."""
     log_file = Path(os.environ.get("OUT", "/tmp")) / "kimi_peer.log"
     log_file.unlink(missing_ok=True)
-    run = subprocess.run([sys.executable, script], capture_output=True, text=True)
-    log = (log_file.read_text() if log_file.exists() else "") + run.stdout + run.stderr
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
+    print(f"peer ({script}) started" + (f" on GPU {gpu}" if gpu is not None else ""), flush=True)
+    with open(log_file.with_suffix(".out"), "w") as out:   # a file, not a pipe: nobody reads it while it runs
+        run = subprocess.Popen([sys.executable, script], stdout=out, stderr=subprocess.STDOUT, env=env)
+    return run, log_file, time.perf_counter()
+
+
+def finish_peer(started: tuple[subprocess.Popen, Path, float], tokens_per_step: int) -> float | None:
+    """Wait for the peer started by `start_peer`: its steady tokens/s, or None (its log's tail printed)."""
+    run, log_file, t0 = started
+    rc = run.wait()
+    out = log_file.with_suffix(".out")
+    log = (log_file.read_text() if log_file.exists() else "") + (out.read_text() if out.exists() else "")
     peer = peer_tokens_per_s(log, tokens_per_step)
-    print(f"peer ({script}): rc {run.returncode}, {time.perf_counter() - started:.0f} s, "
+    print(f"peer: rc {rc}, {time.perf_counter() - t0:.0f} s, "
           + (f"{peer:,.0f} tokens/s" if peer else "no completed epoch found in its output:\n" + log[-3000:]), flush=True)
     return peer
-
 
 if __name__ == "__main__":
     main()
