@@ -2,8 +2,8 @@
 # Issue 16's figures on nvidia-h200-x8 (one 8-GPU node), a part per argument:
 #   scale-a  the training-step bench (Kimi-size draft, layout a, KERNELS: triton-fp8-head, the default on an
 #            H200) under torchrun on 8 GPUs (NPROC, default 8), then on 1 GPU, same shards, same call; then
-#            `python -m eagle3.bench node scaling`: 8-GPU over 1-GPU tokens/s (the bar: >= 7.6x), every
-#            parameter bit-equal across the 8 ranks, host syncs per step
+#            `python -m eagle3.bench node scaling`: N-GPU over 1-GPU tokens/s (the bar on 8: >= 7.6x, on 2
+#            issue 14's 1.95x), every parameter bit-equal across the N ranks, host syncs per step
 #   scale-b  the same on layout b
 #   extract  extract.py on 1 rank, then under torchrun on 8, on the online bench's real-width 4-layer
 #            Kimi-layout target (16 shards of 65,536 tokens: two per rank on 8, so the steady rate,
@@ -31,7 +31,8 @@ out=${OUT:-/tmp/node-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 kernels=${KERNELS:-triton-fp8-head}
-n=${NPROC:-8}   # scale-a/scale-b on fewer GPUs: NPROC=2 on nvidia-h200-x2 (issue 14's 2-GPU scaling)
+n=${NPROC:-8}   # scale-a/scale-b only, on fewer GPUs: NPROC=2 on nvidia-h200-x2 (issue 14's 2-GPU scaling)
+[ "$n" -ge 2 ] 2>/dev/null || { echo "NPROC=$n: expected a number of GPUs, 2 or more"; exit 2; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$out/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$out/env.txt"
 df -h /tmp | tee -a "$out/env.txt"

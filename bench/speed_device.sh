@@ -9,8 +9,8 @@
 #          with train.float8 and train.float8_head (the defaults on an fp8 GPU), the default frozen
 #          target head, and the ours/peer ratios, all in this call; no profiles (they cost time).
 #          On nvidia-h200-x2, PEER_GPU=1 runs the peer on GPU 1 beside ours on GPU 0: one call of
-#          ~8 minutes, no `peer` call first (ours is timed while the peer compiles; its timed epoch
-#          comes after ours)
+#          ~7 minutes (6.7 measured), no `peer` call first (ours is timed while the peer compiles; its timed epoch
+#          came after ours in the measured call: not enforced, check kimi_peer.log)
 #   step-a the step on layout (a) alone: Triton with train.float8, with train.float8_head too, and in
 #          bf16, with profile tables (STEP_KERNELS=... to time fewer)
 #   sweep  the TTT attention's config sweep: each kernel's candidates one by one (none started after 330 s)
@@ -21,7 +21,7 @@
 #   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer (W4A16 included)
 #   here:  the peer's wheels in .whl/ (see bench/peer/)    there: bash bench/speed_device.sh PART...
 # Each part's output is written to $OUT/PART.txt as it runs (step, step-a, step-b: also PART.jsonl;
-# peer, step: kimi_peer.log; step-a: prof.tgz, its profile tables), plus env.txt: a call stopped at its
+# peer, step: kimi_peer.log; step with PEER_GPU: also kimi_peer.out; step-a: prof.tgz, its profile tables), plus env.txt: a call stopped at its
 # limit still returns what it finished. At most 8 files come back from a call: count the parts' files.
 set -uo pipefail
 out=${OUT:-/tmp/speed-out}

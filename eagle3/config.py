@@ -114,7 +114,9 @@ class TrainConfig:
         "stream", "online: `stream` the target's layers from the checkpoint for every micro-batch (memory: two "
         "layers), keep them `resident` on each rank's device after the first (memory: the whole target), or "
         "`staged`: the ranks hold contiguous layer stages between them (memory: 1/world of the target each) "
-        "and every micro-batch flows through all of them (each read a collective of all ranks)")
+        "and every micro-batch flows through all of them (each read a collective of all ranks). Measured on two "
+        "H200s (4-layer Kimi-layout target, Kimi-size draft), end to end: resident 3.3x offline extraction + "
+        "training, staged 2.7x, stream 0.83x (stream says so at start-up)")
     data_dir: str | None = setting(None, "shards to train on; auto: `extract.output_dir`")
     output_dir: str = setting("runs/demo/train", "`checkpoints/`, `metrics.jsonl`, `export/`")
     max_steps: int = setting(200, "optimizer steps; 0 = run `train.epochs` epochs")

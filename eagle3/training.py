@@ -26,7 +26,7 @@ from eagle3.config import Config, ConfigError
 from eagle3.data.batch import Batch, RowRule
 from eagle3.data.batching import Prefetcher, one_ahead, pack, split_holdout
 from eagle3.data.errors import InputError
-from eagle3.data.online import OnlineReader
+from eagle3.data.online import OnlineReader, stream_note
 from eagle3.data.shards import DataError, ShardReader, check_manifest, loss_token_counts
 from eagle3.draft import Eagle3Draft
 from eagle3.export import export_all
@@ -370,6 +370,8 @@ class Trainer:
         """Where the micro-batches come from: the shards, or (online) the target run on data.path."""
         self.online = cfg.train.source == "online"
         if self.online:   # each rank streams the target on its own micro-batches, on the training device
+            if cfg.train.online_target == "stream" and self.dist.main:
+                print(stream_note(self.target, self.device), file=sys.stderr)
             return OnlineReader(cfg, self.target, self.resolved.aux_layer_ids, self.device)
         reader = ShardReader(self.data_dir)
         check_manifest(reader.manifest, self.target.config, self.resolved.aux_layer_ids, self.data_dir)

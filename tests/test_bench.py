@@ -122,3 +122,17 @@ def test_peer_gpu_needs_the_peer_and_another_gpu(argv, capsys):
     with pytest.raises(SystemExit):
         step.main(["--tiny"] + argv)
     assert "--peer-gpu needs --peer-script and names a GPU other than ours (0)" in capsys.readouterr().err
+
+
+def test_a_failing_bench_stops_the_peer_running_beside_it(tmp_path, monkeypatch):
+    from eagle3.bench import step
+    script = tmp_path / "peer.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    started = []
+    start = step.start_peer
+    monkeypatch.setattr(step, "start_peer", lambda *a: started.append(start(*a)) or started[-1])
+    monkeypatch.setattr(step, "run_ours", lambda *a: (_ for _ in ()).throw(RuntimeError("ours failed")))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    with pytest.raises(RuntimeError, match="ours failed"):
+        step.main(["--tiny", "--dir", str(tmp_path / "bd"), "--peer-script", str(script), "--peer-gpu", "1"])
+    assert started[0][0].wait(timeout=10) == -9   # killed, not left running for its minute

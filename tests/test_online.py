@@ -11,6 +11,7 @@ from conftest import make_config
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import extraction, training
 from eagle3.models import tiny
+from eagle3.models.checkpoint import Checkpoint
 from test_training import cli_args, final_weights, run_train, train_losses
 
 # what the `hidden` fixture's extraction used: the online forward must run the same
@@ -28,13 +29,19 @@ def assert_same_training(a, b):
         torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-5)
 
 
-def test_online_trains_like_extract_then_train_and_writes_no_shards(tmp_path, llama_target, token_data, hidden):
+def test_online_trains_like_extract_then_train_and_writes_no_shards(tmp_path, llama_target, token_data, hidden,
+                                                                    capsys):
     offline = make_config(tmp_path / "offline", llama_target, token_data, **{"extract.output_dir": hidden})
     training.run(offline)
     unused = tmp_path / "never-written"
     online = make_config(tmp_path / "online", llama_target, token_data, **{"train.source": "online",
                                                                           "extract.output_dir": unused})
+    capsys.readouterr()
     training.run(online)
+    # the default placement says what it costs, with the target's size
+    size = sum(f.stat().st_size for f in llama_target.glob("*.safetensors"))
+    assert Checkpoint(llama_target).text_bytes() == size > 0
+    assert f'train.online_target = "stream" reads the target\'s {size / 1e9:.1f} GB' in capsys.readouterr().err
     assert_same_training(tmp_path / "offline" / "train", tmp_path / "online" / "train")
     assert not unused.exists()
     assert sorted(p.name for p in (tmp_path / "online").iterdir()) == ["train"]

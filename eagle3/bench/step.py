@@ -260,47 +260,10 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             "bench_s": round(time.perf_counter() - started)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eagle3.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--layouts", default="a,b")
-    parser.add_argument("--kernels", default="torch,triton",
-                        help="comma list of torch, triton; a -fp8 suffix adds train.float8 (e.g. triton-fp8), "
-                             "-fp8-head also train.float8_head")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
-    parser.add_argument("--dir", default=None, help="where to write the synthetic target and shards "
-                        "(kept, and reused by the next bench with the same --dir)")
-    parser.add_argument("--profile-dir", default=None, help="write each run's GPU kernel table here")
-    parser.add_argument("--json", default=None, help="append the results here as JSON lines")
-    parser.add_argument("--peer-script", default=None,
-                        help="also run the peer's Kimi step (speculators 0.9.0: bench/peer/speculators_kimi_step.py, its "
-                             "wheels on PYTHONPATH) in this call and print ours (layout a) / the peer's tokens/s")
-    parser.add_argument("--peer-gpu", type=int, default=None,
-                        help="run the peer on this GPU of the host, beside ours on GPU 0, instead of before ours "
-                             "(a 2-GPU machine: the call takes the peer's minutes, not the sum; ours is timed "
-                             "while the peer compiles on the CPU, the peer's timed epoch starts after ours ended)")
-    parser.add_argument("--prompt-rows", action="store_true",
-                        help="train prompt rows too (train.prompt_rows, our default); default: assistant rows "
-                             "only, the peer's workload and the recorded figures'")
-    parser.add_argument("--train-head", action="store_true",
-                        help="a random lm_head, trained (the figures recorded before 2026-11-30); default: "
-                             "the target's rows, frozen (our default and the peer's)")
-    args = parser.parse_args(argv)
-    if args.warmup < 1 or args.steps < 1:
-        parser.error("--warmup and --steps must be at least 1 (the first-step loss is the first warm-up step's)")
-    if args.peer_gpu is not None and (not args.peer_script or args.peer_gpu < 1):
-        parser.error("--peer-gpu needs --peer-script and names a GPU other than ours (0): 1 or more")
-    s = TINY if args.tiny else KIMI
-    dist = distributed.setup()
-    if args.peer_script and dist.world > 1:   # the other ranks would wait in a collective for its minutes
-        raise SystemExit("error: --peer-script runs the peer on one GPU: run it without torchrun")
-    # the peer first: on our GPU it runs alone before ours (its 4-5 minute compile is the call's long
-    # pole); on another (--peer-gpu) it runs beside ours, its data and compilation overlapping our work
-    peer_run = start_peer(args.peer_script, args.peer_gpu) if args.peer_script and dist.main else None
-    peer = finish_peer(peer_run, s["seqs"] * s["seq_len"]) if peer_run and args.peer_gpu is None else None
-    root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
-    layouts = args.layouts.split(",")
+def run_ours(args: argparse.Namespace, s: dict, dist: distributed.Dist, root: Path,
+             layouts: list[str]) -> tuple[list[dict], float]:
+    """Our step on every layout and kernel choice asked for: the rows (printed and appended to --json as
+    they come) and the bf16 matmul rate of this GPU."""
     if dist.main:
         write_target(root / "target", s)
         for layout in layouts:
@@ -321,6 +284,60 @@ def main(argv: list[str] | None = None) -> None:
             free_memory()
             if dist.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+    return results, tflops
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--layouts", default="a,b")
+    parser.add_argument("--kernels", default="torch,triton",
+                        help="comma list of torch, triton; a -fp8 suffix adds train.float8 (e.g. triton-fp8), "
+                             "-fp8-head also train.float8_head")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    parser.add_argument("--dir", default=None, help="where to write the synthetic target and shards "
+                        "(kept, and reused by the next bench with the same --dir)")
+    parser.add_argument("--profile-dir", default=None, help="write each run's GPU kernel table here")
+    parser.add_argument("--json", default=None, help="append the results here as JSON lines")
+    parser.add_argument("--peer-script", default=None,
+                        help="also run the peer's Kimi step (speculators 0.9.0: bench/peer/speculators_kimi_step.py, its "
+                             "wheels on PYTHONPATH) in this call and print ours (layout a) / the peer's tokens/s")
+    parser.add_argument("--peer-gpu", type=int, default=None,
+                        help="run the peer on this GPU of the host, beside ours on GPU 0, instead of before ours "
+                             "(a 2-GPU machine: the call takes the peer's minutes, not the sum; ours is timed "
+                             "while the peer prepares and compiles, and its timed epoch usually starts after ours "
+                             "ended: not enforced, so check the peer's log times)")
+    parser.add_argument("--prompt-rows", action="store_true",
+                        help="train prompt rows too (train.prompt_rows, our default); default: assistant rows "
+                             "only, the peer's workload and the recorded figures'")
+    parser.add_argument("--train-head", action="store_true",
+                        help="a random lm_head, trained (the figures recorded before 2026-11-30); default: "
+                             "the target's rows, frozen (our default and the peer's)")
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1 (the first-step loss is the first warm-up step's)")
+    if args.peer_gpu is not None and (not args.peer_script or args.peer_gpu < 1):
+        parser.error("--peer-gpu needs --peer-script and names a GPU other than ours (0): 1 or more")
+    if args.peer_gpu is not None and torch.cuda.is_available() and args.peer_gpu >= torch.cuda.device_count():
+        parser.error(f"--peer-gpu {args.peer_gpu}: this process sees {torch.cuda.device_count()} GPU(s), 0 to "
+                     f"{torch.cuda.device_count() - 1} (numbered as CUDA_VISIBLE_DEVICES shows them to it)")
+    s = TINY if args.tiny else KIMI
+    dist = distributed.setup()
+    if args.peer_script and dist.world > 1:   # the other ranks would wait in a collective for its minutes
+        raise SystemExit("error: --peer-script runs the peer on one GPU: run it without torchrun")
+    # the peer first: on our GPU it runs alone before ours (its 4-5 minute compile is the call's long
+    # pole); on another (--peer-gpu) it runs beside ours, its data and compilation overlapping our work
+    peer_run = start_peer(args.peer_script, args.peer_gpu) if args.peer_script and dist.main else None
+    peer = finish_peer(peer_run, s["seqs"] * s["seq_len"]) if peer_run and args.peer_gpu is None else None
+    root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
+    layouts = args.layouts.split(",")
+    try:
+        results, tflops = run_ours(args, s, dist, root, layouts)
+    except BaseException:   # ours failed or was interrupted: the peer beside it must not keep its GPU
+        if peer_run:
+            peer_run[0].kill()
+        raise
     if peer_run and args.peer_gpu is not None:
         peer = finish_peer(peer_run, s["seqs"] * s["seq_len"])
     if dist.main:

@@ -33,6 +33,17 @@ from eagle3.models.streaming import TargetRunner
 from eagle3.ops import TORCH_DTYPES
 
 
+def stream_note(ckpt: Checkpoint, device: torch.device) -> str:
+    """What `train.online_target = "stream"` costs against the other placements (printed at start-up:
+    it is the default, and the slowest where the others fit)."""
+    room = (f"; this GPU has {torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"
+            if device.type == "cuda" else "")
+    return (f"note: train.online_target = \"stream\" reads the target's {ckpt.text_bytes() / 1e9:.1f} GB of "
+            f"weights ({ckpt.dir}) for every micro-batch: measured on two H200s, 4.0x slower end to end than "
+            f"\"resident\" (the whole target on each GPU, beside the draft's training{room}) and 3.2x slower "
+            f"than \"staged\" (1/N of it on each of a node's N GPUs); README, \"Online or offline\"")
+
+
 @dataclass
 class TargetTotals:
     """Target tokens and seconds since the start, for the log (which side bounds the run)."""

@@ -215,6 +215,10 @@ class Checkpoint:
     def text_tensor_names(self) -> list[str]:
         return [n for n in self.weight_map if not n.startswith(_SKIP)]
 
+    def text_bytes(self) -> int:
+        """The size of the files that hold its text tensors (their sum: what a placement keeps or reads)."""
+        return sum((self.dir / f).stat().st_size for f in {self.weight_map[n] for n in self.text_tensor_names()})
+
     def _handle(self, name: str):
         full = self.full_name(name)
         if full not in self.weight_map:
