@@ -92,6 +92,17 @@ def test_online_on_two_ranks_trains_like_offline_on_two_ranks(tmp_path, llama_ta
     assert_same_training(tmp_path / "offline" / "train", tmp_path / "online" / "train")
 
 
+@pytest.mark.slow
+def test_online_on_two_ranks_on_the_kimi_layout_trains_like_offline(tmp_path, token_data):
+    """Two gloo ranks, MLA, MoE and int4 experts in fp32: online equals extract-then-train."""
+    kimi = tiny.make_kimi(tmp_path / "kimi", vocab=256)
+    extraction.run(make_config(tmp_path, kimi, token_data))   # fp32, 300-token chunks: AS_EXTRACTED's
+    heads = {"draft.num_attention_heads": 4, "draft.num_key_value_heads": 4}
+    run_train(cli_args(tmp_path / "offline", kimi, token_data, tmp_path / "hidden", **heads), nproc=2)
+    run_train(cli_args(tmp_path / "online", kimi, token_data, tmp_path / "none", **AS_EXTRACTED, **heads), nproc=2)
+    assert_same_training(tmp_path / "offline" / "train", tmp_path / "online" / "train")
+
+
 def test_staged_on_two_ranks_trains_like_offline_on_two_ranks(tmp_path, llama_target, token_data, hidden):
     """The target's layers split between the two ranks, every micro-batch passed along (and the
     held-out evaluation, whose batches do not split evenly, read by both ranks in lockstep)."""
