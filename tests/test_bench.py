@@ -135,4 +135,4 @@ def test_a_failing_bench_stops_the_peer_running_beside_it(tmp_path, monkeypatch)
     monkeypatch.setenv("OUT", str(tmp_path))
     with pytest.raises(RuntimeError, match="ours failed"):
         step.main(["--tiny", "--dir", str(tmp_path / "bd"), "--peer-script", str(script), "--peer-gpu", "1"])
-    assert started[0][0].wait(timeout=10) == -9   # killed, not left running for its minute
+    assert started[0].process.wait(timeout=10) == -9   # killed, not left running for its minute

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         results, tflops = run_ours(args, s, dist, root, layouts)
     except BaseException:   # ours failed or was interrupted: the peer beside it must not keep its GPU
         if peer_run:
-            peer_run[0].kill()
+            peer_run.process.kill()
         raise
     if peer_run and args.peer_gpu is not None:
         peer = finish_peer(peer_run, s["seqs"] * s["seq_len"])
@@ -373,7 +374,13 @@ def peer_tokens_per_s(log: str, tokens_per_step: int) -> float | None:
     return tokens_per_step / (statistics.median(times) / 1e3) if times else None
 
 
-def start_peer(script: str, gpu: int | None) -> tuple[subprocess.Popen, Path, float]:
+class PeerRun(NamedTuple):
+    process: subprocess.Popen
+    log: Path        # the full log the peer's script writes; its stdout and stderr beside it, .out
+    started: float   # perf_counter
+
+
+def start_peer(script: str, gpu: int | None) -> PeerRun:
     """Start the peer's step (its own script at its defaults, 48 sequences of 4096 tokens: 12 steps per
     epoch, the second epoch steady, as in its recorded figures) on GPU `gpu` (None: the one ours uses,
     so the caller waits for it before timing ours). Its full log goes to $OUT (or /tmp)/kimi_peer.log
@@ -384,17 +391,16 @@ def start_peer(script: str, gpu: int | None) -> tuple[subprocess.Popen, Path, fl
     print(f"peer ({script}) started" + (f" on GPU {gpu}" if gpu is not None else ""), flush=True)
     with open(log_file.with_suffix(".out"), "w") as out:   # a file, not a pipe: nobody reads it while it runs
         run = subprocess.Popen([sys.executable, script], stdout=out, stderr=subprocess.STDOUT, env=env)
-    return run, log_file, time.perf_counter()
+    return PeerRun(run, log_file, time.perf_counter())
 
 
-def finish_peer(started: tuple[subprocess.Popen, Path, float], tokens_per_step: int) -> float | None:
+def finish_peer(run: PeerRun, tokens_per_step: int) -> float | None:
     """Wait for the peer started by `start_peer`: its steady tokens/s, or None (its log's tail printed)."""
-    run, log_file, t0 = started
-    rc = run.wait()
-    out = log_file.with_suffix(".out")
-    log = (log_file.read_text() if log_file.exists() else "") + (out.read_text() if out.exists() else "")
+    rc = run.process.wait()
+    out = run.log.with_suffix(".out")
+    log = (run.log.read_text() if run.log.exists() else "") + (out.read_text() if out.exists() else "")
     peer = peer_tokens_per_s(log, tokens_per_step)
-    print(f"peer: rc {rc}, {time.perf_counter() - t0:.0f} s, "
+    print(f"peer: rc {rc}, {time.perf_counter() - run.started:.0f} s, "
           + (f"{peer:,.0f} tokens/s" if peer else "no completed epoch found in its output:\n" + log[-3000:]), flush=True)
     return peer
 
