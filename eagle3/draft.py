@@ -15,7 +15,8 @@ import torch.nn as nn
 from eagle3.float8 import dense_linear
 from eagle3.float8 import linear as float8_linear
 from eagle3.resolve import DraftSpec
-from eagle3.ops import apply_rope, compiled, llama_inv_freq, rms_norm, rope_cos_sin, scatter_rows, silu_mul, swiglu
+from eagle3.ops import (apply_rope, compiled, gather_rows, llama_inv_freq, rms_norm, rope_cos_sin, scatter_rows, silu_mul,
+                        swiglu)
 
 
 class RMSNorm(nn.Module):
@@ -50,7 +51,7 @@ class Rows:
 
     def keep(self, x: torch.Tensor) -> torch.Tensor:
         """[C, ...] of the computed rows -> [N, ...] of the kept ones."""
-        return x if self.kept is None else x[self.kept]
+        return gather_rows(x, self.kept)
 
     def spread_computed(self, x: torch.Tensor) -> torch.Tensor:
         """[C, ...] -> [total, ...], zero where not computed (keys and values: no other row reads those)."""
@@ -62,8 +63,7 @@ class Rows:
 
     def take_kept(self, x: torch.Tensor) -> torch.Tensor:
         """[total, ...] -> [N, ...]: the inverse of `spread_kept`."""
-        index = self.kept_global()
-        return x if index is None else x[index]
+        return gather_rows(x, self.kept_global())
 
 
 class Attention(nn.Module):

@@ -14,7 +14,7 @@ import torch
 from eagle3 import float8
 from eagle3.data.batch import Batch, RowPlan, RowRule
 from eagle3.draft import Rows
-from eagle3.ops import positions_from_cu_seqlens, scatter_rows
+from eagle3.ops import gather_rows, positions_from_cu_seqlens, scatter_rows
 
 METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_rows")
 
@@ -167,7 +167,7 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
         rows = _step_rows(k, live, T)
         computed = rows.computed if rows.computed is not None else slice(None)
         if k > 0 and rows.computed is not None:
-            h = h[torch.searchsorted(kept[-1], rows.computed)] if kept[-1] is not None else h[rows.computed]
+            h = gather_rows(h, torch.searchsorted(kept[-1], rows.computed) if kept[-1] is not None else rows.computed)
         kept.append(rows.kept_global())
         return h, embed[ids[targets[k].index[computed]]], positions[computed] + k, rows
 

@@ -2,6 +2,7 @@
 dense reference, streaming, and inspect on the tiny Kimi-K2.5-layout checkpoint."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import torch
 
 from conftest import KIMI_FIXTURE, ROOT
 from eagle3.models.inspect import inspect
-from eagle3.models import deepseek, quant, tiny
+from eagle3.models import attention, deepseek, quant, tiny
 from eagle3.models.checkpoint import Checkpoint, TargetError, read_config
 from eagle3.models.streaming import TargetRunner
 
@@ -436,3 +437,20 @@ def test_grouped_expert_matmul_matches_the_per_expert_loop(monkeypatch):
     torch.testing.assert_close(deepseek.expert_matmul(x, w, sizes, ends), expect)
     monkeypatch.setattr(deepseek, "grouped_mm_supported", lambda x: False)
     torch.testing.assert_close(deepseek.expert_matmul(x, w, sizes, ends), expect)
+
+
+def test_packed_causal_attention_with_a_narrower_v():
+    """MLA's v (v_head_dim) is narrower than q/k: each packed sequence attends causally on its own,
+    the output has v's width, GQA heads share their group's k/v (explicit softmax as reference)."""
+    g = torch.Generator().manual_seed(3)
+    lengths, hq, hkv, d, dv = [5, 1, 9], 4, 2, 12, 8
+    T = sum(lengths)
+    q, k, v = torch.randn(T, hq, d, generator=g), torch.randn(T, hkv, d, generator=g), torch.randn(T, hkv, dv, generator=g)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    out = attention.causal_attention_packed(q, k, v, cu, scale=0.3)
+    assert out.shape == (T, hq, dv)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        kk, vv = (x[a:b].repeat_interleave(hq // hkv, 1) for x in (k, v))        # [n, hq, *]
+        scores = torch.einsum("qhd,khd->hqk", q[a:b], kk) * 0.3
+        scores = scores.masked_fill(torch.ones(b - a, b - a).triu(1).bool(), float("-inf"))
+        torch.testing.assert_close(out[a:b], torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))

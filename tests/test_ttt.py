@@ -6,6 +6,7 @@ import torch
 
 from eagle3.data.batch import Batch
 from eagle3.draft import DraftSpec, Eagle3Draft
+from eagle3.ops import compiled, gather_rows, rms_norm, scatter_rows
 from eagle3.ttt import loss_denominator, step_targets, summarize, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss, ttt_loss_steps
 
@@ -263,3 +264,50 @@ def test_compiled_elementwise_ops_give_the_same_loss_and_grads():
         torch.testing.assert_close(m1, m0)
         for a, b in zip(g1, g0):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _scale_rows(x, s):
+    return x * s[:, None].sigmoid()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on the CPU needs a C compiler")
+def test_compiled_ops_take_any_row_count_and_specialise_widths():
+    """ops.compiled: new row counts reuse the graph (rows change every TTT step), a new width gets its
+    own graph (static widths: Inductor's reductions are twice as fast with them)."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    fn = compiled(_scale_rows)
+    for rows, width in [(5, 8), (9, 8), (13, 8), (7, 4), (11, 4)]:
+        x, s = torch.randn(rows, width), torch.randn(rows)
+        torch.testing.assert_close(fn(x, s), _scale_rows(x, s))
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on the CPU needs a C compiler")
+def test_compiled_rms_norm_rounds_where_the_eager_one_rounds():
+    """In bf16 the reference RMSNorm rounds the normalised rows before scaling them; the compiled
+    op keeps that rounding (without it about a quarter of the outputs differ by an ulp)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 256, generator=g).bfloat16()
+    w = (torch.rand(256, generator=g) + 0.5).bfloat16()
+    same = compiled(rms_norm)(x, w, 1e-6) == rms_norm(x, w, 1e-6)
+    assert same.float().mean() > 0.999   # the rest: the row sum's order, an ulp of the scale at most
+
+
+def test_gather_rows_matches_indexing_and_inverts_scatter_rows():
+    """gather_rows: the rows and the gradient of advanced indexing (distinct rows, as TTT passes),
+    its backward a copy into zeros; scatter_rows then gather_rows gives the rows back."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(11, 3, 5, generator=g, requires_grad=True)
+    index = torch.tensor([0, 2, 3, 7, 10])
+    dy = torch.randn(5, 3, 5, generator=g)
+    got = gather_rows(x, index)
+    (dx,) = torch.autograd.grad(got, x, dy)
+    expect = x[index]
+    (dx_expect,) = torch.autograd.grad(expect, x, dy)
+    assert torch.equal(got, expect) and torch.equal(dx, dx_expect)
+    assert dx[[1, 4, 5, 6, 8, 9]].abs().sum() == 0
+    assert gather_rows(x, None) is x
+    assert torch.equal(gather_rows(scatter_rows(expect.detach(), index, 11), index), expect.detach())

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from eagle3.bench.timing import describe_device, matmul_tflops, median_ms_of_calls, peak_bytes, require_cuda, wall_s
-from eagle3.models import deepseek, quant, streaming, tiny
+from eagle3.models import attention, deepseek, quant, streaming, tiny
 from eagle3.models.checkpoint import read_config
+from eagle3.ops import rms_norm
 
 # the real Kimi-K2.5 text config (its published sizes); 16 sequences of 4096 tokens: a 64k-token chunk
 KIMI_MODEL = dict(hidden=7168, heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128,
@@ -121,13 +122,40 @@ def check_dequant(w) -> bool:
     return torch.equal(quant.dequantize_int4(p, sc, torch.bfloat16), quant.dequantize_int4_torch(p, sc, torch.bfloat16))
 
 
+def check_narrow_v(model, device: torch.device) -> dict:
+    """The layer's causal attention core with MLA's narrower v (run unpadded where cuDNN takes it)
+    against v zero-padded to the q/k head dim (flash attention's way), on one 4096-token sequence."""
+    s, nh, T = model.spec, model.heads, 4096
+    q, k = (torch.randn(T, nh, s.qk_head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(T, nh, s.v_head_dim, device=device, dtype=torch.bfloat16)
+    cu = torch.tensor([0, T], device=device)
+    got = attention.causal_attention_packed(q, k, v, cu, model.softmax_scale).float()
+    padded = torch.nn.functional.pad(v, (0, s.qk_head_dim - s.v_head_dim))
+    expect = attention.causal_attention_packed(q, k, padded, cu, model.softmax_scale)[..., :s.v_head_dim].float()
+    return {"attention_narrow_v_cudnn": attention.cudnn_takes(q, k, v),
+            "attention_narrow_v_rel_err": float((got - expect).norm() / expect.norm())}
+
+
+def check_norm(model, device: torch.device) -> dict:
+    """The layer's RMSNorm as it runs (one compiled kernel on CUDA) against the eager fp32 chain."""
+    x = torch.randn(65536, model.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    w = torch.rand(model.cfg.hidden_size, device=device, dtype=torch.bfloat16) + 0.5
+    got, expect = model.norm(x, w, model.cfg.rms_norm_eps), rms_norm(x, w, model.cfg.rms_norm_eps)
+    return {"norm_rel_err": float((got.float() - expect.float()).norm() / expect.float().norm()),
+            "norm_bit_equal_share": float((got == expect).float().mean())}
+
+
 def bench_layer(s: dict, device: torch.device, peak: float) -> dict:
     model = GeneratedKimi(GeneratedCheckpoint(kimi_config(s, layers=4), device), device, torch.bfloat16)
     w = model.load_layer(1)
     ok, grouped_ok = check_dequant(w), check_grouped_mm(device)
     print(f"triton dequant == torch dequant on real-size experts: {ok}; grouped mm works: {grouped_ok}")
     model.triton_dequant, model.grouped_mm = ok, grouped_ok   # keep measuring where a check failed, and say so
-    return {**time_layer(model, w, s, device, peak), "triton_dequant_ok": ok, "grouped_mm_ok": grouped_ok}
+    narrow = {**check_narrow_v(model, device), **check_norm(model, device)}
+    print(f"attention with MLA's narrow v: cuDNN unpadded {narrow['attention_narrow_v_cudnn']}, "
+          f"rel err against v padded {narrow['attention_narrow_v_rel_err']:.1e}; RMSNorm as run against eager: rel err "
+          f"{narrow['norm_rel_err']:.1e}, {narrow['norm_bit_equal_share']:.1%} of outputs bit-equal")
+    return {**time_layer(model, w, s, device, peak), "triton_dequant_ok": ok, "grouped_mm_ok": grouped_ok, **narrow}
 
 
 def time_layer(model, w: dict, s: dict, device: torch.device, peak: float) -> dict:

@@ -171,6 +171,15 @@ def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return silu_mul(gate_up[:, :I], gate_up[:, I:]).float().mul_(weight[:, None]).to(gate_up.dtype)
 
 
+def _select(stacked: torch.Tensor, experts: list[int]) -> torch.Tensor:
+    """stacked[experts] along the expert axis: a view for a run of consecutive experts (every
+    expert of a Kimi layer is active at a 64k-token chunk; copying the packed ones cost ~4 ms a
+    layer on an H200), a gathered copy otherwise."""
+    if experts == list(range(experts[0], experts[0] + len(experts))):
+        return stacked[experts[0]:experts[0] + len(experts)]
+    return stacked.index_select(0, torch.tensor(experts).to(stacked.device, non_blocking=True))
+
+
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int], ends: torch.Tensor,
                   grouped: bool = True) -> torch.Tensor:
     """x [n, K] with rows grouped by expert (sizes[j] rows for expert j, ends = their cumsum, int32),
@@ -272,8 +281,9 @@ class DeepseekTarget:
                                       # version was 24x slower on an H200: bench/RESULTS.md)
         self.heads = self.cfg.num_attention_heads
         self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
-        # on a GPU one fused kernel: eagerly its fp32 chain moves ~7x the bytes of its input
+        # on a GPU one fused kernel each: eagerly their fp32 chains move ~7x the bytes of their input
         self.expert_act = compiled(weighted_swiglu) if device.type == "cuda" else weighted_swiglu
+        self.norm = compiled(rms_norm) if device.type == "cuda" else rms_norm
 
     def layer_tensor_names(self, i: int) -> list[str]:
         return layer_tensor_names(self.ckpt, self.spec, i)
@@ -354,8 +364,8 @@ class DeepseekTarget:
         packed sequence), each sequence's new keys/values are appended to its cache and its
         queries also see the cached ones."""
         eps = self.cfg.rms_norm_eps
-        h = h + self._attention(w, rms_norm(h, w["input_layernorm"], eps), positions, cu_seqlens, cache)
-        x = rms_norm(h, w["post_attention_layernorm"], eps)
+        h = h + self._attention(w, self.norm(h, w["input_layernorm"], eps), positions, cu_seqlens, cache)
+        x = self.norm(h, w["post_attention_layernorm"], eps)
         if "mlp.gate" not in w:
             return h + swiglu(x, w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"])
         return h + self._moe(w, x)
@@ -364,26 +374,25 @@ class DeepseekTarget:
         s, T, nh = self.spec, x.shape[0], self.heads
         eps = self.cfg.rms_norm_eps
         if s.q_lora_rank is not None:
-            q = F.linear(rms_norm(F.linear(x, w["self_attn.q_a_proj"]), w["self_attn.q_a_layernorm"], eps),
+            q = F.linear(self.norm(F.linear(x, w["self_attn.q_a_proj"]), w["self_attn.q_a_layernorm"], eps),
                          w["self_attn.q_b_proj"])
         else:
             q = F.linear(x, w["self_attn.q_proj"])
         q_nope, q_pe = q.view(T, nh, s.qk_head_dim).split([s.qk_nope_head_dim, s.qk_rope_head_dim], -1)
         c, k_pe = F.linear(x, w["self_attn.kv_a_proj_with_mqa"]).split([s.kv_lora_rank, s.qk_rope_head_dim], -1)
-        kv = F.linear(rms_norm(c, w["self_attn.kv_a_layernorm"], eps), w["self_attn.kv_b_proj"])
+        kv = F.linear(self.norm(c, w["self_attn.kv_a_layernorm"], eps), w["self_attn.kv_b_proj"])
         k_nope, v = kv.view(T, nh, s.qk_nope_head_dim + s.v_head_dim).split([s.qk_nope_head_dim, s.v_head_dim], -1)
         freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None]
         cos, sin = freqs.cos() * self.rope_mscale, freqs.sin() * self.rope_mscale
         q = torch.cat([q_nope, apply_rope_interleaved(q_pe, cos, sin)], -1)
         k_pe = apply_rope_interleaved(k_pe[:, None], cos, sin).expand(T, nh, s.qk_rope_head_dim)
         k = torch.cat([k_nope, k_pe], -1)
-        # v padded to the q/k head dim so flash attention applies (it needs equal head dims)
-        v = F.pad(v, (0, s.qk_head_dim - s.v_head_dim)) if s.v_head_dim < s.qk_head_dim else v
         if cache is None:
-            out = causal_attention_packed(q, k, v, cu_seqlens, self.softmax_scale)
+            out = causal_attention_packed(q, k, v, cu_seqlens, self.softmax_scale)       # [T, nh, v_head_dim]
         else:
-            out = cached_attention_packed(q, k, v, cu_seqlens, cache, self.softmax_scale)
-        out = out[..., :s.v_head_dim]
+            # the cache keeps v padded to the q/k head dim: the fused kernels want equal head dims
+            v = F.pad(v, (0, s.qk_head_dim - s.v_head_dim))
+            out = cached_attention_packed(q, k, v, cu_seqlens, cache, self.softmax_scale)[..., :s.v_head_dim]
         return F.linear(out.reshape(T, nh * s.v_head_dim), w["self_attn.o_proj"])
 
     def _moe(self, w, x):
@@ -443,9 +452,8 @@ class DeepseekTarget:
 
     def _expert_weights(self, w, key: str, experts: list[int]) -> torch.Tensor:
         """Dense [len(experts), out, in] weights of the chosen experts."""
-        ids = torch.tensor(experts).to(self.device, non_blocking=True)
         if f"experts.{key}.weight" in w:
-            return w[f"experts.{key}.weight"].index_select(0, ids)
-        return quant.dequantize_int4(w[f"experts.{key}.weight_packed"].index_select(0, ids),
-                                     w[f"experts.{key}.weight_scale"].index_select(0, ids), self.dtype,
+            return _select(w[f"experts.{key}.weight"], experts)
+        return quant.dequantize_int4(_select(w[f"experts.{key}.weight_packed"], experts),
+                                     _select(w[f"experts.{key}.weight_scale"], experts), self.dtype,
                                      self.triton_dequant)
