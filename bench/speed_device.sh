@@ -17,6 +17,7 @@
 #   attention  the TTT attention bench at shapes a and c
 #   step-b the same step on layout (b): the torch path, Triton in bf16 and with train.float8
 #   fp8    the casts and GEMMs of train.float8 at the step's shapes (python -m eagle3.bench fp8)
+#   rows   the row spread and RMSNorm kernels against torch's (python -m eagle3.bench rows)
 #   moe    the Kimi MoE layer alone (W4A16 included)
 #   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer (W4A16 included)
 #   here:  the peer's wheels in .whl/ (see bench/peer/)    there: bash bench/speed_device.sh PART...
@@ -50,13 +51,14 @@ for part in "$@"; do
       python3 -m eagle3.bench --layouts b --kernels torch,triton,triton-fp8 --steps 3 --warmup 2 --dir /tmp/bd \
         --json "$out/step-b.jsonl" 2>&1 | quiet | tee "$out/step-b.txt" ;;
     fp8) python3 -m eagle3.bench fp8 2>&1 | quiet | tee "$out/fp8.txt" ;;
+    rows) python3 -m eagle3.bench rows 2>&1 | quiet | tee "$out/rows.txt" ;;
     moe) python3 -m eagle3.bench moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
     sweep) python3 -m eagle3.bench attention --sweep --sweep-seconds 330 2>&1 | quiet | tee "$out/sweep.txt" ;;
     attention) python3 -m eagle3.bench attention --shapes a,c 2>&1 | quiet | tee "$out/attention.txt" ;;
     kernels)
       { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m eagle3.bench moe --parts layer; } \
         2>&1 | quiet | tee "$out/kernels.txt" ;;
-    *) echo "unknown part $part: expected peer, step, step-a, step-b, fp8, moe, sweep, attention or kernels"; exit 2 ;;
+    *) echo "unknown part $part: expected peer, step, step-a, step-b, fp8, rows, moe, sweep, attention or kernels"; exit 2 ;;
   esac
 done
 echo "== done $(date +%T)"

@@ -174,8 +174,8 @@ class TrainConfig:
         "and at step 0 run the MLP/head only for them (all rows still make keys): exact, same loss and "
         "gradients, less work on chat data")
     compile_ops: bool = setting(
-        True, "on CUDA, RMSNorm, RoPE and SiLU·up of the draft go through `torch.compile` (one fused kernel each "
-        "way instead of eager fp32 chains)")
+        True, "on CUDA, the draft's RMSNorm runs as one Triton kernel each way (`kernels/rms_norm.py`), its RoPE "
+        "and SiLU·up through `torch.compile` (fused kernels instead of eager fp32 chains)")
     device: str = setting("auto", "where training runs: `cpu`, `cuda`, `cuda:N`; auto: cuda if available")
     prefetch: int = setting(2, "micro-batches read ahead in a background thread (on CUDA also prepared: live "
                             "rows, loss rows)")

@@ -7,6 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels import reference
+
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -16,6 +18,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm as training runs it: on a GPU one Triton kernel each way (`kernels.rms_norm`, rows
+    up to its MAX_WIDTH), elsewhere through torch.compile."""
+    if x.is_cuda:
+        from kernels import rms_norm as kernel   # Triton on first use, as the other kernels
+        if x.shape[-1] <= kernel.MAX_WIDTH:
+            return kernel.rms_norm(x, weight, eps)
+    return compiled(rms_norm)(x, weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -93,16 +105,37 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Ten
 
 
 def scatter_rows(t: torch.Tensor, index: torch.Tensor | None, total: int, fill=0) -> torch.Tensor:
-    """t [n, ...] into [total, ...] filled with `fill`, at rows `index` (t itself when index is None)."""
+    """t [n, ...] into [total, ...] filled with `fill`, at rows `index` (t itself when index is None);
+    `index` must hold distinct rows."""
     if index is None:
         return t
-    return t.new_full((total, *t.shape[1:]), fill).index_copy(0, index, t)
+    return _ScatterRows.apply(t, index, total, fill) if t.requires_grad else _spread(t, index, total, fill)
+
+
+def _spread(t: torch.Tensor, index: torch.Tensor, total: int, fill) -> torch.Tensor:
+    """scatter_rows without autograd: one Triton pass for the GPU's row blocks, torch elsewhere."""
+    if t.is_cuda and t.dim() >= 2 and t.dtype.is_floating_point:
+        from kernels.rows import spread_rows   # Triton on first use, as the other kernels
+        return spread_rows(t, index, total, fill)
+    return reference.spread_rows(t, index, total, fill)
+
+
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, index, total, fill):
+        ctx.save_for_backward(index)
+        return _spread(t, index, total, fill)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
-    """x[index] for distinct rows, whose backward copies the gradient rows into zeros. Advanced
+    """x[index] for distinct rows, whose backward spreads the gradient rows into zeros. Advanced
     indexing's backward is an accumulating index_put that sorts the indices first (about 0.6 ms a
-    call at [16k, 7168] on an H200, 15 calls in a Kimi-size TTT step); with distinct rows a copy
+    call at [16k, 7168] on an H200, 15 calls in a Kimi-size TTT step); with distinct rows a spread
     gives the same result, deterministically."""
 
     @staticmethod
@@ -114,7 +147,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, index, grad), None
+        return _spread(grad, index, ctx.rows, 0), None
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:

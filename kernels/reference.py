@@ -1,4 +1,4 @@
-"""Pure-torch ground truth for the two TTT hot spots.
+"""Pure-torch ground truth for the two TTT hot spots (and the row spread around them).
 
 These are the semantics the Triton kernels must reproduce; tests compare against them and the
 training loop falls back to them when `train.kernels = "torch"`.
@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def spread_rows(src: torch.Tensor, index: torch.Tensor, total: int, fill=0) -> torch.Tensor:
+    """src [n, ...] at rows `index` (distinct) of a [total, ...] tensor filled with `fill`: what
+    `kernels.rows.spread_rows` computes in one pass."""
+    return src.new_full((total, *src.shape[1:]), fill).index_copy(0, index, src)
 
 
 def _lengths(cu_seqlens: torch.Tensor | None, total: int) -> list[int]:

@@ -1,6 +1,9 @@
 """Shared fixtures: tiny targets with real layouts, token data, and a config pointing at them."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,3 +55,21 @@ def make_config(tmp_path: Path, target: Path, data: Path, **overrides) -> config
     for key, value in base.items():
         args += [f"--{key}", str(value)]
     return config_mod.load(None, args)
+
+
+def run_interpreted(script: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """Run a kernel test file as a script in a child process under TRITON_INTERPRET=1 (the variable
+    must be set before triton is imported): ({case: record} of the JSON lines it printed, the process)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    records = map(json.loads, (line for line in proc.stdout.splitlines() if line.startswith("{")))
+    return {rec["case"]: rec for rec in records}, proc
+
+
+def assert_interpreted_case(results: tuple[dict, subprocess.CompletedProcess], case: int, label) -> None:
+    """The child ran interpreted (its "interpreted" record) and case `case` reported ok."""
+    out, proc = results
+    assert out.get("interpreted", {}).get("ok"), f"the child did not run interpreted:\n{proc.stderr[-3000:]}"
+    rec = out.get(str(case))
+    assert rec is not None, f"case {label} did not report (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    assert rec["ok"], f"{label}: {rec['detail']}"

@@ -104,6 +104,7 @@ def test_the_peer_run_reads_the_full_log_its_script_writes(tmp_path, monkeypatch
 @pytest.mark.parametrize("argv, message", [
     (["attention"], "eagle3.bench attention needs a CUDA GPU"),
     (["loss"], "eagle3.bench loss needs a CUDA GPU"),
+    (["rows"], "eagle3.bench rows needs a CUDA GPU"),
     (["moe", "--parts", "layer"], "eagle3.bench moe needs a CUDA GPU; --tiny runs it at toy size on the CPU"),
 ])
 def test_gpu_benches_say_they_need_a_gpu(monkeypatch, argv, message):

@@ -3,14 +3,12 @@ CPU under TRITON_INTERPRET=1 (in a child process: the variable must be set befor
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import assert_interpreted_case, run_interpreted
+
 # (rows, k, fp8 format, input dtype): odd rows (padded to 16), one row, none, a k that is not a
 # multiple of the tile, a 3-d input, and enough elements that amax programs loop (16 x 4096 < 89,600)
 CASES = [(37, 96, "e4m3", "float32"), (64, 130, "e5m2", "bfloat16"), (1, 16, "e4m3", "bfloat16"),
@@ -19,20 +17,12 @@ CASES = [(37, 96, "e4m3", "float32"), (64, 130, "e5m2", "bfloat16"), (1, 16, "e4
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = {rec["case"]: rec for rec in map(json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
-    return out, proc
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_the_triton_cast_is_the_reference_bit_for_bit(results, case):
-    out, proc = results
-    assert out.get("interpreted", {}).get("ok"), f"the child did not run interpreted:\n{proc.stderr[-3000:]}"
-    rec = out.get(str(case))
-    assert rec is not None, f"case {CASES[case]} did not report (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
-    assert rec["ok"], f"{CASES[case]}: {rec['detail']}"
+    assert_interpreted_case(results, case, CASES[case])
 
 
 def _child() -> None:

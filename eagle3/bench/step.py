@@ -19,6 +19,7 @@ peak GPU memory and the share of step time the GPU is idle, per data layout and 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -143,6 +144,10 @@ def gpu_busy_fraction(trainer: Trainer, batch: Batch, table: Path | None = None)
         averages = prof.key_averages()
         table.write_text(averages.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
                          + averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90))
+        # every GPU kernel, not only the table's first rows: the sums by kind come from this
+        kernels = sorted((e for e in averages if e.device_type.name == "CUDA"), key=lambda e: -e.self_device_time_total)
+        atomic_write_text(table.with_suffix(".kernels.tsv"), "ms\tcalls\tkernel\n" + "".join(
+            f"{e.self_device_time_total / 1e3:.3f}\t{e.count}\t{e.key}\n" for e in kernels))
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
     busy, current, gaps = 0.0, None, []
@@ -161,6 +166,13 @@ def gpu_busy_fraction(trainer: Trainer, batch: Batch, table: Path | None = None)
             for gap, before, after in sorted(gaps, reverse=True)[:25]:
                 f.write(f"{gap / 1e3:8.2f} ms  after {before[:70]}  before {after[:70]}\n")
     return busy / 1e6 / wall, wall
+
+
+def attention_picks() -> dict:
+    """The (BLOCK_M, BLOCK_N, warps, stages) the TTT attention's tuner picked per kernel: what the
+    step ran (the picks of the last shape class tuned)."""
+    module = importlib.import_module("kernels.ttt_attention")   # the package exports a function of that name
+    return {name: module.best_config(name) for name in ("fwd", "dkdv", "dq")}
 
 
 def host_syncs(trainer: Trainer, batch: Batch) -> list[str]:
@@ -258,6 +270,7 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             "gpu_idle": 1 - busy, "same_weights_on_all_ranks": same_weights_on_all_ranks(trainer),
             "host_syncs": len(syncs), "host_sync_sites": sorted(set(syncs)),
             "first_step_loss": [round(x, 4) for x in summarize(first)["loss"]],
+            "attention_configs": attention_picks() if path == "triton" and cuda else None,
             "bench_s": round(time.perf_counter() - started)}
 
 

@@ -1,0 +1,50 @@
+"""Rows spread into a filled tensor: out[index[i]] = src[i], every other row `fill`, in one pass.
+
+TTT computes each step on a subset of the packed rows and spreads results back over all of them
+(the queries, keys and values the attention kernels read; the gradients of the rows a step kept).
+torch's `new_full(...).index_copy(0, index, src)` writes the output twice and its index kernel is
+elementwise: about 0.9 TB/s on an H200, 12 ms of a Kimi-size TTT step. Here each program writes
+BLOCK_W columns of one output row, reading the source row named by the inverse index (-1: fill):
+one write of the output and one read of the source, vectorized.
+
+`kernels.reference.spread_rows` is the ground truth and the path off the GPU; under
+TRITON_INTERPRET=1 the tests run the kernel on the CPU.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MAX_BLOCK_W = 64 if INTERPRET else 2048   # columns per program (bf16: 4 KB of one row)
+
+
+@triton.jit
+def _spread_kernel(SRC, INV, OUT, W, fill, BLOCK_W: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    inside = cols < W
+    source = tl.load(INV + row).to(tl.int64)                  # -1: not a spread row
+    x = tl.load(SRC + source * W + cols, mask=inside & (source >= 0), other=fill)
+    tl.store(OUT + row * W + cols, x.to(OUT.dtype.element_ty), mask=inside)
+
+
+def spread_rows(src: torch.Tensor, index: torch.Tensor, total: int, fill=0) -> torch.Tensor:
+    """Same contract as `kernels.reference.spread_rows`; `index` must hold distinct rows (a row written twice
+    would be either source). Not differentiable: `eagle3.ops.scatter_rows` wraps it."""
+    src = src.contiguous()
+    n, W = src.shape[0], math.prod(src.shape[1:])
+    out = src.new_empty((total, *src.shape[1:]))
+    if total == 0 or W == 0:
+        return out.fill_(fill)
+    if not INTERPRET and not src.is_cuda:
+        raise ValueError("spread_rows: the Triton kernel runs on CUDA tensors (or under TRITON_INTERPRET=1)")
+    inverse = torch.full((total,), -1, dtype=torch.int32, device=src.device)
+    inverse.index_copy_(0, index, torch.arange(n, dtype=torch.int32, device=src.device))
+    block = min(MAX_BLOCK_W, triton.next_power_of_2(W))
+    _spread_kernel[(total, triton.cdiv(W, block))](src, inverse, out, W, float(fill), BLOCK_W=block, num_warps=4)
+    return out
