@@ -1,7 +1,9 @@
 """Pure-torch ground truth for the two TTT hot spots (and the row spread around them).
 
 These are the semantics the Triton kernels must reproduce; tests compare against them and the
-training loop falls back to them when `train.kernels = "torch"`.
+training loop falls back to them when `train.kernels = "torch"` (attention, loss) and on the CPU
+(the row spread: on a GPU `eagle3.ops.scatter_rows` always takes `kernels/rows.py`, whose result is
+the same to the bit).
 """
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ import pytest
 from conftest import assert_interpreted_case, run_interpreted
 
 # (row shape, width, dtype): more rows than the interpreter's 4 backward programs (uneven split),
-# fewer, one, none, a 3-d input, a width that is not a power of two
+# fewer, one, none, 5 rows (2 a program: the last program gets none), a 3-d input, a width that is
+# not a power of two
 CASES = [((37,), 96, "float32"), ((3,), 130, "float32"), ((1,), 7, "float32"), ((0,), 64, "float32"),
-         ((2, 5), 64, "bfloat16"), ((41,), 160, "bfloat16")]
+         ((5,), 64, "float32"), ((2, 5), 64, "bfloat16"), ((41,), 160, "bfloat16")]
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +25,24 @@ def results():
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_the_triton_rms_norm_matches_the_reference_and_its_gradients(results, case):
     assert_interpreted_case(results, case, CASES[case])
+
+
+def _truncating_reference(x, w, dy, eps):
+    """ops.rms_norm's forward and backward as the interpreter computes them: in fp32, each cast to
+    bf16 truncating (the interpreter's; a GPU rounds to nearest even) where the kernel rounds."""
+    import torch
+
+    def bf16(t):   # fp32 -> bf16 -> fp32 by dropping the low 16 bits
+        return (t.contiguous().view(torch.int32) & -65536).view(torch.float32)
+
+    xf, wf, dyf = x.float(), w.float(), dy.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = xf * rstd
+    y = bf16(wf * bf16(xhat))
+    dxhat = bf16(dyf * wf)
+    dx = bf16(rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True)))
+    dw = (dyf * bf16(xhat)).reshape(-1, x.shape[-1]).sum(0)
+    return y, dx, dw
 
 
 def _child() -> None:
@@ -46,18 +65,19 @@ def _child() -> None:
             xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
             y = fn(xs, ws, 1e-6)
             outs.append((y, *torch.autograd.grad(y, (xs, ws), dy)))
-        # fp32: the same arithmetic up to summation order. bf16: the interpreter's roundings to bf16
-        # are not the GPU's (round to nearest even), so only close; the GPU bench checks the bits
-        detail, ok = [], True
-        for name, a, b in zip(("y", "dx", "dw"), *outs):
-            a, b = a.float(), b.float()
-            if dt == torch.float32:
-                close = torch.allclose(a, b, rtol=1e-5, atol=1e-5)
-            else:
-                close = a.numel() == 0 or ((a - b).norm() / b.norm()).item() < 1e-2
-            ok &= close and a.shape == b.shape
-            detail.append(f"{name} max err {(a - b).abs().max().item() if a.numel() else 0:.2e}")
-        ok &= all(o.dtype == dt for o in outs[0])
+        ok = all(a.dtype == b.dtype == dt and a.shape == b.shape for a, b in zip(*outs))
+        detail = []
+        if dt == torch.float32:   # the same arithmetic up to summation order
+            for name, a, b in zip(("y", "dx", "dw"), *outs):
+                ok &= torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+                detail.append(f"{name} max err {(a - b).abs().max().item() if a.numel() else 0:.2e}")
+        else:   # bit for bit where the kernel rounds (up to an fp32 ulp of rstd's sum order)
+            want = _truncating_reference(x, w, dy, 1e-6)
+            for name, a, b in zip(("y", "dx"), outs[0][:2], want[:2]):
+                same = (a.float() == b).float().mean().item()
+                ok &= same > 0.99
+                detail.append(f"{name} bit-equal {same:.4f}")
+            ok &= torch.allclose(outs[0][2].float(), want[2], rtol=1e-2, atol=1e-2)   # dw: bf16 from an fp32 sum
         print(json.dumps({"case": str(i), "ok": bool(ok), "detail": ", ".join(detail)}), flush=True)
 
 

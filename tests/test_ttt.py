@@ -6,7 +6,7 @@ import torch
 
 from eagle3.data.batch import Batch
 from eagle3.draft import DraftSpec, Eagle3Draft
-from eagle3.ops import compiled, gather_rows, rms_norm, scatter_rows
+from eagle3.ops import compiled, rms_norm
 from eagle3.ttt import loss_denominator, step_targets, summarize, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss, ttt_loss_steps
 
@@ -295,19 +295,3 @@ def test_compiled_rms_norm_rounds_where_the_eager_one_rounds():
     same = compiled(rms_norm)(x, w, 1e-6) == rms_norm(x, w, 1e-6)
     assert same.float().mean() > 0.999   # the rest: the row sum's order, an ulp of the scale at most
 
-
-def test_gather_rows_matches_indexing_and_inverts_scatter_rows():
-    """gather_rows: the rows and the gradient of advanced indexing (distinct rows, as TTT passes),
-    its backward a copy into zeros; scatter_rows then gather_rows gives the rows back."""
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(11, 3, 5, generator=g, requires_grad=True)
-    index = torch.tensor([0, 2, 3, 7, 10])
-    dy = torch.randn(5, 3, 5, generator=g)
-    got = gather_rows(x, index)
-    (dx,) = torch.autograd.grad(got, x, dy)
-    expect = x[index]
-    (dx_expect,) = torch.autograd.grad(expect, x, dy)
-    assert torch.equal(got, expect) and torch.equal(dx, dx_expect)
-    assert dx[[1, 4, 5, 6, 8, 9]].abs().sum() == 0
-    assert gather_rows(x, None) is x
-    assert torch.equal(gather_rows(scatter_rows(expect.detach(), index, 11), index), expect.detach())

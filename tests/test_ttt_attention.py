@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5  # fp32 under the interpreter; observed errors are about 3e-7
@@ -42,12 +43,7 @@ OTHER_CASES = ["custom_scale", "bf16_upcast", "sequences_isolated", "rejects_bad
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    found = {line["case"]: line for line in lines}
+    found, proc = run_interpreted(__file__)
     if not found:
         pytest.fail(f"interpreted child produced no results (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
     return found

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ["fp32_rows_not_valid", "bf16_matches_reference", "peaked_flat_and_unnormalized_targets",
@@ -26,15 +27,7 @@ CASES = ["fp32_rows_not_valid", "bf16_matches_reference", "peaked_flat_and_unnor
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            out[rec["case"]] = rec
+    out, proc = run_interpreted(__file__)
     out["_proc"] = proc
     return out
 

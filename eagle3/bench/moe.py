@@ -127,7 +127,9 @@ def check_narrow_v(model, device: torch.device) -> dict:
     against v zero-padded to the q/k head dim (flash attention's way), on one 4096-token sequence."""
     s, nh, T = model.spec, model.heads, 4096
     q, k = (torch.randn(T, nh, s.qk_head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(T, nh, s.v_head_dim, device=device, dtype=torch.bfloat16)
+    # v as the layer has it: a view of kv_b_proj's output beside k_nope (rows not contiguous)
+    kv = torch.randn(T, nh, s.qk_nope_head_dim + s.v_head_dim, device=device, dtype=torch.bfloat16)
+    v = kv[..., s.qk_nope_head_dim:]
     cu = torch.tensor([0, T], device=device)
     got = attention.causal_attention_packed(q, k, v, cu, model.softmax_scale).float()
     padded = torch.nn.functional.pad(v, (0, s.qk_head_dim - s.v_head_dim))

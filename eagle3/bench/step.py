@@ -145,7 +145,9 @@ def gpu_busy_fraction(trainer: Trainer, batch: Batch, table: Path | None = None)
         table.write_text(averages.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
                          + averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90))
         # every GPU kernel, not only the table's first rows: the sums by kind come from this
-        kernels = sorted((e for e in averages if e.device_type.name == "CUDA"), key=lambda e: -e.self_device_time_total)
+        kernels = sorted((e for e in averages if e.device_type.name == "CUDA"   # kernels, not the optimizer's
+                          and not getattr(e, "is_user_annotation", False)),        # annotation of their span
+                         key=lambda e: -e.self_device_time_total)
         atomic_write_text(table.with_suffix(".kernels.tsv"), "ms\tcalls\tkernel\n" + "".join(
             f"{e.self_device_time_total / 1e3:.3f}\t{e.count}\t{e.key}\n" for e in kernels))
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()

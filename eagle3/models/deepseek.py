@@ -391,7 +391,7 @@ class DeepseekTarget:
             out = causal_attention_packed(q, k, v, cu_seqlens, self.softmax_scale)       # [T, nh, v_head_dim]
         else:
             # the cache keeps v padded to the q/k head dim: the fused kernels want equal head dims
-            v = F.pad(v, (0, s.qk_head_dim - s.v_head_dim))
+            v = F.pad(v, (0, s.qk_head_dim - s.v_head_dim)) if s.v_head_dim < s.qk_head_dim else v
             out = cached_attention_packed(q, k, v, cu_seqlens, cache, self.softmax_scale)[..., :s.v_head_dim]
         return F.linear(out.reshape(T, nh * s.v_head_dim), w["self_attn.o_proj"])
 
