@@ -439,11 +439,13 @@ def test_grouped_expert_matmul_matches_the_per_expert_loop(monkeypatch):
     torch.testing.assert_close(deepseek.expert_matmul(x, w, sizes, ends), expect)
 
 
-def test_packed_causal_attention_with_a_narrower_v():
-    """MLA's v (v_head_dim) is narrower than q/k: each packed sequence attends causally on its own,
-    the output has v's width, GQA heads share their group's k/v (explicit softmax as reference)."""
+@pytest.mark.parametrize("dv", [8, 12, 16])
+def test_packed_causal_attention_with_another_v_width(dv):
+    """MLA's v (v_head_dim) is narrower than q/k (or as wide, or wider): each packed sequence attends
+    causally on its own, the output has v's width, GQA heads share their group's k/v (explicit
+    softmax as reference)."""
     g = torch.Generator().manual_seed(3)
-    lengths, hq, hkv, d, dv = [5, 1, 9], 4, 2, 12, 8
+    lengths, hq, hkv, d = [5, 1, 9], 4, 2, 12
     T = sum(lengths)
     q, k, v = torch.randn(T, hq, d, generator=g), torch.randn(T, hkv, d, generator=g), torch.randn(T, hkv, dv, generator=g)
     cu = torch.tensor([0, *itertools.accumulate(lengths)])

@@ -4,6 +4,7 @@ imported): output, dx and dw, fp32 and bf16, odd widths, no rows, fewer rows tha
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -67,19 +68,23 @@ def _child() -> None:
             outs.append((y, *torch.autograd.grad(y, (xs, ws), dy)))
         ok = all(a.dtype == b.dtype == dt and a.shape == b.shape for a, b in zip(*outs))
         detail = []
-        if dt == torch.float32:   # the same arithmetic up to summation order
-            for name, a, b in zip(("y", "dx", "dw"), *outs):
-                ok &= torch.allclose(a, b, rtol=1e-5, atol=1e-5)
-                detail.append(f"{name} max err {(a - b).abs().max().item() if a.numel() else 0:.2e}")
-        else:   # bit for bit where the kernel rounds (up to an fp32 ulp of rstd's sum order)
+        for name, a, b in zip(("y", "dx", "dw"), *outs):   # against ops.rms_norm under autograd
+            a, b = a.float(), b.float()
+            tol = 1e-5 if dt == torch.float32 else 1e-2        # fp32: summation order; bf16: the casts
+            ok &= a.numel() == 0 or ((a - b).norm() / b.norm().clamp(min=1e-30)).item() < tol
+            detail.append(f"{name} max err {(a - b).abs().max().item() if a.numel() else 0:.2e}")
+        if dt == torch.bfloat16:   # bit for bit where the kernel rounds (up to an fp32 ulp of rstd)
             want = _truncating_reference(x, w, dy, 1e-6)
-            for name, a, b in zip(("y", "dx"), outs[0][:2], want[:2]):
+            for name, a, b in zip(("y", "dx", "dw"), outs[0], (*want[:2], want[2].to(dt).float())):
                 same = (a.float() == b).float().mean().item()
-                ok &= same > 0.99
+                ok &= same >= 0.999
                 detail.append(f"{name} bit-equal {same:.4f}")
-            ok &= torch.allclose(outs[0][2].float(), want[2], rtol=1e-2, atol=1e-2)   # dw: bf16 from an fp32 sum
+        ws = w.clone().requires_grad_()    # x frozen: the kernel skips dx, dw stays the same
+        (dw_frozen,) = torch.autograd.grad(rms_norm.rms_norm(x, ws, 1e-6), ws, dy)
+        ok &= torch.equal(dw_frozen, outs[0][2])
         print(json.dumps({"case": str(i), "ok": bool(ok), "detail": ", ".join(detail)}), flush=True)
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # run as a script by hand too
     _child()

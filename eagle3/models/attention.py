@@ -22,7 +22,7 @@ def causal_attention_packed(q, k, v, cu_seqlens, scale=None):
     zero-padded to D, since flash attention needs equal head dims and the kernel that does not is
     2-4x slower."""
     dv = v.shape[-1]
-    pad = q.shape[-1] - dv
+    pad = max(0, q.shape[-1] - dv)    # v wider than q/k (no model here) runs as it is
     out = q.new_empty(q.shape[0], q.shape[1], dv)
     bounds = cu_seqlens.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
