@@ -44,8 +44,8 @@ def compiled(fn):
     """`fn` under torch.compile: one fused kernel each way instead of an eager chain of fp32
     temporaries. The row count (dim 0 of the first tensor argument, and of every other with as many
     rows) is dynamic, since it changes with each TTT step and expert block; every other size is
-    static, one graph per width: with all sizes symbolic (dynamic=True) Inductor's reductions ran at
-    half the speed (RMSNorm fwd+bwd at 16k x 7168 on an H200: 1025 against 601 us)."""
+    static, one graph per width: with all sizes symbolic (dynamic=True) Inductor's reductions were
+    slower, and the Kimi-size TTT step took 870-880 ms against 851-855 (H200, bench/RESULTS.md)."""
     # a graph per width, dtype and grad mode (the setting's name before torch 2.7: cache_size_limit)
     dynamo = torch._dynamo.config
     limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"

@@ -274,7 +274,7 @@ def _scale_rows(x, s):
                     reason="torch.compile on the CPU needs a C compiler")
 def test_compiled_ops_take_any_row_count_and_specialise_widths():
     """ops.compiled: new row counts reuse the graph (rows change every TTT step), a new width gets its
-    own graph (static widths: Inductor's reductions are twice as fast with them)."""
+    own graph (static widths: the step is faster with them, bench/RESULTS.md)."""
     from torch._dynamo.utils import counters
     counters.clear()
     fn = compiled(_scale_rows)

@@ -18,9 +18,8 @@ def sdpa(q, k, v, **kw) -> torch.Tensor:
 def causal_attention_packed(q, k, v, cu_seqlens, scale=None):
     """Causal attention of each packed sequence on its own: q/k [T, heads, D], v [T, Hkv, Dv]
     -> [T, Hq, Dv]. A v narrower than q/k (MLA: 128 < 192) runs as it is under cuDNN where cuDNN
-    takes the sequence (faster than padded; forward only: extraction and decoding); elsewhere it is
-    zero-padded to D, since flash attention needs equal head dims and the kernel that does not is
-    2-4x slower."""
+    takes the sequence (no padded copy; forward only: extraction and decoding); elsewhere it is
+    zero-padded to D, since flash attention needs equal head dims."""
     dv = v.shape[-1]
     pad = max(0, q.shape[-1] - dv)    # v wider than q/k (no model here) runs as it is
     out = q.new_empty(q.shape[0], q.shape[1], dv)

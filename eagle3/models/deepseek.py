@@ -173,8 +173,8 @@ def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 def _select(stacked: torch.Tensor, experts: list[int]) -> torch.Tensor:
     """stacked[experts] along the expert axis: a view for a run of consecutive experts (every
-    expert of a Kimi layer is active at a 64k-token chunk; copying the packed ones cost ~4 ms a
-    layer on an H200), a gathered copy otherwise."""
+    expert of a Kimi layer is active at a 64k-token chunk: with the copies the MoE part took 131 ms,
+    with views 122, H200, bench/RESULTS.md), a gathered copy otherwise."""
     if experts == list(range(experts[0], experts[0] + len(experts))):
         return stacked[experts[0]:experts[0] + len(experts)]
     return stacked.index_select(0, torch.tensor(experts).to(stacked.device, non_blocking=True))
