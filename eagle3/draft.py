@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from eagle3.float8 import dense_linear
-from eagle3.float8 import linear as float8_linear
+from eagle3.float8 import linears as float8_linears
+from eagle3.linear import dense_linears
 from eagle3.resolve import DraftSpec
 from eagle3.ops import (apply_rope, compiled, fused_rms_norm, gather_rows, llama_inv_freq, rms_norm, rope_cos_sin,
-                        scatter_rows, silu_mul, swiglu)
+                        scatter_rows, silu_mul)
 
 
 class RMSNorm(nn.Module):
@@ -76,22 +76,28 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_dim, s.num_key_value_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.num_attention_heads * s.head_dim, s.hidden_size, bias=False)
         self.rope = apply_rope
-        self.linear = dense_linear
+        self.linears = dense_linears
 
     def forward(self, x, cos, sin, cache: list, attention, cu_seqlens, rows: Rows):
         """x [C, in_dim] for the computed rows; appends this step's keys/values (laid out over all
         rows, zero where not computed: no other row reads them) to `cache`, attends over all
         cached steps; returns [N, H] for the kept rows."""
         C = x.shape[0]
-        k = self.rope(self.linear(x, self.k_proj.weight).view(C, self.kv_heads, self.head_dim), cos, sin)
-        v = self.linear(x, self.v_proj.weight).view(C, self.kv_heads, self.head_dim)
-        x, cos, sin = rows.keep(x), rows.keep(cos), rows.keep(sin)
-        q = self.rope(self.linear(x, self.q_proj.weight).view(x.shape[0], self.heads, self.head_dim), cos, sin)
+        if rows.kept is None:   # every computed row is kept: q, k, v read one input
+            q, k, v = self.linears(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+            cos_q, sin_q = cos, sin
+        else:
+            k, v = self.linears(x, self.k_proj.weight, self.v_proj.weight)
+            (q,) = self.linears(rows.keep(x), self.q_proj.weight)
+            cos_q, sin_q = rows.keep(cos), rows.keep(sin)
+        k = self.rope(k.view(C, self.kv_heads, self.head_dim), cos, sin)
+        v = v.view(C, self.kv_heads, self.head_dim)
+        q = self.rope(q.view(q.shape[0], self.heads, self.head_dim), cos_q, sin_q)
         cache.append((rows.spread_computed(k), rows.spread_computed(v)))
         keys = torch.stack([kv[0] for kv in cache])      # [S, T, Hkv, D]
         values = torch.stack([kv[1] for kv in cache])
         out = rows.take_kept(attention(rows.spread_kept(q), keys, values, cu_seqlens))
-        return self.linear(out.flatten(1), self.o_proj.weight)
+        return self.linears(out.flatten(1), self.o_proj.weight)[0]
 
 
 class MLP(nn.Module):
@@ -101,10 +107,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = silu_mul
-        self.linear = dense_linear
+        self.linears = dense_linears
 
     def forward(self, x):
-        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.act, self.linear)
+        gate, up = self.linears(x, self.gate_proj.weight, self.up_proj.weight)
+        return self.linears(self.act(gate, up), self.down_proj.weight)[0]
 
 
 class DecoderLayer(nn.Module):
@@ -156,14 +163,14 @@ class Eagle3Draft(nn.Module):
         # bf16 training rounds the residual stream at every add and every TTT step; fp32 keeps the
         # chain's state exact while the matmuls stay bf16 (the trainer sets it, train.fp32_residual)
         self.fp32_residual = False
-        self.linear = dense_linear
+        self.linears = dense_linears
         self.reset_parameters()
 
     def use_float8(self) -> None:
         """Every linear layer of the draft (fc, attention projections, MLP) as fp8 GEMMs (train.float8)."""
         for m in self.modules():
-            if "linear" in vars(m):
-                m.linear = float8_linear
+            if "linears" in vars(m):
+                m.linears = float8_linears
 
     def compile_elementwise(self) -> None:
         """RMSNorm as one Triton kernel each way on a GPU (`ops.fused_rms_norm`), RoPE and SiLU·up
@@ -218,5 +225,5 @@ class Eagle3Draft(nn.Module):
             aux = self.input_norm(aux)
         elif self.spec.fc_norm:
             aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
-        h = self.linear(aux, self.fc.weight)
+        h = self.linears(aux, self.fc.weight)[0]
         return h.float() if self.fp32_residual else h

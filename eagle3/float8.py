@@ -4,7 +4,7 @@ Forward: the input and the weight cast to float8_e4m3fn with one dynamic scale p
 448); their product in the input's dtype. Backward: the output gradient in float8_e5m2 (more range,
 amax / 57344); dX = dY·W and dW = dYᵀ·X as scaled fp8 matmuls of the copies saved by the forward
 (they also halve the activation memory kept for backward). The fp32 master weights stay with the
-optimizer; a TTT forward casts each once for its K steps (`casts_reused`). A cast is two Triton
+optimizer; a TTT forward casts each once for its K steps (`linear.casts_reused`). A cast is two Triton
 kernels (`kernels/fp8_cast.py`: amax, then one read and two writes, as it is and transposed).
 `torch._scaled_mm` runs on GPUs with fp8 tensor cores (compute capability 8.9 and later: Ada,
 Hopper, Blackwell) and on the CPU (the tests); it wants every dimension a multiple of 16, so rows
@@ -13,22 +13,15 @@ it can run; `train.float8_head` (`head_loss`) does the same for the loss's lm_he
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from eagle3.config import ConfigError
+from eagle3.linear import compute_dtype, dense_linear, reused
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The default: x @ w.T (w is an fp32 master). Under autocast the weight goes in as it is:
-    autocast casts it once per step and reuses the copy; without, it takes x's dtype."""
-    return F.linear(x, w if torch.is_autocast_enabled(x.device.type) else w.to(x.dtype))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -38,41 +31,25 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     be a view of the padded product: do not modify it in place."""
     if not torch.is_grad_enabled() or x.numel() == 0:   # nothing to cast: a step-0 batch with no trained row
         return dense_linear(x, w)
-    device = x.device.type
-    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    out_dtype = compute_dtype(x)
     y = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w, *cast(x, E4M3), *cast(w, E4M3), out_dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-_reused: dict | None = None
-
-
-@contextlib.contextmanager
-def casts_reused():
-    """Inside: a weight is cast once while it is unchanged (its version), and an activation cast
-    for one linear layer is reused by the next one reading the same tensor. One TTT forward passes
-    the same weights through K steps and one input to k, v, q (gate, up): one cast instead of K (3)."""
-    global _reused
-    outer, _reused = _reused, {}
-    try:
-        yield
-    finally:
-        _reused = outer
+def linears(x: torch.Tensor, *ws: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(`linear`(x, w) for w in ws): layers reading one input, which is cast once for all of them."""
+    return tuple(linear(x, w) for w in ws)
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """t [..., k] -> (q [m16, k], qᵀ [k, m16], scale): `kernels.fp8_cast` (its Triton kernels on a
-    GPU, its torch reference elsewhere), reused inside `casts_reused` (weights for the whole scope;
-    activations only by the next call: each would otherwise live until the forward ends)."""
+    GPU, its torch reference elsewhere), reused inside `linear.casts_reused` (weights for the whole
+    scope, so one TTT forward casts each once for its K steps; activations only by the next call, so
+    one input to k, v, q (gate, up) is cast once: each would otherwise live until the forward ends)."""
     from kernels import fp8_cast   # Triton on first use, as the other kernels
     fn = fp8_cast.to_fp8 if t.is_cuda else fp8_cast.to_fp8_reference
-    if _reused is None:
-        return fn(t.detach(), dtype)
-    slot = id(t) if isinstance(t, torch.nn.Parameter) else "activation"
-    held = _reused.get(slot)
-    if held is None or held[0] is not t or held[1] != (t._version, dtype):
-        held = _reused[slot] = (t, (t._version, dtype), fn(t.detach(), dtype))
-    return held[2]
+    slot = ("fp8", id(t)) if isinstance(t, torch.nn.Parameter) else ("fp8", "activation")
+    return reused(slot, t, dtype, lambda: fn(t.detach(), dtype))
 
 
 def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,

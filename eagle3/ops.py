@@ -34,9 +34,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act=silu_mul,
-           linear=F.linear) -> torch.Tensor:
-    return linear(act(linear(x, gate), linear(x, up)), down)
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.linear(silu_mul(F.linear(x, gate), F.linear(x, up)), down)
 
 
 @functools.cache

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3 import float8
+from eagle3 import linear
 from eagle3.data.batch import Batch, RowPlan, RowRule
 from eagle3.draft import Rows
 from eagle3.ops import gather_rows, positions_from_cu_seqlens, scatter_rows
@@ -138,7 +138,7 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     skip_dead_rows, rows trained) and found here otherwise.
     embed: frozen target embedding [V_t, H]; head_rows: target lm_head rows of the draft vocab
     [V_d, H]. `attention` and `loss_steps` have the signatures of `kernels.ttt_attention`
-    and `kernels.ttt_loss_steps`. With skip_dead_rows, work that cannot reach the loss is skipped
+    and `kernels.ttt_loss_steps` (`loss_steps` is passed `p_rows` by keyword). With skip_dead_rows, work that cannot reach the loss is skipped
     (exactly: same loss and gradients): at step 0 every row makes its keys and values but only
     live rows run the rest; from step 1 on only live rows are computed at all. `objective` holds
     the recipe levers (rows trained, input noise, loss target); prepared live/loss rows must follow its row rule.
@@ -171,15 +171,15 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
         kept.append(rows.kept_global())
         return h, embed[ids[targets[k].index[computed]]], positions[computed] + k, rows
 
-    with float8.casts_reused():   # train.float8: each weight cast once for the K steps
+    with linear.casts_reused():   # each weight cast once for the K steps, its gradients summed by the GEMMs
         head_inputs = [draft.head_input(h).to(embed.dtype)      # the loss runs in the compute dtype
                        for h in draft.unroll(noisy(aux, objective.aux_noise) if objective.aux_noise > 0 else aux,
                                              attention, cu_attention, next_inputs)]
     done = len(head_inputs)
-    total, losses, argmaxes = loss_steps(
-        head_inputs, draft.lm_head.weight.to(embed.dtype),
-        [probs[k:k + T] if r is None else probs[k + r] for k, r in enumerate(kept)],
-        plan.loss[:done], [decay ** k * scale for k in range(done)])
+    # step k's targets: rows k .. k+T-1 of probs (a view), or its kept rows shifted by k, read in place
+    ps, p_rows = zip(*[(probs[k:k + T], None) if r is None else (probs, r + k) for k, r in enumerate(kept)])
+    total, losses, argmaxes = loss_steps(head_inputs, draft.lm_head.weight.to(embed.dtype), list(ps), plan.loss[:done],
+                                         [decay ** k * scale for k in range(done)], p_rows=list(p_rows))
     losses = [scatter_rows(x, r, T, 0) for x, r in zip(losses, kept)] + [total.new_zeros(T)] * (steps - done)
     argmaxes = [scatter_rows(x, r, T, -1) for x, r in zip(argmaxes, kept)] + [greedy.new_full((T,), -1)] * (
         steps - done)

@@ -48,6 +48,6 @@ def _compiled_loss():
     return torch.compile(reference.ttt_loss, dynamic=True)
 
 
-def ttt_loss_steps(hs, w, ps, valids=None, weights=None):
+def ttt_loss_steps(hs, w, ps, valids=None, weights=None, p_rows=None):
     """`kernels.reference.ttt_loss_steps` with each step's loss compiled."""
-    return reference.ttt_loss_steps(hs, w, ps, valids, weights, loss_fn=_compiled_loss())
+    return reference.ttt_loss_steps(hs, w, ps, valids, weights, loss_fn=_compiled_loss(), p_rows=p_rows)

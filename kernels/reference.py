@@ -81,17 +81,20 @@ def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor,
     return loss, argmax
 
 
-def ttt_loss_steps(hs, w, ps, valids=None, weights=None, loss_fn=None):
+def ttt_loss_steps(hs, w, ps, valids=None, weights=None, loss_fn=None, p_rows=None):
     """All K TTT steps at once: (total, losses, argmaxes) with total = Σ_k Σ_i weights[k] · loss_k,i.
 
     Same contract as `kernels.ttt_loss.ttt_loss_steps`; hs[k] [N_k, H], ps[k] [N_k, V], valids[k]
     bool [N_k], the indices of the valid rows (int64 or int32), or None; weights[k] a number or a tensor
-    broadcastable to [N_k] (default 1). `loss_fn` replaces `ttt_loss` for each step (e.g. a compiled one).
+    broadcastable to [N_k] (default 1); p_rows[k] int64 [N_k] or None: the rows of ps[k] (then any
+    [P, V]) that hs[k]'s rows read, gathered here. `loss_fn` replaces `ttt_loss` for each step (e.g. a
+    compiled one).
     """
     loss_fn = loss_fn or ttt_loss
     K = len(hs)
     valids = [None] * K if valids is None else list(valids)
     weights = [1.0] * K if weights is None else list(weights)
+    ps = [p if r is None else p[r] for p, r in zip(ps, [None] * K if p_rows is None else p_rows)]
     total, losses, argmaxes = 0.0, [], []
     for h, p, valid, weight in zip(hs, ps, valids, weights):
         if valid is not None and valid.dtype in (torch.int64, torch.int32):   # row indices -> mask

@@ -49,8 +49,9 @@ CHUNK_BYTES = 512 * 2**20
 @triton.jit
 def _soft_ce_kernel(
     z_ptr, z_stride,        # [n, V] logits of the chunk; overwritten by dz when WRITE_GRAD
-    p_ptr, p_stride,        # [N, V] target probabilities, any float dtype, unit column stride
-    rows_ptr,               # [n] int64: the row of p and of the outputs for chunk row i
+    p_ptr, p_stride,        # [P, V] target probabilities, any float dtype, unit column stride
+    rows_ptr,               # [n] int64: the row of the outputs for chunk row i
+    p_rows_ptr,             # [n] int64: the row of p for chunk row i
     g_ptr,                  # [N] fp32 upstream gradient per row (read only when WRITE_GRAD)
     loss_ptr, argmax_ptr,   # [N] fp32, [N] int64 outputs
     V: tl.constexpr,        # constexpr: fixed per model, and the interpreter (numpy 2) cannot
@@ -61,7 +62,7 @@ def _soft_ce_kernel(
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i)
     z_row = z_ptr + i.to(tl.int64) * z_stride
-    p_row = p_ptr + row * p_stride
+    p_row = p_ptr + tl.load(p_rows_ptr + i) * p_stride
     offs = tl.arange(0, BLOCK_V)
 
     # Pass 1: online max / sum-exp (logsumexp), Σp, Σp·z and the first index of the max.
@@ -118,10 +119,10 @@ def _gpu_kernel():
     return _tuned_kernel
 
 
-def _soft_ce(z, p, rows, g, loss, argmax) -> None:
+def _soft_ce(z, p, rows, p_rows, g, loss, argmax) -> None:
     """Launch the row kernel over the chunk `z` (one program per row); g=None: no gradient."""
     n, V = z.shape
-    args = (z, z.stride(0), p, p.stride(0), rows, loss if g is None else g, loss, argmax, V)
+    args = (z, z.stride(0), p, p.stride(0), rows, p_rows, loss if g is None else g, loss, argmax, V)
     if z.is_cuda:
         _gpu_kernel()[(n,)](*args, WRITE_GRAD=g is not None)
     else:
@@ -189,13 +190,15 @@ def _valid_rows(valid: torch.Tensor | None, N: int, device) -> torch.Tensor:
     return valid.nonzero().squeeze(1)
 
 
-def _score_rows(h, w, p, rows, ws, loss, argmax, g=None, dh=None, dw=None, dw_fresh=True) -> bool:
-    """Loss and argmax of `rows` (valid rows of one step), chunk by chunk.
+def _score_rows(h, w, p, rows, ws, loss, argmax, g=None, dh=None, dw=None, dw_fresh=True, p_rows=None) -> bool:
+    """Loss and argmax of `rows` (valid rows of one step), chunk by chunk; h's row i reads p's row
+    p_rows[i] (row i when p_rows is None).
 
     With g (fp32 [N] upstream gradient per row) also writes dh[rows] and accumulates into dw
     (overwriting it first when dw_fresh). Returns whether dw is still unwritten.
     """
     n_rows = rows.numel()
+    p_of = rows if p_rows is None else p_rows[rows]
     dense = n_rows == h.shape[0]   # all rows valid: plain slices, no gather / scatter
     for a in range(0, n_rows, ws.chunk):
         b = min(a + ws.chunk, n_rows)
@@ -206,7 +209,7 @@ def _score_rows(h, w, p, rows, ws, loss, argmax, g=None, dh=None, dw=None, dw_fr
             h_buf, dh_buf = ws.gathered(b - a)
             h_c = torch.index_select(h, 0, r, out=h_buf)
         z = ws.logits(h_c)
-        _soft_ce(z, p, r, g, loss, argmax)
+        _soft_ce(z, p, r, p_of[a:b], g, loss, argmax)
         if g is None:
             continue
         if dh is not None:
@@ -223,11 +226,13 @@ def _score_rows(h, w, p, rows, ws, loss, argmax, g=None, dh=None, dw=None, dw_fr
     return dw_fresh
 
 
-def _check(h, w, p) -> torch.Tensor:
+def _check(h, w, p, p_rows=None) -> torch.Tensor:
     N, H = h.shape
-    if w.dim() != 2 or w.shape[1] != H or p.shape != (N, w.shape[0]) or h.dtype != w.dtype:
+    rows_ok = p.shape[0] == N if p_rows is None else (p_rows.shape == (N,) and p_rows.dtype == torch.int64)
+    if w.dim() != 2 or w.shape[1] != H or p.dim() != 2 or p.shape[1] != w.shape[0] or not rows_ok or h.dtype != w.dtype:
+        rows = "" if p_rows is None else f", p_rows {tuple(p_rows.shape)} {p_rows.dtype} (expected ({N},) int64)"
         raise ValueError(f"ttt_loss: bad shapes/dtypes h {tuple(h.shape)} {h.dtype}, "
-                         f"w {tuple(w.shape)} {w.dtype}, p {tuple(p.shape)}")
+                         f"w {tuple(w.shape)} {w.dtype}, p {tuple(p.shape)}{rows}")
     return p if p.stride(1) == 1 else p.contiguous()
 
 
@@ -293,7 +298,7 @@ class TTTLossStepsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, meta, *hs):
-        ps, valids, weights, chunk, grad_mode, float8 = meta
+        ps, p_rows, valids, weights, chunk, grad_mode, float8 = meta
         # needs_input_grad ignores torch.no_grad(): grad_mode comes from the caller.
         need_w = grad_mode and ctx.needs_input_grad[0]
         need_h = [grad_mode and n for n in ctx.needs_input_grad[2:]]
@@ -314,7 +319,7 @@ class TTTLossStepsFunction(torch.autograd.Function):
             g = _row_weights(weights[k], h.shape[0], h.device)
             if r.numel():
                 dw_fresh = _score_rows(h, w, p, r, ws, loss, argmax, g=g if grads else None,
-                                       dh=dh, dw=dw, dw_fresh=dw_fresh)
+                                       dh=dh, dw=dw, dw_fresh=dw_fresh, p_rows=p_rows[k])
             elif dh is not None:
                 dh.zero_()
             total = total + (loss * g).sum()
@@ -345,12 +350,16 @@ def _row_weights(weight, N: int, device) -> torch.Tensor:
 def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[torch.Tensor],
                    valids: Sequence[torch.Tensor | None] | None = None,
                    weights: Sequence[float | torch.Tensor] | None = None, chunk: int | None = None,
-                   float8: bool = False) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+                   float8: bool = False, p_rows: Sequence[torch.Tensor | None] | None = None,
+                   ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """All K TTT steps at once: (total, losses, argmaxes).
 
     hs[k] [N_k, H], ps[k] [N_k, V] and valids[k] bool [N_k] (or None) are step k's inputs to
     `ttt_loss`; valids[k] may also be the indices of the valid rows (int64 or int32, unique,
     ascending), which saves the host sync of finding them; weights[k] is its loss weight (a number or an [N_k] tensor, default 1).
+    p_rows[k] (int64 [N_k] on ps[k]'s device, or None) says which row of ps[k] each row of hs[k]
+    reads: then ps[k] may be any [P, V] (e.g. every step's one target tensor), read in place instead
+    of gathered. Its values are not checked (that would cost a host sync): they must lie in [0, P).
     total = Σ_k Σ_i weights[k]_i · loss_k,i is an fp32 scalar, differentiable in every hs[k] and w;
     losses[k] / argmaxes[k] are `ttt_loss`'s outputs for step k (not differentiable). The gradient
     is computed during forward (3 GEMMs per step instead of 4), with dw accumulated in bf16 across
@@ -362,13 +371,14 @@ def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[tor
     K = len(hs)
     valids = [None] * K if valids is None else list(valids)
     weights = [1.0] * K if weights is None else list(weights)
-    if not (len(ps) == len(valids) == len(weights) == K):
-        raise ValueError("ttt_loss_steps: hs, ps, valids and weights need one entry per step")
-    ps = [_check(h, w, p) for h, p in zip(hs, ps)]
+    p_rows = [None] * K if p_rows is None else list(p_rows)
+    if not (len(ps) == len(valids) == len(weights) == len(p_rows) == K):
+        raise ValueError("ttt_loss_steps: hs, ps, valids, weights and p_rows need one entry per step")
+    ps = [_check(h, w, p, r) for h, p, r in zip(hs, ps, p_rows)]
     hs = [h.contiguous() for h in hs]
     if float8 and (w.shape[0] % 16 or w.shape[1] % 16):
         raise ValueError(f"ttt_loss_steps: float8 needs V and H multiples of 16, w is {tuple(w.shape)}")
     grad_mode = torch.is_grad_enabled()
-    outs = TTTLossStepsFunction.apply(w.contiguous(), (ps, valids, weights, chunk, grad_mode, float8 and grad_mode),
+    outs = TTTLossStepsFunction.apply(w.contiguous(), (ps, p_rows, valids, weights, chunk, grad_mode, float8 and grad_mode),
                                       *hs)
     return outs[0], list(outs[1:1 + K]), list(outs[1 + K:])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import make_config
-from eagle3 import float8, training
+from eagle3 import float8, linear, training
 from kernels import fp8_cast
 
 
@@ -36,7 +36,7 @@ def test_the_fp8_step_keeps_fp32_masters_and_trains(tmp_path, llama_target, toke
                                                              "train.max_steps": 6})
     trainer = training.Trainer(cfg)
     draft = trainer.model.draft
-    assert draft.linear is float8.linear and draft.layers[0].mlp.linear is float8.linear
+    assert draft.linears is float8.linears and draft.layers[0].mlp.linears is float8.linears
     assert all(p.dtype == torch.float32 for p in trainer.params)
     trainer.run()
     records = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
@@ -66,7 +66,7 @@ def test_float8_names_a_width_that_is_not_a_multiple_of_16():
 def test_under_autocast_fp8_outputs_what_the_dense_path_outputs():
     x, w = torch.randn(20, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):     # an fp32 input, as with train.fp32_residual
-        fp8, dense = float8.linear(x, w), float8.dense_linear(x, w)
+        fp8, dense = float8.linear(x, w), linear.dense_linear(x, w)
     assert fp8.dtype == dense.dtype == torch.bfloat16
     fp8.float().sum().backward()
     assert x.grad.dtype == w.grad.dtype == torch.float32
@@ -84,7 +84,7 @@ def test_inside_casts_reused_a_weight_is_cast_once_until_it_changes(monkeypatch)
     plain = [grads(x) for x in xs]
     calls = []
     monkeypatch.setattr(fp8_cast, "to_fp8_reference", lambda t, dtype: _count(calls, t, dtype))
-    with float8.casts_reused():
+    with linear.casts_reused():
         reused = [grads(x) for x in xs]
         assert calls.count((32, 64)) == 1            # the weight: once for the three inputs
         with torch.no_grad():
@@ -100,7 +100,7 @@ def test_inside_casts_reused_one_input_of_two_layers_is_cast_once(monkeypatch):
     x = torch.randn(20, 64)
     calls = []
     monkeypatch.setattr(fp8_cast, "to_fp8_reference", lambda t, dtype: _count(calls, t, dtype))
-    with float8.casts_reused():
+    with linear.casts_reused():
         float8.linear(x, w1), float8.linear(x, w2)
         float8.linear(x.clone(), w1)                # another tensor, equal values: cast anew
     assert calls.count((20, 64)) == 2 and len(calls) == 4
@@ -144,8 +144,8 @@ def test_auto_float8_is_on_only_where_the_gpu_and_the_widths_allow_it(monkeypatc
 def test_without_autograd_the_fp8_linear_is_the_dense_one():
     x, w = torch.randn(20, 32), torch.randn(16, 32)
     with torch.no_grad():                                # held-out evaluation: the draft as served
-        assert torch.equal(float8.linear(x, w), float8.dense_linear(x, w))
-    assert not torch.equal(float8.linear(x, w), float8.dense_linear(x, w))
+        assert torch.equal(float8.linear(x, w), linear.dense_linear(x, w))
+    assert not torch.equal(float8.linear(x, w), linear.dense_linear(x, w))
 
 
 def test_float8_head_needs_the_triton_loss_on_a_gpu(tmp_path, llama_target, token_data, hidden):

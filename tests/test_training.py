@@ -109,7 +109,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path, llama_target, token_data,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [4, 8])
+@pytest.mark.parametrize("ranks", [8])   # 3+ ranks (another summation order than 2) also: the 4-rank kill test
 def test_n_processes_equal_one_process_with_n_micro_batches(tmp_path, llama_target, token_data, hidden, ranks):
     """The N-rank path of an 8-GPU node, on the CPU with gloo: same global batch, same training."""
     small = {"train.batch_tokens": 48, "train.max_steps": 4, "train.checkpoint_every": 4, "train.eval_every": 4}

@@ -130,9 +130,9 @@ def test_ttt_step_uses_own_previous_output_and_shifted_tokens():
     batch.target_argmax = draft.t2d.nonzero().flatten()[torch.arange(16) % 24].to(torch.int32)
     outputs = {}
 
-    def recording_loss(hs, w, ps, valids, weights):
+    def recording_loss(hs, w, ps, valids, weights, p_rows):
         outputs["h"] = [h.detach().clone() for h in hs]
-        return ttt_loss_steps(hs, w, ps, valids, weights)
+        return ttt_loss_steps(hs, w, ps, valids, weights, p_rows=p_rows)
 
     ttt_forward(draft, batch, embed, head, 3, ttt_attention, recording_loss)
     changed = dataclasses.replace(batch, input_ids=batch.input_ids.clone())

@@ -19,7 +19,7 @@ from conftest import run_interpreted
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ["fp32_rows_not_valid", "bf16_matches_reference", "peaked_flat_and_unnormalized_targets",
          "vocab_block_edges_and_ties", "no_valid_rows_and_no_grad", "all_steps_at_once",
-         "valid_rows_as_indices", "float8_gemms_follow_the_exact_ones"]
+         "valid_rows_as_indices", "float8_gemms_follow_the_exact_ones", "targets_read_by_row_index"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +280,43 @@ def case_valid_rows_as_indices():
         pass
     else:
         raise AssertionError("a uint8 mask must be refused, not read as row indices")
+
+
+def case_targets_read_by_row_index():
+    """p_rows: each step reads its rows of one [P, V] target tensor in place (what training passes:
+    kept rows shifted by the step) == the same rows gathered first, in the Triton (dense and gathered
+    chunks, with and without float8) and the reference `ttt_loss_steps`; bad p_rows are refused."""
+    import torch
+    from kernels import reference
+    from kernels.ttt_loss import ttt_loss_steps
+    K, N, H, V = 3, 21, 16, 304
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(V, H, generator=g) / H ** 0.5
+    p_all = torch.softmax(torch.randn(N + K + 5, V, generator=g), -1)
+    rows = [torch.randperm(N + 5, generator=g)[:N].sort().values + k for k in range(K)]
+    hs = [torch.randn(N, H, generator=g) for _ in range(K)]
+    valids = [None, torch.rand(N, generator=g) > 0.4, torch.ones(N, dtype=torch.bool)]
+
+    def run(fn, ps, p_rows, **kw):
+        wr, hr = w.clone().requires_grad_(), [h.clone().requires_grad_() for h in hs]
+        total, losses, argmaxes = fn(hr, wr, ps, valids, [1.0, 0.8, 0.64], p_rows=p_rows, **kw)
+        total.backward()
+        return [total, *losses, *argmaxes, wr.grad, *[h.grad for h in hr]]
+
+    for kw in ({}, {"chunk": 8}, {"float8": True, "chunk": 16}):
+        expected = run(ttt_loss_steps, [p_all[r] for r in rows], None, **kw)
+        got = run(ttt_loss_steps, [p_all] * K, rows, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"{kw}: differs from gathered targets"
+    expected = run(reference.ttt_loss_steps, [p_all[r] for r in rows], None)
+    got = run(reference.ttt_loss_steps, [p_all] * K, rows)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)), "reference: differs from gathered targets"
+    for bad in (rows[0][:-1], rows[0].int()):
+        try:
+            ttt_loss_steps(hs, w, [p_all] * K, p_rows=[bad, None, None])
+        except ValueError as exc:
+            assert "p_rows" in str(exc)
+        else:
+            raise AssertionError(f"p_rows {tuple(bad.shape)} {bad.dtype} must be refused")
 
 
 def _child() -> None:
