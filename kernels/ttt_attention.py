@@ -376,11 +376,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
 # "large" (sm_90, sm_100/103: 227 KB): chosen on an H200 (HEAD_DIM=128, bf16) by `python -m
 # eagle3.bench attention --sweep`, which times the SWEEP lists below one config at a time. Each
 # compiles for sm_90 with no or a few bytes of register spills (checked with ptxas); configs whose
-# spills grew large were dropped. "a100" (163 KB) and "small" (about 99 KB: sm_86/89/120 and older):
-# the tilings whose pipelined k/v (q/dO in dK/dV) tiles fit, by count (stages x tiles x D x 2 bytes
-# plus the resident tiles), not measured. FALLBACK, small tiles in two stages (under 48 KB of shared
-# memory at HEAD_DIM=128), ends every list and fits every GPU Triton supports; the interpreter tests
-# run it too (tests/test_ttt_attention.py, "fallback_tiles").
+# spills grew large were dropped. "a100" (163 KB) and "small" (about 99 KB: sm_86/89/120): the
+# "large" tilings whose tiles fit, by count (stages x the pipelined k, v tiles, or q, dO in dK/dV,
+# x HEAD_DIM x 2 bytes, plus the resident tiles: tests/test_tiles.py), and smaller ones; not
+# measured. FALLBACK, small tiles in two stages (48 KB or less of shared memory at HEAD_DIM=128 in
+# bf16), ends every list and fits every GPU Triton supports; the interpreter tests run it too
+# (tests/test_ttt_attention.py, "fallback_tiles").
 FALLBACK = (32, 32, 4, 2)
 CONFIGS = {
     "large": {
@@ -390,25 +391,25 @@ CONFIGS = {
         "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 32, 4, 3), FALLBACK],
     },
     "a100": {
-        "fwd": [(64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3), FALLBACK],
-        "dkdv": [(32, 128, 8, 2), (16, 128, 8, 3), (16, 64, 4, 3), FALLBACK],
-        "dq": [(128, 64, 8, 2), (64, 32, 4, 3), FALLBACK],
+        "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), FALLBACK],
+        "dkdv": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 128, 8, 3),
+                 (16, 64, 4, 3), FALLBACK],
+        "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), FALLBACK],
     },
     "small": {
-        "fwd": [(64, 32, 4, 3), (64, 64, 4, 2), FALLBACK],
-        "dkdv": [(16, 64, 4, 3), (32, 64, 4, 2), FALLBACK],
-        "dq": [(64, 32, 4, 3), (64, 64, 4, 2), FALLBACK],
+        "fwd": [(64, 64, 4, 2), (64, 32, 4, 3), FALLBACK],
+        "dkdv": [(32, 128, 8, 2), (16, 128, 8, 3), (16, 64, 4, 3), (32, 64, 4, 2), FALLBACK],
+        "dq": [(64, 64, 4, 2), (64, 32, 4, 3), FALLBACK],
     },
 }
-# Candidates for the sweep (on the GPU it runs on: tuned for "large"): the tuned lists and other
-# tilings. On the H200 (2026-12-01) (64, 128, 8, 3) took 3.6-4.7% off the whole fwd+bwd through
-# dK/dV (now first in its list); Triton 3.6's automatic warp specialization of the main loops changed
+# Candidates for the sweep (`--sweep`, on the GPU it runs on): every family's tilings and a few
+# more. On the H200 (2026-12-01) (64, 128, 8, 3) took 3.6-4.7% off the whole fwd+bwd through dK/dV
+# (now first in its list); Triton 3.6's automatic warp specialization of the main loops changed
 # nothing (bench/RESULTS.md) and was left out.
-SWEEP = {
-    "fwd": CONFIGS["large"]["fwd"][:-1] + [(128, 64, 8, 4), (128, 128, 8, 2)],
-    "dkdv": CONFIGS["large"]["dkdv"][:-1] + [(64, 128, 8, 4), (64, 64, 4, 3)],
-    "dq": CONFIGS["large"]["dq"][:-1] + [(64, 64, 4, 3), (128, 32, 8, 4)],
-}
+_EXTRA = {"fwd": [(128, 64, 8, 4), (128, 128, 8, 2)], "dkdv": [(64, 128, 8, 4), (64, 64, 4, 3)],
+          "dq": [(64, 64, 4, 3), (128, 32, 8, 4)]}
+SWEEP = {name: [c for c in tiles.union({f: CONFIGS[f][name] for f in CONFIGS}) if c != FALLBACK] + extra
+         for name, extra in _EXTRA.items()}
 # seqlen_bucket is the longest sequence rounded up to a power of two: the tuner reruns once per size
 # class, not for every new batch length.
 _TUNE_KEY = ["HEAD_DIM", "GROUP", "VARLEN", "seqlen_bucket"]
@@ -420,16 +421,12 @@ def _options(config) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
-def _as_tuple(config: triton.Config) -> tuple:
-    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
-
-
 def _tuned(kernel, name: str):
     """The autotuned kernel: every family's candidates, pruned to the running GPU's at tuning time."""
     lists = {family: configs[name] for family, configs in CONFIGS.items()}
     return triton.autotune(configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                                     for m, n, w, s in tiles.union(lists)], key=_TUNE_KEY,
-                           prune_configs_by={"early_config_prune": tiles.pruner(lists, _as_tuple)})(kernel)
+                           prune_configs_by={"early_config_prune": tiles.pruner(lists, ("BLOCK_M", "BLOCK_N"))})(kernel)
 
 
 _KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}

@@ -74,7 +74,8 @@ from eagle3.models import quant
 rng = np.random.default_rng(2)
 for E, N, K, group, sizes, blocks in [(3, 40, 64, 32, [5, 0, 37], None), (2, 16, 128, 128, [16, 1], None),
                                       (4, 24, 96, 32, [3, 9, 0, 20], (16, 16, 16)),
-                                      (3, 40, 128, 32, [5, 0, 37], (16, 16, 64))]:   # 2 scale groups a block
+                                      (3, 40, 128, 32, [5, 0, 37], (16, 16, 64)),   # 2 scale groups a block
+                                      (3, 40, 64, 32, [5, 0, 70], (64, 32, 32))]:   # the GPU's BLOCK_M, FALLBACK
     packed = torch.from_numpy(rng.integers(-2**31, 2**31, size=(E, N, K // 8)).astype(np.int32))
     scale = torch.randn(E, N, K // group) * 0.1
     x = torch.randn(sum(sizes), K)

@@ -29,10 +29,11 @@ def _w4a16_kb(config):
 
 
 @pytest.mark.parametrize("capability, name", [((9, 0), "large"), ((10, 0), "large"), ((10, 3), "large"),
-                                              ((8, 0), "a100"), ((8, 6), "small"), ((8, 9), "small"),
-                                              ((12, 0), "small"), ((7, 5), "small")])
+                                              ((8, 0), "a100"), ((8, 7), "a100"), ((8, 6), "small"),
+                                              ((8, 9), "small"), ((12, 0), "small"), ((7, 5), "small")])
 def test_family_by_compute_capability(capability, name):
     assert tiles.family(capability) == name
+    assert tiles.family(capability, hip=True) == "small"   # AMD: 64 KB of LDS whatever it reports
 
 
 def test_every_list_fits_its_family_by_count_and_ends_with_the_fallback():
@@ -49,20 +50,29 @@ def test_every_list_fits_its_family_by_count_and_ends_with_the_fallback():
     assert _w4a16_kb(quant.W4A16_FALLBACK) <= 48
 
 
-@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (8, 9), (12, 0)])
-def test_the_autotuners_keep_the_running_gpus_family(monkeypatch, capability):
+@pytest.mark.parametrize("capability, hip", [((9, 0), False), ((8, 0), False), ((8, 9), False), ((12, 0), False),
+                                             ((9, 4), True)])
+def test_the_autotuners_keep_the_running_gpus_family_in_its_order(monkeypatch, capability, hip):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    family = tiles.family(capability)
-    args = {"Q": torch.zeros(1), "T": 4}
+    monkeypatch.setattr(torch.version, "hip", "6.2" if hip else None)
+    family = tiles.family(capability, hip)
+    assert ttt_attention._TUNED, "run without TRITON_INTERPRET: the interpreter builds no autotuners"
     for kernel, tuned in ttt_attention._TUNED.items():
-        kept = tuned.early_config_prune(tuned.configs, args)
-        assert [ttt_attention._as_tuple(c) for c in kept] == [
-            c for c in tiles.union({f: ttt_attention.CONFIGS[f][kernel] for f in tiles.FAMILIES})
-            if c in ttt_attention.CONFIGS[family][kernel]]
-        assert sorted(map(ttt_attention._as_tuple, kept)) == sorted(ttt_attention.CONFIGS[family][kernel])
+        kept = tuned.early_config_prune(tuned.configs, {"Q": torch.zeros(1), "T": 4})
+        assert [tiles.as_tuple(c, ("BLOCK_M", "BLOCK_N")) for c in kept] == ttt_attention.CONFIGS[family][kernel]
     tuned = quant._w4a16_tuned(128)
     kept = tuned.early_config_prune(tuned.configs, {"x": torch.zeros(1)})
-    assert sorted(map(quant._as_tuple, kept)) == sorted(quant.W4A16_CONFIGS[family])
+    assert [tiles.as_tuple(c, ("BLOCK_N", "BLOCK_K")) for c in kept] == quant.W4A16_CONFIGS[family]
+
+
+def test_on_an_h200_the_tuner_tries_the_tuned_lists_unchanged():
+    """The "large" lists are the ones measured; the union the autotuners hold starts with them."""
+    for kernel, tuned in ttt_attention._TUNED.items():
+        first = [tiles.as_tuple(c, ("BLOCK_M", "BLOCK_N")) for c in tuned.configs][:len(ttt_attention.CONFIGS["large"][kernel])]
+        assert first == ttt_attention.CONFIGS["large"][kernel]
+    assert ttt_attention.FALLBACK not in ttt_attention.SWEEP["fwd"]
+    assert all(c in ttt_attention.SWEEP[k] for f in tiles.FAMILIES for k in ("fwd", "dkdv", "dq")
+               for c in ttt_attention.CONFIGS[f][k] if c != ttt_attention.FALLBACK)
 
 
 def test_union_needs_a_list_per_family():

@@ -91,15 +91,16 @@ def _triton_kernel():
 
 # BLOCK_M is fixed (the host builds the tile schedule from it); on a GPU BLOCK_N, BLOCK_K, warps and
 # stages are autotuned per (N, K) among the candidates of the GPU's family (`kernels.tiles`): "large"
-# (Hopper, datacenter Blackwell) as measured on an H200; "a100" and "small" (about 99 KB of shared
-# memory: sm_86/89/120) the tilings whose stages fit by count, not measured; FALLBACK runs everywhere.
+# (Hopper, datacenter Blackwell: 227 KB of shared memory) as measured on an H200; "a100" (163 KB) and
+# "small" (about 99 KB: sm_86/89/120) the tilings whose stages fit by count (tests/test_tiles.py), not
+# measured; FALLBACK runs everywhere.
 W4A16_BLOCK_M = {"gpu": 64, "interpret": 16}
 W4A16_INTERPRET_NK = (16, 32)   # BLOCK_N, BLOCK_K under the interpreter (one config, no tuning)
 W4A16_FALLBACK = (32, 32, 4, 2)   # BLOCK_N, BLOCK_K, num_warps, num_stages
 W4A16_CONFIGS = {
     "large": [(128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3), (64, 64, 4, 3), W4A16_FALLBACK],
-    "a100": [(128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3), W4A16_FALLBACK],
-    "small": [(128, 64, 4, 3), (64, 64, 4, 3), W4A16_FALLBACK],
+    "a100": [(128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3), (64, 64, 4, 3), W4A16_FALLBACK],
+    "small": [(128, 64, 4, 3), (256, 64, 8, 3), (64, 64, 4, 3), W4A16_FALLBACK],
 }
 
 
@@ -157,13 +158,11 @@ def _w4a16_tuned(group: int):
     lists = {name: [c for c in configs if _fits_group(c[1], group)] for name, configs in W4A16_CONFIGS.items()}
     if not all(lists.values()):
         raise ValueError(f"int4 scale group {group}: no W4A16 tile fits it (BLOCK_K and group must divide)")
-    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in tiles.union(lists)]
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+               for n, k, w, st in tiles.union(lists)]
+    prune = tiles.pruner(lists, ("BLOCK_N", "BLOCK_K"))
     return triton.autotune(configs=configs, key=["N", "K", "ROWS_BUCKET"],
-                           prune_configs_by={"early_config_prune": tiles.pruner(lists, _as_tuple)})(_w4a16_kernel())
-
-
-def _as_tuple(config) -> tuple:
-    return config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_warps, config.num_stages
+                           prune_configs_by={"early_config_prune": prune})(_w4a16_kernel())
 
 
 @functools.cache
