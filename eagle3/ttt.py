@@ -138,9 +138,10 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     skip_dead_rows, rows trained) and found here otherwise.
     embed: frozen target embedding [V_t, H]; head_rows: target lm_head rows of the draft vocab
     [V_d, H]. `attention` and `loss_steps` have the signatures of `kernels.ttt_attention`
-    and `kernels.ttt_loss_steps` (`loss_steps` is passed `p_rows` by keyword). With skip_dead_rows, work that cannot reach the loss is skipped
-    (exactly: same loss and gradients): at step 0 every row makes its keys and values but only
-    live rows run the rest; from step 1 on only live rows are computed at all. `objective` holds
+    and `kernels.ttt_loss_steps` (`loss_steps` is passed `p_rows` by keyword). With skip_dead_rows,
+    work that cannot reach the loss is skipped (exactly: same loss and gradients): at step 0 every
+    row makes its keys and values but only live rows run the rest; from step 1 on only live rows are
+    computed at all. `objective` holds
     the recipe levers (rows trained, input noise, loss target); prepared live/loss rows must follow its row rule.
     Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, 7], per-row detail): metric
     columns are METRICS plus the accepted-length sum in column 6 of row 0; the detail holds, per

@@ -379,6 +379,6 @@ def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[tor
     if float8 and (w.shape[0] % 16 or w.shape[1] % 16):
         raise ValueError(f"ttt_loss_steps: float8 needs V and H multiples of 16, w is {tuple(w.shape)}")
     grad_mode = torch.is_grad_enabled()
-    outs = TTTLossStepsFunction.apply(w.contiguous(), (ps, p_rows, valids, weights, chunk, grad_mode, float8 and grad_mode),
-                                      *hs)
+    meta = (ps, p_rows, valids, weights, chunk, grad_mode, float8 and grad_mode)
+    outs = TTTLossStepsFunction.apply(w.contiguous(), meta, *hs)
     return outs[0], list(outs[1:1 + K]), list(outs[1 + K:])

@@ -68,8 +68,9 @@ def test_the_autotuners_keep_the_running_gpus_family_in_its_order(monkeypatch, c
 def test_on_an_h200_the_tuner_tries_the_tuned_lists_unchanged():
     """The "large" lists are the ones measured; the union the autotuners hold starts with them."""
     for kernel, tuned in ttt_attention._TUNED.items():
-        first = [tiles.as_tuple(c, ("BLOCK_M", "BLOCK_N")) for c in tuned.configs][:len(ttt_attention.CONFIGS["large"][kernel])]
-        assert first == ttt_attention.CONFIGS["large"][kernel]
+        tuned_there = ttt_attention.CONFIGS["large"][kernel]
+        first = [tiles.as_tuple(c, ("BLOCK_M", "BLOCK_N")) for c in tuned.configs][:len(tuned_there)]
+        assert first == tuned_there
     assert ttt_attention.FALLBACK not in ttt_attention.SWEEP["fwd"]
     assert all(c in ttt_attention.SWEEP[k] for f in tiles.FAMILIES for k in ("fwd", "dkdv", "dq")
                for c in ttt_attention.CONFIGS[f][k] if c != ttt_attention.FALLBACK)
