@@ -109,9 +109,9 @@ def test_ddp_two_processes_equal_one_process(tmp_path, llama_target, token_data,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [8])   # 3+ ranks (another summation order than 2) also: the 4-rank kill test
+@pytest.mark.parametrize("ranks", [3])   # an odd world size: another summation order than 2 (2: the DDP test)
 def test_n_processes_equal_one_process_with_n_micro_batches(tmp_path, llama_target, token_data, hidden, ranks):
-    """The N-rank path of an 8-GPU node, on the CPU with gloo: same global batch, same training."""
+    """The N-rank path of a multi-GPU node, on the CPU with gloo: same global batch, same training."""
     small = {"train.batch_tokens": 48, "train.max_steps": 4, "train.checkpoint_every": 4, "train.eval_every": 4}
     one, many = tmp_path / "one", tmp_path / "many"
     run_train(cli_args(one, llama_target, token_data, hidden, **small, **{"train.grad_accum": ranks}))
@@ -126,12 +126,12 @@ def test_n_processes_equal_one_process_with_n_micro_batches(tmp_path, llama_targ
 
 
 @pytest.mark.slow
-def test_a_run_killed_on_four_ranks_resumes_to_the_same_weights(tmp_path, llama_target, token_data, hidden):
+def test_a_run_killed_on_three_ranks_resumes_to_the_same_weights(tmp_path, llama_target, token_data, hidden):
     """The whole process group (torchrun and its workers) killed mid-run, then the same command."""
     run = {"train.batch_tokens": 48, "train.max_steps": 10, "train.checkpoint_every": 2, "train.eval_every": 10}
-    run_train(cli_args(tmp_path / "straight", llama_target, token_data, hidden, **run), nproc=4)
+    run_train(cli_args(tmp_path / "straight", llama_target, token_data, hidden, **run), nproc=3)
     killed = tmp_path / "killed"
-    proc = run_train(cli_args(killed, llama_target, token_data, hidden, **run), nproc=4,
+    proc = run_train(cli_args(killed, llama_target, token_data, hidden, **run), nproc=3,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = killed / "train" / "checkpoints" / "step-00000004"
     deadline = time.time() + 300
@@ -139,7 +139,7 @@ def test_a_run_killed_on_four_ranks_resumes_to_the_same_weights(tmp_path, llama_
         time.sleep(0.02)
     kill_tree(proc)   # torchrun and its workers (they run in sessions of their own: not its group)
     assert ckpt_io.latest(killed / "train").name < "step-00000010", "the run was not interrupted"
-    out = run_train(cli_args(killed, llama_target, token_data, hidden, **run), nproc=4)
+    out = run_train(cli_args(killed, llama_target, token_data, hidden, **run), nproc=3)
     assert "resumed from" in out.stderr
     a, b = final_weights(tmp_path / "straight" / "train"), final_weights(killed / "train")
     for key in a:
