@@ -97,9 +97,10 @@ def _triton_kernel():
 W4A16_BLOCK_M = {"gpu": 64, "interpret": 16}
 W4A16_INTERPRET_NK = (16, 32)   # BLOCK_N, BLOCK_K under the interpreter (one config, no tuning)
 W4A16_FALLBACK = (32, 32, 4, 2)   # BLOCK_N, BLOCK_K, num_warps, num_stages
+_W4A16_LARGE = [(128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3), (64, 64, 4, 3), W4A16_FALLBACK]
 W4A16_CONFIGS = {
-    "large": [(128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3), (64, 64, 4, 3), W4A16_FALLBACK],
-    "a100": [(128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3), (64, 64, 4, 3), W4A16_FALLBACK],
+    "large": _W4A16_LARGE,
+    "a100": _W4A16_LARGE,   # every one fits 163 KB
     "small": [(128, 64, 4, 3), (256, 64, 8, 3), (64, 64, 4, 3), W4A16_FALLBACK],
 }
 
