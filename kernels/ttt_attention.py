@@ -234,7 +234,8 @@ def _bwd_diag_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
 @triton.jit
 def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d,
                    seqlen, qk_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
-    """Contribution of one query tile to a step-0 key tile (computed transposed: keys are rows)."""
+    """Contribution of one query tile to a step-0 key tile (computed transposed: keys are rows), and
+    the tile's dS^T (fp32 [BLOCK_N, BLOCK_M]; bench/dq_accumulation.py builds dq from it)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_mask = offs_m < seqlen
     # Rows past the sequence load as zeros (q = dO = 0, lse = delta = 0) and contribute nothing.
@@ -249,7 +250,7 @@ def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m
     dp_t = tl.dot(v, tl.trans(do))
     ds_t = p_t * (dp_t - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk)
-    return dk, dv
+    return dk, dv, ds_t
 
 
 @triton.jit
@@ -275,10 +276,10 @@ def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, st
         DELTAh = DELTA + head * T + start
         # Query tiles that straddle the diagonal need the causal mask; the ones after do not.
         for m0 in range(n0, diag_end, BLOCK_M):
-            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
+            dk, dv, _ = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
                                     offs_n, offs_d, seqlen, qk_scale, BLOCK_M, True, UPCAST)
         for m0 in range(n0 + BLOCK_N, seqlen, BLOCK_M):
-            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
+            dk, dv, _ = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
                                     offs_n, offs_d, seqlen, qk_scale, BLOCK_M, False, UPCAST)
     out = kv_base + offs_n[:, None] * stride_kt + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
