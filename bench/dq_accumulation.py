@@ -67,9 +67,10 @@ def _dkdv_dq(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, LOCK,
              T, qk_scale, sm_scale, N_M,
              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ORDER: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dk, dv of key tile j of one kv head, and its dQ parts. The grid is (kv head, key tile): key
-    tile j - 1 launches before j, so the tile a program spins for is running or done (the GPU
-    starts blocks in order; the interpreter runs them in order)."""
+    """dk, dv of key tile j of one kv head, and its dQ parts. The grid is (kv head, key tile), so key
+    tile j - 1 comes before j in launch order and the tile a program spins for is running or done:
+    the interpreter runs programs in that order; on a GPU it is an assumption (CUDA does not promise
+    in-order block starts, though GPUs start them in order in practice)."""
     kv_head = tl.program_id(0)
     j = tl.program_id(1)
     n0 = j * BLOCK_N

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 14's speed figures on the GPU machine, a part per argument (each under a 10-minute call):
 #   peer   the peer's step alone (speculators 0.9.0, bench/peer/speculators_kimi_step.py: data and
-#          verifier about 75 s, its first epoch compiles for 4-5 minutes; 388 to 485 s in all). On a
+#          verifier about 75 s, its first epoch compiles for 4-5 minutes; 388 to 485 s in all, and not
+#          done after 560 s once: give it the call's whole 600 s; its log streams to $OUT). On a
 #          machine still warm from it, `step` right after finds the peer's data and compiled graphs
 #          cached: that second call is what fits the 10 minutes (one call of `step` alone did not, in
 #          the fourth session: the peer took 485 s and our part was cut off)

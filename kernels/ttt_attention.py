@@ -277,10 +277,10 @@ def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, st
         # Query tiles that straddle the diagonal need the causal mask; the ones after do not.
         for m0 in range(n0, diag_end, BLOCK_M):
             dk, dv, _ = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
-                                    offs_n, offs_d, seqlen, qk_scale, BLOCK_M, True, UPCAST)
+                                       offs_n, offs_d, seqlen, qk_scale, BLOCK_M, True, UPCAST)
         for m0 in range(n0 + BLOCK_N, seqlen, BLOCK_M):
             dk, dv, _ = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
-                                    offs_n, offs_d, seqlen, qk_scale, BLOCK_M, False, UPCAST)
+                                       offs_n, offs_d, seqlen, qk_scale, BLOCK_M, False, UPCAST)
     out = kv_base + offs_n[:, None] * stride_kt + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_mask[:, None])
