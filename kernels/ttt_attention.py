@@ -116,16 +116,30 @@ def _fwd_diag(acc, m_i, l_i, q, K, V, S, stride_ks, stride_kt, kv_rows, offs_d, 
 
 
 @triton.jit
+def _load_key_tile(K0, V0, stride_kt, offs_n, offs_d, seqlen, MASK: tl.constexpr, UPCAST: tl.constexpr):
+    """k, v of step-0 keys offs_n; bounds-checked only on tiles that straddle the diagonal (the others
+    lie entirely below it and inside the sequence)."""
+    if MASK:
+        k = _load_rows(K0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
+        v = _load_rows(V0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
+    else:
+        k = _load_rows_nomask(K0, offs_n, stride_kt, offs_d, UPCAST)
+        v = _load_rows_nomask(V0, offs_n, stride_kt, offs_d, UPCAST)
+    return k, v
+
+
+@triton.jit
 def _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen, qk_scale,
                      BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
     """One step-0 key tile of FlashAttention-2; MASK only on tiles that straddle the diagonal."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    if MASK:
-        k = _load_rows(K0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
-        v = _load_rows(V0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
-    else:  # the tile lies entirely below the diagonal and inside the sequence
-        k = _load_rows_nomask(K0, offs_n, stride_kt, offs_d, UPCAST)
-        v = _load_rows_nomask(V0, offs_n, stride_kt, offs_d, UPCAST)
+    k, v = _load_key_tile(K0, V0, stride_kt, offs_n, offs_d, seqlen, MASK, UPCAST)
+    return _fwd_softmax_tile(acc, m_i, l_i, q, k, v, offs_m, offs_n, qk_scale, MASK)
+
+
+@triton.jit
+def _fwd_softmax_tile(acc, m_i, l_i, q, k, v, offs_m, offs_n, qk_scale, MASK: tl.constexpr):
+    """The online-softmax update of one loaded key tile (k, v: [BLOCK_N, D])."""
     s = tl.dot(q, tl.trans(k))
     if MASK:
         s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
@@ -314,18 +328,33 @@ def _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, stride_kt, n0, offs_m, offs_d, s
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
     """Contribution of one step-0 key tile to dq."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    if MASK:
-        k = _load_rows(K0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
-        v = _load_rows(V0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
-    else:
-        k = _load_rows_nomask(K0, offs_n, stride_kt, offs_d, UPCAST)
-        v = _load_rows_nomask(V0, offs_n, stride_kt, offs_d, UPCAST)
+    k, v = _load_key_tile(K0, V0, stride_kt, offs_n, offs_d, seqlen, MASK, UPCAST)
+    return _bwd_dq_scores_tile(dq, q, do, lse, delta, k, v, offs_m, offs_n, qk_scale, MASK)
+
+
+@triton.jit
+def _bwd_dq_scores_tile(dq, q, do, lse, delta, k, v, offs_m, offs_n, qk_scale, MASK: tl.constexpr):
+    """dq += dS k for one loaded key tile, the scores recomputed from the saved log-sum-exp."""
     p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
     if MASK:
         p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq)
+
+
+@triton.jit
+def _bwd_dq_diag(K0, DS, head, start, T, S, H_Q, stride_ks, stride_kt, offs_m, offs_d, row_mask,
+                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dq of the diagonal keys: ds_j (from _bwd_diag_kernel) times k_j, row by row, j = 1..S-1."""
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    Kj = K0
+    for j in range(1, S):
+        Kj += stride_ks
+        kj = _load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, True)
+        ds = tl.load(DS + ((j - 1) * H_Q + head) * T + start + offs_m, mask=row_mask, other=0.0)
+        dq += ds[:, None] * kj
+    return dq
 
 
 @triton.jit
@@ -350,14 +379,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
     K0 = K + kv_base
     V0 = V + kv_base
 
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Diagonal keys: ds_j was computed by _bwd_diag_kernel, so this is dq += ds_j * k_j per row.
-    Kj = K0
-    for j in range(1, S):
-        Kj += stride_ks
-        kj = _load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, True)
-        ds = tl.load(DS + ((j - 1) * H_Q + head) * T + start + offs_m, mask=row_mask, other=0.0)
-        dq += ds[:, None] * kj
+    dq = _bwd_dq_diag(K0, DS, head, start, T, S, H_Q, stride_ks, stride_kt, offs_m, offs_d, row_mask,
+                      BLOCK_M, HEAD_DIM)
     for n0 in range(0, m0, BLOCK_N):
         dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen,
                           qk_scale, BLOCK_N, False, UPCAST)

@@ -1,0 +1,206 @@
+"""The TTT attention's forward and dQ pass with TMA descriptor loads, against the kernel's pointer loads.
+
+An experiment, not part of the package (not yet run on a GPU: prepared 2026-12-02, ninth session;
+bench/RESULTS.md, "TTT attention", says what the bounds of issue 14 would take). On Hopper a TMA load
+moves a whole tile in one asynchronous copy and frees the registers and instructions of pointer
+arithmetic; the forward and the dQ pass load their q, dO tiles and step-0 key tiles that way here
+(host `TensorDescriptor`s over the [T, H * D] views), the diagonal keys as before. Both kernels reuse
+the package kernel's tile math (`_fwd_diag`, `_fwd_softmax_tile`, `_bwd_dq_diag`,
+`_bwd_dq_scores_tile`), so only the loads differ. One sequence, no packing.
+
+The whole `ttt_attention` forward + backward is timed (K = 7, bf16, D = 128, shapes a and c of
+`eagle3.bench attention`) with the kernel's own launches, then with the TMA forward and/or TMA dQ
+pass swapped in for each pinned tiling (the other kernels autotuned as usual), beside the causal SDPA
+floor in the same process; every swapped run is checked against the kernel's outputs and gradients.
+
+    GPU:  PYTHONPATH=. python bench/attention_tma.py [a] [c]
+    CPU:  TRITON_INTERPRET=1 PYTHONPATH=. python bench/attention_tma.py     (a small fp32 check)
+"""
+import contextlib
+import importlib
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+ta = importlib.import_module("kernels.ttt_attention")  # the module (the package exports the function)
+_fwd_diag, _fwd_softmax_tile = ta._fwd_diag, ta._fwd_softmax_tile
+_bwd_dq_diag, _bwd_dq_scores_tile = ta._bwd_dq_diag, ta._bwd_dq_scores_tile
+
+
+@triton.jit
+def _fwd_tma(q_desc, k_desc, v_desc, o_desc, K, V, LSE, stride_ks, stride_kt, stride_kh, T, S, qk_scale,
+             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M   # heaviest query tiles first
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m < T
+    q = q_desc.load([m0, head * HEAD_DIM])   # rows past T come as zeros
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, m_i, l_i = _fwd_diag(acc, m_i, l_i, q, K + kv_head * stride_kh, V + kv_head * stride_kh, S, stride_ks,
+                              stride_kt, offs_m, offs_d, row_mask, qk_scale, False)
+    col = kv_head * HEAD_DIM
+    for n0 in range(0, m0, BLOCK_N):
+        acc, m_i, l_i = _fwd_softmax_tile(acc, m_i, l_i, q, k_desc.load([n0, col]), v_desc.load([n0, col]),
+                                          offs_m, n0 + tl.arange(0, BLOCK_N), qk_scale, False)
+    for n0 in range(m0, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+        acc, m_i, l_i = _fwd_softmax_tile(acc, m_i, l_i, q, k_desc.load([n0, col]), v_desc.load([n0, col]),
+                                          offs_m, n0 + tl.arange(0, BLOCK_N), qk_scale, True)
+    o_desc.store([m0, head * HEAD_DIM], (acc / l_i[:, None]).to(q.dtype))   # rows past T are not written
+    tl.store(LSE + head * T + offs_m, m_i + tl.log2(l_i), mask=row_mask)
+
+
+@triton.jit
+def _dq_tma(q_desc, do_desc, k_desc, v_desc, dq_desc, K, LSE, DELTA, DS, stride_ks, stride_kt, stride_kh,
+            T, S, H_Q, qk_scale, sm_scale,
+            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m < T
+    q = q_desc.load([m0, head * HEAD_DIM])
+    do = do_desc.load([m0, head * HEAD_DIM])
+    lse = tl.load(LSE + head * T + offs_m, mask=row_mask, other=0.0)
+    delta = tl.load(DELTA + head * T + offs_m, mask=row_mask, other=0.0)
+    dq = _bwd_dq_diag(K + kv_head * stride_kh, DS, head, 0, T, S, H_Q, stride_ks, stride_kt, offs_m, offs_d,
+                      row_mask, BLOCK_M, HEAD_DIM)
+    col = kv_head * HEAD_DIM
+    for n0 in range(0, m0, BLOCK_N):
+        dq = _bwd_dq_scores_tile(dq, q, do, lse, delta, k_desc.load([n0, col]), v_desc.load([n0, col]),
+                                 offs_m, n0 + tl.arange(0, BLOCK_N), qk_scale, False)
+    for n0 in range(m0, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+        dq = _bwd_dq_scores_tile(dq, q, do, lse, delta, k_desc.load([n0, col]), v_desc.load([n0, col]),
+                                 offs_m, n0 + tl.arange(0, BLOCK_N), qk_scale, True)
+    dq_desc.store([m0, head * HEAD_DIM], (dq * sm_scale).to(q.dtype))
+
+
+def _rows(x, block_rows):
+    """A descriptor over x viewed as [rows, H * D] (step 0 of k, v), one head's [block_rows, D] a tile."""
+    rows, width = x.shape[-3], x.shape[-2] * x.shape[-1]
+    return TensorDescriptor(x, [rows, width], [width, 1], [block_rows, x.shape[-1]])
+
+
+def _tma_fwd(cfg, q, k, v, o, lse, cu, *rest):
+    """Stands in for the kernel's forward launch (`ta._launch("fwd", ...)`'s arguments)."""
+    bm, bn, warps, stages = cfg
+    S, T, Hkv, D = k.shape
+    Hq = q.shape[1]
+    qk_scale = rest[9]
+    _fwd_tma[(triton.cdiv(T, bm), Hq)](
+        _rows(q, bm), _rows(k[0], bn), _rows(v[0], bn), _rows(o, bm), k, v, lse, k.stride(0), k.stride(1),
+        k.stride(2), T, S, qk_scale, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=warps, num_stages=stages)
+
+
+def _tma_dq(cfg, q, k, v, do, lse, delta, ds, dq, cu, *rest):
+    """Stands in for the kernel's dQ launch (`ta._launch("dq", ...)`'s arguments)."""
+    bm, bn, warps, stages = cfg
+    S, T, Hkv, D = k.shape
+    Hq = q.shape[1]
+    qk_scale, sm_scale = rest[12], rest[13]
+    _dq_tma[(triton.cdiv(T, bm), Hq)](
+        _rows(q, bm), _rows(do, bm), _rows(k[0], bn), _rows(v[0], bn), _rows(dq, bm), k, lse, delta, ds,
+        k.stride(0), k.stride(1), k.stride(2), T, S, Hq, qk_scale, sm_scale,
+        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+
+
+@contextlib.contextmanager
+def swapped(fwd=None, dq=None):
+    """The kernel's launches, with the TMA forward and/or dQ pass (a tiling each, or None) in place;
+    yields the list of the TMA kernels launched."""
+    launch, ran = ta._launch, []
+
+    def patched(name, grid, *args, **kwargs):
+        if name == "fwd" and fwd:
+            ran.append(name)
+            return _tma_fwd(fwd, *args)
+        if name == "dq" and dq:
+            ran.append(name)
+            return _tma_dq(dq, *args)
+        return launch(name, grid, *args, **kwargs)
+
+    ta._launch = patched
+    try:
+        yield ran
+    finally:
+        ta._launch = launch
+
+
+def fwd_bwd(q, k, v, do):
+    out = ta.ttt_attention(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+
+def rel_errors(got, ref):
+    return [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref)]
+
+
+def inputs(T, Hq, Hkv, D, S, device, dtype):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(T, Hq, D, device=device, dtype=dtype, generator=g).requires_grad_()
+    k, v = (torch.randn(S, T, Hkv, D, device=device, dtype=dtype, generator=g).requires_grad_() for _ in range(2))
+    return q, k, v, torch.randn(T, Hq, D, device=device, dtype=dtype, generator=g)
+
+
+def gpu(names):
+    from triton.testing import do_bench
+    import torch.nn.functional as F
+    # TMA descriptors built on the host need no device allocator; in-kernel ones would (triton.set_allocator)
+    shapes = {"a": (4096, 64, 8), "c": (8192, 64, 64)}
+    fwd_cfgs = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2)]
+    dq_cfgs = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)]
+    for name in names:
+        T, Hq, Hkv = shapes[name]
+        q, k, v, do = inputs(T, Hq, Hkv, 128, 7, "cuda", torch.bfloat16)
+        ref = fwd_bwd(q, k, v, do)
+        t_ref = do_bench(lambda: fwd_bwd(q, k, v, do), warmup=25, rep=200)
+        # the floor: causal SDPA over the step-0 keys alone, [1, H, T, D]
+        qs, ks, vs = (x.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_()
+                      for x in (q.detach(), k.detach()[0], v.detach()[0]))
+        dos = do.transpose(0, 1).unsqueeze(0).contiguous()
+
+        def floor():
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            return torch.autograd.grad(out, (qs, ks, vs), dos)
+
+        t_floor = do_bench(floor, warmup=25, rep=200)
+        print(f"[{name}] kernel {t_ref:.3f} ms, SDPA floor {t_floor:.3f} ms ({t_ref / t_floor:.3f}x); tuned fwd "
+              f"{ta.best_config('fwd')} dq {ta.best_config('dq')}", flush=True)
+        runs = [(c, None) for c in fwd_cfgs] + [(None, c) for c in dq_cfgs]
+        for fwd, dq in runs:
+            try:
+                with swapped(fwd, dq):
+                    errs = rel_errors(fwd_bwd(q, k, v, do), ref)
+                    t = do_bench(lambda: fwd_bwd(q, k, v, do), warmup=25, rep=200)
+            except Exception as e:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
+                print(f"[{name}] tma fwd {fwd} dq {dq}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            print(f"[{name}] tma fwd {fwd} dq {dq}: {t:.3f} ms ({t / t_ref:.3f}x the kernel, {t / t_floor:.3f}x the "
+                  f"floor)  err vs kernel out/dq/dk/dv " + "/".join(f"{e:.1e}" for e in errs), flush=True)
+        del q, k, v, do, ref
+        torch.cuda.empty_cache()
+
+
+def cpu():
+    """Under the interpreter: the TMA forward and dQ pass give the kernel's results (odd length, GQA)."""
+    q, k, v, do = inputs(80, 4, 2, 64, 3, "cpu", torch.float32)
+    ref = fwd_bwd(q, k, v, do)
+    for fwd, dq in [((32, 16, 4, 1), None), (None, (32, 16, 4, 1)), ((16, 16, 4, 1), (16, 16, 4, 1))]:
+        with swapped(fwd, dq) as ran:
+            errs = rel_errors(fwd_bwd(q, k, v, do), ref)
+        assert ran == [n for n, c in (("fwd", fwd), ("dq", dq)) if c], ran
+        print(f"tma fwd {fwd} dq {dq}: rel err out/dq/dk/dv " + "/".join(f"{e:.1e}" for e in errs))
+        assert max(errs) < 1e-5, errs
+
+
+if __name__ == "__main__":
+    cpu() if os.environ.get("TRITON_INTERPRET") == "1" else gpu(sys.argv[1:] or ["a", "c"])
