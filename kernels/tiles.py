@@ -8,8 +8,9 @@ sm_120/121), less on older GPUs (64 KB on Turing) and on AMD GPUs (64 KB of LDS)
 ending with a fallback that fits every GPU; its autotuner gets all of them and `pruner` keeps the
 family's, in its order, at tuning time, from the device of the kernel's tensor arguments. Triton's
 autotuner still skips a config a device turns out unable to run (out of resources), so a list that
-guesses a little high costs compile time, not a failure. Only the "large" lists were measured (on
-an H200).
+guesses a little high costs compile time, not a failure. Only the "large" lists were timed (on an
+H200); `python -m eagle3.bench tiles` builds every list for every GPU of its family (no GPU needed)
+and checks each block's shared memory against that GPU's.
 """
 from __future__ import annotations
 

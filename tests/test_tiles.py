@@ -79,3 +79,21 @@ def test_on_an_h200_the_tuner_tries_the_tuned_lists_unchanged():
 def test_union_needs_a_list_per_family():
     with pytest.raises(ValueError, match="one per family"):
         tiles.union({"large": [(1, 2, 3, 4)]})
+
+
+def test_the_compile_check_covers_every_list_and_the_fallbacks_build_small():
+    """`python -m eagle3.bench tiles` builds each list entry for each GPU of its family; the fallbacks,
+    built here for the smallest family's newest GPU (sm_120, no GPU needed), stay within the 48 KiB a
+    block gets on every GPU Triton supports."""
+    from eagle3.bench import tiles as check
+    jobs = check.candidates(list(tiles.FAMILIES))
+    expected = sum(len(ttt_attention.CONFIGS[f][k]) * len(check.TARGETS[f]) for f in tiles.FAMILIES
+                   for k in ("fwd", "dkdv", "dq"))
+    expected += sum(len(quant.W4A16_CONFIGS[f]) * len(check.TARGETS[f]) for f in tiles.FAMILIES)
+    assert len(jobs) == expected and len(set(jobs)) == len(jobs)
+    assert {cc for f in tiles.FAMILIES for cc in check.TARGETS[f]} == set(check.BLOCK_SMEM)
+    assert all(tiles.family((cc // 10, cc % 10)) == f for f in tiles.FAMILIES for cc in check.TARGETS[f])
+    for kernel, fallback in [("fwd", ttt_attention.FALLBACK), ("dkdv", ttt_attention.FALLBACK),
+                             ("dq", ttt_attention.FALLBACK), ("w4a16", quant.W4A16_FALLBACK)]:
+        shared = check.compile_one(kernel, fallback, 120)
+        assert 0 < shared <= 48 * 1024, (kernel, shared)

@@ -1,0 +1,107 @@
+"""`python -m eagle3.bench tiles`: every autotune candidate of the Triton kernels compiled for the GPUs
+of its family, and each block's shared memory set against what that GPU gives a block.
+
+No GPU needed: `triton.compile` builds for a named target (PTX and cubin, with the ptxas Triton
+ships), so this checks on any machine what the tile lists (`kernels.tiles`) promise for GPUs no one
+here has: that each tiling compiles for every GPU of its family and fits its shared memory. What it
+cannot say is how fast a tiling runs there. The attention kernels are built at head dim 128 (the
+larger one supported), packed sequences, bf16; the W4A16 GEMM for Kimi's int4 experts (group 32).
+
+    python -m eagle3.bench tiles [--families large,a100,small] [--jobs N]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from kernels import tiles
+
+# compute capabilities built per family, and the shared memory one block may use on each (bytes)
+TARGETS = {"large": (90, 100), "a100": (80, 87), "small": (86, 89, 120)}
+BLOCK_SMEM = {80: 166_912, 87: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376}
+
+_ATTENTION_TYPES = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")},
+                    "LSE": "*fp32", "DELTA": "*fp32", "DS": "*fp32", "CU_SEQLENS": "*i32",
+                    "qk_scale": "fp32", "sm_scale": "fp32"}
+_W4A16_TYPES = {"X": "*bf16", "P": "*i32", "S": "*bf16", "O": "*bf16", "SCHEDULE": "*i32", "ENDS": "*i32"}
+
+
+def _kernel(name: str):
+    """(jit function, argument types, constexprs but the tiling's) of kernel `name`."""
+    if name == "w4a16":
+        from eagle3.models import quant
+        return quant._w4a16_kernel(), _W4A16_TYPES, {"GROUP": 32, "UPCAST": False, "IEEE": False,
+                                                     "BLOCK_M": quant.W4A16_BLOCK_M["gpu"]}
+    attention = importlib.import_module("kernels.ttt_attention")
+    return attention._KERNELS[name], _ATTENTION_TYPES, {"GROUP": 8, "HEAD_DIM": 128, "VARLEN": True,
+                                                        "UPCAST": False}
+
+
+def _tiling(name: str, config: tuple) -> dict:
+    a, b = config[:2]
+    return {"BLOCK_N": a, "BLOCK_K": b} if name == "w4a16" else {"BLOCK_M": a, "BLOCK_N": b}
+
+
+def compile_one(name: str, config: tuple, capability: int) -> int:
+    """Shared memory (bytes) of one block of kernel `name` with `config` built for sm_`capability`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn, types, constexprs = _kernel(name)
+    constexprs = {**constexprs, **_tiling(name, config)}
+    signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    built = triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                           options={"num_warps": config[2], "num_stages": config[3]})
+    return built.metadata.shared
+
+
+def candidates(families: list[str]) -> list[tuple[str, str, tuple, int]]:
+    """(kernel, family, config, capability) for every list entry of `families` and their GPUs."""
+    from eagle3.models import quant
+    attention = importlib.import_module("kernels.ttt_attention")
+    lists = {name: {f: attention.CONFIGS[f][name] for f in tiles.FAMILIES} for name in attention._KERNELS}
+    lists["w4a16"] = quant.W4A16_CONFIGS
+    return [(name, f, c, cc) for name, by_family in lists.items() for f in families
+            for c in by_family[f] for cc in TARGETS[f]]
+
+
+def _run(job):
+    name, family, config, cc = job
+    try:
+        return job, compile_one(name, config, cc), None
+    except Exception as e:  # noqa: BLE001 - a tiling that does not build is what this reports
+        return job, None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.bench tiles", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", default=",".join(tiles.FAMILIES), help="comma list of " + ", ".join(tiles.FAMILIES))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles side by side")
+    args = parser.parse_args(argv)
+    families = [f for f in args.families.split(",") if f]
+    if unknown := set(families) - set(tiles.FAMILIES):
+        parser.error(f"unknown families {sorted(unknown)}; expected {', '.join(tiles.FAMILIES)}")
+    jobs = candidates(families)
+    print(f"{len(jobs)} builds: kernels' tile lists x their family's GPUs ({', '.join(f'{f}: sm_' + '/'.join(map(str, TARGETS[f])) for f in families)})",
+          flush=True)
+    print("| kernel | family | GPU | BLOCK_M/N (N/K for w4a16), warps, stages | shared KiB | block limit KiB | fits |")
+    print("| --- | --- | --- | --- | ---: | ---: | --- |")
+    bad = 0
+    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+        for (name, family, config, cc), shared, error in pool.map(_run, jobs):
+            fits = error is None and shared <= BLOCK_SMEM[cc]
+            bad += not fits
+            shown = f"{shared / 1024:.1f}" if shared is not None else f"build failed: {error}"
+            print(f"| {name} | {family} | sm_{cc} | {config} | {shown} | {BLOCK_SMEM[cc] / 1024:.0f} | "
+                  f"{'yes' if fits else '**no**'} |", flush=True)
+    print(f"{len(jobs) - bad} of {len(jobs)} build and fit" + ("" if not bad else f"; {bad} do not"))
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
