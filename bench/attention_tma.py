@@ -10,8 +10,9 @@ the package kernel's tile math (`_fwd_diag`, `_fwd_softmax_tile`, `_bwd_dq_diag`
 
 The whole `ttt_attention` forward + backward is timed (K = 7, bf16, D = 128, shapes a and c of
 `eagle3.bench attention`) with the kernel's own launches, then with the TMA forward and/or TMA dQ
-pass swapped in for each pinned tiling (the other kernels autotuned as usual), beside the causal SDPA
-floor in the same process; every swapped run is checked against the kernel's outputs and gradients.
+pass swapped in for each tiling and with the kernel's own pinned to that tiling (the other kernels
+autotuned as usual), beside the causal SDPA floor in the same process; each run's outputs and
+gradients are compared with the kernel's (pass below 1e-2 relative).
 
     GPU:  PYTHONPATH=. python bench/attention_tma.py [a] [c]
     CPU:  TRITON_INTERPRET=1 PYTHONPATH=. python bench/attention_tma.py     (a small fp32 check)
@@ -91,6 +92,7 @@ def _rows(x, block_rows):
 
 def _tma_fwd(cfg, q, k, v, o, lse, cu, *rest):
     """Stands in for the kernel's forward launch (`ta._launch("fwd", ...)`'s arguments)."""
+    assert cu is None and len(rest) == 11, "the forward launch's arguments changed, or packed sequences"
     bm, bn, warps, stages = cfg
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
@@ -103,6 +105,7 @@ def _tma_fwd(cfg, q, k, v, o, lse, cu, *rest):
 
 def _tma_dq(cfg, q, k, v, do, lse, delta, ds, dq, cu, *rest):
     """Stands in for the kernel's dQ launch (`ta._launch("dq", ...)`'s arguments)."""
+    assert cu is None and len(rest) == 15, "the dQ launch's arguments changed, or packed sequences"
     bm, bn, warps, stages = cfg
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
@@ -151,16 +154,18 @@ def inputs(T, Hq, Hkv, D, S, device, dtype):
     return q, k, v, torch.randn(T, Hq, D, device=device, dtype=dtype, generator=g)
 
 
-def gpu(names):
+SHAPES = {"a": (4096, 64, 8), "c": (8192, 64, 64)}   # T, Hq, Hkv
+FWD_CFGS = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2)]
+DQ_CFGS = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)]
+
+
+def gpu(names, device="cuda", dtype=torch.bfloat16, head_dim=128):
     from triton.testing import do_bench
     import torch.nn.functional as F
     # TMA descriptors built on the host need no device allocator; in-kernel ones would (triton.set_allocator)
-    shapes = {"a": (4096, 64, 8), "c": (8192, 64, 64)}
-    fwd_cfgs = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2)]
-    dq_cfgs = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)]
     for name in names:
-        T, Hq, Hkv = shapes[name]
-        q, k, v, do = inputs(T, Hq, Hkv, 128, 7, "cuda", torch.bfloat16)
+        T, Hq, Hkv = SHAPES[name]
+        q, k, v, do = inputs(T, Hq, Hkv, head_dim, 7, device, dtype)
         ref = fwd_bwd(q, k, v, do)
         t_ref = do_bench(lambda: fwd_bwd(q, k, v, do), warmup=25, rep=200)
         # the floor: causal SDPA over the step-0 keys alone, [1, H, T, D]
@@ -175,17 +180,21 @@ def gpu(names):
         t_floor = do_bench(floor, warmup=25, rep=200)
         print(f"[{name}] kernel {t_ref:.3f} ms, SDPA floor {t_floor:.3f} ms ({t_ref / t_floor:.3f}x); tuned fwd "
               f"{ta.best_config('fwd')} dq {ta.best_config('dq')}", flush=True)
-        runs = [(c, None) for c in fwd_cfgs] + [(None, c) for c in dq_cfgs]
-        for fwd, dq in runs:
-            try:
-                with swapped(fwd, dq):
-                    errs = rel_errors(fwd_bwd(q, k, v, do), ref)
-                    t = do_bench(lambda: fwd_bwd(q, k, v, do), warmup=25, rep=200)
-            except Exception as e:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
-                print(f"[{name}] tma fwd {fwd} dq {dq}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            print(f"[{name}] tma fwd {fwd} dq {dq}: {t:.3f} ms ({t / t_ref:.3f}x the kernel, {t / t_floor:.3f}x the "
-                  f"floor)  err vs kernel out/dq/dk/dv " + "/".join(f"{e:.1e}" for e in errs), flush=True)
+        # each tiling twice: the TMA kernel swapped in, and the kernel's own pinned to the same tiling
+        runs = [("fwd", c) for c in FWD_CFGS] + [("dq", c) for c in DQ_CFGS]
+        for kernel, cfg in runs:
+            for how, context in (("tma", lambda: swapped(**{kernel: cfg})), ("pointer", lambda: ta.pinned(kernel, cfg))):
+                try:
+                    with context():
+                        errs = rel_errors(fwd_bwd(q, k, v, do), ref)
+                        t = do_bench(lambda: fwd_bwd(q, k, v, do), warmup=25, rep=200)
+                except Exception as e:  # noqa: BLE001 - a tiling that does not build or fit is reported
+                    print(f"[{name}] {how} {kernel} {cfg}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                verdict = "pass" if max(errs) < 1e-2 else "FAIL"
+                print(f"[{name}] {how} {kernel} {cfg}: {t:.3f} ms ({t / t_ref:.3f}x the kernel, {t / t_floor:.3f}x "
+                      f"the floor)  err vs kernel out/dq/dk/dv " + "/".join(f"{e:.1e}" for e in errs) + f" {verdict}",
+                      flush=True)
         del q, k, v, do, ref
         torch.cuda.empty_cache()
 

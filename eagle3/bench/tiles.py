@@ -40,6 +40,14 @@ def _kernel(name: str):
                                                         "UPCAST": False}
 
 
+def _attrs(fn, types: dict, constexprs: dict) -> dict:
+    """What a launch at the trainer's shapes specializes: pointers and integer arguments (strides,
+    lengths, widths) divisible by 16, but the step count S. Without it the build would not vectorise
+    or pipeline its loads, and would show less shared memory than a launch needs."""
+    return {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+            if a not in constexprs and a != "S" and (types.get(a, "i32") == "i32" or types[a].startswith("*"))}
+
+
 def _tiling(name: str, config: tuple) -> dict:
     a, b = config[:2]
     return {"BLOCK_N": a, "BLOCK_K": b} if name == "w4a16" else {"BLOCK_M": a, "BLOCK_N": b}
@@ -53,7 +61,7 @@ def compile_one(name: str, config: tuple, capability: int) -> int:
     fn, types, constexprs = _kernel(name)
     constexprs = {**constexprs, **_tiling(name, config)}
     signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
-    src = ASTSource(fn=fn, signature=signature,
+    src = ASTSource(fn=fn, signature=signature, attrs=_attrs(fn, types, constexprs),
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     built = triton.compile(src, target=GPUTarget("cuda", capability, 32),
                            options={"num_warps": config[2], "num_stages": config[3]})
