@@ -257,6 +257,12 @@ def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m
     do = _load_rows(DOh, offs_m, stride_dot, offs_d, row_mask, UPCAST)
     lse = tl.load(LSEh + offs_m, mask=row_mask, other=0.0)
     delta = tl.load(DELTAh + offs_m, mask=row_mask, other=0.0)
+    return _bwd_dkdv_scores_tile(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, qk_scale, MASK)
+
+
+@triton.jit
+def _bwd_dkdv_scores_tile(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, qk_scale, MASK: tl.constexpr):
+    """dk, dv += one loaded query tile's part (scores recomputed from the log-sum-exp), and its dS^T."""
     p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
     if MASK:
         p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
