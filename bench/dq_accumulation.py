@@ -33,8 +33,8 @@ def _tile(dk, dv, k, v, j, Qh, DOh, LSEh, DELTAh, DQAh, LOCKh, stride_qt, stride
     """The kernel's dK/dV tile, then the fifth product dq = dS K of its query tile, added in `ORDER`."""
     offs_m = mi * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = offs_m < T
-    dk, dv, ds_t = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, mi * BLOCK_M,
-                                  offs_n, offs_d, T, qk_scale, BLOCK_M, MASK, False)
+    dk, dv, ds_t = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, None, None, 0, 0, LSEh, DELTAh, stride_qt, stride_dot,
+                                  mi * BLOCK_M, offs_n, offs_d, T, qk_scale, False, BLOCK_M, MASK, False)
     dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * sm_scale  # [BLOCK_M, D]
     ptrs = DQAh + offs_m[:, None] * stride_at + offs_d[None, :]
     if ORDER == 0:
@@ -140,9 +140,10 @@ def gpu(names):
         k, v = (torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         do = torch.randn(T, Hq, D, device="cuda", dtype=torch.bfloat16)
         scale = D ** -0.5
-        o, lse = ta._forward(q, k, v, None, 1, T, scale)
-        ref = ta._backward(do, q, k, v, o, lse, None, 1, T, scale)
-        t_cur = do_bench(lambda: ta._backward(do, q, k, v, o, lse, None, 1, T, scale), warmup=25, rep=200)
+        tma = ta.uses_tma(q.device)
+        o, lse = ta._forward(q, k, v, None, 1, T, scale, tma)
+        ref = ta._backward(do, q, k, v, o, lse, None, 1, T, scale, tma)
+        t_cur = do_bench(lambda: ta._backward(do, q, k, v, o, lse, None, 1, T, scale, tma), warmup=25, rep=200)
         print(f"[{name}] current dkdv+dq backward (S=1): {t_cur:.3f} ms  configs dkdv {ta.best_config('dkdv')} "
               f"dq {ta.best_config('dq')}", flush=True)
         for order in (0, 1, 2):
@@ -170,8 +171,8 @@ def cpu():
     q, do = torch.randn(T, Hq, D), torch.randn(T, Hq, D)
     k, v = torch.randn(1, T, Hkv, D), torch.randn(1, T, Hkv, D)
     scale = D ** -0.5
-    o, lse = ta._forward(q, k, v, None, 1, T, scale)
-    ref = ta._backward(do, q, k, v, o, lse, None, 1, T, scale)
+    o, lse = ta._forward(q, k, v, None, 1, T, scale, False)
+    ref = ta._backward(do, q, k, v, o, lse, None, 1, T, scale, False)
     ta.ROWS_BLOCK_GPU = ta.INTERPRET_BLOCKS["rows"]
     for order in (0, 1, 2):
         for cfg in [(16, 32, 4, 1), (32, 32, 4, 1)]:

@@ -15,6 +15,14 @@ Kernels (all fp32 accumulation, exp2 with log2(e) folded into the scale):
               _bwd_dq_kernel        dq: causal step-0 tiles plus the diagonal ds_j * k_j terms
 Every gradient is written by exactly one program, so the backward is deterministic.
 
+Tile loads: on GPUs with a TMA copy engine (compute capability 9.0 and later) the q, dO and step-0
+k, v tiles come through host tensor descriptors over the [T, H * D] rows, one asynchronous copy per
+tile, which frees the registers and instructions of pointer arithmetic (on an H200 4-8% off the
+whole fwd+bwd: bench/RESULTS.md); elsewhere through pointers. A descriptor's tile runs past a
+packed sequence's end into the next sequence's rows, so nothing may rely on those loading as
+zeros: the causal mask drops keys past the sequence, lse = +inf drops query rows past it from
+dk, dv, and rows past it are never stored. The diagonal keys and all stores use pointers.
+
 Layouts: q, o [T, Hq, D]; k, v [S, T, Hkv, D] (last dim contiguous); lse, delta [Hq, T] fp32 with the
 log-sum-exp in base 2; ds [S-1, Hq, T] fp32. Packed sequences come as cu_seqlens int32 [n+1]; the
 grid runs over the tiles of the longest sequence and programs past their sequence's end exit.
@@ -90,6 +98,24 @@ def _load_rows_nomask(base, rows, row_stride, offs_d, UPCAST: tl.constexpr):
     return x
 
 
+@triton.jit
+def _load_tile(desc, row0, col, base, rows, row_stride, offs_d, row_mask,
+               TMA: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+    """A [rows, D] tile: with TMA one asynchronous copy through `desc` at (row0, col) of the [T, H * D]
+    matrix, whose rows past T come as zeros but whose rows of the next packed sequence come as they
+    are (the callers' masks drop what those add); else pointer loads at `base`, zeros on masked rows
+    when MASK."""
+    if TMA:
+        x = desc.load([row0, col])
+        if UPCAST:
+            x = x.to(tl.float32)
+    elif MASK:
+        x = _load_rows(base, rows, row_stride, offs_d, row_mask, UPCAST)
+    else:
+        x = _load_rows_nomask(base, rows, row_stride, offs_d, UPCAST)
+    return x
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
@@ -116,24 +142,23 @@ def _fwd_diag(acc, m_i, l_i, q, K, V, S, stride_ks, stride_kt, kv_rows, offs_d, 
 
 
 @triton.jit
-def _load_key_tile(K0, V0, stride_kt, offs_n, offs_d, seqlen, MASK: tl.constexpr, UPCAST: tl.constexpr):
-    """k, v of step-0 keys offs_n; bounds-checked only on tiles that straddle the diagonal (the others
-    lie entirely below it and inside the sequence)."""
-    if MASK:
-        k = _load_rows(K0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
-        v = _load_rows(V0, offs_n, stride_kt, offs_d, offs_n < seqlen, UPCAST)
-    else:
-        k = _load_rows_nomask(K0, offs_n, stride_kt, offs_d, UPCAST)
-        v = _load_rows_nomask(V0, offs_n, stride_kt, offs_d, UPCAST)
+def _load_key_tile(K0, V0, Kd, Vd, row0, col, stride_kt, offs_n, offs_d, seqlen,
+                   TMA: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+    """k, v of step-0 keys offs_n, batch rows row0.. of the descriptors; bounds-checked only on tiles
+    that straddle the diagonal (the others lie entirely below it and inside the sequence), and there
+    the causal mask drops keys past the sequence whichever way they loaded."""
+    k = _load_tile(Kd, row0, col, K0, offs_n, stride_kt, offs_d, offs_n < seqlen, TMA, MASK, UPCAST)
+    v = _load_tile(Vd, row0, col, V0, offs_n, stride_kt, offs_d, offs_n < seqlen, TMA, MASK, UPCAST)
     return k, v
 
 
 @triton.jit
-def _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen, qk_scale,
-                     BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+def _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d, seqlen,
+                     qk_scale, TMA: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                     UPCAST: tl.constexpr):
     """One step-0 key tile of FlashAttention-2; MASK only on tiles that straddle the diagonal."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    k, v = _load_key_tile(K0, V0, stride_kt, offs_n, offs_d, seqlen, MASK, UPCAST)
+    k, v = _load_key_tile(K0, V0, Kd, Vd, start + n0, col, stride_kt, offs_n, offs_d, seqlen, TMA, MASK, UPCAST)
     return _fwd_softmax_tile(acc, m_i, l_i, q, k, v, offs_m, offs_n, qk_scale, MASK)
 
 
@@ -155,19 +180,21 @@ def _fwd_softmax_tile(acc, m_i, l_i, q, k, v, offs_m, offs_n, qk_scale, MASK: tl
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
                 stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_ot, stride_oh,
-                T, S, qk_scale, seqlen_bucket,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
+                T, S, qk_scale, seqlen_bucket, Qd, Kd, Vd,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
                 UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     head, kv_head, start, seqlen, m0 = _query_tile(CU_SEQLENS, T, GROUP, VARLEN, BLOCK_M)
     if m0 >= seqlen:
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)  # positions inside the sequence
     offs_d = tl.arange(0, HEAD_DIM)
-    row_mask = offs_m < seqlen
-    q = _load_rows(Q + start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_mask, UPCAST)
+    row_mask = offs_m < seqlen  # rows past it are computed from whatever loaded, and not stored
+    q = _load_tile(Qd, start + m0, head * HEAD_DIM, Q + start * stride_qt + head * stride_qh, offs_m,
+                   stride_qt, offs_d, row_mask, TMA, True, UPCAST)
     kv_base = start * stride_kt + kv_head * stride_kh
     K0 = K + kv_base
     V0 = V + kv_base
+    col = kv_head * HEAD_DIM
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -176,11 +203,11 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
     acc, m_i, l_i = _fwd_diag(acc, m_i, l_i, q, K0, V0, S, stride_ks, stride_kt, offs_m, offs_d,
                               row_mask, qk_scale, UPCAST)
     for n0 in range(0, m0, BLOCK_N):
-        acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, stride_kt, n0, offs_m, offs_d,
-                                         seqlen, qk_scale, BLOCK_N, False, UPCAST)
+        acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m,
+                                         offs_d, seqlen, qk_scale, TMA, BLOCK_N, False, UPCAST)
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N):
-        acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, stride_kt, n0, offs_m, offs_d,
-                                         seqlen, qk_scale, BLOCK_N, True, UPCAST)
+        acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m,
+                                         offs_d, seqlen, qk_scale, TMA, BLOCK_N, True, UPCAST)
 
     o = acc / l_i[:, None]
     o_ptrs = O + (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -246,16 +273,19 @@ def _bwd_diag_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
 
 
 @triton.jit
-def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d,
-                   seqlen, qk_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
-    """Contribution of one query tile to a step-0 key tile (computed transposed: keys are rows), and
-    the tile's dS^T (fp32 [BLOCK_N, BLOCK_M]; bench/dq_accumulation.py builds dq from it)."""
+def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, row0, col, LSEh, DELTAh, stride_qt, stride_dot, m0,
+                   offs_n, offs_d, seqlen, qk_scale, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                   MASK: tl.constexpr, UPCAST: tl.constexpr):
+    """Contribution of one query tile (batch rows row0..) to a step-0 key tile (computed transposed:
+    keys are rows), and the tile's dS^T (fp32 [BLOCK_N, BLOCK_M]; bench/dq_accumulation.py builds dq
+    from it)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_mask = offs_m < seqlen
-    # Rows past the sequence load as zeros (q = dO = 0, lse = delta = 0) and contribute nothing.
-    q = _load_rows(Qh, offs_m, stride_qt, offs_d, row_mask, UPCAST)
-    do = _load_rows(DOh, offs_m, stride_dot, offs_d, row_mask, UPCAST)
-    lse = tl.load(LSEh + offs_m, mask=row_mask, other=0.0)
+    # Rows past the sequence (zeros, or with TMA the next sequence's) get lse = +inf, so p = 0 and
+    # they add nothing to dk, dv.
+    q = _load_tile(Qd, row0, col, Qh, offs_m, stride_qt, offs_d, row_mask, TMA, True, UPCAST)
+    do = _load_tile(DOd, row0, col, DOh, offs_m, stride_dot, offs_d, row_mask, TMA, True, UPCAST)
+    lse = tl.load(LSEh + offs_m, mask=row_mask, other=float("inf"))
     delta = tl.load(DELTAh + offs_m, mask=row_mask, other=0.0)
     return _bwd_dkdv_scores_tile(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, qk_scale, MASK)
 
@@ -274,17 +304,18 @@ def _bwd_dkdv_scores_tile(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, qk_sc
 
 
 @triton.jit
-def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, stride_kt, stride_kh,
-                       stride_dot, stride_doh, T, start, seqlen, n0, kv_head, qk_scale, sm_scale,
-                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Qd, Kd, Vd, DOd, stride_qt, stride_qh, stride_kt,
+                       stride_kh, stride_dot, stride_doh, T, start, seqlen, n0, kv_head, qk_scale, sm_scale,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dk_0, dv_0 of the step-0 keys n0 .. n0+BLOCK_N of one kv head, summed over its q heads."""
+    """dk_0, dv_0 of the step-0 keys n0 .. n0+BLOCK_N of one kv head, summed over its q heads (keys
+    past the sequence are computed from whatever loaded, and not stored)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_mask = offs_n < seqlen
     kv_base = start * stride_kt + kv_head * stride_kh
-    k = _load_rows(K + kv_base, offs_n, stride_kt, offs_d, key_mask, UPCAST)
-    v = _load_rows(V + kv_base, offs_n, stride_kt, offs_d, key_mask, UPCAST)
+    k, v = _load_key_tile(K + kv_base, V + kv_base, Kd, Vd, start + n0, kv_head * HEAD_DIM, stride_kt, offs_n,
+                          offs_d, seqlen, TMA, True, UPCAST)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     diag_end = tl.minimum(n0 + BLOCK_N, seqlen)
@@ -296,11 +327,13 @@ def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, st
         DELTAh = DELTA + head * T + start
         # Query tiles that straddle the diagonal need the causal mask; the ones after do not.
         for m0 in range(n0, diag_end, BLOCK_M):
-            dk, dv, _ = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
-                                       offs_n, offs_d, seqlen, qk_scale, BLOCK_M, True, UPCAST)
+            dk, dv, _ = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
+                                       DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
+                                       TMA, BLOCK_M, True, UPCAST)
         for m0 in range(n0 + BLOCK_N, seqlen, BLOCK_M):
-            dk, dv, _ = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, m0,
-                                       offs_n, offs_d, seqlen, qk_scale, BLOCK_M, False, UPCAST)
+            dk, dv, _ = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
+                                       DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
+                                       TMA, BLOCK_M, False, UPCAST)
     out = kv_base + offs_n[:, None] * stride_kt + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_mask[:, None])
@@ -309,8 +342,8 @@ def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, st
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
                      stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
-                     T, qk_scale, sm_scale, seqlen_bucket,
-                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
+                     T, qk_scale, sm_scale, seqlen_bucket, Qd, Kd, Vd, DOd,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk_0, dv_0 for key tiles i and n_tiles-1-i of one kv head.
 
@@ -324,17 +357,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
     mirror = tl.cdiv(seqlen, BLOCK_N) - 1 - pair
     # Visits tile `pair` and then `mirror`; once if they coincide, never if `mirror` came first.
     for tile in range(pair, mirror + 1, tl.maximum(mirror - pair, 1)):
-        _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qt, stride_qh, stride_kt, stride_kh,
-                           stride_dot, stride_doh, T, start, seqlen, tile * BLOCK_N, kv_head, qk_scale,
-                           sm_scale, GROUP, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N)
+        _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Qd, Kd, Vd, DOd, stride_qt, stride_qh, stride_kt,
+                           stride_kh, stride_dot, stride_doh, T, start, seqlen, tile * BLOCK_N, kv_head,
+                           qk_scale, sm_scale, GROUP, HEAD_DIM, TMA, UPCAST, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen, qk_scale,
-                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+def _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d, seqlen,
+                 qk_scale, TMA: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
     """Contribution of one step-0 key tile to dq."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    k, v = _load_key_tile(K0, V0, stride_kt, offs_n, offs_d, seqlen, MASK, UPCAST)
+    k, v = _load_key_tile(K0, V0, Kd, Vd, start + n0, col, stride_kt, offs_n, offs_d, seqlen, TMA, MASK, UPCAST)
     return _bwd_dq_scores_tile(dq, q, do, lse, delta, k, v, offs_m, offs_n, qk_scale, MASK)
 
 
@@ -366,19 +399,21 @@ def _bwd_dq_diag(K0, DS, head, start, T, S, H_Q, stride_ks, stride_kt, offs_m, o
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
                    stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
-                   stride_dqt, stride_dqh, T, S, H_Q, qk_scale, sm_scale, seqlen_bucket,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
+                   stride_dqt, stride_dqh, T, S, H_Q, qk_scale, sm_scale, seqlen_bucket, Qd, Kd, Vd, DOd,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dq for one query tile of one q head: causal step-0 tiles, then the diagonal terms."""
+    """dq for one query tile of one q head: causal step-0 tiles, then the diagonal terms (rows past
+    the sequence are computed from whatever loaded, and not stored)."""
     head, kv_head, start, seqlen, m0 = _query_tile(CU_SEQLENS, T, GROUP, VARLEN, BLOCK_M)
     if m0 >= seqlen:
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_mask = offs_m < seqlen
-    q = _load_rows(Q + start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_mask, UPCAST)
-    do = _load_rows(DO + start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_d, row_mask,
-                    UPCAST)
+    q = _load_tile(Qd, start + m0, head * HEAD_DIM, Q + start * stride_qt + head * stride_qh, offs_m,
+                   stride_qt, offs_d, row_mask, TMA, True, UPCAST)
+    do = _load_tile(DOd, start + m0, head * HEAD_DIM, DO + start * stride_dot + head * stride_doh, offs_m,
+                    stride_dot, offs_d, row_mask, TMA, True, UPCAST)
     lse = tl.load(LSE + head * T + start + offs_m, mask=row_mask, other=0.0)
     delta = tl.load(DELTA + head * T + start + offs_m, mask=row_mask, other=0.0)
     kv_base = start * stride_kt + kv_head * stride_kh
@@ -387,12 +422,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
 
     dq = _bwd_dq_diag(K0, DS, head, start, T, S, H_Q, stride_ks, stride_kt, offs_m, offs_d, row_mask,
                       BLOCK_M, HEAD_DIM)
+    col = kv_head * HEAD_DIM
     for n0 in range(0, m0, BLOCK_N):
-        dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen,
-                          qk_scale, BLOCK_N, False, UPCAST)
+        dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d,
+                          seqlen, qk_scale, TMA, BLOCK_N, False, UPCAST)
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N):
-        dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, stride_kt, n0, offs_m, offs_d, seqlen,
-                          qk_scale, BLOCK_N, True, UPCAST)
+        dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d,
+                          seqlen, qk_scale, TMA, BLOCK_N, True, UPCAST)
     dq_ptrs = DQ + (start + offs_m)[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask[:, None])
 
@@ -442,7 +478,7 @@ SWEEP = {name: [c for c in tiles.union({f: CONFIGS[f][name] for f in CONFIGS}) i
          for name, extra in _EXTRA.items()}
 # seqlen_bucket is the longest sequence rounded up to a power of two: the tuner reruns once per size
 # class, not for every new batch length.
-_TUNE_KEY = ["HEAD_DIM", "GROUP", "VARLEN", "seqlen_bucket"]
+_TUNE_KEY = ["HEAD_DIM", "GROUP", "VARLEN", "TMA", "seqlen_bucket"]
 
 
 def _options(config) -> dict:
@@ -451,10 +487,18 @@ def _options(config) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
+def _block_rows(nargs: dict) -> None:
+    """Give each TMA descriptor of a launch its tiling's tile: q, dO rows BLOCK_M, k, v rows BLOCK_N."""
+    for name, block in (("Qd", "BLOCK_M"), ("DOd", "BLOCK_M"), ("Kd", "BLOCK_N"), ("Vd", "BLOCK_N")):
+        if nargs.get(name) is not None:
+            nargs[name].block_shape = [nargs[block], nargs[name].block_shape[-1]]
+
+
 def _tuned(kernel, name: str):
     """The autotuned kernel: every family's candidates, pruned to the running GPU's at tuning time."""
     lists = {family: configs[name] for family, configs in CONFIGS.items()}
-    return triton.autotune(configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+    return triton.autotune(configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s,
+                                                  pre_hook=_block_rows)
                                     for m, n, w, s in tiles.union(lists)], key=_TUNE_KEY,
                            prune_configs_by={"early_config_prune": tiles.pruner(lists, ("BLOCK_M", "BLOCK_N"))})(kernel)
 
@@ -489,7 +533,8 @@ def best_config(name: str) -> tuple | None:
 
 
 def _launch(name, grid, *args, **kwargs):
-    """A pinned config, else one fixed tiling under the interpreter, else the autotuned kernel."""
+    """A pinned config, else one fixed tiling under the interpreter, else the autotuned kernel (TMA
+    descriptors come as keywords, so that the tuner's pre-hook sees them)."""
     if name in _pinned:
         kwargs.update(_options(_pinned[name]))
     elif INTERPRET:
@@ -497,7 +542,45 @@ def _launch(name, grid, *args, **kwargs):
         kwargs.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1)
     else:
         return _TUNED[name][grid](*args, **kwargs)
+    _block_rows(kwargs)
     return _KERNELS[name][grid](*args, **kwargs)
+
+
+# None: TMA wherever the GPU has it; True / False: forced (tests under the interpreter, the bench).
+_tma_forced: bool | None = None
+
+
+@contextlib.contextmanager
+def tma_loads(enabled: bool):
+    """Load tiles through TMA descriptors (`enabled`) or pointers, whatever the device has."""
+    global _tma_forced
+    before, _tma_forced = _tma_forced, bool(enabled)
+    try:
+        yield
+    finally:
+        _tma_forced = before
+
+
+def uses_tma(device: torch.device) -> bool:
+    """Whether the kernels on `device` load their tiles through TMA: on CUDA GPUs of compute capability
+    9.0 and later (Hopper, Blackwell), which have the copy engine; pointer loads elsewhere."""
+    if _tma_forced is not None:
+        return _tma_forced
+    return (not INTERPRET and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _descriptors(tma: bool, **tensors) -> dict:
+    """Keyword arguments: a TMA descriptor over each tensor's [T, H * D] rows (step 0 of k, v), or None
+    each without TMA. Their tile is set per tiling at launch (`_block_rows`)."""
+    if not tma:
+        return dict.fromkeys(tensors)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    out = {}
+    for name, x in tensors.items():
+        width = x.shape[-2] * x.shape[-1]
+        out[name] = TensorDescriptor(x, [x.shape[-3], width], [width, 1], [16, x.shape[-1]])
+    return out
 
 
 def _rows_block():
@@ -522,7 +605,7 @@ def _seqlen_info(cu_seqlens, T, device):
             len(bounds) - 1, max_len)
 
 
-def _forward(q, k, v, cu, n_seq, max_len, scale):
+def _forward(q, k, v, cu, n_seq, max_len, scale, tma):
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     o = torch.empty_like(q)
@@ -530,12 +613,12 @@ def _forward(q, k, v, cu, n_seq, max_len, scale):
     grid = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
     _launch("fwd", grid, q, k, v, o, lse, cu,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), o.stride(0), o.stride(1),
-            T, S, scale * LOG2E, triton.next_power_of_2(max_len),
-            GROUP=Hq // Hkv, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET)
+            T, S, scale * LOG2E, triton.next_power_of_2(max_len), **_descriptors(tma, Qd=q, Kd=k[0], Vd=v[0]),
+            GROUP=Hq // Hkv, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale):
+def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma):
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     group = Hq // Hkv
@@ -559,14 +642,15 @@ def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale):
     _launch(
         "dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
-        T, qk_scale, scale, bucket,
-        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET)
+        T, qk_scale, scale, bucket, **_descriptors(tma, Qd=q, Kd=k[0], Vd=v[0], DOd=do),
+        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
     grid_q = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
     _launch(
         "dq", grid_q, q, k, v, do, lse, delta, ds, dq, cu,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
         dq.stride(0), dq.stride(1), T, S, Hq, qk_scale, scale, bucket,
-        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, UPCAST=INTERPRET)
+        **_descriptors(tma, Qd=q, Kd=k[0], Vd=v[0], DOd=do),
+        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
     return dq, dk, dv
 
 
@@ -575,16 +659,17 @@ class _TTTAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, scale):
         q, k, v = (x.contiguous() for x in (q, k, v))
         cu, n_seq, max_len = _seqlen_info(cu_seqlens, k.shape[1], q.device)
-        o, lse = _forward(q, k, v, cu, n_seq, max_len, scale)
+        tma = uses_tma(q.device)   # the backward loads as the forward did
+        o, lse = _forward(q, k, v, cu, n_seq, max_len, scale, tma)
         ctx.save_for_backward(q, k, v, o, lse, cu)
-        ctx.meta = (n_seq, max_len, scale)
+        ctx.meta = (n_seq, max_len, scale, tma)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, cu = ctx.saved_tensors
-        n_seq, max_len, scale = ctx.meta
-        dq, dk, dv = _backward(do.contiguous(), q, k, v, o, lse, cu, n_seq, max_len, scale)
+        n_seq, max_len, scale, tma = ctx.meta
+        dq, dk, dv = _backward(do.contiguous(), q, k, v, o, lse, cu, n_seq, max_len, scale, tma)
         return dq, dk, dv, None, None
 
 

@@ -35,6 +35,9 @@ MATCH_CASES = {
     "packed_many_tiles_gqa": (120, 4, 2, 64, 4, [70, 33, 1, 16], TILES_A),
     "fallback_tiles": (120, 4, 2, 128, 3, [70, 33, 1, 16], TILES_FALLBACK),  # the config every GPU can run
 }
+# the same cases with tiles loaded through TMA descriptors (what Hopper and Blackwell run): past a
+# packed sequence's end those load the next sequence's rows, which the kernels' masks must drop
+TMA_CASES = [f"tma_{name}" for name in MATCH_CASES]
 OTHER_CASES = ["custom_scale", "bf16_upcast", "sequences_isolated", "rejects_bad_arguments", "pinned_configs"]
 
 
@@ -56,10 +59,12 @@ def _result(results, name):
     return res
 
 
-@pytest.mark.parametrize("name", list(MATCH_CASES))
+@pytest.mark.parametrize("name", [*MATCH_CASES, *TMA_CASES])
 def test_forward_and_gradients_match_reference(results, name):
-    errors = _result(results, name)["errors"]
-    steps = MATCH_CASES[name][4]
+    res = _result(results, name)
+    errors = res["errors"]
+    assert res["tma"] == name.startswith("tma_"), res   # the loads the case asked for are the ones run
+    steps = MATCH_CASES[name.removeprefix("tma_")][4]
     assert set(errors) == {"out", "dq", "dk", "dv"} | ({"dk_diagonal", "dv_diagonal"} if steps > 1 else set())
     bad = {k: e for k, e in errors.items() if not e < TOLERANCE}
     assert not bad, f"relative errors over {TOLERANCE}: {bad}"
@@ -172,10 +177,14 @@ def _errors(T, hq, hkv, d, steps, lengths=None, scale=None, dtype=None):
 
 
 def _match_case(name):
+    import torch
+
     import kernels.ttt_attention as tta
-    T, hq, hkv, d, steps, lengths, tiles = MATCH_CASES[name]
+    tma = name.startswith("tma_")
+    T, hq, hkv, d, steps, lengths, tiles = MATCH_CASES[name.removeprefix("tma_")]
     tta.INTERPRET_BLOCKS = dict(tiles)
-    return {"errors": _errors(T, hq, hkv, d, steps, lengths)}
+    with tta.tma_loads(tma):
+        return {"errors": _errors(T, hq, hkv, d, steps, lengths), "tma": tta.uses_tma(torch.device("cpu"))}
 
 
 def _other_case(name):
@@ -242,9 +251,9 @@ def _other_case(name):
 
 def _main(names):
     import traceback
-    for name in names or [*MATCH_CASES, *OTHER_CASES]:
+    for name in names or [*MATCH_CASES, *TMA_CASES, *OTHER_CASES]:
         try:
-            res = _match_case(name) if name in MATCH_CASES else _other_case(name)
+            res = _match_case(name) if name.removeprefix("tma_") in MATCH_CASES else _other_case(name)
         except Exception:
             res = {"exception": traceback.format_exc()[-3000:]}
         print(json.dumps({"case": name, **res}), flush=True)

@@ -6,7 +6,8 @@ For each shape (all K = 7 steps, i.e. S = 7 key/value steps, bf16, D = 128):
   c  T = 8192, one sequence, 64 q heads, 64 kv heads
 it first checks the Triton kernel against an fp32 reference (output and dq, dk, dv), then times
 fwd+bwd (`timing.median_ms`: median of triton.testing.do_bench) and measures peak memory for:
-  triton       kernels.ttt_attention.ttt_attention
+  triton       kernels.ttt_attention.ttt_attention (tiles loaded through TMA on sm_90 and later)
+  pointer      the same kernels with pointer loads (a row only where the kernel uses TMA)
   flex         kernels.flex.ttt_attention, what `train.kernels = "torch"` runs: compiled
                flex_attention with the TTT block mask (mask built on the untimed first call)
   sdpa floor   causal SDPA over the step-0 keys only (no diagonal terms): the floor; per-sequence
@@ -138,7 +139,14 @@ def _kernel(attention):
     return build
 
 
+def _pointer_loads(q, k, v, cu_seqlens=None):
+    """The kernel with pointer loads where it would use TMA (the backward loads as its forward did)."""
+    with kernel_module.tma_loads(False):
+        return ttt_attention(q, k, v, cu_seqlens=cu_seqlens)
+
+
 _triton, _flex, _eager = _kernel(ttt_attention), _kernel(flex_attention), _kernel(reference_attention)
+_pointer = _kernel(_pointer_loads)
 
 
 def _sdpa_floor(case):
@@ -192,10 +200,13 @@ def _bench_case(label: str) -> dict:
     print("  check vs fp32 reference (relative error): "
           + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()) + ("  PASS" if ok else "  FAIL"))
     rows = {}
-    for name, build, flops in (("triton (this kernel)", _triton, _flops(case)),
-                               ("flex_attention (compiled)", _flex, _flops(case)),
-                               ("sdpa causal floor", _sdpa_floor, _flops(case, diagonal=False)),
-                               ("eager reference", _eager, _flops(case))):
+    contenders = [("triton (this kernel)", _triton, _flops(case))]
+    if kernel_module.uses_tma(torch.device(DEVICE)):
+        contenders.append(("triton, pointer loads", _pointer, _flops(case)))
+    contenders += [("flex_attention (compiled)", _flex, _flops(case)),
+                   ("sdpa causal floor", _sdpa_floor, _flops(case, diagonal=False)),
+                   ("eager reference", _eager, _flops(case))]
+    for name, build, flops in contenders:
         if build is _eager and _eager_gib(case) > EAGER_LIMIT_GIB:
             rows[name] = None
             print(f"  {name:27s} skipped: would need ~{_eager_gib(case):.0f} GiB")

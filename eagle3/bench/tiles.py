@@ -5,7 +5,8 @@ No GPU needed: `triton.compile` builds for a named target (PTX and cubin, with t
 ships), so this checks on any machine what the tile lists (`kernels.tiles`) promise for GPUs no one
 here has: that each tiling compiles for every GPU of its family and fits its shared memory. What it
 cannot say is how fast a tiling runs there. The attention kernels are built at head dim 128 (the
-larger one supported), packed sequences, bf16; the W4A16 GEMM for Kimi's int4 experts (group 32).
+larger one supported), packed sequences, bf16, with TMA loads on the GPUs that have them (sm_90 and
+later); the W4A16 GEMM for Kimi's int4 experts (group 32).
 
     python -m eagle3.bench tiles [--families large,a100,small] [--jobs N]
 """
@@ -29,15 +30,22 @@ _ATTENTION_TYPES = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV"
 _W4A16_TYPES = {"X": "*bf16", "P": "*i32", "S": "*bf16", "O": "*bf16", "SCHEDULE": "*i32", "ENDS": "*i32"}
 
 
-def _kernel(name: str):
-    """(jit function, argument types, constexprs but the tiling's) of kernel `name`."""
+def _kernel(name: str, config: tuple, capability: int):
+    """(jit function, argument types, constexprs but the tiling's) of kernel `name`; the attention
+    loads through TMA descriptors where a launch would (compute capability 9.0 and later)."""
     if name == "w4a16":
         from eagle3.models import quant
         return quant._w4a16_kernel(), _W4A16_TYPES, {"GROUP": 32, "UPCAST": False, "IEEE": False,
                                                      "BLOCK_M": quant.W4A16_BLOCK_M["gpu"]}
     attention = importlib.import_module("kernels.ttt_attention")
-    return attention._KERNELS[name], _ATTENTION_TYPES, {"GROUP": 8, "HEAD_DIM": 128, "VARLEN": True,
-                                                        "UPCAST": False}
+    fn = attention._KERNELS[name]
+    tma = capability >= 90
+    descriptors = [a for a in ("Qd", "DOd", "Kd", "Vd") if a in fn.arg_names]
+    constexprs = {"GROUP": 8, "HEAD_DIM": 128, "VARLEN": True, "TMA": tma, "UPCAST": False}
+    if not tma:
+        return fn, _ATTENTION_TYPES, {**constexprs, **dict.fromkeys(descriptors)}
+    rows = {"Qd": config[0], "DOd": config[0], "Kd": config[1], "Vd": config[1]}   # as _block_rows sets them
+    return fn, {**_ATTENTION_TYPES, **{a: f"tensordesc<bf16[{rows[a]}, 128]>" for a in descriptors}}, constexprs
 
 
 def _attrs(fn, types: dict, constexprs: dict) -> dict:
@@ -58,7 +66,7 @@ def compile_one(name: str, config: tuple, capability: int) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    fn, types, constexprs = _kernel(name)
+    fn, types, constexprs = _kernel(name, config, capability)
     constexprs = {**constexprs, **_tiling(name, config)}
     signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature, attrs=_attrs(fn, types, constexprs),
