@@ -15,13 +15,16 @@ Kernels (all fp32 accumulation, exp2 with log2(e) folded into the scale):
               _bwd_dq_kernel        dq: causal step-0 tiles plus the diagonal ds_j * k_j terms
 Every gradient is written by exactly one program, so the backward is deterministic.
 
-Tile loads: on GPUs with a TMA copy engine (compute capability 9.0 and later) the q, dO and step-0
-k, v tiles come through host tensor descriptors over the [T, H * D] rows, one asynchronous copy per
-tile, which frees the registers and instructions of pointer arithmetic (on an H200 4-8% off the
-whole fwd+bwd: bench/RESULTS.md); elsewhere through pointers. A descriptor's tile runs past a
+Tile loads: on Hopper and datacenter Blackwell (`uses_tma`) the q, dO and step-0 k, v tiles come
+through host tensor descriptors over the [T, H * D] rows as bulk asynchronous copies, which frees
+the registers and instructions of pointer arithmetic (on an H200 4-8% off the whole fwd+bwd:
+bench/RESULTS.md); elsewhere through pointers. A descriptor's tile runs past a
 packed sequence's end into the next sequence's rows, so nothing may rely on those loading as
-zeros: the causal mask drops keys past the sequence, lse = +inf drops query rows past it from
-dk, dv, and rows past it are never stored. The diagonal keys and all stores use pointers.
+zeros: the causal mask drops keys past the sequence from the forward and dq, lse = +inf drops query
+rows past it from dk, dv, and rows past it are never stored (the diagonal keys and all stores use
+pointers). Those rows still enter the tile products multiplied by zero, so this assumes finite
+inputs: a NaN or inf in one sequence can reach its neighbour's outputs under TMA (never with
+pointer loads), where a training step's loss would be non-finite anyway.
 
 Layouts: q, o [T, Hq, D]; k, v [S, T, Hkv, D] (last dim contiguous); lse, delta [Hq, T] fp32 with the
 log-sum-exp in base 2; ds [S-1, Hq, T] fp32. Packed sequences come as cu_seqlens int32 [n+1]; the
@@ -42,6 +45,11 @@ import triton.language as tl
 
 from kernels import tiles
 from kernels.interpreter import fix_loop_bounds
+
+try:   # host-side TMA descriptors, in recent Triton releases; without them, pointer loads only
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 # Read once, at import: it is also what decides whether @triton.jit builds interpreted functions.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -488,7 +496,8 @@ def _options(config) -> dict:
 
 
 def _block_rows(nargs: dict) -> None:
-    """Give each TMA descriptor of a launch its tiling's tile: q, dO rows BLOCK_M, k, v rows BLOCK_N."""
+    """Give each TMA descriptor of a launch its tiling's tile: q, dO rows BLOCK_M, k, v rows BLOCK_N.
+    In place, as Triton's own tutorials do: the tuner launches the very objects it hands its pre-hook."""
     for name, block in (("Qd", "BLOCK_M"), ("DOd", "BLOCK_M"), ("Kd", "BLOCK_N"), ("Vd", "BLOCK_N")):
         if nargs.get(name) is not None:
             nargs[name].block_shape = [nargs[block], nargs[name].block_shape[-1]]
@@ -546,13 +555,13 @@ def _launch(name, grid, *args, **kwargs):
     return _KERNELS[name][grid](*args, **kwargs)
 
 
-# None: TMA wherever the GPU has it; True / False: forced (tests under the interpreter, the bench).
+# None: TMA wherever it is measured to pay; True / False: forced (tests under the interpreter, the bench).
 _tma_forced: bool | None = None
 
 
 @contextlib.contextmanager
 def tma_loads(enabled: bool):
-    """Load tiles through TMA descriptors (`enabled`) or pointers, whatever the device has."""
+    """Load tiles through TMA descriptors (`enabled`) or through pointers, whatever the device."""
     global _tma_forced
     before, _tma_forced = _tma_forced, bool(enabled)
     try:
@@ -562,20 +571,26 @@ def tma_loads(enabled: bool):
 
 
 def uses_tma(device: torch.device) -> bool:
-    """Whether the kernels on `device` load their tiles through TMA: on CUDA GPUs of compute capability
-    9.0 and later (Hopper, Blackwell), which have the copy engine; pointer loads elsewhere."""
+    """Whether the kernels on `device` load their tiles through TMA: on the "large" GPU family (Hopper
+    sm_90, datacenter Blackwell sm_100/103), where Triton pipelines TMA loads over the tiling's stages
+    (on consumer Blackwell, sm_120, Triton 3.6 builds them single-buffered: pointer loads there), and
+    with a Triton that has host descriptors."""
     if _tma_forced is not None:
-        return _tma_forced
-    return (not INTERPRET and device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+        return _tma_forced and TensorDescriptor is not None
+    return (TensorDescriptor is not None and not INTERPRET and device.type == "cuda"
+            and tiles.family(torch.cuda.get_device_capability(device), torch.version.hip is not None) == "large")
+
+
+def _aligned(*tensors) -> bool:
+    """TMA needs each base 16-byte aligned (row strides H * D * 2 bytes always are, at D = 64 or 128)."""
+    return all(x.data_ptr() % 16 == 0 for x in tensors)
 
 
 def _descriptors(tma: bool, **tensors) -> dict:
     """Keyword arguments: a TMA descriptor over each tensor's [T, H * D] rows (step 0 of k, v), or None
-    each without TMA. Their tile is set per tiling at launch (`_block_rows`)."""
+    each without TMA. The [16, D] tile is a placeholder: `_block_rows` sets the tiling's at launch."""
     if not tma:
         return dict.fromkeys(tensors)
-    from triton.tools.tensor_descriptor import TensorDescriptor
     out = {}
     for name, x in tensors.items():
         width = x.shape[-2] * x.shape[-1]
@@ -659,7 +674,7 @@ class _TTTAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, scale):
         q, k, v = (x.contiguous() for x in (q, k, v))
         cu, n_seq, max_len = _seqlen_info(cu_seqlens, k.shape[1], q.device)
-        tma = uses_tma(q.device)   # the backward loads as the forward did
+        tma = uses_tma(q.device) and _aligned(q, k, v)   # the backward loads as the forward did
         o, lse = _forward(q, k, v, cu, n_seq, max_len, scale, tma)
         ctx.save_for_backward(q, k, v, o, lse, cu)
         ctx.meta = (n_seq, max_len, scale, tma)
@@ -669,7 +684,10 @@ class _TTTAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, cu = ctx.saved_tensors
         n_seq, max_len, scale, tma = ctx.meta
-        dq, dk, dv = _backward(do.contiguous(), q, k, v, o, lse, cu, n_seq, max_len, scale, tma)
+        do = do.contiguous()
+        if tma and not _aligned(do):
+            do = do.clone()   # a fresh allocation is aligned
+        dq, dk, dv = _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma)
         return dq, dk, dv, None, None
 
 

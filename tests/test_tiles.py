@@ -83,8 +83,9 @@ def test_union_needs_a_list_per_family():
 
 def test_the_compile_check_covers_every_list_and_the_fallbacks_build_small():
     """`python -m eagle3.bench tiles` builds each list entry for each GPU of its family; the fallbacks,
-    built here for the smallest family's newest GPU (sm_120, no GPU needed), stay within the 48 KiB a
-    block gets on every GPU Triton supports."""
+    built here for the smallest family's newest GPU (sm_120, no GPU needed, pointer loads) and the
+    attention's for sm_90 (TMA loads), stay within the 48 KiB a block gets on every GPU Triton
+    supports."""
     from eagle3.bench import tiles as check
     jobs = check.candidates(list(tiles.FAMILIES))
     expected = sum(len(ttt_attention.CONFIGS[f][k]) * len(check.TARGETS[f]) for f in tiles.FAMILIES
@@ -97,3 +98,18 @@ def test_the_compile_check_covers_every_list_and_the_fallbacks_build_small():
                              ("dq", ttt_attention.FALLBACK), ("w4a16", quant.W4A16_FALLBACK)]:
         shared = check.compile_one(kernel, fallback, 120)
         assert 0 < shared <= 48 * 1024, (kernel, shared)
+    for kernel in ("fwd", "dkdv", "dq"):
+        shared = check.compile_one(kernel, ttt_attention.FALLBACK, 90)
+        assert 0 < shared <= 48 * 1024, (kernel, shared)
+
+
+def test_every_tuned_attention_config_sets_its_tma_tiles():
+    """The autotuned launch (never run on the CPU) gets the descriptors' tiles from each config's
+    pre-hook, for the tiling that config launches."""
+    from types import SimpleNamespace
+    for tuned in ttt_attention._TUNED.values():
+        assert all(c.pre_hook is ttt_attention._block_rows for c in tuned.configs)
+    descs = {n: SimpleNamespace(block_shape=[16, 128]) for n in ("Qd", "DOd", "Kd", "Vd")}
+    ttt_attention._block_rows({**descs, "BLOCK_M": 64, "BLOCK_N": 32})
+    assert [descs[n].block_shape for n in ("Qd", "DOd", "Kd", "Vd")] == [[64, 128], [64, 128], [32, 128], [32, 128]]
+    ttt_attention._block_rows({"Qd": None, "Kd": None, "Vd": None, "BLOCK_M": 64, "BLOCK_N": 32})   # no TMA

@@ -35,10 +35,12 @@ MATCH_CASES = {
     "packed_many_tiles_gqa": (120, 4, 2, 64, 4, [70, 33, 1, 16], TILES_A),
     "fallback_tiles": (120, 4, 2, 128, 3, [70, 33, 1, 16], TILES_FALLBACK),  # the config every GPU can run
 }
-# the same cases with tiles loaded through TMA descriptors (what Hopper and Blackwell run): past a
-# packed sequence's end those load the next sequence's rows, which the kernels' masks must drop
+# the same cases with tiles loaded through TMA descriptors (what Hopper and datacenter Blackwell
+# run): past a packed sequence's end those load the next sequence's rows, which the kernels' masks
+# must drop
 TMA_CASES = [f"tma_{name}" for name in MATCH_CASES]
-OTHER_CASES = ["custom_scale", "bf16_upcast", "sequences_isolated", "rejects_bad_arguments", "pinned_configs"]
+OTHER_CASES = ["custom_scale", "bf16_upcast", "sequences_isolated", "tma_sequences_isolated",
+               "tma_misaligned_views", "rejects_bad_arguments", "pinned_configs"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,7 +65,8 @@ def _result(results, name):
 def test_forward_and_gradients_match_reference(results, name):
     res = _result(results, name)
     errors = res["errors"]
-    assert res["tma"] == name.startswith("tma_"), res   # the loads the case asked for are the ones run
+    # the loads the case asked for are the ones launched: descriptors to the forward, dK/dV and dQ, or none
+    assert res["descriptors"] == [name.startswith("tma_")] * 3, res
     steps = MATCH_CASES[name.removeprefix("tma_")][4]
     assert set(errors) == {"out", "dq", "dk", "dv"} | ({"dk_diagonal", "dv_diagonal"} if steps > 1 else set())
     bad = {k: e for k, e in errors.items() if not e < TOLERANCE}
@@ -129,9 +132,18 @@ def test_bf16_inputs_are_upcast_under_the_interpreter(results):
     assert max(errors.values()) < 2e-2, errors
 
 
-def test_sequences_do_not_see_each_other(results):
-    res = _result(results, "sequences_isolated")
+@pytest.mark.parametrize("name", ["sequences_isolated", "tma_sequences_isolated"])
+def test_sequences_do_not_see_each_other(results, name):
+    res = _result(results, name)
     assert res["other_sequence_unchanged"] and res["own_sequence_changed"], res
+
+
+def test_views_tma_cannot_take_load_through_pointers(results):
+    # q, k, v off 16-byte alignment: the whole call loads through pointers; a misaligned dO alone is
+    # copied, so the backward keeps TMA
+    res = _result(results, "tma_misaligned_views")
+    assert res["misaligned_inputs"] == [False] * 3 and res["misaligned_do"] == [True] * 3, res
+    assert max(res["errors"].values()) < TOLERANCE, res["errors"]
 
 
 def test_rejects_bad_arguments(results):
@@ -176,35 +188,90 @@ def _errors(T, hq, hkv, d, steps, lengths=None, scale=None, dtype=None):
     return errors
 
 
-def _match_case(name):
-    import torch
-
+def _descriptors_launched(call):
+    """call()'s result, and per kernel launch whether it was given TMA descriptors."""
     import kernels.ttt_attention as tta
-    tma = name.startswith("tma_")
+    launch, seen = tta._launch, []
+
+    def spy(name, grid, *args, **kwargs):
+        seen.append(kwargs.get("Qd") is not None)
+        return launch(name, grid, *args, **kwargs)
+
+    tta._launch = spy
+    try:
+        return call(), seen
+    finally:
+        tta._launch = launch
+
+
+def _match_case(name):
+    import kernels.ttt_attention as tta
     T, hq, hkv, d, steps, lengths, tiles = MATCH_CASES[name.removeprefix("tma_")]
     tta.INTERPRET_BLOCKS = dict(tiles)
-    with tta.tma_loads(tma):
-        return {"errors": _errors(T, hq, hkv, d, steps, lengths), "tma": tta.uses_tma(torch.device("cpu"))}
+    with tta.tma_loads(name.startswith("tma_")):
+        errors, seen = _descriptors_launched(lambda: _errors(T, hq, hkv, d, steps, lengths))
+    return {"errors": errors, "descriptors": seen}
 
 
 def _other_case(name):
     import torch
+
+    import kernels.ttt_attention as tta
     from kernels.ttt_attention import ttt_attention
 
+    if name.startswith("tma_") and name != "tma_misaligned_views":
+        with tta.tma_loads(True):
+            return _other_case(name.removeprefix("tma_"))
+    if name == "tma_misaligned_views":
+        def off_by_one(x):   # the same values in a view 4 bytes past a 16-byte boundary
+            flat = torch.empty(x.numel() + 1, dtype=x.dtype)
+            flat[1:] = x.detach().reshape(-1)
+            return flat[1:].view(x.shape).requires_grad_()
+
+        q, k, v, do = _inputs(45, 4, 2, 64, 3)
+        cu = _cu([20, 25])
+        ref = ttt_attention(q, k, v, cu_seqlens=cu)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+        rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+        errors, seen = {}, {}
+        with tta.tma_loads(True):
+            for case, (qi, ki, vi, doi) in {"misaligned_inputs": (off_by_one(q), off_by_one(k), off_by_one(v), do),
+                                            "misaligned_do": (q, k, v, off_by_one(do))}.items():
+                def run():
+                    out = ttt_attention(qi, ki, vi, cu_seqlens=cu)
+                    return [out, *torch.autograd.grad(out, (qi, ki, vi), doi)]
+                got, seen[case] = _descriptors_launched(run)
+                errors.update({f"{case} {n}": rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got,
+                                                                         (ref, *ref_grads))})
+        return {"errors": errors, **seen}
     if name == "custom_scale":
         return {"errors": _errors(33, 2, 1, 64, 3, [20, 13], scale=0.3)}
     if name == "bf16_upcast":
         return {"errors": _errors(40, 4, 2, 64, 3, dtype=torch.bfloat16)}
     if name == "sequences_isolated":
-        # Changing the first sequence's keys must leave the second sequence's outputs untouched.
-        q, k, v, _ = _inputs(30, 2, 1, 64, 2)
+        # Each sequence's inputs changed in turn: the other's output and gradients stay bit-equal
+        # (TMA tiles run forward from a sequence's start, over the next one's rows).
+        q, k, v, do = _inputs(30, 2, 1, 64, 2)
         cu = _cu([14, 16])
-        out = ttt_attention(q, k, v, cu_seqlens=cu)
-        k2 = k.detach().clone()
-        k2[:, :14] += 1.0
-        out2 = ttt_attention(q, k2, v, cu_seqlens=cu)
-        return {"other_sequence_unchanged": torch.equal(out[14:], out2[14:]),
-                "own_sequence_changed": not torch.allclose(out[:14], out2[:14])}
+
+        def run(q, k, v, do):
+            q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            out = ttt_attention(q, k, v, cu_seqlens=cu)
+            return [out, *torch.autograd.grad(out, (q, k, v), do)]
+
+        base = run(q, k, v, do)
+        unchanged, changed = [], []
+        for own, other in ((slice(0, 14), slice(14, 30)), (slice(14, 30), slice(0, 14))):
+            q2, k2, v2, do2 = (x.detach().clone() for x in (q, k, v, do))
+            q2[own] += 1.0
+            k2[:, own] += 1.0
+            v2[:, own] -= 1.0
+            do2[own] *= 2.0
+            got = run(q2, k2, v2, do2)
+            unchanged.append(torch.equal(got[0][other], base[0][other]) and torch.equal(got[1][other], base[1][other])
+                             and all(torch.equal(g[:, other], b[:, other]) for g, b in zip(got[2:], base[2:])))
+            changed.append(not torch.allclose(got[0][own], base[0][own]))
+        return {"other_sequence_unchanged": all(unchanged), "own_sequence_changed": all(changed)}
     if name == "pinned_configs":
         import kernels.ttt_attention as tta
         seen = {}

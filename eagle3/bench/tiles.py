@@ -5,8 +5,8 @@ No GPU needed: `triton.compile` builds for a named target (PTX and cubin, with t
 ships), so this checks on any machine what the tile lists (`kernels.tiles`) promise for GPUs no one
 here has: that each tiling compiles for every GPU of its family and fits its shared memory. What it
 cannot say is how fast a tiling runs there. The attention kernels are built at head dim 128 (the
-larger one supported), packed sequences, bf16, with TMA loads on the GPUs that have them (sm_90 and
-later); the W4A16 GEMM for Kimi's int4 experts (group 32).
+larger one supported), packed sequences, bf16, with TMA loads on the GPUs that use them (sm_90,
+sm_100); the W4A16 GEMM for Kimi's int4 experts (group 32).
 
     python -m eagle3.bench tiles [--families large,a100,small] [--jobs N]
 """
@@ -32,14 +32,14 @@ _W4A16_TYPES = {"X": "*bf16", "P": "*i32", "S": "*bf16", "O": "*bf16", "SCHEDULE
 
 def _kernel(name: str, config: tuple, capability: int):
     """(jit function, argument types, constexprs but the tiling's) of kernel `name`; the attention
-    loads through TMA descriptors where a launch would (compute capability 9.0 and later)."""
+    loads through TMA descriptors where a launch would (`uses_tma`: the "large" family)."""
     if name == "w4a16":
         from eagle3.models import quant
         return quant._w4a16_kernel(), _W4A16_TYPES, {"GROUP": 32, "UPCAST": False, "IEEE": False,
                                                      "BLOCK_M": quant.W4A16_BLOCK_M["gpu"]}
     attention = importlib.import_module("kernels.ttt_attention")
     fn = attention._KERNELS[name]
-    tma = capability >= 90
+    tma = tiles.family(divmod(capability, 10)) == "large"   # as uses_tma decides on the GPU
     descriptors = [a for a in ("Qd", "DOd", "Kd", "Vd") if a in fn.arg_names]
     constexprs = {"GROUP": 8, "HEAD_DIM": 128, "VARLEN": True, "TMA": tma, "UPCAST": False}
     if not tma:
