@@ -18,11 +18,10 @@ Every gradient is written by exactly one program, so the backward is determinist
 Tile loads: on Hopper and datacenter Blackwell (`uses_tma`) the q, dO and step-0 k, v tiles come
 through host tensor descriptors over the [T, H * D] rows as bulk asynchronous copies, which frees
 the registers and instructions of pointer arithmetic (on an H200 4-8% off the whole fwd+bwd:
-bench/RESULTS.md); elsewhere through pointers. A descriptor's tile runs past a
-packed sequence's end into the next sequence's rows, so nothing may rely on those loading as
-zeros: the causal mask drops keys past the sequence from the forward and dq, lse = +inf drops query
-rows past it from dk, dv, and rows past it are never stored (the diagonal keys and all stores use
-pointers). Those rows still enter the tile products multiplied by zero, so this assumes finite
+bench/RESULTS.md); elsewhere through pointers. A descriptor's tile runs past a packed sequence's
+end into the next sequence's rows, so nothing may rely on those loading as zeros: the causal mask
+drops keys past the sequence from the forward and dq, lse = +inf drops query rows past it from dk,
+dv, and rows past it are never stored (the diagonal keys and all stores use pointers). Those rows still enter the tile products multiplied by zero, so this assumes finite
 inputs: a NaN or inf in one sequence can reach its neighbour's outputs under TMA (never with
 pointer loads), where a training step's loss would be non-finite anyway.
 
@@ -109,10 +108,10 @@ def _load_rows_nomask(base, rows, row_stride, offs_d, UPCAST: tl.constexpr):
 @triton.jit
 def _load_tile(desc, row0, col, base, rows, row_stride, offs_d, row_mask,
                TMA: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
-    """A [rows, D] tile: with TMA one asynchronous copy through `desc` at (row0, col) of the [T, H * D]
-    matrix, whose rows past T come as zeros but whose rows of the next packed sequence come as they
-    are (the callers' masks drop what those add); else pointer loads at `base`, zeros on masked rows
-    when MASK."""
+    """A [rows, D] tile: with TMA, bulk asynchronous copies through `desc` at (row0, col) of the
+    [T, H * D] matrix, whose rows past T come as zeros but whose rows of the next packed sequence come
+    as they are (the callers' masks drop what those add); else pointer loads at `base`, zeros on
+    masked rows when MASK."""
     if TMA:
         x = desc.load([row0, col])
         if UPCAST:
