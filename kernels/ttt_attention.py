@@ -494,10 +494,14 @@ def _options(config) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
+# the TMA descriptor arguments and the block size that counts their tiles' rows
+DESCRIPTOR_ROWS = {"Qd": "BLOCK_M", "DOd": "BLOCK_M", "Kd": "BLOCK_N", "Vd": "BLOCK_N"}
+
+
 def _block_rows(nargs: dict) -> None:
-    """Give each TMA descriptor of a launch its tiling's tile: q, dO rows BLOCK_M, k, v rows BLOCK_N.
-    In place, as Triton's own tutorials do: the tuner launches the very objects it hands its pre-hook."""
-    for name, block in (("Qd", "BLOCK_M"), ("DOd", "BLOCK_M"), ("Kd", "BLOCK_N"), ("Vd", "BLOCK_N")):
+    """Give each TMA descriptor of a launch its tiling's tile (rows per DESCRIPTOR_ROWS). In place, as
+    Triton's own tutorials do: the tuner launches the very objects it hands its pre-hook."""
+    for name, block in DESCRIPTOR_ROWS.items():
         if nargs.get(name) is not None:
             nargs[name].block_shape = [nargs[block], nargs[name].block_shape[-1]]
 
@@ -577,7 +581,12 @@ def uses_tma(device: torch.device) -> bool:
     if _tma_forced is not None:
         return _tma_forced and TensorDescriptor is not None
     return (TensorDescriptor is not None and not INTERPRET and device.type == "cuda"
-            and tiles.family(torch.cuda.get_device_capability(device), torch.version.hip is not None) == "large")
+            and tma_family(torch.cuda.get_device_capability(device), torch.version.hip is not None))
+
+
+def tma_family(capability: tuple[int, int], hip: bool = False) -> bool:
+    """Whether GPUs of this compute capability get the TMA loads (see `uses_tma`)."""
+    return tiles.family(capability, hip) == "large"
 
 
 def _aligned(*tensors) -> bool:
@@ -652,18 +661,19 @@ def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma):
             q, k, v, do, lse, delta, dk, dv, ds,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
             T, S, Hq, qk_scale, scale, GROUP=group, HEAD_DIM=D, BLOCK=rows)
+    # one set for both passes: each launch sets the tiles of its own tiling before it runs
+    descriptors = _descriptors(tma, Qd=q, Kd=k[0], Vd=v[0], DOd=do)
     grid_kv = lambda meta: (triton.cdiv(triton.cdiv(max_len, meta["BLOCK_N"]), 2), Hkv, n_seq)
     _launch(
         "dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
-        T, qk_scale, scale, bucket, **_descriptors(tma, Qd=q, Kd=k[0], Vd=v[0], DOd=do),
+        T, qk_scale, scale, bucket, **descriptors,
         GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
     grid_q = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
     _launch(
         "dq", grid_q, q, k, v, do, lse, delta, ds, dq, cu,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
-        dq.stride(0), dq.stride(1), T, S, Hq, qk_scale, scale, bucket,
-        **_descriptors(tma, Qd=q, Kd=k[0], Vd=v[0], DOd=do),
+        dq.stride(0), dq.stride(1), T, S, Hq, qk_scale, scale, bucket, **descriptors,
         GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
     return dq, dk, dv
 

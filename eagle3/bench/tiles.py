@@ -39,13 +39,14 @@ def _kernel(name: str, config: tuple, capability: int):
                                                      "BLOCK_M": quant.W4A16_BLOCK_M["gpu"]}
     attention = importlib.import_module("kernels.ttt_attention")
     fn = attention._KERNELS[name]
-    tma = tiles.family(divmod(capability, 10)) == "large"   # as uses_tma decides on the GPU
-    descriptors = [a for a in ("Qd", "DOd", "Kd", "Vd") if a in fn.arg_names]
+    tma = attention.tma_family(divmod(capability, 10))
+    descriptors = [a for a in attention.DESCRIPTOR_ROWS if a in fn.arg_names]
     constexprs = {"GROUP": 8, "HEAD_DIM": 128, "VARLEN": True, "TMA": tma, "UPCAST": False}
     if not tma:
         return fn, _ATTENTION_TYPES, {**constexprs, **dict.fromkeys(descriptors)}
-    rows = {"Qd": config[0], "DOd": config[0], "Kd": config[1], "Vd": config[1]}   # as _block_rows sets them
-    return fn, {**_ATTENTION_TYPES, **{a: f"tensordesc<bf16[{rows[a]}, 128]>" for a in descriptors}}, constexprs
+    rows = _tiling(name, config)   # BLOCK_M, BLOCK_N, as the launch's pre-hook sets the tiles
+    types = {a: f"tensordesc<bf16[{rows[attention.DESCRIPTOR_ROWS[a]]}, 128]>" for a in descriptors}
+    return fn, {**_ATTENTION_TYPES, **types}, constexprs
 
 
 def _attrs(fn, types: dict, constexprs: dict) -> dict:
