@@ -5,7 +5,10 @@
 #          done after 560 s once: give it the call's whole 600 s; its log streams to $OUT). On a
 #          machine still warm from it, `step` right after finds the peer's data and compiled graphs
 #          cached: that second call is what fits the 10 minutes (one call of `step` alone did not, in
-#          the fourth session: the peer took 485 s and our part was cut off)
+#          the fourth session: the peer took 485 s and our part was cut off). The machine is not always
+#          kept between calls: in the eleventh session the `step` call made straight after `peer`
+#          got a fresh machine, recompiled the peer (476 s) and ran out of time; on nvidia-h200-x2
+#          use PEER_GPU=1 (below) instead
 #   step   the peer's step, then the full Kimi-size step on layout (a), Triton kernels in bf16 and
 #          with train.float8 and train.float8_head (the defaults on an fp8 GPU), the default frozen
 #          target head, and the ours/peer ratios, all in this call; no profiles (they cost time).
