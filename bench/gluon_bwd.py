@@ -9,11 +9,13 @@ lands (while dP^T still runs), dV += P^T dO_i is issued, then dS^T and dK += dS^
 those two products comes only after the next tile's S^T and dP^T are issued, and it frees the q, dO
 slot for the TMA copy NUM_STAGES - 1 tiles ahead.
 
-    PYTHONPATH=. python bench/gluon_bwd.py [a] [c]      (on the GPU; `--build` compiles for sm_90 here)
+    PYTHONPATH=. python bench/gluon_bwd.py [a] [c]      (on the GPU; with `--build`, compiles for sm_90 here)
 
 Measured (2026-12-02, H200, bench/RESULTS.md): bit-equal to the kernel's dk, dv at every tiling and
 2-7% slower at best ((32, 64, 3, 4)), 2x slower at BLOCK_M = 64: every tiling spills at 255 registers
 without the warp specialization and register reallocation FlashAttention-3 adds to this order.
+Since then the epilogue stores through `gluon_fwd.store_rows`, and the BLOCK_M = 32 tilings build
+without spills (250-251 registers): not yet re-measured.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-LOG2E = 1.4426950408889634
+from gluon_fwd import LOG2E, compile_for, script, sequence, store_rows, tile_desc  # bench/, this script's folder
 
 
 @gluon.jit
@@ -39,7 +41,7 @@ def _issue_q(q_desc, do_desc, q_smem, do_smem, bars, it, row, col, NUM_STAGES: g
 
 
 @gluon.jit
-def _q_coords(i, n_m, kv_head, n0, start, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+def _q_coords(i, n_m, kv_head, n0, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
     """(q head, first query position) of flattened iteration i: the group's heads, each over query tiles."""
     head = kv_head * GROUP + i // n_m
     return head, n0 + (i % n_m) * BLOCK_M
@@ -67,7 +69,7 @@ def _key_tile(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, q_smem, do_sm
     tma.async_copy_global_to_shared(v_desc, [start + n0, col], kv_bar, v_smem)
     for i in gl.static_range(NUM_STAGES - 1):
         if i < n_it:
-            head, m0 = _q_coords(i, n_m, kv_head, n0, start, GROUP, HEAD_DIM, BLOCK_M)
+            head, m0 = _q_coords(i, n_m, kv_head, n0, GROUP, BLOCK_M)
             _issue_q(q_desc, do_desc, q_smem, do_smem, bars, base + i, start + m0, head * HEAD_DIM, NUM_STAGES)
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
@@ -76,7 +78,7 @@ def _key_tile(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, q_smem, do_sm
     for i in range(n_it):
         it = base + i
         slot = it % NUM_STAGES
-        head, m0 = _q_coords(i, n_m, kv_head, n0, start, GROUP, HEAD_DIM, BLOCK_M)
+        head, m0 = _q_coords(i, n_m, kv_head, n0, GROUP, BLOCK_M)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
         lse = gl.load(LSE + head * T + start + offs_m, mask=offs_m < seqlen, other=float("inf"))
         delta = gl.load(DELTA + head * T + start + offs_m, mask=offs_m < seqlen, other=0.0)
@@ -88,7 +90,7 @@ def _key_tile(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, q_smem, do_sm
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))   # leaves dP^T in flight (dK, dV done)
         ahead = i + NUM_STAGES - 1
         if ahead < n_it:
-            head_a, m0_a = _q_coords(ahead, n_m, kv_head, n0, start, GROUP, HEAD_DIM, BLOCK_M)
+            head_a, m0_a = _q_coords(ahead, n_m, kv_head, n0, GROUP, BLOCK_M)
             _issue_q(q_desc, do_desc, q_smem, do_smem, bars, base + ahead, start + m0_a, head_a * HEAD_DIM,
                      NUM_STAGES)
         p_t = gl.exp2(s_t * qk_scale - lse[None, :])
@@ -102,13 +104,8 @@ def _key_tile(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, q_smem, do_sm
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
     dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
 
-    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocked))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blocked))
-    out = (start + rows)[:, None] * stride_kt + col + offs_d[None, :]
-    mask = (rows < seqlen)[:, None]
-    gl.store(DK + out, gl.convert_layout((dk * sm_scale).to(gl.bfloat16), blocked), mask=mask)
-    gl.store(DV + out, gl.convert_layout(dv.to(gl.bfloat16), blocked), mask=mask)
+    store_rows(DK + start * stride_kt, (dk * sm_scale).to(gl.bfloat16), n0, BLOCK_N, seqlen, stride_kt, col, num_warps)
+    store_rows(DV + start * stride_kt, dv.to(gl.bfloat16), n0, BLOCK_N, seqlen, stride_kt, col, num_warps)
     return base + n_it
 
 
@@ -119,12 +116,7 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, CU_SEQLENS
     gl.static_assert(BLOCK_N % BLOCK_M == 0)
     pair = gl.program_id(0)
     kv_head = gl.program_id(1)
-    if VARLEN:
-        start = gl.load(CU_SEQLENS + gl.program_id(2))
-        seqlen = gl.load(CU_SEQLENS + gl.program_id(2) + 1) - start
-    else:
-        start = 0
-        seqlen = T
+    start, seqlen = sequence(CU_SEQLENS, T, VARLEN)
     mirror = gl.cdiv(seqlen, BLOCK_N) - 1 - pair
     if pair > mirror:
         return
@@ -227,7 +219,6 @@ def main(labels):
 
 def build(config=(64, 128, 2, 8), capability=90):
     """Compile for sm_`capability` without a GPU; returns (shared bytes, ptxas lines)."""
-    from gluon_fwd import compile_for, tile_desc   # bench/, the script's own folder
     bm, bn, st, w = config
     types = {"q_desc": tile_desc(bm), "do_desc": tile_desc(bm), "k_desc": tile_desc(bn), "v_desc": tile_desc(bn),
              "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16", "CU_SEQLENS": "*i32",
@@ -238,5 +229,4 @@ def build(config=(64, 128, 2, 8), capability=90):
 
 
 if __name__ == "__main__":
-    from gluon_fwd import script   # bench/, the script's own folder
     script(main, build, CONFIGS)

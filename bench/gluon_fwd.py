@@ -1,14 +1,15 @@
 """Experiment (issue 14): the TTT attention forward written in Gluon for Hopper, timed against the
 Triton kernel's forward and cuDNN's causal forward (SDPA) at the attention bench's shapes.
 
-What Gluon allows that the Triton kernel's compiler did not give it: the FlashAttention-3 overlap
-inside one warpgroup. Per key tile j the program issues S_{j+1} = Q K_{j+1}^T on the tensor cores
-(asynchronous wgmma) before the softmax of S_j, and O += P_j V_j before waiting for S_{j+1}, so the
-exponentials of one tile run while the tensor cores work on the next; the k, v tiles come by TMA
-into a ring of NUM_STAGES slots with one mbarrier per tile. The diagonal keys (steps 1..S-1) are
-folded in after the causal tiles, row by row, in a blocked layout.
+What Gluon allows that the Triton kernel's compiler did not give it: FlashAttention-3's overlap
+inside one warpgroup. Per key tile j the program issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} on
+the tensor cores together (asynchronous wgmma) and runs the softmax of S_j while the second is in
+flight, rescaling O once it is done (issuing S_{j+1} before the softmax of S_j instead made ptxas
+serialize every wgmma: warning C7514). The k, v tiles come by TMA into a ring of NUM_STAGES slots
+with one mbarrier each. The diagonal keys (steps 1..S-1) are folded in after the causal tiles, row
+by row in O's layout, their [BLOCK_M, D] tiles by TMA too.
 
-    PYTHONPATH=. python bench/gluon_fwd.py [a] [c]      (on the GPU; `--build` compiles for sm_90 here)
+    PYTHONPATH=. python bench/gluon_fwd.py [a] [c]      (on the GPU; with `--build`, compiles for sm_90 here)
 
 Status (2026-12-02, eleventh session): builds for sm_90 at every tiling of CONFIGS with no spills (246-248
 registers, 147-229 KiB of shared memory); not yet measured. Its first GPU run hung: the prologue
@@ -27,7 +28,29 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-LOG2E = 1.4426950408889634
+from kernels.ttt_attention import LOG2E
+
+@gluon.jit
+def sequence(CU_SEQLENS, T, VARLEN: gl.constexpr):
+    """(first token, length) of this program's packed sequence (grid axis 2); the batch without cu_seqlens."""
+    if VARLEN:
+        start = gl.load(CU_SEQLENS + gl.program_id(2))
+        seqlen = gl.load(CU_SEQLENS + gl.program_id(2) + 1) - start
+    else:
+        start = 0
+        seqlen = T
+    return start, seqlen
+
+
+@gluon.jit
+def store_rows(base, x, row0, n_rows: gl.constexpr, seqlen, row_stride, col, num_warps: gl.constexpr):
+    """x [n_rows, 128] at rows row0.. of a sequence starting at `base`, columns col..; rows past
+    seqlen are not written; 16-byte vectors along the row."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows = row0 + gl.arange(0, n_rows, layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(base + rows[:, None] * row_stride + col + offs_d[None, :], gl.convert_layout(x, layout),
+             mask=(rows < seqlen)[:, None])
 
 
 @gluon.jit
@@ -87,12 +110,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, kd_desc, vd_desc, O, LSE, CU_SEQLENS,
                 num_warps: gl.constexpr):
     head = gl.program_id(1)
     kv_head = head // GROUP
-    if VARLEN:
-        start = gl.load(CU_SEQLENS + gl.program_id(2))
-        seqlen = gl.load(CU_SEQLENS + gl.program_id(2) + 1) - start
-    else:
-        start = 0
-        seqlen = T
+    start, seqlen = sequence(CU_SEQLENS, T, VARLEN)
     m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
     if m0 >= seqlen:
         return
@@ -109,7 +127,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, kd_desc, vd_desc, O, LSE, CU_SEQLENS,
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
     kd_smem = gl.allocate_shared_memory(kd_desc.dtype, kd_desc.block_type.shape, kd_desc.layout)
-    vd_smem = gl.allocate_shared_memory(kd_desc.dtype, kd_desc.block_type.shape, kd_desc.layout)
+    vd_smem = gl.allocate_shared_memory(vd_desc.dtype, vd_desc.block_type.shape, vd_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     d_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -122,16 +140,15 @@ def _fwd_kernel(q_desc, k_desc, v_desc, kd_desc, vd_desc, O, LSE, CU_SEQLENS,
     fence_async_shared()
 
     col = kv_head * HEAD_DIM
-    row0 = start
     n_tiles = gl.cdiv(gl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N)
     n_full = m0 // BLOCK_N       # tiles wholly below the diagonal: no mask
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [start + m0, head * HEAD_DIM], q_bar, q_smem)
     if S > 1:
-        _issue_diag(kd_desc, vd_desc, kd_smem, vd_smem, d_bar, T + start + m0, kv_head * HEAD_DIM)
+        _issue_diag(kd_desc, vd_desc, kd_smem, vd_smem, d_bar, T + start + m0, col)
     for i in gl.static_range(NUM_STAGES):   # every slot: the loop refills slot j-1 with tile j-1+NUM_STAGES
         if i < n_tiles:
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, i, row0, col, BLOCK_N, NUM_STAGES)
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, i, start, col, BLOCK_N, NUM_STAGES)
 
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -153,7 +170,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, kd_desc, vd_desc, O, LSE, CU_SEQLENS,
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         refill = j - 1 + NUM_STAGES    # P_{j-1} V_{j-1} done: slot j-1 is free
         if refill < n_tiles:
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, refill, row0, col, BLOCK_N, NUM_STAGES)
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, refill, start, col, BLOCK_N, NUM_STAGES)
     acc = _pv(acc, p, v_smem, v_bar, n_tiles - 1, p_layout, NUM_STAGES)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.invalidate(q_bar)
@@ -183,12 +200,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, kd_desc, vd_desc, O, LSE, CU_SEQLENS,
         m_o = m_j
     mbarrier.invalidate(d_bar)
 
-    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    o = gl.convert_layout((acc / l_o[:, None]).to(gl.bfloat16), blocked)
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blocked))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blocked))
-    row_mask = rows < seqlen
-    gl.store(O + (start + rows)[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :], o, mask=row_mask[:, None])
+    store_rows(O + start * stride_ot, (acc / l_o[:, None]).to(gl.bfloat16), m0, BLOCK_M, seqlen, stride_ot,
+               head * HEAD_DIM, num_warps)
     lse_rows = m0 + gl.arange(0, BLOCK_M, layout=row_o)
     gl.store(LSE + head * T + start + lse_rows, m_o + gl.log2(l_o), mask=lse_rows < seqlen)
 
