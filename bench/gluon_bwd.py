@@ -12,10 +12,12 @@ slot for the TMA copy NUM_STAGES - 1 tiles ahead.
     PYTHONPATH=. python bench/gluon_bwd.py [a] [c]      (on the GPU; with `--build`, compiles for sm_90 here)
 
 Measured (2026-12-02, H200, bench/RESULTS.md): bit-equal to the kernel's dk, dv at every tiling and
-2-7% slower at best ((32, 64, 3, 4)), 2x slower at BLOCK_M = 64: every tiling spills at 255 registers
-without the warp specialization and register reallocation FlashAttention-3 adds to this order.
-Since then the epilogue stores through `gluon_fwd.store_rows`, and the BLOCK_M = 32 tilings build
-without spills (250-251 registers): not yet re-measured.
+never faster. In the eleventh session every tiling spilled at 255 registers: 2-7% slower at best
+((32, 64, 3, 4)), 2x slower at BLOCK_M = 64. Since then the epilogue stores through
+`gluon_fwd.store_rows` and the BLOCK_M = 32 tilings build without spills (250-251 registers); re-run
+in the twelfth session, (32, 64, 3, 4) is 1.059x the kernel at (a) and 0.995x at (c) (parity), the
+rest 1.09-2.7x. What is left to FlashAttention-3's structure is warp specialization with register
+reallocation (`gl.warp_specialize`), not built.
 """
 from __future__ import annotations
 

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Issue 14's speed figures on the GPU machine, a part per argument (each under a 10-minute call):
 #   peer   the peer's step alone (speculators 0.9.0, bench/peer/speculators_kimi_step.py: data and
-#          verifier about 75 s, its first epoch compiles for 4-5 minutes; 388 to 485 s in all, and not
-#          done after 560 s once: give it the call's whole 600 s; its log streams to $OUT). On a
-#          machine still warm from it, `step` right after finds the peer's data and compiled graphs
-#          cached: that second call is what fits the 10 minutes (one call of `step` alone did not, in
-#          the fourth session: the peer took 485 s and our part was cut off). The machine is not always
-#          kept between calls: in the eleventh session the `step` call made straight after `peer`
-#          got a fresh machine, recompiled the peer (476 s) and ran out of time; on nvidia-h200-x2
-#          use PEER_GPU=1 (below) instead
+#          verifier about 75 s, its first epoch compiles for 4-5 minutes; 388 to 485 s in all from a
+#          cold start: give it the call's whole 600 s; its log streams to $OUT). Followed by `cache`,
+#          it leaves its compiled graphs for the next call (below): `peer cache` then `step` is how one
+#          H200 holds the step against the peer in one call (twelfth session: 494 s, then 336 s with the
+#          peer's first epoch down from 4:44 to 0:49). Chaining `peer` then `step` on a machine kept
+#          warm does not work: the next call may get a fresh machine (it did in the eleventh session)
+#   cache  packs the compiled-graph caches of the parts before it into $OUT (see below)
 #   step   the peer's step, then the full Kimi-size step on layout (a), Triton kernels in bf16 and
 #          with train.float8 and train.float8_head (the defaults on an fp8 GPU), the default frozen
 #          target head, and the ours/peer ratios, all in this call; no profiles (they cost time).
-#          On nvidia-h200-x2, PEER_GPU=1 runs the peer on GPU 1 beside ours on GPU 0: one call of
-#          ~7 minutes (6.7 measured), no `peer` call first (ours is timed while the peer compiles; its timed epoch
-#          came after ours in the measured call: not enforced, check kimi_peer.log)
+#          From a cold start it does not fit 10 minutes on one GPU: carry the `cache` of an earlier
+#          call, or on nvidia-h200-x2 use PEER_GPU=1, which runs the peer on GPU 1 beside ours on
+#          GPU 0: one call of ~7 minutes (6.7 measured; ours is timed while the peer compiles; its
+#          timed epoch came after ours in the measured call: not enforced, check kimi_peer.log)
 #   step-a the step on layout (a) alone: Triton with train.float8, with train.float8_head too, and in
 #          bf16, with profile tables (STEP_KERNELS=... to time fewer)
 #   sweep  the TTT attention's config sweep: each kernel's candidates one by one (none started after 330 s)
@@ -25,6 +25,11 @@
 #   moe    the Kimi MoE layer alone (W4A16 included)
 #   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer (W4A16 included)
 #   here:  the peer's wheels in .whl/ (see bench/peer/)    there: bash bench/speed_device.sh PART...
+# Compiled graphs travel between calls: every part runs with torch's inductor and Triton caches in
+# /tmp/peer-cache; `cache` packs them into $OUT/peer-cache.tgz.NN (15 MiB pieces, 22 MB after the
+# peer); copied here into .peercache/ (ignored: `echo /.peercache/ >> .git/info/exclude`) and carried
+# (carry [".whl", ".peercache"]), they are unpacked before the first part. They hold the same compiled
+# code a cold run builds (the same torch, Triton and GPU), so what is timed does not change.
 # Each part's output is written to $OUT/PART.txt as it runs (step, step-a, step-b: also PART.jsonl;
 # peer, step: kimi_peer.log; step with PEER_GPU: also kimi_peer.out; step-a: prof.tgz, its profile tables), plus env.txt: a call stopped at its
 # limit still returns what it finished. At most 8 files come back from a call: count the parts' files.
@@ -34,6 +39,10 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/env.txt"
+export TORCHINDUCTOR_CACHE_DIR=/tmp/peer-cache/inductor TRITON_CACHE_DIR=/tmp/peer-cache/triton
+if compgen -G ".peercache/peer-cache.tgz.*" >/dev/null; then
+  cat .peercache/peer-cache.tgz.* | tar xzf - -C /tmp && echo "peer cache: $(du -sh /tmp/peer-cache | cut -f1) unpacked" | tee -a "$out/env.txt"
+fi
 quiet() { grep --line-buffered -v "it/s]\|s/it]\|step/s]\|s/step]"; }
 for part in "$@"; do
   echo "== $part $(date +%T)"
@@ -54,6 +63,7 @@ for part in "$@"; do
     step-b)
       python3 -m eagle3.bench --layouts b --kernels torch,triton,triton-fp8 --steps 3 --warmup 2 --dir /tmp/bd \
         --json "$out/step-b.jsonl" 2>&1 | quiet | tee "$out/step-b.txt" ;;
+    cache) tar czf - -C /tmp peer-cache | split -b 15M -d - "$out/peer-cache.tgz." && ls -l "$out"/peer-cache.tgz.* ;;
     fp8) python3 -m eagle3.bench fp8 2>&1 | quiet | tee "$out/fp8.txt" ;;
     rows) python3 -m eagle3.bench rows 2>&1 | quiet | tee "$out/rows.txt" ;;
     moe) python3 -m eagle3.bench moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
@@ -62,7 +72,7 @@ for part in "$@"; do
     kernels)
       { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m eagle3.bench moe --parts layer; } \
         2>&1 | quiet | tee "$out/kernels.txt" ;;
-    *) echo "unknown part $part: expected peer, step, step-a, step-b, fp8, rows, moe, sweep, attention or kernels"; exit 2 ;;
+    *) echo "unknown part $part: expected peer, cache, step, step-a, step-b, fp8, rows, moe, sweep, attention or kernels"; exit 2 ;;
   esac
 done
 echo "== done $(date +%T)"
