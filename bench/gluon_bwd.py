@@ -21,8 +21,6 @@ reallocation (`gl.warp_specialize`), not built.
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -31,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from gluon_fwd import LOG2E, compile_for, script, sequence, store_rows, tile_desc  # bench/, this script's folder
+from gluon_fwd import LOG2E, compile_for, script, sequence, store_rows, tile_desc, tk, wgmma_layout  # bench/, this script's folder
 
 
 @gluon.jit
@@ -55,10 +53,8 @@ def _key_tile(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, q_smem, do_sm
               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     """dk_0, dv_0 of step-0 keys n0 .. n0 + BLOCK_N; returns the pipeline's iteration count after it."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)
+    g_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -176,7 +172,6 @@ CONFIGS = [(64, 128, 2, 8), (64, 128, 3, 8), (32, 128, 3, 8), (64, 64, 3, 4), (3
 
 def _triton_dkdv(q, k, v, do, lse, delta, dk, dv, scale, tma=True):
     """The Triton kernel's dK/dV pass alone, launched as `kernels.ttt_attention._backward` does."""
-    import importlib; tk = importlib.import_module("kernels.ttt_attention")
     S, T, Hkv, D = k.shape
     descriptors = tk._descriptors(tma, Qd=q, Kd=k[0], Vd=v[0], DOd=do)
     grid_kv = lambda meta: (triton.cdiv(triton.cdiv(T, meta["BLOCK_N"]), 2), Hkv, 1)
@@ -187,7 +182,6 @@ def _triton_dkdv(q, k, v, do, lse, delta, dk, dv, scale, tma=True):
 
 
 def main(labels):
-    import importlib; tk = importlib.import_module("kernels.ttt_attention")
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     for label in labels:

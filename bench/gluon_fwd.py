@@ -20,6 +20,7 @@ reallocation (`gl.warp_specialize`) are not built.
 """
 from __future__ import annotations
 
+import importlib
 import sys
 
 import torch
@@ -27,10 +28,18 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.ttt_attention import LOG2E
+tk = importlib.import_module("kernels.ttt_attention")   # the module (`kernels` exports its function by this name)
+LOG2E = tk.LOG2E
+
+
+@gluon.constexpr_function
+def wgmma_layout(num_warps, n):
+    """The accumulator layout of a wgmma of N = n over num_warps warps stacked along M."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
 
 @gluon.jit
 def sequence(CU_SEQLENS, T, VARLEN: gl.constexpr):
@@ -117,10 +126,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, kd_desc, vd_desc, O, LSE, CU_SEQLENS,
     if m0 >= seqlen:
         return
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -240,7 +247,6 @@ CONFIGS = [(128, 64, 3, 8), (128, 64, 2, 8), (64, 64, 3, 4), (64, 64, 4, 4), (64
 
 def main(labels):
     import torch.nn.functional as F
-    import importlib; tk = importlib.import_module("kernels.ttt_attention")
     from kernels.reference import ttt_attention as reference
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
