@@ -15,13 +15,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"
-# a file coming back from $OUT is at most 16 MiB: the results travel in 15 MiB parts (cat results.tgz.* | tar xz)
+# a file coming back from $OUT is at most 16 MiB: the results travel in 15 MiB parts (cat results.tgz.* | tar xz);
+# packed after each stage and every 60 s while stages run in the background, so a call cut at its time limit
+# still returns what finished
 pack() {
-  rm -f "$out"/results.tgz.*
-  (cd "$work" && tar czf - --ignore-failed-read $(ls -d regen.jsonl prompts.jsonl quality.json peer*/*.json peer*/*.safetensors \
-     peer*.log eval-*.json ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null) \
-     | split -b 15m -d - "$out/results.tgz.")
+  (flock 9
+   (cd "$work" && tar czf - --ignore-failed-read $(ls -d regen*.jsonl prompts.jsonl quality.json peer*/*.json \
+      peer*/*.safetensors peer*.log eval-*.json ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null) \
+      | split -b 15m -d - "$out/.parts.") && rm -f "$out"/results.tgz.* && for f in "$out"/.parts.*; do
+        mv "$f" "$out/results.tgz.${f##*.parts.}"; done) 9>/tmp/quality-pack.lock
 }
+(while sleep 60; do pack; done) & packer=$!
+stages_done() { local pids; pids=$(jobs -p | grep -vx "$packer"); [[ -z $pids ]] || wait $pids; }
 run_stage() {
   local stage=$1 args
   args=(--stages "${stage%%@*}")
@@ -32,11 +37,11 @@ run_stage() {
 }
 for stage in "$@"; do
   echo "== stage $stage $(date +%T)"
-  if [[ $stage == wait ]]; then wait; pack
+  if [[ $stage == wait ]]; then stages_done; pack
   elif [[ $stage == bg:* ]]; then run_stage "${stage#bg:}" &
   else run_stage "$stage"; pack
   fi
   [[ $stage != target ]] || (cd "$work" && tar czf "$out/target.tgz" target)
 done
-wait; pack
+stages_done; kill $packer; pack
 echo "== done $(date +%T)"

@@ -51,15 +51,19 @@ def demo(args, overrides: list[str]) -> None:
     training.run(cfg)
 
 
-SUMMARY_KEYS = ("step", "accept_len", "accept_len_decoding", "acc", "cond_acc", "real_accept_len",
-                "per_position_acceptance", "rounds", "prompts", "new_tokens", "mismatches", "k", "wall_seconds")
+SUMMARY_KEYS = ("step", "accept_len", "accept_len_decoding", "acc", "cond_acc", "alpha", "alpha_greedy",
+                "temperature", "top_p", "draft_sampling", "seeds", "real_accept_len", "real_accept_len_sd",
+                "accept_len_per_request", "accept_len_per_request_sd", "per_position_acceptance", "rounds",
+                "prompts", "new_tokens", "mismatches", "k", "wall_seconds")
 
 
 def evaluate_command(args, overrides: list[str]) -> None:
-    """--prompts / --max-new-tokens / --k are shorthands for the [evaluate] keys (they win)."""
+    """--prompts, --max-new-tokens, --k, --temperature, --top-p, --draft-sampling and --seeds are shorthands
+    for the [evaluate] keys (they win)."""
     from eagle3 import config as config_mod
     from eagle3.evaluate import run
-    shorthands = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": args.k}
+    shorthands = {key: getattr(args, key) for key in ("prompts", "max_new_tokens", "k", "temperature", "top_p",
+                                                      "draft_sampling", "seeds")}
     overrides = overrides + [x for key, value in shorthands.items() if value is not None
                              for x in (f"--evaluate.{key}", value)]
     from eagle3.files import strict_json
@@ -129,6 +133,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     p.add_argument("--prompts", help="JSON lines of prompts (evaluate.prompts)")
     p.add_argument("--max-new-tokens", help="tokens per prompt (evaluate.max_new_tokens)")
     p.add_argument("--k", help="draft tokens per round (evaluate.k)")
+    p.add_argument("--temperature", help="serving temperature, 0 = greedy (evaluate.temperature)")
+    p.add_argument("--top-p", help="serving top_p (evaluate.top_p)")
+    p.add_argument("--draft-sampling", help="greedy | probabilistic (evaluate.draft_sampling)")
+    p.add_argument("--seeds", help="seeds at temperature > 0 (evaluate.seeds)")
     p.add_argument("--out", help="where to write the report (default: eval.json in the draft directory)")
     add("generate", "regenerate the training replies with the target itself ([generate] keys)")
     add("demo", "tiny target -> extract -> train -> export, on the CPU")

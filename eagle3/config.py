@@ -218,6 +218,15 @@ class TrainConfig:
         0.0, "weight w of the target's top draft-vocabulary token in the loss target, (1 - w) p + w "
         "onehot(argmax p) (training only; evaluation losses use p); measured on the quality benchmark: 0.5 equal, "
         "1.0 0.6% lower real τ, so 0")
+    loss: Literal["kl", "tv", "nla", "lk_hybrid", "pq"] = setting(
+        "nla", "the loss of each TTT step between the target's p and the draft's q over the draft vocabulary "
+        "(docs/losses.md): `nla` -log α (α = Σ min(p, q), the acceptance of a sampled draft token), `tv` 1 - α, "
+        "`lk_hybrid` λ·KL + (1 - λ)·TV with λ = exp(-lk_eta·α) (the LK losses); `kl` forward KL; `pq` "
+        "-log Σ p·q (the acceptance of greedy proposals, smoothed). nla: the best or tied real τ at T = 0 and "
+        "T = 1 on the quality benchmark (bench/RESULTS.md)")
+    loss_temperature: float = setting(
+        1.0, "p and q both at this temperature in the loss: the temperature the draft will be served at")
+    lk_eta: float = setting(3.0, "`lk_hybrid`: η of λ = exp(-η·α)")
     skip_nonfinite: bool = setting(
         False, "a step whose loss or gradient norm is NaN/inf changes no weight; `false` stops the run at the "
         "next log, eval or checkpoint step naming that step and the cause (no checkpoint is written from it: "
@@ -261,6 +270,16 @@ class EvaluateConfig:
     dtype: Dtype = setting("float32", "target and draft (float32: bf16 near-ties would count as mismatches)")
     max_prompts: int = setting(0, "the first N prompts; 0 = all")
     batch_size: int = setting(32, "prompts decoded together (1 = one prompt at a time; same tokens)")
+    temperature: float = setting(
+        0.0, "the serving temperature (`--temperature`): 0 = greedy decoding, checked token for token against "
+        "the target's own output; > 0 = speculative sampling as the engines verify it (Kimi-K2.5 is served at 1.0)")
+    top_p: float = setting(1.0, "the serving top_p (`--top-p`), in (0, 1]: applied to the target's distribution")
+    draft_sampling: Literal["greedy", "probabilistic"] = setting(
+        "greedy", "at temperature > 0, how the draft proposes (`--draft-sampling`): `greedy` its argmax, accepted "
+        "with probability p(x) (vLLM's default), `probabilistic` a sample of its distribution at the temperature, "
+        "accepted with min(1, p/q)")
+    seeds: int = setting(1, "at temperature > 0, decode every prompt with seeds 0..N-1 (`--seeds`) and report the "
+                         "mean and standard deviation over them")
 
 
 @dataclass
@@ -290,7 +309,7 @@ POSITIVE = {("extract", "shard_tokens"), ("extract", "chunk_tokens"), ("train", 
             ("train", "log_every"), ("train", "checkpoint_every"), ("train", "keep_checkpoints"),
             ("draft", "num_layers"), ("data", "max_seq_len"), ("export", "speculative_tokens"),
             ("generate", "max_new_tokens"), ("generate", "batch_size"), ("evaluate", "max_new_tokens"),
-            ("evaluate", "k"), ("evaluate", "batch_size")}
+            ("evaluate", "k"), ("evaluate", "batch_size"), ("evaluate", "seeds")}
 
 
 def _sections() -> dict[str, type]:
@@ -385,7 +404,8 @@ def validate(cfg: Config) -> None:
               "min_lr_ratio": 0 <= t.min_lr_ratio <= 1, "warmup_steps": t.warmup_steps >= 0,
               "decay_fraction": 0 < t.decay_fraction <= 1,
               "weight_decay": t.weight_decay >= 0, "prefetch": t.prefetch >= 1, "aux_noise": t.aux_noise >= 0,
-              "hard_label": 0 <= t.hard_label <= 1}
+              "hard_label": 0 <= t.hard_label <= 1, "loss_temperature": t.loss_temperature > 0,
+              "lk_eta": t.lk_eta >= 0}
     for key, ok in ranges.items():
         if not ok:
             raise ConfigError(f"{cfg.source}: train.{key} = {getattr(t, key)}; expected "
@@ -393,7 +413,7 @@ def validate(cfg: Config) -> None:
                                  "decay_fraction": "a number in (0, 1]",
                                  "weight_decay": "a number >= 0", "prefetch": "an integer >= 1",
                                  "aux_noise": "a number >= 0",
-                                 "hard_label": "a number in [0, 1]"}.get(key, "> 0"))
+                                 "hard_label": "a number in [0, 1]", "lk_eta": "a number >= 0"}.get(key, "> 0"))
     d = cfg.draft
     if d.norm_before_fc and d.fc_norm:
         raise ConfigError(f"{cfg.source}: draft.norm_before_fc and draft.fc_norm are both true; they are two forms "
@@ -416,6 +436,11 @@ def validate(cfg: Config) -> None:
     g = cfg.generate
     if g.temperature < 0 or not 0 < g.top_p <= 1:
         raise ConfigError(f"{cfg.source}: generate.temperature must be >= 0 and generate.top_p in (0, 1]")
+    e = cfg.evaluate
+    if not e.temperature >= 0:
+        raise ConfigError(f"{cfg.source}: evaluate.temperature = {e.temperature}; expected a number >= 0 (0 = greedy)")
+    if not 0 < e.top_p <= 1:
+        raise ConfigError(f"{cfg.source}: evaluate.top_p = {e.top_p}; expected a number in (0, 1]")
     if cfg.evaluate.max_prompts < 0:
         raise ConfigError(f"{cfg.source}: evaluate.max_prompts = {cfg.evaluate.max_prompts}; expected >= 0 (0 = all)")
     ids = cfg.target.aux_layer_ids

@@ -78,10 +78,11 @@ class Attention(nn.Module):
         self.rope = apply_rope
         self.linears = dense_linears
 
-    def forward(self, x, cos, sin, cache: list, attention, cu_seqlens, rows: Rows):
+    def forward(self, x, cos, sin, cache, attention, cu_seqlens, rows: Rows):
         """x [C, in_dim] for the computed rows; appends this step's keys/values (laid out over all
         rows, zero where not computed: no other row reads them) to `cache`, attends over all
-        cached steps; returns [N, H] for the kept rows."""
+        cached steps; returns [N, H] for the kept rows. Decoding passes instead a KV pool's pass
+        as `cache` (incremental.LayerPass: it stores the keys and attends causally; all rows kept)."""
         C = x.shape[0]
         if rows.kept is None:   # every computed row is kept: q, k, v read one input
             q, k, v = self.linears(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
@@ -93,10 +94,13 @@ class Attention(nn.Module):
         k = self.rope(k.view(C, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(C, self.kv_heads, self.head_dim)
         q = self.rope(q.view(q.shape[0], self.heads, self.head_dim), cos_q, sin_q)
-        cache.append((rows.spread_computed(k), rows.spread_computed(v)))
-        keys = torch.stack([kv[0] for kv in cache])      # [S, T, Hkv, D]
-        values = torch.stack([kv[1] for kv in cache])
-        out = rows.take_kept(attention(rows.spread_kept(q), keys, values, cu_seqlens))
+        if isinstance(cache, list):
+            cache.append((rows.spread_computed(k), rows.spread_computed(v)))
+            keys = torch.stack([kv[0] for kv in cache])      # [S, T, Hkv, D]
+            values = torch.stack([kv[1] for kv in cache])
+            out = rows.take_kept(attention(rows.spread_kept(q), keys, values, cu_seqlens))
+        else:
+            out = cache.attend(q, k, v)
         return self.linears(out.flatten(1), self.o_proj.weight)[0]
 
 
@@ -188,12 +192,12 @@ class Eagle3Draft(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
 
-    def step(self, h: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, caches: list[list],
+    def step(self, h: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, caches: list,
              attention, cu_seqlens, rows: Rows | None = None) -> torch.Tensor:
         """One TTT step: h, token embeddings [C, H] and positions [C] of the computed rows ->
         output [N, H] of the kept rows (all T rows when `rows` is None; pre-norm unless
-        norm_output), the next step's state. Only the last
-        layer drops rows: earlier layers' outputs of every computed row feed the next layer's keys."""
+        norm_output), the next step's state; `caches` holds one cache per layer (see Attention). Only
+        the last layer drops rows: earlier layers' outputs of every computed row feed the next layer's keys."""
         rows = rows or Rows(h.shape[0])
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         last = len(self.layers) - 1

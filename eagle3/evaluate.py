@@ -41,10 +41,11 @@ from eagle3.resolve import resolve_device
 from eagle3.files import strict_json
 from eagle3.generate import stop_tokens
 from eagle3.ops import TORCH_DTYPES
-from eagle3.speculative import Decoded, Drafter, greedy_decode_many, speculative_decode_many
+from eagle3.sampling import Sampling
+from eagle3.speculative import Decoded, Drafter, greedy_decode_many, sampled_decode_many, speculative_decode_many
 from eagle3.models.checkpoint import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
-from eagle3.ttt import Objective, summarize, ttt_forward
+from eagle3.ttt import METRICS, Objective, summarize, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps
 
 BUCKETS = [(0, 16), (16, 64), (64, 256), (256, 1024), (1024, None)]
@@ -94,8 +95,8 @@ class Evaluation:
 
     def __init__(self, steps: int):
         self.steps = steps
-        self.total = torch.zeros(steps, 7)
-        self.buckets = {b: torch.zeros(steps, 7) for b in BUCKETS}
+        self.total = torch.zeros(steps, len(METRICS))
+        self.buckets = {b: torch.zeros(steps, len(METRICS)) for b in BUCKETS}
         self.decoded = [0, 0]                  # tokens, rounds of the replayed decoding
 
     def add(self, metrics: torch.Tensor, detail: dict, batch: Batch) -> None:
@@ -145,7 +146,10 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
         batch = reader.read(refs).to(device, dtype)
         _, metrics, detail = ttt_forward(draft, batch, embed, head_rows, steps, ttt_attention,
                                          ttt_loss_steps, trained["loss_decay"],
-                                         objective=Objective(RowRule(oov=trained.get("oov_rows", False))))
+                                         objective=Objective(RowRule(oov=trained.get("oov_rows", False)),
+                                                             loss=trained.get("loss", "kl"),
+                                                             temperature=trained.get("loss_temperature", 1.0),
+                                                             eta=trained.get("lk_eta", 3.0)))
         result.add(metrics, detail, batch)
     return {"checkpoint": str(checkpoint_dir), "step": state["step"], "held_out_sequences": len(held_out),
             **result.report()}
@@ -262,27 +266,62 @@ def greedy_references(target: IncrementalTarget, prompts: list[Prompt], max_new:
     return [cache[e] for e in entries]
 
 
-def decoding_report(decoded: list[Decoded], references: list[Decoded], prompts: list[Prompt], k: int) -> dict:
-    """Totals over all rounds of all prompts (the prefill's token counts in new_tokens, not in rounds)."""
+def decoding_report(decoded: list[Decoded], references: list[Decoded] | None, prompts: list[Prompt],
+                    k: int) -> dict:
+    """Totals over all rounds of all prompts (the prefill's token counts in new_tokens, not in rounds):
+    `real_accept_len` pools every round (what the engines' metrics report), `accept_len_per_request`
+    averages each prompt's own tokens per round. `mismatches` against the greedy references (T = 0)."""
     accepted = [a for d in decoded for a in d.accepted]
     drafts = [a for d in decoded for a in d.drafts_accepted]
     rounds = len(accepted)
     share = lambda n: n / rounds if rounds else float("nan")  # noqa: E731
-    mismatched = [p.line for p, d, r in zip(prompts, decoded, references) if d.tokens != r.tokens]
-    return {"real_accept_len": share(sum(accepted)),
-            "per_position_acceptance": [share(sum(a >= j for a in drafts)) for j in range(1, k + 1)],
-            "rounds": rounds, "prompts": len(prompts), "new_tokens": sum(len(d.tokens) for d in decoded),
-            "mismatches": len(mismatched), "mismatch_lines": mismatched[:20], "k": k}
+    per_request = [d.mean_accepted for d in decoded if d.accepted]
+    report = {"real_accept_len": share(sum(accepted)),
+              "accept_len_per_request": sum(per_request) / len(per_request) if per_request else float("nan"),
+              "per_position_acceptance": [share(sum(a >= j for a in drafts)) for j in range(1, k + 1)],
+              "rounds": rounds, "prompts": len(prompts), "new_tokens": sum(len(d.tokens) for d in decoded), "k": k}
+    if references is not None:
+        mismatched = [p.line for p, d, r in zip(prompts, decoded, references) if d.tokens != r.tokens]
+        report |= {"mismatches": len(mismatched), "mismatch_lines": mismatched[:20]}
+    return report
+
+
+SEEDED = ("real_accept_len", "accept_len_per_request", "per_position_acceptance", "rounds", "new_tokens")
+
+
+def over_seeds(reports: list[dict], seeds: list[int]) -> dict:
+    """One report per seed -> each figure's mean over the seeds, its sample standard deviation
+    (`<key>_sd`, 0 for one seed) and the per-seed figures."""
+    def mean_sd(values: list[float]) -> tuple[float, float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        return t.mean().item(), t.std().item() if len(values) > 1 else 0.0
+
+    out = {k: v for k, v in reports[0].items() if k not in SEEDED}
+    for key in SEEDED:
+        values = [r[key] for r in reports]
+        if isinstance(values[0], list):
+            pairs = [mean_sd(list(column)) for column in zip(*values)]
+            out[key], out[f"{key}_sd"] = [m for m, _ in pairs], [d for _, d in pairs]
+        else:
+            out[key], out[f"{key}_sd"] = mean_sd(values)
+    return out | {"seeds": seeds, "per_seed": [{"seed": s, **{k: r[k] for k in SEEDED}} for s, r in zip(seeds, reports)]}
+
+
+def prompt_seed(seed: int, line: int) -> int:
+    """Prompt `line`'s own stream under run seed `seed`."""
+    return seed * 1_000_003 + line
 
 
 @torch.no_grad()
 def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path | None = None, *,
                   greedy_cache: dict | None = None, out: str | Path | None = None) -> dict:
-    """Greedy chain speculative decoding of `draft_dir` (ours or vLLM layout) on the prompts
-    (default `evaluate.prompts`) against the target's own greedy output. Pass the same
-    `greedy_cache` dict to calls for several drafts to decode the reference once; `out` also
+    """Speculative decoding of `draft_dir` (ours or vLLM layout) on the prompts (default
+    `evaluate.prompts`) at the `[evaluate]` sampling settings: at temperature 0 greedy chain decoding
+    against the target's own greedy output (pass the same `greedy_cache` dict to calls for several
+    drafts to decode that reference once); above 0 speculative sampling, once per seed. `out` also
     writes the report there as JSON."""
     e, start = cfg.evaluate, time.perf_counter()
+    sampling = Sampling(e.temperature, e.top_p, e.draft_sampling)
     prompts_path = prompts_path or e.prompts
     if not prompts_path:
         raise InputError(f"{cfg.source}: no prompts for real decoding: set evaluate.prompts (--prompts FILE)")
@@ -293,24 +332,35 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     device, dtype = resolve_device(e.device), TORCH_DTYPES[e.dtype]
     target = IncrementalTarget(ckpt, aux_ids, device, dtype)
     stop = stop_tokens(cfg, ckpt)
-    key = (str(ckpt.dir.resolve()), ckpt.config.config_sha256, str(device), e.dtype)
-    loaded = time.perf_counter()
-    references = greedy_references(target, prompts, e.max_new_tokens, stop, e.batch_size,
-                                   {} if greedy_cache is None else greedy_cache, key)
-    greedy_done = time.perf_counter()
     inv_freq = draft.inv_freq.float().clone()          # RoPE frequencies lose their precision in bf16
     draft = draft.to(device, dtype)
     draft.inv_freq = inv_freq.to(device)
     drafter = Drafter(draft, target.embed)
-    decoded = [d for group in batches(prompts, e.batch_size)
-               for d in speculative_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens, k, stop)]
+    loaded = time.perf_counter()
+    if sampling.greedy:
+        key = (str(ckpt.dir.resolve()), ckpt.config.config_sha256, str(device), e.dtype)
+        references = greedy_references(target, prompts, e.max_new_tokens, stop, e.batch_size,
+                                       {} if greedy_cache is None else greedy_cache, key)
+        timing = {"greedy_seconds": time.perf_counter() - loaded}
+        decoded = [d for group in batches(prompts, e.batch_size)
+                   for d in speculative_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens, k, stop)]
+        report = decoding_report(decoded, references, prompts, k)
+    else:
+        seeds = list(range(e.seeds))
+        runs = [decoding_report([d for group in batches(prompts, e.batch_size)
+                                 for d in sampled_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens,
+                                                              k, stop, sampling, [prompt_seed(s, p.line) for p in group])],
+                                None, prompts, k) for s in seeds]
+        report, timing = over_seeds(runs, seeds), {}
     end = time.perf_counter()
     report = {"draft": str(draft_dir), "draft_format": "ours" if trained else "vllm",
               "target": str(cfg.target.path), "prompts_file": str(prompts_path), "aux_layer_ids": aux_ids,
-              **decoding_report(decoded, references, prompts, k), "max_new_tokens": e.max_new_tokens,
-              "device": str(device), "dtype": e.dtype, "batch_size": e.batch_size, "wall_seconds": end - start,
-              "greedy_seconds": greedy_done - loaded, "speculative_seconds": end - greedy_done}
-    if report["mismatches"]:
+              "temperature": e.temperature, "top_p": e.top_p,
+              "draft_sampling": "greedy" if sampling.greedy else e.draft_sampling, **report,
+              "max_new_tokens": e.max_new_tokens, "device": str(device), "dtype": e.dtype,
+              "batch_size": e.batch_size, "wall_seconds": end - start, **timing,
+              "speculative_seconds": end - loaded - timing.get("greedy_seconds", 0.0)}
+    if report.get("mismatches"):
         print(f"warning: {report['mismatches']} of {len(prompts)} prompts decoded differently from the target's "
               f"greedy output (lines {report['mismatch_lines']}): near-ties in {e.dtype}, or a bug", file=sys.stderr)
     if out is not None:

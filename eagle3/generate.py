@@ -27,6 +27,7 @@ from eagle3.data.shards import sha256_file
 from eagle3.resolve import resolve_device
 from eagle3.files import atomic_write_text, read_json, strict_json
 from eagle3.ops import TORCH_DTYPES
+from eagle3.sampling import draw, target_probs, uniforms
 from eagle3.models.checkpoint import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 
@@ -56,26 +57,19 @@ def stop_tokens(cfg: Config, ckpt: Checkpoint) -> set[int]:
 
 
 class Sampler:
+    """The target's own sampling at `temperature` (0 = greedy) and top_p, as `eagle3.sampling` defines it."""
+
     def __init__(self, temperature: float, top_p: float):
         self.temperature, self.top_p = temperature, top_p
 
-    def __call__(self, logits: torch.Tensor, generator: torch.Generator) -> int:
-        if self.temperature == 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float().cpu() / self.temperature, -1)
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(0) - sorted_probs < self.top_p  # smallest set with mass >= top_p
-        choice = torch.multinomial(sorted_probs * keep, 1, generator=generator)
-        return int(order[choice])
-
     def many(self, logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
-        """One token per row of logits [B, V], each row drawn with its own generator. Greedy is one
-        argmax and one transfer for the batch: a call per row would cost B launches and B device
-        syncs per step, as much as the whole batched target pass."""
+        """One token per row of logits [B, V], each row drawn with a uniform from its own generator.
+        One argmax or one batched draw and one transfer for the batch: a call per row would cost B
+        launches and B device syncs per step, as much as the whole batched target pass."""
         if self.temperature == 0:
             return logits.argmax(-1).tolist()
-        rows = logits.float().cpu()
-        return [self(row, g) for row, g in zip(rows, generators)]
+        u = uniforms(generators, 1)[:, 0].to(logits.device)
+        return draw(target_probs(logits, self.temperature, self.top_p), u).tolist()
 
 
 class Conversation:

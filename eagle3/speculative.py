@@ -6,6 +6,9 @@ is kept. The output is exactly the target's greedy decoding (lossless); the acce
 round (tokens gained per target forward) is what the acceptance estimate of eagle3.ttt predicts.
 The `_many` variants decode several prompts at once (one draft pass and one target forward per
 round for all of them): the same loops, fewer kernel launches, for measuring on many prompts.
+The draft caches its step-0 keys per prompt (`Drafter`), so a round costs it O(new rows), not O(n^2).
+At a temperature above 0, `sampled_decode_many` runs speculative sampling instead (eagle3.sampling:
+the engines' rule), whose output is distributed as the target's own sampling.
 """
 from __future__ import annotations
 
@@ -14,55 +17,97 @@ from itertools import accumulate
 
 import torch
 
-from eagle3.draft import Rows
-from eagle3.ops import positions_from_cu_seqlens
-from eagle3.models.incremental import IncrementalTarget
-from kernels.reference import ttt_attention
+from eagle3.models.incremental import IncrementalTarget, KVPool, LayerPass, PassLayout, SequenceCache
+from eagle3.sampling import Sampling, draft_probs, draw, target_probs, uniforms, verify
 
 
 class Drafter:
     """Proposes K tokens with the draft, as training-time test unrolls it: row t of step 0 reads
-    fc(aux[t]) and the embedding of x[t+1]; the chain continues from the last row."""
+    fc(aux[t]) and the embedding of x[t+1]; the chain continues from the last row.
+
+    Incremental across rounds: row t's step-0 keys and values depend only on aux[0..t] and
+    x[1..t+1], final once the target verified position t, so each sequence keeps every layer's
+    (after RoPE) in a draft cache, a slot of the drafter's KV pool (the target's kind:
+    eagle3.models.incremental), and a round runs step 0 only on the rows its cache lacks. Chain
+    step j of the last row (m-1) then runs like a token decoded after them: its key goes to pool
+    position m-1+j, which is also its RoPE position, so its query sees the step-0 keys 0..m-1 and
+    its own earlier steps' keys, as ttt_attention defines; the cache is cut back to m rows after."""
 
     def __init__(self, draft, embed: torch.Tensor):
         self.draft, self.embed = draft, embed
+        self.pool = KVPool(len(draft.layers))
+
+    def new_cache(self) -> SequenceCache:
+        """An empty draft cache for one sequence (a slot of the pool, freed when dropped)."""
+        return SequenceCache(self.pool)
 
     def propose(self, aux: torch.Tensor, tokens: torch.Tensor, k: int) -> list[int]:
         """aux [m, 3H] of positions 0..m-1; tokens [m+1] = x_0..x_m -> k target token ids."""
         return self.propose_many([aux], [tokens.tolist()], k)[0]
 
     @torch.no_grad()
-    def propose_many(self, auxes: list[torch.Tensor], tokens: list[list[int]], k: int) -> list[list[int]]:
-        """Several sequences packed into one draft pass (attention never crosses a sequence):
-        auxes[i] [m_i, 3H], tokens[i] = x_0..x_{m_i} -> k target token ids per sequence.
+    def propose_many(self, auxes: list[torch.Tensor], tokens: list[list[int]], k: int,
+                     sampling: Sampling | None = None, u: torch.Tensor | None = None,
+                     caches: list[SequenceCache] | None = None):
+        """Several sequences in one draft pass per step (attention never crosses a sequence):
+        auxes[i] [m_i, 3H], tokens[i] = x_0..x_{m_i} -> k target token ids per sequence: each step's
+        argmax, or with a probabilistic `sampling` a draw of q = softmax(logits / T) with the
+        uniforms u [B, k]; then returns (ids, q [B, k, V_target]), q zero outside the draft vocabulary.
 
-        Step 0 runs every row (each row's step-0 keys are what later queries attend to); steps
-        >= 1 run only each sequence's last row: at step j a query sees the step-0 keys and its own
-        chain, so the other rows cannot change it. Draft tokens stay on the device until the one
-        transfer at the end (a reference, not a fast path: step 0 recomputes every row each round)."""
+        caches[i] (new_cache(), kept across the rounds of sequence i and updated here): step 0 runs
+        only rows from its length on (and always the last row); without caches every row runs.
+        Draft tokens stay on the device until the one transfer at the end."""
         if k < 1:
             raise ValueError(f"k = {k}: a round drafts at least one token")
-        device = auxes[0].device
-        bounds = list(accumulate((a.shape[0] for a in auxes), initial=0))
-        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-        positions = positions_from_cu_seqlens(cu, bounds[-1])                # [T]
-        last = cu[1:].long() - 1                                             # [B] each sequence's last row
-        row_tokens = torch.tensor([x for t, a in zip(tokens, auxes) for x in t[1:a.shape[0] + 1]], device=device)
-        proposed = []
-
-        def next_inputs(step: int, h: torch.Tensor):
-            if step == 0:                                                    # row t reads x[t+1]
-                return h, self.embed[row_tokens], positions, None
-            h = h[last] if step == 1 else h                                  # [B, H] each chain's state
-            best = self.draft.lm_head(self.draft.head_input(h)).argmax(-1)  # [B] draft ids
+        sample = sampling is not None and not sampling.greedy and sampling.draft == "probabilistic"
+        caches = [self.new_cache() for _ in auxes] if caches is None else caches
+        h = self._step0(auxes, tokens, caches)                               # [B, H] the last rows
+        rows = [c.length for c in caches]                                    # m_i step-0 rows
+        proposed, qs = [], []
+        for step in range(1, k + 1):
+            logits = self.draft.lm_head(self.draft.head_input(h))            # [B, V_d]
+            if sample:
+                qs.append(draft_probs(logits, sampling.temperature))
+                best = draw(qs[-1], u[:, step - 1].to(h.device))
+            else:
+                best = logits.argmax(-1)                                     # [B] draft ids
             proposed.append(best + self.draft.d2t[best])                    # [B] target ids
-            if step == k:
-                return None
-            return h, self.embed[proposed[-1]], positions[last] + step, Rows(bounds[-1], computed=last)
+            if step < k:                                                     # chain step `step`
+                h = self._pass(h, self.embed[proposed[-1]], caches, [1] * len(caches))
+        for cache, m in zip(caches, rows):
+            cache.length = m                                                 # drop the chain's keys
+        ids = torch.stack(proposed, 1)                                       # [B, k]
+        if not sample:
+            return ids.tolist()
+        q = torch.stack(qs, 1)                                               # [B, k, V_d]
+        full = q.new_zeros(*q.shape[:2], self.embed.shape[0])
+        targets = torch.arange(q.shape[-1], device=q.device) + self.draft.d2t
+        return ids.tolist(), full.index_copy_(-1, targets, q)
 
-        for _ in self.draft.unroll(torch.cat(auxes), ttt_attention, cu, next_inputs):
-            pass                                                             # next_inputs makes the proposals
-        return torch.stack(proposed, 1).tolist()
+    def _step0(self, auxes: list[torch.Tensor], tokens: list[list[int]],
+               caches: list[SequenceCache]) -> torch.Tensor:
+        """Step 0 of the rows each cache lacks, at least the last (the chain starts from its output),
+        their keys added to the caches -> [B, H] each sequence's last-row output."""
+        for cache, aux in zip(caches, auxes):
+            cache.length = min(cache.length, aux.shape[0] - 1)
+        starts = [c.length for c in caches]
+        lengths = [a.shape[0] - s for a, s in zip(auxes, starts)]
+        aux = torch.cat([a[s:] for a, s in zip(auxes, starts)])              # [N, 3H] the new rows
+        ids = [x for t, s, n in zip(tokens, starts, lengths) for x in t[s + 1:s + n + 1]]   # row t reads x[t+1]
+        h = self._pass(self.draft.project(aux), self.embed[torch.tensor(ids, device=self.embed.device)],
+                       caches, lengths)                                      # [N, H]
+        return h[torch.tensor(list(accumulate(lengths)), device=h.device) - 1]
+
+    def _pass(self, h: torch.Tensor, emb: torch.Tensor, caches: list[SequenceCache],
+              lengths: list[int]) -> torch.Tensor:
+        """One draft step on the next lengths[i] rows of each sequence, packed: h, emb [N, H] ->
+        [N, H]. Row r of a sequence is at RoPE position r and sees its cache's keys 0..r."""
+        layout = PassLayout(self.pool, caches, lengths, self.embed.device)
+        passes = [LayerPass(self.pool, i, layout) for i in range(len(self.draft.layers))]
+        out = self.draft.step(h, emb, layout.positions, passes, None, layout.cu)
+        for cache, n in zip(caches, lengths):
+            cache.length += n
+        return out
 
 
 @dataclass
@@ -109,10 +154,12 @@ def greedy_decode_many(target: IncrementalTarget, prompts: list[list[int]], max_
 
 class _Chain:
     """One prompt under speculative decoding: its tokens x_0..x_m, the target's cache and aux states
-    of x_0..x_{m-1} (the newest token has none yet: the draft reads it as an embedding)."""
+    of x_0..x_{m-1} (the newest token has none yet: the draft reads it as an embedding), and the
+    draft's cache of its step-0 rows (None for a drafter that keeps none)."""
 
-    def __init__(self, prompt: list[int], cache: list[dict], aux: torch.Tensor, first: int):
+    def __init__(self, prompt: list[int], cache, aux: torch.Tensor, first: int, draft_cache=None):
         self.tokens, self.cache, self.aux = list(prompt) + [first], cache, aux
+        self.draft_cache = draft_cache
         self.result = Decoded([first])                   # the prefill gives one token, no draft
 
     def done(self, max_new: int, stop: set[int]) -> bool:
@@ -123,7 +170,11 @@ class _Chain:
         a = 0
         while a < len(drafts) and drafts[a] == verified[a]:
             a += 1
-        gained = drafts[:a] + [verified[a]]
+        self.take(drafts, a, verified[a], new_aux)
+
+    def take(self, drafts: list[int], a: int, token: int, new_aux: torch.Tensor) -> None:
+        """Keep the first `a` drafts and the target's `token` after them."""
+        gained = drafts[:a] + [token]
         IncrementalTarget.crop(self.cache, len(self.tokens) + a)   # keep x_0..x_m and the accepted drafts
         self.aux = torch.cat([self.aux, new_aux[:a + 1]])
         self.tokens += gained
@@ -139,6 +190,17 @@ class _Chain:
         return result
 
 
+def _draft_cache(drafter):
+    """A new draft cache for one chain, or None for a drafter without (test stand-ins recompute)."""
+    return drafter.new_cache() if hasattr(drafter, "new_cache") else None
+
+
+def _propose(drafter, chains: list[_Chain], k: int, *sampling):
+    """The drafter's proposals for the chains (propose_many), through their draft caches if any."""
+    caches = {} if chains[0].draft_cache is None else {"caches": [c.draft_cache for c in chains]}
+    return drafter.propose_many([c.aux for c in chains], [c.tokens for c in chains], k, *sampling, **caches)
+
+
 def speculative_decode(target: IncrementalTarget, drafter: Drafter, prompt: list[int], max_new: int,
                        k: int, stop: set[int] = frozenset()) -> Decoded:
     return speculative_decode_many(target, drafter, [prompt], max_new, k, stop)[0]
@@ -151,10 +213,11 @@ def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts
     caches = [target.new_cache() for _ in prompts]
     prefill = target.forward_many([torch.tensor(p) for p in prompts], caches)
     firsts = target.greedy(torch.cat([final[-1:] for _, final in prefill])).tolist()
-    chains = [_Chain(p, c, aux, t) for p, c, (aux, _), t in zip(prompts, caches, prefill, firsts)]
+    chains = [_Chain(p, c, aux, t, _draft_cache(drafter))
+              for p, c, (aux, _), t in zip(prompts, caches, prefill, firsts)]
     active = [c for c in chains if not c.done(max_new, stop)]
     while active:
-        drafts = drafter.propose_many([c.aux for c in active], [c.tokens for c in active], k)
+        drafts = _propose(drafter, active, k)
         outs = target.forward_many([torch.tensor([c.tokens[-1]] + d) for c, d in zip(active, drafts)],
                                    [c.cache for c in active])
         verified = target.greedy(torch.cat([final for _, final in outs])).view(len(active), k + 1).tolist()
@@ -162,3 +225,38 @@ def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts
             chain.accept(d, v, new_aux)
         active = [c for c in active if not c.done(max_new, stop)]
     return [c.finish(max_new, stop) for c in chains]
+
+
+def sampled_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]], max_new: int,
+                        k: int, stop: set[int], sampling: Sampling, seeds: list[int]) -> list[Decoded]:
+    """Speculative sampling of several prompts at sampling.temperature > 0, prompt i drawing every
+    uniform from its own generator seeded with seeds[i] (so its tokens do not depend on the batch):
+    per round the k drafts' uniforms (probabilistic proposals), k acceptance tests and one for the
+    emitted token. The output is distributed as the target's own sampling (lossless in distribution)."""
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    caches = [target.new_cache() for _ in prompts]
+    prefill = target.forward_many([torch.tensor(p) for p in prompts], caches)
+    firsts = sample_target(target, torch.cat([final[-1:] for _, final in prefill]), sampling,
+                           uniforms(generators, 1)[:, 0])
+    chains = [_Chain(p, c, aux, t, _draft_cache(drafter))
+              for p, c, (aux, _), t in zip(prompts, caches, prefill, firsts.tolist())]
+    live = [i for i, c in enumerate(chains) if not c.done(max_new, stop)]
+    while live:
+        active = [chains[i] for i in live]
+        u = uniforms([generators[i] for i in live], 2 * k + 1).to(target.device)   # [B, 2k+1]
+        proposal = _propose(drafter, active, k, sampling, u[:, :k])
+        drafts, q = proposal if sampling.draft == "probabilistic" else (proposal, None)
+        outs = target.forward_many([torch.tensor([c.tokens[-1]] + d) for c, d in zip(active, drafts)],
+                                   [c.cache for c in active])
+        logits = target.logits(torch.cat([final for _, final in outs])).view(len(active), k + 1, -1)
+        p = target_probs(logits, sampling.temperature, sampling.top_p)        # [B, k+1, V]
+        a, token = verify(torch.tensor(drafts, device=p.device), p, q, u[:, k:2 * k], u[:, 2 * k])
+        for chain, d, n, t, (new_aux, _) in zip(active, drafts, a.tolist(), token.tolist(), outs):
+            chain.take(d, n, t, new_aux)
+        live = [i for i in live if not chains[i].done(max_new, stop)]
+    return [c.finish(max_new, stop) for c in chains]
+
+
+def sample_target(target: IncrementalTarget, final: torch.Tensor, sampling: Sampling, u: torch.Tensor) -> torch.Tensor:
+    """The target's own sample from its post-norm final states [B, H] with uniforms u [B]."""
+    return draw(target_probs(target.logits(final), sampling.temperature, sampling.top_p), u.to(final.device))

@@ -33,7 +33,7 @@ from eagle3.export import export_all
 from eagle3.resolve import resolve
 from eagle3.files import strict_json, writable_dir
 from eagle3.models.checkpoint import Checkpoint, TargetError
-from eagle3.ttt import Objective, plan_rows, summarize, ttt_forward
+from eagle3.ttt import METRICS, Objective, plan_rows, summarize, ttt_forward
 from eagle3.vocab import VocabError, build_vocab
 
 
@@ -479,7 +479,8 @@ class Trainer:
     def _forward(self, model, batch, scale=1.0, training=False):
         t = self.cfg.train
         # evaluation sees clean inputs and measures the loss against p itself
-        objective = Objective(self.row_rule(training), *((t.aux_noise, t.hard_label) if training else (0.0, 0.0)))
+        objective = Objective(self.row_rule(training), *((t.aux_noise, t.hard_label) if training else (0.0, 0.0)),
+                              loss=t.loss, temperature=t.loss_temperature, eta=t.lk_eta)
         with self._autocast():
             return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_steps,
                          t.loss_decay, scale, t.skip_dead_rows, objective)
@@ -559,7 +560,7 @@ class Trainer:
         # torch.full passes the value as a kernel argument: no pageable copy, no sync
         denom = torch.full((), float(sum(b.plan.denominator for b in batches)), device=self.device)
         denom = self.dist.all_reduce(denom).clamp(min=1)
-        metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
+        metrics = torch.zeros(self.cfg.train.ttt_steps, len(METRICS), device=self.device)
         for a, batch in enumerate(batches):
             batch = self._on_device(batch)
             sync = self.dist.world == 1 or a == len(batches) - 1
@@ -604,7 +605,7 @@ class Trainer:
         if not self.eval_refs:
             return None
         batches = pack(self.eval_refs, self.cfg.train.batch_tokens)
-        metrics = torch.zeros(self.cfg.train.ttt_steps, 7, device=self.device)
+        metrics = torch.zeros(self.cfg.train.ttt_steps, len(METRICS), device=self.device)
         reader, world, rank = self.reader, self.dist.world, self.dist.rank
         for first in range(0, len(batches), world):   # rank r reads batches r, r + world, ...
             refs = batches[first + rank] if first + rank < len(batches) else []
@@ -618,7 +619,7 @@ class Trainer:
     def run(self) -> Path:
         t, total = self.cfg.train, self.plan.total
         batches = self.device_batches(self.prefetcher(self.start_step))
-        window = torch.zeros(t.ttt_steps, 7, device=self.device)
+        window = torch.zeros(t.ttt_steps, len(METRICS), device=self.device)
         tokens, clock, self.waited, self.target_totals = 0, time.perf_counter(), 0.0, (0, 0.0)
         bar = tqdm(total=total, initial=self.start_step, unit="step", desc="train", disable=not self.dist.main)
         saved = None

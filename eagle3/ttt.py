@@ -16,7 +16,11 @@ from eagle3.data.batch import Batch, RowPlan, RowRule
 from eagle3.draft import Rows
 from eagle3.ops import gather_rows, positions_from_cu_seqlens, scatter_rows
 
-METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_rows")
+# per-step metric sums; "accepted" (leading correct steps of each start row) only in step 0's row;
+# "alpha" / "alpha_greedy": each counted row's expected acceptance of its draft token (probabilistic
+# proposals: Σ_v min(p_v, q_v); greedy ones: p(argmax q)), 0 where the target's token is out of vocab
+METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_rows", "accepted", "alpha",
+           "alpha_greedy")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class Objective:
                                 # per-token RMS (training only; 0 = none)
     hard_label: float = 0.0     # weight w of the target's top draft-vocab token in the loss target:
                                 # (1 - w) p + w onehot(argmax p); greedy acceptance is top-1 agreement
+    loss: str = "kl"            # the per-row loss (kernels.reference.LOSSES): kl, tv, nla, lk_hybrid, pq
+    temperature: float = 1.0    # p and q both at this temperature in the loss (the serving temperature)
+    eta: float = 3.0            # lk_hybrid's blend: lambda = exp(-eta * alpha)
 
 
 @dataclass
@@ -35,6 +42,7 @@ class StepTargets:
     index: torch.Tensor      # [T] row of x[t+1+k] / p[t+1+k] / g[t+1+k] (clamped into range)
     valid: torch.Tensor      # [T] bool: trained at this step
     acc_rows: torch.Tensor   # [T] bool: counted for accuracy (loss_mask[t+2+k] = 1, in range)
+    in_vocab: torch.Tensor   # [T] bool: the target's greedy token g[t+1+k] is in the draft vocab
 
 
 def row_layout(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,19 +72,21 @@ def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_ma
     index = (torch.arange(T, device=positions.device) + 1 + k).clamp(max=T - 1)
     acc_rows = label_rows(k, positions, seq_len, loss_mask)
     trained = label_rows(k, positions, seq_len, loss_mask, prompt=True) if rule.prompt else acc_rows
-    valid = trained if rule.oov else trained & t2d[greedy[index].long()]
-    return StepTargets(index, valid, acc_rows)
+    in_vocab = t2d[greedy[index].long()]
+    valid = trained if rule.oov else trained & in_vocab
+    return StepTargets(index, valid, acc_rows, in_vocab)
 
 
 def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int,
-                 hard_label: float = 0.0) -> torch.Tensor:
-    """p over the draft vocab, once per batch for all steps: softmax(final @ W_t[t2d].T), shifted up
-    by one row and padded so that step k's targets are the view `probs[k : k + T]` (no copy); with
-    `hard_label` w, (1 - w) p + w onehot(argmax p) (still a distribution).
+                 hard_label: float = 0.0, temperature: float = 1.0) -> torch.Tensor:
+    """p over the draft vocab, once per batch for all steps: softmax(final @ W_t[t2d].T / temperature),
+    shifted up by one row and padded so that step k's targets are the view `probs[k : k + T]` (no
+    copy); with `hard_label` w, (1 - w) p + w onehot(argmax p) (still a distribution).
     Returns [T + steps, V_d] in the compute dtype (rows past the end are zero and never valid)."""
     T = final_hidden.shape[0]
     probs = final_hidden.new_zeros(T + steps, head_rows.shape[0])
-    p = torch.softmax((final_hidden[1:] @ head_rows.T).float(), dim=-1)        # [T - 1, V_d]
+    logits = (final_hidden[1:] @ head_rows.T).float()
+    p = torch.softmax(logits if temperature == 1 else logits / temperature, dim=-1)    # [T - 1, V_d]
     if hard_label > 0:   # in place: a one-hot [T, V_d] would cost as much as p again, twice
         top = p.argmax(-1, keepdim=True)
         p.mul_(1 - hard_label).scatter_add_(1, top, p.new_full(top.shape, hard_label))
@@ -143,8 +153,8 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     row makes its keys and values but only live rows run the rest; from step 1 on only live rows are
     computed at all. `objective` holds
     the recipe levers (rows trained, input noise, loss target); prepared live/loss rows must follow its row rule.
-    Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, 7], per-row detail): metric
-    columns are METRICS plus the accepted-length sum in column 6 of row 0; the detail holds, per
+    Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, METRICS], per-row detail): the
+    accepted-length sum in step 0's row only; the detail holds, per
     row, `correct` [steps, T] and `accepted` [T] (leading correct steps), for evaluation.
     """
     ids, greedy = batch.input_ids.long(), batch.target_argmax.long()
@@ -155,7 +165,7 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     if plan is None or not plan.fits(steps, skip_dead_rows, objective.rows):
         plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.rows, targets)
     live = plan.live or [None] * steps
-    probs = target_probs(batch.final_hidden, head_rows, steps, objective.hard_label)
+    probs = target_probs(batch.final_hidden, head_rows, steps, objective.hard_label, objective.temperature)
     aux = batch.aux_hidden
     kept = []
     # the kernels read the boundaries on the host: a host copy, when the trainer gives one, saves a sync
@@ -179,12 +189,15 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     done = len(head_inputs)
     # step k's targets: rows k .. k+T-1 of probs (a view), or its kept rows shifted by k, read in place
     ps, p_rows = zip(*[(probs[k:k + T], None) if r is None else (probs, r + k) for k, r in enumerate(kept)])
-    total, losses, argmaxes = loss_steps(head_inputs, draft.lm_head.weight.to(embed.dtype), list(ps), plan.loss[:done],
-                                         [decay ** k * scale for k in range(done)], p_rows=list(p_rows))
-    losses = [scatter_rows(x, r, T, 0) for x, r in zip(losses, kept)] + [total.new_zeros(T)] * (steps - done)
-    argmaxes = [scatter_rows(x, r, T, -1) for x, r in zip(argmaxes, kept)] + [greedy.new_full((T,), -1)] * (
-        steps - done)
-    return (total, *step_metrics(targets, losses, argmaxes, greedy, draft.d2t))
+    total, losses, argmaxes, alphas = loss_steps(
+        head_inputs, draft.lm_head.weight.to(embed.dtype), list(ps), plan.loss[:done],
+        [decay ** k * scale for k in range(done)], p_rows=list(p_rows), loss=objective.loss,
+        temperature=objective.temperature, eta=objective.eta)
+    missing = steps - done
+    losses = [scatter_rows(x, r, T, 0) for x, r in zip(losses, kept)] + [total.new_zeros(T)] * missing
+    alphas = [scatter_rows(x, r, T, 0) for x, r in zip(alphas, kept)] + [total.new_zeros(T)] * missing
+    argmaxes = [scatter_rows(x, r, T, -1) for x, r in zip(argmaxes, kept)] + [greedy.new_full((T,), -1)] * missing
+    return (total, *step_metrics(targets, losses, argmaxes, alphas, probs, greedy, draft.d2t))
 
 
 def _step_rows(k: int, live: list, T: int) -> Rows:
@@ -193,17 +206,21 @@ def _step_rows(k: int, live: list, T: int) -> Rows:
     return Rows(T, kept=live[0]) if k == 0 else Rows(T, computed=live[k])
 
 
-def step_metrics(targets: list[StepTargets], losses, argmaxes, greedy, d2t) -> tuple[torch.Tensor, dict]:
-    """Per-step sums on the device (no host sync): METRICS columns + accepted-length sum; and the
-    per-row detail (correct per step, leading correct steps)."""
-    metrics = torch.zeros(len(targets), len(METRICS) + 1, device=greedy.device)
+def step_metrics(targets: list[StepTargets], losses, argmaxes, alphas, probs, greedy, d2t) -> tuple[torch.Tensor, dict]:
+    """Per-step sums on the device (no host sync), the METRICS columns; and the per-row detail
+    (correct per step, leading correct steps). probs [T + steps, V_d]: the loss's targets, for the
+    greedy-proposal acceptance p(argmax q)."""
+    metrics = torch.zeros(len(targets), len(METRICS), device=greedy.device)
     run = torch.ones_like(greedy, dtype=torch.bool)
     accepted = torch.zeros_like(greedy)
     corrects = []
-    for k, (tg, loss, argmax) in enumerate(zip(targets, losses, argmaxes)):
-        correct = tg.valid & tg.acc_rows & (argmax + d2t[argmax.clamp(min=0)] == greedy[tg.index])
+    for k, (tg, loss, argmax, alpha) in enumerate(zip(targets, losses, argmaxes, alphas)):
+        counted = tg.valid & tg.acc_rows & tg.in_vocab
+        correct = counted & (argmax + d2t[argmax.clamp(min=0)] == greedy[tg.index])
+        p_top = probs[k:k + len(argmax)].gather(1, argmax.clamp(min=0).unsqueeze(1)).squeeze(1)
         metrics[k, :6] = torch.stack([loss.detach().sum(), tg.valid.sum(), correct.sum(), tg.acc_rows.sum(),
                                       (correct & run).sum(), (tg.acc_rows & run).sum()]).float()
+        metrics[k, 7:] = torch.stack([torch.where(counted, alpha, 0).sum(), torch.where(counted, p_top.float(), 0).sum()])
         run = run & correct
         accepted += run
         corrects.append(correct)
@@ -212,14 +229,17 @@ def step_metrics(targets: list[StepTargets], losses, argmaxes, greedy, d2t) -> t
 
 
 def summarize(metrics: torch.Tensor) -> dict:
-    """Metric sums [steps, 7] (over batches/ranks) -> per-step loss, accuracy, conditional accuracy,
-    and the acceptance-length estimate tau = 1 + mean leading correct steps over start rows."""
+    """Metric sums [steps, METRICS] (over batches/ranks) -> per-step loss, accuracy, conditional
+    accuracy, expected acceptance of both proposal kinds, and the acceptance-length estimate
+    tau = 1 + mean leading correct steps over start rows."""
     m = metrics.double().cpu()
     steps = m.shape[0]
     ratio = lambda a, b: (a / b).item() if b > 0 else float("nan")  # noqa: E731
     out = {"loss": [ratio(m[k, 0], m[k, 1]) for k in range(steps)],
            "acc": [ratio(m[k, 2], m[k, 3]) for k in range(steps)],
            "cond_acc": [ratio(m[k, 4], m[k, 5]) for k in range(steps)],
+           "alpha": [ratio(m[k, 7], m[k, 3]) for k in range(steps)],
+           "alpha_greedy": [ratio(m[k, 8], m[k, 3]) for k in range(steps)],
            "rows": [int(m[k, 3]) for k in range(steps)]}
     out["accept_len"] = 1 + ratio(m[0, 6], m[0, 3]) if m[0, 3] > 0 else float("nan")
     return out

@@ -48,6 +48,7 @@ def _compiled_loss():
     return torch.compile(reference.ttt_loss, dynamic=True)
 
 
-def ttt_loss_steps(hs, w, ps, valids=None, weights=None, p_rows=None):
-    """`kernels.reference.ttt_loss_steps` with each step's loss compiled."""
-    return reference.ttt_loss_steps(hs, w, ps, valids, weights, loss_fn=_compiled_loss(), p_rows=p_rows)
+def ttt_loss_steps(hs, w, ps, valids=None, weights=None, p_rows=None, *, loss="kl", temperature=1.0, eta=3.0):
+    """`kernels.reference.ttt_loss_steps` with each step's loss compiled (one graph per loss kind)."""
+    return reference.ttt_loss_steps(hs, w, ps, valids, weights, loss_fn=_compiled_loss(), p_rows=p_rows,
+                                    loss=loss, temperature=temperature, eta=eta)

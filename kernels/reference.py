@@ -1,5 +1,11 @@
 """Pure-torch ground truth for the two TTT hot spots (and the row spread around them).
 
+The loss comes in five kinds (`LOSSES`): soft cross-entropy ("kl", the default) and four aimed at
+speculative-decoding acceptance: "tv", "nla" and "lk_hybrid" as in Samarin et al., LK Losses: Direct
+Acceptance Rate Optimization for Speculative Decoding, arXiv 2602.23881 (speculators 0.9.0 defines
+`tv`, `nla` with α clamped at 1e-5 and `lk_hybrid` with eta 3.0 the same way), and "pq" for greedy
+proposals. Written with plain torch ops, so that autograd gives each one's gradient.
+
 These are the semantics the Triton kernels must reproduce; tests compare against them and the
 training loop falls back to them when `train.kernels = "torch"` (attention, loss) and on the CPU
 (the row spread: on a GPU `eagle3.ops.scatter_rows` always takes `kernels/rows.py`, whose result is
@@ -61,46 +67,95 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.to(q.dtype)
 
 
-def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor,
-             valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Soft cross-entropy of the draft head against target probabilities.
+# The losses of `ttt_loss`, by name; the Triton kernel takes the index (`LOSS`).
+LOSSES = ("kl", "tv", "nla", "lk_hybrid", "pq")
+ALPHA_EPS = 1e-5   # nla and pq clamp their probability here before the log (speculators' value)
+
+
+def loss_index(loss: str, temperature: float) -> int:
+    """The index of `loss` in LOSSES; ValueError for an unknown name or a temperature that is not > 0."""
+    if loss not in LOSSES:
+        raise ValueError(f"ttt_loss: unknown loss {loss!r}, expected one of {', '.join(LOSSES)}")
+    if not temperature > 0:
+        raise ValueError(f"ttt_loss: temperature must be > 0, got {temperature!r}")
+    return LOSSES.index(loss)
+
+
+def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor, valid: torch.Tensor | None = None,
+             loss: str = "kl", temperature: float = 1.0, eta: float = 3.0,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draft head's loss against target probabilities, per row.
 
     h: [N, H] draft hidden after the final norm; w: [V, H] draft lm_head; p: [N, V] target
-    probabilities over the draft vocab; valid: bool [N]. Returns (loss [N] fp32, argmax [N] int64)
-    with loss = -sum_v p log softmax(h w^T) on valid rows and 0 elsewhere; argmax is -1 on rows
-    that are not valid (they need no logits).
+    probabilities over the draft vocab (already at `temperature`); valid: bool [N]. With
+    q = softmax(h wᵀ / temperature) and α = Σ_v min(p, q) (the chance that a draft token sampled
+    from q is accepted against p), the loss of a row is, by `loss`:
+
+      kl         -Σ p log q (soft cross-entropy: forward KL's gradient)
+      tv         1 - α (total variation)
+      nla        -log max(α, 1e-5) (negative log acceptance)
+      lk_hybrid  λ KL(p‖q) + (1 - λ)(1 - α), λ = exp(-eta α) held constant (no gradient)
+      pq         -log max(Σ p q, 1e-5) (acceptance of a draft token x ~ q kept with probability p(x))
+
+    Returns (loss [N] fp32, argmax [N] int64, alpha [N] fp32): 0, -1 and 0 on rows that are not
+    valid (they need no logits); argmax is the first index of the max logit; alpha = α, detached.
+    Differentiable in h and w through autograd.
     """
+    kind = LOSSES[loss_index(loss, temperature)]
     N = h.shape[0]
     if valid is None:
         valid = torch.ones(N, dtype=torch.bool, device=h.device)
     logits = (h @ w.t()).float()                                        # [N, V]
-    logq = F.log_softmax(logits, dim=-1)
-    loss = -(p.float() * logq).sum(-1)
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    logq = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+    p = p.float()
+    if kind == "kl":   # α only reported: no graph through it, one [N, V] temporary
+        q = logq.detach().exp()
+        alpha = torch.minimum(q, p, out=q).sum(-1)
+        row = -(p * logq).sum(-1)
+    else:
+        q = logq.exp()
+        alpha = torch.where(q <= p, q, p).sum(-1)   # min(p, q); its gradient takes q where q <= p
+        if kind == "tv":
+            row = 1 - alpha
+        elif kind == "nla":
+            row = -alpha.clamp_min(ALPHA_EPS).log()
+        elif kind == "lk_hybrid":
+            lam = torch.exp(-eta * alpha).detach()
+            kl = torch.xlogy(p, p).sum(-1) - (p * logq).sum(-1)
+            row = lam * kl + (1 - lam) * (1 - alpha)
+        else:   # pq
+            row = -(p * q).sum(-1).clamp_min(ALPHA_EPS).log()
+    zero = torch.zeros_like(row)
+    row = torch.where(valid, row, zero)
+    alpha = torch.where(valid, alpha.detach(), zero)
     argmax = torch.where(valid, logits.argmax(-1), torch.full_like(valid, -1, dtype=torch.long))
-    return loss, argmax
+    return row, argmax, alpha
 
 
-def ttt_loss_steps(hs, w, ps, valids=None, weights=None, loss_fn=None, p_rows=None):
-    """All K TTT steps at once: (total, losses, argmaxes) with total = Σ_k Σ_i weights[k] · loss_k,i.
+def ttt_loss_steps(hs, w, ps, valids=None, weights=None, loss_fn=None, p_rows=None, *,
+                   loss: str = "kl", temperature: float = 1.0, eta: float = 3.0):
+    """All K TTT steps at once: (total, losses, argmaxes, alphas) with total = Σ_k Σ_i weights[k] · loss_k,i.
 
     Same contract as `kernels.ttt_loss.ttt_loss_steps`; hs[k] [N_k, H], ps[k] [N_k, V], valids[k]
     bool [N_k], the indices of the valid rows (int64 or int32), or None; weights[k] a number or a tensor
     broadcastable to [N_k] (default 1); p_rows[k] int64 [N_k] or None: the rows of ps[k] (then any
-    [P, V]) that hs[k]'s rows read, gathered here. `loss_fn` replaces `ttt_loss` for each step (e.g. a
-    compiled one).
+    [P, V]) that hs[k]'s rows read, gathered here. `loss`, `temperature`, `eta` as in `ttt_loss`;
+    alphas[k] is step k's α (detached). `loss_fn` replaces `ttt_loss` for each step (e.g. a compiled
+    one), called as loss_fn(h, w, p, valid, loss=, temperature=, eta=).
     """
+    loss_index(loss, temperature)
     loss_fn = loss_fn or ttt_loss
     K = len(hs)
     valids = [None] * K if valids is None else list(valids)
     weights = [1.0] * K if weights is None else list(weights)
     ps = [p if r is None else p[r] for p, r in zip(ps, [None] * K if p_rows is None else p_rows)]
-    total, losses, argmaxes = 0.0, [], []
+    total, losses, argmaxes, alphas = 0.0, [], [], []
     for h, p, valid, weight in zip(hs, ps, valids, weights):
         if valid is not None and valid.dtype in (torch.int64, torch.int32):   # row indices -> mask
             valid = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device).index_fill_(0, valid.long(), True)
-        loss, argmax = loss_fn(h, w, p, valid)
-        total = total + (loss * weight).sum()
-        losses.append(loss.detach())
+        row, argmax, alpha = loss_fn(h, w, p, valid, loss=loss, temperature=temperature, eta=eta)
+        total = total + (row * weight).sum()
+        losses.append(row.detach())
         argmaxes.append(argmax)
-    return total, losses, argmaxes
+        alphas.append(alpha.detach())
+    return total, losses, argmaxes, alphas

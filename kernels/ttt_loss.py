@@ -1,29 +1,60 @@
-"""Fused TTT loss: draft lm_head + soft cross-entropy, forward and backward.
+"""Fused TTT loss: draft lm_head + a loss against target probabilities, forward and backward.
 
-Per TTT step the draft projects N hidden rows onto V draft-vocab logits z = h wᵀ and takes
-loss_i = -Σ_v p_iv log softmax(z_i)_v. Eagerly that keeps fp32 [N, V] logits, their log-softmax
-and their gradient alive for every step. Here rows go through in chunks of valid rows only:
+Per TTT step the draft projects N hidden rows onto V draft-vocab logits z = h wᵀ and takes a loss
+of q = softmax(z / τ) against each row's target probabilities p. Eagerly that keeps fp32 [N, V]
+logits, their softmax and their gradient alive for every step. Here rows go through in chunks of
+valid rows only:
 
     z_c  = h_c @ wᵀ                      cuBLAS, into one reusable [chunk, V] buffer
-    kernel: max / logsumexp / loss / argmax of each row and, when a gradient is wanted,
-            dz = g · (softmax(z) · Σp − p)  written in place over z_c
+    kernel: lse / loss / α / argmax of each row and, when a gradient is wanted,
+            dz = g · ∂loss/∂z            written in place over z_c
     dh_c = dz @ w,   dw += dzᵀ @ h_c     cuBLAS
 
 so the memory added beyond the inputs and their gradients is one chunk (O(chunk · V)), whatever N.
-dz follows exactly from -Σ p log softmax(z): ∂/∂z_v = softmax_v · Σ_u p_u − p_v (Σp may differ
-slightly from 1, so it is not dropped).
+
+The losses (`kernels.reference.LOSSES`; the kernel's constexpr LOSS). With x = z / τ, q = softmax(x),
+α = Σ_v min(p_v, q_v) (the chance that a draft token sampled from q is accepted against p: logged
+for every loss), I = [q <= p] and S = Σ I q; ∂/∂z = (1/τ) ∂/∂x, and Σp may differ slightly from 1,
+so it is not dropped:
+
+    kl         -Σ p log q = lse·Σp - Σ p x             ∂/∂x = q·Σp - p   (forward KL's gradient)
+    tv         1 - α                                   ∂/∂x = -q (I - S)
+    nla        -log max(α, 1e-5)                       ∂/∂x = -q (I - S) / α, 0 under the clamp
+    lk_hybrid  λ KL(p‖q) + (1 - λ)(1 - α),             ∂/∂x = λ (q·Σp - p) - (1 - λ) q (I - S)
+               λ = exp(-eta α) held constant
+    pq         -log max(A, 1e-5), A = Σ p q            ∂/∂x = q (A - p) / A, 0 under the clamp
+
+nla (LK_α) and lk_hybrid are from Samarin et al., LK Losses: Direct Acceptance Rate Optimization for
+Speculative Decoding, arXiv 2602.23881: they train the acceptance rate itself rather than a proxy;
+speculators 0.9.0 defines `tv`, `nla` (α clamped at 1e-5) and `lk_hybrid` (eta 3.0) the same way.
+pq is for greedy-proposal serving, where the draft's proposal x is accepted with probability p(x):
+A = E_{x~q} p(x).
+
+One program per row; each pass sweeps the row's z and p in BLOCK_V tiles:
+
+    pass 1  every loss: online max / sum-exp of x (lse), Σp, Σ p x, first index of the max of z;
+            pq also Σ p e^(x-m), rescaled online like the sum-exp (A = it / sum-exp)
+    pass 2  kl, pq: α, and dz in place when a gradient is wanted (it needs only pass 1's numbers:
+            kl's gradient pass only gains α's min and sum, 1.01x the kernel before α on an H200),
+            read only without one (kl without a gradient: 2 passes where there was 1);
+            tv, nla, lk_hybrid: α, S and (lk_hybrid) Σ p log p, read only
+    pass 3  tv, nla, lk_hybrid, only when a gradient is wanted: dz in place (it needs α and S)
+
+The third pass costs 1.2x (tv, nla) to 1.5x (lk_hybrid: the log of p, even with the GPU's fast log)
+kl's kernel time at 8192 x 32000 bf16, but the kernel is a few % of the step (3 GEMMs a row):
+at the loss bench's shapes every loss's fwd+bwd is within noise of kl's, memory the same.
 
 Two entry points:
 
-- `ttt_loss(h, w, p, valid)`: one step, the signature and semantics of `kernels.reference.ttt_loss`,
-  differentiable for any upstream gradient. The per-row upstream gradient g is only known in
-  backward, and dw = Σ_i g_i dz_iᵀ h_i cannot be rescaled after the sum, so backward recomputes the
-  logits chunk by chunk (4 GEMMs per step: 1 forward, 3 backward). Holding each step's dw [V, H]
-  or dz [N, V] from forward to backward instead would save that GEMM but break the memory bound once
-  K steps are alive together.
-- `ttt_loss_steps(hs, w, ps, valids, weights)`: all K steps at once with the loss weights known up
-  front (training knows them: 0.8^k / number of loss-masked rows). It returns Σ weight · loss as a
-  scalar, so the gradient is computed during forward (3 GEMMs per step, the matmul floor), dw is
+- `ttt_loss(h, w, p, valid, loss=...)`: one step, the signature and semantics of
+  `kernels.reference.ttt_loss`, differentiable for any upstream gradient. The per-row upstream
+  gradient g is only known in backward, and dw = Σ_i g_i dz_iᵀ h_i cannot be rescaled after the sum,
+  so backward recomputes the logits chunk by chunk (4 GEMMs per step: 1 forward, 3 backward). Holding
+  each step's dw [V, H] or dz [N, V] from forward to backward instead would save that GEMM but break
+  the memory bound once K steps are alive together.
+- `ttt_loss_steps(hs, w, ps, valids, weights, loss=...)`: all K steps at once with the loss weights
+  known up front (training knows them: 0.8^k / number of loss-masked rows). It returns Σ weight · loss
+  as a scalar, so the gradient is computed during forward (3 GEMMs per step, the matmul floor), dw is
   accumulated in one buffer across steps and chunks, and backward only scales by the scalar upstream.
   This is the one for training: call it once after the K draft steps, with their normed hidden states.
 
@@ -37,26 +68,50 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kernels import fp8_cast
+from kernels.reference import ALPHA_EPS, loss_index
 
 # Rows per chunk: enough for the GEMMs to run at full rate and for few bf16 roundings of the dw
 # accumulator, small enough that the chunk buffers (logits [chunk, V] plus two [chunk, H]) stay
 # well under 1 GiB. 8192 rows at V = 32000 in bf16.
 CHUNK_BYTES = 512 * 2**20
 
+# LOSS: the index in kernels.reference.LOSSES.
+KL: tl.constexpr = tl.constexpr(0)
+TV: tl.constexpr = tl.constexpr(1)
+NLA: tl.constexpr = tl.constexpr(2)
+LK_HYBRID: tl.constexpr = tl.constexpr(3)
+PQ: tl.constexpr = tl.constexpr(4)
+EPS: tl.constexpr = tl.constexpr(ALPHA_EPS)
+FLT_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)   # the smallest normal fp32
+
 
 @triton.jit
-def _soft_ce_kernel(
+def _q_p_tile(z_row, p_row, cols, mask, inv_t, lse):
+    """One tile of a row after pass 1: q = softmax(z / τ) from the row's lse, and p, both fp32
+    (the upcast is exact for bf16 and required by the interpreter); 0 in masked lanes."""
+    z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    p = tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float32)
+    return tl.exp(z * inv_t - lse), p
+
+
+@triton.jit
+def _ttt_loss_kernel(
     z_ptr, z_stride,        # [n, V] logits of the chunk; overwritten by dz when WRITE_GRAD
     p_ptr, p_stride,        # [P, V] target probabilities, any float dtype, unit column stride
     rows_ptr,               # [n] int64: the row of the outputs for chunk row i
     p_rows_ptr,             # [n] int64: the row of p for chunk row i
     g_ptr,                  # [N] fp32 upstream gradient per row (read only when WRITE_GRAD)
     loss_ptr, argmax_ptr,   # [N] fp32, [N] int64 outputs
+    alpha_ptr,              # [N] fp32 output: α = Σ min(p, q)
+    inv_t, eta,             # fp32: 1 / temperature; lk_hybrid's λ = exp(-eta α)
     V: tl.constexpr,        # constexpr: fixed per model, and the interpreter (numpy 2) cannot
                             # loop to a run-time bound
+    LOSS: tl.constexpr,     # KL, TV, NLA, LK_HYBRID or PQ
     WRITE_GRAD: tl.constexpr,
+    FAST_LOG: tl.constexpr, # lk_hybrid's log p by the GPU's approximate log (libdevice, not interpretable)
     BLOCK_V: tl.constexpr,
 ):
     i = tl.program_id(0)
@@ -65,11 +120,13 @@ def _soft_ce_kernel(
     p_row = p_ptr + tl.load(p_rows_ptr + i) * p_stride
     offs = tl.arange(0, BLOCK_V)
 
-    # Pass 1: online max / sum-exp (logsumexp), Σp, Σp·z and the first index of the max.
+    # Pass 1: online max / sum-exp of x = z/τ, Σp, Σp·x, the first index of the max of z and (pq)
+    # Σp·e^(x - m), rescaled with the sum-exp.
     m = float("-inf")
     s = 0.0
     psum = 0.0
-    pz = 0.0
+    px = 0.0
+    pe = 0.0
     best = float("-inf")
     best_idx = 0
     for start in range(0, V, BLOCK_V):
@@ -82,30 +139,99 @@ def _soft_ce_kernel(
         blk_idx = tl.argmax(z, 0) + start        # first index of the block max
         best_idx = tl.where(blk_max > best, blk_idx, best_idx)   # strict: keep the earlier tie
         best = tl.maximum(best, blk_max)
-        m_new = tl.maximum(m, blk_max)
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        x = z * inv_t                            # τ > 0: max x = (max z)/τ, rounding is monotone
+        m_new = tl.maximum(m, blk_max * inv_t)
+        scale = tl.exp(m - m_new)
+        e = tl.exp(x - m_new)
+        s = s * scale + tl.sum(e, 0)
+        if LOSS == PQ:
+            pe = pe * scale + tl.sum(p * e, 0)
         m = m_new
         psum += tl.sum(p, 0)
-        pz += tl.sum(p * tl.where(mask, z, 0.0), 0)   # masked lanes hold -inf: avoid 0 · -inf
+        px += tl.sum(p * tl.where(mask, x, 0.0), 0)   # masked lanes hold -inf: avoid 0 · -inf
     lse = m + tl.log(s)
-    # -Σ p (z - lse) = lse · Σp - Σ p z
-    tl.store(loss_ptr + row, lse * psum - pz)
+    ce = lse * psum - px                 # -Σ p (x - lse) = -Σ p log q
     tl.store(argmax_ptr + row, best_idx.to(tl.int64))
-
-    # Pass 2: dz = g · (softmax(z) · Σp - p), in place; the row was just read (partly still in L2).
     if WRITE_GRAD:
-        g = tl.load(g_ptr + row)
-        a = g * psum
+        g = tl.load(g_ptr + row) * inv_t   # ∂/∂z = (1/τ) ∂/∂x
+
+    if LOSS == KL:
+        tl.store(loss_ptr + row, ce)
+    if LOSS == PQ:
+        A = pe / s
+        tl.store(loss_ptr + row, -tl.log(tl.maximum(A, EPS)))
+        if WRITE_GRAD:
+            g = tl.where(A >= EPS, g / A, 0.0)
+
+    acc = tl.zeros([BLOCK_V], dtype=tl.float32)   # α, summed once after the loop
+    if LOSS == KL or LOSS == PQ:
+        # Pass 2: α and dz in place; the row was just read (partly still in L2).
+        #   kl: dz = g (q Σp - p);  pq: dz = g q (A - p) / A
+        if WRITE_GRAD:
+            if LOSS == KL:
+                a = g * psum
+            else:
+                a = g * A
         for start in range(0, V, BLOCK_V):
             cols = start + offs
             mask = cols < V
-            z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-            p = tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float32)
-            dz = a * tl.exp(z - lse) - g * p
-            tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=mask)
+            q, p = _q_p_tile(z_row, p_row, cols, mask, inv_t, lse)
+            acc += tl.minimum(p, q)
+            if WRITE_GRAD:
+                if LOSS == KL:
+                    dz = a * q - g * p
+                else:
+                    dz = q * (a - g * p)
+                tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=mask)
+        alpha = tl.sum(acc, 0)
+    else:
+        # Pass 2 (read only): α, S = Σ [q <= p] q and (lk_hybrid) Σ p log p.
+        acc_s = tl.zeros([BLOCK_V], dtype=tl.float32)
+        acc_h = tl.zeros([BLOCK_V], dtype=tl.float32)
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            mask = cols < V
+            q, p = _q_p_tile(z_row, p_row, cols, mask, inv_t, lse)
+            below = q <= p
+            acc += tl.where(below, q, p)
+            acc_s += tl.where(below, q, 0.0)
+            if LOSS == LK_HYBRID:   # Σ p log p; p < FLT_MIN adds under 1e-36 (and 0 log 0 = 0)
+                p_ok = tl.where(p >= FLT_MIN, p, 1.0)   # the fast log flushes subnormals to -inf
+                if FAST_LOG:   # libdevice's accurate logf would make this pass compute-bound
+                    acc_h += p * libdevice.fast_logf(p_ok)
+                else:
+                    acc_h += p * tl.log(p_ok)
+        alpha = tl.sum(acc, 0)
+        S = tl.sum(acc_s, 0)
+        # The gradient is a q (S - I) [+ b (q Σp - p) for lk_hybrid], ∂α/∂x = q (I - S).
+        if LOSS == TV:
+            tl.store(loss_ptr + row, 1.0 - alpha)
+            if WRITE_GRAD:
+                a = g
+        if LOSS == NLA:
+            tl.store(loss_ptr + row, -tl.log(tl.maximum(alpha, EPS)))
+            if WRITE_GRAD:
+                a = tl.where(alpha >= EPS, g / alpha, 0.0)
+        if LOSS == LK_HYBRID:
+            lam = tl.exp(-eta * alpha)
+            tl.store(loss_ptr + row, lam * (tl.sum(acc_h, 0) + ce) + (1.0 - lam) * (1.0 - alpha))
+            if WRITE_GRAD:
+                a = g * (1.0 - lam)
+                b = g * lam
+        # Pass 3: dz = a q (S - I) + b (q Σp - p), in place.
+        if WRITE_GRAD:
+            for start in range(0, V, BLOCK_V):
+                cols = start + offs
+                mask = cols < V
+                q, p = _q_p_tile(z_row, p_row, cols, mask, inv_t, lse)
+                dz = a * q * (S - tl.where(q <= p, 1.0, 0.0))
+                if LOSS == LK_HYBRID:
+                    dz += b * (q * psum - p)
+                tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=mask)
+    tl.store(alpha_ptr + row, alpha)
 
 
-# On the GPU the block width and warps are autotuned once per (V, WRITE_GRAD); restore_value
+# On the GPU the block width and warps are autotuned once per (V, LOSS, WRITE_GRAD); restore_value
 # because the kernel overwrites z in place. The interpreter gets one fixed config (autotuning
 # several needs a GPU driver).
 _GPU_CONFIGS = [triton.Config({"BLOCK_V": b}, num_warps=nw) for b, nw in ((2048, 4), (4096, 8), (4096, 16), (8192, 16))]
@@ -115,19 +241,24 @@ _tuned_kernel = None
 def _gpu_kernel():
     global _tuned_kernel
     if _tuned_kernel is None:
-        _tuned_kernel = triton.autotune(_GPU_CONFIGS, key=["V", "WRITE_GRAD"], restore_value=["z_ptr"])(_soft_ce_kernel)
+        _tuned_kernel = triton.autotune(_GPU_CONFIGS, key=["V", "LOSS", "WRITE_GRAD"],
+                                        restore_value=["z_ptr"])(_ttt_loss_kernel)
     return _tuned_kernel
 
 
-def _soft_ce(z, p, rows, p_rows, g, loss, argmax) -> None:
-    """Launch the row kernel over the chunk `z` (one program per row); g=None: no gradient."""
+def _row_kernel(z, p, rows, p_rows, g, out, spec) -> None:
+    """Launch the row kernel over the chunk `z` (one program per row); g=None: no gradient.
+    out = (loss, argmax, alpha) [N]; spec = (LOSS index, 1/τ, eta)."""
     n, V = z.shape
-    args = (z, z.stride(0), p, p.stride(0), rows, p_rows, loss if g is None else g, loss, argmax, V)
+    loss, argmax, alpha = out
+    kind, inv_t, eta = spec
+    args = (z, z.stride(0), p, p.stride(0), rows, p_rows, loss if g is None else g, loss, argmax, alpha,
+            inv_t, eta, V, kind)
     if z.is_cuda:
-        _gpu_kernel()[(n,)](*args, WRITE_GRAD=g is not None)
+        _gpu_kernel()[(n,)](*args, WRITE_GRAD=g is not None, FAST_LOG=True)
     else:
         block = min(4096, triton.next_power_of_2(V))
-        _soft_ce_kernel[(n,)](*args, WRITE_GRAD=g is not None, BLOCK_V=block, num_warps=8)
+        _ttt_loss_kernel[(n,)](*args, WRITE_GRAD=g is not None, FAST_LOG=False, BLOCK_V=block, num_warps=8)
 
 
 class _Workspace:
@@ -190,9 +321,9 @@ def _valid_rows(valid: torch.Tensor | None, N: int, device) -> torch.Tensor:
     return valid.nonzero().squeeze(1)
 
 
-def _score_rows(h, w, p, rows, ws, loss, argmax, g=None, dh=None, dw=None, dw_fresh=True, p_rows=None) -> bool:
-    """Loss and argmax of `rows` (valid rows of one step), chunk by chunk; h's row i reads p's row
-    p_rows[i] (row i when p_rows is None).
+def _score_rows(h, w, p, rows, ws, out, spec, g=None, dh=None, dw=None, dw_fresh=True, p_rows=None) -> bool:
+    """Loss, argmax and α (`out`) of `rows` (valid rows of one step), chunk by chunk; h's row i reads
+    p's row p_rows[i] (row i when p_rows is None); spec = (LOSS index, 1/τ, eta).
 
     With g (fp32 [N] upstream gradient per row) also writes dh[rows] and accumulates into dw
     (overwriting it first when dw_fresh). Returns whether dw is still unwritten.
@@ -209,7 +340,7 @@ def _score_rows(h, w, p, rows, ws, loss, argmax, g=None, dh=None, dw=None, dw_fr
             h_buf, dh_buf = ws.gathered(b - a)
             h_c = torch.index_select(h, 0, r, out=h_buf)
         z = ws.logits(h_c)
-        _soft_ce(z, p, r, p_of[a:b], g, loss, argmax)
+        _row_kernel(z, p, r, p_of[a:b], g, out, spec)
         if g is None:
             continue
         if dh is not None:
@@ -236,10 +367,16 @@ def _check(h, w, p, p_rows=None) -> torch.Tensor:
     return p if p.stride(1) == 1 else p.contiguous()
 
 
-def _outputs(N: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """loss 0 and argmax -1: what rows that are not valid keep."""
+def _spec(loss: str, temperature: float, eta: float) -> tuple[int, float, float]:
+    """(LOSS index, 1/τ, eta) for the kernel; ValueError for an unknown loss or τ <= 0."""
+    return loss_index(loss, temperature), 1.0 / float(temperature), float(eta)
+
+
+def _outputs(N: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """loss 0, argmax -1 and α 0: what rows that are not valid keep."""
     return (torch.zeros(N, dtype=torch.float32, device=device),
-            torch.full((N,), -1, dtype=torch.int64, device=device))
+            torch.full((N,), -1, dtype=torch.int64, device=device),
+            torch.zeros(N, dtype=torch.float32, device=device))
 
 
 def _grad_buffer(t: torch.Tensor, needed: bool, dense: bool):
@@ -252,21 +389,21 @@ class TTTLossFunction(torch.autograd.Function):
     """One step; forward stores nothing beyond its inputs, backward recomputes the logits."""
 
     @staticmethod
-    def forward(ctx, h, w, p, valid, chunk):
+    def forward(ctx, h, w, p, valid, chunk, spec):
         p = _check(h, w, p)
         h, w = h.contiguous(), w.contiguous()
         rows = _valid_rows(valid, h.shape[0], h.device)
-        loss, argmax = _outputs(h.shape[0], h.device)
+        out = _outputs(h.shape[0], h.device)
         if rows.numel():
             ws = _Workspace(w, chunk, rows.numel())
-            _score_rows(h, w, p, rows, ws, loss, argmax)
+            _score_rows(h, w, p, rows, ws, out, spec)
         ctx.save_for_backward(h, w, p, rows)
-        ctx.chunk = chunk
-        ctx.mark_non_differentiable(argmax)
-        return loss, argmax
+        ctx.chunk, ctx.spec = chunk, spec
+        ctx.mark_non_differentiable(*out[1:])
+        return out
 
     @staticmethod
-    def backward(ctx, dloss, _dargmax):
+    def backward(ctx, dloss, _dargmax, _dalpha):
         h, w, p, rows = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         dense = rows.numel() == h.shape[0]
@@ -274,23 +411,25 @@ class TTTLossFunction(torch.autograd.Function):
         dw = _grad_buffer(w, need_w, True)
         if rows.numel() == 0:
             dh, dw = [t.zero_() if t is not None else None for t in (dh, dw)]
-            return dh, dw, None, None, None
+            return dh, dw, None, None, None, None
         ws = _Workspace(w, ctx.chunk, rows.numel())
-        scratch_loss, scratch_argmax = _outputs(h.shape[0], h.device)
         g = dloss.float().contiguous()
-        _score_rows(h, w, p, rows, ws, scratch_loss, scratch_argmax, g=g, dh=dh, dw=dw)
-        return dh, dw, None, None, None
+        _score_rows(h, w, p, rows, ws, _outputs(h.shape[0], h.device), ctx.spec, g=g, dh=dh, dw=dw)
+        return dh, dw, None, None, None, None
 
 
 def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor, valid: torch.Tensor | None = None,
-             chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused `kernels.reference.ttt_loss`: (loss [N] fp32, argmax [N] int64), differentiable in h, w.
+             chunk: int | None = None, *, loss: str = "kl", temperature: float = 1.0, eta: float = 3.0,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused `kernels.reference.ttt_loss`: (loss [N] fp32, argmax [N] int64, alpha [N] fp32),
+    the loss differentiable in h, w.
 
     h [N, H] draft hidden after the final norm, w [V, H] draft lm_head (same dtype), p [N, V]
-    target probabilities (any float dtype), valid bool [N] or None. Rows that are not valid get
-    loss 0 and argmax -1 and cost nothing. `chunk` rows per chunk (default: 512 MiB of logits).
+    target probabilities at `temperature` (any float dtype), valid bool [N] or None. `loss` one of
+    `kernels.reference.LOSSES` (see the module docstring), `eta` lk_hybrid's. Rows that are not valid
+    get loss 0, argmax -1 and α 0 and cost nothing. `chunk` rows per chunk (default: 512 MiB of logits).
     """
-    return TTTLossFunction.apply(h, w, p, valid, chunk)
+    return TTTLossFunction.apply(h, w, p, valid, chunk, _spec(loss, temperature, eta))
 
 
 class TTTLossStepsFunction(torch.autograd.Function):
@@ -298,7 +437,7 @@ class TTTLossStepsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, meta, *hs):
-        ps, p_rows, valids, weights, chunk, grad_mode, float8 = meta
+        ps, p_rows, valids, weights, chunk, grad_mode, float8, spec = meta
         # needs_input_grad ignores torch.no_grad(): grad_mode comes from the caller.
         need_w = grad_mode and ctx.needs_input_grad[0]
         need_h = [grad_mode and n for n in ctx.needs_input_grad[2:]]
@@ -308,26 +447,26 @@ class TTTLossStepsFunction(torch.autograd.Function):
         dw = torch.zeros_like(w) if need_w else None
         K = len(hs)
         dw_fresh, total = True, 0.0
-        losses, argmaxes, dhs = [None] * K, [None] * K, [None] * K
+        losses, argmaxes, alphas, dhs = [None] * K, [None] * K, [None] * K, [None] * K
         # Last step first: training weights (0.8^k) shrink with k, so the bf16 dw accumulator takes
         # the largest terms last and rounds fewer of them at full magnitude (the order autograd
         # gives K separate calls).
         for k in reversed(range(K)):
             h, p, r = hs[k], ps[k], rows[k]
-            loss, argmax = _outputs(h.shape[0], h.device)
+            out = _outputs(h.shape[0], h.device)
             dh = _grad_buffer(h, need_h[k], r.numel() == h.shape[0])
             g = _row_weights(weights[k], h.shape[0], h.device)
             if r.numel():
-                dw_fresh = _score_rows(h, w, p, r, ws, loss, argmax, g=g if grads else None,
+                dw_fresh = _score_rows(h, w, p, r, ws, out, spec, g=g if grads else None,
                                        dh=dh, dw=dw, dw_fresh=dw_fresh, p_rows=p_rows[k])
             elif dh is not None:
                 dh.zero_()
-            total = total + (loss * g).sum()
-            losses[k], argmaxes[k], dhs[k] = loss, argmax, dh
+            total = total + (out[0] * g).sum()
+            (losses[k], argmaxes[k], alphas[k]), dhs[k] = out, dh
         ctx.dw, ctx.dhs = dw, dhs
-        ctx.mark_non_differentiable(*losses, *argmaxes)
+        ctx.mark_non_differentiable(*losses, *argmaxes, *alphas)
         total = torch.as_tensor(total, dtype=torch.float32, device=w.device)
-        return (total, *losses, *argmaxes)
+        return (total, *losses, *argmaxes, *alphas)
 
     @staticmethod
     def backward(ctx, dtotal, *_):
@@ -350,9 +489,10 @@ def _row_weights(weight, N: int, device) -> torch.Tensor:
 def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[torch.Tensor],
                    valids: Sequence[torch.Tensor | None] | None = None,
                    weights: Sequence[float | torch.Tensor] | None = None, chunk: int | None = None,
-                   float8: bool = False, p_rows: Sequence[torch.Tensor | None] | None = None,
-                   ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """All K TTT steps at once: (total, losses, argmaxes).
+                   float8: bool = False, p_rows: Sequence[torch.Tensor | None] | None = None, *,
+                   loss: str = "kl", temperature: float = 1.0, eta: float = 3.0,
+                   ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """All K TTT steps at once: (total, losses, argmaxes, alphas).
 
     hs[k] [N_k, H], ps[k] [N_k, V] and valids[k] bool [N_k] (or None) are step k's inputs to
     `ttt_loss`; valids[k] may also be the indices of the valid rows (int64 or int32, unique,
@@ -360,14 +500,16 @@ def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[tor
     p_rows[k] (int64 [N_k] on ps[k]'s device, or None) says which row of ps[k] each row of hs[k]
     reads: then ps[k] may be any [P, V] (e.g. every step's one target tensor), read in place instead
     of gathered. Its values are not checked (that would cost a host sync): they must lie in [0, P).
+    `loss`, `temperature`, `eta`: as in `ttt_loss`, for every step.
     total = Σ_k Σ_i weights[k]_i · loss_k,i is an fp32 scalar, differentiable in every hs[k] and w;
-    losses[k] / argmaxes[k] are `ttt_loss`'s outputs for step k (not differentiable). The gradient
-    is computed during forward (3 GEMMs per step instead of 4), with dw accumulated in bf16 across
-    chunks when w is bf16. Extra memory: the gradient buffers plus one chunk. `float8`: the logits
-    and dh GEMMs as scaled fp8 GEMMs (h chunks e4m3, dz e5m2, w e4m3 cast once; dw stays in w's
+    losses[k] / argmaxes[k] / alphas[k] are `ttt_loss`'s outputs for step k (not differentiable). The
+    gradient is computed during forward (3 GEMMs per step instead of 4), with dw accumulated in bf16
+    across chunks when w is bf16. Extra memory: the gradient buffers plus one chunk. `float8`: the
+    logits and dh GEMMs as scaled fp8 GEMMs (h chunks e4m3, dz e5m2, w e4m3 cast once; dw stays in w's
     dtype), only where gradients are computed (evaluation measures in w's dtype); V and H must be
     multiples of 16.
     """
+    spec = _spec(loss, temperature, eta)
     K = len(hs)
     valids = [None] * K if valids is None else list(valids)
     weights = [1.0] * K if weights is None else list(weights)
@@ -379,6 +521,6 @@ def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[tor
     if float8 and (w.shape[0] % 16 or w.shape[1] % 16):
         raise ValueError(f"ttt_loss_steps: float8 needs V and H multiples of 16, w is {tuple(w.shape)}")
     grad_mode = torch.is_grad_enabled()
-    meta = (ps, p_rows, valids, weights, chunk, grad_mode, float8 and grad_mode)
+    meta = (ps, p_rows, valids, weights, chunk, grad_mode, float8 and grad_mode, spec)
     outs = TTTLossStepsFunction.apply(w.contiguous(), meta, *hs)
-    return outs[0], list(outs[1:1 + K]), list(outs[1 + K:])
+    return outs[0], list(outs[1:1 + K]), list(outs[1 + K:1 + 2 * K]), list(outs[1 + 2 * K:])

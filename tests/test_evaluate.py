@@ -468,3 +468,42 @@ def test_cli_evaluate_end_to_end(llama_run, tmp_path, capsys):
     assert saved["prompts"] == 4 and saved["max_new_tokens"] == 8 and "accept_len" not in saved
     with pytest.raises(SystemExit, match="give --prompts"):
         main(["evaluate", str(export), "--config", str(toml)])
+
+
+@pytest.mark.parametrize("mode", ["greedy", "probabilistic"])
+def test_real_decoding_at_a_serving_temperature(llama_run, mode):
+    """Speculative sampling of our checkpoint and of its vLLM export (the same float32 weights: the
+    same draws, so the same figures), seeded, with the mean and spread over seeds."""
+    cfg = copy.deepcopy(llama_run)
+    checkpoint, export = checkpoint_and_export(cfg)
+    cfg.evaluate.temperature, cfg.evaluate.top_p, cfg.evaluate.seeds, cfg.evaluate.draft_sampling = 1.0, 0.95, 3, mode
+    ours, theirs = real_decoding(cfg, checkpoint), real_decoding(cfg, export)
+    assert (ours["temperature"], ours["top_p"], ours["draft_sampling"], ours["seeds"]) == (1.0, 0.95, mode, [0, 1, 2])
+    assert "mismatches" not in ours                        # no token-for-token reference when sampling
+    for key in ("real_accept_len", "accept_len_per_request", "per_position_acceptance", "rounds", "per_seed"):
+        assert ours[key] == theirs[key], key
+    per_seed = ours["per_seed"]
+    assert len({s["real_accept_len"] for s in per_seed}) == 3 and ours["real_accept_len_sd"] > 0
+    values = torch.tensor([s["real_accept_len"] for s in per_seed], dtype=torch.float64)
+    assert ours["real_accept_len"] == pytest.approx(values.mean().item())
+    assert ours["real_accept_len_sd"] == pytest.approx(values.std().item())
+    assert 1 <= ours["real_accept_len"] <= 4 and 1 <= ours["accept_len_per_request"] <= 4
+    for s in per_seed:   # pooled acceptance: 1 + the per-position shares (each round's kept drafts)
+        assert s["real_accept_len"] <= 1 + sum(s["per_position_acceptance"]) + 1e-9
+    assert real_decoding(cfg, checkpoint)["per_seed"] == per_seed     # reproducible
+
+
+def test_cli_evaluate_at_a_serving_temperature(llama_run, tmp_path, capsys):
+    cfg = llama_run
+    _, export = checkpoint_and_export(cfg)
+    toml = write_toml(cfg, tmp_path)
+    base = ["evaluate", str(export), "--config", str(toml), "--prompts", cfg.evaluate.prompts, "--max-new-tokens", "8"]
+    main(base + ["--temperature", "1", "--top-p", "0.95", "--draft-sampling", "probabilistic", "--seeds", "2",
+                 "--out", str(tmp_path / "t1.json")])
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert summary["seeds"] == [0, 1] and summary["draft_sampling"] == "probabilistic" and "real_accept_len_sd" in summary
+    for flags, named in ((["--temperature", "-1"], "evaluate.temperature"), (["--top-p", "0"], "evaluate.top_p"),
+                         (["--top-p", "1.5"], "evaluate.top_p"), (["--draft-sampling", "beam"], "evaluate.draft_sampling")):
+        with pytest.raises(SystemExit) as e:
+            main(base + flags)
+        assert named in str(e.value) and "\n" not in str(e.value).strip(), str(e.value)

@@ -151,7 +151,8 @@ def test_generate_does_not_depend_on_the_batch(tmp_path, llama_target, two_turn_
         out = tmp_path / f"regen-{batch}.jsonl"
         cfg = make_config(tmp_path, llama_target, two_turn_data, **{
             "generate.output_path": out, "generate.max_new_tokens": 12, "generate.batch_size": batch,
-            "generate.temperature": temperature, "generate.dtype": "float32", "generate.device": "cpu"})
+            "generate.temperature": temperature, "generate.dtype": "float32", "generate.device": "cpu",
+            "generate.stop_token_ids": "[]"})
         generate.run(cfg)
         outputs.append(out.read_text())
     assert outputs[0] == outputs[1]

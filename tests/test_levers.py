@@ -68,7 +68,8 @@ def test_hard_label_moves_the_target_towards_the_top_token_and_keeps_a_distribut
     runs = [ttt_forward(draft, batch, embed, head, 2, ttt_attention, ttt_loss_steps, objective=Objective(hard_label=w))
             for w in (0.0, 1.0)]
     assert not torch.allclose(runs[0][0], runs[1][0])                        # another loss...
-    assert torch.equal(runs[0][1][:, 1:], runs[1][1][:, 1:])                  # ...on the same rows and argmaxes
+    assert torch.equal(runs[0][1][:, 1:7], runs[1][1][:, 1:7])                # ...on the same rows and argmaxes
+    # (the expected acceptance, columns 7 and 8, is measured against the loss's own target)
 
 
 def test_fp32_residual_keeps_the_chain_in_fp32_with_bf16_inputs():

@@ -16,7 +16,8 @@ def work(tmp_path_factory):
     work = tmp_path_factory.mktemp("quality")
     bench_main(["quality", "--tiny", "--work", str(work), "--device", "cpu", "--stages", "target,data,ours,measure",
                 "--variant", "base", "--variant", "trained-head:train.freeze_lm_head=false",
-                "--variant", "aux:target.aux_layer_ids=[1,3,6]"])
+                "--variant", "aux:target.aux_layer_ids=[1,3,6]",
+                "--variant", "sampled:data.path={work}/regen-sampled.jsonl,train.loss=nla"])
     return work
 
 
@@ -42,17 +43,26 @@ def test_judging_prompts_never_come_from_the_draft_data(work):
     text = {tuple(d["input_ids"][i:i + len(p)]) for d in data for p in prompts for i in range(len(d["input_ids"]))}
     assert not any(tuple(p) in text for p in prompts)
     assert all(sum(d["loss_mask"]) == quality.TINY.reply_len for d in data)
+    # the same prompts, their replies sampled at the serving temperature instead of greedily
+    sampled = [json.loads(line) for line in (work / "regen-sampled.jsonl").read_text().splitlines()]
+    prompt_of = lambda d: d["input_ids"][:d["loss_mask"].index(1)]   # noqa: E731
+    assert [prompt_of(d) for d in sampled] == [prompt_of(d) for d in data]
+    assert sum(d["input_ids"] != g["input_ids"] for d, g in zip(sampled, data)) > len(data) // 2
 
 
 @pytest.mark.slow
 def test_measure_reports_real_decoding_of_every_variant_losslessly(work):
     results = json.loads((work / "quality.json").read_text())["results"]
-    assert set(results) == {"base", "trained-head", "aux"}
+    assert set(results) == {"base", "trained-head", "aux", "sampled"}
+    K = quality.TINY.ttt_steps
     for m in results.values():
-        assert m["mismatches"] == 0 and m["prompts"] == quality.TINY.eval_prompts
-        assert 1.0 <= m["real_accept_len"] <= 1 + quality.TINY.ttt_steps
-        assert len(m["per_position_acceptance"]) == quality.TINY.ttt_steps
-        assert m["train_s"] > 0
+        assert m["t0"]["mismatches"] == 0 and m["t0"]["prompts"] == quality.TINY.eval_prompts
+        for setting in ("t0", "greedy", "probabilistic"):
+            assert 1.0 <= m[setting]["real_accept_len"] <= 1 + K and len(m[setting]["per_position_acceptance"]) == K
+        for setting in ("greedy", "probabilistic"):   # sampled: every seed decoded, the spread beside the mean
+            assert m[setting]["seeds"] == list(range(quality.TINY.eval_seeds)) and "real_accept_len_sd" in m[setting]
+            saved = json.loads((work / f"eval-base-{setting}.json").read_text())
+            assert (saved["temperature"], saved["top_p"]) == (quality.TINY.serve_temperature, quality.TINY.serve_top_p)
     frozen = load_file(work / "ours-base" / "export" / "vllm" / "model.safetensors")["lm_head.weight"]
     trained = load_file(work / "ours-trained-head" / "export" / "vllm" / "model.safetensors")["lm_head.weight"]
     assert not torch.equal(frozen, trained)   # the variant's override reached the trainer
@@ -62,6 +72,11 @@ def test_measure_reports_real_decoding_of_every_variant_losslessly(work):
     config = json.loads((work / "ours-aux" / "export" / "vllm" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 7]
     assert not (work / "hidden-base").exists() and not (work / "hidden-trained-head").exists()
+    # {work} names a file of the work directory: the sampled replies, extracted apart
+    manifest = json.loads((work / "hidden-sampled" / "manifest.json").read_text())
+    assert manifest["source"]["path"].endswith("regen-sampled.jsonl"), manifest["source"]
+    state = json.loads(next((work / "ours-sampled" / "checkpoints").glob("step-*/state.json")).read_text())
+    assert state["config"]["train"]["loss"] == "nla"
 
 
 def test_variant_syntax():
@@ -78,8 +93,10 @@ def test_variant_syntax():
         quality.parse_variant("peer2:train.lr=1")
     with pytest.raises(SystemExit, match="flags need a name"):
         quality.run_peer(quality.TINY, Path("/nonexistent"), Path("script.py"), ":--eagle31")
-    changed = quality.with_changes(quality.Recipe(), ["train_prompts=3072", "lr=1e-3"])
-    assert (changed.train_prompts, changed.lr, changed.epochs) == (3072, 1e-3, quality.Recipe().epochs)
+    with pytest.raises(SystemExit, match="--data takes one of greedy, sampled"):
+        quality.run_peer(quality.TINY, Path("/nonexistent"), Path("script.py"), "x:--loss-fn nla --data hot")
+    changed = quality.with_changes(quality.Recipe(), ["train_prompts=3072", "lr=3e-4"])
+    assert (changed.train_prompts, changed.lr, changed.epochs) == (3072, 3e-4, quality.Recipe().epochs)
     with pytest.raises(SystemExit, match="key=value"):
         quality.with_changes(quality.Recipe(), ["no_such_field=1"])
 

@@ -7,7 +7,8 @@ import torch
 from eagle3.data.batch import Batch
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.ops import compiled, rms_norm
-from eagle3.ttt import loss_denominator, step_targets, summarize, ttt_forward
+from eagle3.ttt import (METRICS, Objective, loss_denominator, row_layout, step_targets, summarize, target_probs,
+                        ttt_forward)
 from kernels.reference import ttt_attention, ttt_loss, ttt_loss_steps
 
 
@@ -45,7 +46,7 @@ def test_reference_loss_matches_definition():
     h, w = torch.randn(6, 5), torch.randn(7, 5)
     p = torch.softmax(torch.randn(6, 7), -1)
     valid = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool)
-    loss, argmax = ttt_loss(h, w, p, valid)
+    loss, argmax, _ = ttt_loss(h, w, p, valid)
     logits = h @ w.T
     expected = -(p * torch.log(torch.softmax(logits, -1))).sum(-1) * valid
     torch.testing.assert_close(loss, expected)
@@ -121,6 +122,38 @@ def test_packed_sequences_do_not_interact():
                                           for a, b in zip(bounds[:-1], bounds[1:]))
 
 
+@pytest.mark.parametrize("loss,temperature", [("kl", 1.0), ("nla", 0.7), ("pq", 1.0)])
+def test_expected_acceptance_metrics(loss, temperature):
+    """alpha = Σ min(p, q) and alpha_greedy = p(argmax q) per step, at the loss temperature, averaged
+    over the assistant rows (0 where the target's token is out of the draft vocabulary)."""
+    draft = tiny_draft(2)
+    embed, head = torch.randn(40, 16), torch.randn(24, 16)
+    batch = random_batch([11, 7], seed=5)
+    recorded = {}
+
+    def recording_loss(hs, w, ps, valids, weights, **kwargs):
+        recorded["hs"], recorded["w"] = [h.detach() for h in hs], w.detach()
+        return ttt_loss_steps(hs, w, ps, valids, weights, **kwargs)
+
+    objective = Objective(loss=loss, temperature=temperature)
+    _, metrics, _ = ttt_forward(draft, batch, embed, head, 3, ttt_attention, recording_loss,
+                                skip_dead_rows=False, objective=objective)
+    summary = summarize(metrics)
+    T = batch.rows
+    positions, seq_len = row_layout(batch.cu_seqlens, T)
+    probs = target_probs(batch.final_hidden, head, 3, temperature=temperature)
+    assert summary["alpha"][0] > 0
+    for k in range(3):
+        tg = step_targets(k, positions, seq_len, batch.loss_mask, batch.target_argmax.long(), draft.t2d)
+        z = recorded["hs"][k] @ recorded["w"].T
+        q, p = torch.softmax(z / temperature, -1), probs[k:k + T]
+        counted = (tg.valid & tg.acc_rows).float()
+        rows = tg.acc_rows.sum()
+        assert summary["alpha"][k] == pytest.approx(float((torch.minimum(p, q).sum(-1) * counted).sum() / rows), rel=1e-5)
+        p_top = p.gather(1, z.argmax(-1, keepdim=True)).squeeze(1)
+        assert summary["alpha_greedy"][k] == pytest.approx(float((p_top * counted).sum() / rows), rel=1e-5)
+
+
 def test_ttt_step_uses_own_previous_output_and_shifted_tokens():
     """Step k of row t must not depend on tokens after x[t+1+k] nor on other rows' later steps."""
     draft = tiny_draft(1)
@@ -130,9 +163,9 @@ def test_ttt_step_uses_own_previous_output_and_shifted_tokens():
     batch.target_argmax = draft.t2d.nonzero().flatten()[torch.arange(16) % 24].to(torch.int32)
     outputs = {}
 
-    def recording_loss(hs, w, ps, valids, weights, p_rows):
+    def recording_loss(hs, w, ps, valids, weights, **kwargs):
         outputs["h"] = [h.detach().clone() for h in hs]
-        return ttt_loss_steps(hs, w, ps, valids, weights, p_rows=p_rows)
+        return ttt_loss_steps(hs, w, ps, valids, weights, **kwargs)
 
     ttt_forward(draft, batch, embed, head, 3, ttt_attention, recording_loss)
     changed = dataclasses.replace(batch, input_ids=batch.input_ids.clone())
@@ -148,9 +181,12 @@ def test_ttt_step_uses_own_previous_output_and_shifted_tokens():
 
 
 def test_summary_acceptance_length():
-    m = torch.zeros(3, 7)
+    m = torch.zeros(3, len(METRICS))
     m[:, 3] = torch.tensor([10, 10, 10])     # 10 start rows
     m[0, 6] = 15                               # 15 leading correct steps in total
+    m[:, 7], m[:, 8] = torch.tensor([6.0, 4.0, 2.0]), torch.tensor([5.0, 3.0, 1.0])
+    assert summarize(m)["alpha"] == pytest.approx([0.6, 0.4, 0.2])
+    assert summarize(m)["alpha_greedy"] == pytest.approx([0.5, 0.3, 0.1])
     assert summarize(m)["accept_len"] == pytest.approx(2.5)
 
 

@@ -2,7 +2,7 @@
 pre-tokenized data, on one GPU, with the speculators wheels on PYTHONPATH (see README.md here).
 
 usage: python speculators_quality.py TARGET_DIR DATA_JSONL OUT_DIR [--epochs 4] [--ttt-steps 7]
-       [--draft-vocab N] [--lr 3e-4] [--decay 0.8] [--batch-tokens 4096]
+       [--draft-vocab N] [--lr 3e-4] [--decay 0.8] [--batch-tokens 4096] [--loss-fn kl_div]
 Prints the extraction and training wall times and the peer's validation metrics; copies the final draft
 (speculators / vLLM layout) to OUT_DIR."""
 import argparse, json, re, shutil, subprocess, sys, time
@@ -17,6 +17,8 @@ ap.add_argument("--epochs", type=int, default=4); ap.add_argument("--ttt-steps",
 ap.add_argument("--draft-vocab", type=int, default=0); ap.add_argument("--lr", type=float, default=3e-4)
 ap.add_argument("--decay", type=float, default=0.8); ap.add_argument("--batch-tokens", type=int, default=4096)
 ap.add_argument("--work", default="/tmp/peer_run")
+ap.add_argument("--loss-fn", default="kl_div", help="speculators' --loss-fn: kl_div (its default), rkl, jsd, ce, tv, "
+                "nla, lk_hybrid, or a JSON dict of weights")
 ap.add_argument("--eagle31", action="store_true",
                 help="keep speculators' own defaults for the draft's norms (norm_before_residual, norm_before_fc, "
                      "norm_output on: its EAGLE-3.1 defaults) instead of turning them off")
@@ -63,6 +65,7 @@ mask_id = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.vocab_size -
 cmd = [sys.executable, "-m", "speculators.train", "--verifier-name-or-path", a.target, "--data-path", str(data),
        "--save-path", str(work / "ckpt"), "--draft-vocab-size", str(vocab), "--ttt-steps", str(a.ttt_steps),
        "--ttt-step-loss-decay", str(a.decay), "--epochs", str(a.epochs), "--lr", str(a.lr), "--optimizer", "adamw",
+       "--loss-fn", a.loss_fn,
        "--loss-implementation", "eager", "--scheduler-type", "cosine",
        *([] if a.eagle31 else ["--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"]),
        "--full-attention-indices", "0",

@@ -1,4 +1,4 @@
-"""`python -m eagle3.bench loss [--shapes a,b,c,c*]`: the fused TTT loss against eager,
+"""`python -m eagle3.bench loss [--shapes a,b,c,c*] [--losses ...]`: the fused TTT loss against eager,
 torch.compile and the matmul floor, on the GPU.
 
 One training-like iteration = K = 7 steps sharing the draft head w [V, H]; step k has its own hidden
@@ -19,15 +19,23 @@ None) − the bytes of the gradients it leaves (w.grad and every h_k.grad): what
 its inputs and their gradients. "raw" = without that last subtraction.
 Correctness: every fused output against an fp32 reference at the bench shape (no TF32), beside the
 same errors for eager bf16.
+
+--losses: also triton-K for each named loss kind (kernels.reference.LOSSES; kl is always among
+them, as the yardstick), timed and measured the same way, each checked against the fp32 reference
+of its own loss beside eager bf16 of that loss (tv's and nla's gradients follow [q <= p], which bf16
+logits flip here and there: a few % from fp32 in both); a table gives each one's time / kl's and its
+extra memory beside kl's (the bar: within 10% of kl's time, the same memory).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
 from eagle3.bench.timing import (describe_device, free_memory, matmul_tflops, median_ms_of_calls, peak_bytes,
                                  require_cuda)
+from kernels.reference import LOSSES
 from kernels.reference import ttt_loss as reference_loss
 from kernels.ttt_loss import ttt_loss, ttt_loss_steps
 
@@ -72,26 +80,29 @@ class Problem:
 
 
 def per_step(prob: Problem, fn):
-    """fwd+bwd of K calls of a per-step loss function; returns (losses, argmaxes)."""
+    """fwd+bwd of K calls of a per-step loss function; returns (losses, argmaxes, alphas)."""
     def run():
         prob.zero_grads()
-        total, losses, argmaxes = 0.0, [], []
+        total, losses, argmaxes, alphas = 0.0, [], [], []
         for k in range(K):
-            loss, argmax = fn(prob.hs[k], prob.w, prob.ps[k], prob.valids[k])
+            loss, argmax, alpha = fn(prob.hs[k], prob.w, prob.ps[k], prob.valids[k])
             total = total + loss.sum() * prob.weights[k]
             losses.append(loss.detach())
             argmaxes.append(argmax)
+            alphas.append(alpha)
         total.backward()
-        return losses, argmaxes
+        return losses, argmaxes, alphas
     return run
 
 
-def all_steps(prob: Problem):
+def all_steps(prob: Problem, loss: str = "kl"):
+    """fwd+bwd of one ttt_loss_steps call (the `triton-K` iteration) with the given loss kind."""
     def run():
         prob.zero_grads()
-        total, losses, argmaxes = ttt_loss_steps(prob.hs, prob.w, prob.ps, prob.valids, prob.weights)
+        total, losses, argmaxes, alphas = ttt_loss_steps(prob.hs, prob.w, prob.ps, prob.valids, prob.weights,
+                                                         loss=loss)
         total.backward()
-        return losses, argmaxes
+        return losses, argmaxes, alphas
     return run
 
 
@@ -130,30 +141,32 @@ def rel(x: torch.Tensor, y: torch.Tensor) -> float:
     return ((x.float() - y.float()).norm() / y.float().norm()).item()
 
 
-def fp32_reference(prob: Problem):
-    """Per-step losses, argmaxes, dh and dw of the same iteration, in fp32 without TF32."""
+def fp32_reference(prob: Problem, loss: str = "kl"):
+    """Per-step losses, argmaxes, alphas, dh and dw of the same iteration, in fp32 without TF32."""
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     wf = prob.w.detach().float().requires_grad_()
-    losses, argmaxes, dhs = [], [], []
+    losses, argmaxes, alphas, dhs = [], [], [], []
     for k in range(K):
         hf = prob.hs[k].detach().float().requires_grad_()
-        loss, argmax = reference_loss(hf, wf, prob.ps[k].float(), prob.valids[k])
-        (loss.sum() * prob.weights[k]).backward()
-        losses.append(loss.detach())
+        row, argmax, alpha = reference_loss(hf, wf, prob.ps[k].float(), prob.valids[k], loss=loss)
+        (row.sum() * prob.weights[k]).backward()
+        losses.append(row.detach())
         argmaxes.append(argmax)
+        alphas.append(alpha)
         dhs.append(hf.grad)
     torch.backends.cuda.matmul.allow_tf32 = tf32
-    return losses, argmaxes, dhs, wf.grad
+    return losses, argmaxes, alphas, dhs, wf.grad
 
 
 def errors(prob: Problem, fn, ref) -> dict:
-    losses, argmaxes = fn()
-    r_losses, r_argmaxes, r_dhs, r_dw = ref
+    losses, argmaxes, alphas = fn()
+    r_losses, r_argmaxes, r_alphas, r_dhs, r_dw = ref
     valid = torch.cat(prob.valids)
     argmax, r_argmax = torch.cat(argmaxes), torch.cat(r_argmaxes)
     out = dict(
         loss=rel(torch.cat(losses), torch.cat(r_losses)),
+        alpha=rel(torch.cat(alphas), torch.cat(r_alphas)),
         argmax=(argmax[valid] == r_argmax[valid]).float().mean().item(),
         argmax_invalid_ok=bool((argmax[~valid] == -1).all()) if (~valid).any() else True,
         dh=rel(torch.cat([h.grad for h in prob.hs]), torch.cat(r_dhs)),
@@ -165,7 +178,7 @@ def errors(prob: Problem, fn, ref) -> dict:
 
 # --- the run -------------------------------------------------------------------------------------
 
-def bench_shape(label: str, rate: float, rows: list, checks: list, times: dict):
+def bench_shape(label: str, rate: float, rows: list, checks: list, times: dict, losses: list[str] = ()):
     N, H, invalid = SHAPES[label.rstrip("*")]
     if label.endswith("*"):
         invalid = 0.0      # the same shape with every row valid: what the compaction saves
@@ -179,13 +192,24 @@ def bench_shape(label: str, rate: float, rows: list, checks: list, times: dict):
                 checks.append((label, name, errors(prob, fn, ref)))
             except Exception as exc:
                 print(f"[{label}] {name} check failed: {exc!r}", flush=True)
-        print(f"[{label}] checked", flush=True)
         del ref
         free_memory()
+        for loss in losses:   # each loss kind against the fp32 reference of the same loss, beside eager bf16
+            ref = fp32_reference(prob, loss)
+            for name, fn in [(f"eager[{loss}]", per_step(prob, functools.partial(reference_loss, loss=loss))),
+                             (f"triton-K[{loss}]", all_steps(prob, loss))][loss == "kl":]:
+                try:
+                    checks.append((label, name, errors(prob, fn, ref)))
+                except Exception as exc:
+                    print(f"[{label}] {name} check failed: {exc!r}", flush=True)
+            ref = None
+            free_memory()
+        print(f"[{label}] checked", flush=True)
         torch._dynamo.reset()
         methods = {"eager": per_step(prob, reference_loss),
                    "compile": per_step(prob, torch.compile(reference_loss, dynamic=False)),
                    **methods, "cublas": cublas_only(prob)}
+    methods.update({f"triton-K[{loss}]": all_steps(prob, loss) for loss in losses})
     for name, fn in methods.items():
         try:
             ms = median_ms_of_calls(fn, calls=7)
@@ -228,20 +252,53 @@ def ratios(times: dict, label: str) -> list[str]:
     return out
 
 
-def run(shapes: str = "all") -> None:
+def loss_table(times: dict, labels: list[str], losses: list[str]) -> list[str]:
+    """Per shape and loss kind: triton-K's time, its ratio to kl's and its extra memory beside kl's."""
+    out = ["| shape | loss | triton-K fwd+bwd ms | / kl | extra GiB | extra - kl's GiB |", "|---|---|---|---|---|---|"]
+    worst = None
+    for label in labels:
+        kl = times.get((label, "triton-K[kl]"))
+        for loss in losses:
+            t = times.get((label, f"triton-K[{loss}]"))
+            if t is None or kl is None:
+                continue
+            ratio = t[0] / kl[0]
+            if loss != "kl" and (worst is None or ratio > worst[0]):
+                worst = (ratio, label, loss)
+            out.append(f"| {label} | {loss} | {t[0]:.2f} | {ratio:.3f} | {t[1]:.2f} | {t[1] - kl[1]:+.3f} |")
+    if worst is not None:
+        ratio, label, loss = worst
+        out.append(f"slowest loss against kl: {loss} at ({label}) {ratio:.3f}x "
+                   f"({'within' if ratio <= 1.10 else 'OVER'} the 1.10x bar)")
+    return out
+
+
+def parse_losses(text: str | None) -> list[str]:
+    """'tv,nla' -> ['kl', 'tv', 'nla'] (kl first: the yardstick); None -> [] (today's run)."""
+    if not text:
+        return []
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LOSSES]
+    if unknown:
+        raise ValueError(f"unknown loss {', '.join(unknown)}; the losses are {','.join(LOSSES)}")
+    return ["kl"] + [n for n in dict.fromkeys(names) if n != "kl"]
+
+
+def run(shapes: str = "all", losses: list[str] = ()) -> None:
     labels = list(SHAPES) + ["c*"] if shapes == "all" else shapes.split(",")
     print(f"{describe_device()}, K={K}, V={V}, bf16", flush=True)
     rate = matmul_tflops()
     print(f"bf16 torch.matmul 8192^3: {rate:.0f} TFLOP/s", flush=True)
     rows, checks, times = [], [], {}
     for label in labels:
-        bench_shape(label, rate, rows, checks, times)
+        bench_shape(label, rate, rows, checks, times, losses)
 
     print("\nCorrectness vs fp32 reference (relative L2 error; argmax = agreement on valid rows)")
-    print("| shape | method | loss | argmax | dh | dw |\n|---|---|---|---|---|---|")
+    print("| shape | method | loss | alpha | argmax | dh | dw |\n|---|---|---|---|---|---|---|")
     for label, name, e in checks:
         flag = "" if e["argmax_invalid_ok"] else " (argmax not -1 on invalid rows!)"
-        print(f"| {label} | {name} | {e['loss']:.2e} | {e['argmax'] * 100:.2f}%{flag} | {e['dh']:.2e} | {e['dw']:.2e} |")
+        print(f"| {label} | {name} | {e['loss']:.2e} | {e['alpha']:.2e} | {e['argmax'] * 100:.2f}%{flag} "
+              f"| {e['dh']:.2e} | {e['dw']:.2e} |")
     print("\n| shape | N, H, not valid | method | fwd+bwd ms | TFLOP/s (useful) | extra GiB | raw GiB |")
     print("|---|---|---|---|---|---|---|")
     for label, name, ms, tf, extra, raw in rows:
@@ -250,13 +307,16 @@ def run(shapes: str = "all") -> None:
         mem = "" if extra != extra else f"{extra:.2f}"
         rawm = "" if raw != raw else f"{raw:.2f}"
         print(f"| {label} | {N}, {H}, {invalid:.0%} | {name} | {ms:.2f} | {tf:.0f} | {mem} | {rawm} |")
+    if losses:
+        print()
+        print("\n".join(loss_table(times, labels, losses)))
     print()
     for label in labels:
         for line in ratios(times, label):
             print(line)
     import kernels.ttt_loss as fused
     if fused._tuned_kernel is not None:
-        print("soft-CE kernel configs chosen by autotune:",
+        print("loss kernel configs chosen by autotune (V, LOSS, WRITE_GRAD, ...):",
               {k: str(c) for k, c in fused._tuned_kernel.cache.items()})
     for name in ("triton", "triton-K"):
         if (("b", name) in times) and (("c", name) in times):
@@ -270,6 +330,13 @@ def run(shapes: str = "all") -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench loss", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="all", help="comma-separated shape labels (a,b,c,c*) or 'all'")
+    parser.add_argument("--losses", default=None, metavar="kl,tv,nla,lk_hybrid,pq",
+                        help="also time triton-K (fwd+bwd) for each of these loss kinds and print each one's "
+                             "time and extra memory against kl's (default: kl alone, as before)")
     args = parser.parse_args(argv)
+    try:
+        losses = parse_losses(args.losses)
+    except ValueError as exc:
+        parser.error(str(exc))
     require_cuda("loss")
-    run(args.shapes)
+    run(args.shapes, losses)

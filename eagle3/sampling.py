@@ -1,0 +1,112 @@
+"""Sampling, and the verification rule of speculative decoding as vLLM and SGLang run it (the facts
+and sources: docs/sampling.md). Shared by `generate` (the target alone) and `speculative` (draft +
+target), so both sample the target's distribution the same way.
+
+- The target's distribution p: softmax(logits / T), truncated to the smallest set of most likely
+  tokens whose mass reaches top_p, renormalised. T = 0 is greedy (argmax), handled by the callers.
+- The draft's proposal: its argmax (`greedy`, vLLM's default: a one-hot q) or a sample of
+  q = softmax(draft logits / T) over the draft vocabulary, no top-p (`probabilistic`).
+- Verification, position by position: accept the drafted x with probability min(1, p(x) / q(x));
+  at the first rejection emit a sample of norm(max(p - q, 0)) and stop; when all k are accepted emit
+  a sample of the next p (the bonus token). The emitted tokens are distributed as the target's own
+  sampling (tests/test_sampling.py checks it).
+
+Every draw is an inverse-CDF lookup of a uniform number the caller takes from its own generator
+(one per prompt), so results do not depend on how prompts are batched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+DraftSampling = Literal["greedy", "probabilistic"]
+DRAFT_SAMPLING = ("greedy", "probabilistic")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request is served: the target's temperature and top_p, and how the draft proposes."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    draft: DraftSampling = "greedy"
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature = {self.temperature}; expected a number >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p}; expected a number in (0, 1]")
+        if self.draft not in DRAFT_SAMPLING:
+            raise ValueError(f"draft sampling {self.draft!r}; expected one of {', '.join(DRAFT_SAMPLING)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """[..., V] logits -> fp32 probabilities at `temperature` (> 0), top-p truncated: a token is kept
+    when the mass of the tokens more likely than it is below top_p (so the most likely one always)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1:
+        return probs
+    ordered, order = probs.sort(dim=-1, descending=True)
+    drop = ordered.cumsum(-1) - ordered >= top_p                     # mass above each token reaches top_p
+    probs = probs.scatter(-1, order, ordered.masked_fill(drop, 0.0))
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The draft's q over its own vocabulary, [..., V_d] fp32 (no top-p: the engines apply none)."""
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One index per row of probs [B, V] (any non-negative weights) from uniforms u [B] in [0, 1):
+    the first index whose cumulative weight exceeds u times the row's total."""
+    cdf = probs.cumsum(-1)
+    index = torch.searchsorted(cdf, (u.to(cdf) * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return index.clamp(max=probs.shape[-1] - 1)   # u·total rounding up to the total
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Where a rejected position's token comes from: max(p - q, 0) (unnormalised; `draw` scales).
+    Where p <= q everywhere (no mass left: p = q up to rounding) it is p itself."""
+    r = (p - q).clamp(min=0)
+    empty = r.sum(-1, keepdim=True) <= 0
+    return torch.where(empty, p, r)
+
+
+def acceptance(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """The probability of accepting a drafted token: min(1, p(x) / q(x))."""
+    return (p_x / q_x).clamp(max=1.0)
+
+
+def verify(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, u_accept: torch.Tensor,
+           u_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of one round for B chains.
+
+    drafts [B, k] target ids; p [B, k+1, V] the target's distributions after each prefix of the
+    drafts; q [B, k, V] the draft's distributions the drafts were sampled from, or None for greedy
+    proposals (q = one-hot of the draft); u_accept [B, k], u_token [B] uniforms.
+    Returns (accepted drafts a [B], the token emitted after them [B]): the recovered token at the
+    first rejection, or the bonus token of p[:, k] when all k are accepted."""
+    B, k = drafts.shape
+    rows = torch.arange(B, device=p.device)
+    p_x = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)                # [B, k]
+    q_x = torch.ones_like(p_x) if q is None else q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    ok = u_accept.to(p_x) < acceptance(p_x, q_x)                              # [B, k]
+    a = ok.int().cumprod(-1).sum(-1)                                           # leading accepted drafts
+    p_at = p[rows, a]                                                          # [B, V]
+    if q is None:
+        q_at = torch.zeros_like(p_at).scatter_(-1, drafts[rows, a.clamp(max=k - 1)].unsqueeze(-1), 1.0)
+    else:
+        q_at = q[rows, a.clamp(max=k - 1)]
+    rejected = (a < k).unsqueeze(-1)
+    return a, draw(torch.where(rejected, residual(p_at, q_at), p_at), u_token)
+
+
+def uniforms(generators: list[torch.Generator], n: int) -> torch.Tensor:
+    """[B, n] uniforms on the CPU, row b from generators[b] (each prompt's own stream)."""
+    return torch.stack([torch.rand(n, generator=g) for g in generators])
