@@ -148,7 +148,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3.config import check_overrides
+    from eagle3.config import check_overrides, interrupted
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in FORWARDED:
         return forward(argv[0], argv[1:])
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         COMMANDS[args.command](args, rest)
     except (TargetError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        interrupted(f"python -m eagle3 {args.command}", resumes=args.command in ("demo", "generate"))
 
 
 if __name__ == "__main__":

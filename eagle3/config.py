@@ -294,11 +294,17 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     source: str = "<defaults>"                # where the config came from, for error messages
+    origins: dict = field(default_factory=dict, repr=False, compare=False)   # "section.key" -> where it was set
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out.pop("source")
+        out.pop("origins")
         return out
+
+    def origin(self, name: str) -> str:
+        """Where the value of `name` ("section.key") came from: the command line, a file, or the defaults."""
+        return self.origins.get(name, self.source)
 
     def resolved_train_data_dir(self) -> str:
         return self.train.data_dir or self.extract.output_dir
@@ -313,7 +319,7 @@ POSITIVE = {("extract", "shard_tokens"), ("extract", "chunk_tokens"), ("train", 
 
 
 def _sections() -> dict[str, type]:
-    return {name: cls for name, cls in _field_types(Config).items() if name != "source"}
+    return {name: cls for name, cls in _field_types(Config).items() if name not in ("source", "origins")}
 
 
 def _field_types(section_cls: type) -> dict[str, object]:
@@ -374,7 +380,9 @@ def _parse_cli_value(text: str) -> object:
         return text
 
 
-def _apply(cfg: Config, section: str, key: str, value: object, origin: str) -> None:
+def _apply(cfg: Config, section: str, key: str, value: object, origin: str, command_line: bool = False) -> None:
+    """Set section.key from `origin`; a command-line value is text, parsed as a literal (a TOML string
+    stays a string: "200" is no integer there)."""
     sections = _sections()
     if section not in sections:
         raise ConfigError(f"{origin}: unknown section [{section}]; allowed: {', '.join(sections)}")
@@ -385,9 +393,10 @@ def _apply(cfg: Config, section: str, key: str, value: object, origin: str) -> N
                           f"{', '.join(types_)}")
     where = f"{origin}: {section}.{key}"
     tp = types_[key]
-    if isinstance(value, str) and tp not in (str, str | None):
+    if command_line and isinstance(value, str) and tp not in (str, str | None):
         value = _parse_cli_value(value) if value != "auto" else value
     setattr(sub, key, _coerce(value, tp, where))
+    cfg.origins[f"{section}.{key}"] = origin
 
 
 def validate(cfg: Config) -> None:
@@ -396,10 +405,11 @@ def validate(cfg: Config) -> None:
     for section, key in POSITIVE:
         value = getattr(getattr(cfg, section), key)
         if value is not None and value <= 0:
-            raise ConfigError(f"{cfg.source}: {section}.{key} = {value}; expected a positive integer")
+            raise ConfigError(f"{cfg.origin(f'{section}.{key}')}: {section}.{key} = {value}; expected a positive integer")
     t = cfg.train
     if t.max_steps < 0 or t.epochs <= 0:
-        raise ConfigError(f"{cfg.source}: train.max_steps must be >= 0 and train.epochs > 0")
+        raise ConfigError(f"{cfg.origin('train.max_steps' if t.max_steps < 0 else 'train.epochs')}: train.max_steps must "
+                          "be >= 0 and train.epochs > 0")
     ranges = {"lr": t.lr > 0, "grad_clip": t.grad_clip > 0, "loss_decay": t.loss_decay > 0,
               "min_lr_ratio": 0 <= t.min_lr_ratio <= 1, "warmup_steps": t.warmup_steps >= 0,
               "decay_fraction": 0 < t.decay_fraction <= 1,
@@ -408,7 +418,7 @@ def validate(cfg: Config) -> None:
               "lk_eta": t.lk_eta >= 0}
     for key, ok in ranges.items():
         if not ok:
-            raise ConfigError(f"{cfg.source}: train.{key} = {getattr(t, key)}; expected "
+            raise ConfigError(f"{cfg.origin('train.' + key)}: train.{key} = {getattr(t, key)}; expected "
                               + {"min_lr_ratio": "a number in [0, 1]", "warmup_steps": "an integer >= 0",
                                  "decay_fraction": "a number in (0, 1]",
                                  "weight_decay": "a number >= 0", "prefetch": "an integer >= 1",
@@ -416,36 +426,37 @@ def validate(cfg: Config) -> None:
                                  "hard_label": "a number in [0, 1]", "lk_eta": "a number >= 0"}.get(key, "> 0"))
     d = cfg.draft
     if d.norm_before_fc and d.fc_norm:
-        raise ConfigError(f"{cfg.source}: draft.norm_before_fc and draft.fc_norm are both true; they are two forms "
+        raise ConfigError(f"{cfg.origin('draft.fc_norm')}: draft.norm_before_fc and draft.fc_norm are both true; they are two forms "
                           "of the norm before fc (one over the concatenation, one per aux state): choose one")
     for key in NORM_FLAGS:   # found now, not at the end of training
         if getattr(d, key) and "sglang" in cfg.export.formats:
-            raise ConfigError(f"{cfg.source}: draft.{key} = true cannot be exported for SGLang (its "
+            raise ConfigError(f"{cfg.origin('draft.' + key)}: draft.{key} = true cannot be exported for SGLang (its "
                               f"LlamaForCausalLMEagle3 does not read it); set export.formats = [\"vllm\"]")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        raise ConfigError(f"{cfg.source}: train.betas = {t.betas}; expected two numbers in [0, 1)")
+        raise ConfigError(f"{cfg.origin('train.betas')}: train.betas = {t.betas}; expected two numbers in [0, 1)")
     if not 0 <= t.eval_fraction < 1:
-        raise ConfigError(f"{cfg.source}: train.eval_fraction = {t.eval_fraction}; expected [0, 1)")
+        raise ConfigError(f"{cfg.origin('train.eval_fraction')}: train.eval_fraction = {t.eval_fraction}; expected [0, 1)")
     if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
-        raise ConfigError(f"{cfg.source}: train.resume = {t.resume!r}; expected 'auto', 'never' or an "
+        raise ConfigError(f"{cfg.origin('train.resume')}: train.resume = {t.resume!r}; expected 'auto', 'never' or an "
                           "existing checkpoint directory")
     if t.overwrite and t.resume != "never":
-        raise ConfigError(f"{cfg.source}: train.overwrite = true starts a new run in place of the one in "
+        raise ConfigError(f"{cfg.origin('train.overwrite')}: train.overwrite = true starts a new run in place of the one in "
                           f"train.output_dir, but train.resume = {t.resume!r} would resume; set "
                           "train.resume = \"never\" with it, or train.overwrite = false")
     g = cfg.generate
     if g.temperature < 0 or not 0 < g.top_p <= 1:
-        raise ConfigError(f"{cfg.source}: generate.temperature must be >= 0 and generate.top_p in (0, 1]")
+        raise ConfigError(f"{cfg.origin('generate.temperature' if g.temperature < 0 else 'generate.top_p')}: "
+                          f"generate.temperature must be >= 0 and generate.top_p in (0, 1]")
     e = cfg.evaluate
     if not e.temperature >= 0:
-        raise ConfigError(f"{cfg.source}: evaluate.temperature = {e.temperature}; expected a number >= 0 (0 = greedy)")
+        raise ConfigError(f"{cfg.origin('evaluate.temperature')}: evaluate.temperature = {e.temperature}; expected a number >= 0 (0 = greedy)")
     if not 0 < e.top_p <= 1:
-        raise ConfigError(f"{cfg.source}: evaluate.top_p = {e.top_p}; expected a number in (0, 1]")
+        raise ConfigError(f"{cfg.origin('evaluate.top_p')}: evaluate.top_p = {e.top_p}; expected a number in (0, 1]")
     if cfg.evaluate.max_prompts < 0:
-        raise ConfigError(f"{cfg.source}: evaluate.max_prompts = {cfg.evaluate.max_prompts}; expected >= 0 (0 = all)")
+        raise ConfigError(f"{cfg.origin('evaluate.max_prompts')}: evaluate.max_prompts = {cfg.evaluate.max_prompts}; expected >= 0 (0 = all)")
     ids = cfg.target.aux_layer_ids
     if ids is not None and len(ids) != 3:
-        raise ConfigError(f"{cfg.source}: target.aux_layer_ids = {ids}; EAGLE-3 needs exactly 3 layers")
+        raise ConfigError(f"{cfg.origin('target.aux_layer_ids')}: target.aux_layer_ids = {ids}; EAGLE-3 needs exactly 3 layers")
 
 
 # the draft's norm settings, under the config keys speculators and vLLM use; SGLang's EAGLE-3 draft reads
@@ -501,7 +512,7 @@ def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
 def override(cfg: Config, overrides: list[str]) -> Config:
     """`cfg` with the command-line overrides applied, validated. Raises ConfigError."""
     for section, key, value in parse_overrides(overrides):
-        _apply(cfg, section, key, value, f"command line --{section}.{key}")
+        _apply(cfg, section, key, value, f"command line --{section}.{key}", command_line=True)
     validate(cfg)
     return cfg
 
@@ -519,6 +530,13 @@ def check_overrides(parser, argv: list[str]) -> list[str]:
     except ConfigError as e:
         parser.error(str(e))
     return argv
+
+
+def interrupted(what: str, resumes: bool = True) -> None:
+    """Ctrl-C: one line instead of a traceback, and the shell's exit status for SIGINT (130)."""
+    then = "the same command resumes" if resumes else "run it again"
+    print(f"interrupted: {what}; {then}", file=sys.stderr)
+    raise SystemExit(130)
 
 
 def cli(argv: list[str] | None = None, description: str = "", prog: str | None = None) -> Config:

@@ -180,9 +180,11 @@ def _write_manifest(out: Path, header: dict, plan: list, stats: InputStats, tota
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    from eagle3.config import cli
+    from eagle3.config import cli, interrupted
     cfg = cli(argv, "Extract target hidden states into shards.", prog)
     try:
         run(cfg)
     except (TargetError, InputError, DataError, ConfigError) as e:
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:
+        interrupted(f"the finished shards in {cfg.extract.output_dir} are kept")

@@ -707,9 +707,12 @@ def run(cfg: Config) -> Path:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    from eagle3.config import cli
+    from eagle3.config import cli, interrupted
     cfg = cli(argv, "Train an EAGLE-3 draft with training-time test.", prog)
     try:
         run(cfg)
     except (TargetError, DataError, InputError, VocabError, TrainError, ConfigError, ckpt_io.CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:
+        newest = ckpt_io.latest(cfg.train.output_dir)
+        interrupted(f"newest complete checkpoint {newest}" if newest else "no checkpoint written yet")

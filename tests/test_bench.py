@@ -137,3 +137,20 @@ def test_a_failing_bench_stops_the_peer_running_beside_it(tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match="ours failed"):
         step.main(["--tiny", "--dir", str(tmp_path / "bd"), "--peer-script", str(script), "--peer-gpu", "1"])
     assert started[0].process.wait(timeout=10) == -9   # killed, not left running for its minute
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU sees")
+@pytest.mark.parametrize("argv", [[], ["step"], ["online"], ["node", "extract"], ["quality"]])
+def test_a_gpu_bench_on_a_cpu_machine_says_so_at_once(argv):
+    """No default that cannot run on a CPU: a one-line refusal naming --tiny, before any work."""
+    from eagle3.bench.__main__ import main as bench_main
+    with pytest.raises(SystemExit, match="needs a CUDA GPU.*--tiny"):
+        bench_main(argv)
+
+
+def test_bench_help_lists_every_bench(capsys):
+    from eagle3.bench.__main__ import BENCHES, main as bench_main
+    with pytest.raises(SystemExit):
+        bench_main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in BENCHES)

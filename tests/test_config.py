@@ -83,3 +83,30 @@ def test_every_key_has_a_doc_and_readme_table_is_the_schemas():
     expected = markdown_table(load(ROOT / "config.toml"), "config.toml")
     assert "\n".join(lines[start:end]) + "\n" == expected, \
         "README's table is not the schema's: paste `python -m eagle3 config --config config.toml --markdown`"
+
+
+def test_a_string_in_toml_is_no_number(tmp_path):
+    """TOML is typed: "200" is a string there (the command line has only text, so it parses literals)."""
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nmax_steps = "200"\n')
+    with pytest.raises(ConfigError, match=r"c.toml: train.max_steps: expected int, got '200'"):
+        load(path)
+    assert load(None, ["--train.max_steps", "200"]).train.max_steps == 200
+    path.write_text('[train]\nfloat8 = "true"\n')
+    with pytest.raises(ConfigError, match="train.float8"):
+        load(path)
+
+
+@pytest.mark.parametrize("args, key", [(["--train.lr", "-1"], "train.lr"),
+                                       (["--evaluate.top_p", "2"], "evaluate.top_p"),
+                                       (["--train.batch_tokens=0"], "train.batch_tokens")])
+def test_a_range_error_names_where_the_value_came_from(tmp_path, args, key):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nlr = 1e-4\n")
+    with pytest.raises(ConfigError) as e:
+        load(path, args)
+    assert str(e.value).startswith(f"command line --{key}: {key} = "), str(e.value)
+    path.write_text(f"[{key.split('.')[0]}]\n{key.split('.')[1]} = {args[-1].split('=')[-1] if '=' in args[0] else args[1]}\n")
+    with pytest.raises(ConfigError) as e:
+        load(path)
+    assert str(e.value).startswith(f"{path}: {key} = "), str(e.value)

@@ -659,3 +659,35 @@ def test_wsd_schedule_holds_lr_then_decays_linearly_and_old_checkpoints_resume_a
         training.Trainer(config(older, llama_target, token_data, hidden))
     with pytest.raises(training.TrainError, match="train.prompt_rows was False, this run has True"):
         training.Trainer(config(older, llama_target, token_data, hidden, **{"train.schedule": "cosine"}))
+
+
+@pytest.mark.parametrize("entry", ["train", "extract", "generate"])
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, llama_target, token_data, hidden, trained, monkeypatch,
+                                              capsys, entry):
+    """Ctrl-C (KeyboardInterrupt) anywhere in a run: no traceback, one line saying what is kept and
+    that the same command resumes, exit status 130 as for SIGINT."""
+    from eagle3 import __main__ as cli, generate
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    run_tmp, _ = trained
+    args = ["--target.path", str(llama_target), "--data.path", str(token_data), "--extract.output_dir", str(hidden),
+            "--train.output_dir", str(run_tmp / "train"), "--train.device", "cpu", "--extract.device", "cpu"]
+    if entry == "train":
+        monkeypatch.setattr(training, "run", stop)
+        call, expected = lambda: training.main(["--config", str(ROOT / "config.toml"), *args]), \
+            f"newest complete checkpoint {run_tmp / 'train' / 'checkpoints' / 'step-00000006'}"
+    elif entry == "extract":
+        monkeypatch.setattr(extraction, "run", stop)
+        call, expected = lambda: extraction.main(["--config", str(ROOT / "config.toml"), *args]), \
+            f"the finished shards in {hidden} are kept"
+    else:
+        monkeypatch.setattr(generate, "run", stop)
+        call, expected = lambda: cli.main(["generate", "--config", str(ROOT / "config.toml"), *args]), \
+            "python -m eagle3 generate"
+    with pytest.raises(SystemExit) as e:
+        call()
+    assert e.value.code == 130
+    err = capsys.readouterr().err.strip()
+    assert err == f"interrupted: {expected}; the same command resumes" and "Traceback" not in err, err

@@ -35,7 +35,7 @@ from eagle3 import checkpoint as ckpt_io
 from eagle3 import config as config_mod
 from eagle3 import extraction
 from eagle3.bench import online
-from eagle3.bench.timing import free_memory
+from eagle3.bench.timing import free_memory, require_cuda
 from eagle3.data.shards import read_manifest
 
 
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         one, many = ([json.loads(line) for line in Path(f).read_text().splitlines()] for f in (args.one, args.many))
         print(scaling_table(scaling(one, many)))
         return
+    if not (args.tiny or args.command == "resume"):
+        require_cuda("node", "; --tiny runs it at toy size on the CPU")
     s = online.TINY if args.tiny or args.command == "resume" else online.KIMI
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-node-"))

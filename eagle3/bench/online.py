@@ -53,7 +53,7 @@ from safetensors.torch import save_file
 from eagle3 import config as config_mod
 from eagle3 import extraction, training
 from eagle3.bench import moe, step
-from eagle3.bench.timing import describe_device, free_memory
+from eagle3.bench.timing import describe_device, free_memory, require_cuda
 from eagle3.data.shards import read_manifest
 from eagle3.files import atomic_write_text
 from eagle3.models import tiny
@@ -373,6 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.table:
         print(table([json.loads(line) for line in Path(args.table).read_text().splitlines()]))
         return
+    if not args.tiny and not args.worker:
+        require_cuda("online", " (a real-width Kimi-layout target); --tiny runs it at toy size on the CPU")
     s = TINY if args.tiny else KIMI
     args.steps = args.steps or s["steps"]
     root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-online-"))

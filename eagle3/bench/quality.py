@@ -568,6 +568,9 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
         "cpu" if args.device == "auto" else args.device)
+    if device == "cpu" and not args.tiny and set(stages) - {"measure"}:
+        raise SystemExit("error: python -m eagle3.bench quality trains a target and drafts: it needs a CUDA GPU "
+                         "(--stages measure runs on a CPU; --tiny runs every stage at toy size)")
     summary_path = work / "quality.json"
     built = json.loads(summary_path.read_text()) if summary_path.exists() else {}   # written whole, atomically
     check_recipe(built.get("recipe"), dataclasses.asdict(r), work)

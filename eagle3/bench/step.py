@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from eagle3 import config as config_mod
 from eagle3 import distributed
-from eagle3.bench.timing import free_memory, matmul_tflops, wall_s
+from eagle3.bench.timing import free_memory, matmul_tflops, require_cuda, wall_s
 from eagle3.data.batch import Batch
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, write_shard
 from eagle3.files import atomic_write_text
@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.peer_gpu is not None and torch.cuda.is_available() and args.peer_gpu >= torch.cuda.device_count():
         parser.error(f"--peer-gpu {args.peer_gpu}: this process sees {torch.cuda.device_count()} GPU(s), 0 to "
                      f"{torch.cuda.device_count() - 1} (numbered as CUDA_VISIBLE_DEVICES shows them to it)")
+    if not args.tiny:   # a Kimi-size draft on a CPU would run for hours and take more memory than the machine
+        require_cuda("step", "; --tiny runs the same code at toy size on the CPU")
     s = TINY if args.tiny else KIMI
     dist = distributed.setup()
     if args.peer_script and dist.world > 1:   # the other ranks would wait in a collective for its minutes
