@@ -39,7 +39,9 @@ def demo(args, overrides: list[str]) -> None:
     from eagle3 import config as config_mod
     from eagle3 import extraction, training
     from eagle3.models import tiny
-    cfg = config_mod.load(args.config, overrides)
+    # a demo always trains anew (a run already there is moved aside whole), so that a rerun with other
+    # settings (--train.max_steps 40) is a fresh demo, not a resume of the last one
+    cfg = config_mod.load(args.config, ["--train.resume", "never", "--train.overwrite", "true", *overrides])
     if not (Path(cfg.target.path) / "config.json").exists():
         tiny.make_demo_target(cfg.target.path)
         print(f"demo: wrote a tiny random target to {cfg.target.path}")
@@ -148,12 +150,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3.config import check_overrides, interrupted
+    from eagle3.config import check_overrides, interrupted, split_overrides
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in FORWARDED:
         return forward(argv[0], argv[1:])
     parser, subs = _parser()
+    overrides, argv = split_overrides(argv)
     args, rest = parser.parse_known_args(argv)
+    rest += overrides
     if args.command == "inspect" and rest:   # it takes no config: nothing to override
         subs[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
     rest = check_overrides(subs[args.command], rest) if rest else rest

@@ -493,6 +493,22 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
     return out
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """argv -> (the `--section.key value` / `--section.key=value` overrides, everything else), so that
+    overrides may stand anywhere on a command line, before positional arguments too."""
+    overrides, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg[2:].partition("=")[0]:
+            takes = 1 if "=" in arg or i + 1 >= len(argv) else 2
+            overrides += argv[i:i + takes]
+            i += takes
+        else:
+            rest.append(arg)
+            i += 1
+    return overrides, rest
+
+
 def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Load `path` (TOML), apply command-line overrides, validate. Raises ConfigError."""
     if path is None:
@@ -544,9 +560,10 @@ def cli(argv: list[str] | None = None, description: str = "", prog: str | None =
     import argparse
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=OVERRIDES_HELP)
     parser.add_argument("--config", default="config.toml", help="TOML config file (default: config.toml)")
+    overrides, argv = split_overrides(sys.argv[1:] if argv is None else argv)
     args, rest = parser.parse_known_args(argv)
     try:
-        return load(args.config, check_overrides(parser, rest))
+        return load(args.config, check_overrides(parser, rest + overrides))
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -691,3 +691,30 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, llama_target, token_data
     assert e.value.code == 130
     err = capsys.readouterr().err.strip()
     assert err == f"interrupted: {expected}; the same command resumes" and "Traceback" not in err, err
+
+
+def test_overrides_may_stand_before_the_positionals(tmp_path, trained):
+    """`export --export.dtype float32 CKPT OUT`: the override's value is not taken for a positional."""
+    from eagle3.__main__ import main
+    run_tmp, _ = trained
+    checkpoint = run_tmp / "train" / "checkpoints" / "step-00000006"
+    main(["export", "--export.dtype", "float32", "--export.formats=[\"vllm\"]", str(checkpoint), str(tmp_path / "x")])
+    assert {t.dtype for n, t in load_file(tmp_path / "x" / "vllm" / "model.safetensors").items()
+            if n not in ("d2t", "t2d")} == {torch.float32}
+    assert not (tmp_path / "x" / "sglang").exists()
+
+
+def test_the_demo_rerun_with_other_settings_trains_anew(tmp_path, capsys):
+    """README: `python -m eagle3 demo --train.max_steps 40` after a first demo starts a fresh demo run
+    (the finished one is moved aside whole), instead of refusing to resume it below its step."""
+    from eagle3.__main__ import main
+    paths = ["--target.path", str(tmp_path / "target"), "--data.path", str(tmp_path / "data.jsonl"),
+             "--extract.output_dir", str(tmp_path / "hidden"), "--train.output_dir", str(tmp_path / "train"),
+             "--train.eval_every", "2", "--train.checkpoint_every", "2", "--train.device", "cpu",
+             "--extract.device", "cpu"]
+    main(["demo", *paths, "--train.max_steps", "4"])
+    main(["demo", *paths, "--train.max_steps", "2"])
+    steps = [p.name for p in (tmp_path / "train" / "checkpoints").iterdir()]
+    assert steps == ["step-00000002"], steps
+    aside = list(tmp_path.glob("train.old-*"))
+    assert len(aside) == 1 and (aside[0] / "checkpoints" / "step-00000004").is_dir()
