@@ -69,23 +69,30 @@ def evaluate_command(args, overrides: list[str]) -> None:
     overrides = overrides + [x for key, value in shorthands.items() if value is not None
                              for x in (f"--evaluate.{key}", value)]
     from eagle3.files import strict_json
-    report, out = run(config_mod.load(args.config, overrides), args.checkpoint, args.out)
+    from eagle3 import checkpoint as ckpt_io
+    ours = (Path(args.checkpoint) / ckpt_io.STATE).exists()
+    cfg = checkpoint_config(args, overrides) if ours else config_mod.load(args.config or "config.toml", overrides)
+    report, out = run(cfg, args.checkpoint, args.out)
     print(strict_json({k: report[k] for k in SUMMARY_KEYS if k in report}))
     print(f"wrote {out}")
 
 
 def export_command(args, overrides: list[str]) -> None:
     """The config the checkpoint was trained with, unless --config names another; overrides on top."""
+    from eagle3.export import export_all
+    for fmt, path in export_all(args.checkpoint, args.out_dir, checkpoint_config(args, overrides)).items():
+        print(f"exported {fmt} draft: {path}")
+
+
+def checkpoint_config(args, overrides: list[str]):
+    """--config FILE when given, else the config our checkpoint `args.checkpoint` was trained with
+    (its state.json: the target and data it was trained on); overrides on top."""
     from eagle3 import config as config_mod
     from eagle3.checkpoint import read_state
-    from eagle3.export import export_all
     if args.config:
-        cfg = config_mod.load(args.config, overrides)
-    else:
-        cfg = config_mod.override(config_mod.from_dict(read_state(args.checkpoint)["config"], args.checkpoint),
-                                  overrides)
-    for fmt, path in export_all(args.checkpoint, args.out_dir, cfg).items():
-        print(f"exported {fmt} draft: {path}")
+        return config_mod.load(args.config, overrides)
+    return config_mod.override(config_mod.from_dict(read_state(args.checkpoint)["config"], args.checkpoint),
+                               overrides)
 
 
 def config_command(args, overrides: list[str]) -> None:
@@ -130,7 +137,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     p.add_argument("checkpoint", help="checkpoint directory, e.g. runs/demo/train/checkpoints/step-00000200")
     p.add_argument("out_dir", help="where to write <format>/config.json and model.safetensors")
     p = add("evaluate", "real speculative decoding on prompts (--prompts) and, for our checkpoints, the "
-                        "held-out acceptance-length estimate")
+                        "held-out acceptance-length estimate",
+            (None, "TOML config file (default: for our checkpoints their own config, kept in their state.json: "
+                   "the target and data they were trained on; for a vLLM-layout draft config.toml)"))
     p.add_argument("checkpoint", help="one of our checkpoints or a speculators/vLLM EAGLE-3 draft directory")
     p.add_argument("--prompts", help="JSON lines of prompts (evaluate.prompts)")
     p.add_argument("--max-new-tokens", help="tokens per prompt (evaluate.max_new_tokens)")

@@ -694,8 +694,8 @@ class Trainer:
         if self.log.tb is not None:
             lines.append(f"  tensorboard: {self.output_dir / 'tensorboard'}")
         if saved is not None:   # training draws no plot: evaluate does, with real decoding when given prompts
-            lines.append(f"  plot and real decoding: python -m eagle3 evaluate --config {self.cfg.source} {saved} "
-                         "--prompts PROMPTS.jsonl (writes eval.json and eval.png there)")
+            lines.append(f"  plot and real decoding: python -m eagle3 evaluate {saved} --prompts PROMPTS.jsonl "
+                         "(writes eval.json and eval.png there; the checkpoint's own settings)")
         return "\n".join(lines)
 
 

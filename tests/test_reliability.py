@@ -435,6 +435,21 @@ def test_training_ends_with_a_summary(trained):
         assert part in printed, (part, printed)
 
 
+def test_the_printed_evaluate_command_works_as_printed(trained, token_data, tmp_path, monkeypatch, capsys):
+    """The summary's evaluate command takes the checkpoint's own settings (its target, its shards),
+    not a config.toml that points elsewhere, so it runs as printed from any directory."""
+    from eagle3.__main__ import main
+    run_tmp, printed = trained
+    line = next(x for x in printed.splitlines() if "plot and real decoding:" in x)
+    command = line.split("python -m eagle3 ")[1].split(" (")[0].split()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(x + "\n" for x in token_data.read_text().splitlines()[:3]))
+    monkeypatch.chdir(tmp_path)                           # no config.toml here
+    main([a.replace("PROMPTS.jsonl", str(prompts)) for a in command] + ["--max-new-tokens", "4"])
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert summary["prompts"] == 3 and summary["mismatches"] == 0 and "accept_len" in summary
+
+
 # --- full disk, read-only directory --------------------------------------------------------------
 
 def test_full_disk_while_checkpointing_keeps_the_last_good_one(tmp_path, monkeypatch):
