@@ -14,6 +14,7 @@ import random
 import re
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,34 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
 def latest(output_dir: str | Path) -> Path | None:
     found = complete_checkpoints(output_dir)
     return found[-1] if found else None
+
+
+def unreadable(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from (a file truncated or damaged since it was
+    written), or None. Reads the headers only: state.json, the weights' header, the optimizer archive's
+    directory (at its end, so a truncated file fails here)."""
+    try:
+        read_state(path)
+        with open_safetensors(path / MODEL, CheckpointError, "damaged"):
+            pass
+        with zipfile.ZipFile(path / "optimizer.pt"):
+            pass
+    except CheckpointError as e:
+        return _first_line(e)
+    except (zipfile.BadZipFile, OSError) as e:
+        return f"{path / 'optimizer.pt'}: {_first_line(e)}"
+    return None
+
+
+def latest_readable(output_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest complete checkpoint that reads, [(newer one skipped, why)])."""
+    skipped = []
+    for path in reversed(complete_checkpoints(output_dir)):
+        why = unreadable(path)
+        if why is None:
+            return path, skipped
+        skipped.append((path, why))
+    return None, skipped
 
 
 def rng_state() -> dict:

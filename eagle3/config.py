@@ -148,7 +148,7 @@ class TrainConfig:
         "checkpoint stays the last good one")
     keep_checkpoints: int = setting(3, "newest checkpoints kept")
     resume: str = setting(
-        "auto", "`auto` = newest complete checkpoint, `never`, or a checkpoint directory; a resumed run must "
+        "auto", "`auto` = newest complete checkpoint that reads (a newer damaged one is skipped, named in a warning), `never`, or a checkpoint directory; a resumed run must "
         "keep the settings that fix the data order and LR schedule (seed, batch_tokens, lr, ...; it stops "
         "naming the one that changed) and the global batch, world size × `train.grad_accum`: it may resume on "
         "another number of GPUs when that product is the checkpoint's (2 GPUs × 1 → 1 GPU × 2: step s reads "

@@ -399,7 +399,12 @@ class Trainer:
 
     def _maybe_resume(self) -> int:
         choice = self.cfg.train.resume
-        path = ckpt_io.latest(self.output_dir) if choice == "auto" else None if choice == "never" else Path(choice)
+        path = None if choice == "never" else Path(choice)
+        if choice == "auto":
+            path, skipped = ckpt_io.latest_readable(self.output_dir)
+            for bad, why in skipped if self.dist.main else ():
+                print(f"warning: resume skips {bad}, which no longer reads ({why})"
+                      + (f"; resuming from {path}" if path else ""), file=sys.stderr)
         if path is None:
             return 0
         state = ckpt_io.read_state(path)

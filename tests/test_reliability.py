@@ -412,6 +412,19 @@ def test_resume_loads_optimizer_and_rng_with_weights_only(tmp_path, llama_target
         training.Trainer(cfg)
 
 
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.pt", "state.json"])
+def test_resume_auto_skips_a_newest_checkpoint_that_no_longer_reads(tmp_path, llama_target, token_data, hidden,
+                                                                     trained, capsys, damaged):
+    run_tmp, _ = trained
+    shutil.copytree(run_tmp / "train", tmp_path / "train")
+    newest = tmp_path / "train" / "checkpoints" / "step-00000006"
+    truncate(newest / damaged)
+    assert training.Trainer(config(tmp_path, llama_target, token_data, hidden)).start_step == 3
+    err = capsys.readouterr().err
+    assert f"warning: resume skips {newest}, which no longer reads" in err and damaged in err, err
+    assert f"resuming from {newest.parent / 'step-00000003'}" in err
+
+
 def test_rng_state_round_trips_through_weights_only(tmp_path):
     import random
 
