@@ -516,9 +516,14 @@ def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     else:
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path}: config file not found") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path}: a directory, not a TOML config file (--config)") from None
+        except UnicodeDecodeError as e:
+            line = path.read_bytes()[:e.start].count(b"\n") + 1
+            raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
         cfg = from_dict(data, str(path))

@@ -33,7 +33,7 @@ from eagle3 import checkpoint as ckpt_io
 from eagle3.config import Config
 from eagle3.data.batch import Batch, RowRule
 from eagle3.data.batching import pack, split_holdout
-from eagle3.data.inputs import CHAT_KEYS, InputError
+from eagle3.data.inputs import CHAT_KEYS, InputError, check_input_file, utf8
 from eagle3.data.shards import MANIFEST, ShardReader, check_manifest
 from eagle3.draft import Eagle3Draft
 from eagle3.export import advertised_tokens, load_vllm_draft
@@ -211,8 +211,7 @@ def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
 def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path, limit: int = 0) -> list[Prompt]:
     """The first `limit` prompts (0 = all) of a JSON-lines file; errors name the file and line."""
     path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: prompts file not found (evaluate.prompts)")
+    check_input_file(path, "evaluate.prompts")
 
     @functools.cache
     def chat():
@@ -220,14 +219,14 @@ def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path, limi
         return ChatEncoder(target_dir)
 
     prompts = []
-    with path.open() as f:
+    with path.open("rb") as f:
         for number, line in enumerate(f, start=1):
             if limit and len(prompts) >= limit:
                 break
             if not line.strip():
                 continue
             try:
-                prompts.append(Prompt(number, prompt_ids(json.loads(line), vocab_size, chat)))
+                prompts.append(Prompt(number, prompt_ids(json.loads(utf8(line)), vocab_size, chat)))
             except ValueError as e:   # JSONDecodeError, ChatError and InputError are ValueErrors
                 raise InputError(f"{path}:{number}: {e}") from None
     if not prompts:

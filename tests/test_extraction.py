@@ -124,6 +124,38 @@ def test_bad_lines_reported_with_line_numbers(tmp_path, llama_target):
     assert source["sequences"] == 2
 
 
+def test_inputs_of_the_wrong_kind_or_encoding_are_named(tmp_path, llama_target, monkeypatch):
+    """A line that is not UTF-8 is that line's error (skippable); a directory or a FIFO as data.path
+    and a config file that is not UTF-8 are named in one line; `skip` skips any per-line failure."""
+    from eagle3.config import ConfigError, load
+    from eagle3.data import inputs
+    data = tmp_path / "bytes.jsonl"
+    good = json.dumps({"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1]}).encode()
+    data.write_bytes(b"\n".join([good, b'{"input_ids": [5, 6], "loss_mask": [0, 1], "note": "caf\xe9"}', good]) + b"\n")
+    with pytest.raises(InputError, match=r"bytes.jsonl:2: not UTF-8 text \(byte 55: b'\\xe9'\).*data.on_error"):
+        extraction.run(make_config(tmp_path, llama_target, data))
+    out = extraction.run(make_config(tmp_path, llama_target, data, **{"data.on_error": "skip",
+                                                                       "extract.output_dir": tmp_path / "h2"}))
+    assert read_manifest(out)["source"]["skipped_line_numbers"] == [2]
+    # a failure of another kind inside one line's parsing is skipped like any other
+    real = inputs._parse_tokens
+    monkeypatch.setattr(inputs, "_parse_tokens", lambda obj, v: real(obj, v) if len(obj["input_ids"]) != 2
+                        else {}["boom"])
+    records, stats = inputs.read_records(data, 256, 64, "skip")
+    assert stats.skipped_lines == [2] and len(records) == 2
+    for bad, kind in ((tmp_path, "a directory"), (tmp_path / "fifo", "not a regular file")):
+        if kind != "a directory":
+            os.mkfifo(bad)
+        with pytest.raises(InputError, match=f"^{bad}: {kind}; data.path must name a JSON-lines file$"):
+            extraction.run(make_config(tmp_path, llama_target, bad))
+    toml = tmp_path / "c.toml"
+    toml.write_bytes(b'[train]\nlr = 1e-4\n# r\xe9sum\xe9\n')
+    with pytest.raises(ConfigError, match=r"c.toml:3: not UTF-8 text"):
+        load(toml)
+    with pytest.raises(ConfigError, match="a directory, not a TOML config file"):
+        load(tmp_path)
+
+
 def test_bad_target_path(tmp_path, token_data):
     from eagle3.models.checkpoint import TargetError
     with pytest.raises(TargetError, match=r"nowhere: target directory not found"):

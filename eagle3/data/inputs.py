@@ -87,20 +87,19 @@ def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: 
                  target_dir: str | Path | None = None) -> tuple[list[Record], InputStats]:
     """`target_dir` holds the tokenizer and chat template; only chat lines need it."""
     path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: data file not found (data.path)")
+    check_input_file(path, "data.path")
     records, stats, parse = [], InputStats(), _LineParser(vocab_size, target_dir)
-    with path.open() as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             stats.lines += 1
             try:
-                ids, mask = parse(json.loads(line))
+                ids, mask = parse(json.loads(utf8(raw)))
             except InputError as e:  # the tokenizer or template is unusable: every chat line would fail
                 raise InputError(f"{path}:{number}: {e}") from None
-            except (json.JSONDecodeError, ValueError) as e:
-                message = f"{path}:{number}: {e}"
+            except Exception as e:   # noqa: BLE001 - any failure of one line (JSON, bytes, template) is that line's
+                message = f"{path}:{number}: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}"
                 if on_error == "fatal":
                     raise InputError(message + " (set data.on_error = \"skip\" to skip such lines)") from None
                 print(f"warning: skipped {message}", file=sys.stderr)
@@ -115,6 +114,23 @@ def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: 
     if not records:
         raise InputError(f"{path}: no usable sequences")
     return records, stats
+
+
+def check_input_file(path: Path, key: str) -> None:
+    """A clear error for an input that is missing or no regular file (a directory, a FIFO)."""
+    if not path.exists():
+        raise InputError(f"{path}: file not found ({key})")
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise InputError(f"{path}: {kind}; {key} must name a JSON-lines file")
+
+
+def utf8(raw: bytes) -> str:
+    """One line's bytes as text; a ValueError naming the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
 
 
 def file_sha256(path: str | Path) -> str:
