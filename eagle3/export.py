@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eagle3 import checkpoint as ckpt_io
 from eagle3.config import NORM_FLAGS, Config, from_dict
 from eagle3.draft import DraftSpec, Eagle3Draft
-from eagle3.files import make_readable, read_json
+from eagle3.files import make_readable, read_json, short_of_space, tensor_bytes
 from eagle3.ops import TORCH_DTYPES, llama_inv_freq
 from eagle3.models.checkpoint import Checkpoint, rope_settings
 from eagle3.vocab import VocabError, check_vocab
@@ -110,14 +110,23 @@ def export_weights(weights: dict[str, torch.Tensor], spec: dict, layer_prefix, n
 
 
 def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write into `<out_dir>.tmp`, then put it in place of `out_dir`: a failure (no room, no write
+    permission) removes the partial folder and names the directory, and an export already there stays."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-    make_readable(tmp / "model.safetensors")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    if short := short_of_space(out_dir.parent, tensor_bytes(tensors) + (1 << 20), f"the {out_dir.name} export"):
+        raise ExportError(short + "; nothing was written")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        make_readable(tmp / "model.safetensors")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+    except (OSError, SafetensorError) as e:   # safetensors reports a full disk as its own error
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"{out_dir}: writing the export failed ({getattr(e, 'strerror', None) or e}); the partial folder was "
+                          "removed") from None
     return out_dir
 
 

@@ -746,3 +746,22 @@ def test_the_demo_rerun_with_other_settings_trains_anew(tmp_path, capsys):
     assert steps == ["step-00000002"], steps
     aside = list(tmp_path.glob("train.old-*"))
     assert len(aside) == 1 and (aside[0] / "checkpoints" / "step-00000004").is_dir()
+
+
+def test_export_onto_a_full_disk_names_it_and_leaves_nothing(tmp_path, trained, monkeypatch, capsys):
+    from eagle3 import export, files
+    from eagle3.__main__ import main
+    run_tmp, _ = trained
+    checkpoint = run_tmp / "train" / "checkpoints" / "step-00000006"
+    monkeypatch.setattr(files, "free_bytes", lambda path: 1000)           # checked before anything is written
+    with pytest.raises(SystemExit, match=r"x: not enough free space to write the vllm export: .*nothing was written"):
+        main(["export", str(checkpoint), str(tmp_path / "x")])
+    monkeypatch.undo()
+
+    def disk_full(*_, **__):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export, "save_file", disk_full)                   # the disk fills while writing
+    with pytest.raises(SystemExit, match=r"vllm: writing the export failed \(No space left on device\); the partial"):
+        main(["export", str(checkpoint), str(tmp_path / "x")])
+    assert list((tmp_path / "x").iterdir()) == []                         # no stray vllm.tmp/
