@@ -22,7 +22,7 @@ from eagle3.data.chat import TOKENIZER_FILES
 from eagle3.data.inputs import InputError, InputStats, Record, file_sha256, read_records
 from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, sha256_file, shard_name,
                                 shard_tensors, write_shard)
-from eagle3.files import atomic_write_text, read_json, writable_dir
+from eagle3.files import atomic_write_text, read_json, run_lock, writable_dir
 from eagle3.ops import TORCH_DTYPES
 from eagle3.models.checkpoint import Checkpoint, TargetError
 from eagle3.models.streaming import TargetRunner
@@ -127,8 +127,9 @@ def run(cfg: Config) -> Path:
     """Extract on this rank's share of the shards (shard i goes to rank i % world under torchrun);
     rank 0 writes the manifest once every rank is done."""
     dist = distributed.setup(cfg.extract.device)
-    try:
-        return _run(cfg, dist)
+    try:   # rank 0 owns extract.output_dir meanwhile (a second extraction into it stops at once)
+        with run_lock(Path(cfg.extract.output_dir), "extract.output_dir", "extract", DataError, held=dist.main):
+            return _run(cfg, dist)
     finally:
         distributed.teardown()
 

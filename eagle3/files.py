@@ -2,11 +2,15 @@
 strict JSON out, safetensors whose corruption names the file, output modes that follow the umask."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -110,3 +114,72 @@ def short_of_space(directory: Path, need: int, what: str) -> str | None:
         return None
     return (f"{directory}: not enough free space to write {what}: it needs about {need} bytes "
             f"({need / 2**30:.2f} GiB), {free} bytes ({free / 2**30:.2f} GiB) are free")
+
+
+_HELD: dict[str, object] = {}   # lock files of the runs this process holds
+
+
+def _release(f) -> None:
+    """Leave the lock file empty (only a killed run leaves its name) and let it go."""
+    f.seek(0)
+    f.truncate()
+    f.close()
+
+
+@contextlib.contextmanager
+def run_lock(directory: Path, key: str, what: str, error: type[Exception], held: bool = True):
+    """Own `directory` while the block runs (an advisory lock on `directory/.lock`; `held` False: a
+    rank other than 0, which takes none): a second run meets `error` naming the holder (host, pid,
+    since when); a lock left by a process that died is taken over with a note. The kernel releases it
+    when the process ends, however it ends."""
+    if not held:
+        yield
+        return
+    path = _lock_path(directory)
+    made = not path.parent.exists()
+    _take(path, directory, key, what, error)
+    try:
+        yield
+    finally:
+        if (f := _HELD.pop(str(path), None)) is not None:
+            _release(f)
+        if made and [p.name for p in path.parent.iterdir()] == [path.name]:   # a run that wrote nothing
+            path.unlink()
+            path.parent.rmdir()
+
+
+def relock(directory: Path, key: str, what: str, error: type[Exception]) -> None:
+    """After this process moved `directory` aside (its lock file with it) and made it anew: the lock
+    of the new one instead."""
+    path = _lock_path(directory)
+    if (f := _HELD.pop(str(path), None)) is not None:
+        _release(f)
+        _take(path, directory, key, what, error)
+
+
+def _lock_path(directory: Path) -> Path:
+    return Path(directory).absolute() / ".lock"
+
+
+def _take(path: Path, directory: Path, key: str, what: str, error: type[Exception]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    except OSError as e:
+        raise error(f"{directory}: cannot write there ({e.strerror}); choose another {key}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that has not written its name yet"
+        f.close()
+        raise error(f"{directory}: in use by another run ({holder}); wait for it to end, or choose another "
+                    f"{key}") from None
+    f.seek(0)
+    if before := f.read().strip():
+        print(f"note: {directory}: taking over the lock of a run that ended without releasing it ({before})")
+    f.seek(0)
+    f.truncate()
+    f.write(f"{what} on host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    f.flush()
+    _HELD[str(path)] = f

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import math
 import sys
 import time
@@ -31,7 +32,7 @@ from eagle3.data.shards import DataError, ShardReader, check_manifest, loss_toke
 from eagle3.draft import Eagle3Draft
 from eagle3.export import export_all
 from eagle3.resolve import resolve
-from eagle3.files import strict_json, writable_dir
+from eagle3.files import relock, run_lock, strict_json, writable_dir
 from eagle3.models.checkpoint import Checkpoint, TargetError
 from eagle3.ttt import METRICS, Objective, plan_rows, summarize, ttt_forward
 from eagle3.vocab import VocabError, build_vocab
@@ -284,6 +285,7 @@ class Trainer:
             if t.overwrite:   # rank 0 moves the old run before any other rank looks at the directory
                 if self.dist.main:
                     move_old_run(self.output_dir)
+                    relock(self.output_dir, "train.output_dir", "train", TrainError)
                 self.dist.barrier()
             refuse_existing_run(self.output_dir, cfg.source)
         writable_dir(self.output_dir, TrainError, "train.output_dir")
@@ -402,9 +404,12 @@ class Trainer:
         path = None if choice == "never" else Path(choice)
         if choice == "auto":
             path, skipped = ckpt_io.latest_readable(self.output_dir)
+            if skipped and path is None:   # starting over would write into a run that is there
+                raise ckpt_io.CheckpointError("no checkpoint of the run reads any more: " + "; ".join(
+                    f"{bad}: {why}" for bad, why in skipped) + f"; {ckpt_io.ELSEWHERE}")
             for bad, why in skipped if self.dist.main else ():
-                print(f"warning: resume skips {bad}, which no longer reads ({why})"
-                      + (f"; resuming from {path}" if path else ""), file=sys.stderr)
+                print(f"warning: resume skips {bad}, which no longer reads ({why}); resuming from {path}",
+                      file=sys.stderr)
         if path is None:
             return 0
         state = ckpt_io.read_state(path)
@@ -705,8 +710,11 @@ class Trainer:
 
 
 def run(cfg: Config) -> Path:
+    """Train; rank 0 owns train.output_dir meanwhile (a second run on it stops at once)."""
+    main_rank = int(os.environ.get("RANK", "0")) == 0
     try:
-        return Trainer(cfg).run()
+        with run_lock(Path(cfg.train.output_dir), "train.output_dir", "train", TrainError, held=main_rank):
+            return Trainer(cfg).run()
     finally:
         distributed.teardown()
 

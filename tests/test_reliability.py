@@ -765,3 +765,35 @@ def test_export_onto_a_full_disk_names_it_and_leaves_nothing(tmp_path, trained, 
     with pytest.raises(SystemExit, match=r"vllm: writing the export failed \(No space left on device\); the partial"):
         main(["export", str(checkpoint), str(tmp_path / "x")])
     assert list((tmp_path / "x").iterdir()) == []                         # no stray vllm.tmp/
+
+
+def test_a_run_owns_its_output_folder(tmp_path, llama_target, token_data, hidden, capsys):
+    """A second run on the same train.output_dir or extract.output_dir stops naming the run that holds
+    it; a lock left by a process that died is taken over with a note."""
+    out = tmp_path / "train"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eagle3.files import run_lock; "
+                               f"lock = run_lock(__import__('pathlib').Path({str(out)!r}), 'k', 'train', ValueError); "
+                               "lock.__enter__(); print('held', flush=True); time.sleep(60)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(training.TrainError, match=rf"{out}: in use by another run \(train on host .*, pid "
+                                                      rf"{holder.pid}, since .*\); wait for it to end, or choose "
+                                                      "another train.output_dir"):
+            training.run(config(tmp_path, llama_target, token_data, hidden))
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder was killed: its name stays in the file, and the next run takes the lock over
+    training.run(config(tmp_path, llama_target, token_data, hidden, **{"train.max_steps": 2}))
+    assert (out / ".lock").read_text() == ""                       # released at the end of the run
+    assert f"taking over the lock of a run that ended without releasing it (train on host" in capsys.readouterr().out
+    data = tmp_path / "h"
+    data.mkdir()
+    with open(data / ".lock", "w") as f:
+        import fcntl
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write("extract on host elsewhere, pid 1, since then")
+        f.flush()
+        with pytest.raises(DataError, match=r"h: in use by another run \(extract on host elsewhere, pid 1"):
+            extraction.run(make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": data}))
