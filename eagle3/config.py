@@ -253,7 +253,8 @@ class GenerateConfig:
     top_p: float = setting(1.0, "nucleus sampling threshold, in (0, 1]")
     seed: int = setting(0, "sampling seed")
     stop_token_ids: list[int] | None = setting(
-        None, "auto: the target's eos_token_id(s) and `<|im_end|>` if its tokenizer has it")
+        None, "auto: as vLLM finds them: generation_config.json's eos_token_id (else config.json's) "
+        "and the tokenizer's eos_token")
     device: str = setting("auto", "where the target runs: `cpu`, `cuda`, `cuda:N`; auto: cuda if available")
     dtype: Dtype = setting("bfloat16", "compute dtype of the target")
 

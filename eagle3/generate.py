@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3.config import Config
-from eagle3.data.chat import TOKENIZER_FILES
+from eagle3.data.chat import TOKENIZER_FILES, stop_token_ids
 from eagle3.data.inputs import Record, read_records
 from eagle3.data.shards import sha256_file
 from eagle3.resolve import resolve_device
@@ -47,13 +47,7 @@ def reply_spans(mask) -> list[tuple[int, int]]:
 def stop_tokens(cfg: Config, ckpt: Checkpoint) -> set[int]:
     if cfg.generate.stop_token_ids is not None:
         return set(cfg.generate.stop_token_ids)
-    eos = ckpt.config.raw.get("eos_token_id")
-    stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    tok_cfg = ckpt.dir / "tokenizer_config.json"
-    if tok_cfg.exists():
-        added = json.loads(tok_cfg.read_text()).get("added_tokens_decoder", {})
-        stop |= {int(i) for i, t in added.items() if t.get("content") == "<|im_end|>"}
-    return stop
+    return stop_token_ids(ckpt.dir, ckpt.config.raw.get("eos_token_id"))
 
 
 class Sampler:

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import make_config
 from eagle3 import extraction
-from eagle3.data.chat import KIMI_PATTERN, ChatEncoder, _cut
+from eagle3.data.chat import KIMI_PATTERN, ChatEncoder, _cut, stop_token_ids
 from eagle3.data.inputs import InputError, read_records
 from eagle3.data.shards import loss_token_counts, read_manifest
 
@@ -48,11 +48,13 @@ def b(text: str) -> list[int]:
     return list(text.encode())
 
 
-def make_kimi_tokenizer(root, template=KIMI_TEMPLATE):
+def make_kimi_tokenizer(root, template=KIMI_TEMPLATE, extra=()):
+    """`extra`: merges ranked after the special block."""
     root.mkdir(parents=True, exist_ok=True)
-    ranks = [bytes([i]) for i in range(256)] + MERGES
+    ranks = dict(enumerate([bytes([i]) for i in range(256)] + MERGES))
+    ranks.update({MID + 1 + k: t for k, t in enumerate(extra)})
     (root / "tiktoken.model").write_text(
-        "".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+        "".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in ranks.items()))
     config = {"added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in SPECIAL.items()},
               "bos_token": "[BOS]", "eos_token": "[EOS]"}
     (root / "tokenizer_config.json").write_text(json.dumps(config))
@@ -159,8 +161,6 @@ def test_template_that_rewrites_earlier_turns_is_reported(tmp_path):
 
 
 BROKEN_TEMPLATES = [
-    # user "h" + reply "ello" with no marker between them: BPE merges them into one token
-    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "falls inside a token"),
     ("{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}{% endfor %}",
      "renders to no tokens"),
     ("{{ messages[5]['content'] }}", "chat template failed: UndefinedError"),
@@ -173,6 +173,64 @@ def test_templates_that_hide_the_reply_are_reported(tmp_path, template, reason):
     dialog = {"messages": [{"role": "user", "content": "h"}, {"role": "assistant", "content": "ello"}]}
     with pytest.raises(InputError, match=rf"chat.jsonl:1: .*{reason}"):
         read_records(write_lines(tmp_path / "chat.jsonl", [dialog]), 1000, 4096, target_dir=root)
+
+
+# Qwen's turn layout in Kimi's special tokens: the generation prompt ends in "\n"
+NEWLINE_TEMPLATE = ("{% for m in messages %}<|im_user|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_user|>assistant\n{% endif %}")
+
+
+def test_a_reply_that_merges_with_the_prompt_is_tokenized_as_an_engine_sees_it(tmp_path):
+    # "\n" + "\n\nhello": the whole text tokenizes "\n\n" + "\n" across the reply's start; served,
+    # the prompt ends in its own "\n" token and the model emits "\n\n" then "hello"
+    nn = MID + 1
+    root = make_kimi_tokenizer(tmp_path / "tok", NEWLINE_TEMPLATE, extra=[b"\n\n"])
+    dialog = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\nhello"}]}
+    encoder = ChatEncoder(root)
+    ids, mask = encoder.encode(dialog)
+    prompt = [USER, *b("user"), 10, *b("hi"), END, USER, *b("assistant"), 10]
+    assert ids.tolist() == prompt + [nn, HELLO, END] and mask.tolist() == [0] * len(prompt) + [1, 1, 1]
+    assert encoder.encode_prompt(dialog).tolist() == prompt    # what the engine tokenizes
+    # no marker at all between prompt "h" and reply "ello": the same rule, not a refusal
+    bare = make_kimi_tokenizer(tmp_path / "bare", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    ids, mask = ChatEncoder(bare).encode({"messages": [{"role": "user", "content": "h"},
+                                                       {"role": "assistant", "content": "ello"}]})
+    assert ids.tolist() == [*b("h"), *b("e"), 256 + 1, *b("o")] and mask.tolist() == [0, 1, 1, 1]
+
+
+def _files(root, **files):
+    root.mkdir(parents=True, exist_ok=True)
+    for name, value in files.items():
+        (root / f"{name}.json").write_text(json.dumps(value))
+    return root
+
+
+def test_stop_tokens_are_found_as_the_engines_find_them(tmp_path):
+    special = {"added_tokens_decoder": {"9": {"content": "<|im_end|>"}, "4": {"content": "<|endoftext|>"}}}
+    # generation_config.json's list wins over config.json's eos; the tokenizer's eos is added
+    root = _files(tmp_path / "a", generation_config={"eos_token_id": [5, 7]},
+                  tokenizer_config={**special, "eos_token": "<|im_end|>"})
+    assert stop_token_ids(root, 2) == {5, 7, 9}
+    # no generation_config.json: config.json's eos_token_id; <|im_end|> is not a stop unless named
+    root = _files(tmp_path / "b", tokenizer_config={**special, "eos_token": {"content": "<|endoftext|>"}})
+    assert stop_token_ids(root, 2) == {2, 4}
+    # transformers 5 writes no added_tokens_decoder: the eos token's id is in tokenizer.json
+    root = _files(tmp_path / "c", tokenizer_config={"eos_token": "<|im_end|>"}, generation_config={"eos_token_id": 2},
+                  tokenizer={"added_tokens": [{"id": 11, "content": "<|im_end|>"}], "model": {"vocab": {}}})
+    assert stop_token_ids(root, None) == {2, 11}
+    root = _files(tmp_path / "d", generation_config={"eos_token_id": "two"})
+    with pytest.raises(InputError, match=r"d/generation_config.json: eos_token_id = 'two'; expected an integer"):
+        stop_token_ids(root, None)
+
+
+def test_generate_stops_where_the_engine_would(tmp_path, llama_target):
+    from eagle3 import generate
+    from eagle3.models.checkpoint import Checkpoint
+    target = tmp_path / "target"
+    shutil.copytree(llama_target, target)
+    _files(target, generation_config={"eos_token_id": [2, 3]})
+    cfg = make_config(tmp_path, target, tmp_path / "none.jsonl")
+    assert generate.stop_tokens(cfg, Checkpoint(target)) == {2, 3}
 
 
 def test_template_syntax_error_names_the_template_file(tmp_path):

@@ -14,6 +14,7 @@ emits when asked to reply) up to and including the turn's end marker (e.g. <|im_
 also learns to propose the stop; whitespace the template puts after the marker is not masked, as
 the target stops before it. The spans are found by rendering the conversation prefix by prefix and
 require each render to extend the previous one; a template that rewrites earlier turns is an error.
+Prompt and reply are tokenized apart, as an engine serving the model sees them (docs/data.md).
 """
 from __future__ import annotations
 
@@ -215,6 +216,57 @@ def _token_text(value: object) -> str:
     return value.get("content", "") if isinstance(value, dict) else value or ""
 
 
+# ---------------------------------------------------------------- stop tokens
+
+def _json_object(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: expected a JSON object")
+    return value
+
+
+def _ids(value: object, where: str) -> set[int]:
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise InputError(f"{where}: eos_token_id = {value!r}; expected an integer or a list of integers")
+    return set(values)
+
+
+def _token_id(root: Path, content: str) -> int | None:
+    """The id of token `content` in the target's tokenizer files (special tokens, then the vocabulary)."""
+    config = _json_object(root / "tokenizer_config.json")
+    for i, entry in (config.get("added_tokens_decoder") or {}).items():
+        if isinstance(entry, dict) and entry.get("content") == content:
+            return int(i)
+    tok = _json_object(root / "tokenizer.json")
+    for entry in tok.get("added_tokens") or []:
+        if isinstance(entry, dict) and entry.get("content") == content:
+            return entry.get("id")
+    vocab = (tok.get("model") or {}).get("vocab")
+    return vocab.get(content) if isinstance(vocab, dict) else None
+
+
+def stop_token_ids(root: str | Path, config_eos: object) -> set[int]:
+    """The tokens an engine stops at, found as vLLM finds them: the tokenizer's eos token, and
+    generation_config.json's eos_token_id (int or list), which falls back to config.json's
+    (`config_eos`) when the model has no generation_config.json."""
+    root = Path(root)
+    generation = root / "generation_config.json"
+    eos = _json_object(generation).get("eos_token_id") if generation.exists() else config_eos
+    stop = _ids(eos, str(generation if generation.exists() else root / "config.json")) if eos is not None else set()
+    token = None
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        token = token or _token_text(_json_object(root / name).get("eos_token")) or None
+    if token and (i := _token_id(root, token)) is not None:
+        stop.add(i)
+    return stop
+
+
 # ---------------------------------------------------------------- encoder
 
 class ChatEncoder:
@@ -223,23 +275,11 @@ class ChatEncoder:
     def __init__(self, target_dir: str | Path):
         root = Path(target_dir)
         config_path = root / "tokenizer_config.json"
-        config = self._read_config(config_path)
+        config = _json_object(config_path)
         self.tokenizer = _load_tokenizer(root, config_path, config)
         self.template = _load_template(root, config_path, config)
         self.variables = {"bos_token": _token_text(config.get("bos_token")),
                           "eos_token": _token_text(config.get("eos_token"))}
-
-    @staticmethod
-    def _read_config(path: Path) -> dict:
-        if not path.exists():
-            return {}
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(config, dict):
-            raise InputError(f"{path}: expected a JSON object")
-        return config
 
     def encode(self, obj: dict) -> tuple[np.ndarray, np.ndarray]:
         """int32 ids and uint8 loss mask of a {"messages"} or {"conversations"} line."""
@@ -291,22 +331,29 @@ class ChatEncoder:
         return before, spans
 
     def _token_cuts(self, text: str, bounds: list[int]) -> tuple[list[int], list[int]]:
-        """Token ids of `text` and, for each character position in `bounds`, the tokens before it."""
+        """Token ids of `text` and, for each character position in `bounds`, the tokens before it.
+        Where the whole text tokenizes across a boundary (a reply starting with "\n\n" after the
+        template's "\n"), the pieces are tokenized apart, as an engine serving the model sees them:
+        the rendered prompt is tokenized, the reply's tokens are what the model emits after it."""
         ids = self.tokenizer.encode(text)
         edges = [0, *bounds, len(text)]
         pieces = [self.tokenizer.encode(text[a:b]) for a, b in zip(edges, edges[1:])]
-        if list(chain.from_iterable(pieces)) == ids:
-            return ids, list(accumulate(len(p) for p in pieces[:-1]))
-        # Some tokenizers encode a piece alone differently (a SentencePiece-style prefix space):
-        # count the tokens of each prefix instead, which must agree with the whole text.
+        joined = list(chain.from_iterable(pieces))
+        if joined != ids and (cuts := self._prefix_cuts(text, bounds, ids)) is not None:
+            return ids, cuts
+        return joined, list(accumulate(len(p) for p in pieces[:-1]))
+
+    def _prefix_cuts(self, text: str, bounds: list[int], ids: list[int]) -> list[int] | None:
+        """Some tokenizers encode a piece alone differently (a SentencePiece-style prefix space):
+        the token count of each prefix instead, if every prefix tokenizes as the start of the whole
+        (None where a boundary falls inside a token)."""
         cuts = []
         for b in bounds:
             head = self.tokenizer.encode(text[:b])
             if head != ids[:len(head)]:
-                raise ChatError(f"a turn boundary of the chat template (character {b}) falls inside a token, "
-                                "so assistant tokens cannot be separated")
+                return None
             cuts.append(len(head))
-        return ids, cuts
+        return cuts
 
 
 def _check_extends(prefix: str, text: str, problem: str) -> None:
