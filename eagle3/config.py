@@ -232,6 +232,11 @@ class TrainConfig:
         "next log, eval or checkpoint step naming that step and the cause (no checkpoint is written from it: "
         "the newest stays the last good one), `true` skips such steps and goes on, counting them as "
         "`skipped_steps` in `metrics.jsonl` and in the end-of-training summary")
+    collective_timeout_s: float = setting(
+        600.0, "how long a rank waits in a collective (gradient all-reduce, barrier) for the others: past it, a "
+        "rank that is gone or stuck stops the run, each surviving rank saying so in one line with the newest "
+        "checkpoint, which the same command resumes from (under torchrun a rank that dies stops the others at "
+        "once); raise it if one rank may work alone longer (checkpoints to a slow disk)")
 
 
 @dataclass
@@ -416,7 +421,7 @@ def validate(cfg: Config) -> None:
               "decay_fraction": 0 < t.decay_fraction <= 1,
               "weight_decay": t.weight_decay >= 0, "prefetch": t.prefetch >= 1, "aux_noise": t.aux_noise >= 0,
               "hard_label": 0 <= t.hard_label <= 1, "loss_temperature": t.loss_temperature > 0,
-              "lk_eta": t.lk_eta >= 0}
+              "lk_eta": t.lk_eta >= 0, "collective_timeout_s": t.collective_timeout_s > 0}
     for key, ok in ranges.items():
         if not ok:
             raise ConfigError(f"{cfg.origin('train.' + key)}: train.{key} = {getattr(t, key)}; expected "

@@ -1,11 +1,28 @@
-"""Process-group plumbing for torchrun: NCCL on GPUs, gloo on the CPU; a no-op in one process."""
+"""Process-group plumbing for torchrun: NCCL on GPUs, gloo on the CPU; a no-op in one process.
+
+A rank that dies must not leave the others waiting: collectives give up after a timeout (`setup`),
+`lost_peer` tells that failure from any other, and under a launcher SIGTERM (what torchrun sends the
+surviving ranks when one fails) ends a rank with one line (`stop_on_sigterm`) instead of silently.
+"""
 from __future__ import annotations
 
 import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
+
+# what gloo's transport raises (a plain RuntimeError) when a peer's socket closes or a wait runs out
+GLOO_LOST = ("Connection closed by peer", "Connection reset by peer", "Socket closed", "Read error",
+             "Timed out waiting")
+SIGTERM_STATUS = 128 + signal.SIGTERM   # the shell's exit status for a process ended by SIGTERM
 
 
 @dataclass
@@ -29,7 +46,10 @@ class Dist:
             dist.barrier()
 
 
-def setup(device: str = "auto") -> Dist:
+def setup(device: str = "auto", timeout_s: float | None = None) -> Dist:
+    """`timeout_s`: how long a collective waits for the other ranks before it fails (None: torch's
+    default, 30 min on gloo, 10 min on NCCL). gloo raises in the waiting call; NCCL's watchdog ends
+    the process (torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING=3, kept unless set otherwise)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -40,10 +60,78 @@ def setup(device: str = "auto") -> Dist:
     else:
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None,
+                                timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
     return Dist(rank, world, local_rank, dev)
 
 
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def lost_peer(error: BaseException, timeout: str) -> str | None:
+    """What a failed collective says about the other ranks ("rank 0: rank 1 is gone (...)"), or None
+    when `error` is no collective failure. The rank is named when there is only one other; `timeout`
+    names the wait that ran out ("train.collective_timeout_s = 600 s")."""
+    text = str(error)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or not (isinstance(error, dist.DistError) or any(mark in text for mark in GLOO_LOST)):
+        return None
+    other = f"rank {1 - rank}" if world == 2 else "another rank"
+    what = (f"did not answer within {timeout}, stuck or gone" if re.search(r"timed out|timeout", text, re.I)
+            else "is gone")
+    # gloo's text: "[path/pair.cc:553] Connection closed by peer [ip]:port. This is typically ..."
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().split("\n")[0]).split(". ")[0] or type(error).__name__
+    return f"rank {rank}: {other} {what} (a collective failed: {cause})"
+
+
+# with stop_on_sigterm, one line per rank: the first of the error path (`first_word`) and the
+# SIGTERM thread to take it says that rank's line
+_spoken: threading.Lock | None = None
+
+
+def first_word(line: str) -> str | int:
+    """What SystemExit should carry to end this rank: `line` (printed, status 1), or only the status
+    when the SIGTERM thread has already said this rank's line and is ending the process."""
+    return line if _spoken is None or _spoken.acquire(blocking=False) else 1
+
+
+def stop_on_sigterm(kept: Callable[[], str]) -> None:
+    """Under a launcher (WORLD_SIZE > 1), SIGTERM ends the rank with status 143 and one line: that it
+    was stopped, what is kept (`kept()`: "newest complete checkpoint ...") and that the same command
+    resumes. The main thread may be stuck in a collective or a device sync, where a Python signal
+    handler would not run until it returns: the signal's wakeup byte wakes a thread of ours instead.
+    Needs the main thread (signal handlers)."""
+    global _spoken
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    _spoken = threading.Lock()
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, lambda *_: None)   # the wakeup byte is written for handled signals only
+    os.register_at_fork(after_in_child=_default_sigterm)
+    threading.Thread(target=_on_sigterm, args=(read, kept), daemon=True, name="sigterm").start()
+
+
+def _default_sigterm() -> None:
+    """In a forked child (multiprocessing): the pipe is shared, and the child's own SIGTERM must not
+    wake this rank's thread and end the rank."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _on_sigterm(read: int, kept: Callable[[], str]) -> None:
+    while os.read(read, 1) != bytes([signal.SIGTERM]):
+        pass   # another signal's byte (Ctrl-C): its Python handler runs in the main thread as before
+    if not _spoken.acquire(blocking=False):
+        return   # the main thread has said this rank's line and is exiting
+    try:
+        line = (f"rank {os.environ.get('RANK', '0')}: stopped by SIGTERM (torchrun sends it when another rank "
+                f"fails, naming that rank in its report, or when it is stopped itself); {kept()}; the same command "
+                "resumes")
+        with tqdm.external_write_mode(file=sys.stderr):   # in place of a progress bar's line, not after it
+            print(line, file=sys.stderr, flush=True)
+    finally:   # whatever befell the line, SIGTERM still ends the rank, as before we took it over
+        os._exit(SIGTERM_STATUS)

@@ -25,7 +25,7 @@ from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, sha
 from eagle3.files import atomic_write_text, read_json, run_lock, writable_dir
 from eagle3.ops import TORCH_DTYPES
 from eagle3.models.checkpoint import Checkpoint, TargetError
-from eagle3.models.streaming import TargetRunner
+from eagle3.models.streaming import TargetRunner, build_model, check_tensors
 
 
 
@@ -123,13 +123,24 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
     }
 
 
+def kept(cfg: Config) -> str:
+    """What an extraction stopped midway leaves, as its last line says it."""
+    return f"the finished shards in {cfg.extract.output_dir} are kept"
+
+
 def run(cfg: Config) -> Path:
     """Extract on this rank's share of the shards (shard i goes to rank i % world under torchrun);
-    rank 0 writes the manifest once every rank is done."""
+    rank 0 writes the manifest once every rank is done. A barrier that fails because another rank is
+    gone stops the extraction here, in one line."""
     dist = distributed.setup(cfg.extract.device)
     try:   # rank 0 owns extract.output_dir meanwhile (a second extraction into it stops at once)
         with run_lock(Path(cfg.extract.output_dir), "extract.output_dir", "extract", DataError, held=dist.main):
             return _run(cfg, dist)
+    except RuntimeError as e:
+        lost = distributed.lost_peer(e, "torch's collective timeout")
+        if lost is None:
+            raise
+        raise DataError(f"{lost}; extraction stopped, {kept(cfg)}; the same command resumes") from None
     finally:
         distributed.teardown()
 
@@ -137,6 +148,7 @@ def run(cfg: Config) -> Path:
 def _run(cfg: Config, dist: distributed.Dist) -> Path:
     ckpt = Checkpoint(cfg.target.path)
     aux_ids = resolve(cfg, ckpt).aux_layer_ids   # the whole record: a draft that cannot be built fails now
+    check_tensors(ckpt, build_model(ckpt, torch.device("cpu"), torch.float32))   # headers only, before any work
     records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len,
                                   cfg.data.on_error, target_dir=ckpt.dir)
     out = writable_dir(cfg.extract.output_dir, DataError, "extract.output_dir")
@@ -183,9 +195,10 @@ def _write_manifest(out: Path, header: dict, plan: list, stats: InputStats, tota
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     from eagle3.config import cli, interrupted
     cfg = cli(argv, "Extract target hidden states into shards.", prog)
+    distributed.stop_on_sigterm(lambda: kept(cfg))
     try:
         run(cfg)
     except (TargetError, InputError, DataError, ConfigError) as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(distributed.first_word(f"error: {e}")) from None
     except KeyboardInterrupt:
-        interrupted(f"the finished shards in {cfg.extract.output_dir} are kept")
+        interrupted(kept(cfg))

@@ -275,7 +275,7 @@ def fp8_changes(state: dict, float8: bool, float8_head: bool) -> str:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg, t = cfg, cfg.train
-        self.dist = distributed.setup(t.device)
+        self.dist = distributed.setup(t.device, t.collective_timeout_s)
         self.device = self.dist.device
         self.cuda = self.device.type == "cuda"
         self.float_dtype = torch.bfloat16 if self.cuda else torch.float32
@@ -709,12 +709,25 @@ class Trainer:
         return "\n".join(lines)
 
 
+def kept(cfg: Config) -> str:
+    """What a run stopped midway leaves to resume from, as its last line says it."""
+    newest = ckpt_io.latest(cfg.train.output_dir)
+    return f"newest complete checkpoint {newest}" if newest else "no checkpoint written yet"
+
+
 def run(cfg: Config) -> Path:
-    """Train; rank 0 owns train.output_dir meanwhile (a second run on it stops at once)."""
+    """Train; rank 0 owns train.output_dir meanwhile (a second run on it stops at once). A collective
+    that fails because another rank is gone (or stuck past train.collective_timeout_s) stops the run
+    here, with the checkpoint to resume from instead of torch's traceback."""
     main_rank = int(os.environ.get("RANK", "0")) == 0
     try:
         with run_lock(Path(cfg.train.output_dir), "train.output_dir", "train", TrainError, held=main_rank):
             return Trainer(cfg).run()
+    except RuntimeError as e:
+        lost = distributed.lost_peer(e, f"train.collective_timeout_s = {cfg.train.collective_timeout_s:g} s")
+        if lost is None:
+            raise
+        raise TrainError(f"{lost}; training stopped, {kept(cfg)}; the same command resumes") from None
     finally:
         distributed.teardown()
 
@@ -722,10 +735,10 @@ def run(cfg: Config) -> Path:
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     from eagle3.config import cli, interrupted
     cfg = cli(argv, "Train an EAGLE-3 draft with training-time test.", prog)
+    distributed.stop_on_sigterm(lambda: kept(cfg))
     try:
         run(cfg)
     except (TargetError, DataError, InputError, VocabError, TrainError, ConfigError, ckpt_io.CheckpointError) as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(distributed.first_word(f"error: {e}")) from None
     except KeyboardInterrupt:
-        newest = ckpt_io.latest(cfg.train.output_dir)
-        interrupted(f"newest complete checkpoint {newest}" if newest else "no checkpoint written yet")
+        interrupted(kept(cfg))

@@ -658,7 +658,8 @@ def test_readme_installs_what_ci_installs():
     pins = dict(re.findall(r'pip install -q "(torch|triton)==([^"]+)"', ci))
     assert set(pins) == {"torch", "triton"}, ci
     assert f'pip install "torch=={pins["torch"]}" --index-url https://download.pytorch.org/whl/cpu' in readme
-    assert f'pip install "triton=={pins["triton"]}" -e ".[test,chat]"' in readme
+    extras = re.search(r'-e "\.\[([a-z,]+)\]"', ci).group(1)
+    assert f'pip install "triton=={pins["triton"]}" -e ".[{extras}]"' in readme
     assert "pip install torch &&" not in readme
 
 
@@ -797,3 +798,77 @@ def test_a_run_owns_its_output_folder(tmp_path, llama_target, token_data, hidden
         f.flush()
         with pytest.raises(DataError, match=r"h: in use by another run \(extract on host elsewhere, pid 1"):
             extraction.run(make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": data}))
+
+
+# --- a dead rank ---------------------------------------------------------------------------------
+
+def worker_pid(launch, rank):
+    """The pid of torchrun's worker of `rank`, known by its environment (/proc: Linux)."""
+    from eagle3.bench.online import descendants
+    for pid in descendants(launch.pid):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:   # gone meanwhile
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under torchrun (pid {launch.pid})")
+
+
+def stop_a_rank(launch, out, signum, after):
+    """Once the run has a checkpoint newer than `after`, send rank 1 `signum`; the launch's output
+    (all ranks and torchrun) and the seconds from the signal to its end, which must come by itself."""
+    import signal
+    import time
+    from eagle3.bench.online import alive, kill_tree
+    deadline = time.time() + 120
+    while ckpt_io.latest(out) == after and launch.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert launch.poll() is None and ckpt_io.latest(out) != after, "no new checkpoint came"
+    victim, survivor = worker_pid(launch, 1), worker_pid(launch, 0)
+    os.kill(victim, signum)
+    start = time.time()
+    if signum == signal.SIGSTOP:   # a stuck rank, which torchrun does not notice: rank 0 must time out
+        while alive(survivor) and time.time() < start + 60:
+            time.sleep(0.05)
+        os.kill(victim, signal.SIGCONT)   # then torchrun's SIGTERM, held while it was stopped, arrives
+    try:
+        printed, _ = launch.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        kill_tree(launch)
+        pytest.fail(f"the surviving rank still ran {time.time() - start:.0f} s after rank 1 got {signum!r}")
+    return printed, time.time() - start
+
+
+@pytest.mark.slow
+def test_a_dead_or_stuck_rank_ends_the_run_in_one_line_and_the_same_command_resumes(tmp_path, llama_target,
+                                                                                   token_data, hidden):
+    """Issue 35, row 15: a rank killed under torchrun (which then stops the others with SIGTERM) or
+    stuck (which no launcher notices: the collective timeout) ends the run within a bound, each
+    surviving rank saying in one line what happened and the newest checkpoint, with no traceback; the
+    same command resumes from it."""
+    import signal
+    from test_training import cli_args, run_train
+    args = cli_args(tmp_path, llama_target, token_data, hidden,
+                    **{"train.max_steps": 40, "train.batch_tokens": 48, "train.eval_every": 40, "train.log_every": 40,
+                       "train.collective_timeout_s": 10})
+    out = tmp_path / "train"
+    for signum, ends in ((signal.SIGKILL, {0: "error: rank 0: rank 1 is gone (a collective failed: "}),
+                         (signal.SIGSTOP, {0: "error: rank 0: rank 1 did not answer within train.collective_timeout_s "
+                                              "= 10 s, stuck or gone (a collective failed: Timed out waiting 10000ms",
+                                           1: "error: rank 1: rank 0 "})):
+        before = ckpt_io.latest(out)
+        launch = run_train(args, nproc=2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        printed, seconds = stop_a_rank(launch, out, signum, before)
+        newest = ckpt_io.latest(out)
+        assert launch.returncode != 0 and seconds < 30 and newest.name < "step-00000040", (seconds, printed)
+        assert f'File "{ROOT}' not in printed and "]: Traceback" not in printed, printed   # torchrun's own only
+        said = [line for line in printed.splitlines() if "the same command resumes" in line]
+        assert len(said) == len(ends), printed   # one line per surviving rank
+        for rank, start in ends.items():   # the collective's error, or torchrun's SIGTERM where it came first
+            sigterm = f"rank {rank}: stopped by SIGTERM (torchrun sends it when another rank fails"
+            line = next((x for x in said if x.startswith((start, sigterm))), "")
+            assert line.endswith(f"newest complete checkpoint {newest}; the same command resumes"), printed
+    finished = run_train(args, nproc=2)
+    assert f"resumed from {newest} (step {int(newest.name[5:])}" in finished.stderr
+    assert ckpt_io.latest(out).name == "step-00000040"

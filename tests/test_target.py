@@ -1,5 +1,6 @@
 import copy
 import json
+import re
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import torch
 
 from conftest import KIMI_FIXTURE, ROOT
 from eagle3.models.inspect import inspect
-from eagle3.models import tiny
+from eagle3.models import deepseek, tiny
 from eagle3.models.checkpoint import Checkpoint, TargetError, read_config
 from eagle3.models.streaming import TargetRunner, greedy_argmax
 
@@ -185,3 +186,119 @@ def test_a_null_rope_theta_means_the_default():
     from eagle3.models.checkpoint import rope_settings
     assert rope_settings({"rope_theta": None}) == (10000.0, None)
     assert rope_settings({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}) == (5e5, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the family from model_type / architectures, its fields, and every tensor's shape (issue 35, row 4)
+
+@pytest.fixture(scope="module")
+def kimi_target(tmp_path_factory):
+    return tiny.make_kimi(tmp_path_factory.mktemp("kimi"))
+
+
+def _variant(target, tmp_path, edit_config=None, edit_tensors=None):
+    """A copy of `target` in tmp_path (weight files linked) with its config.json and tensors edited:
+    edit_config(raw dict), edit_tensors(file name, {name: tensor}) -> the file's new tensors or None."""
+    from safetensors.torch import load_file, save_file
+    tmp_path.mkdir(exist_ok=True)
+    for f in target.iterdir():
+        if f.name == "config.json" or (edit_tensors and f.suffix == ".safetensors"):
+            continue
+        (tmp_path / f.name).symlink_to(f)
+    raw = json.loads((target / "config.json").read_text())
+    if edit_config:
+        edit_config(raw)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    for f in target.glob("*.safetensors") if edit_tensors else []:
+        tensors = load_file(f)
+        save_file(edit_tensors(f.name, tensors) or tensors, tmp_path / f.name)
+    return tmp_path
+
+
+def _cli_inspect(target):
+    return subprocess.run([sys.executable, "-m", "eagle3", "inspect", str(target)], cwd=ROOT,
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("field", ["kv_lora_rank", "n_routed_experts"])
+def test_a_deepseek_config_missing_a_family_field_is_named(kimi_target, tmp_path, field):
+    # before: no kv_lora_rank ran the Kimi target as a Llama; no n_routed_experts as dense layers
+    target = _variant(kimi_target, tmp_path, lambda raw: raw["text_config"].pop(field))
+    want = (rf"{tmp_path / 'config.json'}:text_config: missing field '{field}': model_type 'kimi_k2' "
+            r"\(DeepSeek-V3 family\) needs it \(an integer\)")
+    with pytest.raises(TargetError, match=want):
+        inspect(str(target))
+    with pytest.raises(TargetError, match=want):
+        Checkpoint(target)   # what extract, train and evaluate open first
+    out = _cli_inspect(target)
+    assert out.returncode != 0 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [f"error: {tmp_path / 'config.json'}:text_config: missing field "
+                                               f"'{field}': model_type 'kimi_k2' (DeepSeek-V3 family) needs it "
+                                               "(an integer)"]
+
+
+def test_a_wrongly_typed_family_field_is_named(kimi_target, tmp_path):
+    target = _variant(kimi_target, tmp_path, lambda raw: raw["text_config"].update(n_routed_experts="8"))
+    with pytest.raises(TargetError, match=r"config.json:text_config: field 'n_routed_experts' = '8'; "
+                                          r"model_type 'kimi_k2' \(DeepSeek-V3 family\) needs an integer"):
+        inspect(str(target))
+
+
+def test_the_family_comes_from_model_type_or_architectures(kimi_target, llama_target, tmp_path):
+    assert inspect(str(kimi_target))["family"] == "DeepSeek-V3"
+    assert inspect(str(llama_target))["family"] == "Llama"
+    # no model_type at either level: the architectures decide
+    no_type = _variant(kimi_target, tmp_path, lambda raw: [raw.pop("model_type"), raw["text_config"].pop("model_type")])
+    needs = read_config(no_type / "config.json").needs
+    assert needs == "architectures ['DeepseekV3ForCausalLM'] (DeepSeek-V3 family)"
+
+
+def test_an_unknown_model_type_is_refused_listing_the_supported_ones(llama_target, tmp_path):
+    # whatever fields it has (here Llama's): before, anything without kv_lora_rank ran as a Llama
+    gpt = _variant(llama_target, tmp_path / "a", lambda raw: raw.update(model_type="gpt2"))
+    out = _cli_inspect(gpt)
+    assert out.returncode != 0 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1
+    assert (f"{gpt / 'config.json'}: unsupported target (model_type 'gpt2'); supported model_types: deepseek_v3, "
+            "kimi_k2, kimi_k25 (DeepSeek-V3 family); llama, mistral, qwen2, qwen3 (Llama family)") in out.stderr
+    nothing = _variant(llama_target, tmp_path / "b", lambda raw: [raw.pop("model_type"), raw.pop("architectures")])
+    with pytest.raises(TargetError, match=r"config.json: unsupported target \(no model_type or architectures\)"):
+        Checkpoint(nothing)
+
+
+def _replace(name, tensor):
+    """edit_tensors for `_variant`: tensor `name` replaced by `tensor` in the file that holds it."""
+    return lambda file, tensors: {**tensors, name: tensor} if name in tensors else None
+
+
+def test_a_llama_tensor_of_the_wrong_shape_is_listed_by_inspect_and_before_compute(llama_target, tmp_path):
+    name = "model.layers.2.self_attn.k_proj.weight"   # [kv_heads * head_dim, hidden] = [16, 32]
+    target = _variant(llama_target, tmp_path, edit_tensors=_replace(name, torch.zeros(16, 24, dtype=torch.bfloat16)))
+    out = _cli_inspect(target)
+    assert out.returncode != 0 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1
+    assert (f"{target / 'model.safetensors.index.json'}: 1 of the 45 tensors checked do not have the shape "
+            f"{target / 'config.json'} implies: {name} is [16, 24], expected [16, 32]") in out.stderr
+    with pytest.raises(TargetError, match=rf"{name} is \[16, 24\], expected \[16, 32\]"):
+        TargetRunner(Checkpoint(target), [1, 1, 2], torch.device("cpu"), torch.float32)
+
+
+def test_deepseek_tensors_of_the_wrong_shape_are_listed_by_inspect(kimi_target, tmp_path):
+    p = "language_model.model.layers."
+    packed = p + "3.mlp.experts.5.down_proj.weight_packed"   # int4 [hidden, moe_intermediate / 8] = [64, 4]
+    scale = p + "2.mlp.experts.1.up_proj.weight_scale"      # [32, 64 / g]: 2 groups of 32
+    dense = p + "1.self_attn.kv_b_proj.weight"              # [heads * (nope + v), kv_lora] = [128, 16]
+    wrong = {packed: torch.zeros(64, 8, dtype=torch.int32), scale: torch.zeros(32, 3, dtype=torch.bfloat16),
+             dense: torch.zeros(128, 15, dtype=torch.bfloat16)}
+    target = _variant(kimi_target, tmp_path, edit_tensors=lambda file, tensors: {
+        **tensors, **{n: t for n, t in wrong.items() if n in tensors}})
+    with pytest.raises(TargetError) as e:
+        inspect(str(target))
+    message = str(e.value)
+    assert message.startswith(f"{target / 'model.safetensors.index.json'}: 3 of the 356 tensors checked do not have "
+                              f"the shape {target / 'config.json'}:text_config implies: ")
+    assert f"{dense} is [128, 15], expected [128, 16]" in message
+    assert f"{scale} is [32, 3], expected [32, 64/g] for a group size g that is a multiple of 8" in message
+    assert f"{packed} is [64, 8], expected [64, 4]" in message
+    # the loading code agrees: the same tensors refused when their layer is loaded
+    model = deepseek.DeepseekTarget(Checkpoint(target), torch.device("cpu"), torch.float32)
+    with pytest.raises(TargetError, match=re.escape(f"{packed} has shape [64, 8]; expected [64, 4]")):
+        model.load_layer(3)

@@ -59,7 +59,10 @@ def write_target(out: Path, s: dict) -> None:
     config = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": s["hidden"],
               "vocab_size": s["vocab"], "num_hidden_layers": 61, "num_attention_heads": s["heads"],
               "num_key_value_heads": s["heads"], "intermediate_size": s["inter"], "rms_norm_eps": 1e-5,
-              "rope_theta": 50000.0, "max_position_embeddings": 262144, "tie_word_embeddings": False}
+              "rope_theta": 50000.0, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+              # Kimi's MLA and MoE sizes: its family needs them, though no layer is written or read
+              "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+              "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8, "moe_intermediate_size": 2048}
     written = out / "config.json"
     if written.exists() and json.loads(written.read_text()) == config:
         return

@@ -13,21 +13,63 @@ from pathlib import Path
 import torch
 
 from eagle3.files import open_safetensors
+from eagle3.models import quant
 
 
 class TargetError(ValueError):
     """The target checkpoint is missing something or is inconsistent; the message names the file."""
 
 
-def require(cfg: dict, key: str, where: str, kind: type = int):
+def require(cfg: dict, key: str, where: str, needs: str, kind: type = int):
+    """cfg[key], an integer (or with `kind` float, a number); else an error naming the field and `needs`,
+    who needs it (e.g. "model_type 'kimi_k2' (DeepSeek-V3 family)")."""
+    expected = "an integer" if kind is int else "a number"
     if key not in cfg:
-        raise TargetError(f"{where}: missing field '{key}'")
+        raise TargetError(f"{where}: missing field '{key}': {needs} needs it ({expected})")
     value = cfg[key]
     if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
-        raise TargetError(f"{where}: field '{key}' = {value!r}; expected an integer")
-    if kind is float and not isinstance(value, (int, float)):
-        raise TargetError(f"{where}: field '{key}' = {value!r}; expected a number")
+        raise TargetError(f"{where}: field '{key}' = {value!r}; {needs} needs {expected}")
+    if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise TargetError(f"{where}: field '{key}' = {value!r}; {needs} needs {expected}")
     return value
+
+
+@dataclass(frozen=True)
+class Family:
+    """A kind of text model the pipeline runs: the model_types and architectures that name it, and the
+    fields its forward needs besides the common ones (field -> int or float)."""
+    name: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    fields: dict
+
+
+# what every family needs
+COMMON_FIELDS = {"hidden_size": int, "vocab_size": int, "num_hidden_layers": int, "num_attention_heads": int,
+                 "intermediate_size": int, "rms_norm_eps": float}
+# kimi_k25 / KimiK25ForConditionalGeneration: Kimi-K2.5's wrapper, for a text_config that names neither
+DEEPSEEK = Family("DeepSeek-V3", ("deepseek_v3", "kimi_k2", "kimi_k25"),
+                  ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"),
+                  {"kv_lora_rank": int, "qk_nope_head_dim": int, "qk_rope_head_dim": int, "v_head_dim": int,
+                   "n_routed_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
+LLAMA = Family("Llama", ("llama", "mistral", "qwen2", "qwen3"),
+               ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), {})
+FAMILIES = (DEEPSEEK, LLAMA)
+
+
+def find_family(model_type: str, architectures: list[str], where: str) -> tuple[Family, str]:
+    """The family, and what named it: the model_type (as transformers dispatches on it), or the
+    architectures when there is none. Never guessed from the fields present: a config that lost one
+    must be told so, not run as another family."""
+    if model_type:
+        named, found = f"model_type '{model_type}'", [f for f in FAMILIES if model_type in f.model_types]
+    else:
+        named = f"architectures {architectures}" if architectures else "no model_type or architectures"
+        found = [f for f in FAMILIES if set(architectures) & set(f.architectures)]
+    if not found:
+        supported = "; ".join(f"{', '.join(f.model_types)} ({f.name} family)" for f in FAMILIES)
+        raise TargetError(f"{where}: unsupported target ({named}); supported model_types: {supported}")
+    return found[0], named
 
 
 @dataclass
@@ -51,10 +93,12 @@ class TextConfig:
     quantization: dict | None
     max_position_embeddings: int
     config_sha256: str
+    family: Family
+    needs: str                  # what named the family, for errors: "model_type 'kimi_k2' (DeepSeek-V3 family)"
 
     @property
     def is_deepseek(self) -> bool:
-        return "kv_lora_rank" in self.raw
+        return self.family is DEEPSEEK
 
     @property
     def head_dim(self) -> int:
@@ -113,26 +157,27 @@ def read_config(path: Path) -> TextConfig:
         text, where = outer["text_config"], f"{path}:text_config"
         if not isinstance(text, dict):
             raise TargetError(f"{where}: expected an object")
+    model_type = str(outer.get("model_type", ""))
+    text_model_type = str(text.get("model_type", model_type))
+    architectures = list(text.get("architectures") or outer.get("architectures") or [])
+    family, named = find_family(text_model_type, architectures, where)
+    needs = f"{named} ({family.name} family)"
+    for key, kind in {**COMMON_FIELDS, **family.fields}.items():
+        require(text, key, where, needs, kind)
     theta, scaling = rope_settings(text)
-    heads = require(text, "num_attention_heads", where)
-    quant = text.get("quantization_config") or outer.get("quantization_config")
+    heads = text["num_attention_heads"]
+    quantization = text.get("quantization_config") or outer.get("quantization_config")
     tie = text.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))
     cfg = TextConfig(
-        raw=text, source=where,
-        model_type=str(outer.get("model_type", "")),
-        text_model_type=str(text.get("model_type", outer.get("model_type", ""))),
-        architectures=list(text.get("architectures") or outer.get("architectures") or []),
-        hidden_size=require(text, "hidden_size", where),
-        vocab_size=require(text, "vocab_size", where),
-        num_hidden_layers=require(text, "num_hidden_layers", where),
-        num_attention_heads=heads,
+        raw=text, source=where, model_type=model_type, text_model_type=text_model_type,
+        architectures=architectures, hidden_size=text["hidden_size"], vocab_size=text["vocab_size"],
+        num_hidden_layers=text["num_hidden_layers"], num_attention_heads=heads,
         num_key_value_heads=text.get("num_key_value_heads") or heads,
-        intermediate_size=require(text, "intermediate_size", where),
-        rms_norm_eps=float(require(text, "rms_norm_eps", where, float)),
+        intermediate_size=text["intermediate_size"], rms_norm_eps=float(text["rms_norm_eps"]),
         rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=bool(tie),
-        quantization=_describe_quant(quant),
+        quantization=_describe_quant(quantization),
         max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
-        config_sha256=hashlib.sha256(blob).hexdigest(),
+        config_sha256=hashlib.sha256(blob).hexdigest(), family=family, needs=needs,
     )
     if cfg.num_hidden_layers < 4:
         raise TargetError(f"{where}: num_hidden_layers = {cfg.num_hidden_layers}; EAGLE-3 needs at least 4")
@@ -204,6 +249,12 @@ class Checkpoint:
         raise TargetError(f"{self.dir}: no embedding tensor found (looked for "
                           f"{', '.join(p + 'embed_tokens.weight' for p, _ in _PREFIXES[:3])})")
 
+    @property
+    def weights_file(self) -> Path:
+        """The file that lists the tensors: the index, or the single model.safetensors."""
+        index = self.dir / "model.safetensors.index.json"
+        return index if index.exists() else self.dir / "model.safetensors"
+
     def full_name(self, name: str) -> str:
         if name == "lm_head.weight":
             return self.head_name or self.prefix + "embed_tokens.weight"
@@ -236,6 +287,16 @@ class Checkpoint:
         handle, full = self._handle(name)
         sl = handle.get_slice(full)
         return {"name": full, "shape": list(sl.get_shape()), "dtype": sl.get_dtype()}
+
+    def check_shapes(self, expected: dict[str, list[int] | quant.GroupedShape], shown: int = 5) -> None:
+        """Raise naming the tensors (the first `shown`) whose shape is not the `expected` one (names
+        relative to the text model): read from the safetensors headers, nothing is loaded."""
+        wrong = [f"{self.full_name(n)} is {found}, expected {want}" for n, want in expected.items()
+                 if not quant.shape_fits(want, found := self.info(n)["shape"])]
+        if wrong:
+            more = f"; and {len(wrong) - shown} more" if len(wrong) > shown else ""
+            raise TargetError(f"{self.weights_file}: {len(wrong)} of the {len(expected)} tensors checked do not have "
+                              f"the shape {self.config.source} implies: {'; '.join(wrong[:shown])}{more}")
 
     def outer_tensors(self) -> dict[str, dict]:
         """`info` of the embedding, head and final norm, checked against the config: a mismatch is

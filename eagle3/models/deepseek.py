@@ -47,30 +47,28 @@ class DeepseekSpec:
 
     @classmethod
     def from_config(cls, c: TextConfig) -> DeepseekSpec:
-        raw, where = c.raw, c.source
-        q_lora = raw.get("q_lora_rank")
-        if q_lora is not None:
-            q_lora = require(raw, "q_lora_rank", where)
-        moe = raw.get("n_routed_experts") is not None
+        """From a DeepSeek-V3 family config: `read_config` has checked the fields the family needs."""
+        raw = c.raw
+        q_lora = raw.get("q_lora_rank")   # null or absent: q_proj instead of q_a/q_b (DeepSeek-V2-Lite)
         spec = cls(
-            q_lora_rank=q_lora,
-            kv_lora_rank=require(raw, "kv_lora_rank", where),
-            qk_nope_head_dim=require(raw, "qk_nope_head_dim", where),
-            qk_rope_head_dim=require(raw, "qk_rope_head_dim", where),
-            v_head_dim=require(raw, "v_head_dim", where),
+            q_lora_rank=None if q_lora is None else require(raw, "q_lora_rank", c.source, c.needs),
+            kv_lora_rank=raw["kv_lora_rank"],
+            qk_nope_head_dim=raw["qk_nope_head_dim"],
+            qk_rope_head_dim=raw["qk_rope_head_dim"],
+            v_head_dim=raw["v_head_dim"],
             first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
             moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
-            n_routed_experts=require(raw, "n_routed_experts", where) if moe else 0,
+            n_routed_experts=raw["n_routed_experts"],
             n_shared_experts=int(raw.get("n_shared_experts") or 0),
-            num_experts_per_tok=require(raw, "num_experts_per_tok", where) if moe else 0,
-            moe_intermediate_size=require(raw, "moe_intermediate_size", where) if moe else 0,
+            num_experts_per_tok=raw["num_experts_per_tok"],
+            moe_intermediate_size=raw["moe_intermediate_size"],
             n_group=int(raw.get("n_group") or 1),
             topk_group=int(raw.get("topk_group") or 1),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
             topk_method=str(raw.get("topk_method", "noaux_tc")),
         )
-        spec._validate(raw, where)
+        spec._validate(raw, c.source)
         return spec
 
     def _validate(self, raw: dict, where: str) -> None:
@@ -191,54 +189,6 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int], ends: torc
 
 
 # ---------------------------------------------------------------------------------------------
-# Tensor names
-
-def _attention_names(has, p: str, spec: DeepseekSpec) -> list[str]:
-    a = p + "self_attn."
-    names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
-             a + "kv_a_layernorm.weight"]
-    if spec.q_lora_rank is not None:
-        names += quant.linear_names(has, a + "q_a_proj") + [a + "q_a_layernorm.weight"]
-        names += quant.linear_names(has, a + "q_b_proj")
-    else:
-        names += quant.linear_names(has, a + "q_proj")
-    for proj in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
-        names += quant.linear_names(has, a + proj)
-    return names
-
-
-def _mlp_names(has, p: str) -> list[str]:
-    return [n for proj in ("gate_proj", "up_proj", "down_proj") for n in quant.linear_names(has, p + proj)]
-
-
-def expert_names(has, i: int, e: int) -> list[str]:
-    return _mlp_names(has, f"layers.{i}.mlp.experts.{e}.")
-
-
-def layer_tensor_names(ckpt: Checkpoint, spec: DeepseekSpec, i: int) -> list[str]:
-    """Every tensor layer i's forward reads (names relative to the text model)."""
-    p = f"layers.{i}."
-    names = _attention_names(ckpt.has, p, spec)
-    if not spec.is_moe(i):
-        return names + _mlp_names(ckpt.has, p + "mlp.")
-    names.append(p + "mlp.gate.weight")
-    if spec.topk_method == "noaux_tc":
-        names.append(p + "mlp.gate.e_score_correction_bias")
-    if spec.n_shared_experts:
-        names += _mlp_names(ckpt.has, p + "mlp.shared_experts.")
-    return names + [n for e in range(spec.n_routed_experts) for n in expert_names(ckpt.has, i, e)]
-
-
-def required_tensor_names(ckpt: Checkpoint) -> list[str]:
-    """Every tensor the extraction forward reads, names relative to the text model."""
-    spec = DeepseekSpec.from_config(ckpt.config)
-    names = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
-    for i in range(ckpt.config.num_hidden_layers):
-        names += layer_tensor_names(ckpt, spec, i)
-    return names
-
-
-# ---------------------------------------------------------------------------------------------
 # Loading
 
 def _where(ckpt: Checkpoint, name: str) -> str:
@@ -258,7 +208,7 @@ def _load_packed(ckpt: Checkpoint, base: str, shape: tuple[int, int]) -> tuple[t
 
 def _load_dense(ckpt: Checkpoint, base: str, shape: tuple[int, int], device, dtype) -> torch.Tensor:
     """A linear's weight [out, in] on device in dtype, dequantized if it is stored packed."""
-    if quant.linear_names(ckpt.has, base)[0].endswith(".weight_packed"):
+    if quant.is_packed(ckpt.has, base):
         packed, scale = _load_packed(ckpt, base, shape)
         return quant.dequantize_int4(packed.to(device), scale.to(device), dtype)
     w = ckpt.get(base + ".weight")
@@ -268,7 +218,7 @@ def _load_dense(ckpt: Checkpoint, base: str, shape: tuple[int, int], device, dty
 
 
 class DeepseekTarget:
-    """The interface of `LlamaTarget`: `cfg`, `load_layer(i)`, `layer_forward(...)`, `layer_tensor_names(i)`."""
+    """The interface of `LlamaTarget`: `cfg`, `load_layer(i)`, `layer_forward(...)`, `layer_shapes(i)`."""
 
     def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
         self.ckpt, self.cfg, self.device, self.dtype = ckpt, ckpt.config, device, dtype
@@ -285,10 +235,37 @@ class DeepseekTarget:
         self.expert_act = compiled(weighted_swiglu) if device.type == "cuda" else weighted_swiglu
         self.norm = compiled(rms_norm) if device.type == "cuda" else rms_norm
 
-    def layer_tensor_names(self, i: int) -> list[str]:
-        return layer_tensor_names(self.ckpt, self.spec, i)
+    def layer_shapes(self, i: int) -> dict[str, list[int] | quant.GroupedShape]:
+        """Every tensor layer i's forward reads (names relative to the text model, linears as stored:
+        `.weight` or the int4 parts) and the shape the config implies (the shapes `load_layer` expects)."""
+        p, s, H = f"layers.{i}.", self.spec, self.cfg.hidden_size
+        shapes = {f"{p}{n}.weight": [d] for n, d in self._norms().items()}
+        for name, shape in self._shapes(i).items():
+            shapes.update(quant.linear_shapes(self.ckpt.has, p + name, shape))
+        if not s.is_moe(i):
+            return shapes
+        shapes[p + "mlp.gate.weight"] = [s.n_routed_experts, H]
+        if s.topk_method == "noaux_tc":
+            shapes[p + "mlp.gate.e_score_correction_bias"] = [s.n_routed_experts]
+        for e in range(s.n_routed_experts):
+            for proj, shape in self._expert_shapes().items():
+                shapes.update(quant.linear_shapes(self.ckpt.has, f"{p}mlp.experts.{e}.{proj}", shape))
+        return shapes
 
     # -- loading: runs in the prefetch thread ------------------------------------------------------
+
+    def _norms(self) -> dict[str, int]:
+        """Each RMSNorm weight of a layer (without `.weight`) -> its width."""
+        s, H = self.spec, self.cfg.hidden_size
+        norms = {"input_layernorm": H, "post_attention_layernorm": H, "self_attn.kv_a_layernorm": s.kv_lora_rank}
+        if s.q_lora_rank is not None:
+            norms["self_attn.q_a_layernorm"] = s.q_lora_rank
+        return norms
+
+    def _expert_shapes(self) -> dict[str, tuple[int, int]]:
+        """[out, in] of each routed expert's linears."""
+        H, I = self.cfg.hidden_size, self.spec.moe_intermediate_size
+        return {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
 
     def _shapes(self, i: int) -> dict[str, tuple[int, int]]:
         s, H, nh = self.spec, self.cfg.hidden_size, self.heads
@@ -313,9 +290,7 @@ class DeepseekTarget:
         p, dev = f"layers.{i}.", self.device
         w = {name: _load_dense(self.ckpt, p + name, shape, dev, self.dtype)
              for name, shape in self._shapes(i).items()}
-        norms = ["input_layernorm", "post_attention_layernorm", "self_attn.kv_a_layernorm"]
-        norms += ["self_attn.q_a_layernorm"] if self.spec.q_lora_rank is not None else []
-        w.update({n: self.ckpt.get(p + n + ".weight").to(dev, self.dtype) for n in norms})
+        w.update({n: self.ckpt.get(p + n + ".weight").to(dev, self.dtype) for n in self._norms()})
         if self.spec.is_moe(i):
             w["mlp.gate"] = self.ckpt.get(p + "mlp.gate.weight").to(dev, torch.float32)
             if self.spec.topk_method == "noaux_tc":
@@ -326,14 +301,14 @@ class DeepseekTarget:
     def _load_experts(self, i: int) -> dict[str, torch.Tensor]:
         """Stacked routed experts: `experts.gate_up.*` [E, 2I, ...] (gate rows first) and
         `experts.down.*` [E, H, ...]; int4 stays packed, unless some expert is stored dense."""
-        s, H, I = self.spec, self.cfg.hidden_size, self.spec.moe_intermediate_size
-        packed = all(expert_names(self.ckpt.has, i, e)[0].endswith(".weight_packed")
-                     for e in range(s.n_routed_experts))
+        experts, shapes = range(self.spec.n_routed_experts), self._expert_shapes()
+        packed = all(quant.is_packed(self.ckpt.has, f"layers.{i}.mlp.experts.{e}.{proj}")
+                     for e in experts for proj in shapes)
         stack = self._stack_packed if packed else self._stack_dense
         out = {}
-        for key, projs, shape in (("gate_up", ("gate_proj", "up_proj"), (I, H)), ("down", ("down_proj",), (H, I))):
-            bases = [[f"layers.{i}.mlp.experts.{e}.{p}" for p in projs] for e in range(s.n_routed_experts)]
-            out.update({f"experts.{key}.{n}": t for n, t in stack(bases, shape).items()})
+        for key, projs in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+            bases = [[f"layers.{i}.mlp.experts.{e}.{p}" for p in projs] for e in experts]
+            out.update({f"experts.{key}.{n}": t for n, t in stack(bases, shapes[projs[0]]).items()})
         return out
 
     def _stack_packed(self, bases: list[list[str]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Llama / Qwen2 / Qwen3 forward for extraction, one layer at a time (see `streaming`)."""
+"""Llama / Mistral / Qwen2 / Qwen3 forward for extraction, one layer at a time (see `streaming`)."""
 from __future__ import annotations
 
 import torch
@@ -7,8 +7,6 @@ import torch.nn.functional as F
 from eagle3.ops import apply_rope, llama_inv_freq, rms_norm, rope_cos_sin, swiglu
 from eagle3.models.attention import cached_attention_packed, causal_attention_packed
 from eagle3.models.checkpoint import Checkpoint, TargetError
-
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class LlamaTarget:
@@ -26,21 +24,27 @@ class LlamaTarget:
         self.has_bias = ckpt.has("layers.0.self_attn.q_proj.bias")
         self.has_qk_norm = ckpt.has("layers.0.self_attn.q_norm.weight")
 
-    def layer_tensor_names(self, i: int) -> list[str]:
-        p = f"layers.{i}."
-        names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [f"{p}self_attn.{n}.weight" for n in _ATTN]
-        names += [f"{p}mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+    def layer_shapes(self, i: int) -> dict[str, list[int]]:
+        """Every tensor layer i's forward reads (names relative to the text model) and the shape the
+        config implies."""
+        p, H, I = f"layers.{i}.", self.cfg.hidden_size, self.cfg.intermediate_size
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {p + "input_layernorm.weight": [H], p + "post_attention_layernorm.weight": [H],
+                  p + "self_attn.q_proj.weight": [q, H], p + "self_attn.k_proj.weight": [kv, H],
+                  p + "self_attn.v_proj.weight": [kv, H], p + "self_attn.o_proj.weight": [H, q],
+                  p + "mlp.gate_proj.weight": [I, H], p + "mlp.up_proj.weight": [I, H],
+                  p + "mlp.down_proj.weight": [H, I]}
         if self.has_bias:
-            names += [f"{p}self_attn.{n}.bias" for n in _ATTN[:3]]
+            shapes.update({p + "self_attn.q_proj.bias": [q], p + "self_attn.k_proj.bias": [kv],
+                           p + "self_attn.v_proj.bias": [kv]})
         if self.has_qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        return names
+            shapes.update({p + f"self_attn.{n}_norm.weight": [self.head_dim] for n in ("q", "k")})
+        return shapes
 
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         prefix = f"layers.{i}."
         return {n[len(prefix):]: self.ckpt.get(n).to(self.device, self.dtype, non_blocking=True)
-                for n in self.layer_tensor_names(i)}
+                for n in self.layer_shapes(i)}
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
                       cu_seqlens: torch.Tensor, cache: list[dict] | None = None) -> torch.Tensor:

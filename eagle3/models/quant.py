@@ -10,17 +10,47 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+from typing import NamedTuple
 
 import torch
 
 PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
 
 
-def linear_names(has, base: str) -> list[str]:
-    """The tensor names of linear `base` (e.g. `layers.3.mlp.experts.0.up_proj`): the three packed
-    parts when any of them is present (so a lost part is reported by name), else `base.weight`."""
-    packed = [f"{base}.{s}" for s in PACKED_SUFFIXES]
-    return packed if any(has(n) for n in packed) else [f"{base}.weight"]
+class GroupedShape(NamedTuple):
+    """The shape of the weight_scale of an [out, in] linear: [out, in / g] for the file's group size g,
+    which must divide in and be a multiple of 8 (the config's group_size is only reported)."""
+    out: int
+    inp: int
+
+    def fits(self, shape: list[int]) -> bool:
+        return (len(shape) == 2 and shape[0] == self.out and shape[1] > 0 and self.inp % shape[1] == 0
+                and (self.inp // shape[1]) % 8 == 0)
+
+    def __str__(self) -> str:
+        return f"[{self.out}, {self.inp}/g] for a group size g that is a multiple of 8"
+
+
+def shape_fits(expected: list[int] | GroupedShape, found: list[int]) -> bool:
+    return expected.fits(found) if isinstance(expected, GroupedShape) else list(expected) == list(found)
+
+
+def packed_shapes(out: int, inp: int) -> dict[str, list[int] | GroupedShape]:
+    """The shapes of the three parts of an [out, in] int4 linear, by suffix."""
+    return {"weight_packed": [out, inp // 8], "weight_scale": GroupedShape(out, inp), "weight_shape": [2]}
+
+
+def is_packed(has, base: str) -> bool:
+    """Linear `base` is stored as int4 parts: any of them present (so a lost part is reported by name)."""
+    return any(has(f"{base}.{s}") for s in PACKED_SUFFIXES)
+
+
+def linear_shapes(has, base: str, shape: tuple[int, int]) -> dict[str, list[int] | GroupedShape]:
+    """The tensors of linear `base` (e.g. `layers.3.mlp.experts.0.up_proj`) of logical shape [out, in] =
+    `shape`, as stored (its three packed parts, or `base.weight`), and their shapes."""
+    if is_packed(has, base):
+        return {f"{base}.{suffix}": s for suffix, s in packed_shapes(*shape).items()}
+    return {f"{base}.weight": list(shape)}
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -215,12 +245,11 @@ def _w4a16_kernel():
 
 def check_packed(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, expected: tuple[int, int]) -> None:
     """Raise ValueError unless the three parts describe an [out, in] = expected matrix."""
-    out, inp = expected
-    if [int(v) for v in shape.tolist()] != [out, inp]:
-        raise ValueError(f"weight_shape = {shape.tolist()}; expected [{out}, {inp}]")
-    if packed.dtype != torch.int32 or list(packed.shape) != [out, inp // 8]:
-        raise ValueError(f"weight_packed is {packed.dtype} {list(packed.shape)}; expected int32 [{out}, {inp // 8}]")
-    groups = scale.shape[-1] if scale.dim() == 2 else 0
-    if scale.shape[0] != out or not groups or inp % groups or (inp // groups) % 8:
-        raise ValueError(f"weight_scale has shape {list(scale.shape)}; expected [{out}, {inp} / group size] "
-                         "with a group size that is a multiple of 8")
+    if [int(v) for v in shape.tolist()] != list(expected):
+        raise ValueError(f"weight_shape = {shape.tolist()}; expected {list(expected)}")
+    if packed.dtype != torch.int32:
+        raise ValueError(f"weight_packed is {packed.dtype}; expected int32")
+    want = packed_shapes(*expected)
+    for suffix, t in (("weight_packed", packed), ("weight_scale", scale)):
+        if not shape_fits(want[suffix], list(t.shape)):
+            raise ValueError(f"{suffix} has shape {list(t.shape)}; expected {want[suffix]}")

@@ -21,16 +21,19 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
     return LlamaTarget(ckpt, device, dtype)
 
 
-def check_tensors(ckpt: Checkpoint, model) -> None:
-    """Fail before any compute if a tensor some layer will read is absent from the checkpoint, or the
-    embedding, head or final norm disagrees with the config."""
-    names = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
-    names += [n for i in range(ckpt.config.num_hidden_layers) for n in model.layer_tensor_names(i)]
+def check_tensors(ckpt: Checkpoint, model) -> list[str]:
+    """Fail before any compute if a tensor some layer will read is absent from the checkpoint or not of
+    the shape the config implies (headers only), or the embedding, head or final norm disagrees with
+    the config. Returns the names of the tensors the forward reads (relative to the text model)."""
+    shapes = {n: s for i in range(ckpt.config.num_hidden_layers) for n, s in model.layer_shapes(i).items()}
+    names = ["embed_tokens.weight", "norm.weight", "lm_head.weight", *shapes]
     missing = [n for n in names if not ckpt.has(n)]
     if missing:
-        raise TargetError(f"{ckpt.dir}: {len(missing)} of the {len(names)} tensors the forward reads are "
+        raise TargetError(f"{ckpt.weights_file}: {len(missing)} of the {len(names)} tensors the forward reads are "
                           f"missing from the checkpoint, first: {ckpt.full_name(missing[0])}")
-    ckpt.outer_tensors()
+    ckpt.outer_tensors()   # first: its errors name the config's fields
+    ckpt.check_shapes(shapes)
+    return names
 
 
 def split_chunks(cu_seqlens: list[int], chunk_tokens: int) -> list[tuple[int, int]]:
