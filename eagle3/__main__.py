@@ -41,7 +41,7 @@ def demo(args, overrides: list[str]) -> None:
     from eagle3.models import tiny
     # a demo always trains anew (a run already there is moved aside whole), so that a rerun with other
     # settings (--train.max_steps 40) is a fresh demo, not a resume of the last one
-    cfg = config_mod.load(args.config, ["--train.resume", "never", "--train.overwrite", "true", *overrides])
+    cfg = config_mod.load(args.config, ["--train.resume", "overwrite", *overrides])
     if not (Path(cfg.target.path) / "config.json").exists():
         tiny.make_demo_target(cfg.target.path)
         print(f"demo: wrote a tiny random target to {cfg.target.path}")
@@ -99,7 +99,7 @@ def config_command(args, overrides: list[str]) -> None:
     from eagle3 import config as config_mod
     cfg = config_mod.load(args.config, overrides)
     label = Path(args.config).name if args.config else "set"
-    print((config_mod.markdown_table if args.markdown else config_mod.reference)(cfg, label), end="")
+    print(config_mod.markdown_table(cfg, label) if args.markdown else config_mod.reference(cfg, label, args.all), end="")
 
 
 def generate_command(args, overrides: list[str]) -> None:
@@ -152,9 +152,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     add("generate", "regenerate the training replies with the target itself ([generate] keys)")
     add("demo", "tiny target -> extract -> train -> export, on the CPU")
     sub.add_parser("bench", help=FORWARDED["bench"], add_help=False)
-    p = add("config", "every config key with its type, default and meaning",
+    p = add("config", "the config keys with their type, default and meaning",
             (None, "a TOML config file: its values are shown where they are not the defaults"))
-    p.add_argument("--markdown", action="store_true", help="as README's config table")
+    p.add_argument("--all", action="store_true", help="also the [experimental] and [debug] keys")
+    p.add_argument("--markdown", action="store_true", help="every key as docs/config.md's table")
     return parser, subs
 
 

@@ -24,11 +24,6 @@ from safetensors.torch import save_file
 from eagle3.files import free_bytes, make_readable, open_safetensors, read_json, tensor_bytes
 from eagle3.resolve import Resolved
 
-try:
-    from numpy._core.multiarray import _reconstruct
-except ImportError:   # numpy 1.x
-    from numpy.core.multiarray import _reconstruct
-
 MODEL = "model.safetensors"
 STATE = "state.json"
 
@@ -100,10 +95,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    if isinstance(keys, torch.Tensor):   # numpy arrays in files written before weights_only loading
-        keys = keys.numpy().astype(np.uint32)
-    np.random.set_state((name, keys, pos, has_gauss, gauss))
+    name, keys, pos, has_gauss, gauss = state["numpy"]   # keys as a tensor: weights_only loading
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -184,14 +177,6 @@ def _write_or_fail(tmp: Path, write) -> None:
 
 def read_state(path: str | Path) -> dict:
     state = read_json(Path(path) / STATE, CheckpointError, "not a complete checkpoint")
-    if "resolved" not in state and "draft_spec" in state:   # written before the record existed
-        config = state["config"]
-        state["resolved"] = {"aux_layer_ids": state.pop("aux_layer_ids"), "draft_spec": state.pop("draft_spec"),
-                             "data_dir": state.pop("data_dir"),
-                             "verifier_name": config["export"].get("verifier_name") or config["target"]["path"]}
-    # settings added to the draft since the state was written take their defaults (the draft it trained)
-    if "resolved" in state:
-        state["resolved"] = Resolved.from_dict(state["resolved"]).to_dict()
     return state
 
 
@@ -203,11 +188,6 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
-# what rng-rank*.pt files written before the RNG state was stored as tensors need: numpy arrays,
-# rebuilt from their dtype and bytes (no code runs); both module paths, numpy 2 renamed numpy.core
-_OLD_RNG_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
-                    (_reconstruct, "numpy._core.multiarray._reconstruct"),
-                    (_reconstruct, "numpy.core.multiarray._reconstruct")]
 ELSEWHERE = "resume from another checkpoint (train.resume = DIR) or start a new run in another train.output_dir"
 
 
@@ -215,12 +195,11 @@ def _first_line(e: Exception) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
-def _safe_load(path: Path, allow: list, way_out: str):
+def _safe_load(path: Path, way_out: str):
     """torch.load that unpickles only tensors and plain values (weights_only): a checkpoint someone
     shared cannot run code on resume."""
     try:
-        with torch.serialization.safe_globals(allow):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)|Unsupported operand \S+", str(e))
         what = f"{found.group(1) or found.group(0)}, " if found else ""
@@ -236,12 +215,12 @@ def restore(path: Path, model, optimizer, scheduler, rank: int) -> dict:
     files of ranks this run does not have (resumed on fewer) are not read."""
     state = read_state(path)
     model.load_state_dict(load_weights(path))
-    opt = _safe_load(path / "optimizer.pt", [], ELSEWHERE)
+    opt = _safe_load(path / "optimizer.pt", ELSEWHERE)
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     rng_file = path / f"rng-rank{rank}.pt"
     if rng_file.exists():
-        set_rng_state(_safe_load(rng_file, _OLD_RNG_GLOBALS, f"delete it to resume without this rank's RNG "
+        set_rng_state(_safe_load(rng_file, f"delete it to resume without this rank's RNG "
                                  f"state (a warning says so), or {ELSEWHERE}"))
     else:   # the run goes on, but not bit for bit as an uninterrupted one would: say so
         held = len(list(path.glob("rng-rank*.pt")))   # a checkpoint of fewer ranks holds none for this one

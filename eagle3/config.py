@@ -57,14 +57,10 @@ class DataConfig:
 @dataclass
 class ExtractConfig:
     output_dir: str = setting("runs/demo/hidden", "shards (`shard-NNNNN.safetensors`) + `manifest.json`")
-    shard_tokens: int = setting(65536, "tokens per shard file (a shard ends on a sequence boundary)")
-    chunk_tokens: int = setting(65536, "tokens run through one target layer at a time")
-    device: str = setting("auto", "where the target runs: `cpu`, `cuda`, `cuda:N`; auto: cuda if available")
     dtype: Dtype = setting("bfloat16", "compute dtype of the target forward")
     aux_dtype: Literal["bfloat16", "float8_e4m3fn"] = setting(
-        "bfloat16", "storage of `aux_hidden`: `float8_e4m3fn` stores it as fp8 with a per-token, per-layer scale "
-        "(`aux_scale`): aux_hidden takes half the bytes, a shard about 62% (final_hidden stays bf16); the "
-        "trainer decodes it on the GPU")
+        "bfloat16", "storage of `aux_hidden`: `float8_e4m3fn` with a per-token, per-layer scale takes half the "
+        "bytes (the trainer decodes it on the GPU)")
 
 
 @dataclass
@@ -75,48 +71,22 @@ class VocabConfig:
 
 @dataclass
 class DraftConfig:
+    """The draft's shape; its hidden size, RoPE and norm epsilon are always the target's."""
     num_layers: int = setting(1, "decoder layers of the draft (SGLang's export takes 1)")
-    hidden_size: int | None = setting(None, "auto: the target's, which it must equal (the frozen target "
-                                      "embedding feeds the draft)")
     num_attention_heads: int | None = setting(None, "auto: the target's")
     num_key_value_heads: int | None = setting(None, "auto: the target's (fewer for a GQA draft)")
     head_dim: int | None = setting(None, "auto: the target's head_dim, else `hidden_size // num_attention_heads`")
     intermediate_size: int | None = setting(None, "auto: the target's dense intermediate size")
-    rms_norm_eps: float | None = setting(None, "auto: the target's")
-    rope_theta: float | None = setting(None, "auto: the target's (the draft uses plain Llama RoPE)")
-    max_position_embeddings: int | None = setting(None, "auto: the target's")
-    norm_before_residual: bool = setting(
-        False, "the first layer's residual stream starts from `hidden_norm(fc(aux))` instead of `fc(aux)` "
-        "(speculators' and vLLM's `norm_before_residual`); exported for vLLM, refused for SGLang (not known "
-        "to read it)")
-    norm_before_fc: bool = setting(
-        False, "one RMSNorm over the concatenated aux states before `fc` (speculators' `norm_before_fc`, part of "
-        "its EAGLE-3.1 defaults; vLLM reads it, weight `input_norm.weight`); exclusive with `fc_norm`")
-    fc_norm: bool = setting(
-        False, "an RMSNorm on each aux state before `fc` (the EAGLE-3.1 paper's form; `fc_norm.{i}.weight`); "
-        "exclusive with `norm_before_fc`")
-    norm_output: bool = setting(
-        False, "the normed output `norm(h)` is both the head's input and the state fed to the next draft step "
-        "(EAGLE-3.1's `norm_output`; vLLM reads it)")
-    lm_head_init: Literal["target", "random"] = setting(
-        "target", "`target`: the draft's `lm_head` starts as the target's `lm_head` rows of the draft vocab (the "
-        "embedding rows for a tied target), exactly, in fp32; `random`. Measured on a small real target: real "
-        "τ 3.25 from the target's rows, 3.01 random")
 
 
 @dataclass
 class TrainConfig:
     source: Literal["shards", "online"] = setting(
         "shards", "`shards`: train on extracted hidden states (`train.data_dir`); `online`: run the target on "
-        "`data.path` for each micro-batch (the `extract.dtype`, `extract.aux_dtype` and `extract.chunk_tokens` "
-        "settings apply) and write nothing but checkpoints")
+        "`data.path` for each micro-batch and write nothing but checkpoints")
     online_target: Literal["stream", "resident", "staged"] = setting(
-        "stream", "online: `stream` the target's layers from the checkpoint for every micro-batch (memory: two "
-        "layers), keep them `resident` on each rank's device after the first (memory: the whole target), or "
-        "`staged`: the ranks hold contiguous layer stages between them (memory: 1/world of the target each) "
-        "and every micro-batch flows through all of them (each read a collective of all ranks). Measured on two "
-        "H200s (4-layer Kimi-layout target, Kimi-size draft), end to end: resident 3.3x offline extraction + "
-        "training, staged 2.7x, stream 0.83x (stream says so at start-up)")
+        "stream", "online: `stream` the target's layers for every micro-batch (memory: two layers), keep them "
+        "`resident` on each rank (memory: the whole target), or `staged` across the ranks (1/world each)")
     data_dir: str | None = setting(None, "shards to train on; auto: `extract.output_dir`")
     output_dir: str = setting("runs/demo/train", "`checkpoints/`, `metrics.jsonl`, `export/`")
     max_steps: int = setting(200, "optimizer steps; 0 = run `train.epochs` epochs")
@@ -128,115 +98,36 @@ class TrainConfig:
     loss_decay: float = setting(0.8, "the loss of TTT step k is weighted `loss_decay**k`")
     lr: float = setting(1e-4, "AdamW peak learning rate: linear warmup, then `train.schedule`")
     schedule: Literal["cosine", "wsd"] = setting(
-        "wsd", "after warmup: `wsd` (warmup, stable, decay) at lr until the last `train.decay_fraction` of the "
-        "steps, then linearly to `lr × min_lr_ratio`; `cosine` from lr to `lr × min_lr_ratio` over all the "
-        "steps. Measured on the quality benchmark (same lr, tokens): wsd 1.043x the cosine's real τ")
+        "wsd", "after warmup: `wsd` holds lr until the last `train.decay_fraction` of the steps, then decays "
+        "linearly to `lr × min_lr_ratio`; `cosine` decays over all the steps")
     decay_fraction: float = setting(0.2, "`wsd`: the share of the steps over which the learning rate decays")
-    min_lr_ratio: float = setting(0.1, "the schedule ends at `lr × min_lr_ratio` (reached after the last step: "
-                                  "steps past the planned end, when a run is extended, run at it)")
+    min_lr_ratio: float = setting(0.1, "the schedule ends at `lr × min_lr_ratio` (steps past the planned end, "
+                                  "when a run is extended, run at it)")
     warmup_steps: int = setting(20, "linear warmup steps")
     betas: list[float] = setting([0.9, 0.95], "AdamW betas")
     weight_decay: float = setting(0.0, "AdamW weight decay")
     grad_clip: float = setting(0.5, "gradient norm clip")
     eval_fraction: float = setting(0.05, "share of sequences held out for evaluation and the acceptance estimate")
     eval_every: int = setting(50, "steps between evaluations")
-    log_every: int = setting(10, "steps between metrics.jsonl lines")
-    checkpoint_every: int = setting(
-        100, "steps between checkpoints; before a checkpoint (and `extract` before a shard) is written, the free "
-        "space is checked against its size (weights + optimizer state; a shard's tensors): if short, the run "
-        "stops naming the directory, the bytes needed and free, having written nothing, so the newest "
-        "checkpoint stays the last good one")
+    checkpoint_every: int = setting(100, "steps between checkpoints (the free space is checked first)")
     keep_checkpoints: int = setting(3, "newest checkpoints kept")
     resume: str = setting(
-        "auto", "`auto` = newest complete checkpoint that reads (a newer damaged one is skipped, named in a warning), `never`, or a checkpoint directory; a resumed run must "
-        "keep the settings that fix the data order and LR schedule (seed, batch_tokens, lr, ...; it stops "
-        "naming the one that changed) and the global batch, world size × `train.grad_accum`: it may resume on "
-        "another number of GPUs when that product is the checkpoint's (2 GPUs × 1 → 1 GPU × 2: step s reads "
-        "the same micro-batches, the same result within fp tolerance; the RNG files of ranks that no longer "
-        "exist are not read, missing ones are warned about). `train.max_steps` may be raised to extend a run, "
-        "even a finished one, never set below the checkpoint's step: the LR schedule keeps the total it was "
-        "built with (kept in `state.json`; for older checkpoints their `train.max_steps`, or their epochs' "
-        "steps), so the steps past the old end run at its final learning rate, `lr × min_lr_ratio`. `never` "
-        "starts a new run and refuses an `output_dir` that already holds one (checkpoints, `metrics.jsonl` or "
-        "`export/`): choose another directory, or set `train.overwrite`; resume loads `optimizer.pt` and the "
-        "RNG files with `torch.load(weights_only=True)`, so a shared checkpoint cannot run code")
-    overwrite: bool = setting(
-        False, "with `train.resume = \"never\"`: `true` first moves a run already in `output_dir` aside, whole, "
-        "to `<output_dir>.old-<YYYYmmdd-HHMMSS>` (rank 0, before any other rank touches it; nothing is "
-        "deleted) and starts the new run in an empty `output_dir`, so two runs never mix; with another "
-        "`train.resume` it is refused")
-    kernels: Literal["auto", "triton", "torch"] = setting(
-        "auto", "`auto` = Triton kernels on CUDA (flex_attention where the draft's head dim is not 64/128), the "
-        "torch reference on CPU; `triton`; `torch` = on CUDA compiled flex_attention + compiled loss, on CPU "
-        "the reference")
-    skip_dead_rows: bool = setting(
-        True, "from TTT step 1 on, compute only rows that still have a valid target at this or a later step, "
-        "and at step 0 run the MLP/head only for them (all rows still make keys): exact, same loss and "
-        "gradients, less work on chat data")
-    compile_ops: bool = setting(
-        True, "on CUDA, the draft's RMSNorm runs as one Triton kernel each way (`kernels/rms_norm.py`), its RoPE "
-        "and SiLU·up through `torch.compile` (fused kernels instead of eager fp32 chains)")
-    device: str = setting("auto", "where training runs: `cpu`, `cuda`, `cuda:N`; auto: cuda if available")
-    prefetch: int = setting(2, "micro-batches read ahead in a background thread (on CUDA also prepared: live "
-                            "rows, loss rows)")
-    freeze_lm_head: bool = setting(
-        True, "the draft's `lm_head` keeps its initial weights: no gradient, not in the optimizer (the exports "
-        "carry the target's rows); with the target's rows, frozen 3.25 vs trained 3.24 real τ. A resumed run "
-        "must keep it and `draft.lm_head_init` (checkpoints from before these keys count as `random`, `false`)")
+        "auto", "`auto`: the newest complete checkpoint that reads; `never`: a new run, refusing a folder that "
+        "holds one; `overwrite`: the run there moved aside whole to `<output_dir>.old-<time>`, then a new run; "
+        "or a checkpoint directory (docs/training.md: what a resumed run must keep)")
     float8: bool | None = setting(
-        None, "the draft's linear layers (fc, attention, MLP) as fp8 GEMMs: e4m3 forward, e5m2 gradients, one "
-        "dynamic scale per tensor, fp32 masters; the loss's lm_head GEMMs: train.float8_head. auto: on where training "
-        "runs on a GPU with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell) and the "
-        "draft's widths are multiples of 16, off elsewhere (the choice is printed at start-up); `true` "
-        "refuses a device or shape that cannot. Measured (H200, Kimi-size draft): 1.32x the bf16 step on "
-        "layout (a), 1.27x on (b); real τ on the quality benchmark within 0.3% of bf16 at the same tokens")
+        None, "the draft's linear layers as fp8 GEMMs (e4m3 forward, e5m2 gradients, fp32 masters); auto: on a "
+        "GPU with fp8 tensor cores when the widths are multiples of 16 (printed at start-up)")
     float8_head: bool | None = setting(
-        None, "the loss's lm_head GEMMs (the logits and their input gradient) as fp8 GEMMs too: h e4m3, dz e5m2, "
-        "the head e4m3, one scale per chunk. auto: on where train.float8 is on, the loss is the Triton one "
-        "(`train.kernels` auto or triton on a GPU) and the hidden size and draft vocab are multiples of 16 "
-        "(printed at start-up); `true` refuses what cannot. Held-out metrics stay exact. Measured (H200, "
-        "Kimi-size draft, layout a): 27,833 tokens/s against 19,465 in bf16 in one call (1.43x, seventh "
-        "session); earlier 26,455 against 24,501 with train.float8 alone (1.08x); real τ on the quality "
-        "benchmark within 0.2% of bf16 at the same tokens")
-    fp32_residual: bool = setting(
-        False, "keep the draft's residual stream and the state carried between TTT steps in fp32 (matmuls stay "
-        "bf16), as speculators does; measured: no change in real τ on the quality benchmark, so off")
-    oov_rows: bool = setting(
-        False, "also train the rows whose target greedy token is outside the draft vocabulary, towards the "
-        "target's distribution renormalised over the draft vocabulary (speculators does); they always count "
-        "as misses")
+        None, "the loss's lm_head GEMMs as fp8 too; auto: where train.float8 is on and the Triton loss runs")
     prompt_rows: bool = setting(
-        True, "also train the rows whose label is a prompt token (loss_mask 0: user/system turns, prompts), "
-        "towards the target's distribution there (extraction stores it for every token): more trained rows "
-        "from the same data; accuracy, acceptance and the held-out loss still count assistant rows only. "
-        "Measured on the quality benchmark (code, prompts like the replies): 1.017x real τ alone, 1.022x with "
-        "wsd; on chat data whose prompts differ from the replies, compare with `false` by real decoding")
-    aux_noise: float = setting(
-        0.0, "Gaussian noise added to each aux layer's hidden state during training, as a multiple of its "
-        "per-token RMS (0 = none)")
-    hard_label: float = setting(
-        0.0, "weight w of the target's top draft-vocabulary token in the loss target, (1 - w) p + w "
-        "onehot(argmax p) (training only; evaluation losses use p); measured on the quality benchmark: 0.5 equal, "
-        "1.0 0.6% lower real τ, so 0")
+        True, "also train rows whose label is a prompt token, towards the target's distribution there; "
+        "accuracy and acceptance count assistant rows only")
     loss: Literal["kl", "tv", "nla", "lk_hybrid", "pq"] = setting(
-        "nla", "the loss of each TTT step between the target's p and the draft's q over the draft vocabulary "
-        "(docs/losses.md): `nla` -log α (α = Σ min(p, q), the acceptance of a sampled draft token), `tv` 1 - α, "
-        "`lk_hybrid` λ·KL + (1 - λ)·TV with λ = exp(-lk_eta·α) (the LK losses); `kl` forward KL; `pq` "
-        "-log Σ p·q (the acceptance of greedy proposals, smoothed). nla: the best or tied real τ at T = 0 and "
-        "T = 1 on the quality benchmark (bench/RESULTS.md)")
+        "nla", "the loss of each TTT step between the target's p and the draft's q (docs/losses.md): `nla` "
+        "-log Σ min(p, q), `tv`, `lk_hybrid`, `kl` forward KL, `pq` -log Σ p·q")
     loss_temperature: float = setting(
         1.0, "p and q both at this temperature in the loss: the temperature the draft will be served at")
-    lk_eta: float = setting(3.0, "`lk_hybrid`: η of λ = exp(-η·α)")
-    skip_nonfinite: bool = setting(
-        False, "a step whose loss or gradient norm is NaN/inf changes no weight; `false` stops the run at the "
-        "next log, eval or checkpoint step naming that step and the cause (no checkpoint is written from it: "
-        "the newest stays the last good one), `true` skips such steps and goes on, counting them as "
-        "`skipped_steps` in `metrics.jsonl` and in the end-of-training summary")
-    collective_timeout_s: float = setting(
-        600.0, "how long a rank waits in a collective (gradient all-reduce, barrier) for the others: past it, a "
-        "rank that is gone or stuck stops the run, each surviving rank saying so in one line with the newest "
-        "checkpoint, which the same command resumes from (under torchrun a rank that dies stops the others at "
-        "once); raise it if one rank may work alone longer (checkpoints to a slow disk)")
 
 
 @dataclass
@@ -253,15 +144,12 @@ class GenerateConfig:
     output_path: str = setting("runs/demo/regenerated.jsonl", "pre-tokenized JSON lines (point `data.path` "
                                "at it to extract)")
     max_new_tokens: int = setting(512, "per assistant reply")
-    batch_size: int = setting(16, "conversations decoded together")
     temperature: float = setting(0.0, "0 = greedy (what the acceptance estimate assumes); > 0 samples")
     top_p: float = setting(1.0, "nucleus sampling threshold, in (0, 1]")
     seed: int = setting(0, "sampling seed")
     stop_token_ids: list[int] | None = setting(
         None, "auto: as vLLM finds them: generation_config.json's eos_token_id (else config.json's) "
         "and the tokenizer's eos_token")
-    device: str = setting("auto", "where the target runs: `cpu`, `cuda`, `cuda:N`; auto: cuda if available")
-    dtype: Dtype = setting("bfloat16", "compute dtype of the target")
 
 
 @dataclass
@@ -272,20 +160,61 @@ class EvaluateConfig:
     k: int | None = setting(
         None, "draft tokens per round (`--k`); auto: our draft's `train.ttt_steps`, a vLLM-layout draft's "
         "`speculative_tokens` (7 if it has none)")
-    device: str = setting("auto", "where target and draft run: `cpu`, `cuda`, `cuda:N`; auto: cuda if available")
-    dtype: Dtype = setting("float32", "target and draft (float32: bf16 near-ties would count as mismatches)")
-    max_prompts: int = setting(0, "the first N prompts; 0 = all")
-    batch_size: int = setting(32, "prompts decoded together (1 = one prompt at a time; same tokens)")
     temperature: float = setting(
         0.0, "the serving temperature (`--temperature`): 0 = greedy decoding, checked token for token against "
-        "the target's own output; > 0 = speculative sampling as the engines verify it (Kimi-K2.5 is served at 1.0)")
+        "the target's own output; > 0 = speculative sampling as the engines verify it")
     top_p: float = setting(1.0, "the serving top_p (`--top-p`), in (0, 1]: applied to the target's distribution")
     draft_sampling: Literal["greedy", "probabilistic"] = setting(
-        "greedy", "at temperature > 0, how the draft proposes (`--draft-sampling`): `greedy` its argmax, accepted "
-        "with probability p(x) (vLLM's default), `probabilistic` a sample of its distribution at the temperature, "
-        "accepted with min(1, p/q)")
+        "greedy", "at temperature > 0, how the draft proposes (`--draft-sampling`): `greedy` its argmax (vLLM's "
+        "default), `probabilistic` a sample of its distribution")
     seeds: int = setting(1, "at temperature > 0, decode every prompt with seeds 0..N-1 (`--seeds`) and report the "
                          "mean and standard deviation over them")
+
+
+@dataclass
+class ExperimentalConfig:
+    """Levers measured without a gain so far (benchmarks/RESULTS.md), kept for comparison."""
+    norm_before_residual: bool = setting(
+        False, "the first layer's residual starts from `hidden_norm(fc(aux))` (speculators' and vLLM's key; "
+        "not exported for SGLang)")
+    aux_norm: Literal["none", "concat", "per_layer"] = setting(
+        "none", "an RMSNorm before `fc`: over the concatenated aux states (`concat`, speculators' "
+        "`norm_before_fc`) or on each (`per_layer`, the EAGLE-3.1 paper's `fc_norm`); not exported for SGLang")
+    norm_output: bool = setting(
+        False, "the normed output is both the head's input and the next step's state (EAGLE-3.1's "
+        "`norm_output`; not exported for SGLang)")
+    lm_head_init: Literal["target", "random"] = setting(
+        "target", "the draft's `lm_head` starts as the target's rows of the draft vocab, or `random`")
+    freeze_lm_head: bool = setting(True, "the draft's `lm_head` keeps its initial weights (not trained)")
+    lk_eta: float = setting(3.0, "`train.loss = lk_hybrid`: η of λ = exp(-η·α)")
+
+
+@dataclass
+class DebugConfig:
+    """Plumbing: devices, kernel choice, sizes of internal work units; the defaults are the tuned ones."""
+    train_device: str = setting("auto", "where training runs: `cpu`, `cuda`, `cuda:N`; auto: cuda if available")
+    extract_device: str = setting("auto", "where extraction runs the target (same choices)")
+    generate_device: str = setting("auto", "where `generate` runs the target (same choices)")
+    evaluate_device: str = setting("auto", "where `evaluate` runs target and draft (same choices)")
+    generate_dtype: Dtype = setting("bfloat16", "compute dtype of the target in `generate`")
+    evaluate_dtype: Dtype = setting("float32", "target and draft in `evaluate` (float32: bf16 near-ties would "
+                                    "count as mismatches)")
+    generate_batch_size: int = setting(16, "conversations decoded together by `generate`")
+    evaluate_batch_size: int = setting(32, "prompts decoded together by `evaluate` (same tokens at any size)")
+    shard_tokens: int = setting(65536, "tokens per shard file (a shard ends on a sequence boundary)")
+    chunk_tokens: int = setting(65536, "tokens run through one target layer at a time")
+    kernels: Literal["auto", "triton", "torch"] = setting(
+        "auto", "`auto`: Triton kernels on CUDA (flex_attention where the head dim is not 64/128), the torch "
+        "reference on CPU; `torch`: compiled flex_attention + compiled loss on CUDA")
+    skip_dead_rows: bool = setting(True, "skip TTT rows whose work cannot reach the loss (exact)")
+    compile_ops: bool = setting(True, "on CUDA, fused RMSNorm, RoPE and SiLU·up kernels for the draft")
+    prefetch: int = setting(2, "micro-batches read ahead in a background thread")
+    log_every: int = setting(10, "steps between metrics.jsonl lines")
+    skip_nonfinite: bool = setting(
+        False, "`true`: a step whose loss or gradient is NaN/inf is skipped and counted; `false`: the run stops "
+        "naming it (no checkpoint written from it)")
+    collective_timeout_s: float = setting(
+        600.0, "seconds a rank waits in a collective for the others before the run stops (one line per rank)")
 
 
 @dataclass
@@ -299,6 +228,8 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     source: str = "<defaults>"                # where the config came from, for error messages
     origins: dict = field(default_factory=dict, repr=False, compare=False)   # "section.key" -> where it was set
 
@@ -316,12 +247,29 @@ class Config:
         return self.train.data_dir or self.extract.output_dir
 
 
-POSITIVE = {("extract", "shard_tokens"), ("extract", "chunk_tokens"), ("train", "batch_tokens"),
+POSITIVE = {("debug", "shard_tokens"), ("debug", "chunk_tokens"), ("train", "batch_tokens"),
             ("train", "grad_accum"), ("train", "ttt_steps"), ("train", "eval_every"),
-            ("train", "log_every"), ("train", "checkpoint_every"), ("train", "keep_checkpoints"),
+            ("debug", "log_every"), ("train", "checkpoint_every"), ("train", "keep_checkpoints"),
             ("draft", "num_layers"), ("data", "max_seq_len"), ("export", "speculative_tokens"),
-            ("generate", "max_new_tokens"), ("generate", "batch_size"), ("evaluate", "max_new_tokens"),
-            ("evaluate", "k"), ("evaluate", "batch_size"), ("evaluate", "seeds")}
+            ("generate", "max_new_tokens"), ("debug", "generate_batch_size"), ("evaluate", "max_new_tokens"),
+            ("evaluate", "k"), ("debug", "evaluate_batch_size"), ("evaluate", "seeds"), ("debug", "prefetch")}
+
+# keys that moved or went: an old config names the new key (or why it went) instead of "unknown key"
+RENAMED = {f"train.{k}": f"now debug.{k}" for k in ("kernels", "skip_dead_rows", "compile_ops", "prefetch",
+                                                "collective_timeout_s", "log_every", "skip_nonfinite")}
+RENAMED |= {f"{s}.device": f"now debug.{s}_device" for s in ("train", "extract", "generate", "evaluate")}
+RENAMED |= {f"{s}.{k}": f"now debug.{s}_{k}" for s in ("generate", "evaluate") for k in ("batch_size", "dtype")}
+RENAMED |= {old: f"now {new}" for old, new in {
+    "extract.shard_tokens": "debug.shard_tokens", "extract.chunk_tokens": "debug.chunk_tokens",
+    "draft.norm_before_residual": "experimental.norm_before_residual", "draft.norm_output": "experimental.norm_output",
+    "draft.lm_head_init": "experimental.lm_head_init", "train.freeze_lm_head": "experimental.freeze_lm_head",
+    "train.lk_eta": "experimental.lk_eta", "draft.norm_before_fc": 'experimental.aux_norm = "concat"',
+    "draft.fc_norm": 'experimental.aux_norm = "per_layer"', "train.overwrite": 'train.resume = "overwrite"'}.items()}
+RENAMED |= {f"draft.{k}": "the draft's is always the target's" for k in (
+    "hidden_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")}
+RENAMED |= {f"train.{k}": "measured without gain (benchmarks/RESULTS.md)" for k in (
+    "hard_label", "aux_noise", "oov_rows", "fp32_residual")}
+RENAMED["evaluate.max_prompts"] = "give a shorter prompts file"
 
 
 def _sections() -> dict[str, type]:
@@ -394,6 +342,8 @@ def _apply(cfg: Config, section: str, key: str, value: object, origin: str, comm
         raise ConfigError(f"{origin}: unknown section [{section}]; allowed: {', '.join(sections)}")
     sub = getattr(cfg, section)
     types_ = _field_types(type(sub))
+    if f"{section}.{key}" in RENAMED:
+        raise ConfigError(f"{origin}: {section}.{key} is gone: {RENAMED[f'{section}.{key}']}")
     if key not in types_:
         raise ConfigError(f"{origin}: unknown key '{section}.{key}'; allowed keys of [{section}]: "
                           f"{', '.join(types_)}")
@@ -416,39 +366,31 @@ def validate(cfg: Config) -> None:
     if t.max_steps < 0 or t.epochs <= 0:
         raise ConfigError(f"{cfg.origin('train.max_steps' if t.max_steps < 0 else 'train.epochs')}: train.max_steps must "
                           "be >= 0 and train.epochs > 0")
-    ranges = {"lr": t.lr > 0, "grad_clip": t.grad_clip > 0, "loss_decay": t.loss_decay > 0,
-              "min_lr_ratio": 0 <= t.min_lr_ratio <= 1, "warmup_steps": t.warmup_steps >= 0,
-              "decay_fraction": 0 < t.decay_fraction <= 1,
-              "weight_decay": t.weight_decay >= 0, "prefetch": t.prefetch >= 1, "aux_noise": t.aux_noise >= 0,
-              "hard_label": 0 <= t.hard_label <= 1, "loss_temperature": t.loss_temperature > 0,
-              "lk_eta": t.lk_eta >= 0, "collective_timeout_s": t.collective_timeout_s > 0}
-    for key, ok in ranges.items():
+    x, dbg = cfg.experimental, cfg.debug
+    ranges = {"train.lr": (t.lr > 0, "> 0"), "train.grad_clip": (t.grad_clip > 0, "> 0"),
+              "train.loss_decay": (t.loss_decay > 0, "> 0"), "train.loss_temperature": (t.loss_temperature > 0, "> 0"),
+              "train.min_lr_ratio": (0 <= t.min_lr_ratio <= 1, "a number in [0, 1]"),
+              "train.warmup_steps": (t.warmup_steps >= 0, "an integer >= 0"),
+              "train.decay_fraction": (0 < t.decay_fraction <= 1, "a number in (0, 1]"),
+              "train.weight_decay": (t.weight_decay >= 0, "a number >= 0"),
+              "experimental.lk_eta": (x.lk_eta >= 0, "a number >= 0"),
+              "debug.collective_timeout_s": (dbg.collective_timeout_s > 0, "> 0")}
+    for name, (ok, expected) in ranges.items():
         if not ok:
-            raise ConfigError(f"{cfg.origin('train.' + key)}: train.{key} = {getattr(t, key)}; expected "
-                              + {"min_lr_ratio": "a number in [0, 1]", "warmup_steps": "an integer >= 0",
-                                 "decay_fraction": "a number in (0, 1]",
-                                 "weight_decay": "a number >= 0", "prefetch": "an integer >= 1",
-                                 "aux_noise": "a number >= 0",
-                                 "hard_label": "a number in [0, 1]", "lk_eta": "a number >= 0"}.get(key, "> 0"))
-    d = cfg.draft
-    if d.norm_before_fc and d.fc_norm:
-        raise ConfigError(f"{cfg.origin('draft.fc_norm')}: draft.norm_before_fc and draft.fc_norm are both true; they are two forms "
-                          "of the norm before fc (one over the concatenation, one per aux state): choose one")
-    for key in NORM_FLAGS:   # found now, not at the end of training
-        if getattr(d, key) and "sglang" in cfg.export.formats:
-            raise ConfigError(f"{cfg.origin('draft.' + key)}: draft.{key} = true cannot be exported for SGLang (its "
-                              f"LlamaForCausalLMEagle3 does not read it); set export.formats = [\"vllm\"]")
+            section, key = name.split(".")
+            raise ConfigError(f"{cfg.origin(name)}: {name} = {getattr(getattr(cfg, section), key)}; expected {expected}")
+    if x.aux_norm != "none" or x.norm_before_residual or x.norm_output:   # found now, not at the end of training
+        key = "aux_norm" if x.aux_norm != "none" else "norm_before_residual" if x.norm_before_residual else "norm_output"
+        if "sglang" in cfg.export.formats:
+            raise ConfigError(f"{cfg.origin('experimental.' + key)}: experimental.{key} cannot be exported for SGLang "
+                              f"(its LlamaForCausalLMEagle3 does not read it); set export.formats = [\"vllm\"]")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"{cfg.origin('train.betas')}: train.betas = {t.betas}; expected two numbers in [0, 1)")
     if not 0 <= t.eval_fraction < 1:
         raise ConfigError(f"{cfg.origin('train.eval_fraction')}: train.eval_fraction = {t.eval_fraction}; expected [0, 1)")
-    if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
-        raise ConfigError(f"{cfg.origin('train.resume')}: train.resume = {t.resume!r}; expected 'auto', 'never' or an "
-                          "existing checkpoint directory")
-    if t.overwrite and t.resume != "never":
-        raise ConfigError(f"{cfg.origin('train.overwrite')}: train.overwrite = true starts a new run in place of the one in "
-                          f"train.output_dir, but train.resume = {t.resume!r} would resume; set "
-                          "train.resume = \"never\" with it, or train.overwrite = false")
+    if t.resume not in ("auto", "never", "overwrite") and not Path(t.resume).is_dir():
+        raise ConfigError(f"{cfg.origin('train.resume')}: train.resume = {t.resume!r}; expected 'auto', 'never', "
+                          "'overwrite' or an existing checkpoint directory")
     g = cfg.generate
     if g.temperature < 0 or not 0 < g.top_p <= 1:
         raise ConfigError(f"{cfg.origin('generate.temperature' if g.temperature < 0 else 'generate.top_p')}: "
@@ -458,16 +400,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{cfg.origin('evaluate.temperature')}: evaluate.temperature = {e.temperature}; expected a number >= 0 (0 = greedy)")
     if not 0 < e.top_p <= 1:
         raise ConfigError(f"{cfg.origin('evaluate.top_p')}: evaluate.top_p = {e.top_p}; expected a number in (0, 1]")
-    if cfg.evaluate.max_prompts < 0:
-        raise ConfigError(f"{cfg.origin('evaluate.max_prompts')}: evaluate.max_prompts = {cfg.evaluate.max_prompts}; expected >= 0 (0 = all)")
     ids = cfg.target.aux_layer_ids
     if ids is not None and len(ids) != 3:
         raise ConfigError(f"{cfg.origin('target.aux_layer_ids')}: target.aux_layer_ids = {ids}; EAGLE-3 needs exactly 3 layers")
-
-
-# the draft's norm settings, under the config keys speculators and vLLM use; SGLang's EAGLE-3 draft reads
-# none of them: with one on, an SGLang export would decode another draft
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 def from_dict(data: dict, origin: str) -> Config:
@@ -588,10 +523,15 @@ class Key(typing.NamedTuple):
     doc: str
 
 
-def schema() -> list[Key]:
-    """Every config key, in the schema's order."""
+APART = ("experimental", "debug")   # sections apart from the keys a user tunes: `config --all` lists them
+
+
+def schema(everything: bool = True) -> list[Key]:
+    """Every config key, in the schema's order (without the APART sections unless `everything`)."""
     keys = []
     for section, cls in _sections().items():
+        if section in APART and not everything:
+            continue
         types_ = _field_types(cls)
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
@@ -612,17 +552,21 @@ def _note(cfg: Config | None, key: Key, label: str, fmt: str = "{}") -> str:
     return "" if value == key.default else f" ({label}: {fmt.format(toml_value(value))})"
 
 
-def reference(cfg: Config | None = None, label: str = "set") -> str:
-    """Every key with its type, default and doc, and the value `cfg` sets where it is not the default."""
+def reference(cfg: Config | None = None, label: str = "set", everything: bool = False) -> str:
+    """Every key with its type, default and doc, and the value `cfg` sets where it is not the default;
+    the APART sections only named unless `everything`."""
     lines = []
-    for key in schema():
+    for key in schema(everything):
         lines.append(f"{key.name}: {type_name(key.type)} = {toml_value(key.default)}{_note(cfg, key, label)}")
         lines.append(textwrap.fill(key.doc, 100, initial_indent="    ", subsequent_indent="    "))
+    if not everything:
+        lines.append(f"(and {len(schema()) - len(lines) // 2} more in [experimental], levers measured without a "
+                     "gain, and [debug], plumbing: python -m eagle3 config --all)")
     return "\n".join(lines) + "\n"
 
 
 def markdown_table(cfg: Config | None = None, label: str = "set") -> str:
-    """README's config table, one row per key, made from the schema like `reference`."""
+    """docs/config.md's table, one row per key of every section, made from the schema like `reference`."""
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for key in schema():
         default = f"`{toml_value(key.default)}`" + _note(cfg, key, label, "`{}`")

@@ -73,7 +73,7 @@ def teardown() -> None:
 def lost_peer(error: BaseException, timeout: str) -> str | None:
     """What a failed collective says about the other ranks ("rank 0: rank 1 is gone (...)"), or None
     when `error` is no collective failure. The rank is named when there is only one other; `timeout`
-    names the wait that ran out ("train.collective_timeout_s = 600 s")."""
+    names the wait that ran out ("debug.collective_timeout_s = 600 s")."""
     text = str(error)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or not (isinstance(error, dist.DistError) or any(mark in text for mark in GLOO_LOST)):

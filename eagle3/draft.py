@@ -164,9 +164,6 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", torch.zeros(spec.target_vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", llama_inv_freq(spec.head_dim, spec.rope_theta, None),
                              persistent=False)
-        # bf16 training rounds the residual stream at every add and every TTT step; fp32 keeps the
-        # chain's state exact while the matmuls stay bf16 (the trainer sets it, train.fp32_residual)
-        self.fp32_residual = False
         self.linears = dense_linears
         self.reset_parameters()
 
@@ -229,5 +226,4 @@ class Eagle3Draft(nn.Module):
             aux = self.input_norm(aux)
         elif self.spec.fc_norm:
             aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
-        h = self.linears(aux, self.fc.weight)[0]
-        return h.float() if self.fp32_residual else h
+        return self.linears(aux, self.fc.weight)[0]

@@ -128,7 +128,7 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
     """The TTT estimate on the held-out shards; `steps` overrides K (default: the ttt_steps the
     draft was trained with)."""
     checkpoint_dir = Path(checkpoint_dir)
-    device = resolve_device(cfg.train.device)
+    device = resolve_device(cfg.debug.train_device)
     draft, state = ckpt_io.load_draft(checkpoint_dir, device)
     target = Checkpoint(cfg.target.path)
     _check_checkpoint_target(state, target, checkpoint_dir)
@@ -146,7 +146,7 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
         batch = reader.read(refs).to(device, dtype)
         _, metrics, detail = ttt_forward(draft, batch, embed, head_rows, steps, ttt_attention,
                                          ttt_loss_steps, trained["loss_decay"],
-                                         objective=Objective(RowRule(oov=trained.get("oov_rows", False)),
+                                         objective=Objective(RowRule(),
                                                              loss=trained.get("loss", "kl"),
                                                              temperature=trained.get("loss_temperature", 1.0),
                                                              eta=trained.get("lk_eta", 3.0)))
@@ -208,8 +208,8 @@ def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
     return ids
 
 
-def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path, limit: int = 0) -> list[Prompt]:
-    """The first `limit` prompts (0 = all) of a JSON-lines file; errors name the file and line."""
+def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path) -> list[Prompt]:
+    """The prompts of a JSON-lines file; errors name the file and line."""
     path = Path(path)
     check_input_file(path, "evaluate.prompts")
 
@@ -221,8 +221,6 @@ def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path, limi
     prompts = []
     with path.open("rb") as f:
         for number, line in enumerate(f, start=1):
-            if limit and len(prompts) >= limit:
-                break
             if not line.strip():
                 continue
             try:
@@ -327,8 +325,9 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     ckpt = Checkpoint(cfg.target.path)
     draft, aux_ids, trained = load_any_draft(draft_dir, ckpt)
     k = e.k or trained or advertised_tokens(draft_dir) or 7
-    prompts = read_prompts(prompts_path, ckpt.config.vocab_size, ckpt.dir, e.max_prompts)
-    device, dtype = resolve_device(e.device), TORCH_DTYPES[e.dtype]
+    prompts = read_prompts(prompts_path, ckpt.config.vocab_size, ckpt.dir)
+    dbg = cfg.debug
+    device, dtype = resolve_device(dbg.evaluate_device), TORCH_DTYPES[dbg.evaluate_dtype]
     target = IncrementalTarget(ckpt, aux_ids, device, dtype)
     stop = stop_tokens(cfg, ckpt)
     inv_freq = draft.inv_freq.float().clone()          # RoPE frequencies lose their precision in bf16
@@ -337,16 +336,16 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     drafter = Drafter(draft, target.embed)
     loaded = time.perf_counter()
     if sampling.greedy:
-        key = (str(ckpt.dir.resolve()), ckpt.config.config_sha256, str(device), e.dtype)
-        references = greedy_references(target, prompts, e.max_new_tokens, stop, e.batch_size,
+        key = (str(ckpt.dir.resolve()), ckpt.config.config_sha256, str(device), dbg.evaluate_dtype)
+        references = greedy_references(target, prompts, e.max_new_tokens, stop, dbg.evaluate_batch_size,
                                        {} if greedy_cache is None else greedy_cache, key)
         timing = {"greedy_seconds": time.perf_counter() - loaded}
-        decoded = [d for group in batches(prompts, e.batch_size)
+        decoded = [d for group in batches(prompts, dbg.evaluate_batch_size)
                    for d in speculative_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens, k, stop)]
         report = decoding_report(decoded, references, prompts, k)
     else:
         seeds = list(range(e.seeds))
-        runs = [decoding_report([d for group in batches(prompts, e.batch_size)
+        runs = [decoding_report([d for group in batches(prompts, dbg.evaluate_batch_size)
                                  for d in sampled_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens,
                                                               k, stop, sampling, [prompt_seed(s, p.line) for p in group])],
                                 None, prompts, k) for s in seeds]
@@ -356,12 +355,12 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
               "target": str(cfg.target.path), "prompts_file": str(prompts_path), "aux_layer_ids": aux_ids,
               "temperature": e.temperature, "top_p": e.top_p,
               "draft_sampling": "greedy" if sampling.greedy else e.draft_sampling, **report,
-              "max_new_tokens": e.max_new_tokens, "device": str(device), "dtype": e.dtype,
-              "batch_size": e.batch_size, "wall_seconds": end - start, **timing,
+              "max_new_tokens": e.max_new_tokens, "device": str(device), "dtype": dbg.evaluate_dtype,
+              "batch_size": dbg.evaluate_batch_size, "wall_seconds": end - start, **timing,
               "speculative_seconds": end - loaded - timing.get("greedy_seconds", 0.0)}
     if report.get("mismatches"):
         print(f"warning: {report['mismatches']} of {len(prompts)} prompts decoded differently from the target's "
-              f"greedy output (lines {report['mismatch_lines']}): near-ties in {e.dtype}, or a bug", file=sys.stderr)
+              f"greedy output (lines {report['mismatch_lines']}): near-ties in {dbg.evaluate_dtype}, or a bug", file=sys.stderr)
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(strict_json(report, indent=1))

@@ -16,8 +16,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eagle3 import checkpoint as ckpt_io
-from eagle3.config import NORM_FLAGS, Config, from_dict
+from eagle3.config import Config, from_dict
 from eagle3.draft import DraftSpec, Eagle3Draft
+from eagle3.resolve import NORM_FLAGS
 from eagle3.files import make_readable, read_json, short_of_space, tensor_bytes
 from eagle3.ops import TORCH_DTYPES, llama_inv_freq
 from eagle3.models.checkpoint import Checkpoint, rope_settings
@@ -154,7 +155,7 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
                                   f"this draft has {spec['num_layers']}; export vllm only")
             for key in NORM_FLAGS:
                 if spec.get(key):
-                    raise ExportError(f"{checkpoint_dir}: draft.{key} = true, which SGLang's LlamaForCausalLMEagle3 "
+                    raise ExportError(f"{checkpoint_dir}: the draft's {key} is on (experimental), which SGLang's LlamaForCausalLMEagle3 "
                                       "does not read (it would decode with another draft); export vllm only")
             tensors = export_weights(weights, spec, lambda i: "midlayer", 1, dtype)
             written[fmt] = _write(out_dir / "sglang", sglang_config(state, cfg), tensors)

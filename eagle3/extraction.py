@@ -44,7 +44,7 @@ def plan_shards(records: list[Record], shard_tokens: int) -> list[tuple[int, int
 def _plan_key(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], data_sha: str) -> str:
     tokenizer = {name: file_sha256(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
     blob = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len,
-                       cfg.data.on_error, cfg.extract.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype,
+                       cfg.data.on_error, cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype,
                        FORMAT_VERSION])
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -132,7 +132,7 @@ def run(cfg: Config) -> Path:
     """Extract on this rank's share of the shards (shard i goes to rank i % world under torchrun);
     rank 0 writes the manifest once every rank is done. A barrier that fails because another rank is
     gone stops the extraction here, in one line."""
-    dist = distributed.setup(cfg.extract.device)
+    dist = distributed.setup(cfg.debug.extract_device)
     try:   # rank 0 owns extract.output_dir meanwhile (a second extraction into it stops at once)
         with run_lock(Path(cfg.extract.output_dir), "extract.output_dir", "extract", DataError, held=dist.main):
             return _run(cfg, dist)
@@ -156,13 +156,13 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
     header = _header(cfg, ckpt, aux_ids, stats)
     _check_or_write_header(out, header, dist.main)
     dist.barrier()
-    plan = plan_shards(records, cfg.extract.shard_tokens)
+    plan = plan_shards(records, cfg.debug.shard_tokens)
     mine = [i for i in range(dist.rank, len(plan), dist.world)]
     done = _verified(out, _finished(out, header["plan_key"]), mine)
     todo = [i for i in mine if shard_name(i) not in done]
     tokens = [sum(len(r.input_ids) for r in records[a:b]) for a, b in plan]
-    device = resolve_device(cfg.extract.device) if dist.world == 1 else dist.device
-    runner = TargetRunner(ckpt, aux_ids, device, TORCH_DTYPES[cfg.extract.dtype], cfg.extract.chunk_tokens) if todo else None
+    device = resolve_device(cfg.debug.extract_device) if dist.world == 1 else dist.device
+    runner = TargetRunner(ckpt, aux_ids, device, TORCH_DTYPES[cfg.extract.dtype], cfg.debug.chunk_tokens) if todo else None
     with tqdm(total=sum(tokens[i] for i in mine), initial=sum(tokens[i] for i in mine if i not in todo),
               unit="tok", unit_scale=True, desc=f"extract (rank {dist.rank})", disable=not dist.main) as bar:
         for i in todo:

@@ -115,7 +115,7 @@ def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torc
     dims = {"hidden_size": spec.hidden_size, "draft_vocab_size": spec.draft_vocab_size}
     if setting:
         if not triton_gpu:
-            raise ConfigError(f"{where}: train.float8_head = true needs the Triton loss on a GPU (train.kernels "
+            raise ConfigError(f"{where}: train.float8_head = true needs the Triton loss on a GPU (debug.kernels "
                               "\"auto\" or \"triton\" on CUDA)")
         check_device(device, where, "train.float8_head")
         check_dims(dims, where, "train.float8_head")

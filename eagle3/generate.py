@@ -4,7 +4,7 @@ training conversations with the target itself (the biggest lever on acceptance).
 Each assistant reply (a run of loss_mask = 1) is replaced by the target's own continuation of
 everything before it (earlier replies already regenerated); user turns are kept. The output is
 pre-tokenized JSON lines, the format extraction reads. Conversations are decoded in batches of
-`generate.batch_size` (one target pass for all of them, each conversation's keys and values in its
+`debug.generate_batch_size` (one target pass for all of them, each conversation's keys and values in its
 slot of the target's shared KV pool, one sampling call for the batch).
 Resumable: lines are appended to `<output>.partial` in input order as they finish and a rerun
 skips the conversations already there. The settings that shape the replies are recorded beside it
@@ -153,7 +153,7 @@ def settings(cfg: Config, ckpt: Checkpoint) -> dict:
             "target tokenizer sha256": tokenizer, "data.path sha256": sha256_file(Path(cfg.data.path)),
             "data.max_seq_len": cfg.data.max_seq_len, "data.on_error": cfg.data.on_error,
             "generate.max_new_tokens": g.max_new_tokens, "generate.temperature": g.temperature,
-            "generate.top_p": g.top_p, "generate.seed": g.seed, "generate.dtype": g.dtype,
+            "generate.top_p": g.top_p, "generate.seed": g.seed, "debug.generate_dtype": cfg.debug.generate_dtype,
             "stop tokens": sorted(stop_tokens(cfg, ckpt))}
 
 
@@ -209,11 +209,11 @@ def run(cfg: Config) -> Path:
                                   cfg.data.on_error, target_dir=ckpt.dir)
     done = _done_lines(partial)
     todo = [r for r in records if r.line not in done]
-    target = IncrementalTarget(ckpt, [0, 0, 0], resolve_device(g.device), TORCH_DTYPES[g.dtype])
+    target = IncrementalTarget(ckpt, [0, 0, 0], resolve_device(cfg.debug.generate_device), TORCH_DTYPES[cfg.debug.generate_dtype])
     sampler, stop = Sampler(g.temperature, g.top_p), stop_tokens(cfg, ckpt)
     with partial.open("a") as f, tqdm(desc="generate", unit="conv", initial=len(records) - len(todo),
                                       total=len(records)) as bar:
-        for line in regenerate(target, todo, sampler, g.max_new_tokens, stop, g.batch_size, g.seed):
+        for line in regenerate(target, todo, sampler, g.max_new_tokens, stop, cfg.debug.generate_batch_size, g.seed):
             f.write(json.dumps(line) + "\n")
             f.flush()
             bar.update(1)

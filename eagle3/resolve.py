@@ -36,6 +36,11 @@ class DraftSpec:
         return asdict(self)
 
 
+# the draft's norm settings, under the config keys speculators and vLLM use; SGLang's EAGLE-3 draft reads
+# none of them: with one on, an SGLang export would decode another draft
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
 @dataclass(frozen=True)
 class Resolved:
     aux_layer_ids: list[int]        # target layers (0-based) whose outputs the draft reads
@@ -78,11 +83,7 @@ def resolve_aux_layer_ids(cfg: Config, ckpt: Checkpoint) -> list[int]:
 
 
 def resolve_draft_spec(cfg: Config, text: TextConfig, draft_vocab: int) -> DraftSpec:
-    d = cfg.draft
-    hidden = d.hidden_size or text.hidden_size
-    if hidden != text.hidden_size:
-        raise ConfigError(f"{cfg.source}: draft.hidden_size = {hidden}, but the frozen target embedding "
-                         f"is {text.hidden_size} wide ({text.source}: hidden_size)")
+    d, x, hidden = cfg.draft, cfg.experimental, text.hidden_size   # the frozen target embedding feeds the draft
     heads = d.num_attention_heads or text.num_attention_heads
     kv = d.num_key_value_heads or text.num_key_value_heads
     if heads % kv:
@@ -92,8 +93,8 @@ def resolve_draft_spec(cfg: Config, text: TextConfig, draft_vocab: int) -> Draft
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
         head_dim=d.head_dim or text.raw.get("head_dim") or hidden // heads,
         intermediate_size=d.intermediate_size or text.intermediate_size, num_layers=d.num_layers,
-        rms_norm_eps=d.rms_norm_eps or text.rms_norm_eps, rope_theta=d.rope_theta or text.rope_theta,
-        max_position_embeddings=d.max_position_embeddings or text.max_position_embeddings,
+        rms_norm_eps=text.rms_norm_eps, rope_theta=text.rope_theta,
+        max_position_embeddings=text.max_position_embeddings,
         draft_vocab_size=draft_vocab, target_vocab_size=text.vocab_size,
-        target_hidden_size=text.hidden_size, norm_before_residual=d.norm_before_residual,
-        norm_before_fc=d.norm_before_fc, fc_norm=d.fc_norm, norm_output=d.norm_output)
+        target_hidden_size=text.hidden_size, norm_before_residual=x.norm_before_residual,
+        norm_before_fc=x.aux_norm == "concat", fc_norm=x.aux_norm == "per_layer", norm_output=x.norm_output)

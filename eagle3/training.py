@@ -48,11 +48,8 @@ class TrainError(ValueError):
 RESUME_FIXED = ("seed", "batch_tokens", "eval_fraction", "epochs", "ttt_steps",
                 "loss_decay", "lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_fraction", "betas",
                 "weight_decay", "prompt_rows")
-# what a checkpoint written before a RESUME_FIXED key existed ran with
-RESUME_BEFORE = {"schedule": "cosine", "decay_fraction": 0.2, "prompt_rows": False}
-# (section, key, value of a checkpoint written before the key existed): how the head starts and
-# whether it trains; a change alters the optimizer's parameters, so a resume must keep them.
-HEAD_FIXED = (("draft", "lm_head_init", "random"), ("train", "freeze_lm_head", False))
+# how the head starts and whether it trains: a change alters the optimizer's parameters
+HEAD_FIXED = ("lm_head_init", "freeze_lm_head")
 
 
 class TTTModel(nn.Module):
@@ -85,8 +82,8 @@ def select_kernels(choice: str, device: torch.device, head_dim: int, where: str 
     from kernels import ttt_attention, ttt_loss_steps
     if head_dim not in TRITON_HEAD_DIMS:
         if choice == "triton":
-            raise TrainError(f"{where}: train.kernels = \"triton\" needs draft.head_dim in {TRITON_HEAD_DIMS}, "
-                             f"got {head_dim}; set train.kernels = \"auto\" or \"torch\", or draft.head_dim")
+            raise TrainError(f"{where}: debug.kernels = \"triton\" needs draft.head_dim in {TRITON_HEAD_DIMS}, "
+                             f"got {head_dim}; set debug.kernels = \"auto\" or \"torch\", or draft.head_dim")
         print(f"note: draft.head_dim = {head_dim} is not served by the Triton attention "
               f"{TRITON_HEAD_DIMS}; using flex_attention", file=sys.stderr)
         from kernels.flex import ttt_attention
@@ -223,7 +220,7 @@ def existing_run(output_dir: Path) -> list[str]:
     return held + [name for name in ("metrics.jsonl", "export") if (output_dir / name).exists()]
 
 
-OLD_RUN = ".old-%Y%m%d-%H%M%S"   # strftime suffix of an output_dir moved aside by train.overwrite
+OLD_RUN = ".old-%Y%m%d-%H%M%S"   # strftime suffix of an output_dir moved aside by train.resume = "overwrite"
 
 
 def refuse_existing_run(output_dir: Path, source: str) -> None:
@@ -232,13 +229,13 @@ def refuse_existing_run(output_dir: Path, source: str) -> None:
     held = existing_run(output_dir)
     if held:
         raise TrainError(f"{source}: train.resume = \"never\", but train.output_dir {output_dir} already holds a "
-                         f"run ({', '.join(held)}); choose another train.output_dir, or set train.overwrite = true, "
+                         f"run ({', '.join(held)}); choose another train.output_dir, or set train.resume = \"overwrite\", "
                          f"which moves the old run, whole, to {output_dir}.old-YYYYmmdd-HHMMSS "
                          "and starts the new one in an empty directory (nothing was deleted)")
 
 
 def move_old_run(output_dir: Path) -> Path | None:
-    """train.overwrite: rename an output_dir that holds a run to `<output_dir>.old-<time>`, whole,
+    """train.resume = "overwrite": rename an output_dir that holds a run to `<output_dir>.old-<time>`, whole,
     so that the new run starts in an empty directory and the two never mix. Rank 0 only."""
     if not existing_run(output_dir):
         return None
@@ -249,25 +246,21 @@ def move_old_run(output_dir: Path) -> Path | None:
     try:
         output_dir.rename(moved)
     except OSError as e:
-        raise TrainError(f"{output_dir}: train.overwrite = true, but moving the old run to {moved} failed "
+        raise TrainError(f"{output_dir}: train.resume = \"overwrite\", but moving the old run to {moved} failed "
                          f"({e.strerror or e}); nothing was deleted: move or remove it yourself, or choose "
                          "another train.output_dir") from None
-    print(f"train.overwrite: moved the old run in {output_dir} to {moved}", file=sys.stderr)
+    print(f"train.resume = overwrite: moved the old run in {output_dir} to {moved}", file=sys.stderr)
     return moved
 
 
 def fp8_changes(state: dict, float8: bool, float8_head: bool) -> str:
     """What a resumed run does differently in fp8 from the checkpoint's steps so far ("" if nothing;
-    auto on another GPU kind, say). A checkpoint from before a choice was recorded ran what its
-    config said where that was true or false; where it said auto, what ran is unknown: nothing said."""
+    auto on another GPU kind, say)."""
     said = ""
-    for key, setting, now, what in (("float8_used", "float8", float8, "fp8 GEMMs (train.float8)"),
-                                    ("float8_head_used", "float8_head", float8_head,
-                                     "fp8 head GEMMs (train.float8_head)")):
-        configured = state["config"]["train"].get(setting, False)
-        was = state.get(key, now if configured is None else bool(configured))
-        if was != now:
-            said += (f"; its steps so far ran {'with' if was else 'without'} {what}, "
+    for key, now, what in (("float8_used", float8, "fp8 GEMMs (train.float8)"),
+                           ("float8_head_used", float8_head, "fp8 head GEMMs (train.float8_head)")):
+        if state[key] != now:
+            said += (f"; its steps so far ran {'with' if state[key] else 'without'} {what}, "
                      f"from here {'with' if now else 'without'}")
     return said
 
@@ -275,14 +268,14 @@ def fp8_changes(state: dict, float8: bool, float8_head: bool) -> str:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg, t = cfg, cfg.train
-        self.dist = distributed.setup(t.device, t.collective_timeout_s)
+        self.dist = distributed.setup(cfg.debug.train_device, cfg.debug.collective_timeout_s)
         self.device = self.dist.device
         self.cuda = self.device.type == "cuda"
         self.float_dtype = torch.bfloat16 if self.cuda else torch.float32
         torch.manual_seed(t.seed)
         self.output_dir = Path(t.output_dir)
-        if t.resume == "never":
-            if t.overwrite:   # rank 0 moves the old run before any other rank looks at the directory
+        if t.resume in ("never", "overwrite"):
+            if t.resume == "overwrite":   # rank 0 moves the old run before any other rank looks at the directory
                 if self.dist.main:
                     move_old_run(self.output_dir)
                     relock(self.output_dir, "train.output_dir", "train", TrainError)
@@ -302,9 +295,8 @@ class Trainer:
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
         self.t2d_cpu = t2d
-        if self.cuda and t.compile_ops:
+        if self.cuda and cfg.debug.compile_ops:
             draft.compile_elementwise()
-        draft.fp32_residual = t.fp32_residual
         self.float8 = float8.choose(t.float8, self.device, spec, cfg.source, say=self.dist.main)
         if self.float8:
             draft.use_float8()
@@ -331,9 +323,9 @@ class Trainer:
                                            fused=self.cuda)
         self.schedule = Schedule(t.warmup_steps, self.plan.total, t.min_lr_ratio, t.schedule, t.decay_fraction)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
-        # the model is initialised alike on every rank; draws from here on (aux_noise) must differ
+        # the model is initialised alike on every rank; any draw from here on differs by rank
         torch.manual_seed(t.seed + 1_000_003 * self.dist.rank)
-        self.attention, self.loss_steps = select_kernels(t.kernels, self.device, spec.head_dim, cfg.source)
+        self.attention, self.loss_steps = select_kernels(cfg.debug.kernels, self.device, spec.head_dim, cfg.source)
         plain = self.loss_steps
         self.loss_steps = float8.head_loss(t.float8_head, self.float8, plain, self.device, spec, cfg.source,
                                            say=self.dist.main)
@@ -351,20 +343,20 @@ class Trainer:
         self.skipped = torch.zeros((), dtype=torch.long, device=self.device)
 
     def init_head(self, draft: Eagle3Draft, target_rows: torch.Tensor) -> None:
-        """draft.lm_head_init and train.freeze_lm_head: "target" copies the target's rows [V_d, H]
+        """experimental.lm_head_init and experimental.freeze_lm_head: "target" copies the target's rows [V_d, H]
         into the fp32 master exactly (from the stored tensor, before any cast to the compute dtype);
         a frozen head gets no gradient, no optimizer state and no weight-gradient work in the loss."""
         head = draft.lm_head.weight
-        if self.cfg.draft.lm_head_init == "target":
+        if self.cfg.experimental.lm_head_init == "target":
             if target_rows.shape != head.shape:
-                raise TrainError(f"{self.cfg.source}: draft.lm_head_init = \"target\": the target's head rows are "
+                raise TrainError(f"{self.cfg.source}: experimental.lm_head_init = \"target\": the target's head rows are "
                                  f"{list(target_rows.shape)}, the draft's lm_head is {list(head.shape)}")
             with torch.no_grad():
                 head.copy_(target_rows)
-        if self.cfg.train.freeze_lm_head:
+        if self.cfg.experimental.freeze_lm_head:
             head.requires_grad_(False)
-            if self.cfg.draft.lm_head_init == "random" and self.dist.main:
-                print("warning: train.freeze_lm_head = true with draft.lm_head_init = \"random\": the draft's "
+            if self.cfg.experimental.lm_head_init == "random" and self.dist.main:
+                print("warning: experimental.freeze_lm_head = true with experimental.lm_head_init = \"random\": the draft's "
                       "lm_head stays random and is never trained; use lm_head_init = \"target\" or "
                       "freeze_lm_head = false", file=sys.stderr)
 
@@ -401,7 +393,7 @@ class Trainer:
 
     def _maybe_resume(self) -> int:
         choice = self.cfg.train.resume
-        path = None if choice == "never" else Path(choice)
+        path = None if choice in ("never", "overwrite") else Path(choice)
         if choice == "auto":
             path, skipped = ckpt_io.latest_readable(self.output_dir)
             if skipped and path is None:   # starting over would write into a run that is there
@@ -420,27 +412,21 @@ class Trainer:
                 raise TrainError(f"{path}/state.json: {key} differs from this run's ({was[key]} vs "
                                  f"{value}); choose another train.output_dir to start a new run")
         self._check_global_batch(path, state)
-        for section, key, before in HEAD_FIXED:   # they decide the trainable parameters (optimizer state)
-            was = state["config"].get(section, {}).get(key, before)
-            if was != now["config"][section][key]:
-                raise TrainError(f"{path}/state.json: {section}.{key} was {json.dumps(was)}, this run has "
-                                 f"{json.dumps(now['config'][section][key])}; a resumed run must keep it (set "
-                                 f"--{section}.{key} {json.dumps(was)}, or choose another train.output_dir to "
-                                 "start a new run)")
-        for key in RESUME_FIXED:   # they decide the data order and the LR schedule already followed
-            was = state["config"]["train"].get(key, RESUME_BEFORE.get(key))
+        fixed = [("experimental", key) for key in HEAD_FIXED] + [("train", key) for key in RESUME_FIXED]
+        for section, key in fixed:   # the trainable parameters, the data order and the LR schedule followed
+            was = state["config"][section][key]
             if key == "decay_fraction" and now["config"]["train"]["schedule"] == "cosine":
                 continue   # the cosine does not read it (and a changed schedule is refused above)
-            if was != now["config"]["train"][key]:
-                raise TrainError(f"{path}/state.json: train.{key} was {was!r}, this run "
-                                 f"has {now['config']['train'][key]!r}; a resumed run must keep it (set "
-                                 f"--train.{key} {json.dumps(was)} to resume it, or choose another "
+            if was != now["config"][section][key]:
+                raise TrainError(f"{path}/state.json: {section}.{key} was {json.dumps(was)}, this run "
+                                 f"has {json.dumps(now['config'][section][key])}; a resumed run must keep it (set "
+                                 f"--{section}.{key} {json.dumps(was)} to resume it, or choose another "
                                  "train.output_dir to start a new run)")
         self._check_end(path, state)
         ckpt_io.restore(path, self.model.draft, self.optimizer, self.scheduler, self.dist.rank)
         # a run extended past its old end (a larger train.max_steps) keeps the schedule it was built
         # with: steps past that end run at its final learning rate, lr x min_lr_ratio
-        self.schedule.total = state.get("schedule_total") or self._old_total(state)
+        self.schedule.total = state["schedule_total"]
         if self.dist.main:
             was = (state["world_size"], state["config"]["train"]["grad_accum"])
             other = (f"; written by world size {was[0]} x train.grad_accum {was[1]}, now {self.dist.world} x "
@@ -448,12 +434,6 @@ class Trainer:
             other += fp8_changes(state, self.float8, self.float8_head)
             print(f"resumed from {path} (step {state['step']}{other})", file=sys.stderr)
         return state["step"]
-
-    def _old_total(self, state: dict) -> int:
-        """The schedule's total of a checkpoint written before state.json kept it: its config's
-        train.max_steps, or (0) its epochs' steps, which the plan fixes alike (same global batch)."""
-        train = state["config"]["train"]
-        return train["max_steps"] or sum(self.plan.steps_in(e) for e in range(train["epochs"]))
 
     def _check_end(self, path: Path, state: dict) -> None:
         """train.max_steps may extend a run, never end it before its checkpoint."""
@@ -488,30 +468,29 @@ class Trainer:
 
     def _forward(self, model, batch, scale=1.0, training=False):
         t = self.cfg.train
-        # evaluation sees clean inputs and measures the loss against p itself
-        objective = Objective(self.row_rule(training), *((t.aux_noise, t.hard_label) if training else (0.0, 0.0)),
-                              loss=t.loss, temperature=t.loss_temperature, eta=t.lk_eta)
+        objective = Objective(self.row_rule(training), loss=t.loss, temperature=t.loss_temperature,
+                              eta=self.cfg.experimental.lk_eta)
         with self._autocast():
             return model(batch, self.embed, self.head_rows, t.ttt_steps, self.attention, self.loss_steps,
-                         t.loss_decay, scale, t.skip_dead_rows, objective)
+                         t.loss_decay, scale, self.cfg.debug.skip_dead_rows, objective)
 
     def row_rule(self, training: bool) -> RowRule:
         """The rows the loss trains; evaluation measures on assistant rows only (no prompt rows)."""
-        return RowRule(self.cfg.train.oov_rows, self.cfg.train.prompt_rows and training)
+        return RowRule(self.cfg.train.prompt_rows and training)
 
     def prepare_batch(self, batch: Batch, training: bool = True) -> Batch:
         """Host-side work on a batch read from the shards, done by the prefetch thread off the step's
         critical path: what the step would otherwise sync (or spend CPU time) to learn: the row
         plan (moved to the device with the batch) and the sequence boundaries (kept on the host)."""
         t = self.cfg.train
-        plan = plan_rows(batch, t.ttt_steps, self.t2d_cpu, t.skip_dead_rows, self.row_rule(training))
+        plan = plan_rows(batch, t.ttt_steps, self.t2d_cpu, self.cfg.debug.skip_dead_rows, self.row_rule(training))
         return dataclasses.replace(batch, plan=plan, cu_seqlens_host=batch.cu_seqlens.to(torch.int32))
 
     def prefetcher(self, start: int) -> Prefetcher:
         """This rank's micro-batches from optimizer step `start` on, read ahead. On CUDA the prefetch
         thread also prepares them; on the CPU the step prepares its own, since a second thread
         doing tensor work there competes with the training for the same cores."""
-        return Prefetcher(self.reader, self.plan.rank_batches(start, self.dist.rank), self.cfg.train.prefetch,
+        return Prefetcher(self.reader, self.plan.rank_batches(start, self.dist.rank), self.cfg.debug.prefetch,
                           pin=self.cuda, prepare=self.prepare_batch if self.cuda else None,
                           together=self.cfg.train.grad_accum)
 
@@ -599,16 +578,16 @@ class Trainer:
         return bad
 
     def check_finite(self) -> None:
-        """Stop at the first non-finite step unless train.skip_nonfinite; called before anything
+        """Stop at the first non-finite step unless debug.skip_nonfinite; called before anything
         is logged or saved, so the newest checkpoint stays the last good one."""
         step, cause = self.first_nonfinite.tolist()
-        if step < 0 or self.cfg.train.skip_nonfinite:
+        if step < 0 or self.cfg.debug.skip_nonfinite:
             return
         last = ckpt_io.latest(self.output_dir)
         kept = f"the newest checkpoint, {last}, is the last good one" if last else "no checkpoint was written"
         raise TrainError(f"{self.output_dir}: step {step}: non-finite {CAUSES[cause]}; training stopped, {kept} "
                          "(rerun resumes from it: lower train.lr or train.grad_clip, check the data, or set "
-                         "train.skip_nonfinite = true to skip such steps)")
+                         "debug.skip_nonfinite = true to skip such steps)")
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
@@ -646,9 +625,9 @@ class Trainer:
             done = step + 1
             window += self.train_step(micro, done)
             del micro   # before the next step's micro-batches come: one step's on the device at a time
-            if any(done % every == 0 for every in (t.log_every, t.eval_every, t.checkpoint_every)) or done == total:
+            if any(done % every == 0 for every in (self.cfg.debug.log_every, t.eval_every, t.checkpoint_every)) or done == total:
                 self.check_finite()
-            if done % t.log_every == 0 or done == total:
+            if done % self.cfg.debug.log_every == 0 or done == total:
                 tokens_all = int(self.dist.all_reduce(torch.tensor(float(tokens), device=self.device)))
                 elapsed = time.perf_counter() - clock
                 rate = tokens_all / elapsed
@@ -696,7 +675,7 @@ class Trainer:
                              f"{' '.join(_num(x) for x in r['loss'])}; accuracy {' '.join(_num(x) for x in r['acc'])}")
         skipped = sum(r.get("skipped_steps", 0) for r in records if r["split"] == "train")
         if skipped:
-            lines.append(f"  skipped steps (non-finite loss or gradient norm, train.skip_nonfinite): {skipped}")
+            lines.append(f"  skipped steps (non-finite loss or gradient norm, debug.skip_nonfinite): {skipped}")
         lines.append(f"  metrics: {self.log.path}")
         lines.append(f"  last checkpoint: {saved}")
         lines += [f"  {fmt} export: {self.output_dir / 'export' / fmt}" for fmt in self.cfg.export.formats
@@ -717,14 +696,14 @@ def kept(cfg: Config) -> str:
 
 def run(cfg: Config) -> Path:
     """Train; rank 0 owns train.output_dir meanwhile (a second run on it stops at once). A collective
-    that fails because another rank is gone (or stuck past train.collective_timeout_s) stops the run
+    that fails because another rank is gone (or stuck past debug.collective_timeout_s) stops the run
     here, with the checkpoint to resume from instead of torch's traceback."""
     main_rank = int(os.environ.get("RANK", "0")) == 0
     try:
         with run_lock(Path(cfg.train.output_dir), "train.output_dir", "train", TrainError, held=main_rank):
             return Trainer(cfg).run()
     except RuntimeError as e:
-        lost = distributed.lost_peer(e, f"train.collective_timeout_s = {cfg.train.collective_timeout_s:g} s")
+        lost = distributed.lost_peer(e, f"debug.collective_timeout_s = {cfg.debug.collective_timeout_s:g} s")
         if lost is None:
             raise
         raise TrainError(f"{lost}; training stopped, {kept(cfg)}; the same command resumes") from None

@@ -26,12 +26,7 @@ METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_row
 @dataclass(frozen=True)
 class Objective:
     """Recipe levers of the training objective, beside the unroll itself (K, decay)."""
-    rows: RowRule = RowRule()   # rows trained besides in-vocab assistant rows (oov: towards p renormalised
-                                # over the draft vocab, as speculators does; prompt: loss_mask-0 labels)
-    aux_noise: float = 0.0      # std of Gaussian noise added to each aux layer's state, relative to its
-                                # per-token RMS (training only; 0 = none)
-    hard_label: float = 0.0     # weight w of the target's top draft-vocab token in the loss target:
-                                # (1 - w) p + w onehot(argmax p); greedy acceptance is top-1 agreement
+    rows: RowRule = RowRule()   # rows trained besides in-vocab assistant rows (prompt: loss_mask-0 labels)
     loss: str = "kl"            # the per-row loss (kernels.reference.LOSSES): kl, tv, nla, lk_hybrid, pq
     temperature: float = 1.0    # p and q both at this temperature in the loss (the serving temperature)
     eta: float = 3.0            # lk_hybrid's blend: lambda = exp(-eta * alpha)
@@ -66,30 +61,27 @@ def label_rows(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask
 def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor,
                  greedy: torch.Tensor, t2d: torch.Tensor, rule: RowRule = RowRule()) -> StepTargets:
     """Step k's label rows: assistant rows count for accuracy; those whose target greedy token is
-    outside the draft vocab (the draft cannot be right there) are trained only with `rule.oov` and
-    always count as misses; prompt rows are trained only with `rule.prompt`."""
+    outside the draft vocab (the draft cannot be right there) are not trained and always count as
+    misses; prompt rows are trained only with `rule.prompt`."""
     T = positions.shape[0]
     index = (torch.arange(T, device=positions.device) + 1 + k).clamp(max=T - 1)
     acc_rows = label_rows(k, positions, seq_len, loss_mask)
     trained = label_rows(k, positions, seq_len, loss_mask, prompt=True) if rule.prompt else acc_rows
     in_vocab = t2d[greedy[index].long()]
-    valid = trained if rule.oov else trained & in_vocab
+    valid = trained & in_vocab
     return StepTargets(index, valid, acc_rows, in_vocab)
 
 
 def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int,
-                 hard_label: float = 0.0, temperature: float = 1.0) -> torch.Tensor:
+                 temperature: float = 1.0) -> torch.Tensor:
     """p over the draft vocab, once per batch for all steps: softmax(final @ W_t[t2d].T / temperature),
     shifted up by one row and padded so that step k's targets are the view `probs[k : k + T]` (no
-    copy); with `hard_label` w, (1 - w) p + w onehot(argmax p) (still a distribution).
+    copy).
     Returns [T + steps, V_d] in the compute dtype (rows past the end are zero and never valid)."""
     T = final_hidden.shape[0]
     probs = final_hidden.new_zeros(T + steps, head_rows.shape[0])
     logits = (final_hidden[1:] @ head_rows.T).float()
     p = torch.softmax(logits if temperature == 1 else logits / temperature, dim=-1)    # [T - 1, V_d]
-    if hard_label > 0:   # in place: a one-hot [T, V_d] would cost as much as p again, twice
-        top = p.argmax(-1, keepdim=True)
-        p.mul_(1 - hard_label).scatter_add_(1, top, p.new_full(top.shape, hard_label))
     probs[:T - 1] = p
     return probs
 
@@ -105,14 +97,6 @@ def all_step_targets(batch: Batch, steps: int, t2d: torch.Tensor, rule: RowRule 
     positions, seq_len = row_layout(batch.cu_seqlens, batch.rows)
     return [step_targets(k, positions, seq_len, batch.loss_mask, batch.target_argmax.long(), t2d, rule)
             for k in range(steps)]
-
-
-def noisy(aux: torch.Tensor, std: float) -> torch.Tensor:
-    """aux [T, 3H] plus Gaussian noise of `std` times each aux layer's per-token RMS (drawn on the
-    device: no sync; from the RNG a checkpoint saves, so a resumed run draws the same)."""
-    layers = aux.view(aux.shape[0], 3, -1)
-    rms = layers.float().pow(2).mean(-1, keepdim=True).sqrt()
-    return (layers + (std * rms * torch.randn_like(layers, dtype=torch.float32)).to(aux.dtype)).view_as(aux)
 
 
 def live_rows(targets: list[StepTargets]) -> list[torch.Tensor]:
@@ -152,7 +136,7 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     work that cannot reach the loss is skipped (exactly: same loss and gradients): at step 0 every
     row makes its keys and values but only live rows run the rest; from step 1 on only live rows are
     computed at all. `objective` holds
-    the recipe levers (rows trained, input noise, loss target); prepared live/loss rows must follow its row rule.
+    the recipe levers (rows trained, the loss); prepared live/loss rows must follow its row rule.
     Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, METRICS], per-row detail): the
     accepted-length sum in step 0's row only; the detail holds, per
     row, `correct` [steps, T] and `accepted` [T] (leading correct steps), for evaluation.
@@ -165,8 +149,7 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     if plan is None or not plan.fits(steps, skip_dead_rows, objective.rows):
         plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.rows, targets)
     live = plan.live or [None] * steps
-    probs = target_probs(batch.final_hidden, head_rows, steps, objective.hard_label, objective.temperature)
-    aux = batch.aux_hidden
+    probs = target_probs(batch.final_hidden, head_rows, steps, objective.temperature)
     kept = []
     # the kernels read the boundaries on the host: a host copy, when the trainer gives one, saves a sync
     cu_attention = batch.cu_seqlens_host if batch.cu_seqlens_host is not None else batch.cu_seqlens.to(torch.int32)
@@ -184,8 +167,7 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
 
     with linear.casts_reused():   # each weight cast once for the K steps, its gradients summed by the GEMMs
         head_inputs = [draft.head_input(h).to(embed.dtype)      # the loss runs in the compute dtype
-                       for h in draft.unroll(noisy(aux, objective.aux_noise) if objective.aux_noise > 0 else aux,
-                                             attention, cu_attention, next_inputs)]
+                       for h in draft.unroll(batch.aux_hidden, attention, cu_attention, next_inputs)]
     done = len(head_inputs)
     # step k's targets: rows k .. k+T-1 of probs (a view), or its kept rows shifted by k, read in place
     ps, p_rows = zip(*[(probs[k:k + T], None) if r is None else (probs, r + k) for k, r in enumerate(kept)])

@@ -17,12 +17,12 @@ Every gradient is written by exactly one program, so the backward is determinist
 
 Tile loads: on Hopper and datacenter Blackwell (`uses_tma`) the q, dO and step-0 k, v tiles come
 through host tensor descriptors over the [T, H * D] rows as bulk asynchronous copies, which frees
-the registers and instructions of pointer arithmetic (on an H200 4-8% off the whole fwd+bwd:
-bench/RESULTS.md); elsewhere through pointers. A descriptor's tile runs past a packed sequence's
-end into the next sequence's rows, so nothing may rely on those loading as zeros: the causal mask
-drops keys past the sequence from the forward and dq, lse = +inf drops query rows past it from dk,
-dv, and rows past it are never stored (the diagonal keys and all stores use pointers). Those rows still enter the tile products multiplied by zero, so this assumes finite
-inputs: a NaN or inf in one sequence can reach its neighbour's outputs under TMA (never with
+the registers and instructions of pointer arithmetic; elsewhere through pointers. A descriptor's
+tile runs past a packed sequence's end into the next sequence's rows, so nothing may rely on those
+loading as zeros: the causal mask drops keys past the sequence from the forward and dq, lse = +inf
+drops query rows past it from dk, dv, and rows past it are never stored (the diagonal keys and all
+stores use pointers). Those rows still enter the tile products multiplied by zero, so this assumes
+finite inputs: a NaN or inf in one sequence can reach its neighbour's outputs under TMA (never with
 pointer loads), where a training step's loss would be non-finite anyway.
 
 Layouts: q, o [T, Hq, D]; k, v [S, T, Hkv, D] (last dim contiguous); lse, delta [Hq, T] fp32 with the
@@ -284,8 +284,7 @@ def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, row0, col, LSEh, DELTAh, stri
                    offs_n, offs_d, seqlen, qk_scale, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                    MASK: tl.constexpr, UPCAST: tl.constexpr):
     """Contribution of one query tile (batch rows row0..) to a step-0 key tile (computed transposed:
-    keys are rows), and the tile's dS^T (fp32 [BLOCK_N, BLOCK_M]; bench/dq_accumulation.py builds dq
-    from it)."""
+    keys are rows)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_mask = offs_m < seqlen
     # Rows past the sequence (zeros, or with TMA the next sequence's) get lse = +inf, so p = 0 and
@@ -299,7 +298,7 @@ def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, row0, col, LSEh, DELTAh, stri
 
 @triton.jit
 def _bwd_dkdv_scores_tile(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, qk_scale, MASK: tl.constexpr):
-    """dk, dv += one loaded query tile's part (scores recomputed from the log-sum-exp), and its dS^T."""
+    """dk, dv += one loaded query tile's part (scores recomputed from the log-sum-exp)."""
     p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
     if MASK:
         p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
@@ -307,7 +306,7 @@ def _bwd_dkdv_scores_tile(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, qk_sc
     dp_t = tl.dot(v, tl.trans(do))
     ds_t = p_t * (dp_t - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk)
-    return dk, dv, ds_t
+    return dk, dv
 
 
 @triton.jit
@@ -334,13 +333,13 @@ def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Qd, Kd, Vd, DOd, stride_
         DELTAh = DELTA + head * T + start
         # Query tiles that straddle the diagonal need the causal mask; the ones after do not.
         for m0 in range(n0, diag_end, BLOCK_M):
-            dk, dv, _ = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
-                                       DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
-                                       TMA, BLOCK_M, True, UPCAST)
+            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
+                                    DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
+                                    TMA, BLOCK_M, True, UPCAST)
         for m0 in range(n0 + BLOCK_N, seqlen, BLOCK_M):
-            dk, dv, _ = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
-                                       DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
-                                       TMA, BLOCK_M, False, UPCAST)
+            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
+                                    DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
+                                    TMA, BLOCK_M, False, UPCAST)
     out = kv_base + offs_n[:, None] * stride_kt + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_mask[:, None])
@@ -475,10 +474,7 @@ CONFIGS = {
         "dq": [(64, 64, 4, 2), (64, 32, 4, 3), FALLBACK],
     },
 }
-# Candidates for the sweep (`--sweep`, on the GPU it runs on): every family's tilings and a few
-# more. On the H200 (2026-12-01) (64, 128, 8, 3) took 3.6-4.7% off the whole fwd+bwd through dK/dV
-# (now first in its list); Triton 3.6's automatic warp specialization of the main loops changed
-# nothing (bench/RESULTS.md) and was left out.
+# Candidates for the sweep (`--sweep`, on the GPU it runs on): every family's tilings and a few more.
 _EXTRA = {"fwd": [(128, 64, 8, 4), (128, 128, 8, 2)], "dkdv": [(64, 128, 8, 4), (64, 64, 4, 3)],
           "dq": [(64, 64, 4, 3), (128, 32, 8, 4)]}
 SWEEP = {name: [c for c in tiles.union({f: CONFIGS[f][name] for f in CONFIGS}) if c != FALLBACK] + extra
@@ -515,16 +511,16 @@ def _tuned(kernel, name: str):
                            prune_configs_by={"early_config_prune": tiles.pruner(lists, ("BLOCK_M", "BLOCK_N"))})(kernel)
 
 
-_KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
-_TUNED = {} if INTERPRET else {name: _tuned(k, name) for name, k in _KERNELS.items()}
+KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
+_TUNED = {} if INTERPRET else {name: _tuned(k, name) for name, k in KERNELS.items()}
 _pinned: dict[str, tuple] = {}
 
 
 @contextlib.contextmanager
 def pinned(name: str, config: tuple):
     """Launch kernel `name` ("fwd", "dkdv" or "dq") with `config` instead of the autotuner's pick."""
-    if name not in _KERNELS:
-        raise ValueError(f"pinned: no kernel {name!r} (expected one of {', '.join(_KERNELS)})")
+    if name not in KERNELS:
+        raise ValueError(f"pinned: no kernel {name!r} (expected one of {', '.join(KERNELS)})")
     before = _pinned.get(name)
     _pinned[name] = config
     try:
@@ -555,7 +551,7 @@ def _launch(name, grid, *args, **kwargs):
     else:
         return _TUNED[name][grid](*args, **kwargs)
     _block_rows(kwargs)
-    return _KERNELS[name][grid](*args, **kwargs)
+    return KERNELS[name][grid](*args, **kwargs)
 
 
 # None: TMA wherever it is measured to pay; True / False: forced (tests under the interpreter, the bench).

@@ -246,6 +246,11 @@ def _gpu_kernel():
     return _tuned_kernel
 
 
+def chosen_configs() -> dict[str, str]:
+    """The autotuned configs chosen so far, by key (V, LOSS, WRITE_GRAD, ...): what the loss bench prints."""
+    return {} if _tuned_kernel is None else {str(k): str(c) for k, c in _tuned_kernel.cache.items()}
+
+
 def _row_kernel(z, p, rows, p_rows, g, out, spec) -> None:
     """Launch the row kernel over the chunk `z` (one program per row); g=None: no gradient.
     out = (loss, argmax, alpha) [N]; spec = (LOSS index, 1/τ, eta)."""

@@ -43,12 +43,12 @@ def make_config(tmp_path: Path, target: Path, data: Path, **overrides) -> config
     """A fast CPU config for tests; overrides as {"train.max_steps": 4}."""
     base = {
         "target.path": str(target), "data.path": str(data),
-        "extract.output_dir": str(tmp_path / "hidden"), "extract.shard_tokens": 400,
-        "extract.chunk_tokens": 300, "vocab.draft_vocab_size": 128,
+        "extract.output_dir": str(tmp_path / "hidden"), "debug.shard_tokens": 400,
+        "debug.chunk_tokens": 300, "vocab.draft_vocab_size": 128,
         "train.output_dir": str(tmp_path / "train"), "train.max_steps": 6, "train.batch_tokens": 160,
         "train.ttt_steps": 3, "train.lr": 3e-3, "train.warmup_steps": 2, "train.eval_every": 3,
-        "train.log_every": 2, "train.checkpoint_every": 3, "train.prefetch": 1, "train.device": "cpu",
-        "extract.device": "cpu", "extract.dtype": "float32",
+        "debug.log_every": 2, "train.checkpoint_every": 3, "debug.prefetch": 1, "debug.train_device": "cpu",
+        "debug.extract_device": "cpu", "extract.dtype": "float32",
     }
     base.update(overrides)
     args = []

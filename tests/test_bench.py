@@ -54,11 +54,9 @@ def test_moe_bench_runs_on_a_tiny_shape():
     cpu = torch.device("cpu")
     with torch.no_grad():
         layer, streamed = moe.bench_layer(moe.TINY, cpu, float("nan")), moe.bench_streamed(moe.TINY, cpu)
-    assert layer["triton_dequant_ok"] and layer["grouped_mm_ok"] and layer["tokens_per_s"] > 0
-    assert layer["moe_per_expert_loop_s"] > 0 and layer["dequant_all_experts_s"] > 0
+    assert layer["triton_dequant_ok"] and layer["tokens_per_s"] > 0
+    assert layer["moe_s"] > 0 and layer["dequant_all_experts_s"] > 0
     assert streamed["tokens"] == 128 and streamed["wall_s"] > 0
-    # the per-expert loop was swapped in for its own measurement only
-    assert moe.deepseek.grouped_mm_supported(torch.zeros(1, dtype=torch.bfloat16))
 
 
 def test_the_timer_gives_the_median_of_calls_on_the_cpu():
@@ -140,7 +138,7 @@ def test_a_failing_bench_stops_the_peer_running_beside_it(tmp_path, monkeypatch)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU sees")
-@pytest.mark.parametrize("argv", [[], ["step"], ["online"], ["node", "extract"], ["quality"]])
+@pytest.mark.parametrize("argv", [[], ["step"]])
 def test_a_gpu_bench_on_a_cpu_machine_says_so_at_once(argv):
     """No default that cannot run on a CPU: a one-line refusal naming --tiny, before any work."""
     from eagle3.bench.__main__ import main as bench_main

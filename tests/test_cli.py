@@ -34,7 +34,7 @@ def test_every_command_has_help_with_its_arguments_and_overrides(capsys):
             cli(["--help"], entry)
         text = capsys.readouterr().out
         assert "--config CONFIG" in text and "--section.key value or --section.key=value" in text
-    assert "usage: python -m eagle3.bench quality" in help_text(["bench", "quality"], capsys)
+    assert "usage: python -m eagle3.bench loss" in help_text(["bench", "loss"], capsys)
     assert "usage: python -m eagle3.bench " in help_text(["bench"], capsys)
     listing = help_text([], capsys)
     assert all(c in listing for c in ("inspect", "extract", "train", "export", "evaluate", "generate", "demo",
@@ -51,22 +51,21 @@ def test_train_and_extract_run_their_entry_points_with_overrides(monkeypatch):
     monkeypatch.setattr(training, "run", lambda cfg: ran.setdefault("train", cfg))
     monkeypatch.setattr(extraction, "run", lambda cfg: ran.setdefault("extract", cfg))
     main(["train", "--config", CONFIG, "--train.max_steps", "3"])
-    main(["extract", "--config", CONFIG, "--extract.shard_tokens=128"])
+    main(["extract", "--config", CONFIG, "--debug.shard_tokens=128"])
     assert ran["train"].train.max_steps == 3 and ran["train"].source == CONFIG
-    assert ran["extract"].extract.shard_tokens == 128
-    with pytest.raises(SystemExit, match=r"error: command line --train.kernels: train.kernels = 'cuda'"):
-        main(["train", "--config", CONFIG, "--train.kernels", "cuda"])
+    assert ran["extract"].debug.shard_tokens == 128
+    with pytest.raises(SystemExit, match=r"error: command line --debug.kernels: debug.kernels = 'cuda'"):
+        main(["train", "--config", CONFIG, "--debug.kernels", "cuda"])
 
 
 def test_bench_forwards_the_rest_of_the_command_line(monkeypatch):
-    from eagle3.bench import quality, step
+    from eagle3.bench import loss, step
     seen = []
-    monkeypatch.setattr(quality, "main", lambda argv: seen.append(("quality", argv)))
+    monkeypatch.setattr(loss, "main", lambda argv: seen.append(("loss", argv)))
     monkeypatch.setattr(step, "main", lambda argv: seen.append(("step", argv)))
-    main(["bench", "quality", "--tiny", "--work", "w", "--variant", "a:train.lr=1"])
+    main(["bench", "loss", "--tiny", "--shapes", "a"])
     main(["bench", "--steps", "1", "--tiny"])
-    assert seen == [("quality", ["--tiny", "--work", "w", "--variant", "a:train.lr=1"]),
-                    ("step", ["--steps", "1", "--tiny"])]
+    assert seen == [("loss", ["--tiny", "--shapes", "a"]), ("step", ["--steps", "1", "--tiny"])]
 
 
 def test_overrides_reach_export(tmp_path, monkeypatch):
@@ -92,4 +91,4 @@ def test_config_command_lists_every_key_with_the_files_values(capsys):
     assert "train.lr: float = 0.0001 (config.toml: 0.003)\n" in text
     assert "train.seed: int = 0 (config.toml: 4)\n" in text
     assert 'data.on_error: "fatal" | "skip" = "fatal"\n' in text
-    assert "train.hard_label: float = 0.0\n" in text
+    assert "train.loss_decay: float = 0.8\n" in text

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from conftest import ROOT
@@ -12,10 +14,10 @@ def write(tmp_path, text):
 
 def test_defaults_and_overrides(tmp_path):
     path = write(tmp_path, '[train]\nlr = 2e-4\nmax_steps = 5\n[extract]\noutput_dir = "x"\n')
-    cfg = load(path, ["--train.seed", "7", "--train.betas=[0.8, 0.9]", "--draft.hidden_size", "auto",
+    cfg = load(path, ["--train.seed", "7", "--train.betas=[0.8, 0.9]", "--draft.head_dim", "auto",
                       "--export.formats", '["vllm"]'])
     assert cfg.train.lr == 2e-4 and cfg.train.max_steps == 5 and cfg.train.seed == 7
-    assert cfg.train.betas == [0.8, 0.9] and cfg.draft.hidden_size is None
+    assert cfg.train.betas == [0.8, 0.9] and cfg.draft.head_dim is None
     assert cfg.export.formats == ["vllm"]
     assert cfg.resolved_train_data_dir() == "x"       # train.data_dir defaults to extract.output_dir
     cfg = load(path, ["--train.data_dir", "y", "--train.lr=1"])
@@ -36,7 +38,7 @@ def test_wrong_type_names_key(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--train.ttt_steps", "1.5"], r"command line --train.ttt_steps: train.ttt_steps: expected int"),
-    (["--train.kernels", "cuda"], r"train.kernels = 'cuda'; expected one of"),
+    (["--debug.kernels", "cuda"], r"debug.kernels = 'cuda'; expected one of"),
     (["--train.float8_head", "maybe"], r"train.float8_head: expected bool \| auto, got 'maybe'"),
     (["--train.batch_tokens", "0"], r"train.batch_tokens = 0; expected a positive integer"),
     (["--train.grad_clip", "0"], r"train.grad_clip = 0.0; expected > 0"),
@@ -75,14 +77,29 @@ def test_repo_config_toml_is_valid_and_sets_every_key():
         sorted(key.name for key in schema())
 
 
-def test_every_key_has_a_doc_and_readme_table_is_the_schemas():
+def test_every_key_has_a_doc_and_the_docs_table_is_the_schemas():
     assert all(key.doc and "\n" not in key.doc for key in schema())
-    lines = (ROOT / "README.md").read_text().split("\n")
+    lines = (ROOT / "docs" / "config.md").read_text().split("\n")
     start = lines.index("| key | type | default | meaning |")
-    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
     expected = markdown_table(load(ROOT / "config.toml"), "config.toml")
     assert "\n".join(lines[start:end]) + "\n" == expected, \
-        "README's table is not the schema's: paste `python -m eagle3 config --config config.toml --markdown`"
+        "docs/config.md's table is not the schema's: paste `python -m eagle3 config --config config.toml --markdown`"
+
+
+def test_a_user_holds_the_config_in_their_head_and_old_keys_name_their_successor(tmp_path):
+    assert len(schema(everything=False)) <= 60
+    assert {key.name.split(".")[0] for key in schema()} - {key.name.split(".")[0] for key in schema(False)} == \
+        {"experimental", "debug"}
+    for old, new in (("train.overwrite = true", 'train.resume = "overwrite"'), ("train.kernels = \"torch\"", "debug.kernels"),
+                     ("draft.fc_norm = true", 'experimental.aux_norm = "per_layer"'),
+                     ("train.hard_label = 0.5", "measured without gain")):
+        section, line = old.split(".", 1)
+        path = write(tmp_path, f"[{section}]\n{line}\n")
+        with pytest.raises(ConfigError, match=f"{path}: {old.split(' ')[0]} is gone: .*{re.escape(new)}"):
+            load(path)
+    with pytest.raises(ConfigError, match=r"command line --train.device: train.device is gone: now debug.train_device"):
+        load(None, ["--train.device", "cpu"])
 
 
 def test_a_string_in_toml_is_no_number(tmp_path):

@@ -123,9 +123,9 @@ def regenerated_run(request, tmp_path_factory, llama_target, token_data):
     tmp = tmp_path_factory.mktemp("regen")
     path = llama_target if request.param == "llama" else tiny.make_kimi(tmp / "kimi", vocab=256)
     cfg = make_config(tmp, path, token_data, **{
-        "generate.output_path": tmp / "regen.jsonl", "generate.max_new_tokens": 24, "generate.dtype": "float32",
-        "generate.device": "cpu", "train.max_steps": 60 if request.param == "llama" else 200, "train.batch_tokens": 400, "train.ttt_steps": 3,
-        "train.eval_fraction": 0.25, "train.eval_every": 60, "train.checkpoint_every": 60, "train.log_every": 20,
+        "generate.output_path": tmp / "regen.jsonl", "generate.max_new_tokens": 24, "debug.generate_dtype": "float32",
+        "debug.generate_device": "cpu", "train.max_steps": 60 if request.param == "llama" else 200, "train.batch_tokens": 400, "train.ttt_steps": 3,
+        "train.eval_fraction": 0.25, "train.eval_every": 60, "train.checkpoint_every": 60, "debug.log_every": 20,
         "train.lr": 1e-2})
     generate.run(cfg)
     cfg.data.path = str(tmp / "regen.jsonl")
@@ -242,17 +242,22 @@ def llama_run(tmp_path_factory, llama_target, token_data):
     layout in float32 (so the export holds exactly the checkpoint's weights); prompts = those lines."""
     tmp = tmp_path_factory.mktemp("real")
     cfg = make_config(tmp, llama_target, token_data, **{
-        "generate.output_path": tmp / "regen.jsonl", "generate.max_new_tokens": 24, "generate.dtype": "float32",
-        "generate.device": "cpu", "train.max_steps": 60, "train.batch_tokens": 400, "train.ttt_steps": 3,
-        "train.eval_fraction": 0.25, "train.eval_every": 60, "train.checkpoint_every": 60, "train.log_every": 20,
+        "generate.output_path": tmp / "regen.jsonl", "generate.max_new_tokens": 24, "debug.generate_dtype": "float32",
+        "debug.generate_device": "cpu", "train.max_steps": 60, "train.batch_tokens": 400, "train.ttt_steps": 3,
+        "train.eval_fraction": 0.25, "train.eval_every": 60, "train.checkpoint_every": 60, "debug.log_every": 20,
         "train.lr": 1e-2, "export.formats": '["vllm"]', "export.dtype": "float32",
-        "evaluate.device": "cpu", "evaluate.max_new_tokens": 20, "evaluate.max_prompts": 12})
+        "debug.evaluate_device": "cpu", "evaluate.max_new_tokens": 20})
     generate.run(cfg)
     cfg.data.path = str(tmp / "regen.jsonl")
     extraction.run(cfg)
     training.run(cfg)
-    cfg.evaluate.prompts = str(tmp / "regen.jsonl")
+    cfg.evaluate.prompts = str(first_lines(tmp / "regen.jsonl", 12, tmp / "prompts.jsonl"))
     return cfg
+
+
+def first_lines(src: Path, n: int, dst: Path) -> Path:
+    dst.write_text("".join(src.read_text().splitlines(keepends=True)[:n]))
+    return dst
 
 
 def checkpoint_and_export(cfg):
@@ -266,7 +271,7 @@ def decode_directly(cfg, checkpoint, k: int) -> list[int]:
     target = IncrementalTarget(ckpt, state["resolved"]["aux_layer_ids"], torch.device("cpu"))
     drafter, stop = Drafter(draft, target.embed), generate.stop_tokens(cfg, ckpt)
     accepted = []
-    for line in open(cfg.evaluate.prompts).read().splitlines()[:cfg.evaluate.max_prompts]:
+    for line in open(cfg.evaluate.prompts).read().splitlines():
         obj = json.loads(line)
         prompt = obj["input_ids"][:obj["loss_mask"].index(1)]
         accepted += speculative_decode(target, drafter, prompt, cfg.evaluate.max_new_tokens, k, stop).accepted
@@ -297,9 +302,10 @@ def test_real_decoding_of_checkpoint_and_its_vllm_export(llama_run, tmp_path):
     assert 1 + sum(share) >= ours["real_accept_len"] - 1e-9
 
 
-def test_k_override_max_prompts_and_unbatched(llama_run):
+def test_k_override_and_unbatched(llama_run, tmp_path):
     cfg = copy.deepcopy(llama_run)
-    cfg.evaluate.k, cfg.evaluate.max_prompts, cfg.evaluate.batch_size = 2, 5, 1   # the one-prompt loops
+    cfg.evaluate.k, cfg.debug.evaluate_batch_size = 2, 1   # the one-prompt loops
+    cfg.evaluate.prompts = str(first_lines(Path(cfg.evaluate.prompts), 5, tmp_path / "five.jsonl"))
     checkpoint, _ = checkpoint_and_export(cfg)
     report = real_decoding(cfg, checkpoint)
     accepted = decode_directly(cfg, checkpoint, 2)
@@ -417,7 +423,6 @@ def test_read_prompts(tmp_path, llama_target):
     render = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
     assert prompts[2].ids == render("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert prompts[3].ids == render("<|im_start|>user\nok?<|im_end|>\n<|im_start|>assistant\n")
-    assert [p.line for p in read_prompts(path, 256, target, limit=2)] == [1, 3]
     for line, error in [({"input_ids": [5, 300]}, r"integers in \[0, 256\)"),
                         ({"input_ids": [5, 6], "loss_mask": [1, 1]}, "empty prompt"),
                         ({"input_ids": [5, 6], "loss_mask": [0]}, "'loss_mask'"),
@@ -444,7 +449,7 @@ def test_real_decoding_on_chat_prompts(llama_run, tmp_path):
 def write_toml(cfg, tmp_path: Path) -> Path:
     path = tmp_path / "config.toml"
     path.write_text(f'[target]\npath = "{cfg.target.path}"\n[extract]\noutput_dir = "{cfg.extract.output_dir}"\n'
-                    '[train]\ndevice = "cpu"\n[evaluate]\ndevice = "cpu"\nmax_new_tokens = 20\nmax_prompts = 12\n')
+                    '[debug]\ntrain_device = "cpu"\nevaluate_device = "cpu"\n[evaluate]\nmax_new_tokens = 20\n')
     return path
 
 
@@ -462,8 +467,9 @@ def test_cli_evaluate_end_to_end(llama_run, tmp_path, capsys):
     # the TTT estimate on the held-out shards sits beside real decoding
     assert saved["accept_len_decoding"] > 1 and saved["held_out_sequences"] > 0 and "accept_len" in summary
     # a vLLM-layout draft: --out, the shorthand and an override (the override loses to the shorthand)
-    main(["evaluate", str(export), "--config", str(toml), "--prompts", cfg.evaluate.prompts, "--max-new-tokens", "8",
-          "--evaluate.max_new_tokens", "30", "--evaluate.max_prompts", "4", "--out", str(tmp_path / "v.json")])
+    four = first_lines(Path(cfg.evaluate.prompts), 4, tmp_path / "four.jsonl")
+    main(["evaluate", str(export), "--config", str(toml), "--prompts", str(four), "--max-new-tokens", "8",
+          "--evaluate.max_new_tokens", "30", "--out", str(tmp_path / "v.json")])
     saved = json.loads((tmp_path / "v.json").read_text())
     assert saved["prompts"] == 4 and saved["max_new_tokens"] == 8 and "accept_len" not in saved
     with pytest.raises(SystemExit, match="give --prompts"):

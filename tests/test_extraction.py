@@ -42,8 +42,8 @@ def test_shards_and_honest_manifest(tmp_path, llama_target, token_data):
 
 
 def test_chunk_size_does_not_change_shards(tmp_path, llama_target, token_data):
-    a = extraction.run(make_config(tmp_path / "a", llama_target, token_data, **{"extract.chunk_tokens": 30}))
-    b = extraction.run(make_config(tmp_path / "b", llama_target, token_data, **{"extract.chunk_tokens": 5000}))
+    a = extraction.run(make_config(tmp_path / "a", llama_target, token_data, **{"debug.chunk_tokens": 30}))
+    b = extraction.run(make_config(tmp_path / "b", llama_target, token_data, **{"debug.chunk_tokens": 5000}))
     for shard in read_manifest(a)["shards"]:
         x, y = load_file(a / shard["file"]), load_file(b / shard["file"])
         for key in x:
@@ -70,8 +70,8 @@ def test_killed_extraction_resumes_without_redoing(tmp_path, llama_target, token
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])   # 3: shards split unevenly
 def test_n_ranks_write_the_same_shards(tmp_path, llama_target, token_data, ranks):
     single = extraction.run(make_config(tmp_path / "one", llama_target, token_data))
-    args = [f"--target.path={llama_target}", f"--data.path={token_data}", "--extract.device=cpu",
-            f"--extract.output_dir={tmp_path / 'two'}", "--extract.shard_tokens=400", "--extract.chunk_tokens=300",
+    args = [f"--target.path={llama_target}", f"--data.path={token_data}", "--debug.extract_device=cpu",
+            f"--extract.output_dir={tmp_path / 'two'}", "--debug.shard_tokens=400", "--debug.chunk_tokens=300",
             "--extract.dtype=float32"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                            "extract.py", "--config", "config.toml", *args], cwd=ROOT, capture_output=True,

@@ -65,7 +65,7 @@ def test_float8_names_a_width_that_is_not_a_multiple_of_16():
 
 def test_under_autocast_fp8_outputs_what_the_dense_path_outputs():
     x, w = torch.randn(20, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):     # an fp32 input, as with train.fp32_residual
+    with torch.autocast("cpu", dtype=torch.bfloat16):     # an fp32 input under bf16 autocast
         fp8, dense = float8.linear(x, w), linear.dense_linear(x, w)
     assert fp8.dtype == dense.dtype == torch.bfloat16
     fp8.float().sum().backward()
@@ -192,20 +192,13 @@ def test_auto_float8_head_follows_train_float8_and_the_triton_loss(monkeypatch, 
     assert capsys.readouterr().err == ""
 
 
-def test_a_resume_says_which_fp8_choice_changed_also_for_checkpoints_that_predate_the_record():
-    new = {"float8_used": True, "float8_head_used": False, "config": {"train": {"float8": None, "float8_head": None}}}
-    assert training.fp8_changes(new, True, False) == ""
-    assert training.fp8_changes(new, True, True) == \
+def test_a_resume_says_which_fp8_choice_changed():
+    state = {"float8_used": True, "float8_head_used": False}
+    assert training.fp8_changes(state, True, False) == ""
+    assert training.fp8_changes(state, True, True) == \
         "; its steps so far ran without fp8 head GEMMs (train.float8_head), from here with"
-    old = {"config": {"train": {"float8": True, "float8_head": False}}}   # neither choice recorded: the config's
-    assert training.fp8_changes(old, True, False) == ""
-    assert training.fp8_changes(old, True, True) == \
-        "; its steps so far ran without fp8 head GEMMs (train.float8_head), from here with"
-    assert training.fp8_changes({"config": {"train": {"float8": False}}}, True, False) == \
-        "; its steps so far ran without fp8 GEMMs (train.float8), from here with"
-    # auto configured but not recorded: what ran is unknown, so nothing is claimed
-    assert training.fp8_changes({"config": {"train": {"float8": None}}}, True, False) == ""
-    assert training.fp8_changes({"config": {"train": {"float8": None}}}, False, False) == ""
+    assert training.fp8_changes(state, False, False) == \
+        "; its steps so far ran with fp8 GEMMs (train.float8), from here without"
 
 
 def test_a_checkpoint_says_whether_fp8_ran_and_a_resume_without_it_says_so(tmp_path, llama_target, token_data,

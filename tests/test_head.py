@@ -1,4 +1,4 @@
-"""draft.lm_head_init and train.freeze_lm_head: the draft's head starts as the target's
+"""experimental.lm_head_init and experimental.freeze_lm_head: the draft's head starts as the target's
 rows of the draft vocab (the embedding's when tied), stays frozen by default, and a resumed run
 must keep both settings."""
 import json
@@ -16,7 +16,7 @@ from eagle3.config import ConfigError
 from eagle3.models import tiny
 from eagle3.models.checkpoint import Checkpoint
 
-FAST = {"train.eval_every": 100, "train.log_every": 100, "train.checkpoint_every": 3}
+FAST = {"train.eval_every": 100, "debug.log_every": 100, "train.checkpoint_every": 3}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_target_init_copies_the_target_rows_exactly(tmp_path, llama_target, toke
     assert not draft.lm_head.weight.requires_grad               # frozen by default
     # only the head differs from a random-init draft: the other weights draw the same numbers
     rand = training.Trainer(config(tmp_path / "r", llama_target, token_data, hidden,
-                                   **{"draft.lm_head_init": "random", "train.freeze_lm_head": "false"})).model.draft
+                                   **{"experimental.lm_head_init": "random", "experimental.freeze_lm_head": "false"})).model.draft
     assert rand.lm_head.weight.requires_grad and not torch.equal(rand.lm_head.weight, draft.lm_head.weight)
     for (name, a), b in zip(draft.state_dict().items(), rand.state_dict().values()):
         assert name == "lm_head.weight" or torch.equal(a, b), name
@@ -96,7 +96,7 @@ def test_frozen_head_stays_the_target_rows_and_exports_them(tmp_path, llama_targ
 
 
 def test_trained_head_from_the_target_rows_changes(tmp_path, llama_target, token_data, hidden):
-    trainer, before, after = trained(tmp_path, llama_target, token_data, hidden, **{"train.freeze_lm_head": "false"})
+    trainer, before, after = trained(tmp_path, llama_target, token_data, hidden, **{"experimental.freeze_lm_head": "false"})
     head = trainer.model.draft.lm_head.weight
     assert any(p is head for g in trainer.optimizer.param_groups for p in g["params"])
     rows = target_rows(llama_target, after["d2t"]).float()
@@ -105,11 +105,11 @@ def test_trained_head_from_the_target_rows_changes(tmp_path, llama_target, token
 
 def test_frozen_random_head_warns(tmp_path, llama_target, token_data, hidden, capsys):
     trainer = training.Trainer(config(tmp_path, llama_target, token_data, hidden,
-                                      **{"draft.lm_head_init": "random"}))
+                                      **{"experimental.lm_head_init": "random"}))
     assert not trainer.model.draft.lm_head.weight.requires_grad
     assert "lm_head stays random and is never trained" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match=r"draft.lm_head_init = 'target_rows'; expected one of \('target', 'random'\)"):
-        make_config(tmp_path, llama_target, token_data, **{"draft.lm_head_init": "target_rows"})
+    with pytest.raises(ConfigError, match=r"experimental.lm_head_init = 'target_rows'; expected one of \('target', 'random'\)"):
+        make_config(tmp_path, llama_target, token_data, **{"experimental.lm_head_init": "target_rows"})
 
 
 def test_resume_refuses_a_changed_head_setting_and_keeps_an_unchanged_one(tmp_path, llama_target, token_data,
@@ -117,12 +117,12 @@ def test_resume_refuses_a_changed_head_setting_and_keeps_an_unchanged_one(tmp_pa
     _, _, final = trained(tmp_path, llama_target, token_data, hidden)
     out = tmp_path / "train"
     step3 = out / "checkpoints" / "step-00000003"
-    with pytest.raises(training.TrainError, match=r"train.freeze_lm_head was true, this run has false"):
+    with pytest.raises(training.TrainError, match=r"experimental.freeze_lm_head was true, this run has false"):
         training.Trainer(config(tmp_path, llama_target, token_data, hidden,
-                                **{"train.freeze_lm_head": "false", "train.resume": step3}))
-    with pytest.raises(training.TrainError, match=r'draft.lm_head_init was "target", this run has "random"'):
+                                **{"experimental.freeze_lm_head": "false", "train.resume": step3}))
+    with pytest.raises(training.TrainError, match=r'experimental.lm_head_init was "target", this run has "random"'):
         training.Trainer(config(tmp_path, llama_target, token_data, hidden,
-                                **{"draft.lm_head_init": "random", "train.resume": step3}))
+                                **{"experimental.lm_head_init": "random", "train.resume": step3}))
     # unchanged: resumes from step 3 and ends on the weights of the uninterrupted run
     again = training.Trainer(config(tmp_path, llama_target, token_data, hidden, **{"train.resume": step3}))
     assert again.start_step == 3
@@ -131,18 +131,3 @@ def test_resume_refuses_a_changed_head_setting_and_keeps_an_unchanged_one(tmp_pa
     for key in final:
         assert torch.equal(resumed[key], final[key]), key
 
-
-def test_checkpoint_without_the_keys_resumes_as_random_trained_head(tmp_path, llama_target, token_data, hidden):
-    """state.json written before the keys existed: its head was random and trained."""
-    old = {"draft.lm_head_init": "random", "train.freeze_lm_head": "false"}
-    trained(tmp_path, llama_target, token_data, hidden, **old)
-    step3 = tmp_path / "train" / "checkpoints" / "step-00000003"
-    state = json.loads((step3 / ckpt_io.STATE).read_text())
-    del state["config"]["draft"]["lm_head_init"], state["config"]["train"]["freeze_lm_head"]
-    (step3 / ckpt_io.STATE).write_text(json.dumps(state))
-    shutil.rmtree(tmp_path / "train" / "checkpoints" / "step-00000006")
-    with pytest.raises(training.TrainError, match=r'draft.lm_head_init was "random", this run has "target"'):
-        training.Trainer(config(tmp_path, llama_target, token_data, hidden))
-    with pytest.raises(training.TrainError, match=r"train.freeze_lm_head was false, this run has true"):
-        training.Trainer(config(tmp_path, llama_target, token_data, hidden, **{"draft.lm_head_init": "random"}))
-    assert training.Trainer(config(tmp_path, llama_target, token_data, hidden, **old)).start_step == 3

@@ -15,7 +15,7 @@ from eagle3.models.checkpoint import Checkpoint
 from test_training import cli_args, final_weights, run_train, train_losses
 
 # what the `hidden` fixture's extraction used: the online forward must run the same
-AS_EXTRACTED = {"train.source": "online", "extract.dtype": "float32", "extract.chunk_tokens": 300}
+AS_EXTRACTED = {"train.source": "online", "extract.dtype": "float32", "debug.chunk_tokens": 300}
 
 
 def assert_same_training(a, b):

@@ -74,3 +74,51 @@ def test_no_module_imports_another_modules_private_names():
     private = [f"{name}: {m}.{n}" for name, tree in mods.items() for m, n in imports(tree, mods)
                if n.startswith("_") and not n.startswith("__")]
     assert not private, private
+
+
+def module_aliases(tree: ast.Module, known: dict) -> dict[str, str]:
+    """Local names bound to a module of the package: `import a.b as c`, `from a import b` (b a module),
+    and `c = importlib.import_module("a.b")`."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {alias.asname: alias.name for alias in node.names if alias.asname and alias.name in known}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out |= {alias.asname or alias.name: f"{node.module}.{alias.name}" for alias in node.names
+                    if f"{node.module}.{alias.name}" in known}
+        elif (isinstance(node, ast.Assign) and isinstance(call := node.value, ast.Call)
+              and isinstance(call.func, ast.Attribute) and call.func.attr == "import_module"
+              and call.args and isinstance(call.args[0], ast.Constant) and call.args[0].value in known):
+            out |= {target.id: call.args[0].value for target in node.targets if isinstance(target, ast.Name)}
+    return out
+
+
+def test_no_module_reaches_into_another_modules_private_names_by_attribute():
+    mods = modules()
+    private = []
+    for name, tree in mods.items():
+        aliases = module_aliases(tree, mods)
+        for node in ast.walk(tree):
+            attr = (node.attr if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and aliases.get(node.value.id, name) != name else
+                    node.args[1].value if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "getattr" and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                    and isinstance(node.args[0], ast.Name) and aliases.get(node.args[0].id, name) != name
+                    else "")
+            if isinstance(attr, str) and attr.startswith("_") and not attr.startswith("__"):
+                private.append(f"{name}: {attr}")
+    assert not private, private
+
+
+def imported_roots(tree: ast.Module) -> set[str]:
+    """The top-level package of every absolute import in the file."""
+    return {name.split(".")[0] for node in ast.walk(tree)
+            for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])}
+
+
+def test_the_package_imports_nothing_outside_the_wheel():
+    """benchmarks/ (the lab) and tests/ use the package, never the other way round."""
+    outside = {name: roots for name, tree in modules().items()
+               if (roots := imported_roots(tree) & {"benchmarks", "tests", "conftest"})}
+    assert not outside, outside

@@ -5,7 +5,6 @@ import importlib
 import pytest
 import torch
 
-from eagle3.models import quant
 from kernels import tiles
 
 ttt_attention = importlib.import_module("kernels.ttt_attention")   # the module (the package exports the function)
@@ -19,13 +18,6 @@ def _attention_kb(kernel, config):
     m, n, _, stages = config
     rows = {"fwd": m + 2 * stages * n, "dkdv": 2 * n + 2 * stages * m, "dq": 2 * m + 2 * stages * n}[kernel]
     return rows * D * 2 / 1024
-
-
-def _w4a16_kb(config):
-    """Per stage an x tile and the packed int4 tile, plus the dequantised tile the dot reads, bf16."""
-    n, k, _, stages = config
-    m = quant.W4A16_BLOCK_M["gpu"]
-    return (stages * (m * k * 2 + n * k // 8 * 4) + n * k * 2) / 1024
 
 
 @pytest.mark.parametrize("capability, name", [((9, 0), "large"), ((10, 0), "large"), ((10, 3), "large"),
@@ -42,12 +34,8 @@ def test_every_list_fits_its_family_by_count_and_ends_with_the_fallback():
             assert configs[-1] == ttt_attention.FALLBACK, (family, kernel)
             for c in configs:
                 assert _attention_kb(kernel, c) <= LIMIT_KB[family], (family, kernel, c, _attention_kb(kernel, c))
-    for family, configs in quant.W4A16_CONFIGS.items():
-        assert configs[-1] == quant.W4A16_FALLBACK, family
-        assert all(_w4a16_kb(c) <= LIMIT_KB[family] for c in configs), family
     # the fallbacks fit any GPU Triton supports (48 KB of static shared memory)
     assert max(_attention_kb(k, ttt_attention.FALLBACK) for k in ("fwd", "dkdv", "dq")) <= 48
-    assert _w4a16_kb(quant.W4A16_FALLBACK) <= 48
 
 
 @pytest.mark.parametrize("capability, hip", [((9, 0), False), ((8, 0), False), ((8, 9), False), ((12, 0), False),
@@ -60,9 +48,6 @@ def test_the_autotuners_keep_the_running_gpus_family_in_its_order(monkeypatch, c
     for kernel, tuned in ttt_attention._TUNED.items():
         kept = tuned.early_config_prune(tuned.configs, {"Q": torch.zeros(1), "T": 4})
         assert [tiles.as_tuple(c, ("BLOCK_M", "BLOCK_N")) for c in kept] == ttt_attention.CONFIGS[family][kernel]
-    tuned = quant._w4a16_tuned(128)
-    kept = tuned.early_config_prune(tuned.configs, {"x": torch.zeros(1)})
-    assert [tiles.as_tuple(c, ("BLOCK_N", "BLOCK_K")) for c in kept] == quant.W4A16_CONFIGS[family]
 
 
 def test_on_an_h200_the_tuner_tries_the_tuned_lists_unchanged():
@@ -90,17 +75,13 @@ def test_the_compile_check_covers_every_list_and_the_fallbacks_build_small():
     jobs = check.candidates(list(tiles.FAMILIES))
     expected = sum(len(ttt_attention.CONFIGS[f][k]) * len(check.TARGETS[f]) for f in tiles.FAMILIES
                    for k in ("fwd", "dkdv", "dq"))
-    expected += sum(len(quant.W4A16_CONFIGS[f]) * len(check.TARGETS[f]) for f in tiles.FAMILIES)
     assert len(jobs) == expected and len(set(jobs)) == len(jobs)
     assert {cc for f in tiles.FAMILIES for cc in check.TARGETS[f]} == set(check.BLOCK_SMEM)
     assert all(tiles.family((cc // 10, cc % 10)) == f for f in tiles.FAMILIES for cc in check.TARGETS[f])
-    for kernel, fallback in [("fwd", ttt_attention.FALLBACK), ("dkdv", ttt_attention.FALLBACK),
-                             ("dq", ttt_attention.FALLBACK), ("w4a16", quant.W4A16_FALLBACK)]:
-        shared = check.compile_one(kernel, fallback, 120)
-        assert 0 < shared <= 48 * 1024, (kernel, shared)
     for kernel in ("fwd", "dkdv", "dq"):
-        shared = check.compile_one(kernel, ttt_attention.FALLBACK, 90)
-        assert 0 < shared <= 48 * 1024, (kernel, shared)
+        for capability in (120, 90):
+            shared = check.compile_one(kernel, ttt_attention.FALLBACK, capability)
+            assert 0 < shared <= 48 * 1024, (kernel, capability, shared)
 
 
 def test_every_tuned_attention_config_sets_its_tma_tiles():

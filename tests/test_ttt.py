@@ -278,7 +278,7 @@ def test_flex_block_mask_matches_reference(monkeypatch):
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="torch.compile on the CPU needs a C compiler")
 def test_compiled_elementwise_ops_give_the_same_loss_and_grads():
-    """`train.compile_ops` (RMSNorm, RoPE, SiLU*up through torch.compile, dynamic row counts) is a
+    """`debug.compile_ops` (RMSNorm, RoPE, SiLU*up through torch.compile, dynamic row counts) is a
     pure speed change: same loss and gradients as the eager draft, skipping rows or not."""
     batch = random_batch([13, 20, 9, 14], seed=5)
     batch.loss_mask[:8] = 0

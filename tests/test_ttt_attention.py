@@ -286,8 +286,8 @@ def _other_case(name):
                     return self.kernel[grid](*args, **kwargs)
                 return launch
 
-        kernels = tta._KERNELS
-        tta._KERNELS = {n: Spy(n, k) for n, k in kernels.items()}
+        kernels = tta.KERNELS
+        tta.KERNELS = {n: Spy(n, k) for n, k in kernels.items()}
         try:
             with tta.pinned("fwd", (16, 16, 8, 2)), tta.pinned("dkdv", (16, 32, 4, 2)), tta.pinned("dq", (32, 16, 4, 3)):
                 with tta.pinned("fwd", (32, 16, 2, 3)):   # nested: the inner pin wins, then the outer is back
@@ -295,7 +295,7 @@ def _other_case(name):
                     seen_inner = dict(seen)
                 errors = _errors(45, 4, 2, 64, 3, [20, 25])
         finally:
-            tta._KERNELS = kernels
+            tta.KERNELS = kernels
         errors.update({f"nested {k}": e for k, e in inner.items()})
         return {"errors": errors, "seen": seen, "seen_inner": seen_inner["fwd"]}
     if name == "rejects_bad_arguments":

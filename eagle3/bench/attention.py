@@ -8,7 +8,7 @@ it first checks the Triton kernel against an fp32 reference (output and dq, dk, 
 fwd+bwd (`timing.median_ms`: median of triton.testing.do_bench) and measures peak memory for:
   triton       kernels.ttt_attention.ttt_attention (tiles loaded through TMA on sm_90 and later)
   pointer      the same kernels with pointer loads (a row only where the kernel uses TMA)
-  flex         kernels.flex.ttt_attention, what `train.kernels = "torch"` runs: compiled
+  flex         kernels.flex.ttt_attention, what `debug.kernels = "torch"` runs: compiled
                flex_attention with the TTT block mask (mask built on the untimed first call)
   sdpa floor   causal SDPA over the step-0 keys only (no diagonal terms): the floor; per-sequence
                calls for packed sequences, each on its own input tensors

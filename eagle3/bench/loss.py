@@ -37,7 +37,7 @@ from eagle3.bench.timing import (describe_device, free_memory, matmul_tflops, me
                                  require_cuda)
 from kernels.reference import LOSSES
 from kernels.reference import ttt_loss as reference_loss
-from kernels.ttt_loss import ttt_loss, ttt_loss_steps
+from kernels.ttt_loss import chosen_configs, ttt_loss, ttt_loss_steps
 
 K, V = 7, 32000
 SHAPES = {  # label: (N, H, share of rows not valid)
@@ -314,10 +314,8 @@ def run(shapes: str = "all", losses: list[str] = ()) -> None:
     for label in labels:
         for line in ratios(times, label):
             print(line)
-    import kernels.ttt_loss as fused
-    if fused._tuned_kernel is not None:
-        print("loss kernel configs chosen by autotune (V, LOSS, WRITE_GRAD, ...):",
-              {k: str(c) for k, c in fused._tuned_kernel.cache.items()})
+    if configs := chosen_configs():
+        print("loss kernel configs chosen by autotune (V, LOSS, WRITE_GRAD, ...):", configs)
     for name in ("triton", "triton-K"):
         if (("b", name) in times) and (("c", name) in times):
             b, c = times[("b", name)][0], times[("c", name)][0]

@@ -104,21 +104,6 @@ def layer_flops(model, s: dict) -> dict[str, float]:
             "experts (8 routed + 1 shared)": 2 * experts * tokens}
 
 
-def check_grouped_mm(device: torch.device) -> bool:
-    """torch._grouped_mm on this device against the per-expert loop, at a small bf16 shape."""
-    x = torch.randn(300, 256, device=device, dtype=torch.bfloat16)
-    w = torch.randn(3, 128, 256, device=device, dtype=torch.bfloat16)
-    sizes = [100, 0, 200]
-    ends = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-    try:
-        got = deepseek.expert_matmul(x, w, sizes, ends)
-    except RuntimeError as e:
-        print(f"grouped mm failed: {e}")
-        return False
-    expect = torch.cat([x[:100] @ w[0].T, x[100:] @ w[2].T])
-    return bool(((got.float() - expect.float()).norm() / expect.float().norm()) < 1e-2)
-
-
 def check_dequant(w) -> bool:
     """The Triton kernel against the eager torch dequantization, on real-size experts."""
     p, sc = w["experts.down.weight_packed"][:3], w["experts.down.weight_scale"][:3]
@@ -153,14 +138,14 @@ def check_norm(model, device: torch.device) -> dict:
 def bench_layer(s: dict, device: torch.device, peak: float) -> dict:
     model = GeneratedKimi(GeneratedCheckpoint(kimi_config(s, layers=4), device), device, torch.bfloat16)
     w = model.load_layer(1)
-    ok, grouped_ok = check_dequant(w), check_grouped_mm(device)
-    print(f"triton dequant == torch dequant on real-size experts: {ok}; grouped mm works: {grouped_ok}")
-    model.triton_dequant, model.grouped_mm = ok, grouped_ok   # keep measuring where a check failed, and say so
+    ok = check_dequant(w)
+    print(f"triton dequant == torch dequant on real-size experts: {ok}")
+    model.triton_dequant = ok   # keep measuring where the check failed, and say so
     narrow = {**check_narrow_v(model, device), **check_norm(model, device)}
     print(f"attention with MLA's narrow v: cuDNN unpadded {narrow['attention_narrow_v_cudnn']}, "
           f"rel err against v padded {narrow['attention_narrow_v_rel_err']:.1e}; RMSNorm as run against eager: rel err "
           f"{narrow['norm_rel_err']:.1e}, {narrow['norm_bit_equal_share']:.1%} of outputs bit-equal")
-    return {**time_layer(model, w, s, device, peak), "triton_dequant_ok": ok, "grouped_mm_ok": grouped_ok, **narrow}
+    return {**time_layer(model, w, s, device, peak), "triton_dequant_ok": ok, **narrow}
 
 
 def time_layer(model, w: dict, s: dict, device: torch.device, peak: float) -> dict:
@@ -173,19 +158,7 @@ def time_layer(model, w: dict, s: dict, device: torch.device, peak: float) -> di
     xn = torch.randn_like(x)
     t_attn = median_ms_of_calls(lambda: model._attention(w, xn, pos, cu, None), calls=5, warmup_calls=2) / 1e3
     t_moe = median_ms_of_calls(lambda: model._moe(w, xn), calls=5, warmup_calls=2) / 1e3
-    grouped, model.grouped_mm = model.grouped_mm, False
-    t_moe_loop = median_ms_of_calls(lambda: model._moe(w, xn), calls=3) / 1e3   # one matmul per expert
-    model.grouped_mm = grouped
-    w4a16 = {}
-    if cuda and "experts.gate_up.weight_packed" in w:   # int4 experts straight into the GEMM: time, memory, agreement
-        model.w4a16 = True
-        fused = model._moe(w, xn)
-        w4a16 = {"moe_w4a16_s": median_ms_of_calls(lambda: model._moe(w, xn), calls=5, warmup_calls=2) / 1e3,
-                 "moe_w4a16_transient_gib": peak_bytes(lambda: model._moe(w, xn))[0] / 2 ** 30}
-        model.w4a16 = False
-        plain = model._moe(w, xn).float()
-        w4a16["moe_w4a16_rel_err"] = float((fused.float() - plain).norm() / plain.norm())
-        w4a16["moe_transient_gib"] = peak_bytes(lambda: model._moe(w, xn))[0] / 2 ** 30
+    t_moe_mem = peak_bytes(lambda: model._moe(w, xn))[0] / 2 ** 30 if cuda else float("nan")
     E = model.spec.n_routed_experts
     quarter = list(range(E // 4))
     t_deq = median_ms_of_calls(lambda: (model._expert_weights(w, "gate_up", quarter),
@@ -199,7 +172,7 @@ def time_layer(model, w: dict, s: dict, device: torch.device, peak: float) -> di
     total = sum(flops.values())
     return {"tokens": T, "layer_s": t_layer, "tokens_per_s": T / t_layer, "tflops": total / t_layer / 1e12,
             "peak_share": total / t_layer / 1e12 / peak, "flops": flops, "attention_s": t_attn, "moe_s": t_moe,
-            "moe_per_expert_loop_s": t_moe_loop, **w4a16,
+            "moe_transient_gib": t_moe_mem,
             "dequant_all_experts_s": t_deq, "dequant_all_experts_eager_s": t_deq_eager,
             "layer_transient_gib": transient, "expert_tokens_min_max": [int(counts.min()), int(counts.max())]}
 
@@ -227,10 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench moe", description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (smoke test)")
     parser.add_argument("--parts", default="layer,streamed",
-                        help="comma list: layer (one MoE layer's time, W4A16 included), streamed (4-layer memory)")
+                        help="comma list: layer (one MoE layer's time), streamed (4-layer memory)")
     parser.add_argument("--expert-block", type=int, default=deepseek.EXPERT_BLOCK,
-                        help="experts per grouped GEMM: dequantized together on the default path, read packed "
-                             "together by W4A16 (eagle3.models.deepseek.EXPERT_BLOCK)")
+                        help="experts dequantized together (eagle3.models.deepseek.EXPERT_BLOCK)")
     args = parser.parse_args(argv)
     if args.expert_block < 1:
         parser.error(f"--expert-block {args.expert_block}: expected at least 1")

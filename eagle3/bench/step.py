@@ -226,7 +226,7 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
     path, *options = kernels.split("-")
     fp8, fp8_head = "fp8" in options, "head" in options
     args = ["--target.path", str(root / "target"), "--train.data_dir", str(root / f"data-{layout}"),
-            "--train.output_dir", str(root / f"out-{layout}-{kernels}"), "--train.kernels", path,
+            "--train.output_dir", str(root / f"out-{layout}-{kernels}"), "--debug.kernels", path,
             "--train.float8", str(fp8).lower(), "--train.float8_head", str(fp8_head).lower(),
             "--train.batch_tokens", str(s["seqs"] * s["seq_len"]), "--train.eval_fraction", "0",
             "--train.max_steps", str(steps + warmup + 2), "--train.resume", "never",
@@ -235,12 +235,12 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
             "--draft.intermediate_size", str(s["inter"]),
             # "torch" is the established recipe: every row computed, eager layers; ours skips dead
             # rows and fuses the layers' elementwise chains
-            "--train.skip_dead_rows", str(path != "torch").lower(),
-            "--train.compile_ops", str(path != "torch").lower(),
+            "--debug.skip_dead_rows", str(path != "torch").lower(),
+            "--debug.compile_ops", str(path != "torch").lower(),
             # the default (and the peer's) head: the target's rows, frozen; --train-head: the
             # workload of the figures recorded before 2026-11-30 (random head, trained)
-            "--draft.lm_head_init", "random" if train_head else "target",
-            "--train.freeze_lm_head", str(not train_head).lower(),
+            "--experimental.lm_head_init", "random" if train_head else "target",
+            "--experimental.freeze_lm_head", str(not train_head).lower(),
             # assistant rows only: the peer's workload and the recorded figures' (our default, prompt
             # rows trained too, is --prompt-rows: more rows through the MLP and loss on layout b)
             "--train.prompt_rows", str(prompt_rows).lower()]

@@ -1,12 +1,12 @@
-"""`python -m eagle3.bench tiles`: every autotune candidate of the Triton kernels compiled for the GPUs
-of its family, and each block's shared memory set against what that GPU gives a block.
+"""`python -m eagle3.bench tiles`: every autotune candidate of the TTT attention kernels compiled for
+the GPUs of its family, and each block's shared memory set against what that GPU gives a block.
 
 No GPU needed: `triton.compile` builds for a named target (PTX and cubin, with the ptxas Triton
 ships), so this checks on any machine what the tile lists (`kernels.tiles`) promise for GPUs no one
 here has: that each tiling compiles for every GPU of its family and fits its shared memory. What it
 cannot say is how fast a tiling runs there. The attention kernels are built at head dim 128 (the
 larger one supported), packed sequences, bf16, with TMA loads on the GPUs that use them (sm_90,
-sm_100); the W4A16 GEMM for Kimi's int4 experts (group 32).
+sm_100).
 
     python -m eagle3.bench tiles [--families large,a100,small] [--jobs N]
 """
@@ -27,24 +27,19 @@ BLOCK_SMEM = {80: 166_912, 87: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 1
 _ATTENTION_TYPES = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")},
                     "LSE": "*fp32", "DELTA": "*fp32", "DS": "*fp32", "CU_SEQLENS": "*i32",
                     "qk_scale": "fp32", "sm_scale": "fp32"}
-_W4A16_TYPES = {"X": "*bf16", "P": "*i32", "S": "*bf16", "O": "*bf16", "SCHEDULE": "*i32", "ENDS": "*i32"}
 
 
 def _kernel(name: str, config: tuple, capability: int):
     """(jit function, argument types, constexprs but the tiling's) of kernel `name`; the attention
     loads through TMA descriptors where a launch would (`uses_tma`: the "large" family)."""
-    if name == "w4a16":
-        from eagle3.models import quant
-        return quant._w4a16_kernel(), _W4A16_TYPES, {"GROUP": 32, "UPCAST": False, "IEEE": False,
-                                                     "BLOCK_M": quant.W4A16_BLOCK_M["gpu"]}
     attention = importlib.import_module("kernels.ttt_attention")
-    fn = attention._KERNELS[name]
+    fn = attention.KERNELS[name]
     tma = attention.tma_family(divmod(capability, 10))
     descriptors = [a for a in attention.DESCRIPTOR_ROWS if a in fn.arg_names]
     constexprs = {"GROUP": 8, "HEAD_DIM": 128, "VARLEN": True, "TMA": tma, "UPCAST": False}
     if not tma:
         return fn, _ATTENTION_TYPES, {**constexprs, **dict.fromkeys(descriptors)}
-    rows = _tiling(name, config)   # BLOCK_M, BLOCK_N, as the launch's pre-hook sets the tiles
+    rows = _tiling(config)   # BLOCK_M, BLOCK_N, as the launch's pre-hook sets the tiles
     types = {a: f"tensordesc<bf16[{rows[attention.DESCRIPTOR_ROWS[a]]}, 128]>" for a in descriptors}
     return fn, {**_ATTENTION_TYPES, **types}, constexprs
 
@@ -57,9 +52,8 @@ def _attrs(fn, types: dict, constexprs: dict) -> dict:
             if a not in constexprs and a != "S" and (types.get(a, "i32") == "i32" or types[a].startswith("*"))}
 
 
-def _tiling(name: str, config: tuple) -> dict:
-    a, b = config[:2]
-    return {"BLOCK_N": a, "BLOCK_K": b} if name == "w4a16" else {"BLOCK_M": a, "BLOCK_N": b}
+def _tiling(config: tuple) -> dict:
+    return {"BLOCK_M": config[0], "BLOCK_N": config[1]}
 
 
 def compile_one(name: str, config: tuple, capability: int) -> int:
@@ -68,7 +62,7 @@ def compile_one(name: str, config: tuple, capability: int) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     fn, types, constexprs = _kernel(name, config, capability)
-    constexprs = {**constexprs, **_tiling(name, config)}
+    constexprs = {**constexprs, **_tiling(config)}
     signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature, attrs=_attrs(fn, types, constexprs),
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
@@ -79,10 +73,8 @@ def compile_one(name: str, config: tuple, capability: int) -> int:
 
 def candidates(families: list[str]) -> list[tuple[str, str, tuple, int]]:
     """(kernel, family, config, capability) for every list entry of `families` and their GPUs."""
-    from eagle3.models import quant
     attention = importlib.import_module("kernels.ttt_attention")
-    lists = {name: {f: attention.CONFIGS[f][name] for f in tiles.FAMILIES} for name in attention._KERNELS}
-    lists["w4a16"] = quant.W4A16_CONFIGS
+    lists = {name: {f: attention.CONFIGS[f][name] for f in tiles.FAMILIES} for name in attention.KERNELS}
     return [(name, f, c, cc) for name, by_family in lists.items() for f in families
             for c in by_family[f] for cc in TARGETS[f]]
 
@@ -106,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     jobs = candidates(families)
     print(f"{len(jobs)} builds: kernels' tile lists x their family's GPUs ({', '.join(f'{f}: sm_' + '/'.join(map(str, TARGETS[f])) for f in families)})",
           flush=True)
-    print("| kernel | family | GPU | BLOCK_M/N (N/K for w4a16), warps, stages | shared KiB | block limit KiB | fits |")
+    print("| kernel | family | GPU | BLOCK_M/N, warps, stages | shared KiB | block limit KiB | fits |")
     print("| --- | --- | --- | --- | ---: | ---: | --- |")
     bad = 0
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:

@@ -18,7 +18,6 @@ from eagle3.data.fp8 import decode_aux_fp8
 class RowRule:
     """Which label rows the loss trains besides assistant rows whose target greedy token is in the draft
     vocab (always trained). Accuracy and acceptance count assistant rows only, whatever the rule."""
-    oov: bool = False       # rows whose target greedy token is outside the draft vocab (always misses)
     prompt: bool = False    # rows whose label is a prompt token (loss_mask 0): the target's distribution there
 
 

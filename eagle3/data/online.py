@@ -69,9 +69,9 @@ class OnlineReader:
                                   f"{os.environ['LOCAL_WORLD_SIZE']} per node: use \"stream\" or \"resident\"")
             # the group first: a rank that fails loading its stage then fails alone, not inside new_group
             self.group = dist.new_group() if dist.is_initialized() else None
-            self.runner = StagedTarget(ckpt, aux_layer_ids, device, dtype, rank, world, cfg.extract.chunk_tokens)
+            self.runner = StagedTarget(ckpt, aux_layer_ids, device, dtype, rank, world, cfg.debug.chunk_tokens)
         else:
-            self.runner = TargetRunner(ckpt, aux_layer_ids, device, dtype, cfg.extract.chunk_tokens,
+            self.runner = TargetRunner(ckpt, aux_layer_ids, device, dtype, cfg.debug.chunk_tokens,
                                        resident=mode == "resident")
         # what an extraction of the same data would record: the draft vocabulary comes from it
         counts = Counter()

@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 def sdpa(q, k, v, **kw) -> torch.Tensor:
     """q/k/v [n, heads, D] -> [n, heads, Dv]. SDPA's fused (flash) kernels take only 4-D inputs:
-    3-D ones silently run the math path, which materializes the scores (20x slower on an H200)."""
+    3-D ones silently run the math path, which materializes the scores (much slower)."""
     return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                           v.transpose(0, 1)[None], enable_gqa=q.shape[1] != k.shape[1],
                                           **kw)[0].transpose(0, 1)

@@ -20,8 +20,8 @@ from eagle3.models import quant
 from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import cached_attention_packed, causal_attention_packed
 
-# experts dequantized and multiplied together: 32 Kimi experts are 2.8 GB of bf16, enough rows
-# for one grouped GEMM to fill the GPU, a small transient next to a 64k-token chunk's activations
+# experts dequantized into one buffer at a time: 32 Kimi experts are 2.8 GB of bf16, a small
+# transient next to a 64k-token chunk's activations
 EXPERT_BLOCK = 32
 
 
@@ -157,11 +157,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, spec: DeepseekSpec) -
     return idx, weights * spec.routed_scaling_factor
 
 
-def grouped_mm_supported(x: torch.Tensor) -> bool:
-    # torch._grouped_mm (torch >= 2.8) runs any dtype on the CPU but only bf16 on CUDA
-    return hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 or not x.is_cuda)
-
-
 def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """[n, 2I] gate | up of each (token, expert) pair -> silu(gate) · up · the pair's routing weight [n]
     (scaling the [n, I] activation rather than the [n, H] output: cheaper)."""
@@ -170,21 +165,16 @@ def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 
 def _select(stacked: torch.Tensor, experts: list[int]) -> torch.Tensor:
-    """stacked[experts] along the expert axis: a view for a run of consecutive experts (every
-    expert of a Kimi layer is active at a 64k-token chunk: with the copies the MoE part took 131 ms,
-    with views 122, H200, bench/RESULTS.md), a gathered copy otherwise."""
+    """stacked[experts] along the expert axis: a view for a run of consecutive experts (at a
+    64k-token chunk every Kimi expert is active, so no copy), a gathered copy otherwise."""
     if experts == list(range(experts[0], experts[0] + len(experts))):
         return stacked[experts[0]:experts[0] + len(experts)]
     return stacked.index_select(0, torch.tensor(experts).to(stacked.device, non_blocking=True))
 
 
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int], ends: torch.Tensor,
-                  grouped: bool = True) -> torch.Tensor:
-    """x [n, K] with rows grouped by expert (sizes[j] rows for expert j, ends = their cumsum, int32),
-    w [B, N, K] the experts' weights -> [n, N], each group times its expert's w[j].T; one grouped
-    GEMM where torch has it (and `grouped`), else one matmul per expert."""
-    if grouped and grouped_mm_supported(x):
-        return torch._grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=ends)
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """x [n, K] with rows grouped by expert (sizes[j] rows for expert j), w [B, N, K] the experts'
+    weights -> [n, N], each group times its expert's w[j].T: one matmul per expert."""
     return torch.cat([F.linear(part, w[j]) for j, part in enumerate(x.split(sizes))])
 
 
@@ -223,12 +213,8 @@ class DeepseekTarget:
     def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
         self.ckpt, self.cfg, self.device, self.dtype = ckpt, ckpt.config, device, dtype
         self.spec = DeepseekSpec.from_config(self.cfg)
-        # the fast paths, switchable for benchmarks and for a device where one misbehaves
-        self.grouped_mm = True        # experts of a block in one torch._grouped_mm
-        self.triton_dequant = True    # int4 experts dequantised by the Triton kernel on CUDA
-        self.w4a16 = False            # int4 experts straight into the grouped GEMM (quant.grouped_matmul_int4);
-                                      # off until measured faster than dequantise-then-GEMM (its first
-                                      # version was 24x slower on an H200: bench/RESULTS.md)
+        # int4 experts dequantised by the Triton kernel on CUDA; off for a benchmark or a device where it misbehaves
+        self.triton_dequant = True
         self.heads = self.cfg.num_attention_heads
         self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
         # on a GPU one fused kernel each: eagerly their fp32 chains move ~7x the bytes of their input
@@ -380,50 +366,35 @@ class DeepseekTarget:
 
     def _routed(self, w, x, idx, weights):
         """Σ_k weights[t, k] · expert_idx[t, k](x_t), [T, H] in x's dtype: (token, slot) pairs sorted by
-        expert; per block of EXPERT_BLOCK active experts, their weights dequantized into one
-        buffer (or read packed by the W4A16 GEMM) and one grouped GEMM per projection over all the
-        block's rows; each pair's output lands in its (token, slot) row, and the k slots of a token
-        are summed once at the end (an fp32 index_add over the sorted rows moved 3x the bytes)."""
+        expert; per block of EXPERT_BLOCK active experts, their weights dequantized into one buffer
+        and one matmul per expert and projection; each pair's output lands in its (token, slot) row,
+        and the k slots of a token are summed once at the end (fewer bytes than an fp32 index_add)."""
         T, k = idx.shape
         order = idx.flatten().argsort(stable=True)
         token, pair_w = order // k, weights.flatten()[order]
         counts = torch.bincount(idx.flatten(), minlength=self.spec.n_routed_experts).tolist()  # one sync
         starts = list(itertools.accumulate(counts, initial=0))
         pairs = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)   # row t·k + slot
-        blocks = self._blocks_w4a16 if self.w4a16 and "experts.gate_up.weight_packed" in w else self._blocks
-        for rows, gate_up, down in blocks(w, counts, starts):
+        for rows, gate_up, down in self._blocks(w, counts, starts):
             h = self.expert_act(gate_up(x[token[rows]]), pair_w[rows])                          # [n, I]
             pairs.index_copy_(0, order[rows], down(h))                                          # [n, H]
         return pairs.view(T, k, x.shape[1]).sum(1)   # summed in fp32 (the reduction's accumulator), stored in x's dtype
 
     def _blocks(self, w, counts, starts):
         """(rows, gate_up, down) per block of EXPERT_BLOCK active experts: their weights dequantized
-        into one buffer, one grouped GEMM per projection over the block's rows."""
+        into one buffer, one matmul per expert and projection over the block's rows."""
         active = [e for e, n in enumerate(counts) if n]
         for b in range(0, len(active), EXPERT_BLOCK):
             block = active[b:b + EXPERT_BLOCK]
             sizes = [counts[e] for e in block]
-            # small host lists to the device without waiting for the queued work (as quant's GEMM does)
-            ends = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32).to(self.device, non_blocking=True)
             yield (slice(starts[block[0]], starts[block[-1] + 1]),
-                   *(partial(self._dequantized_matmul, w=w, key=key, block=block, sizes=sizes, ends=ends)
+                   *(partial(self._dequantized_matmul, w=w, key=key, block=block, sizes=sizes)
                      for key in ("gate_up", "down")))
 
-    def _dequantized_matmul(self, x, w, key, block, sizes, ends):
+    def _dequantized_matmul(self, x, w, key, block, sizes):
         """x's rows times their experts' `key` projection, dequantized just for this call (one
         projection's buffer alive at a time)."""
-        return expert_matmul(x, self._expert_weights(w, key, block), sizes, ends, self.grouped_mm)
-
-    def _blocks_w4a16(self, w, counts, starts):
-        """`_blocks` with the int4 experts read by the GEMM itself (one launch per projection and
-        block of EXPERT_BLOCK consecutive experts): no bf16 copy of the weights."""
-        for e0 in range(0, len(counts), EXPERT_BLOCK):
-            experts = slice(e0, min(e0 + EXPERT_BLOCK, len(counts)))
-            rows = slice(starts[experts.start], starts[experts.stop])
-            if rows.start < rows.stop:
-                yield (rows, *(partial(quant.grouped_matmul_int4, packed=w[f"experts.{key}.weight_packed"][experts],
-                                       scale=w[f"experts.{key}.weight_scale"][experts], sizes=counts[experts])
-                               for key in ("gate_up", "down")))
+        return expert_matmul(x, self._expert_weights(w, key, block), sizes)
 
     def _expert_weights(self, w, key: str, experts: list[int]) -> torch.Tensor:
         """Dense [len(experts), out, in] weights of the chosen experts."""

@@ -1,4 +1,4 @@
-"""`python -m eagle3.bench quality` at toy size on the CPU: every stage but the peer, end to end."""
+"""`python -m benchmarks.quality` at toy size on the CPU: every stage but the peer, end to end."""
 import json
 from pathlib import Path
 
@@ -6,16 +6,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.bench import quality
-from eagle3.bench.__main__ import main as bench_main
+from benchmarks import quality
 from eagle3.models.checkpoint import Checkpoint
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     work = tmp_path_factory.mktemp("quality")
-    bench_main(["quality", "--tiny", "--work", str(work), "--device", "cpu", "--stages", "target,data,ours,measure",
-                "--variant", "base", "--variant", "trained-head:train.freeze_lm_head=false",
+    quality.main(["--tiny", "--work", str(work), "--device", "cpu", "--stages", "target,data,ours,measure",
+                "--variant", "base", "--variant", "trained-head:experimental.freeze_lm_head=false",
                 "--variant", "aux:target.aux_layer_ids=[1,3,6]",
                 "--variant", "sampled:data.path={work}/regen-sampled.jsonl,train.loss=nla"])
     return work
@@ -104,4 +103,4 @@ def test_variant_syntax():
 @pytest.mark.slow
 def test_a_work_directory_built_with_another_recipe_is_refused(work):
     with pytest.raises(SystemExit, match="another recipe.*lr: 0.0003 there, 0.001 asked"):
-        bench_main(["quality", "--tiny", "--work", str(work), "--stages", "measure", "--recipe", "lr=1e-3"])
+        quality.main(["--tiny", "--work", str(work), "--stages", "measure", "--recipe", "lr=1e-3"])

@@ -1,4 +1,4 @@
-"""`python -m eagle3.bench online`: online training's target placements against offline extraction
+"""`python -m benchmarks.online`: online training's target placements against offline extraction
 then training, for the same tokens, on a real-width 4-layer Kimi-layout target with the Kimi-size draft.
 
 The target (layer 0 dense, layers 1-3 MoE: MLA, 384 int4 experts of 2048, top-8 + 1 shared expert,
@@ -28,10 +28,10 @@ placement's launches, process start-up, compilation and the final checkpoint inc
 highest `torch.cuda.max_memory_allocated` of any rank in any phase. Disk: the bytes the placement left
 (shards, the final checkpoint; no export). Cost: GPU-seconds per 1k tokens at the steady end-to-end rate.
 
-    python -m eagle3.bench online [--placements offline,stream,resident,staged] [--ranks 2] [--steps 8]
+    python -m benchmarks.online [--placements offline,stream,resident,staged] [--ranks 2] [--steps 8]
                                   [--dir DIR] [--json FILE]
-    python -m eagle3.bench online --table FILE    # the markdown table of the rows a --json FILE holds
-    python -m eagle3.bench online --tiny          # the same at toy sizes on the CPU (gloo)
+    python -m benchmarks.online --table FILE    # the markdown table of the rows a --json FILE holds
+    python -m benchmarks.online --tiny          # the same at toy sizes on the CPU (gloo)
 """
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -59,7 +58,9 @@ from eagle3.files import atomic_write_text
 from eagle3.models import tiny
 from eagle3.models.checkpoint import read_config
 
-ROOT = Path(__file__).resolve().parents[2]   # where extract.py, train.py and config.toml are
+from benchmarks.processes import kill_tree
+
+ROOT = Path(__file__).resolve().parents[1]   # where extract.py, train.py and config.toml are
 PLACEMENTS = ("offline", "stream", "resident", "staged")
 KIMI = dict(model=moe.KIMI_MODEL, layers=4, draft=step.KIMI, shard_tokens=65536, steps=8)
 # step.TINY's draft (hidden 64) and vocabulary on moe.TINY's target; shards of one micro-batch, so
@@ -193,48 +194,6 @@ def launch(ranks: int, args: list[str], capture: bool = False) -> tuple[float, s
     return time.perf_counter() - start, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid`, from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):   # gone meanwhile
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a launch and every process below it, as a crashed node would lose them all (torchrun
-    starts its workers in sessions of their own: killing its process group leaves them running),
-    then wait until none is left."""
-    victims = [proc.pid, *descendants(proc.pid)]
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    deadline = time.time() + 60
-    while any(alive(pid) for pid in victims[1:]):
-        if time.time() > deadline:
-            raise RuntimeError(f"processes {[p for p in victims[1:] if alive(p)]} outlived SIGKILL")
-        time.sleep(0.05)
-
-
 def run_dir(root: Path, placement: str) -> Path:
     return root / "runs" / placement
 
@@ -245,9 +204,9 @@ def config_args(root: Path, s: dict, data: Path, placement: str, steps: int, cpu
     `extra` ({"train.resume": "auto"}) changes or adds keys."""
     d, out = s["draft"], run_dir(root, placement)
     cfg = {"target.path": root / "target", "data.path": data, "target.aux_layer_ids": "[1, 2, 3]",
-           "extract.output_dir": out / "hidden", "extract.shard_tokens": s["shard_tokens"],
+           "extract.output_dir": out / "hidden", "debug.shard_tokens": s["shard_tokens"],
            "train.output_dir": out / "train", "train.batch_tokens": d["seqs"] * d["seq_len"],
-           "train.max_steps": steps, "train.checkpoint_every": steps, "train.log_every": 1,
+           "train.max_steps": steps, "train.checkpoint_every": steps, "debug.log_every": 1,
            "train.eval_fraction": 0, "train.resume": "never", "export.formats": "[]",
            "vocab.draft_vocab_size": d["draft_vocab"], "draft.num_attention_heads": d["heads"],
            "draft.num_key_value_heads": d["kv_heads"], "draft.head_dim": d["head_dim"],
@@ -255,7 +214,7 @@ def config_args(root: Path, s: dict, data: Path, placement: str, steps: int, cpu
     if placement != "offline":
         cfg.update({"train.source": "online", "train.online_target": placement})
     if cpu:
-        cfg.update({"train.device": "cpu", "extract.device": "cpu"})
+        cfg.update({"debug.train_device": "cpu", "debug.extract_device": "cpu"})
     cfg.update(extra)
     return [x for k, v in cfg.items() for x in (f"--{k}", str(v))]
 
@@ -313,7 +272,7 @@ def run_placement(root: Path, s: dict, data: Path, placement: str, args: argpars
     phases = ("extract", "train") if placement == "offline" else ("train",)
     walls = {}
     for phase in phases:
-        worker = ["-m", "eagle3.bench", "online", "--worker", f"{placement}:{phase}", "--dir", str(root),
+        worker = ["-m", "benchmarks.online", "--worker", f"{placement}:{phase}", "--dir", str(root),
                   "--ranks", str(args.ranks), "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
         walls[phase] = launch(args.ranks, worker)[0]
     reports = {phase: [json.loads(p.read_text()) for p in sorted(out.glob(f"{phase}-rank*.json"))] for phase in phases}
@@ -357,7 +316,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eagle3.bench online", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.online", description=__doc__.split("\n")[0])
     parser.add_argument("--placements", default=",".join(PLACEMENTS), help="comma list of " + ", ".join(PLACEMENTS))
     parser.add_argument("--ranks", type=int, default=2, help="ranks (GPUs) of every placement: torchrun --nproc_per_node")
     parser.add_argument("--steps", type=int, default=None,
@@ -398,3 +357,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{s['draft']['seqs']} x {s['draft']['seq_len']} tokens per rank\n" + table(rows))
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The quality benchmark in one device call: the peer's wheels installed, then
-# `python -m eagle3.bench quality` stage by stage, its files packed into $OUT after each stage (so
+# `python -m benchmarks.quality` stage by stage, its files packed into $OUT after each stage (so
 # a call stopped at its time limit still returns what it finished).
-#   here:  the peer's wheels (speculators 0.9.0 and what it needs) in .whl/, its scripts in bench/peer/
-#   there: bash bench/quality_device.sh STAGE...     (carry .whl and the work dir)
+#   here:  the peer's wheels (speculators 0.9.0 and what it needs) in .whl/, its scripts in benchmarks/peer/
+#   there: bash benchmarks/device/quality.sh STAGE...     (carry .whl and the work dir)
 # a STAGE is target, data, peer, measure, ours@VARIANT (VARIANT as --variant takes it: name[:key=value,...])
 # or peer@NAME:FLAGS (--peer-variant); a STAGE prefixed "bg:" runs in the background beside the next ones
 # (quality screening on one GPU: its training times then do not count), "wait" waits for them;
@@ -32,7 +32,7 @@ run_stage() {
   args=(--stages "${stage%%@*}")
   [[ $stage == ours@* ]] && args+=(--variant "${stage#ours@}")
   [[ $stage == peer@* ]] && args+=(--peer-variant "${stage#peer@}")
-  python3 -m eagle3.bench quality --work "$work" "${args[@]}" --peer-script bench/peer/speculators_quality.py ${QUALITY_ARGS:-} \
+  python3 -m benchmarks.quality --work "$work" "${args[@]}" --peer-script benchmarks/peer/speculators_quality.py ${QUALITY_ARGS:-} \
     2>&1 | grep -v "it/s]\|s/it]\|conv/s]\|step/s]\|s/step]" | sed "s|^|[${stage%%:*}] |" | tee -a "$out/log.txt"
 }
 for stage in "$@"; do

@@ -9,11 +9,11 @@ tiny.make_llama("/tmp/smoke/target", hidden=256, layers=8, heads=4, kv_heads=2, 
 tiny.make_token_data("/tmp/smoke/data.jsonl", vocab=2048, sequences=512, min_len=64, max_len=512)
 PY
 common="--target.path /tmp/smoke/target --data.path /tmp/smoke/data.jsonl --extract.output_dir /tmp/smoke/hidden
- --train.batch_tokens 8192 --train.max_steps 60 --train.log_every 20 --train.eval_every 60 --train.lr 3e-3
+ --train.batch_tokens 8192 --train.max_steps 60 --debug.log_every 20 --train.eval_every 60 --train.lr 3e-3
  --draft.head_dim 128 --draft.num_attention_heads 4 --draft.num_key_value_heads 2"
 python extract.py $common
 for k in torch triton; do
-  python train.py $common --train.kernels $k --train.output_dir /tmp/smoke/train-$k 2>&1 | grep -v "step/s\|s/step"
+  python train.py $common --debug.kernels $k --train.output_dir /tmp/smoke/train-$k 2>&1 | grep -v "step/s\|s/step"
   tail -n 2 /tmp/smoke/train-$k/metrics.jsonl | cut -c1-400 | tee -a $out/metrics-$k.txt
 done
 PY_CMP='import json,sys

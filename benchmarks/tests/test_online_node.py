@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.bench import moe, node, online
+from benchmarks import node, online, quality
+from eagle3.bench import moe
 from eagle3.data.shards import read_manifest, sha256_file
 from eagle3.models.checkpoint import Checkpoint
 from eagle3.models.deepseek import DeepseekTarget
@@ -111,3 +112,11 @@ def test_a_run_killed_on_two_ranks_resumes_to_the_uninterrupted_weights(tmp_path
     (r,) = map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines())
     assert r["killed_after"] < "step-00000006" and r["resumed"]
     assert r["bit_equal"] and r["max_abs_diff"] == 0 and r["floor_max_abs_diff"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU sees")
+@pytest.mark.parametrize("harness,argv", [(online, []), (node, ["extract"]), (quality, [])])
+def test_a_harness_on_a_cpu_machine_says_so_at_once(harness, argv):
+    """No default that cannot run on a CPU: a one-line refusal naming --tiny, before any work."""
+    with pytest.raises(SystemExit, match="needs a CUDA GPU.*--tiny"):
+        harness.main(argv)

@@ -1,19 +1,19 @@
-"""`python -m eagle3.bench node`: one 8-GPU node against fewer ranks doing the same work (issue 16).
+"""`python -m benchmarks.node`: one 8-GPU node against fewer ranks doing the same work (issue 16).
 
-    python -m eagle3.bench node scaling ONE.jsonl MANY.jsonl
+    python -m benchmarks.node scaling ONE.jsonl MANY.jsonl
         the step bench's rows (`python -m eagle3.bench --json`) from 1 GPU and from torchrun on N: per
         layout and kernels, N-GPU tokens/s over 1-GPU tokens/s (the bar: 0.95 N, 7.6x on 8), beside the
         N-rank run's same-weights and host-sync columns
-    python -m eagle3.bench node extract [--ranks 1,8] [--shards 8] [--dir DIR] [--tiny]
+    python -m benchmarks.node extract [--ranks 1,8] [--shards 8] [--dir DIR] [--tiny]
         `extract.py` under torchrun for each rank count on the online bench's real-width Kimi-layout
         target (`online.prepare`), `--shards` shards of 65536 tokens: wall seconds (start-up included)
         and tokens/s, and each count's shards against the first count's: the same plan, how many
         files are bit-equal, the largest difference of every tensor, the greedy tokens that agree
-    python -m eagle3.bench node resume [--ranks 8] [--steps 40] [--every 5] [--kill-at 10] [--dir DIR] [--tiny]
+    python -m benchmarks.node resume [--ranks 8] [--steps 40] [--every 5] [--kill-at 10] [--dir DIR] [--tiny]
         `train.py` on N ranks on the same shards (the online bench's toy Kimi-layout target and
         draft: a check of resume, not of speed): uninterrupted twice (the second gives the run-to-run
         floor, 0 where training is deterministic), and once killed with SIGKILL (torchrun and every
-        worker: `online.kill_tree`) as soon as checkpoint `--kill-at` is complete, then rerun with
+        worker: `processes.kill_tree`) as soon as checkpoint `--kill-at` is complete, then rerun with
         the same command; its final weights against the uninterrupted run's
 
 `--tiny`: toy sizes on the CPU (gloo).
@@ -34,7 +34,8 @@ from safetensors.torch import load_file
 from eagle3 import checkpoint as ckpt_io
 from eagle3 import config as config_mod
 from eagle3 import extraction
-from eagle3.bench import online
+from benchmarks import online
+from benchmarks.processes import kill_tree
 from eagle3.bench.timing import free_memory, require_cuda
 from eagle3.data.shards import read_manifest
 
@@ -140,7 +141,7 @@ def kill_when(cmd: list[str], marker: Path, log: Path) -> None:
         deadline = time.time() + online.PHASE_TIMEOUT
         while not marker.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
-        online.kill_tree(proc)
+        kill_tree(proc)
 
 
 def kill_resume(root: Path, s: dict, ranks: int, steps: int, every: int, kill_at: int, device: torch.device) -> dict:
@@ -177,7 +178,7 @@ def kill_resume(root: Path, s: dict, ranks: int, steps: int, every: int, kill_at
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eagle3.bench node", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.node", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("scaling", help="N-GPU over 1-GPU tokens/s from the step bench's --json files")
     p.add_argument("one")
@@ -213,3 +214,7 @@ def main(argv: list[str] | None = None) -> None:
             f.writelines(json.dumps(r) + "\n" for r in results)
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 14's speed figures on the GPU machine, a part per argument (each under a 10-minute call):
-#   peer   the peer's step alone (speculators 0.9.0, bench/peer/speculators_kimi_step.py: data and
+#   peer   the peer's step alone (speculators 0.9.0, benchmarks/peer/speculators_kimi_step.py: data and
 #          verifier about 75 s, its first epoch compiles for 4-5 minutes; 388 to 485 s in all from a
 #          cold start: give it the call's whole 600 s; its log streams to $OUT). Followed by `cache`,
 #          it leaves its compiled graphs for the next call (below): `peer cache` then `step` is how one
@@ -24,7 +24,7 @@
 #   rows   the row spread and RMSNorm kernels against torch's (python -m eagle3.bench rows)
 #   moe    the Kimi MoE layer alone (W4A16 included)
 #   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer (W4A16 included)
-#   here:  the peer's wheels in .whl/ (see bench/peer/)    there: bash bench/speed_device.sh PART...
+#   here:  the peer's wheels in .whl/ (see benchmarks/peer/)    there: bash benchmarks/device/speed.sh PART...
 # Compiled graphs travel between calls: every part runs with torch's inductor and Triton caches in
 # /tmp/peer-cache; `cache` packs them into $OUT/peer-cache.tgz.NN (15 MiB pieces, 22 MB after the
 # peer); copied here into .peercache/ (ignored: `echo /.peercache/ >> .git/info/exclude`) and carried
@@ -50,11 +50,11 @@ for part in "$@"; do
     step)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
       PYTHONPATH=/tmp/site python3 -m eagle3.bench --layouts a --kernels triton,triton-fp8-head --steps 3 --warmup 2 \
-        --dir /tmp/bd --json "$out/step.jsonl" --peer-script bench/peer/speculators_kimi_step.py \
+        --dir /tmp/bd --json "$out/step.jsonl" --peer-script benchmarks/peer/speculators_kimi_step.py \
         ${PEER_GPU:+--peer-gpu "$PEER_GPU"} 2>&1 | quiet | tee "$out/step.txt" ;;
     peer)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-      PYTHONPATH=/tmp/site python3 bench/peer/speculators_kimi_step.py 2>&1 | quiet | tee "$out/peer.txt" ;;
+      PYTHONPATH=/tmp/site python3 benchmarks/peer/speculators_kimi_step.py 2>&1 | quiet | tee "$out/peer.txt" ;;
     step-a)
       rm -rf /tmp/prof
       python3 -m eagle3.bench --layouts a --kernels ${STEP_KERNELS:-triton-fp8,triton-fp8-head,triton} --steps 3 --warmup 2 --dir /tmp/bd \

@@ -2,7 +2,7 @@
 # Issue 16's figures on nvidia-h200-x8 (one 8-GPU node), a part per argument:
 #   scale-a  the training-step bench (Kimi-size draft, layout a, KERNELS: triton-fp8-head, the default on an
 #            H200) under torchrun on 8 GPUs (NPROC, default 8), then on 1 GPU, same shards, same call; then
-#            `python -m eagle3.bench node scaling`: N-GPU over 1-GPU tokens/s (the bar on 8: >= 7.6x, on 2
+#            `python -m benchmarks.node scaling`: N-GPU over 1-GPU tokens/s (the bar on 8: >= 7.6x, on 2
 #            issue 14's 1.95x), every parameter bit-equal across the N ranks, host syncs per step
 #   scale-b  the same on layout b
 #   extract  extract.py on 1 rank, then under torchrun on 8, on the online bench's real-width 4-layer
@@ -21,7 +21,7 @@
 #            16 shards (~17 s each: the layers streamed from the page cache, the 3.7 GB shard written and
 #            hashed), 8 ranks two shards each (~50 s with start-up), the comparison on the GPU (~30 s)
 #   resume   ~3 min: the shards (in this process, seconds), 4 launches of 8 ranks of ~30-40 s each
-# so: call 1 `bash bench/node_device.sh resume scale-a` (~8 min; resume first: scale-a's estimate is
+# so: call 1 `bash benchmarks/device/node.sh resume scale-a` (~8 min; resume first: scale-a's estimate is
 # the shakier), call 2 `scale-b` (~5 min), call 3 `extract` (~8 min). Each part runs under
 # `timeout` (PART_LIMIT seconds, default 560) and a failed part is marked "== PART FAILED rc=N".
 # Output, as it runs: $OUT/node.txt (the log), $OUT/scale-{1,NPROC}.jsonl (the step bench's rows),
@@ -48,16 +48,16 @@ for part in "$@"; do
       step=(-m eagle3.bench --layouts "$layout" --kernels "$kernels" --steps 3 --warmup 2 --dir /tmp/bd)
       { run python3 -m torch.distributed.run --standalone --nproc_per_node "$n" "${step[@]}" --json "$out/scale-$n.jsonl" &&
         run python3 "${step[@]}" --json "$out/scale-1.jsonl" &&
-        python3 -m eagle3.bench node scaling "$out/scale-1.jsonl" "$out/scale-$n.jsonl"; } 2>&1 | quiet | tee -a "$out/node.txt"
+        python3 -m benchmarks.node scaling "$out/scale-1.jsonl" "$out/scale-$n.jsonl"; } 2>&1 | quiet | tee -a "$out/node.txt"
       rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || failed "$rc"
       rm -rf "/tmp/bd/data-$layout" ;;
     extract)
-      run python3 -m eagle3.bench node extract --ranks 1,8 --shards 16 --dir /tmp/online --json "$out/extract.jsonl" \
+      run python3 -m benchmarks.node extract --ranks 1,8 --shards 16 --dir /tmp/online --json "$out/extract.jsonl" \
         2>&1 | quiet | tee -a "$out/node.txt"
       rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || failed "$rc"
       rm -rf /tmp/online/hidden-* ;;
     resume)
-      run python3 -m eagle3.bench node resume --ranks 8 --steps 40 --every 5 --kill-at 10 --dir /tmp/resume \
+      run python3 -m benchmarks.node resume --ranks 8 --steps 40 --every 5 --kill-at 10 --dir /tmp/resume \
         --json "$out/resume.jsonl" 2>&1 | quiet | tee -a "$out/node.txt"
       rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || failed "$rc" ;;
     *) echo "unknown part $part: expected scale-a, scale-b, extract or resume"; exit 2 ;;

@@ -1,4 +1,4 @@
-"""`python -m eagle3.bench quality`: our draft against the peer's on a small **real** target, judged
+"""`python -m benchmarks.quality`: our draft against the peer's on a small **real** target, judged
 by real speculative decoding on held-out prompts.
 
 Stages (each writes under `--work` and is skipped when its output is already there, so the target
@@ -19,9 +19,9 @@ and its data are built once and carried to the calls that train and measure):
   sampling at the serving temperature and top_p with greedy and with probabilistic draft proposals,
   over `eval_seeds` seeds (mean and standard deviation).
 
-    python -m eagle3.bench quality --work runs/quality --stages target,data
-    python -m eagle3.bench quality --work runs/quality --stages ours,peer,measure --peer-script bench/peer/speculators_quality.py
-    python -m eagle3.bench quality --tiny --work /tmp/q      # the same code at toy size on the CPU
+    python -m benchmarks.quality --work runs/quality --stages target,data
+    python -m benchmarks.quality --work runs/quality --stages ours,peer,measure --peer-script benchmarks/peer/speculators_quality.py
+    python -m benchmarks.quality --tiny --work /tmp/q      # the same code at toy size on the CPU
 """
 from __future__ import annotations
 
@@ -318,9 +318,9 @@ def build_data(r: Recipe, work: Path, device: str) -> dict:
     for kind, temperature, top_p in (("sampled", r.serve_temperature, r.serve_top_p), ("greedy", 0.0, 1.0)):
         cfg = our_config(r, work, work / "unused", {
             "data.path": work / "seed.jsonl", "generate.output_path": work / DATA[kind],
-            "generate.max_new_tokens": r.reply_len, "generate.batch_size": r.generate_batch,
+            "generate.max_new_tokens": r.reply_len, "debug.generate_batch_size": r.generate_batch,
             "generate.temperature": temperature, "generate.top_p": top_p,
-            "generate.device": device, "generate.dtype": "float32", "generate.stop_token_ids": "[]"})
+            "debug.generate_device": device, "debug.generate_dtype": "float32", "generate.stop_token_ids": "[]"})
         out[f"generate_s/{kind}"] = wall_s(lambda: generate.run(cfg))[0]
     return out
 
@@ -339,7 +339,7 @@ def our_config(r: Recipe, work: Path, run_dir: Path, overrides: dict | None = No
             "train.output_dir": run_dir, "train.max_steps": 0, "train.epochs": r.epochs,
             "train.ttt_steps": r.ttt_steps, "train.loss_decay": r.loss_decay, "train.lr": r.lr,
             "train.batch_tokens": r.batch_tokens, "train.eval_fraction": r.eval_fraction, "train.seed": r.seed,
-            "train.log_every": 50, "train.eval_every": 100000, "train.checkpoint_every": 100000,
+            "debug.log_every": 50, "train.eval_every": 100000, "train.checkpoint_every": 100000,
             "train.resume": "auto", "export.formats": '["vllm"]', "export.speculative_tokens": r.ttt_steps,
             **(overrides or {})}
     return config_mod.load(None, [x for k, v in base.items() for x in (f"--{k}", str(v))])
@@ -382,7 +382,7 @@ def extract_once(r: Recipe, work: Path, hidden: Path, overrides: dict, device: s
     with locked(work):
         if manifest.exists() and json.loads(manifest.read_text()).get("complete"):
             return None
-        cfg = our_config(r, work, work / "unused", {"extract.device": device, **overrides, "extract.output_dir": hidden})
+        cfg = our_config(r, work, work / "unused", {"debug.extract_device": device, **overrides, "extract.output_dir": hidden})
         return wall_s(lambda: extraction.run(cfg))[0]
 
 
@@ -402,7 +402,7 @@ def run_ours(r: Recipe, work: Path, variants: list[str], device: str) -> dict:
         hidden = work / (f"hidden-{name}" if shaping else "hidden")
         if shaping and (seconds := extract_once(r, work, hidden, shaping, device)) is not None:
             out[f"extract_s/{name}"] = seconds
-        cfg = our_config(r, work, run_dir, {"train.device": device, **overrides, "extract.output_dir": hidden})
+        cfg = our_config(r, work, run_dir, {"debug.train_device": device, **overrides, "extract.output_dir": hidden})
         # a run killed by the call's time limit resumes: its time then covers only the rest
         resumed = ckpt_io.latest(run_dir)
         out[f"train_s/{name}"] = wall_s(lambda: training.run(cfg))[0]
@@ -477,9 +477,9 @@ def measure(r: Recipe, work: Path, device: str, settings: list[str]) -> dict:
         bench = path / "bench.json" if name.startswith("peer") else path.parent.parent / "bench.json"
         results[name] = json.loads(bench.read_text()) if bench.exists() else {}
         for setting in settings:
-            cfg = our_config(r, work, work / "unused", {"evaluate.device": device, "evaluate.dtype": "float32",
+            cfg = our_config(r, work, work / "unused", {"debug.evaluate_device": device, "debug.evaluate_dtype": "float32",
                                                         "evaluate.max_new_tokens": r.eval_new_tokens,
-                                                        "evaluate.k": r.ttt_steps, "evaluate.batch_size": r.eval_prompts,
+                                                        "evaluate.k": r.ttt_steps, "debug.evaluate_batch_size": r.eval_prompts,
                                                         **SETTINGS[setting](r)})
             report = real_decoding(cfg, path, work / "prompts.jsonl", greedy_cache=greedy_cache,
                                    out=work / f"eval-{name}-{setting}.json")
@@ -540,12 +540,12 @@ def with_changes(r: Recipe, changes: list[str]) -> Recipe:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eagle3.bench quality", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n")[0])
     parser.add_argument("--work", default="runs/quality", help="where every stage reads and writes")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
     parser.add_argument("--variant", action="append", default=None,
                         help="our recipe variant, name[:section.key=value,...]; repeatable (default: base)")
-    parser.add_argument("--peer-script", default="bench/peer/speculators_quality.py",
+    parser.add_argument("--peer-script", default="benchmarks/peer/speculators_quality.py",
                         help="the peer's quality script (speculators 0.9.0 training on a Llama target)")
     parser.add_argument("--peer-variant", default=None,
                         help="name:--flag ...: the peer with these flags of its script, into peer-name/")
@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
         "cpu" if args.device == "auto" else args.device)
     if device == "cpu" and not args.tiny and set(stages) - {"measure"}:
-        raise SystemExit("error: python -m eagle3.bench quality trains a target and drafts: it needs a CUDA GPU "
+        raise SystemExit("error: python -m benchmarks.quality trains a target and drafts: it needs a CUDA GPU "
                          "(--stages measure runs on a CPU; --tiny runs every stage at toy size)")
     summary_path = work / "quality.json"
     built = json.loads(summary_path.read_text()) if summary_path.exists() else {}   # written whole, atomically
@@ -595,3 +595,7 @@ def main(argv: list[str] | None = None) -> None:
                 summary[key] = value
         atomic_write_text(summary_path, strict_json(summary, indent=1))
     print(strict_json({k: v for k, v in summary.items() if k != "recipe"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
