@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from eagle3 import checkpoint as ckpt_io
+from eagle3 import train_state
 from eagle3 import config as config_mod
 from eagle3 import extraction
 from benchmarks import online
@@ -127,7 +127,7 @@ def extract_table(rows: list[dict]) -> str:
 
 
 def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
-    return ckpt_io.load_weights(ckpt_io.latest(output_dir))
+    return train_state.load_weights(train_state.latest(output_dir))
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -164,10 +164,10 @@ def kill_resume(root: Path, s: dict, ranks: int, steps: int, every: int, kill_at
     for name in ("straight", "again", "killed"):
         shutil.rmtree(root / name, ignore_errors=True)
     walls = {name: online.launch(ranks, args(name))[0] for name in ("straight", "again")}
-    kill_when(online.torchrun(ranks, args("killed")), ckpt_io.step_dir(root / "killed", kill_at),
+    kill_when(online.torchrun(ranks, args("killed")), train_state.step_dir(root / "killed", kill_at),
               root / "killed.log")
-    stopped = ckpt_io.latest(root / "killed")
-    if stopped is None or stopped == ckpt_io.step_dir(root / "killed", steps):
+    stopped = train_state.latest(root / "killed")
+    if stopped is None or stopped == train_state.step_dir(root / "killed", steps):
         raise RuntimeError(f"the run to kill was not interrupted (newest checkpoint: {stopped})")
     walls["resumed"], resumed = online.launch(ranks, args("killed"), capture=True)
     straight, again, killed = (final_weights(root / name) for name in ("straight", "again", "killed"))

@@ -56,7 +56,7 @@ from eagle3.bench.timing import describe_device, free_memory, require_cuda
 from eagle3.data.shards import read_manifest
 from eagle3.files import atomic_write_text
 from eagle3.models import tiny
-from eagle3.models.checkpoint import read_config
+from eagle3.models.weights import read_config
 
 from benchmarks.processes import kill_tree
 

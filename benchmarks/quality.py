@@ -387,7 +387,7 @@ def extract_once(r: Recipe, work: Path, hidden: Path, overrides: dict, device: s
 
 
 def run_ours(r: Recipe, work: Path, variants: list[str], device: str) -> dict:
-    from eagle3 import checkpoint as ckpt_io
+    from eagle3 import train_state
     from eagle3 import training
     out = {}
     if (seconds := extract_once(r, work, work / "hidden", {}, device)) is not None:
@@ -404,7 +404,7 @@ def run_ours(r: Recipe, work: Path, variants: list[str], device: str) -> dict:
             out[f"extract_s/{name}"] = seconds
         cfg = our_config(r, work, run_dir, {"debug.train_device": device, **overrides, "extract.output_dir": hidden})
         # a run killed by the call's time limit resumes: its time then covers only the rest
-        resumed = ckpt_io.latest(run_dir)
+        resumed = train_state.latest(run_dir)
         out[f"train_s/{name}"] = wall_s(lambda: training.run(cfg))[0]
         (run_dir / "bench.json").write_text(json.dumps({"variant": text, "train_s": out[f"train_s/{name}"],
                                                         "resumed_from": str(resumed) if resumed else None}))

@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from eagle3.models.checkpoint import Checkpoint, TargetError
+from eagle3.errors import Eagle3Error
+from eagle3.models.weights import Checkpoint
 from eagle3.models.inspect import inspect
 
 # (default, help) of --config for the commands that read a config
@@ -69,8 +70,8 @@ def evaluate_command(args, overrides: list[str]) -> None:
     overrides = overrides + [x for key, value in shorthands.items() if value is not None
                              for x in (f"--evaluate.{key}", value)]
     from eagle3.files import strict_json
-    from eagle3 import checkpoint as ckpt_io
-    ours = (Path(args.checkpoint) / ckpt_io.STATE).exists()
+    from eagle3 import train_state
+    ours = (Path(args.checkpoint) / train_state.STATE).exists()
     cfg = checkpoint_config(args, overrides) if ours else config_mod.load(args.config or "config.toml", overrides)
     report, out = run(cfg, args.checkpoint, args.out)
     print(strict_json({k: report[k] for k in SUMMARY_KEYS if k in report}))
@@ -88,7 +89,7 @@ def checkpoint_config(args, overrides: list[str]):
     """--config FILE when given, else the config our checkpoint `args.checkpoint` was trained with
     (its state.json: the target and data it was trained on); overrides on top."""
     from eagle3 import config as config_mod
-    from eagle3.checkpoint import read_state
+    from eagle3.train_state import read_state
     if args.config:
         return config_mod.load(args.config, overrides)
     return config_mod.override(config_mod.from_dict(read_state(args.checkpoint)["config"], args.checkpoint),
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     rest = check_overrides(subs[args.command], rest) if rest else rest
     try:
         COMMANDS[args.command](args, rest)
-    except (TargetError, ValueError) as e:
+    except Eagle3Error as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         interrupted(f"python -m eagle3 {args.command}", resumes=args.command in ("demo", "generate"))

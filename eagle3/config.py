@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from eagle3.errors import Eagle3Error
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
+class ConfigError(Eagle3Error):
     """A configuration that cannot be used; the message names the file and the key."""
 
 

@@ -29,21 +29,20 @@ from pathlib import Path
 
 import torch
 
-from eagle3 import checkpoint as ckpt_io
+from eagle3 import train_state
 from eagle3.config import Config
 from eagle3.data.batch import Batch, RowRule
-from eagle3.data.batching import pack, split_holdout
+from eagle3.data.loader import pack, split_holdout
 from eagle3.data.inputs import CHAT_KEYS, InputError, check_input_file, utf8
 from eagle3.data.shards import MANIFEST, ShardReader, check_manifest
-from eagle3.draft import Eagle3Draft
-from eagle3.export import advertised_tokens, load_vllm_draft
+from eagle3.draft_io import advertised_tokens, check_checkpoint_target, load_any_draft
 from eagle3.resolve import resolve_device
 from eagle3.files import strict_json
 from eagle3.generate import stop_tokens
 from eagle3.ops import TORCH_DTYPES
 from eagle3.sampling import Sampling
 from eagle3.speculative import Decoded, Drafter, greedy_decode_many, sampled_decode_many, speculative_decode_many
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.ttt import METRICS, Objective, summarize, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps
@@ -129,9 +128,9 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
     draft was trained with)."""
     checkpoint_dir = Path(checkpoint_dir)
     device = resolve_device(cfg.debug.train_device)
-    draft, state = ckpt_io.load_draft(checkpoint_dir, device)
+    draft, state = train_state.load_draft(checkpoint_dir, device)
     target = Checkpoint(cfg.target.path)
-    _check_checkpoint_target(state, target, checkpoint_dir)
+    check_checkpoint_target(state, target, checkpoint_dir)
     data_dir = Path(cfg.resolved_train_data_dir())
     reader = ShardReader(data_dir)
     check_manifest(reader.manifest, target.config, state["resolved"]["aux_layer_ids"], data_dir)
@@ -165,13 +164,7 @@ def evaluate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
 
 
 def _metrics_path(checkpoint_dir: Path) -> Path:
-    return Path(ckpt_io.read_state(checkpoint_dir)["config"]["train"]["output_dir"]) / "metrics.jsonl"
-
-
-def _check_checkpoint_target(state: dict, target: Checkpoint, checkpoint_dir: Path) -> None:
-    if state["target"] != target.config.identity():
-        raise ckpt_io.CheckpointError(f"{checkpoint_dir}/state.json: trained against another target than "
-                                      f"{target.path} (target.path)")
+    return Path(train_state.read_state(checkpoint_dir)["config"]["train"]["output_dir"]) / "metrics.jsonl"
 
 
 # ---------------------------------------------------------------- real decoding on prompts
@@ -230,21 +223,6 @@ def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path) -> l
     if not prompts:
         raise InputError(f"{path}: no prompts")
     return prompts
-
-
-def load_any_draft(path: str | Path, target: Checkpoint) -> tuple[Eagle3Draft, list[int], int | None]:
-    """(draft on the CPU, our aux layer ids, the ttt_steps it was trained with or None) from one of
-    our checkpoints (state.json) or a speculators/vLLM EAGLE-3 directory (config.json)."""
-    path = Path(path)
-    if (path / ckpt_io.STATE).exists():
-        draft, state = ckpt_io.load_draft(path)
-        _check_checkpoint_target(state, target, path)
-        return draft, state["resolved"]["aux_layer_ids"], state["config"]["train"]["ttt_steps"]
-    if (path / "config.json").exists():
-        draft, aux = load_vllm_draft(path, target)
-        return draft, aux, None
-    raise ckpt_io.CheckpointError(f"{path}: neither one of our checkpoints ({ckpt_io.STATE}) nor a "
-                                  "speculators/vLLM EAGLE-3 draft (config.json)")
 
 
 def batches(items: list, size: int) -> list[list]:
@@ -372,7 +350,7 @@ def run(cfg: Config, draft_dir: str | Path, out: str | Path | None = None) -> tu
     there, real decoding when `evaluate.prompts` is set; both into one eval.json (default: in
     the draft directory). Returns (report, where it was written)."""
     draft_dir = Path(draft_dir)
-    ours = (draft_dir / ckpt_io.STATE).exists()
+    ours = (draft_dir / train_state.STATE).exists()
     out = Path(out) if out else draft_dir / "eval.json"
     shards = (Path(cfg.resolved_train_data_dir()) / MANIFEST).exists()
     report = {}

@@ -16,15 +16,16 @@ import torch
 from tqdm import tqdm
 
 from eagle3 import distributed
-from eagle3.config import Config, ConfigError
+from eagle3.errors import Eagle3Error
+from eagle3.config import Config
 from eagle3.resolve import resolve, resolve_device
 from eagle3.data.chat import TOKENIZER_FILES
-from eagle3.data.inputs import InputError, InputStats, Record, file_sha256, read_records
+from eagle3.data.inputs import InputStats, Record, file_sha256, read_records
 from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, sha256_file, shard_name,
                                 shard_tensors, write_shard)
 from eagle3.files import atomic_write_text, read_json, run_lock, writable_dir
 from eagle3.ops import TORCH_DTYPES
-from eagle3.models.checkpoint import Checkpoint, TargetError
+from eagle3.models.weights import Checkpoint
 from eagle3.models.streaming import TargetRunner, build_model, check_tensors
 
 
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     distributed.stop_on_sigterm(lambda: kept(cfg))
     try:
         run(cfg)
-    except (TargetError, InputError, DataError, ConfigError) as e:
+    except Eagle3Error as e:
         raise SystemExit(distributed.first_word(f"error: {e}")) from None
     except KeyboardInterrupt:
         interrupted(kept(cfg))

@@ -28,8 +28,9 @@ from eagle3.resolve import resolve_device
 from eagle3.files import atomic_write_text, read_json, strict_json
 from eagle3.ops import TORCH_DTYPES
 from eagle3.sampling import draw, target_probs, uniforms
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
+from eagle3.errors import Eagle3Error
 
 
 def reply_spans(mask) -> list[tuple[int, int]]:
@@ -140,7 +141,7 @@ def _done_lines(partial: Path) -> set[int]:
     return {json.loads(line)["source_line"] for line in complete}
 
 
-class GenerateError(ValueError):
+class GenerateError(Eagle3Error):
     """A generate output that this run must not touch; the message names the file and the way out."""
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import Config, ConfigError
-from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig
+from eagle3.models.weights import Checkpoint, TargetError, TextConfig
 
 
 @dataclass

@@ -9,8 +9,10 @@ from collections import Counter
 
 import torch
 
+from eagle3.errors import Eagle3Error
 
-class VocabError(ValueError):
+
+class VocabError(Eagle3Error):
     pass
 
 

@@ -225,7 +225,7 @@ def test_stop_tokens_are_found_as_the_engines_find_them(tmp_path):
 
 def test_generate_stops_where_the_engine_would(tmp_path, llama_target):
     from eagle3 import generate
-    from eagle3.models.checkpoint import Checkpoint
+    from eagle3.models.weights import Checkpoint
     target = tmp_path / "target"
     shutil.copytree(llama_target, target)
     _files(target, generation_config={"eos_token_id": [2, 3]})

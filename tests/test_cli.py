@@ -48,7 +48,7 @@ def test_console_script_is_declared():
 
 def test_train_and_extract_run_their_entry_points_with_overrides(monkeypatch):
     ran = {}
-    monkeypatch.setattr(training, "run", lambda cfg: ran.setdefault("train", cfg))
+    monkeypatch.setattr(training.loop, "run", lambda cfg: ran.setdefault("train", cfg))   # what training.main calls
     monkeypatch.setattr(extraction, "run", lambda cfg: ran.setdefault("extract", cfg))
     main(["train", "--config", CONFIG, "--train.max_steps", "3"])
     main(["extract", "--config", CONFIG, "--debug.shard_tokens=128"])

@@ -17,7 +17,7 @@ import torch
 from conftest import KIMI_FIXTURE, ROOT
 from eagle3.models.inspect import inspect
 from eagle3.models import attention, deepseek, quant, tiny
-from eagle3.models.checkpoint import Checkpoint, TargetError, read_config
+from eagle3.models.weights import Checkpoint, TargetError, read_config
 from eagle3.models.streaming import TargetRunner
 
 

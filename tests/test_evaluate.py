@@ -11,19 +11,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import make_config
-from eagle3 import checkpoint as ckpt_io
+from eagle3 import train_state
 from eagle3 import extraction, generate, training
-from eagle3.data.batching import split_holdout
+from eagle3.data.loader import split_holdout
 from eagle3.data.shards import ShardReader
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.__main__ import main
 from eagle3.data.inputs import InputError
 from eagle3.evaluate import evaluate, read_prompts, real_decoding, reply_positions
-from eagle3.export import DraftLoadError, load_vllm_draft
+from eagle3.draft_io import DraftLoadError, load_vllm_draft
 from eagle3.speculative import (Drafter, greedy_decode, greedy_decode_many, speculative_decode,
                                 speculative_decode_many)
 from eagle3.models import tiny
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.models.streaming import TargetRunner
 from eagle3.ttt import ttt_forward
@@ -175,7 +175,7 @@ def test_estimate_equals_real_acceptance_on_each_held_out_row(regenerated_run):
     from the same context (the target's states rounded to bf16, as the shards hold them) accept the
     same number of tokens."""
     cfg = regenerated_run
-    draft, state = ckpt_io.load_draft(ckpt_io.latest(cfg.train.output_dir))
+    draft, state = train_state.load_draft(train_state.latest(cfg.train.output_dir))
     target = IncrementalTarget(Checkpoint(cfg.target.path), state["resolved"]["aux_layer_ids"], torch.device("cpu"))
     drafter, K = Drafter(draft, target.embed), cfg.train.ttt_steps
     estimated, real = [], []
@@ -200,13 +200,13 @@ def test_estimate_equals_real_acceptance_on_each_held_out_row(regenerated_run):
 
 @pytest.mark.slow
 def test_evaluate_command_writes_report(regenerated_run):
-    report = evaluate(regenerated_run, ckpt_io.latest(regenerated_run.train.output_dir))
-    saved = json.loads((ckpt_io.latest(regenerated_run.train.output_dir) / "eval.json").read_text())
+    report = evaluate(regenerated_run, train_state.latest(regenerated_run.train.output_dir))
+    saved = json.loads((train_state.latest(regenerated_run.train.output_dir) / "eval.json").read_text())
     assert saved["accept_len"] == report["accept_len"] and 1 <= report["accept_len"] <= 4
     assert len(report["acc"]) == 3 and report["by_reply_position"]
     assert sum(b["start_rows"] for b in report["by_reply_position"]) == report["rows"][0]
     pytest.importorskip("matplotlib")
-    assert (ckpt_io.latest(regenerated_run.train.output_dir) / "eval.png").stat().st_size > 10_000
+    assert (train_state.latest(regenerated_run.train.output_dir) / "eval.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
@@ -216,7 +216,7 @@ def test_replayed_rounds_match_real_decoding_of_held_out_replies(regenerated_run
     target's float32 states, the shards hold bf16, so a near-tie can end a round one token apart)."""
     from eagle3.evaluate import decoding_rounds
     cfg = regenerated_run
-    draft, state = ckpt_io.load_draft(ckpt_io.latest(cfg.train.output_dir))
+    draft, state = train_state.load_draft(train_state.latest(cfg.train.output_dir))
     target = IncrementalTarget(Checkpoint(cfg.target.path), state["resolved"]["aux_layer_ids"], torch.device("cpu"))
     replayed, real = [0, 0], [0, 0]
     for batch, detail in held_out_batches(cfg, draft, state, target):
@@ -261,12 +261,12 @@ def first_lines(src: Path, n: int, dst: Path) -> Path:
 
 
 def checkpoint_and_export(cfg):
-    return ckpt_io.latest(cfg.train.output_dir), Path(cfg.train.output_dir) / "export" / "vllm"
+    return train_state.latest(cfg.train.output_dir), Path(cfg.train.output_dir) / "export" / "vllm"
 
 
 def decode_directly(cfg, checkpoint, k: int) -> list[int]:
     """Accepted counts of every round, from speculative_decode itself on the prompts' user parts."""
-    draft, state = ckpt_io.load_draft(checkpoint)
+    draft, state = train_state.load_draft(checkpoint)
     ckpt = Checkpoint(cfg.target.path)
     target = IncrementalTarget(ckpt, state["resolved"]["aux_layer_ids"], torch.device("cpu"))
     drafter, stop = Drafter(draft, target.embed), generate.stop_tokens(cfg, ckpt)
@@ -381,7 +381,7 @@ def test_speculators_style_draft_loads(llama_run, tmp_path, capsys):
     assert "ignoring 2 tensor(s)" in capsys.readouterr().err
     L = target.config.num_hidden_layers
     assert aux == [1, L // 2 - 1, L - 4]
-    ours, state = ckpt_io.load_draft(checkpoint)
+    ours, state = train_state.load_draft(checkpoint)
     assert draft.spec == ours.spec
     for name, value in ours.state_dict().items():
         assert torch.equal(draft.state_dict()[name], value), name

@@ -157,7 +157,7 @@ def test_inputs_of_the_wrong_kind_or_encoding_are_named(tmp_path, llama_target, 
 
 
 def test_bad_target_path(tmp_path, token_data):
-    from eagle3.models.checkpoint import TargetError
+    from eagle3.models.weights import TargetError
     with pytest.raises(TargetError, match=r"nowhere: target directory not found"):
         extraction.run(make_config(tmp_path, tmp_path / "nowhere", token_data))
 

@@ -192,29 +192,20 @@ def test_auto_float8_head_follows_train_float8_and_the_triton_loss(monkeypatch, 
     assert capsys.readouterr().err == ""
 
 
-def test_a_resume_says_which_fp8_choice_changed():
-    state = {"float8_used": True, "float8_head_used": False}
-    assert training.fp8_changes(state, True, False) == ""
-    assert training.fp8_changes(state, True, True) == \
-        "; its steps so far ran without fp8 head GEMMs (train.float8_head), from here with"
-    assert training.fp8_changes(state, False, False) == \
-        "; its steps so far ran with fp8 GEMMs (train.float8), from here without"
-
-
 def test_a_checkpoint_says_whether_fp8_ran_and_a_resume_without_it_says_so(tmp_path, llama_target, token_data,
                                                                           hidden, capsys):
-    from eagle3 import checkpoint as ckpt_io
+    from eagle3 import train_state
     first = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.float8": "true",
                                                                "train.max_steps": 3})
     training.Trainer(first).run()
-    assert ckpt_io.read_state(ckpt_io.latest(tmp_path / "train"))["float8_used"] is True
+    assert train_state.read_state(train_state.latest(tmp_path / "train"))["float8_used"] is True
     capsys.readouterr()
     again = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.float8": "false",
                                                                "train.max_steps": 6})
     trainer = training.Trainer(again)
     assert "its steps so far ran with fp8 GEMMs (train.float8), from here without" in capsys.readouterr().err
     trainer.run()
-    state = ckpt_io.read_state(ckpt_io.latest(tmp_path / "train"))
+    state = train_state.read_state(train_state.latest(tmp_path / "train"))
     assert state["float8_used"] is False and state["float8_head_used"] is False   # CPU: auto resolved off
 
 

@@ -10,11 +10,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import make_config
-from eagle3 import checkpoint as ckpt_io
+from eagle3 import train_state
 from eagle3 import extraction, training
 from eagle3.config import ConfigError
 from eagle3.models import tiny
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 
 FAST = {"train.eval_every": 100, "debug.log_every": 100, "train.checkpoint_every": 3}
 
@@ -44,7 +44,7 @@ def trained(tmp_path, llama_target, token_data, hidden, **extra):
     trainer = training.Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.model.draft.state_dict().items()}
     trainer.run()
-    return trainer, before, load_file(ckpt_io.latest(tmp_path / "train") / ckpt_io.MODEL)
+    return trainer, before, load_file(train_state.latest(tmp_path / "train") / train_state.MODEL)
 
 
 def test_target_init_copies_the_target_rows_exactly(tmp_path, llama_target, token_data, hidden):
@@ -76,7 +76,7 @@ def test_frozen_head_stays_the_target_rows_and_exports_them(tmp_path, llama_targ
     assert all(p is not head for g in trainer.optimizer.param_groups for p in g["params"])
     assert all(p is not head for p in trainer.params) and head.grad is None
     n_params = len(list(trainer.model.parameters()))
-    saved = torch.load(ckpt_io.latest(tmp_path / "train") / "optimizer.pt", weights_only=False)["optimizer"]
+    saved = torch.load(train_state.latest(tmp_path / "train") / "optimizer.pt", weights_only=False)["optimizer"]
     assert len(saved["param_groups"][0]["params"]) == n_params - 1
     rows = target_rows(llama_target, after["d2t"])
     assert torch.equal(after["lm_head.weight"], rows.float())
@@ -127,7 +127,7 @@ def test_resume_refuses_a_changed_head_setting_and_keeps_an_unchanged_one(tmp_pa
     again = training.Trainer(config(tmp_path, llama_target, token_data, hidden, **{"train.resume": step3}))
     assert again.start_step == 3
     again.run()
-    resumed = load_file(ckpt_io.latest(out) / ckpt_io.MODEL)
+    resumed = load_file(train_state.latest(out) / train_state.MODEL)
     for key in final:
         assert torch.equal(resumed[key], final[key]), key
 

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import make_config
 from eagle3 import generate
 from eagle3.models import tiny
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import SHORT_MAX, IncrementalTarget
 from eagle3.models.streaming import TargetRunner
 

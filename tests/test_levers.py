@@ -38,17 +38,22 @@ def test_the_trainer_trains_prompt_rows_only_when_asked_and_evaluates_on_assista
     extraction.run(cfg)
     trainer = training.Trainer(cfg)
     refs = trainer.plan.epoch(0)[0]
-    rows = lambda training_: sum(r.numel() for r in trainer.prepare_batch(trainer.reader.read(refs), training_).plan.loss)  # noqa: E731
-    with_prompts, evaluated = rows(True), rows(False)
+
+    def rows(trainer, training_):
+        return sum(r.numel() for r in trainer.feed.prepare(trainer.reader.read(refs), training_).plan.loss)
+
+    with_prompts, evaluated = rows(trainer, True), rows(trainer, False)
     cfg.train.prompt_rows = False
-    assert with_prompts > rows(True) == evaluated
+    plain = training.Trainer(cfg)
+    assert plain.plan.epoch(0)[0] == refs
+    assert with_prompts > rows(plain, True) == evaluated == rows(plain, False)
 
 
 def test_norm_before_residual_starts_the_residual_from_the_normed_state(tmp_path, llama_target, token_data, hidden):
     import dataclasses
     import json
     from eagle3.config import ConfigError
-    from eagle3.export import load_vllm_draft
+    from eagle3.draft_io import load_vllm_draft
     plain = tiny_draft()
     normed = type(plain)(dataclasses.replace(plain.spec, norm_before_residual=True))
     normed.load_state_dict(plain.state_dict())
@@ -118,8 +123,8 @@ def test_eagle31_norms_compute_what_speculators_and_vllm_compute():
 def test_eagle31_norms_train_export_and_decode_back(tmp_path, llama_target, token_data, hidden, flags, tensors):
     import json
     from safetensors import safe_open
-    from eagle3 import checkpoint as ckpt_io
-    from eagle3.export import load_vllm_draft
+    from eagle3 import train_state
+    from eagle3.draft_io import load_vllm_draft
     cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.max_steps": 3,
                                                              "export.formats": '["vllm"]', **flags})
     training.run(cfg)
@@ -134,7 +139,7 @@ def test_eagle31_norms_train_export_and_decode_back(tmp_path, llama_target, toke
         assert set(tensors) <= set(f.keys())
         assert not any(torch.equal(f.get_tensor(n).float(), torch.ones(16)) for n in tensors)   # trained
     loaded, _ = load_vllm_draft(vllm)
-    trained = ckpt_io.load_draft(ckpt_io.latest(tmp_path / "train"))[0]
+    trained = train_state.load_draft(train_state.latest(tmp_path / "train"))[0]
     aux = torch.randn(5, 3 * loaded.spec.target_hidden_size)
     emb, cu = torch.randn(5, loaded.spec.hidden_size), torch.tensor([0, 5], dtype=torch.int32)
     outputs = [list(d.unroll(aux, ttt_attention, cu, lambda k, h: None if k == 2 else (

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import make_config
-from eagle3 import checkpoint as ckpt_io
+from eagle3 import train_state
 from eagle3 import extraction, training
 from eagle3.models import tiny
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from test_training import cli_args, final_weights, run_train, train_losses
 
 # what the `hidden` fixture's extraction used: the online forward must run the same
@@ -51,7 +51,7 @@ def test_online_trains_like_extract_then_train_and_writes_no_shards(tmp_path, ll
 
 def test_a_resident_target_gives_the_same_states_as_a_streamed_one(tmp_path, llama_target, token_data):
     from eagle3.data.online import OnlineReader
-    from eagle3.models.checkpoint import Checkpoint
+    from eagle3.models.weights import Checkpoint
     readers = [OnlineReader(make_config(tmp_path, llama_target, token_data, **{"train.online_target": mode}),
                             Checkpoint(llama_target), [1, 2, 3], torch.device("cpu")) for mode in ("stream", "resident")]
     refs = readers[0].sequences[:5]
@@ -117,7 +117,7 @@ def test_a_staged_target_gives_each_rank_the_states_of_its_own_batch(tmp_path, l
     """One process: a single stage is the whole target, and an empty batch gives None."""
     from eagle3.data.online import OnlineReader
     from eagle3.resolve import resolve
-    from eagle3.models.checkpoint import Checkpoint
+    from eagle3.models.weights import Checkpoint
     cfgs = [make_config(tmp_path, llama_target, token_data, **{"train.online_target": m}) for m in ("stream", "staged")]
     ckpt = Checkpoint(llama_target)
     aux = resolve(cfgs[0], ckpt).aux_layer_ids
@@ -141,7 +141,7 @@ def test_a_killed_online_run_resumes_to_the_same_weights(tmp_path, llama_target,
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert ckpt_io.latest(tmp_path / "killed" / "train").name < "step-00000012", "the run was not interrupted"
+    assert train_state.latest(tmp_path / "killed" / "train").name < "step-00000012", "the run was not interrupted"
     assert "resumed from" in run_train(args(tmp_path / "killed")).stderr
     a, b = final_weights(tmp_path / "straight" / "train"), final_weights(tmp_path / "killed" / "train")
     for key in a:
@@ -161,7 +161,7 @@ def test_a_bad_input_line_online_is_named_without_a_traceback(tmp_path, llama_ta
 def test_a_staged_target_is_refused_across_nodes(tmp_path, llama_target, token_data, monkeypatch):
     from eagle3.config import ConfigError
     from eagle3.data.online import OnlineReader
-    from eagle3.models.checkpoint import Checkpoint
+    from eagle3.models.weights import Checkpoint
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")   # this process's world (1) is not one node's ranks
     cfg = make_config(tmp_path, llama_target, token_data, **{"train.online_target": "staged"})
     with pytest.raises(ConfigError, match='online_target = "staged" splits the target across the GPUs of one node'):

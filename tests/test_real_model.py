@@ -10,7 +10,7 @@ import torch
 from eagle3.data.chat import ChatEncoder, stop_token_ids
 from eagle3.data.inputs import read_records
 from eagle3.generate import Sampler, regenerate, reply_spans
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.models.streaming import TargetRunner
 

@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, make_config
-from eagle3 import checkpoint as ckpt_io
+from eagle3 import train_state
 from eagle3 import evaluate, extraction, training
 from eagle3.config import ConfigError
 from eagle3.data.shards import DataError, ShardReader, read_manifest, sha256_file
 from eagle3.files import FILE_MODE, strict_json
-from eagle3.models.checkpoint import Checkpoint, TargetError
+from eagle3.models.weights import Checkpoint, TargetError
 
 
 def config(tmp_path, llama_target, token_data, hidden, **overrides):
@@ -91,7 +91,7 @@ def test_overwrite_moves_the_old_run_aside_whole(tmp_path, llama_target, token_d
     assert {p.relative_to(moved[0]): data for p, data in snapshot(moved[0]).items()} == before   # intact
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2] and max(old_steps) == 6
-    assert [p.name for p in ckpt_io.complete_checkpoints(out)] == ["step-00000002"]   # none of the old run's
+    assert [p.name for p in train_state.complete_checkpoints(out)] == ["step-00000002"]   # none of the old run's
     # the key it replaced names its successor
     with pytest.raises(ConfigError, match='train.overwrite is gone: now train.resume = "overwrite"'):
         config(tmp_path, llama_target, token_data, hidden, **{"train.overwrite": "true"})
@@ -126,7 +126,7 @@ def test_a_larger_max_steps_extends_a_finished_run_at_the_final_lr(tmp_path, lla
         assert train[step]["lr"] == pytest.approx(final, rel=1e-12)
     assert train[6]["lr"] == pytest.approx(final, rel=1e-12)   # the old run ended there
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(final, rel=1e-12)
-    state = ckpt_io.read_state(ckpt_io.latest(out))
+    state = train_state.read_state(train_state.latest(out))
     assert state["step"] == 9 and state["schedule_total"] == 6 and state["config"]["train"]["max_steps"] == 9
 
 
@@ -278,7 +278,7 @@ def poison(monkeypatch, step, what):
     if what == "loss":
         monkeypatch.setattr(training.Trainer, "_forward", nan_loss)
     else:
-        monkeypatch.setattr(training.nn.utils, "clip_grad_norm_", nan_grads)
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_grads)
 
 
 def test_nonfinite_step_stops_keeping_the_last_good_checkpoint(tmp_path, llama_target, token_data, hidden,
@@ -289,12 +289,12 @@ def test_nonfinite_step_stops_keeping_the_last_good_checkpoint(tmp_path, llama_t
         poison(m, 5, "loss")
         with pytest.raises(training.TrainError) as e:
             training.run(cfg)
-    last = ckpt_io.latest(out)
+    last = train_state.latest(out)
     assert str(e.value).startswith(f"{out}: step 5: non-finite loss and gradient norm; training stopped, the newest "
                                    f"checkpoint, {last}, is the last good one"), str(e.value)
     assert "debug.skip_nonfinite = true" in str(e.value)
     assert last.name == "step-00000003" and not (out / "export").exists()
-    assert all(torch.isfinite(t).all() for t in load_file(last / ckpt_io.MODEL).values())
+    assert all(torch.isfinite(t).all() for t in load_file(last / train_state.MODEL).values())
     assert max(strict_loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()) == 4
     # finite loss, NaN gradients at a log step: stops there, before any checkpoint
     shutil.rmtree(out)
@@ -303,7 +303,7 @@ def test_nonfinite_step_stops_keeping_the_last_good_checkpoint(tmp_path, llama_t
         with pytest.raises(training.TrainError, match=f"{out}: step 2: non-finite gradient norm; training stopped, "
                                                       "no checkpoint was written"):
             training.run(cfg)
-    assert ckpt_io.latest(out) is None
+    assert train_state.latest(out) is None
 
 
 def test_skip_nonfinite_skips_and_counts_the_step(tmp_path, llama_target, token_data, hidden, monkeypatch, capsys):
@@ -316,24 +316,13 @@ def test_skip_nonfinite_skips_and_counts_the_step(tmp_path, llama_target, token_
     assert [train[s]["skipped_steps"] for s in (2, 4, 6)] == [0, 0, 1]
     assert all(math.isfinite(x) for x in train[6]["loss"])
     assert "skipped steps (non-finite loss or gradient norm, debug.skip_nonfinite): 1" in capsys.readouterr().out
-    last = ckpt_io.latest(out)
+    last = train_state.latest(out)
     assert last.name == "step-00000006"
-    assert all(torch.isfinite(t).all() for t in load_file(last / ckpt_io.MODEL).values())
+    assert all(torch.isfinite(t).all() for t in load_file(last / train_state.MODEL).values())
     state = torch.load(last / "optimizer.pt", weights_only=True)["optimizer"]["state"]
     steps = {float(s["step"]) for s in state.values()}
     assert steps == {5.0}   # six steps run, five taken
 
-
-@pytest.mark.parametrize("fused", [False, True])   # fused: our CUDA optimizer, flag read on the device
-def test_masked_step_changes_nothing_when_skipped(fused):
-    weight = torch.nn.Parameter(torch.ones(4))
-    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=fused)
-    for skip in (True, False, True):
-        before = weight.detach().clone()
-        weight.grad = torch.ones(4)
-        training.masked_step(optimizer, torch.tensor(skip))
-        assert torch.equal(weight.detach(), before) == skip
-    assert float(optimizer.state[weight]["step"]) == 1
 
 # --- strict JSON ---------------------------------------------------------------------------------
 
@@ -346,7 +335,7 @@ def test_nan_metrics_are_written_as_null(tmp_path, monkeypatch):
     report = {"step": 3, "accept_len": nan, "acc": [nan, 0.5], "cond_acc": [nan, 0.5], "loss": [nan, 1.0]}
     monkeypatch.setattr(evaluate, "estimate", lambda cfg, path, steps=None: dict(report))
     # a checkpoint whose run logged the NaN above: the plot reads it back as null
-    (tmp_path / ckpt_io.STATE).write_text(json.dumps({"config": {"train": {"output_dir": str(tmp_path)}}}))
+    (tmp_path / train_state.STATE).write_text(json.dumps({"config": {"train": {"output_dir": str(tmp_path)}}}))
     evaluate.evaluate(None, tmp_path)
     assert strict_loads((tmp_path / "eval.json").read_text())["acc"] == [None, 0.5]
     assert strict_json({"a": (math.inf, -math.inf, 2)}) == '{"a": [null, null, 2]}'
@@ -360,8 +349,8 @@ def test_exports_checkpoints_and_shards_follow_the_umask(hidden, trained):
     assert FILE_MODE == 0o666 & ~umask
     out = trained[0] / "train"
     files = [out / "export" / "vllm" / "model.safetensors", out / "export" / "sglang" / "model.safetensors",
-             out / "export" / "vllm" / "config.json", ckpt_io.latest(out) / ckpt_io.MODEL,
-             ckpt_io.latest(out) / "optimizer.pt", *hidden.glob("shard-*.safetensors")]
+             out / "export" / "vllm" / "config.json", train_state.latest(out) / train_state.MODEL,
+             train_state.latest(out) / "optimizer.pt", *hidden.glob("shard-*.safetensors")]
     for path in files:
         assert os.stat(path).st_mode & 0o777 == FILE_MODE, (path, oct(os.stat(path).st_mode))
 
@@ -380,19 +369,19 @@ class Payload:
 
 def test_resume_loads_optimizer_and_rng_with_weights_only(tmp_path, llama_target, token_data, hidden, trained):
     shared = tmp_path / "shared"
-    shutil.copytree(ckpt_io.latest(trained[0] / "train"), shared)
+    shutil.copytree(train_state.latest(trained[0] / "train"), shared)
     cfg = config(tmp_path, llama_target, token_data, hidden, **{"train.resume": shared})
     marker = tmp_path / "ran"
     for name in ("optimizer.pt", "rng-rank0.pt"):
         good = (shared / name).read_bytes()
         torch.save({"optimizer": Payload(marker)}, shared / name)
-        with pytest.raises(ckpt_io.CheckpointError, match=rf"{shared / name}: refused: .*\(io.open, "):
+        with pytest.raises(train_state.CheckpointError, match=rf"{shared / name}: refused: .*\(io.open, "):
             training.Trainer(cfg)
         assert not marker.exists(), "the checkpoint ran code"
         (shared / name).write_bytes(good)
     # a truncated optimizer state names the file
     truncate(shared / "optimizer.pt")
-    with pytest.raises(ckpt_io.CheckpointError, match=f"{shared / 'optimizer.pt'}: unreadable"):
+    with pytest.raises(train_state.CheckpointError, match=f"{shared / 'optimizer.pt'}: unreadable"):
         training.Trainer(cfg)
 
 
@@ -413,10 +402,10 @@ def test_rng_state_round_trips_through_weights_only(tmp_path):
     import random
 
     import numpy as np
-    torch.save(ckpt_io.rng_state(), tmp_path / "rng.pt")
+    torch.save(train_state.rng_state(), tmp_path / "rng.pt")
     state = torch.load(tmp_path / "rng.pt", weights_only=True)
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    ckpt_io.set_rng_state(state)
+    train_state.set_rng_state(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
@@ -454,7 +443,7 @@ def test_full_disk_while_checkpointing_keeps_the_last_good_one(tmp_path, monkeyp
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     dist = types.SimpleNamespace(main=True, rank=0, barrier=lambda: None)
-    good = ckpt_io.save(tmp_path, 1, model, optimizer, scheduler, {}, dist, keep=3)
+    good = train_state.save(tmp_path, 1, model, optimizer, scheduler, {}, dist, keep=3)
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -462,16 +451,16 @@ def test_full_disk_while_checkpointing_keeps_the_last_good_one(tmp_path, monkeyp
     def torn(*args, **kwargs):   # what torch.save says when the disk fills under it
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
 
-    for target, failing in ((ckpt_io, "save_file"), (ckpt_io.torch, "save")):
+    for target, failing in ((train_state, "save_file"), (train_state.torch, "save")):
         with monkeypatch.context() as m:
             m.setattr(target, failing, full if failing == "save_file" else torn)
-            with pytest.raises(ckpt_io.CheckpointError) as e:
-                ckpt_io.save(tmp_path, 2, model, optimizer, scheduler, {}, dist, keep=3)
-        tmp = ckpt_io.step_dir(tmp_path, 2).with_name("step-00000002.tmp")
+            with pytest.raises(train_state.CheckpointError) as e:
+                train_state.save(tmp_path, 2, model, optimizer, scheduler, {}, dist, keep=3)
+        tmp = train_state.step_dir(tmp_path, 2).with_name("step-00000002.tmp")
         assert str(e.value).startswith(f"{tmp}: writing the checkpoint failed (")
         assert "GiB (" in str(e.value) and "bytes) free in" in str(e.value)
-        assert not tmp.exists() and ckpt_io.latest(tmp_path) == good
-    assert set(load_file(good / ckpt_io.MODEL)) == {"weight", "bias"}
+        assert not tmp.exists() and train_state.latest(tmp_path) == good
+    assert set(load_file(good / train_state.MODEL)) == {"weight", "bias"}
 
 
 def test_free_space_is_checked_before_a_checkpoint_or_a_shard_is_written(tmp_path, llama_target, token_data,
@@ -482,18 +471,18 @@ def test_free_space_is_checked_before_a_checkpoint_or_a_shard_is_written(tmp_pat
     model(torch.randn(2, 64)).sum().backward()
     optimizer.step()   # optimizer state: exp_avg and exp_avg_sq, as large as the weights
     dist = types.SimpleNamespace(main=True, rank=0, world=1, barrier=lambda: None)
-    good = ckpt_io.save(tmp_path, 1, model, optimizer, scheduler, {}, dist, keep=3)
+    good = train_state.save(tmp_path, 1, model, optimizer, scheduler, {}, dist, keep=3)
     weights = (64 * 64 + 64) * 4
-    need = ckpt_io.checkpoint_bytes(model, optimizer)
+    need = train_state.checkpoint_bytes(model, optimizer)
     assert need >= 3 * weights   # weights plus the two AdamW moments
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=need - 1))
     written = []
-    for target, name in ((ckpt_io, "save_file"), (ckpt_io.torch, "save")):
+    for target, name in ((train_state, "save_file"), (train_state.torch, "save")):
         original = getattr(target, name)
         monkeypatch.setattr(target, name, lambda *a, _o=original, **k: written.append(a) or _o(*a, **k))
-    with pytest.raises(ckpt_io.CheckpointError) as e:
-        ckpt_io.save(tmp_path, 2, model, optimizer, scheduler, {}, dist, keep=3)
+    with pytest.raises(train_state.CheckpointError) as e:
+        train_state.save(tmp_path, 2, model, optimizer, scheduler, {}, dist, keep=3)
     message = str(e.value)
     for part in (f"{tmp_path / 'checkpoints'}: not enough free space for the checkpoint of step 2", f"{need} bytes",
                  f"{need - 1} bytes", f"the newest checkpoint, {good}, stays the last good one"):
@@ -647,16 +636,8 @@ def test_readme_installs_what_ci_installs():
     assert "pip install torch &&" not in readme
 
 
-def test_wsd_schedule_holds_lr_then_decays_linearly_and_a_resume_keeps_the_schedule(
-        tmp_path, llama_target, token_data, hidden, trained):
-    from eagle3.training import Schedule
-    wsd = Schedule(warmup=2, total=10, min_ratio=0.1, kind="wsd", decay_fraction=0.3)
-    assert [round(wsd(s), 6) for s in range(12)] == [0.5, 1, 1, 1, 1, 1, 1, 1, 0.7, 0.4, 0.1, 0.1]
-    whole = Schedule(warmup=2, total=10, min_ratio=0.1, kind="wsd", decay_fraction=1.0)   # never into warmup
-    assert whole(1) == 1 and whole(2) == 1 and whole(6) == pytest.approx(0.55) and whole(10) == pytest.approx(0.1)
-    cosine = Schedule(warmup=2, total=10, min_ratio=0.1)
-    assert cosine(2) == 1 and cosine(6) == pytest.approx(0.55) and cosine(10) == pytest.approx(0.1)
-    # a resumed run keeps the schedule and the rows it trained, naming a change
+def test_a_resume_keeps_the_schedule_and_the_rows_it_trained(llama_target, token_data, hidden, trained):
+    """The rules on their own: tests/test_training_parts.py; here the Trainer applies them, naming a change."""
     run_tmp, _ = trained
     with pytest.raises(training.TrainError, match='train.schedule was "wsd", this run has "cosine"'):
         training.Trainer(config(run_tmp, llama_target, token_data, hidden, **{"train.schedule": "cosine"}))
@@ -678,7 +659,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, llama_target, token_data
     args = ["--target.path", str(llama_target), "--data.path", str(token_data), "--extract.output_dir", str(hidden),
             "--train.output_dir", str(run_tmp / "train"), "--debug.train_device", "cpu", "--debug.extract_device", "cpu"]
     if entry == "train":
-        monkeypatch.setattr(training, "run", stop)
+        monkeypatch.setattr(training.loop, "run", stop)   # what training.main calls
         call, expected = lambda: training.main(["--config", str(ROOT / "config.toml"), *args]), \
             f"newest complete checkpoint {run_tmp / 'train' / 'checkpoints' / 'step-00000006'}"
     elif entry == "extract":
@@ -796,9 +777,9 @@ def stop_a_rank(launch, out, signum, after):
     import time
     from benchmarks.processes import alive, kill_tree
     deadline = time.time() + 120
-    while ckpt_io.latest(out) == after and launch.poll() is None and time.time() < deadline:
+    while train_state.latest(out) == after and launch.poll() is None and time.time() < deadline:
         time.sleep(0.02)
-    assert launch.poll() is None and ckpt_io.latest(out) != after, "no new checkpoint came"
+    assert launch.poll() is None and train_state.latest(out) != after, "no new checkpoint came"
     victim, survivor = worker_pid(launch, 1), worker_pid(launch, 0)
     os.kill(victim, signum)
     start = time.time()
@@ -831,10 +812,10 @@ def test_a_dead_or_stuck_rank_ends_the_run_in_one_line_and_the_same_command_resu
                          (signal.SIGSTOP, {0: "error: rank 0: rank 1 did not answer within debug.collective_timeout_s "
                                               "= 10 s, stuck or gone (a collective failed: Timed out waiting 10000ms",
                                            1: "error: rank 1: rank 0 "})):
-        before = ckpt_io.latest(out)
+        before = train_state.latest(out)
         launch = run_train(args, nproc=2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         printed, seconds = stop_a_rank(launch, out, signum, before)
-        newest = ckpt_io.latest(out)
+        newest = train_state.latest(out)
         assert launch.returncode != 0 and seconds < 30 and newest.name < "step-00000040", (seconds, printed)
         assert f'File "{ROOT}' not in printed and "]: Traceback" not in printed, printed   # torchrun's own only
         said = [line for line in printed.splitlines() if "the same command resumes" in line]
@@ -845,4 +826,4 @@ def test_a_dead_or_stuck_rank_ends_the_run_in_one_line_and_the_same_command_resu
             assert line.endswith(f"newest complete checkpoint {newest}; the same command resumes"), printed
     finished = run_train(args, nproc=2)
     assert f"resumed from {newest} (step {int(newest.name[5:])}" in finished.stderr
-    assert ckpt_io.latest(out).name == "step-00000040"
+    assert train_state.latest(out).name == "step-00000040"

@@ -6,11 +6,11 @@ import json
 import pytest
 
 from conftest import make_config
-from eagle3 import checkpoint as ckpt_io
+from eagle3 import train_state
 from eagle3 import extraction, training
 from eagle3.config import ConfigError
 from eagle3.export import export_all
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.resolve import resolve
 
 
@@ -41,8 +41,8 @@ def test_checkpoints_carry_the_record(tmp_path, llama_target, token_data,
     cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.max_steps": 3,
                                                              "export.verifier_name": "org/target"})
     training.run(cfg)
-    ckpt = ckpt_io.latest(cfg.train.output_dir)
-    state = ckpt_io.read_state(ckpt)
+    ckpt = train_state.latest(cfg.train.output_dir)
+    state = train_state.read_state(ckpt)
     assert state["resolved"] == resolve(cfg, Checkpoint(llama_target)).to_dict()
     new = export_all(ckpt, tmp_path / "new")
 

@@ -10,7 +10,7 @@ import torch
 from eagle3 import sampling, speculative
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.models import tiny
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.sampling import Sampling, draw, target_probs, verify
 from eagle3.speculative import Drafter, sampled_decode_many

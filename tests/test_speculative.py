@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from eagle3.draft import DraftSpec, Eagle3Draft, RMSNorm, Rows
 from eagle3.models import tiny
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import SHORT_MAX, IncrementalTarget
 from eagle3.ops import positions_from_cu_seqlens
 from eagle3.sampling import Sampling

@@ -8,14 +8,16 @@ from conftest import ROOT
 # Lowest first: a module may import its own layer or a lower one. Every module must be listed.
 LAYERS = [
     ["eagle3.files", "eagle3.ops", "eagle3.linear", "eagle3.float8", "eagle3.config", "eagle3.distributed",
-     "eagle3.vocab", "eagle3.data.errors",
-     "eagle3.data.fp8", "eagle3.sampling", "eagle3.models.attention", "eagle3.models.quant", "eagle3.models.tiny", "kernels*"],
+     "eagle3.vocab", "eagle3.errors",
+     "eagle3.data.aux_fp8", "eagle3.sampling", "eagle3.models.attention", "eagle3.models.quant", "eagle3.models.tiny", "kernels*"],
     ["eagle3.models.*"],                                                    # the target model
     ["eagle3.resolve", "eagle3.data.*"],                                    # "auto" resolved; inputs, shards, batches
     ["eagle3.extraction"],
     ["eagle3.draft", "eagle3.ttt"],
-    ["eagle3.checkpoint", "eagle3.export"],
-    ["eagle3.training"],
+    ["eagle3.train_state", "eagle3.draft_io", "eagle3.export"],
+    ["eagle3.training.schedule", "eagle3.training.metrics", "eagle3.training.run_dir", "eagle3.training.resume",
+     "eagle3.training.kernel_choice", "eagle3.training.feed"],             # the trainer's parts, each alone
+    ["eagle3.training.loop", "eagle3.training"],                            # the loop over them; the package
     ["eagle3.speculative", "eagle3.generate", "eagle3.evaluate"],
     ["eagle3.bench*", "eagle3.__main__", "eagle3"],
 ]

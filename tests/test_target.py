@@ -10,7 +10,7 @@ import torch
 from conftest import KIMI_FIXTURE, ROOT
 from eagle3.models.inspect import inspect
 from eagle3.models import deepseek, tiny
-from eagle3.models.checkpoint import Checkpoint, TargetError, read_config
+from eagle3.models.weights import Checkpoint, TargetError, read_config
 from eagle3.models.streaming import TargetRunner, greedy_argmax
 
 
@@ -183,7 +183,7 @@ def test_missing_layer_tensor_fails_before_any_compute(tmp_path):
 
 
 def test_a_null_rope_theta_means_the_default():
-    from eagle3.models.checkpoint import rope_settings
+    from eagle3.models.weights import rope_settings
     assert rope_settings({"rope_theta": None}) == (10000.0, None)
     assert rope_settings({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}) == (5e5, None)
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import ROOT, make_config
-from eagle3 import checkpoint as ckpt_io
+from eagle3 import train_state
 from eagle3 import training
 from benchmarks.processes import kill_tree
 from eagle3.config import ConfigError
@@ -43,7 +43,7 @@ def run_train(args, nproc=1, **popen):
 
 
 def final_weights(output_dir):
-    return load_file(ckpt_io.latest(output_dir) / ckpt_io.MODEL)
+    return load_file(train_state.latest(output_dir) / train_state.MODEL)
 
 
 def train_losses(output_dir):
@@ -61,8 +61,8 @@ def test_train_in_process_logs_checkpoints_and_exports(tmp_path, llama_target, t
     evals = [r for r in records if r["split"] == "eval"]
     assert [r["step"] for r in train] == [2, 4, 6] and [r["step"] for r in evals] == [3, 6]
     assert len(train[0]["loss"]) == 3 and 1 <= evals[-1]["accept_len"] <= 4
-    assert [p.name for p in ckpt_io.complete_checkpoints(out)] == ["step-00000003", "step-00000006"]
-    state = ckpt_io.read_state(out / "checkpoints" / "step-00000006")
+    assert [p.name for p in train_state.complete_checkpoints(out)] == ["step-00000003", "step-00000006"]
+    state = train_state.read_state(out / "checkpoints" / "step-00000006")
     assert state["config"]["train"]["max_steps"] == 6 and state["resolved"]["aux_layer_ids"] == [1, 1, 1]
 
     vllm, sglang = out / "export" / "vllm", out / "export" / "sglang"
@@ -85,7 +85,7 @@ def test_train_in_process_logs_checkpoints_and_exports(tmp_path, llama_target, t
             assert f.get_tensor("fc.weight").shape == (32, 96)
             assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
 
-    again = subprocess.run([sys.executable, "-m", "eagle3", "export", str(ckpt_io.latest(out)),
+    again = subprocess.run([sys.executable, "-m", "eagle3", "export", str(train_state.latest(out)),
                             str(tmp_path / "again"), "--export.formats", '["vllm"]'], cwd=ROOT, capture_output=True,
                            text=True)
     assert again.returncode == 0, again.stderr
@@ -138,7 +138,7 @@ def test_a_run_killed_on_three_ranks_resumes_to_the_same_weights(tmp_path, llama
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
     kill_tree(proc)   # torchrun and its workers (they run in sessions of their own: not its group)
-    assert ckpt_io.latest(killed / "train").name < "step-00000010", "the run was not interrupted"
+    assert train_state.latest(killed / "train").name < "step-00000010", "the run was not interrupted"
     out = run_train(cli_args(killed, llama_target, token_data, hidden, **run), nproc=3)
     assert "resumed from" in out.stderr
     a, b = final_weights(tmp_path / "straight" / "train"), final_weights(killed / "train")
@@ -160,7 +160,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, llama_target, token
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert ckpt_io.latest(killed / "train").name < "step-00000014", "the run was not interrupted"
+    assert train_state.latest(killed / "train").name < "step-00000014", "the run was not interrupted"
     out = run_train(cli_args(killed, llama_target, token_data, hidden, **steps))
     assert "resumed from" in out.stderr
     a, b = final_weights(straight / "train"), final_weights(killed / "train")
@@ -220,18 +220,19 @@ def test_the_prefetcher_yields_planned_batches_in_order_that_train_like_raw_ones
     host; it must yield the plan's micro-batches in order, and a planned batch must give the loss
     that ttt_forward gets by finding the rows itself (on the device) from the raw batch."""
     from eagle3 import config as config_mod
-    from eagle3.data.batching import Prefetcher
+    from eagle3.data.loader import Prefetcher
     from eagle3.ttt import loss_denominator
     trainer = training.Trainer(config_mod.load(str(ROOT / "config.toml"),
                                                cli_args(tmp_path, llama_target, token_data, hidden)))
     refs = list(trainer.plan.rank_batches(0, 0))[:3]
-    ahead = Prefetcher(trainer.reader, refs, 2, pin=False, prepare=trainer.prepare_batch)
+    ahead = Prefetcher(trainer.reader, refs, 2, pin=False, prepare=trainer.feed.prepare)
     for refs_one, planned in zip(refs, [next(ahead) for _ in refs]):
         raw = trainer.reader.read(refs_one)
         assert torch.equal(planned.input_ids, raw.input_ids) and torch.equal(planned.cu_seqlens, raw.cu_seqlens)
-        assert raw.plan is None and planned.plan.denominator == int(loss_denominator(raw, trainer.row_rule(True))) > 0
-        loss_planned = trainer._forward(trainer.model, trainer._on_device(planned), training=True)[0]
-        loss_raw = trainer._forward(trainer.model, trainer._on_device(raw), training=True)[0]
+        rule = trainer.unroll.objective.rows
+        assert raw.plan is None and planned.plan.denominator == int(loss_denominator(raw, rule)) > 0
+        loss_planned = trainer._forward(trainer.model, trainer.feed.on_device(planned), training=True)[0]
+        loss_raw = trainer._forward(trainer.model, trainer.feed.on_device(raw), training=True)[0]
         assert torch.equal(loss_planned, loss_raw) and loss_planned > 0
 
 
@@ -239,9 +240,9 @@ def test_a_corrupt_state_json_is_named_on_resume(tmp_path, llama_target, token_d
     cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.max_steps": 3,
                                                              "vocab.draft_vocab_size": 128})
     training.run(cfg)
-    state = ckpt_io.latest(cfg.train.output_dir) / ckpt_io.STATE
+    state = train_state.latest(cfg.train.output_dir) / train_state.STATE
     state.write_text('{"step": 3, "config": ')                     # torn by a kill or a full disk
-    with pytest.raises(ckpt_io.CheckpointError, match=f"{state}: not valid JSON"):
+    with pytest.raises(train_state.CheckpointError, match=f"{state}: not valid JSON"):
         training.Trainer(cfg)
     out = subprocess.run([sys.executable, "train.py", "--config", "config.toml",
                           *cli_args(tmp_path, llama_target, token_data, hidden, **{"train.max_steps": 3})],
@@ -252,7 +253,7 @@ def test_a_corrupt_state_json_is_named_on_resume(tmp_path, llama_target, token_d
 
 
 def test_one_ahead_starts_the_next_item_before_handing_over_the_current():
-    from eagle3.data.batching import one_ahead
+    from eagle3.data.loader import one_ahead
     log = []
     out = []
     for item in one_ahead(range(3), start=lambda x: log.append(f"start {x}") or x):
@@ -267,7 +268,7 @@ def test_one_ahead_over_the_prefetcher_ends_with_its_data():
     """The prefetch thread marks the end: one_ahead asks once more than there are batches."""
     import threading
 
-    from eagle3.data.batching import Prefetcher, one_ahead
+    from eagle3.data.loader import Prefetcher, one_ahead
 
     class Reader:
         lockstep = False

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from benchmarks import node, online, quality
 from eagle3.bench import moe
 from eagle3.data.shards import read_manifest, sha256_file
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.deepseek import DeepseekTarget
 from eagle3.models.streaming import check_tensors
 

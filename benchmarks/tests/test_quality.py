@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from benchmarks import quality
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 
 from eagle3.bench.timing import describe_device, matmul_tflops, median_ms_of_calls, peak_bytes, require_cuda, wall_s
 from eagle3.models import attention, deepseek, quant, streaming, tiny
-from eagle3.models.checkpoint import read_config
+from eagle3.models.weights import read_config
 from eagle3.ops import rms_norm
 
 # the real Kimi-K2.5 text config (its published sizes); 16 sequences of 4096 tokens: a 64k-token chunk

@@ -3,7 +3,7 @@
 Writes a stand-in target (config, embedding, norm and head only: what the trainer reads) and
 synthetic hidden-state shards in the real format, then times `Trainer.train_step` (forward over
 all K steps, backward, optimizer step; DDP under torchrun) with the shards read through the
-trainer's own prefetcher and device copies (`Trainer.device_batches`: each micro-batch's copy to the
+trainer's own prefetcher and device copies (`Feed.device_batches`: each micro-batch's copy to the
 GPU overlaps the step before), `--steps` steps back to back as the training loop runs them, the GPU's
 queued work finished on both sides (`timing.wall_s`; until 2026-12-01 the median of single steps,
 each with its own copy on the compute stream). Prints tokens/s per GPU, model FLOPs utilization (matmul FLOPs of
@@ -41,7 +41,7 @@ from eagle3.bench.timing import free_memory, matmul_tflops, require_cuda, wall_s
 from eagle3.data.batch import Batch
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, write_shard
 from eagle3.files import atomic_write_text
-from eagle3.models.checkpoint import read_config
+from eagle3.models.weights import read_config
 from eagle3.training import Trainer
 from eagle3.ttt import summarize
 
@@ -190,7 +190,7 @@ def host_syncs(trainer: Trainer, batch: Batch) -> list[str]:
     def record(message, category, filename, lineno, file=None, line=None):
         frames = traceback.extract_stack()[:-1]
         in_step = threading.current_thread() is threading.main_thread() and any(
-            f.filename.endswith("training.py") for f in frames)   # not the prefetch thread
+            Path(f.filename).parent.name == "training" for f in frames)   # not the prefetch thread
         if "synchroniz" in str(message) and in_step:
             ours = [f for f in frames if "/eagle3/" in f.filename or "/kernels/" in f.filename]
             inner = [f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:]]
@@ -248,9 +248,9 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
     trainer = Trainer(config_mod.load(None, args))
     cuda = trainer.device.type == "cuda"
     # as the training loop takes them: each micro-batch's copy to the GPU overlaps the step before
-    batches = trainer.device_batches(trainer.prefetcher(0))
+    batches = trainer.feed.batches(0)
     for i in range(warmup):
-        metrics = trainer.train_step([next(batches)])
+        metrics = trainer.train_step([next(batches)]).metrics
         if i == 0:
             first = metrics   # the same weights and data on every path: losses agree across kernels
     rows = []

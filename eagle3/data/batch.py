@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.data.fp8 import decode_aux_fp8
+from eagle3.data.aux_fp8 import decode_aux_fp8
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.data.errors import InputError
+from eagle3.errors import Eagle3Error, InputError
 
 EXTRA = "pip install eagle3-trainer[chat]"
 
@@ -53,7 +53,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-class ChatError(ValueError):
+class ChatError(Eagle3Error):
     """A conversation that cannot be encoded; the caller adds the file and line."""
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.data.errors import InputError
+from eagle3.errors import InputError
 
 
 @dataclass

@@ -27,7 +27,7 @@ from eagle3.config import Config, ConfigError
 from eagle3.data.batch import Batch
 from eagle3.data.inputs import read_records
 from eagle3.data.shards import SeqRef, shard_tensors
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.staged import StagedTarget
 from eagle3.models.streaming import TargetRunner
 from eagle3.ops import TORCH_DTYPES

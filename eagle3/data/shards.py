@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.data.batch import Batch
-from eagle3.data.fp8 import encode_aux_fp8
+from eagle3.data.aux_fp8 import encode_aux_fp8
 from eagle3.data.inputs import Record
 from eagle3.files import make_readable, open_safetensors, read_json, short_of_space, tensor_bytes
-from eagle3.models.checkpoint import TextConfig
+from eagle3.models.weights import TextConfig
+from eagle3.errors import Eagle3Error
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -31,7 +32,7 @@ DTYPES = {"input_ids": "int32", "loss_mask": "uint8", "cu_seqlens": "int64", "au
 REDO = "rerun extract with the same config to redo it"
 
 
-class DataError(ValueError):
+class DataError(Eagle3Error):
     """Hidden-state data that is missing, corrupt or does not match; the message names the file."""
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from eagle3.ops import compiled, rms_norm, silu_mul, swiglu
 from eagle3.models import quant
-from eagle3.models.checkpoint import Checkpoint, TargetError, TextConfig, require
+from eagle3.models.weights import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import cached_attention_packed, causal_attention_packed
 
 # experts dequantized into one buffer at a time: 32 Kimi experts are 2.8 GB of bf16, a small

@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from eagle3.ops import rms_norm
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.attention import cached_attention, causal_cached_attention, padded_cached_attention
 from eagle3.models.streaming import build_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.deepseek import DeepseekSpec
 from eagle3.models.streaming import build_model, check_tensors
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from eagle3.ops import apply_rope, llama_inv_freq, rms_norm, rope_cos_sin, swiglu
 from eagle3.models.attention import cached_attention_packed, causal_attention_packed
-from eagle3.models.checkpoint import Checkpoint, TargetError
+from eagle3.models.weights import Checkpoint, TargetError
 
 
 class LlamaTarget:

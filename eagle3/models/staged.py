@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from eagle3.models.checkpoint import Checkpoint
+from eagle3.models.weights import Checkpoint
 from eagle3.models.streaming import build_model, check_tensors, greedy_argmax, run_layers, split_chunks
 from eagle3.ops import rms_norm
 

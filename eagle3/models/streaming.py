@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from eagle3.ops import positions_from_cu_seqlens, rms_norm
-from eagle3.models.checkpoint import Checkpoint, TargetError
+from eagle3.models.weights import Checkpoint, TargetError
 from eagle3.models.llama import LlamaTarget
 
 

@@ -23,12 +23,13 @@ from safetensors.torch import save_file
 
 from eagle3.files import free_bytes, make_readable, open_safetensors, read_json, tensor_bytes
 from eagle3.resolve import Resolved
+from eagle3.errors import Eagle3Error
 
 MODEL = "model.safetensors"
 STATE = "state.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Eagle3Error):
     pass
 
 

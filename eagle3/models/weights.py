@@ -12,12 +12,9 @@ from pathlib import Path
 
 import torch
 
+from eagle3.errors import TargetError
 from eagle3.files import open_safetensors
 from eagle3.models import quant
-
-
-class TargetError(ValueError):
-    """The target checkpoint is missing something or is inconsistent; the message names the file."""
 
 
 def require(cfg: dict, key: str, where: str, needs: str, kind: type = int):

@@ -1,4 +1,4 @@
-"""`python -m eagle3.bench fp8`: the pieces of `train.float8` at the Kimi-size draft's shapes.
+"""`python -m eagle3.bench float8`: the pieces of `train.float8` at the Kimi-size draft's shapes.
 
 For each operand of the step (an attention input [rows, 2H], an MLP gradient [rows, I], ...): the
 cast (`kernels.fp8_cast`: amax, then both layouts) against the same arithmetic under torch.compile
@@ -59,9 +59,9 @@ def odd_shapes_bit_equal() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(prog="python -m eagle3.bench fp8", description=__doc__.split("\n")[0]).parse_args(argv)
+    argparse.ArgumentParser(prog="python -m eagle3.bench float8", description=__doc__.split("\n")[0]).parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        raise SystemExit("error: python -m eagle3.bench fp8 needs a GPU with fp8 tensor cores (compute capability >= 8.9)")
+        raise SystemExit("error: python -m eagle3.bench float8 needs a GPU with fp8 tensor cores (compute capability >= 8.9)")
     print(describe_device())
     print(f"odd shapes (padding, k edges, 3-d, no transposed copy) bit-equal to the reference: {odd_shapes_bit_equal()}")
     print("| operand | a | format | bit-equal | cast triton / compiled / eager ms | cast GB/s (effective) | GEMM bf16 / fp8 ms "

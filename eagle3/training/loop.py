@@ -1,0 +1,457 @@
+"""The training loop: DDP over the draft's trainable parameters, token-budget micro-batches,
+gradient accumulation, AdamW with warmup + wsd or cosine, evaluation, logging, checkpoints, export.
+
+Works as one plain process and under `torchrun --nproc_per_node N` (NCCL on GPUs, gloo on CPU). The
+parts it runs on are beside it: `schedule` (LR and data plan), `feed` (micro-batches to the device),
+`metrics` (the log), `run_dir` and `resume` (the rules of the output directory and of a resume),
+`kernel_choice`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from eagle3 import distributed, float8, train_state
+from eagle3.config import Config
+from eagle3.data.batch import Batch, RowRule
+from eagle3.data.loader import pack, split_holdout
+from eagle3.data.online import OnlineReader, stream_note
+from eagle3.data.shards import ShardReader, check_manifest, loss_token_counts
+from eagle3.draft import Eagle3Draft
+from eagle3.errors import Eagle3Error, TrainError
+from eagle3.export import export_all
+from eagle3.models.weights import Checkpoint
+from eagle3.resolve import resolve
+from eagle3.training import kernel_choice, resume, run_dir
+from eagle3.training.feed import Feed
+from eagle3.training.metrics import MetricsLog
+from eagle3.training.schedule import Plan, Schedule
+from eagle3.ttt import METRICS, Objective, summarize, ttt_forward
+from eagle3.vocab import build_vocab
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Unroll:
+    """What the TTT unroll of a micro-batch takes besides the batch and the loss scale: the run's
+    constants (see `eagle3.ttt.ttt_forward`)."""
+    embed: torch.Tensor        # the target's frozen embedding [V_t, H], in the compute dtype
+    head_rows: torch.Tensor    # the target's lm_head rows of the draft vocab [V_d, H]
+    steps: int                 # train.ttt_steps, K
+    attention: Callable        # kernel_choice.Kernels
+    loss_steps: Callable
+    decay: float               # train.loss_decay
+    skip_dead_rows: bool       # debug.skip_dead_rows
+    objective: Objective       # rows trained, the loss
+
+    def evaluating(self) -> Unroll:
+        """The same unroll measuring on assistant rows only (no prompt rows), as evaluation does."""
+        return dataclasses.replace(self, objective=dataclasses.replace(self.objective, rows=RowRule()))
+
+
+class TTTModel(nn.Module):
+    """The unit DDP wraps: the draft plus the TTT unroll as its forward."""
+
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, batch: Batch, unroll: Unroll, scale: float | torch.Tensor = 1.0):
+        u = unroll
+        return ttt_forward(self.draft, batch, u.embed, u.head_rows, u.steps, u.attention, u.loss_steps, u.decay,
+                           scale, u.skip_dead_rows, u.objective)
+
+
+def masked_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """optimizer.step() unless `skip` (a bool tensor). A fused AdamW (ours on CUDA) reads the flag on
+    the device, as GradScaler's found_inf: no host sync per step. Other optimizers (ours on the CPU)
+    read it on the host, where that costs nothing."""
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = skip.float()
+        optimizer.step()
+    elif not bool(skip):
+        optimizer.step()
+
+
+CAUSES = {1: "loss", 2: "gradient norm", 3: "loss and gradient norm"}
+
+
+class NonFinite:
+    """Steps whose loss (on any rank) or gradient norm is non-finite, tracked on the device: reading
+    a flag every step would cost a host sync on CUDA, so the first such step is kept on the device
+    and `check` reads it at log, eval and checkpoint steps."""
+
+    def __init__(self, dist: distributed.Dist, device: torch.device):
+        self.dist = dist
+        self.first = torch.full((2,), -1, dtype=torch.long, device=device)   # first such step, its cause (CAUSES)
+        self.skipped = torch.zeros((), dtype=torch.long, device=device)      # such steps since the last log
+
+    def track(self, loss_bad: torch.Tensor, grad_norm: torch.Tensor, step: int) -> torch.Tensor:
+        """Whether optimizer step `step` is non-finite on any rank, as a device flag."""
+        flags = self.dist.all_reduce(torch.stack((loss_bad, ~torch.isfinite(grad_norm))).float())
+        bad = flags.sum() > 0
+        cause = (flags[0] > 0).long() + 2 * (flags[1] > 0).long()
+        here = torch.stack((torch.full((), step, dtype=torch.long, device=self.first.device), cause))
+        self.first = torch.where(bad & (self.first[0] < 0), here, self.first)
+        self.skipped += bad
+        return bad
+
+    def check(self, output_dir: Path, skip: bool) -> None:
+        """Stop at the first non-finite step unless `skip` (debug.skip_nonfinite); called before anything
+        is logged or saved, so the newest checkpoint stays the last good one."""
+        step, cause = self.first.tolist()
+        if step < 0 or skip:
+            return
+        last = train_state.latest(output_dir)
+        kept = f"the newest checkpoint, {last}, is the last good one" if last else "no checkpoint was written"
+        raise TrainError(f"{output_dir}: step {step}: non-finite {CAUSES[cause]}; training stopped, {kept} "
+                         "(rerun resumes from it: lower train.lr or train.grad_clip, check the data, or set "
+                         "debug.skip_nonfinite = true to skip such steps)")
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one optimizer step computed."""
+    metrics: torch.Tensor     # metric sums [K, len(METRICS)] of this rank's micro-batches (zeros if skipped)
+    grad_norm: torch.Tensor   # the gradient norm before clipping (all ranks)
+    skipped: torch.Tensor     # bool: non-finite loss or gradient norm: no weight changed
+
+
+@dataclasses.dataclass
+class Window:
+    """What the next train line of the log reports, gathered on this rank since the last one."""
+    metrics: torch.Tensor                                            # metric sums [K, len(METRICS)]
+    tokens: int = 0                                                  # rows trained
+    clock: float = dataclasses.field(default_factory=time.perf_counter)
+    waited: float = 0.0                                              # seconds spent waiting for batches
+    target: tuple[int, float] = (0, 0.0)                             # online: the reader's totals at the last line
+
+    def restart(self) -> None:
+        self.metrics.zero_()
+        self.tokens, self.clock, self.waited = 0, time.perf_counter(), 0.0
+
+    def side_rates(self, reader, dist: distributed.Dist, tokens_all: int, elapsed: float) -> dict:
+        """Online, which side bounds the run (all ranks, since the last line): the target's tokens/s
+        over its forward's busy time, the draft's over the loop's time not spent waiting for batches."""
+        totals = (reader.totals.tokens, reader.totals.seconds)
+        since = [now - before for now, before in zip(totals, self.target)]
+        self.target = totals
+        made = dist.all_reduce(torch.tensor([float(since[0]), since[1]], device=self.metrics.device))
+        busy = float(made[1]) / dist.world
+        return {"target_tokens_per_s": float(made[0]) / busy if busy else float("nan"),
+                "draft_tokens_per_s": tokens_all / max(elapsed - self.waited, 1e-9)}
+
+
+def open_reader(cfg: Config, target: Checkpoint, resolved, device: torch.device,
+                say: bool) -> ShardReader | OnlineReader:
+    """Where the micro-batches come from: the shards, or (online) the target run on data.path."""
+    if cfg.train.source == "online":   # each rank streams the target on its own micro-batches, on the training device
+        if cfg.train.online_target == "stream" and say:
+            print(stream_note(target, device), file=sys.stderr)
+        return OnlineReader(cfg, target, resolved.aux_layer_ids, device)
+    data_dir = Path(resolved.data_dir)
+    reader = ShardReader(data_dir)
+    check_manifest(reader.manifest, target.config, resolved.aux_layer_ids, data_dir)
+    return reader
+
+
+def build_draft(cfg: Config, target: Checkpoint, spec, reader, device: torch.device,
+                say: bool) -> tuple[Eagle3Draft, bool, torch.Tensor]:
+    """The draft with the data's vocabulary, train.float8 and the head of experimental.*; returns it,
+    whether it runs fp8 GEMMs, and the target's head rows of the draft vocab in their stored
+    precision (tied: the embedding's)."""
+    d2t, t2d = build_vocab(loss_token_counts(reader.manifest), target.config.vocab_size, spec.draft_vocab_size)
+    draft = Eagle3Draft(spec)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    if device.type == "cuda" and cfg.debug.compile_ops:
+        draft.compile_elementwise()
+    fp8 = float8.choose(cfg.train.float8, device, spec, cfg.source, say=say)
+    if fp8:
+        draft.use_float8()
+    target_rows = target.get("lm_head.weight")[t2d]
+    init_head(draft, target_rows, cfg, say)
+    return draft, fp8, target_rows
+
+
+def init_head(draft: Eagle3Draft, target_rows: torch.Tensor, cfg: Config, say: bool) -> None:
+    """experimental.lm_head_init and experimental.freeze_lm_head: "target" copies the target's rows [V_d, H]
+    into the fp32 master exactly (from the stored tensor, before any cast to the compute dtype);
+    a frozen head gets no gradient, no optimizer state and no weight-gradient work in the loss."""
+    head, x = draft.lm_head.weight, cfg.experimental
+    if x.lm_head_init == "target":
+        if target_rows.shape != head.shape:
+            raise TrainError(f"{cfg.source}: experimental.lm_head_init = \"target\": the target's head rows are "
+                             f"{list(target_rows.shape)}, the draft's lm_head is {list(head.shape)}")
+        with torch.no_grad():
+            head.copy_(target_rows)
+    if x.freeze_lm_head:
+        head.requires_grad_(False)
+        if x.lm_head_init == "random" and say:
+            print("warning: experimental.freeze_lm_head = true with experimental.lm_head_init = \"random\": the draft's "
+                  "lm_head stays random and is never trained; use lm_head_init = \"target\" or "
+                  "freeze_lm_head = false", file=sys.stderr)
+
+
+def data_plan(cfg: Config, reader, world: int, data: str) -> tuple[Plan, list]:
+    """(the plan over the training split, the held-out sequences); `data` names where they come from."""
+    t = cfg.train
+    train_refs, eval_refs = split_holdout(reader.sequences, t.eval_fraction)
+    longest = max(r.length for r in reader.sequences)
+    if longest > t.batch_tokens:
+        raise TrainError(f"{cfg.source}: train.batch_tokens = {t.batch_tokens} is smaller than the "
+                         f"longest sequence ({longest} tokens); raise it or lower data.max_seq_len")
+    return Plan(train_refs, t.batch_tokens, t.seed, world, t.grad_accum, t.max_steps, t.epochs, data=data), eval_refs
+
+
+def data_name(cfg: Config, reader, data_dir: str) -> str:
+    """Where the training data comes from, as an error names it."""
+    source = reader.manifest.get("source", {}).get("path", "?")
+    if cfg.train.source == "online":
+        return f"data.path {source} (online)"
+    return f"train.data_dir {Path(data_dir)} (extracted from data.path {source})"
+
+
+def wrap_ddp(model: nn.Module, world: int) -> nn.Module:
+    """The model the step runs: DDP over it on several ranks. device_ids=None: batches are already on
+    the device, and DDP moving the inputs would turn the host-side copies the step keeps (sequence
+    boundaries) into device tensors."""
+    if world == 1:
+        return model
+    return nn.parallel.DistributedDataParallel(model, device_ids=None, broadcast_buffers=False,
+                                               gradient_as_bucket_view=True)
+
+
+class Trainer:
+    """One training run: set up from the config (output directory, data, draft, optimizer, kernels,
+    resume), then `run`: the steps, evaluation, the log, checkpoints and the export."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, t = cfg, cfg.train
+        self.dist = distributed.setup(cfg.debug.train_device, cfg.debug.collective_timeout_s)
+        self.device = self.dist.device
+        self.cuda = self.device.type == "cuda"
+        self.float_dtype = torch.bfloat16 if self.cuda else torch.float32
+        torch.manual_seed(t.seed)
+        self.output_dir = Path(t.output_dir)
+        run_dir.prepare(self.output_dir, t.resume, cfg.source, self.dist)
+        self.target = Checkpoint(cfg.target.path)
+        self.resolved = resolve(cfg, self.target)
+        self.online = t.source == "online"
+        self.reader = open_reader(cfg, self.target, self.resolved, self.device, say=self.dist.main)
+        spec = self.resolved.draft_spec
+        draft, self.float8, target_rows = build_draft(cfg, self.target, spec, self.reader, self.device,
+                                                      say=self.dist.main)
+        self.model = TTTModel(draft).to(self.device)
+        embed = self.target.get("embed_tokens.weight").to(self.device, self.float_dtype)
+        head_rows = target_rows.to(self.device, self.float_dtype)
+        self.plan, self.eval_refs = data_plan(cfg, self.reader, self.dist.world,
+                                              data_name(cfg, self.reader, self.resolved.data_dir))
+        # a frozen lm_head is in neither the optimizer, gradient clipping nor DDP's buckets
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+                                           fused=self.cuda)
+        self.schedule = Schedule(t.warmup_steps, self.plan.total, t.min_lr_ratio, t.schedule, t.decay_fraction)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
+        # the model is initialised alike on every rank; any draw from here on differs by rank
+        torch.manual_seed(t.seed + 1_000_003 * self.dist.rank)
+        kernels = kernel_choice.choose(cfg, self.device, spec, self.float8, say=self.dist.main)
+        self.float8_head = kernels.float8_head
+        objective = Objective(RowRule(t.prompt_rows), loss=t.loss, temperature=t.loss_temperature,
+                              eta=cfg.experimental.lk_eta)
+        self.unroll = Unroll(embed, head_rows, t.ttt_steps, kernels.attention, kernels.loss_steps, t.loss_decay,
+                             cfg.debug.skip_dead_rows, objective)
+        self.eval_unroll = self.unroll.evaluating()
+        self.feed = Feed(self.reader, self.plan, self.dist.rank, self.device, self.float_dtype,
+                         self.model.draft.t2d.cpu(), self.unroll, self.eval_unroll, cfg.debug.prefetch,
+                         overlap=self.cuda and not self.online)
+        self.start_step = self._resume()
+        self.ddp = wrap_ddp(self.model, self.dist.world)
+        self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
+        self.nonfinite = NonFinite(self.dist, self.device)
+
+    def _state(self) -> dict:
+        """What a checkpoint of this run records besides the weights (state.json)."""
+        return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
+                "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
+                "world_size": self.dist.world, "schedule_total": self.schedule.total,
+                # what train.float8 and train.float8_head (auto: the GPU) resolved to
+                "float8_used": self.float8, "float8_head_used": self.float8_head}
+
+    def _resume(self) -> int:
+        """Continue from train.resume's checkpoint, if any (its rules checked, its state loaded): the
+        step this run starts at."""
+        path = resume.checkpoint(self.cfg.train.resume, self.output_dir, say=self.dist.main)
+        if path is None:
+            return 0
+        was, now = train_state.read_state(path), self._state()
+        resume.check(path, was, now, self.plan.total)
+        train_state.restore(path, self.model.draft, self.optimizer, self.scheduler, self.dist.rank)
+        # a run extended past its old end (a larger train.max_steps) keeps the schedule it was built
+        # with: steps past that end run at its final learning rate, lr x min_lr_ratio
+        self.schedule.total = was["schedule_total"]
+        if self.dist.main:
+            print(resume.note(path, was, now), file=sys.stderr)
+        return was["step"]
+
+    def _forward(self, model, batch, scale=1.0, training=False):
+        with torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext():
+            return model(batch, self.unroll if training else self.eval_unroll, scale)
+
+    def settle_buckets(self, batch: Batch) -> None:
+        """DDP lays its gradient buckets out again after a process's first backward (in the order
+        the gradients became ready), and 3 or more ranks' gradients are summed in another order in
+        each layout: a run resumed from a checkpoint would round its first step unlike the run it
+        continues (6e-8 apart on 4 CPU ranks). One backward at the start of every process, its
+        gradients dropped and its random draws undone, puts every step of every process in the
+        rebuilt layout."""
+        with torch.random.fork_rng(devices=[self.device] if self.cuda else []):
+            self._forward(self.ddp, self.feed.on_device(self.feed.prepared(batch)), training=True)[0].backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, batches: list[Batch], step: int = 0) -> StepResult:
+        """One optimizer step over this rank's micro-batches (a step with a non-finite loss or gradient
+        norm changes no weight, and reports zero metric sums)."""
+        batches = [self.feed.prepared(b) for b in batches]
+        loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        # torch.full passes the value as a kernel argument: no pageable copy, no sync
+        denom = torch.full((), float(sum(b.plan.denominator for b in batches)), device=self.device)
+        denom = self.dist.all_reduce(denom).clamp(min=1)
+        metrics = torch.zeros(self.cfg.train.ttt_steps, len(METRICS), device=self.device)
+        for a, batch in enumerate(batches):
+            batch = self.feed.on_device(batch)
+            sync = self.dist.world == 1 or a == len(batches) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                loss, m, _ = self._forward(self.ddp, batch, self.dist.world / denom, training=True)
+                loss.backward()
+            loss_bad |= ~torch.isfinite(loss.detach())
+            metrics += m
+        grad_norm = nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+        bad = self.nonfinite.track(loss_bad, grad_norm, step)
+        masked_step(self.optimizer, bad)
+        self.scheduler.step()   # the schedule follows the step number, skipped or not
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(torch.where(bad, 0.0, metrics), grad_norm, bad)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        """The metrics on the held-out sequences (None without any), rank r reading batches r, r + world, ..."""
+        if not self.eval_refs:
+            return None
+        batches = pack(self.eval_refs, self.cfg.train.batch_tokens)
+        metrics = torch.zeros(self.cfg.train.ttt_steps, len(METRICS), device=self.device)
+        reader, world, rank = self.reader, self.dist.world, self.dist.rank
+        for first in range(0, len(batches), world):
+            refs = batches[first + rank] if first + rank < len(batches) else []
+            if not refs and not reader.lockstep:
+                continue
+            batch = reader.read(refs)   # staged online: a collective, so every rank reads, even nothing
+            if batch is not None:
+                metrics += self._forward(self.model, self.feed.on_device(self.feed.prepare(batch, training=False)))[1]
+        return summarize(self.dist.all_reduce(metrics))
+
+    def run(self) -> Path:
+        t, total = self.cfg.train, self.plan.total
+        batches = self.feed.batches(self.start_step)
+        window = Window(torch.zeros(t.ttt_steps, len(METRICS), device=self.device))
+        bar = tqdm(total=total, initial=self.start_step, unit="step", desc="train", disable=not self.dist.main)
+        saved = None
+        # staged online reads run here, after the queued draft work: finish it first, or it is timed as theirs
+        settle = torch.cuda.synchronize if self.cuda and self.reader.lockstep else lambda: None
+        for step in range(self.start_step, total):
+            settle()
+            wait = time.perf_counter()
+            micro = [next(batches) for _ in range(t.grad_accum)]
+            window.waited += time.perf_counter() - wait
+            if step == self.start_step and self.dist.world > 1:
+                self.settle_buckets(micro[0])
+            window.tokens += sum(b.rows for b in micro)
+            result = self.train_step(micro, step + 1)
+            window.metrics += result.metrics
+            del micro   # before the next step's micro-batches come: one step's on the device at a time
+            saved = self._after_step(step + 1, result, window, bar) or saved
+            bar.update(1)
+        bar.close()
+        return self._finish(saved)
+
+    def _after_step(self, done: int, result: StepResult, window: Window, bar: tqdm) -> Path | None:
+        """After optimizer step `done`: the finite check, the log, evaluation and a checkpoint, each when
+        due; the checkpoint written, if one was."""
+        t, debug, last = self.cfg.train, self.cfg.debug, done == self.plan.total
+        if any(done % every == 0 for every in (debug.log_every, t.eval_every, t.checkpoint_every)) or last:
+            self.nonfinite.check(self.output_dir, debug.skip_nonfinite)
+        if done % debug.log_every == 0 or last:
+            self._log(done, result, window, bar)
+        if done % t.eval_every == 0 or last:
+            evaluated = self.evaluate()
+            if evaluated is not None:
+                self.log.write({"step": done, "split": "eval", **evaluated})
+        if done % t.checkpoint_every == 0 or last:
+            return train_state.save(self.output_dir, done, self.model.draft, self.optimizer, self.scheduler,
+                                    self._state(), self.dist, t.keep_checkpoints)
+        return None
+
+    def _log(self, done: int, result: StepResult, window: Window, bar: tqdm) -> None:
+        """The train line of step `done` (all ranks' window since the last one), then a new window."""
+        tokens_all = int(self.dist.all_reduce(torch.tensor(float(window.tokens), device=self.device)))
+        elapsed = time.perf_counter() - window.clock
+        rate = tokens_all / elapsed
+        record = {"step": done, "split": "train", "lr": self.scheduler.get_last_lr()[0],
+                  "grad_norm": float(result.grad_norm), "tokens_per_s": rate,
+                  **(window.side_rates(self.reader, self.dist, tokens_all, elapsed) if self.online else {}),
+                  "skipped_steps": int(self.nonfinite.skipped), **summarize(self.dist.all_reduce(window.metrics))}
+        self.log.write(record)
+        bar.set_postfix(loss=f"{record['loss'][0]:.3f}", acc0=f"{record['acc'][0]:.3f}", tok_s=f"{rate:,.0f}",
+                        **({"target_tok_s": f"{record['target_tokens_per_s']:,.0f}",
+                            "draft_tok_s": f"{record['draft_tokens_per_s']:,.0f}"} if self.online else {}))
+        window.restart()
+        self.nonfinite.skipped.zero_()
+
+    def _finish(self, saved: Path | None) -> Path:
+        """The export of the last checkpoint and the summary (rank 0), once every rank is done."""
+        saved = saved or train_state.latest(self.output_dir)
+        if self.dist.main and saved is not None:
+            exported = export_all(saved, self.output_dir / "export", self.cfg)
+            for fmt, path in exported.items():
+                print(f"exported {fmt} draft: {path}")
+        if self.dist.main:
+            print(self.log.summary(self.plan.total, saved, self.cfg.export.formats))
+        self.dist.barrier()
+        return self.output_dir
+
+
+def run(cfg: Config) -> Path:
+    """Train; rank 0 owns train.output_dir meanwhile (a second run on it stops at once). A collective
+    that fails because another rank is gone (or stuck past debug.collective_timeout_s) stops the run
+    here, with the checkpoint to resume from instead of torch's traceback."""
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    try:
+        with run_dir.lock(Path(cfg.train.output_dir), held=main_rank):
+            return Trainer(cfg).run()
+    except RuntimeError as e:
+        lost = distributed.lost_peer(e, f"debug.collective_timeout_s = {cfg.debug.collective_timeout_s:g} s")
+        if lost is None:
+            raise
+        raise TrainError(f"{lost}; training stopped, {run_dir.kept(cfg)}; the same command resumes") from None
+    finally:
+        distributed.teardown()
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    from eagle3.config import cli, interrupted
+    cfg = cli(argv, "Train an EAGLE-3 draft with training-time test.", prog)
+    distributed.stop_on_sigterm(lambda: run_dir.kept(cfg))
+    try:
+        run(cfg)
+    except Eagle3Error as e:
+        raise SystemExit(distributed.first_word(f"error: {e}")) from None
+    except KeyboardInterrupt:
+        interrupted(run_dir.kept(cfg))

@@ -1,0 +1,81 @@
+"""The training log: metrics.jsonl on rank 0, one strict-JSON line per record (NaN and inf as null),
+TensorBoard beside it when installed, and the end-of-run summary, read back from the file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3.files import strict_json
+
+
+def _logged_step(line: str) -> float:
+    """Step of a metrics.jsonl line; a line torn by a kill counts as after any checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
+
+
+def _num(value) -> str:
+    return "nan" if value is None else f"{value:.4f}"
+
+
+class MetricsLog:
+    """metrics.jsonl on rank 0 (and TensorBoard when installed)."""
+
+    def __init__(self, output_dir: Path, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.output_dir = output_dir
+        self.path = output_dir / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        if self.path.exists():  # a resumed run drops what the killed run logged after its checkpoint
+            kept = [ln for ln in self.path.read_text().splitlines() if _logged_step(ln) <= start_step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+        except ImportError:
+            pass
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(strict_json(record) + "\n")
+        if self.tb is not None:
+            prefix = record.get("split", "train")
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+                elif isinstance(value, list):
+                    for k, v in enumerate(value):
+                        self.tb.add_scalar(f"{prefix}/{key}_{k}", v, record["step"])
+
+    def summary(self, total: int, saved: Path | None, formats) -> str:
+        """Where the run ended (step `total`, last checkpoint `saved`) and where its files are (the
+        exports of `formats` that are there); read back from metrics.jsonl, so that a rerun of a
+        finished run says the same."""
+        out = self.output_dir
+        records = [json.loads(ln) for ln in self.path.read_text().splitlines()] if self.path.exists() else []
+        last = {r["split"]: r for r in records}
+        lines = [f"train: done, step {total} in {out}"]
+        for split, name in (("train", "train"), ("eval", "held-out")):
+            if split in last:
+                r = last[split]
+                estimate = f", accept_len {_num(r['accept_len'])}" if split == "eval" else ""
+                lines.append(f"  {name} (step {r['step']}{estimate}), per TTT step: loss "
+                             f"{' '.join(_num(x) for x in r['loss'])}; accuracy {' '.join(_num(x) for x in r['acc'])}")
+        skipped = sum(r.get("skipped_steps", 0) for r in records if r["split"] == "train")
+        if skipped:
+            lines.append(f"  skipped steps (non-finite loss or gradient norm, debug.skip_nonfinite): {skipped}")
+        lines.append(f"  metrics: {self.path}")
+        lines.append(f"  last checkpoint: {saved}")
+        lines += [f"  {fmt} export: {out / 'export' / fmt}" for fmt in formats if (out / "export" / fmt).is_dir()]
+        if self.tb is not None:
+            lines.append(f"  tensorboard: {out / 'tensorboard'}")
+        if saved is not None:   # training draws no plot: evaluate does, with real decoding when given prompts
+            lines.append(f"  plot and real decoding: python -m eagle3 evaluate {saved} --prompts PROMPTS.jsonl "
+                         "(writes eval.json and eval.png there; the checkpoint's own settings)")
+        return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""The resume rules: which checkpoint a run continues from (train.resume) and what it must share with
+it. Apart from `checkpoint` (which reads the output directory), these are pure functions of the
+checkpoint's state.json (`was`) and this run's state (`now`: the dict a checkpoint of this run would
+hold, `Trainer._state`), raising TrainError with the key, the two values and the way out."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from eagle3 import train_state
+from eagle3.errors import TrainError
+
+# Settings a resumed run must share with its checkpoint: data order and learning-rate schedule.
+# (train.grad_accum may change with the world size: their product, the global batch, must not.)
+# (train.max_steps may be raised to extend a run: the LR schedule keeps the total it was built with.)
+RESUME_FIXED = ("seed", "batch_tokens", "eval_fraction", "epochs", "ttt_steps",
+                "loss_decay", "lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_fraction", "betas",
+                "weight_decay", "prompt_rows")
+# how the head starts and whether it trains: a change alters the optimizer's parameters
+HEAD_FIXED = ("lm_head_init", "freeze_lm_head")
+NEW_RUN = "choose another train.output_dir to start a new run"
+
+
+def checkpoint(choice: str, output_dir: Path, say: bool = True) -> Path | None:
+    """train.resume -> the checkpoint to continue from, None for a new run. "never" and "overwrite"
+    start anew; "auto" takes the newest checkpoint that reads (a newer damaged one is skipped, with a
+    warning when `say`), None where there is none, and stops where checkpoints are there but none
+    reads (starting over would write into the run); anything else is a checkpoint directory."""
+    if choice in ("never", "overwrite"):
+        return None
+    if choice != "auto":
+        return Path(choice)
+    path, skipped = train_state.latest_readable(output_dir)
+    if skipped and path is None:
+        raise train_state.CheckpointError("no checkpoint of the run reads any more: " + "; ".join(
+            f"{bad}: {why}" for bad, why in skipped) + f"; {train_state.ELSEWHERE}")
+    for bad, why in skipped if say else ():
+        print(f"warning: resume skips {bad}, which no longer reads ({why}); resuming from {path}",
+              file=sys.stderr)
+    return path
+
+
+def check(path: Path, was: dict, now: dict, total: int) -> None:
+    """Refuse to resume from `path` unless this run continues its run: the same draft, aux layers and
+    target, the same global batch, the fixed settings, and an end (`total` steps) not before it."""
+    check_same_draft(path, was, now)
+    check_global_batch(path, was, now["world_size"], now["config"]["train"]["grad_accum"])
+    check_fixed(path, was["config"], now["config"])
+    check_end(path, was, total, now["config"]["train"]["max_steps"])
+
+
+def check_same_draft(path: Path, was: dict, now: dict) -> None:
+    """The resolved draft spec, aux layer ids, data and target are the checkpoint's."""
+    before = {**was["resolved"], "target": was["target"]}
+    for key, value in {**now["resolved"], "target": now["target"]}.items():
+        if key != "verifier_name" and before[key] != value:   # the verifier is only a name in the export
+            raise TrainError(f"{path}/state.json: {key} differs from this run's ({before[key]} vs "
+                             f"{value}); {NEW_RUN}")
+
+
+def check_fixed(path: Path, was: dict, now: dict) -> None:
+    """The settings of RESUME_FIXED and HEAD_FIXED in the configs `was` and `now` agree: the trainable
+    parameters, the data order and the LR schedule the checkpoint's steps followed."""
+    fixed = [("experimental", key) for key in HEAD_FIXED] + [("train", key) for key in RESUME_FIXED]
+    for section, key in fixed:
+        before = was[section][key]
+        if key == "decay_fraction" and now["train"]["schedule"] == "cosine":
+            continue   # the cosine does not read it (and a changed schedule is refused)
+        if before != now[section][key]:
+            raise TrainError(f"{path}/state.json: {section}.{key} was {json.dumps(before)}, this run "
+                             f"has {json.dumps(now[section][key])}; a resumed run must keep it (set "
+                             f"--{section}.{key} {json.dumps(before)} to resume it, or {NEW_RUN})")
+
+
+def check_global_batch(path: Path, was: dict, world: int, accum: int) -> None:
+    """Another world size resumes when world size x train.grad_accum is the checkpoint's: the plan
+    then gives optimizer step s the same micro-batches (s*world*accum .. +world*accum-1 of the
+    epoch's packing) and the loss is normalised over the whole step across ranks."""
+    was_world, was_accum = was["world_size"], was["config"]["train"]["grad_accum"]
+    if was_world * was_accum == world * accum:
+        return
+    product = was_world * was_accum
+    keep = (f"train.grad_accum = {product // world} keeps it" if product % world == 0 else
+            f"no train.grad_accum keeps it on {world} ranks (use a number of ranks that divides {product})")
+    raise TrainError(f"{path}/state.json: the checkpoint's global batch is world size {was_world} x "
+                     f"train.grad_accum {was_accum} = {product} micro-batches per step, this run's is world size "
+                     f"{world} x train.grad_accum {accum} = {world * accum}; a resumed run must keep it: "
+                     f"{keep} (or {NEW_RUN})")
+
+
+def check_end(path: Path, was: dict, total: int, max_steps: int) -> None:
+    """train.max_steps may extend a run, never end it before its checkpoint."""
+    if total >= was["step"]:
+        return
+    raise TrainError(f"{path}/state.json: the checkpoint is at step {was['step']}, but this run ends at step "
+                     f"{total} (train.max_steps = {max_steps}); a resumed run may raise "
+                     f"train.max_steps to extend the run, not end before its checkpoint: set train.max_steps >= "
+                     f"{was['step']}, resume from an earlier checkpoint (train.resume = DIR), or {NEW_RUN}")
+
+
+def fp8_changes(state: dict, float8: bool, float8_head: bool) -> str:
+    """What a resumed run does differently in fp8 from the checkpoint's steps so far ("" if nothing;
+    auto on another GPU kind, say)."""
+    said = ""
+    for key, now, what in (("float8_used", float8, "fp8 GEMMs (train.float8)"),
+                           ("float8_head_used", float8_head, "fp8 head GEMMs (train.float8_head)")):
+        if state[key] != now:
+            said += (f"; its steps so far ran {'with' if state[key] else 'without'} {what}, "
+                     f"from here {'with' if now else 'without'}")
+    return said
+
+
+def note(path: Path, was: dict, now: dict) -> str:
+    """The line a resume prints: the checkpoint, its step, and what differs from its steps so far (the
+    world size, with the same global batch; the fp8 choices)."""
+    world, accum = was["world_size"], was["config"]["train"]["grad_accum"]
+    other = (f"; written by world size {world} x train.grad_accum {accum}, now {now['world_size']} x "
+             f"{now['config']['train']['grad_accum']}: the same global batch" if world != now["world_size"] else "")
+    other += fp8_changes(was, now["float8_used"], now["float8_head_used"])
+    return f"resumed from {path} (step {was['step']}{other})"
