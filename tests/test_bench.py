@@ -13,25 +13,42 @@ from eagle3.bench.__main__ import BENCHES
 from eagle3.bench.__main__ import main as bench_main
 
 
+def check_step_timing(result: dict, steps: int, warmup: int, elapsed: float) -> None:
+    """A step row's figures against each other and the caller's clock: the rate is the micro-batch's rows
+    (the `torch` path computes every row: step.TINY's 4 x 128 tokens) over the step time, the timed steps
+    fit in the bench's own seconds (rounded), which fit in the caller's, and are no tiny share of them."""
+    assert result["tokens_per_s_per_gpu"] * result["step_s"] == pytest.approx(4 * 128)
+    assert steps * result["step_s"] <= result["bench_s"] + 0.5 and result["bench_s"] - 0.5 <= elapsed
+    assert result["bench_s"] < 10 * (steps + warmup) * result["step_s"], result
+
+
 def test_train_step_bench_runs_on_a_tiny_shape(tmp_path):
+    started = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "eagle3.bench", "--tiny", "--kernels", "torch", "--steps", "2",
-                          "--warmup", "1", "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+                          "--warmup", "1", "--dir", str(tmp_path), "--json", str(tmp_path / "r.jsonl")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    elapsed = time.perf_counter() - started
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| a |") or line.startswith("| b |")]
-    assert len(rows) == 2
-    assert all(float(row.split("|")[4].replace(",", "")) > 0 for row in rows)   # tokens/s
+    results = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["layout"] for r in results] == ["a", "b"]
+    assert sum(r["bench_s"] for r in results) <= elapsed + 1
+    for r in results:
+        check_step_timing(r, 2, 1, elapsed)
+        # the printed table carries the measured figures
+        assert f"| {r['layout']} | torch | {r['step_s'] * 1e3:.0f} | {r['tokens_per_s_per_gpu']:,.0f} |" in out.stdout
 
 
 def test_train_step_bench_under_torchrun_ends_with_the_same_weights_on_both_ranks(tmp_path):
+    started = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
                           "eagle3.bench", "--tiny", "--kernels", "torch", "--layouts", "b", "--steps", "2",
                           "--warmup", "1", "--dir", str(tmp_path), "--json", str(tmp_path / "r.jsonl")],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    elapsed = time.perf_counter() - started
     assert out.returncode == 0, out.stderr[-2000:]
     (result,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert result["world"] == 2 and result["same_weights_on_all_ranks"] is True
-    assert result["tokens_per_s_per_gpu"] > 0
+    check_step_timing(result, 2, 1, elapsed)   # per GPU: each rank's own micro-batch
 
 
 def test_references_evaluation_and_decoding_import_without_triton():
@@ -53,10 +70,17 @@ def test_every_bench_is_reachable_by_name(name, capsys):
 def test_moe_bench_runs_on_a_tiny_shape():
     cpu = torch.device("cpu")
     with torch.no_grad():
-        layer, streamed = moe.bench_layer(moe.TINY, cpu, float("nan")), moe.bench_streamed(moe.TINY, cpu)
-    assert layer["triton_dequant_ok"] and layer["tokens_per_s"] > 0
-    assert layer["moe_s"] > 0 and layer["dequant_all_experts_s"] > 0
-    assert streamed["tokens"] == 128 and streamed["wall_s"] > 0
+        layer_s, layer = timing.wall_s(lambda: moe.bench_layer(moe.TINY, cpu, float("nan")))
+        streamed_s, streamed = timing.wall_s(lambda: moe.bench_streamed(moe.TINY, cpu))
+    assert layer["triton_dequant_ok"] and layer["tokens"] == 128
+    assert layer["tokens_per_s"] == pytest.approx(128 / layer["layer_s"])
+    assert layer["tflops"] == pytest.approx(sum(layer["flops"].values()) / layer["layer_s"] / 1e12)
+    assert layer["tflops"] < 10   # a timer that measured next to nothing would say so; no CPU runs this layer so fast
+    # each figure is the median of calls the bench made (dequantisation: of a quarter of the experts, times 4)
+    parts = layer["layer_s"] + layer["attention_s"] + layer["moe_s"] + layer["dequant_all_experts_s"] / 4
+    assert parts < layer_s
+    # the streamed extraction's time is the runner's, most of the call's
+    assert streamed["tokens"] == 128 and streamed_s / 4 < streamed["wall_s"] <= streamed_s
 
 
 def test_the_timer_gives_the_median_of_calls_on_the_cpu():

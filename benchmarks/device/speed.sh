@@ -22,8 +22,8 @@
 #   step-b the same step on layout (b): the torch path, Triton in bf16 and with train.float8
 #   fp8    the casts and GEMMs of train.float8 at the step's shapes (python -m eagle3.bench float8)
 #   rows   the row spread and RMSNorm kernels against torch's (python -m eagle3.bench rows)
-#   moe    the Kimi MoE layer alone (W4A16 included)
-#   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer (W4A16 included)
+#   moe    the Kimi MoE layer alone
+#   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer
 #   here:  the peer's wheels in .whl/ (see benchmarks/peer/)    there: bash benchmarks/device/speed.sh PART...
 # Compiled graphs travel between calls: every part runs with torch's inductor and Triton caches in
 # /tmp/peer-cache; `cache` packs them into $OUT/peer-cache.tgz.NN (15 MiB pieces, 22 MB after the

@@ -2,6 +2,7 @@
 the code a later GPU call runs, with what it measures checked."""
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -18,8 +19,16 @@ CPU = torch.device("cpu")
 
 
 def test_the_written_target_is_a_kimi_checkpoint_of_the_generated_layers(tmp_path):
+    started = time.perf_counter()
     written = online.write_target(tmp_path, online.TINY, CPU)
-    assert not written["reused"] and written["bytes"] > 0
+    # what it reports is what it wrote: the files' sizes (each at least its tensors), in a share of this call's time
+    files = sorted(tmp_path.glob("model-*.safetensors"))
+    assert not written["reused"] and len(files) == online.TINY["layers"] + 1
+    assert written["bytes"] == sum(f.stat().st_size for f in files)
+    assert written["bytes"] >= sum(t.nbytes for f in files for t in load_file(f).values())
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == written["bytes"]
+    assert 0 < written["seconds"] < time.perf_counter() - started
     assert online.write_target(tmp_path, online.TINY, CPU) == {"reused": True}
     ckpt = Checkpoint(tmp_path)
     assert ckpt.config.model_type == "kimi_k25" and ckpt.prefix == "language_model.model."
@@ -43,15 +52,33 @@ def test_the_written_target_is_a_kimi_checkpoint_of_the_generated_layers(tmp_pat
 @pytest.mark.slow
 def test_every_placement_trains_the_same_tokens_and_is_measured(tmp_path, capsys):
     rows_file = tmp_path / "rows.jsonl"
+    started = time.perf_counter()
     online.main(["--tiny", "--dir", str(tmp_path), "--json", str(rows_file)])
+    elapsed = time.perf_counter() - started
     rows = {r["placement"]: r for r in map(json.loads, rows_file.read_text().splitlines())}
     assert tuple(rows) == online.PLACEMENTS
-    tokens = online.TINY["steps"] * 2 * online.TINY["draft"]["seqs"] * online.TINY["draft"]["seq_len"]
+    d = online.TINY["draft"]
+    tokens = online.TINY["steps"] * 2 * d["seqs"] * d["seq_len"]
+    trained = tokens // d["seq_len"] * (d["seq_len"] - d["user"])   # layout (a): a row per token after the user turn
+    # the placements' launches take most of this test's time, and no more than it
+    assert elapsed / 2 < sum(r["wall_s"] for r in rows.values()) < elapsed
     for r in rows.values():
-        assert r["ranks"] == 2 and r["tokens"] == tokens and r["wall_s"] > 0
-        assert all(r[k] > 0 for k in ("target_tokens_per_s", "draft_tokens_per_s", "tokens_per_s"))
+        assert r["ranks"] == 2 and r["tokens"] == tokens and r["peak_gib"] is None   # no GPU here
+        assert r["wall_s"] == pytest.approx(sum(r["phase_wall_s"].values()))
+        assert r["wall_tokens_per_s"] == pytest.approx(tokens / r["wall_s"])
         assert r["gpu_s_per_1k_tokens"] == pytest.approx(2000 / r["tokens_per_s"])
-        assert [x["rank"] for x in r["reports"]["train"]] == [0, 1] and r["peak_gib"] is None   # no GPU here
+        for phase, reports in r["reports"].items():   # each rank's timed run inside its phase's launch
+            assert [x["rank"] for x in reports] == [0, 1]
+            assert all(0 < x["seconds"] < r["phase_wall_s"][phase] for x in reports), (phase, r)
+        # the steady rates against the ranks' own clocks: the time they give all the work fits in the timed runs
+        # (a median of the windows after the first), and is no tiny share of them (start-up and compiling included)
+        train_s = max(x["seconds"] for x in r["reports"]["train"])
+        draft = r["draft_tokens_per_s"] if r["placement"] == "offline" else r["tokens_per_s"]
+        assert train_s / 50 < trained / draft < 2 * train_s, r
+        target_s = max(x["seconds"] for x in r["reports"]["extract"]) if r["placement"] == "offline" else train_s
+        assert target_s / 50 < tokens / r["target_tokens_per_s"] < 3 * target_s, r
+        if r["placement"] != "offline":   # the draft's time leaves out the waits for the target's batches
+            assert r["draft_tokens_per_s"] >= r["tokens_per_s"]
         # the same data, seed and forward: every placement trained the same draft
         assert r["last_loss0"] == pytest.approx(rows["offline"]["last_loss0"], rel=1e-3)
     offline = rows["offline"]
@@ -83,11 +110,18 @@ def test_scaling_is_the_node_rate_over_the_one_gpu_rate():
 
 
 def test_extraction_on_two_ranks_is_compared_shard_by_shard_with_one(tmp_path):
+    started = time.perf_counter()
     node.main(["extract", "--tiny", "--ranks", "1,2", "--shards", "4", "--dir", str(tmp_path),
                "--json", str(tmp_path / "rows.jsonl")])
+    elapsed = time.perf_counter() - started
     one, two = map(json.loads, (tmp_path / "rows.jsonl").read_text().splitlines())
     assert (one["ranks"], two["ranks"]) == (1, 2) and one["tokens"] == two["tokens"] == 4 * 512
-    assert two["against"]["same_plan"] and two["against"]["shards"] == 4 and two["tokens_per_s"] > 0
+    assert two["against"]["same_plan"] and two["against"]["shards"] == 4
+    assert one["wall_s"] + two["wall_s"] < elapsed and two["speedup"] == pytest.approx(one["wall_s"] / two["wall_s"])
+    for r in (one, two):
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+        # from the shards' write times: each rank's shards after its first were written inside the launch
+        assert r["steady_tokens_per_s"] * r["wall_s"] >= (4 - r["ranks"]) * 512, r
     # a shard that came out otherwise is found, and by how much
     altered = tmp_path / "altered"
     shutil.copytree(tmp_path / "hidden-1", altered)
