@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         print(scaling_table(scaling(one, many)))
         return
     if not (args.tiny or args.command == "resume"):
-        require_cuda("node", "; --tiny runs it at toy size on the CPU")
+        require_cuda("benchmarks.node", "; --tiny runs it at toy size on the CPU")
     s = online.TINY if args.tiny or args.command == "resume" else online.KIMI
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-node-"))

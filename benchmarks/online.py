@@ -49,9 +49,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from benchmarks import moe
 from eagle3 import config as config_mod
 from eagle3 import extraction, training
-from eagle3.bench import moe, step
+from eagle3.bench import step
 from eagle3.bench.timing import describe_device, free_memory, require_cuda
 from eagle3.data.shards import read_manifest
 from eagle3.files import atomic_write_text
@@ -62,10 +63,10 @@ from benchmarks.processes import kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]   # where extract.py, train.py and config.toml are
 PLACEMENTS = ("offline", "stream", "resident", "staged")
-KIMI = dict(model=moe.KIMI_MODEL, layers=4, draft=step.KIMI, shard_tokens=65536, steps=8)
-# step.TINY's draft (hidden 64) and vocabulary on moe.TINY's target; shards of one micro-batch, so
+KIMI = dict(model=moe.KIMI_MODEL, layers=4, draft=step.SIZES["kimi"], shard_tokens=65536, steps=8)
+# step.SIZES["tiny"]'s draft (hidden 64) and vocabulary on moe.TINY's target; shards of one micro-batch, so
 # that every rank extracts some
-TINY = dict(model=dict(moe.TINY["model"], vocab=step.TINY["vocab"]), layers=4, draft=step.TINY, shard_tokens=512,
+TINY = dict(model=dict(moe.TINY["model"], vocab=step.SIZES["tiny"]["vocab"]), layers=4, draft=step.SIZES["tiny"], shard_tokens=512,
             steps=3)
 PREFIX = "language_model.model."   # Kimi-K2.5's text tensors
 STAMP = "bench-target.json"        # written last: the target is complete, and of which shape
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table([json.loads(line) for line in Path(args.table).read_text().splitlines()]))
         return
     if not args.tiny and not args.worker:
-        require_cuda("online", " (a real-width Kimi-layout target); --tiny runs it at toy size on the CPU")
+        require_cuda("benchmarks.online", " (a real-width Kimi-layout target); --tiny runs it at toy size on the CPU")
     s = TINY if args.tiny else KIMI
     args.steps = args.steps or s["steps"]
     root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-online-"))

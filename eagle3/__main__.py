@@ -1,9 +1,5 @@
-"""`python -m eagle3 COMMAND` (the `eagle3` console script): every stage from one command line.
-
-`train` and `extract` run what `train.py` and `extract.py` run (those stay for torchrun), `bench`
-what `python -m eagle3.bench` runs; each command that reads a config takes `--config FILE` and
-`--section.key value` overrides; `config` lists every key.
-"""
+"""`python -m eagle3 COMMAND` (the `eagle3` console script): every stage from one command line. `train` and
+`extract` run what train.py and extract.py (kept for torchrun) run, `bench` what `python -m eagle3.bench` runs."""
 from __future__ import annotations
 
 import argparse
@@ -11,44 +7,36 @@ import json
 import sys
 from pathlib import Path
 
+from eagle3 import config as config_mod
 from eagle3.errors import Eagle3Error
 from eagle3.models.weights import Checkpoint
 from eagle3.models.inspect import inspect
 
-# (default, help) of --config for the commands that read a config
-CONFIG = ("config.toml", "TOML config file (default: config.toml)")
-# the commands with a parser of their own: given the rest of the command line as it is
+# the commands with a parser of their own, given the rest of the command line as it is
 FORWARDED = {"extract": "extract the target's hidden states into shards (what extract.py runs)",
              "train": "train an EAGLE-3 draft with training-time test (what train.py runs)",
              "bench": "the training-step and quality benchmarks (python -m eagle3.bench)"}
 
 
 def forward(command: str, argv: list[str]) -> None:
-    if command == "train":
-        from eagle3.training import main as train
-        train(argv, prog="python -m eagle3 train")
-    elif command == "extract":
-        from eagle3.extraction import main as extract
-        extract(argv, prog="python -m eagle3 extract")
-    else:
+    if command == "bench":
         from eagle3.bench.__main__ import main as bench
-        bench(argv)
+        return bench(argv)
+    from eagle3 import extraction, training
+    (training.main if command == "train" else extraction.main)(argv, prog=f"python -m eagle3 {command}")
 
 
 def demo(args, overrides: list[str]) -> None:
     """Make the tiny demo target and data if absent, then extract, train and export."""
-    from eagle3 import config as config_mod
     from eagle3 import extraction, training
     from eagle3.models import tiny
-    # a demo always trains anew (a run already there is moved aside whole), so that a rerun with other
-    # settings (--train.max_steps 40) is a fresh demo, not a resume of the last one
+    # a demo always trains anew (the run there moved aside), so that a rerun with other settings is no resume
     cfg = config_mod.load(args.config, ["--train.resume", "overwrite", *overrides])
     if not (Path(cfg.target.path) / "config.json").exists():
         tiny.make_demo_target(cfg.target.path)
         print(f"demo: wrote a tiny random target to {cfg.target.path}")
     if not Path(cfg.data.path).exists():
-        vocab = Checkpoint(cfg.target.path).config.vocab_size
-        tiny.make_token_data(cfg.data.path, vocab=vocab, sequences=256)
+        tiny.make_token_data(cfg.data.path, vocab=Checkpoint(cfg.target.path).config.vocab_size, sequences=256)
         print(f"demo: wrote synthetic training data to {cfg.data.path}")
     extraction.run(cfg)
     training.run(cfg)
@@ -58,20 +46,17 @@ SUMMARY_KEYS = ("step", "accept_len", "accept_len_decoding", "acc", "cond_acc", 
                 "temperature", "top_p", "draft_sampling", "seeds", "real_accept_len", "real_accept_len_sd",
                 "accept_len_per_request", "accept_len_per_request_sd", "per_position_acceptance", "rounds",
                 "prompts", "new_tokens", "mismatches", "k", "wall_seconds")
+SHORTHANDS = ("prompts", "max_new_tokens", "k", "temperature", "top_p", "draft_sampling", "seeds")
 
 
 def evaluate_command(args, overrides: list[str]) -> None:
-    """--prompts, --max-new-tokens, --k, --temperature, --top-p, --draft-sampling and --seeds are shorthands
-    for the [evaluate] keys (they win)."""
-    from eagle3 import config as config_mod
+    """--prompts, --k and the other SHORTHANDS set the [evaluate] keys (and win over overrides)."""
     from eagle3.evaluate import run
-    shorthands = {key: getattr(args, key) for key in ("prompts", "max_new_tokens", "k", "temperature", "top_p",
-                                                      "draft_sampling", "seeds")}
-    overrides = overrides + [x for key, value in shorthands.items() if value is not None
-                             for x in (f"--evaluate.{key}", value)]
     from eagle3.files import strict_json
-    from eagle3 import train_state
-    ours = (Path(args.checkpoint) / train_state.STATE).exists()
+    from eagle3.train_state import STATE
+    overrides = overrides + [x for key in SHORTHANDS if (value := getattr(args, key)) is not None
+                             for x in (f"--evaluate.{key}", value)]
+    ours = (Path(args.checkpoint) / STATE).exists()
     cfg = checkpoint_config(args, overrides) if ours else config_mod.load(args.config or "config.toml", overrides)
     report, out = run(cfg, args.checkpoint, args.out)
     print(strict_json({k: report[k] for k in SUMMARY_KEYS if k in report}))
@@ -79,16 +64,14 @@ def evaluate_command(args, overrides: list[str]) -> None:
 
 
 def export_command(args, overrides: list[str]) -> None:
-    """The config the checkpoint was trained with, unless --config names another; overrides on top."""
     from eagle3.export import export_all
     for fmt, path in export_all(args.checkpoint, args.out_dir, checkpoint_config(args, overrides)).items():
         print(f"exported {fmt} draft: {path}")
 
 
-def checkpoint_config(args, overrides: list[str]):
-    """--config FILE when given, else the config our checkpoint `args.checkpoint` was trained with
-    (its state.json: the target and data it was trained on); overrides on top."""
-    from eagle3 import config as config_mod
+def checkpoint_config(args, overrides: list[str]) -> config_mod.Config:
+    """--config FILE when given, else the config our checkpoint was trained with (its state.json); overrides
+    on top."""
     from eagle3.train_state import read_state
     if args.config:
         return config_mod.load(args.config, overrides)
@@ -97,14 +80,13 @@ def checkpoint_config(args, overrides: list[str]):
 
 
 def config_command(args, overrides: list[str]) -> None:
-    from eagle3 import config as config_mod
     cfg = config_mod.load(args.config, overrides)
     label = Path(args.config).name if args.config else "set"
-    print(config_mod.markdown_table(cfg, label) if args.markdown else config_mod.reference(cfg, label, args.all), end="")
+    text = config_mod.markdown_table(cfg, label) if args.markdown else config_mod.reference(cfg, label, args.all)
+    print(text, end="")
 
 
 def generate_command(args, overrides: list[str]) -> None:
-    from eagle3 import config as config_mod
     from eagle3.generate import run
     run(config_mod.load(args.config, overrides))
 
@@ -115,69 +97,67 @@ COMMANDS = {"inspect": lambda args, _: print(json.dumps(inspect(args.target), in
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    from eagle3.config import OVERRIDES_HELP
     parser = argparse.ArgumentParser(prog="python -m eagle3", epilog="Each command: python -m eagle3 COMMAND "
                                      "--help. Under torchrun: train.py and extract.py, with the same arguments.")
     sub = parser.add_subparsers(dest="command", required=True)
     subs = {}
 
-    def add(name: str, text: str, config: tuple[str | None, str] | None = CONFIG) -> argparse.ArgumentParser:
-        """`config`: the default and help of --config; None for a command that reads no config."""
-        subs[name] = sub.add_parser(name, help=text, description=text, epilog=OVERRIDES_HELP if config else None)
+    def add(name: str, text: str, config: str | None = "TOML config file (default: config.toml)",
+            default: str | None = "config.toml") -> argparse.ArgumentParser:
+        """`config`: the help of --config; None for a command that reads no config."""
+        subs[name] = sub.add_parser(name, help=text, description=text,
+                                    epilog=config_mod.OVERRIDES_HELP if config else None)
         if config:
-            subs[name].add_argument("--config", default=config[0], help=config[1])
+            subs[name].add_argument("--config", default=default, help=config)
         return subs[name]
 
-    p = add("inspect", "resolve a target checkpoint and print what the pipeline will use (one JSON object)", None)
-    p.add_argument("target", help="target directory (or its config.json)")
+    add("inspect", "resolve a target checkpoint and print what the pipeline will use (one JSON object)",
+        None).add_argument("target", help="target directory (or its config.json)")
     for name in ("extract", "train"):
         sub.add_parser(name, help=FORWARDED[name], add_help=False)
     p = add("export", "export a training checkpoint for the engines in export.formats (vllm, sglang; e.g. "
                       "--export.formats '[\"vllm\"]')",
-            (None, "TOML config file (default: the checkpoint's own config, kept in its state.json)"))
+            "TOML config file (default: the checkpoint's own config, kept in its state.json)", None)
     p.add_argument("checkpoint", help="checkpoint directory, e.g. runs/demo/train/checkpoints/step-00000200")
     p.add_argument("out_dir", help="where to write <format>/config.json and model.safetensors")
     p = add("evaluate", "real speculative decoding on prompts (--prompts) and, for our checkpoints, the "
                         "held-out acceptance-length estimate",
-            (None, "TOML config file (default: for our checkpoints their own config, kept in their state.json: "
-                   "the target and data they were trained on; for a vLLM-layout draft config.toml)"))
+            "TOML config file (default: for our checkpoints their own config, kept in their state.json: the "
+            "target and data they were trained on; for a vLLM-layout draft config.toml)", None)
     p.add_argument("checkpoint", help="one of our checkpoints or a speculators/vLLM EAGLE-3 draft directory")
-    p.add_argument("--prompts", help="JSON lines of prompts (evaluate.prompts)")
-    p.add_argument("--max-new-tokens", help="tokens per prompt (evaluate.max_new_tokens)")
-    p.add_argument("--k", help="draft tokens per round (evaluate.k)")
-    p.add_argument("--temperature", help="serving temperature, 0 = greedy (evaluate.temperature)")
-    p.add_argument("--top-p", help="serving top_p (evaluate.top_p)")
-    p.add_argument("--draft-sampling", help="greedy | probabilistic (evaluate.draft_sampling)")
-    p.add_argument("--seeds", help="seeds at temperature > 0 (evaluate.seeds)")
+    for flag, text in (("--prompts", "JSON lines of prompts"), ("--max-new-tokens", "tokens per prompt"),
+                       ("--k", "draft tokens per round"), ("--temperature", "serving temperature, 0 = greedy"),
+                       ("--top-p", "serving top_p"), ("--draft-sampling", "greedy | probabilistic"),
+                       ("--seeds", "seeds at temperature > 0")):
+        p.add_argument(flag, help=f"{text} (evaluate.{flag[2:].replace('-', '_')})")
     p.add_argument("--out", help="where to write the report (default: eval.json in the draft directory)")
     add("generate", "regenerate the training replies with the target itself ([generate] keys)")
     add("demo", "tiny target -> extract -> train -> export, on the CPU")
     sub.add_parser("bench", help=FORWARDED["bench"], add_help=False)
     p = add("config", "the config keys with their type, default and meaning",
-            (None, "a TOML config file: its values are shown where they are not the defaults"))
+            "a TOML config file: its values are shown where they are not the defaults", None)
     p.add_argument("--all", action="store_true", help="also the [experimental] and [debug] keys")
     p.add_argument("--markdown", action="store_true", help="every key as docs/config.md's table")
     return parser, subs
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3.config import check_overrides, interrupted, split_overrides
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in FORWARDED:
         return forward(argv[0], argv[1:])
     parser, subs = _parser()
-    overrides, argv = split_overrides(argv)
+    overrides, argv = config_mod.split_overrides(argv)
     args, rest = parser.parse_known_args(argv)
     rest += overrides
     if args.command == "inspect" and rest:   # it takes no config: nothing to override
         subs[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
-    rest = check_overrides(subs[args.command], rest) if rest else rest
+    config_mod.check_overrides(subs[args.command], rest)
     try:
         COMMANDS[args.command](args, rest)
     except Eagle3Error as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        interrupted(f"python -m eagle3 {args.command}", resumes=args.command in ("demo", "generate"))
+        config_mod.interrupted(f"python -m eagle3 {args.command}", resumes=args.command in ("demo", "generate"))
 
 
 if __name__ == "__main__":

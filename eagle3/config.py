@@ -1,9 +1,7 @@
 """The one typed configuration schema: TOML loading, `--section.key value` overrides, validation.
 
-Every value a user may tune is a field below with its type (`Literal[...]` where the values are a
-fixed set), its default and its doc: `python -m eagle3 config` and README's config table are made
-from them. A value of `None` ("auto" in TOML) means "derive it": from the target for draft sizes,
-from another key for paths.
+Each key is a field with its type (`Literal[...]` for a fixed set), default and one-line doc, from which
+`python -m eagle3 config` and docs/config.md are made. `None` ("auto" in TOML) means "derive it".
 """
 from __future__ import annotations
 
@@ -30,28 +28,27 @@ class ConfigError(Eagle3Error):
 
 
 def setting(default: object, doc: str):
-    """A config key: its default and the one-line doc shown by `python -m eagle3 config` and README."""
+    """A config key: its default and its one-line doc."""
     if isinstance(default, list):       # a mutable default: each Config gets its own copy
         return field(default_factory=lambda: list(default), metadata={"doc": doc})
     return field(default=default, metadata={"doc": doc})
 
 
-Dtype = Literal["bfloat16", "float16", "float32"]    # what a target or draft may compute or be stored in
+Dtype = Literal["bfloat16", "float16", "float32"]
 
 
 @dataclass
 class TargetConfig:
-    path: str = setting("demo/target", "target directory: `config.json` + safetensors (a nested `text_config` "
-                        "is fine)")
+    path: str = setting("demo/target", "target directory: `config.json` + safetensors (a nested `text_config` is fine)")
     aux_layer_ids: list[int] | None = setting(
-        None, "the 3 decoder layers whose output is captured (ours; vLLM's ids are +1); auto: `[1, L//2-1, L-4]`")
+        None, "the 3 decoder layers whose output is captured (0-based; vLLM's ids are +1); auto: `[1, L//2-1, L-4]`")
 
 
 @dataclass
 class DataConfig:
     path: str = setting("demo/data.jsonl", 'JSON lines, one conversation each: pre-tokenized `{"input_ids", '
                         '"loss_mask"}`, chat `{"messages": [...]}` or ShareGPT `{"conversations": [...]}`')
-    max_seq_len: int = setting(4096, "longer sequences are truncated (counted in the manifest)")
+    max_seq_len: int = setting(4096, "tokens; longer sequences are truncated (counted in the manifest)")
     on_error: Literal["fatal", "skip"] = setting(
         "fatal", "a line that cannot be used: `fatal` stops naming it, `skip` skips it (counted in the manifest)")
 
@@ -61,14 +58,12 @@ class ExtractConfig:
     output_dir: str = setting("runs/demo/hidden", "shards (`shard-NNNNN.safetensors`) + `manifest.json`")
     dtype: Dtype = setting("bfloat16", "compute dtype of the target forward")
     aux_dtype: Literal["bfloat16", "float8_e4m3fn"] = setting(
-        "bfloat16", "storage of `aux_hidden`: `float8_e4m3fn` with a per-token, per-layer scale takes half the "
-        "bytes (the trainer decodes it on the GPU)")
+        "bfloat16", "storage of `aux_hidden`; `float8_e4m3fn` (a scale per token and layer) takes half the bytes")
 
 
 @dataclass
 class VocabConfig:
-    draft_vocab_size: int | None = setting(
-        None, "draft vocabulary: the most frequent assistant tokens; auto: min(32000, target vocab)")
+    draft_vocab_size: int | None = setting(None, "the most frequent assistant tokens kept; auto: min(32000, target's)")
 
 
 @dataclass
@@ -84,27 +79,24 @@ class DraftConfig:
 @dataclass
 class TrainConfig:
     source: Literal["shards", "online"] = setting(
-        "shards", "`shards`: train on extracted hidden states (`train.data_dir`); `online`: run the target on "
-        "`data.path` for each micro-batch and write nothing but checkpoints")
+        "shards", "`shards`: extracted hidden states (`train.data_dir`); `online`: run the target on `data.path`")
     online_target: Literal["stream", "resident", "staged"] = setting(
-        "stream", "online: `stream` the target's layers for every micro-batch (memory: two layers), keep them "
-        "`resident` on each rank (memory: the whole target), or `staged` across the ranks (1/world each)")
+        "stream", "online: `stream` the target's layers per micro-batch (memory: two layers), keep the target "
+        "`resident` on each rank (memory: all of it), or `staged` across the ranks (1/world each)")
     data_dir: str | None = setting(None, "shards to train on; auto: `extract.output_dir`")
     output_dir: str = setting("runs/demo/train", "`checkpoints/`, `metrics.jsonl`, `export/`")
     max_steps: int = setting(200, "optimizer steps; 0 = run `train.epochs` epochs")
     epochs: int = setting(1, "passes over the data when `train.max_steps` = 0")
     seed: int = setting(0, "init and data order")
-    batch_tokens: int = setting(16384, "token budget of one micro-batch of packed sequences, per rank")
+    batch_tokens: int = setting(16384, "tokens in one micro-batch of packed sequences, per rank")
     grad_accum: int = setting(1, "micro-batches per rank per optimizer step")
     ttt_steps: int = setting(7, "training-time-test unroll K")
     loss_decay: float = setting(0.8, "the loss of TTT step k is weighted `loss_decay**k`")
     lr: float = setting(1e-4, "AdamW peak learning rate: linear warmup, then `train.schedule`")
     schedule: Literal["cosine", "wsd"] = setting(
-        "wsd", "after warmup: `wsd` holds lr until the last `train.decay_fraction` of the steps, then decays "
-        "linearly to `lr × min_lr_ratio`; `cosine` decays over all the steps")
-    decay_fraction: float = setting(0.2, "`wsd`: the share of the steps over which the learning rate decays")
-    min_lr_ratio: float = setting(0.1, "the schedule ends at `lr × min_lr_ratio` (steps past the planned end, "
-                                  "when a run is extended, run at it)")
+        "wsd", "after warmup: `wsd` holds lr, then decays linearly over `train.decay_fraction`; `cosine` throughout")
+    decay_fraction: float = setting(0.2, "`wsd`: the share of the steps over which lr decays, in (0, 1]")
+    min_lr_ratio: float = setting(0.1, "the schedule ends at `lr × min_lr_ratio`; later steps run at it")
     warmup_steps: int = setting(20, "linear warmup steps")
     betas: list[float] = setting([0.9, 0.95], "AdamW betas")
     weight_decay: float = setting(0.0, "AdamW weight decay")
@@ -114,22 +106,19 @@ class TrainConfig:
     checkpoint_every: int = setting(100, "steps between checkpoints (the free space is checked first)")
     keep_checkpoints: int = setting(3, "newest checkpoints kept")
     resume: str = setting(
-        "auto", "`auto`: the newest complete checkpoint that reads; `never`: a new run, refusing a folder that "
-        "holds one; `overwrite`: the run there moved aside whole to `<output_dir>.old-<time>`, then a new run; "
-        "or a checkpoint directory (docs/training.md: what a resumed run must keep)")
+        "auto", "`auto`: the newest complete checkpoint that reads; `never`: a new run, refusing a folder that holds "
+        "one; `overwrite`: the old run moved aside to `<output_dir>.old-<time>`; or a checkpoint directory")
     float8: bool | None = setting(
-        None, "the draft's linear layers as fp8 GEMMs (e4m3 forward, e5m2 gradients, fp32 masters); auto: on a "
-        "GPU with fp8 tensor cores when the widths are multiples of 16 (printed at start-up)")
+        None, "the draft's linear layers as fp8 GEMMs (e4m3 forward, e5m2 gradients, fp32 masters); auto: on a GPU "
+        "with fp8 tensor cores when the widths are multiples of 16")
     float8_head: bool | None = setting(
         None, "the loss's lm_head GEMMs as fp8 too; auto: where train.float8 is on and the Triton loss runs")
     prompt_rows: bool = setting(
-        True, "also train rows whose label is a prompt token, towards the target's distribution there; "
-        "accuracy and acceptance count assistant rows only")
+        True, "also train rows labelled with a prompt token, towards the target there; metrics count assistant rows")
     loss: Literal["kl", "tv", "nla", "lk_hybrid", "pq"] = setting(
-        "nla", "the loss of each TTT step between the target's p and the draft's q (docs/losses.md): `nla` "
-        "-log Σ min(p, q), `tv`, `lk_hybrid`, `kl` forward KL, `pq` -log Σ p·q")
-    loss_temperature: float = setting(
-        1.0, "p and q both at this temperature in the loss: the temperature the draft will be served at")
+        "nla", "per TTT step, between the target's p and the draft's q (docs/losses.md): `nla` -log Σ min(p, q), "
+        "`tv`, `lk_hybrid`, `kl` forward KL, `pq` -log Σ p·q")
+    loss_temperature: float = setting(1.0, "p and q at this temperature in the loss: the draft's serving temperature")
 
 
 @dataclass
@@ -143,48 +132,39 @@ class ExportConfig:
 
 @dataclass
 class GenerateConfig:
-    output_path: str = setting("runs/demo/regenerated.jsonl", "pre-tokenized JSON lines (point `data.path` "
-                               "at it to extract)")
+    output_path: str = setting("runs/demo/regenerated.jsonl", "pre-tokenized JSON lines (point `data.path` at it)")
     max_new_tokens: int = setting(512, "per assistant reply")
     temperature: float = setting(0.0, "0 = greedy (what the acceptance estimate assumes); > 0 samples")
     top_p: float = setting(1.0, "nucleus sampling threshold, in (0, 1]")
     seed: int = setting(0, "sampling seed")
     stop_token_ids: list[int] | None = setting(
-        None, "auto: as vLLM finds them: generation_config.json's eos_token_id (else config.json's) "
-        "and the tokenizer's eos_token")
+        None, "auto: as vLLM: eos_token_id of generation_config.json (else config.json) and the tokenizer's eos_token")
 
 
 @dataclass
 class EvaluateConfig:
-    prompts: str | None = setting(
-        None, "JSON lines of prompts for real decoding (`--prompts`); auto: none, only the TTT estimate")
+    prompts: str | None = setting(None, "JSON lines of prompts to decode (`--prompts`); auto: only the TTT estimate")
     max_new_tokens: int = setting(128, "tokens generated per prompt (`--max-new-tokens`)")
-    k: int | None = setting(
-        None, "draft tokens per round (`--k`); auto: our draft's `train.ttt_steps`, a vLLM-layout draft's "
-        "`speculative_tokens` (7 if it has none)")
+    k: int | None = setting(None, "draft tokens per round (`--k`); auto: our draft's `train.ttt_steps`, a "
+                                  "vLLM-layout draft's `speculative_tokens` (7 if it has none)")
     temperature: float = setting(
-        0.0, "the serving temperature (`--temperature`): 0 = greedy decoding, checked token for token against "
-        "the target's own output; > 0 = speculative sampling as the engines verify it")
-    top_p: float = setting(1.0, "the serving top_p (`--top-p`), in (0, 1]: applied to the target's distribution")
+        0.0, "serving temperature (`--temperature`): 0 = greedy, checked token for token; > 0 = speculative sampling")
+    top_p: float = setting(1.0, "serving top_p (`--top-p`), in (0, 1], applied to the target's distribution")
     draft_sampling: Literal["greedy", "probabilistic"] = setting(
-        "greedy", "at temperature > 0, how the draft proposes (`--draft-sampling`): `greedy` its argmax (vLLM's "
-        "default), `probabilistic` a sample of its distribution")
-    seeds: int = setting(1, "at temperature > 0, decode every prompt with seeds 0..N-1 (`--seeds`) and report the "
-                         "mean and standard deviation over them")
+        "greedy", "at temperature > 0 the draft proposes its argmax (vLLM's default) or a sample (`--draft-sampling`)")
+    seeds: int = setting(1, "at temperature > 0, decode with seeds 0..N-1, report mean and deviation (`--seeds`)")
 
 
 @dataclass
 class ExperimentalConfig:
-    """Levers measured without a gain so far (benchmarks/RESULTS.md), kept for comparison."""
+    """Levers without a gain so far (benchmarks/RESULTS.md), kept for comparison."""
     norm_before_residual: bool = setting(
-        False, "the first layer's residual starts from `hidden_norm(fc(aux))` (speculators' and vLLM's key; "
-        "not exported for SGLang)")
+        False, "layer 0's residual starts from `hidden_norm(fc(aux))` (speculators' and vLLM's key; not for SGLang)")
     aux_norm: Literal["none", "concat", "per_layer"] = setting(
-        "none", "an RMSNorm before `fc`: over the concatenated aux states (`concat`, speculators' "
-        "`norm_before_fc`) or on each (`per_layer`, the EAGLE-3.1 paper's `fc_norm`); not exported for SGLang")
+        "none", "an RMSNorm before `fc` over the concatenated aux states (`concat`, speculators' `norm_before_fc`) "
+        "or on each (`per_layer`, EAGLE-3.1's `fc_norm`); not for SGLang")
     norm_output: bool = setting(
-        False, "the normed output is both the head's input and the next step's state (EAGLE-3.1's "
-        "`norm_output`; not exported for SGLang)")
+        False, "the normed output is the head's input and the next step's state (EAGLE-3.1's; not for SGLang)")
     lm_head_init: Literal["target", "random"] = setting(
         "target", "the draft's `lm_head` starts as the target's rows of the draft vocab, or `random`")
     freeze_lm_head: bool = setting(True, "the draft's `lm_head` keeps its initial weights (not trained)")
@@ -199,24 +179,21 @@ class DebugConfig:
     generate_device: str = setting("auto", "where `generate` runs the target (same choices)")
     evaluate_device: str = setting("auto", "where `evaluate` runs target and draft (same choices)")
     generate_dtype: Dtype = setting("bfloat16", "compute dtype of the target in `generate`")
-    evaluate_dtype: Dtype = setting("float32", "target and draft in `evaluate` (float32: bf16 near-ties would "
-                                    "count as mismatches)")
+    evaluate_dtype: Dtype = setting("float32", "compute dtype in `evaluate` (bf16 near-ties would be mismatches)")
     generate_batch_size: int = setting(16, "conversations decoded together by `generate`")
     evaluate_batch_size: int = setting(32, "prompts decoded together by `evaluate` (same tokens at any size)")
     shard_tokens: int = setting(65536, "tokens per shard file (a shard ends on a sequence boundary)")
     chunk_tokens: int = setting(65536, "tokens run through one target layer at a time")
     kernels: Literal["auto", "triton", "torch"] = setting(
-        "auto", "`auto`: Triton kernels on CUDA (flex_attention where the head dim is not 64/128), the torch "
-        "reference on CPU; `torch`: compiled flex_attention + compiled loss on CUDA")
+        "auto", "`auto`: Triton on CUDA (flex_attention where the head dim is not 64/128), the torch reference on "
+        "CPU; `torch`: compiled flex_attention + compiled loss on CUDA")
     skip_dead_rows: bool = setting(True, "skip TTT rows whose work cannot reach the loss (exact)")
     compile_ops: bool = setting(True, "on CUDA, fused RMSNorm, RoPE and SiLU·up kernels for the draft")
     prefetch: int = setting(2, "micro-batches read ahead in a background thread")
     log_every: int = setting(10, "steps between metrics.jsonl lines")
     skip_nonfinite: bool = setting(
-        False, "`true`: a step whose loss or gradient is NaN/inf is skipped and counted; `false`: the run stops "
-        "naming it (no checkpoint written from it)")
-    collective_timeout_s: float = setting(
-        600.0, "seconds a rank waits in a collective for the others before the run stops (one line per rank)")
+        False, "a step whose loss or gradient is NaN/inf: `true` skips and counts it, `false` stops the run naming it")
+    collective_timeout_s: float = setting(600.0, "seconds a rank waits in a collective before the run stops")
 
 
 @dataclass
@@ -236,50 +213,44 @@ class Config:
     origins: dict = field(default_factory=dict, repr=False, compare=False)   # "section.key" -> where it was set
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out.pop("source")
-        out.pop("origins")
-        return out
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("source", "origins")}
+
+    def value(self, name: str) -> object:
+        section, key = name.split(".")
+        return getattr(getattr(self, section), key)
 
     def origin(self, name: str) -> str:
-        """Where the value of `name` ("section.key") came from: the command line, a file, or the defaults."""
+        """Where "section.key" was set: the command line, a file, or the defaults."""
         return self.origins.get(name, self.source)
 
     def resolved_train_data_dir(self) -> str:
         return self.train.data_dir or self.extract.output_dir
 
 
-POSITIVE = {("debug", "shard_tokens"), ("debug", "chunk_tokens"), ("train", "batch_tokens"),
-            ("train", "grad_accum"), ("train", "ttt_steps"), ("train", "eval_every"),
-            ("debug", "log_every"), ("train", "checkpoint_every"), ("train", "keep_checkpoints"),
-            ("draft", "num_layers"), ("data", "max_seq_len"), ("export", "speculative_tokens"),
-            ("generate", "max_new_tokens"), ("debug", "generate_batch_size"), ("evaluate", "max_new_tokens"),
-            ("evaluate", "k"), ("debug", "evaluate_batch_size"), ("evaluate", "seeds"), ("debug", "prefetch")}
+POSITIVE = ("data.max_seq_len draft.num_layers train.batch_tokens train.grad_accum train.ttt_steps train.eval_every "
+            "train.checkpoint_every train.keep_checkpoints export.speculative_tokens generate.max_new_tokens "
+            "evaluate.max_new_tokens evaluate.k evaluate.seeds debug.shard_tokens debug.chunk_tokens debug.log_every "
+            "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch").split()
 
 # keys that moved or went: an old config names the new key (or why it went) instead of "unknown key"
-RENAMED = {f"train.{k}": f"now debug.{k}" for k in ("kernels", "skip_dead_rows", "compile_ops", "prefetch",
-                                                "collective_timeout_s", "log_every", "skip_nonfinite")}
+MOVED = {"debug": "train.kernels train.skip_dead_rows train.compile_ops train.prefetch train.collective_timeout_s "
+                  "train.log_every train.skip_nonfinite extract.shard_tokens extract.chunk_tokens",
+         "experimental": "draft.norm_before_residual draft.norm_output draft.lm_head_init train.freeze_lm_head "
+                         "train.lk_eta"}
+RENAMED = {old: f"now {new}.{old.split('.')[1]}" for new, olds in MOVED.items() for old in olds.split()}
 RENAMED |= {f"{s}.device": f"now debug.{s}_device" for s in ("train", "extract", "generate", "evaluate")}
 RENAMED |= {f"{s}.{k}": f"now debug.{s}_{k}" for s in ("generate", "evaluate") for k in ("batch_size", "dtype")}
-RENAMED |= {old: f"now {new}" for old, new in {
-    "extract.shard_tokens": "debug.shard_tokens", "extract.chunk_tokens": "debug.chunk_tokens",
-    "draft.norm_before_residual": "experimental.norm_before_residual", "draft.norm_output": "experimental.norm_output",
-    "draft.lm_head_init": "experimental.lm_head_init", "train.freeze_lm_head": "experimental.freeze_lm_head",
-    "train.lk_eta": "experimental.lk_eta", "draft.norm_before_fc": 'experimental.aux_norm = "concat"',
-    "draft.fc_norm": 'experimental.aux_norm = "per_layer"', "train.overwrite": 'train.resume = "overwrite"'}.items()}
 RENAMED |= {f"draft.{k}": "the draft's is always the target's" for k in (
     "hidden_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")}
 RENAMED |= {f"train.{k}": "measured without gain (benchmarks/RESULTS.md)" for k in (
     "hard_label", "aux_noise", "oov_rows", "fp32_residual")}
-RENAMED["evaluate.max_prompts"] = "give a shorter prompts file"
+RENAMED |= {"draft.norm_before_fc": 'now experimental.aux_norm = "concat"',
+            "draft.fc_norm": 'now experimental.aux_norm = "per_layer"',
+            "train.overwrite": 'now train.resume = "overwrite"', "evaluate.max_prompts": "give a shorter prompts file"}
 
 
 def _sections() -> dict[str, type]:
-    return {name: cls for name, cls in _field_types(Config).items() if name not in ("source", "origins")}
-
-
-def _field_types(section_cls: type) -> dict[str, object]:
-    return typing.get_type_hints(section_cls)
+    return {name: cls for name, cls in typing.get_type_hints(Config).items() if name not in ("source", "origins")}
 
 
 def type_name(tp: object) -> str:
@@ -295,101 +266,81 @@ def type_name(tp: object) -> str:
 
 
 def _coerce(value: object, tp: object, where: str) -> object:
-    """Check `value` (from TOML or JSON) against the annotation `tp`; return it converted."""
-    origin = typing.get_origin(tp)
+    """`value` (from TOML or JSON) checked against the annotation `tp` and converted."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
-        if value in typing.get_args(tp):
+        if value in args:
             return value
-        raise ConfigError(f"{where} = {value!r}; expected one of {typing.get_args(tp)}")
+        raise ConfigError(f"{where} = {value!r}; expected one of {args}")
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None or value == "auto":
-            if type(None) in args:
-                return None
+        if (value is None or value == "auto") and type(None) in args:
+            return None
         inner = next(a for a in args if a is not type(None))
         try:
             return _coerce(value, inner, where)
         except ConfigError:
             if typing.get_origin(inner) is list:   # its own message names the bad item
                 raise
-            raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}") from None   # "bool | auto"
+            raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}") from None
     if origin is list:
-        (item,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list of {type_name(item)}, got {value!r}")
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+            raise ConfigError(f"{where}: expected a list of {type_name(args[0])}, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if tp in (int, float, str, bool) and (type(value) is tp):
+    if tp in (int, float, str, bool) and type(value) is tp:
         return value
     raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}")
 
 
-def _parse_cli_value(text: str) -> object:
-    """A command-line value: JSON/TOML-like literals (numbers, true/false, lists), else a string."""
-    lowered = text.strip()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    try:
-        return json.loads(lowered)
-    except json.JSONDecodeError:
-        return text
-
-
 def _apply(cfg: Config, section: str, key: str, value: object, origin: str, command_line: bool = False) -> None:
-    """Set section.key from `origin`; a command-line value is text, parsed as a literal (a TOML string
-    stays a string: "200" is no integer there)."""
+    """Set section.key from `origin`. Command-line text is parsed as JSON unless the key is a string; in TOML,
+    "200" stays a string."""
     sections = _sections()
     if section not in sections:
         raise ConfigError(f"{origin}: unknown section [{section}]; allowed: {', '.join(sections)}")
-    sub = getattr(cfg, section)
-    types_ = _field_types(type(sub))
-    if f"{section}.{key}" in RENAMED:
-        raise ConfigError(f"{origin}: {section}.{key} is gone: {RENAMED[f'{section}.{key}']}")
+    name, types_ = f"{section}.{key}", typing.get_type_hints(sections[section])
+    if name in RENAMED:
+        raise ConfigError(f"{origin}: {name} is gone: {RENAMED[name]}")
     if key not in types_:
-        raise ConfigError(f"{origin}: unknown key '{section}.{key}'; allowed keys of [{section}]: "
-                          f"{', '.join(types_)}")
-    where = f"{origin}: {section}.{key}"
-    tp = types_[key]
-    if command_line and isinstance(value, str) and tp not in (str, str | None):
-        value = _parse_cli_value(value) if value != "auto" else value
-    setattr(sub, key, _coerce(value, tp, where))
-    cfg.origins[f"{section}.{key}"] = origin
+        raise ConfigError(f"{origin}: unknown key '{name}'; allowed keys of [{section}]: {', '.join(types_)}")
+    if command_line and isinstance(value, str) and types_[key] not in (str, str | None) and value != "auto":
+        try:
+            value = json.loads(value.strip())
+        except json.JSONDecodeError:
+            pass
+    setattr(getattr(cfg, section), key, _coerce(value, types_[key], f"{origin}: {name}"))
+    cfg.origins[name] = origin
 
 
 def validate(cfg: Config) -> None:
-    """The checks a type cannot express (ranges, paths, combinations); types and choices are checked
-    as values are read (`_coerce`)."""
-    for section, key in POSITIVE:
-        value = getattr(getattr(cfg, section), key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{cfg.origin(f'{section}.{key}')}: {section}.{key} = {value}; expected a positive integer")
-    t = cfg.train
+    """The checks a type cannot express: ranges, paths, combinations."""
+    for name in POSITIVE:
+        if (value := cfg.value(name)) is not None and value <= 0:
+            raise ConfigError(f"{cfg.origin(name)}: {name} = {value}; expected a positive integer")
+    t, e, x = cfg.train, cfg.evaluate, cfg.experimental
     if t.max_steps < 0 or t.epochs <= 0:
-        raise ConfigError(f"{cfg.origin('train.max_steps' if t.max_steps < 0 else 'train.epochs')}: train.max_steps must "
-                          "be >= 0 and train.epochs > 0")
-    x, dbg = cfg.experimental, cfg.debug
+        raise ConfigError(f"{cfg.origin('train.max_steps' if t.max_steps < 0 else 'train.epochs')}: "
+                          "train.max_steps must be >= 0 and train.epochs > 0")
     ranges = {"train.lr": (t.lr > 0, "> 0"), "train.grad_clip": (t.grad_clip > 0, "> 0"),
               "train.loss_decay": (t.loss_decay > 0, "> 0"), "train.loss_temperature": (t.loss_temperature > 0, "> 0"),
               "train.min_lr_ratio": (0 <= t.min_lr_ratio <= 1, "a number in [0, 1]"),
               "train.warmup_steps": (t.warmup_steps >= 0, "an integer >= 0"),
               "train.decay_fraction": (0 < t.decay_fraction <= 1, "a number in (0, 1]"),
               "train.weight_decay": (t.weight_decay >= 0, "a number >= 0"),
+              "train.betas": (len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "two numbers in [0, 1)"),
+              "train.eval_fraction": (0 <= t.eval_fraction < 1, "[0, 1)"),
+              "evaluate.temperature": (e.temperature >= 0, "a number >= 0 (0 = greedy)"),
+              "evaluate.top_p": (0 < e.top_p <= 1, "a number in (0, 1]"),
               "experimental.lk_eta": (x.lk_eta >= 0, "a number >= 0"),
-              "debug.collective_timeout_s": (dbg.collective_timeout_s > 0, "> 0")}
+              "debug.collective_timeout_s": (cfg.debug.collective_timeout_s > 0, "> 0")}
     for name, (ok, expected) in ranges.items():
         if not ok:
-            section, key = name.split(".")
-            raise ConfigError(f"{cfg.origin(name)}: {name} = {getattr(getattr(cfg, section), key)}; expected {expected}")
-    if x.aux_norm != "none" or x.norm_before_residual or x.norm_output:   # found now, not at the end of training
-        key = "aux_norm" if x.aux_norm != "none" else "norm_before_residual" if x.norm_before_residual else "norm_output"
-        if "sglang" in cfg.export.formats:
-            raise ConfigError(f"{cfg.origin('experimental.' + key)}: experimental.{key} cannot be exported for SGLang "
-                              f"(its LlamaForCausalLMEagle3 does not read it); set export.formats = [\"vllm\"]")
-    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        raise ConfigError(f"{cfg.origin('train.betas')}: train.betas = {t.betas}; expected two numbers in [0, 1)")
-    if not 0 <= t.eval_fraction < 1:
-        raise ConfigError(f"{cfg.origin('train.eval_fraction')}: train.eval_fraction = {t.eval_fraction}; expected [0, 1)")
+            raise ConfigError(f"{cfg.origin(name)}: {name} = {cfg.value(name)}; expected {expected}")
+    norms = [k for k in ("aux_norm", "norm_before_residual", "norm_output") if getattr(x, k) not in ("none", False)]
+    if norms and "sglang" in cfg.export.formats:   # found now, not at the end of training
+        raise ConfigError(f"{cfg.origin('experimental.' + norms[0])}: experimental.{norms[0]} cannot be exported for "
+                          "SGLang (its LlamaForCausalLMEagle3 does not read it); set export.formats = [\"vllm\"]")
     if t.resume not in ("auto", "never", "overwrite") and not Path(t.resume).is_dir():
         raise ConfigError(f"{cfg.origin('train.resume')}: train.resume = {t.resume!r}; expected 'auto', 'never', "
                           "'overwrite' or an existing checkpoint directory")
@@ -397,14 +348,9 @@ def validate(cfg: Config) -> None:
     if g.temperature < 0 or not 0 < g.top_p <= 1:
         raise ConfigError(f"{cfg.origin('generate.temperature' if g.temperature < 0 else 'generate.top_p')}: "
                           f"generate.temperature must be >= 0 and generate.top_p in (0, 1]")
-    e = cfg.evaluate
-    if not e.temperature >= 0:
-        raise ConfigError(f"{cfg.origin('evaluate.temperature')}: evaluate.temperature = {e.temperature}; expected a number >= 0 (0 = greedy)")
-    if not 0 < e.top_p <= 1:
-        raise ConfigError(f"{cfg.origin('evaluate.top_p')}: evaluate.top_p = {e.top_p}; expected a number in (0, 1]")
-    ids = cfg.target.aux_layer_ids
-    if ids is not None and len(ids) != 3:
-        raise ConfigError(f"{cfg.origin('target.aux_layer_ids')}: target.aux_layer_ids = {ids}; EAGLE-3 needs exactly 3 layers")
+    if (ids := cfg.target.aux_layer_ids) is not None and len(ids) != 3:
+        raise ConfigError(f"{cfg.origin('target.aux_layer_ids')}: target.aux_layer_ids = {ids}; EAGLE-3 needs "
+                          "exactly 3 layers")
 
 
 def from_dict(data: dict, origin: str) -> Config:
@@ -437,40 +383,36 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-    """argv -> (the `--section.key value` / `--section.key=value` overrides, everything else), so that
-    overrides may stand anywhere on a command line, before positional arguments too."""
+    """argv -> (the overrides, everything else), so that overrides may stand anywhere on a command line."""
     overrides, rest, i = [], [], 0
     while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and "." in arg[2:].partition("=")[0]:
-            takes = 1 if "=" in arg or i + 1 >= len(argv) else 2
+        if argv[i].startswith("--") and "." in argv[i][2:].partition("=")[0]:
+            takes = 1 if "=" in argv[i] or i + 1 >= len(argv) else 2
             overrides += argv[i:i + takes]
-            i += takes
         else:
-            rest.append(arg)
-            i += 1
+            takes = 1
+            rest.append(argv[i])
+        i += takes
     return overrides, rest
 
 
 def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Load `path` (TOML), apply command-line overrides, validate. Raises ConfigError."""
+    """Load `path` (TOML; None: the defaults), apply command-line overrides, validate. Raises ConfigError."""
     if path is None:
-        cfg = Config()
-    else:
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_bytes().decode("utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except IsADirectoryError:
-            raise ConfigError(f"{path}: a directory, not a TOML config file (--config)") from None
-        except UnicodeDecodeError as e:
-            line = path.read_bytes()[:e.start].count(b"\n") + 1
-            raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        cfg = from_dict(data, str(path))
-    return override(cfg, overrides or [])
+        return override(Config(), overrides or [])
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a directory, not a TOML config file (--config)") from None
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return override(from_dict(data, str(path)), overrides or [])
 
 
 def override(cfg: Config, overrides: list[str]) -> Config:
@@ -487,8 +429,7 @@ OVERRIDES_HELP = ("Any config key can be overridden: --section.key value or --se
 
 
 def check_overrides(parser, argv: list[str]) -> list[str]:
-    """`argv` if every item is a `--section.key value` override, else the parser's usage error
-    (exit 2) before anything runs."""
+    """`argv` if it is all overrides, else the parser's usage error (exit 2) before anything runs."""
     try:
         parse_overrides(argv)
     except ConfigError as e:
@@ -498,8 +439,7 @@ def check_overrides(parser, argv: list[str]) -> list[str]:
 
 def interrupted(what: str, resumes: bool = True) -> None:
     """Ctrl-C: one line instead of a traceback, and the shell's exit status for SIGINT (130)."""
-    then = "the same command resumes" if resumes else "run it again"
-    print(f"interrupted: {what}; {then}", file=sys.stderr)
+    print(f"interrupted: {what}; {'the same command resumes' if resumes else 'run it again'}", file=sys.stderr)
     raise SystemExit(130)
 
 
@@ -530,15 +470,10 @@ APART = ("experimental", "debug")   # sections apart from the keys a user tunes:
 
 def schema(everything: bool = True) -> list[Key]:
     """Every config key, in the schema's order (without the APART sections unless `everything`)."""
-    keys = []
-    for section, cls in _sections().items():
-        if section in APART and not everything:
-            continue
-        types_ = _field_types(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            keys.append(Key(f"{section}.{f.name}", types_[f.name], default, f.metadata["doc"]))
-    return keys
+    return [Key(f"{section}.{f.name}", typing.get_type_hints(cls)[f.name],
+                f.default_factory() if f.default is dataclasses.MISSING else f.default, f.metadata["doc"])
+            for section, cls in _sections().items() if everything or section not in APART
+            for f in dataclasses.fields(cls)]
 
 
 def toml_value(value: object) -> str:
@@ -547,16 +482,13 @@ def toml_value(value: object) -> str:
 
 def _note(cfg: Config | None, key: Key, label: str, fmt: str = "{}") -> str:
     """' (label: value)' where `cfg` sets another value than the default, else ''."""
-    if cfg is None:
+    if cfg is None or (value := cfg.value(key.name)) == key.default:
         return ""
-    section, name = key.name.split(".")
-    value = getattr(getattr(cfg, section), name)
-    return "" if value == key.default else f" ({label}: {fmt.format(toml_value(value))})"
+    return f" ({label}: {fmt.format(toml_value(value))})"
 
 
 def reference(cfg: Config | None = None, label: str = "set", everything: bool = False) -> str:
-    """Every key with its type, default and doc, and the value `cfg` sets where it is not the default;
-    the APART sections only named unless `everything`."""
+    """Every key with its type, default, doc and the value `cfg` sets where it is not the default."""
     lines = []
     for key in schema(everything):
         lines.append(f"{key.name}: {type_name(key.type)} = {toml_value(key.default)}{_note(cfg, key, label)}")
@@ -568,7 +500,7 @@ def reference(cfg: Config | None = None, label: str = "set", everything: bool = 
 
 
 def markdown_table(cfg: Config | None = None, label: str = "set") -> str:
-    """docs/config.md's table, one row per key of every section, made from the schema like `reference`."""
+    """docs/config.md's table: one row per key of every section."""
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for key in schema():
         default = f"`{toml_value(key.default)}`" + _note(cfg, key, label, "`{}`")

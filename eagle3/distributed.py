@@ -1,8 +1,7 @@
 """Process-group plumbing for torchrun: NCCL on GPUs, gloo on the CPU; a no-op in one process.
 
-A rank that dies must not leave the others waiting: collectives give up after a timeout (`setup`),
-`lost_peer` tells that failure from any other, and under a launcher SIGTERM (what torchrun sends the
-surviving ranks when one fails) ends a rank with one line (`stop_on_sigterm`) instead of silently.
+A dead rank must not leave the others waiting: collectives time out (`setup`), `lost_peer` names that
+failure, and SIGTERM (torchrun's word to the survivors) ends a rank with one line (`stop_on_sigterm`).
 """
 from __future__ import annotations
 
@@ -22,14 +21,12 @@ from tqdm import tqdm
 # what gloo's transport raises (a plain RuntimeError) when a peer's socket closes or a wait runs out
 GLOO_LOST = ("Connection closed by peer", "Connection reset by peer", "Socket closed", "Read error",
              "Timed out waiting")
-SIGTERM_STATUS = 128 + signal.SIGTERM   # the shell's exit status for a process ended by SIGTERM
 
 
 @dataclass
 class Dist:
     rank: int
     world: int
-    local_rank: int
     device: torch.device
 
     @property
@@ -47,22 +44,18 @@ class Dist:
 
 
 def setup(device: str = "auto", timeout_s: float | None = None) -> Dist:
-    """`timeout_s`: how long a collective waits for the other ranks before it fails (None: torch's
-    default, 30 min on gloo, 10 min on NCCL). gloo raises in the waiting call; NCCL's watchdog ends
-    the process (torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING=3, kept unless set otherwise)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    """`timeout_s`: how long a collective waits for the other ranks (None: torch's default). gloo raises in
+    the waiting call; NCCL's watchdog ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, torch's default)."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
     if use_cuda:
         torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None,
                                 timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
-    return Dist(rank, world, local_rank, dev)
+    return Dist(rank, world, dev)
 
 
 def teardown() -> None:
@@ -71,9 +64,8 @@ def teardown() -> None:
 
 
 def lost_peer(error: BaseException, timeout: str) -> str | None:
-    """What a failed collective says about the other ranks ("rank 0: rank 1 is gone (...)"), or None
-    when `error` is no collective failure. The rank is named when there is only one other; `timeout`
-    names the wait that ran out ("debug.collective_timeout_s = 600 s")."""
+    """The line for a failed collective ("rank 0: rank 1 is gone (...)"), else None; `timeout` names the
+    wait that ran out ("debug.collective_timeout_s = 600 s")."""
     text = str(error)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or not (isinstance(error, dist.DistError) or any(mark in text for mark in GLOO_LOST)):
@@ -86,23 +78,20 @@ def lost_peer(error: BaseException, timeout: str) -> str | None:
     return f"rank {rank}: {other} {what} (a collective failed: {cause})"
 
 
-# with stop_on_sigterm, one line per rank: the first of the error path (`first_word`) and the
-# SIGTERM thread to take it says that rank's line
+# with stop_on_sigterm: whichever of the error path (`first_word`) and the SIGTERM thread takes it first
+# says this rank's one line
 _spoken: threading.Lock | None = None
 
 
 def first_word(line: str) -> str | int:
-    """What SystemExit should carry to end this rank: `line` (printed, status 1), or only the status
-    when the SIGTERM thread has already said this rank's line and is ending the process."""
+    """What SystemExit should carry: `line`, or status 1 alone when the SIGTERM thread has said this rank's."""
     return line if _spoken is None or _spoken.acquire(blocking=False) else 1
 
 
 def stop_on_sigterm(kept: Callable[[], str]) -> None:
-    """Under a launcher (WORLD_SIZE > 1), SIGTERM ends the rank with status 143 and one line: that it
-    was stopped, what is kept (`kept()`: "newest complete checkpoint ...") and that the same command
-    resumes. The main thread may be stuck in a collective or a device sync, where a Python signal
-    handler would not run until it returns: the signal's wakeup byte wakes a thread of ours instead.
-    Needs the main thread (signal handlers)."""
+    """Under a launcher (WORLD_SIZE > 1), SIGTERM ends the rank with status 143 and one line: stopped, what
+    is kept (`kept()`) and that the same command resumes. A thread does it, woken by the signal's wakeup byte:
+    the main thread may be stuck in a collective, where a Python handler would not run. Call from the main thread."""
     global _spoken
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return
@@ -116,15 +105,14 @@ def stop_on_sigterm(kept: Callable[[], str]) -> None:
 
 
 def _default_sigterm() -> None:
-    """In a forked child (multiprocessing): the pipe is shared, and the child's own SIGTERM must not
-    wake this rank's thread and end the rank."""
+    """In a forked child the pipe is shared: its own SIGTERM must not wake this rank's thread."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _on_sigterm(read: int, kept: Callable[[], str]) -> None:
     while os.read(read, 1) != bytes([signal.SIGTERM]):
-        pass   # another signal's byte (Ctrl-C): its Python handler runs in the main thread as before
+        pass   # another signal's byte (Ctrl-C): its Python handler runs in the main thread
     if not _spoken.acquire(blocking=False):
         return   # the main thread has said this rank's line and is exiting
     try:
@@ -133,5 +121,5 @@ def _on_sigterm(read: int, kept: Callable[[], str]) -> None:
                 "resumes")
         with tqdm.external_write_mode(file=sys.stderr):   # in place of a progress bar's line, not after it
             print(line, file=sys.stderr, flush=True)
-    finally:   # whatever befell the line, SIGTERM still ends the rank, as before we took it over
-        os._exit(SIGTERM_STATUS)
+    finally:   # whatever befell the line, SIGTERM still ends the rank
+        os._exit(128 + signal.SIGTERM)

@@ -1,6 +1,5 @@
-"""Loading drafts: one of our checkpoints, or any speculators/vLLM-layout EAGLE-3 directory (what
-`export` writes and what the engines load), refusing what our draft cannot compute; the names and
-shapes of that layout."""
+"""Loading drafts: one of our checkpoints, or any speculators/vLLM-layout EAGLE-3 directory (what `export`
+writes and the engines load), refusing what our draft cannot compute; that layout's names and shapes."""
 from __future__ import annotations
 
 import json
@@ -19,7 +18,6 @@ from eagle3.ops import llama_inv_freq
 from eagle3.resolve import NORM_FLAGS
 from eagle3.vocab import VocabError, check_vocab
 
-
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
               "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")
@@ -35,9 +33,8 @@ class DraftLoadError(Eagle3Error):
     """A draft directory that cannot be used; the message names the file and the field or tensor."""
 
 
-# Names of the draft's own computation: one we do not know would change the result if dropped
-# (a bias, a qk-norm, an input norm), so it is an error; anything else (the frozen embedding copy,
-# the verifier head) is ignored with a note.
+# Names of the draft's own computation: an unknown one (a bias, a qk-norm) would change the result if
+# dropped, so it is an error; anything else (the frozen embedding copy, the verifier head) gets a note.
 DRAFT_PARTS = ("fc", "layers.", "norm.", "lm_head.", "input_norm.", "hidden_norm.", "midlayer.", "fc_norm.")
 
 
@@ -100,10 +97,8 @@ def _draft_spec(config: dict, files: dict[str, Path], where: str) -> DraftSpec:
     if fc is None or len(fc) != 2 or fc[1] % 3:
         raise DraftLoadError(f"{where}: fc.weight is {'missing' if fc is None else f'of shape {fc}'}; "
                              "expected [hidden, 3 * target_hidden]")
-    q = _shape(files, "layers.0.self_attn.q_proj.weight") or [0]
-    k = _shape(files, "layers.0.self_attn.k_proj.weight") or [0]
-    gate = _shape(files, "layers.0.mlp.gate_proj.weight") or [0]
-    head = _shape(files, "lm_head.weight") or [0]
+    q, k, gate, head = (_shape(files, name) or [0] for name in ("layers.0.self_attn.q_proj.weight",
+                        "layers.0.self_attn.k_proj.weight", "layers.0.mlp.gate_proj.weight", "lm_head.weight"))
     t2d = _shape(files, "t2d")
     heads = layer.get("num_attention_heads") or 32
     head_dim = layer.get("head_dim") or q[0] // heads
@@ -124,8 +119,8 @@ def _draft_spec(config: dict, files: dict[str, Path], where: str) -> DraftSpec:
 
 
 def _draft_tensors(files: dict[str, Path], draft: Eagle3Draft, where: str) -> dict[str, torch.Tensor]:
-    """Every tensor the draft needs, shape-checked; d2t/t2d are the identity when the draft keeps
-    the target's whole vocabulary (speculators then writes neither)."""
+    """Every tensor the draft needs, shape-checked; d2t/t2d the identity when the draft keeps the target's
+    whole vocabulary (speculators then writes neither)."""
     expected = {name: list(t.shape) for name, t in draft.state_dict().items()}
     spec = draft.spec
     out = {}
@@ -173,8 +168,7 @@ def vllm_aux_layer_ids(config: dict, target_layers: int | None, where: str) -> l
 
 
 def _check_target(draft: Eagle3Draft, files: dict[str, Path], target: Checkpoint, where: str) -> None:
-    """The draft reads the target's embeddings and aux states: sizes must agree; a stored copy of the
-    embedding that differs says the draft was trained against another target (a note: still measurable)."""
+    """Sizes must agree with the target's; a stored embedding copy that differs gets a note (still measurable)."""
     s, c = draft.spec, target.config
     for name, mine, theirs in (("hidden_size", s.hidden_size, c.hidden_size),
                                ("target_hidden_size", s.target_hidden_size, c.hidden_size),
@@ -190,9 +184,8 @@ def _check_target(draft: Eagle3Draft, files: dict[str, Path], target: Checkpoint
 
 
 def load_vllm_draft(path: str | Path, target: Checkpoint | None = None) -> tuple[Eagle3Draft, list[int]]:
-    """(Eagle3Draft in fp32 on the CPU, our aux layer ids) from a speculators/vLLM EAGLE-3 directory
-    (config.json + model.safetensors: our export or the peer trainer's). With the target, the sizes
-    are checked against it and absent aux ids take vLLM's default for its layer count."""
+    """(Eagle3Draft in fp32 on the CPU, our aux layer ids) from a speculators/vLLM EAGLE-3 directory; with
+    the target, sizes are checked against it and absent aux ids take vLLM's default for its layer count."""
     path = Path(path)
     config = read_draft_config(path)
     files = _tensor_files(path)
@@ -226,17 +219,14 @@ def check_checkpoint_target(state: dict, target: Checkpoint, checkpoint_dir: Pat
 
 
 def load_any_draft(path: str | Path, target: Checkpoint) -> tuple[Eagle3Draft, list[int], int | None]:
-    """(draft on the CPU, our aux layer ids, the ttt_steps it was trained with or None) from one of
-    our checkpoints (state.json) or a speculators/vLLM EAGLE-3 directory (config.json)."""
+    """(draft on the CPU, our aux layer ids, its trained ttt_steps or None) from one of our checkpoints
+    (state.json) or a speculators/vLLM EAGLE-3 directory (config.json)."""
     path = Path(path)
     if (path / train_state.STATE).exists():
         draft, state = train_state.load_draft(path)
         check_checkpoint_target(state, target, path)
         return draft, state["resolved"]["aux_layer_ids"], state["config"]["train"]["ttt_steps"]
     if (path / "config.json").exists():
-        draft, aux = load_vllm_draft(path, target)
-        return draft, aux, None
+        return (*load_vllm_draft(path, target), None)
     raise train_state.CheckpointError(f"{path}: neither one of our checkpoints ({train_state.STATE}) nor a "
                                   "speculators/vLLM EAGLE-3 draft (config.json)")
-
-

@@ -1,5 +1,5 @@
-"""One base for the errors a user fixes from the message (it names the file, the key or field, and
-what was expected): every command catches it once and prints it in one line."""
+"""One base for the errors a user fixes from the message (it names the file, the key or field, and what
+was expected): every command catches it once and prints it in one line."""
 
 
 class Eagle3Error(ValueError):
@@ -15,5 +15,4 @@ class TargetError(Eagle3Error):
 
 
 class TrainError(Eagle3Error):
-    """A training run that cannot start or go on as set up (its output directory, a resume that would not
-    continue its checkpoint's run, data that cannot fill a step); the message names the setting."""
+    """A training run that cannot start or go on as set up; the message names the setting."""

@@ -1,26 +1,9 @@
-"""`python -m eagle3 evaluate --config config.toml CHECKPOINT_DIR`: judge a trained draft.
-
-On the held-out sequences (the same split training evaluates on): per-step loss, accuracy,
-conditional accuracy and the acceptance-length estimate of eagle3.ttt (`accept_len`, every start row
-weighted once), broken down by the position of the draft's start row inside its assistant reply;
-and `accept_len_decoding`, the tokens per target forward that chain speculative decoding of the
-held-out replies gets (rounds replayed from the same per-row chains), which is what a serving
-engine measures. The held-out split, K and the loss weights are the ones the checkpoint was
-trained with (its state.json), so training sequences never count as held out. Writes `eval.json` next to the checkpoint
-and, when matplotlib is installed, `eval.png` (acceptance by step, and loss/acceptance over
-training from `metrics.jsonl`).
-
-`python -m eagle3 evaluate --config C DRAFT --prompts P.jsonl`: real decoding. DRAFT is one of our
-checkpoints or any speculators/vLLM EAGLE-3 directory (our export, the peer trainer's). On each
-prompt the target decodes greedily on its own (the reference, computed once per call and reusable
-across drafts) and with chain speculative decoding of k draft tokens per round; `real_accept_len`
-is the tokens gained per target forward after the prefill, `mismatches` the prompts whose two
-outputs differ (0: the loop is lossless). For our checkpoints the estimate above is kept beside it
-when the config's shards are there.
+"""`python -m eagle3 evaluate --config C DRAFT [--prompts P.jsonl]`: judge a draft (docs/evaluate.md): our
+checkpoints by the held-out TTT estimate (split, K and loss as trained) and its replay as decoding rounds;
+any draft (ours or vLLM layout) by real speculative decoding of the prompts. Writes eval.json (and eval.png).
 """
 from __future__ import annotations
 
-import functools
 import json
 import sys
 import time
@@ -33,12 +16,12 @@ from eagle3 import train_state
 from eagle3.config import Config
 from eagle3.data.batch import Batch, RowRule
 from eagle3.data.loader import pack, split_holdout
-from eagle3.data.inputs import CHAT_KEYS, InputError, check_input_file, utf8
+from eagle3.data.inputs import InputError, chat_encoder, check_chat_ids, is_chat, json_lines, utf8
 from eagle3.data.shards import MANIFEST, ShardReader, check_manifest
 from eagle3.draft_io import advertised_tokens, check_checkpoint_target, load_any_draft
 from eagle3.resolve import resolve_device
 from eagle3.files import strict_json
-from eagle3.generate import stop_tokens
+from eagle3.generate import reply_spans, stop_tokens
 from eagle3.ops import TORCH_DTYPES
 from eagle3.sampling import Sampling
 from eagle3.speculative import Decoded, Drafter, greedy_decode_many, sampled_decode_many, speculative_decode_many
@@ -64,28 +47,17 @@ def reply_positions(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
 
 
 def decoding_rounds(accepted: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[int, int]:
-    """(tokens, rounds) that chain speculative decoding of each reply would take, replayed from the
-    per-row accepted counts: the prefill yields the reply's first token x_s; a round whose newest
-    token is x_m drafts from row m-1 and gains its accepted drafts + 1, capped at the reply's end.
-    Rounds start where the previous one ended, so this weighs positions as decoding does (the
-    per-row mean `accept_len` weighs every position once)."""
-    acc, mask = accepted.tolist(), loss_mask.tolist()
+    """(tokens, rounds) of chain speculative decoding of each reply, replayed from the per-row accepted
+    counts: the prefill yields the reply's first token; a round whose newest token is x_m drafts from
+    row m-1 and gains its accepted drafts + 1, capped at the reply's end."""
+    acc, mask, bounds = accepted.tolist(), loss_mask.tolist(), cu_seqlens.tolist()
     tokens = rounds = 0
-    bounds = cu_seqlens.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
-        i = a
-        while i < b:
-            if not mask[i] or i == a:          # a reply needs a prompt before it
-                i += 1
-                continue
-            end = i
-            while end < b and mask[end]:
-                end += 1
-            m = i
-            while m < end - 1:
-                gained = min(acc[m - 1] + 1, end - 1 - m)
+        for start, end in reply_spans(mask[a:b]):
+            m, last = a + max(start, 1), a + end - 1          # a reply needs a prompt before it
+            while m < last:
+                gained = min(acc[m - 1] + 1, last - m)
                 tokens, rounds, m = tokens + gained, rounds + 1, m + gained
-            i = end
     return tokens, rounds
 
 
@@ -93,7 +65,6 @@ class Evaluation:
     """Accumulates, over batches, metric sums overall and per reply-position bucket."""
 
     def __init__(self, steps: int):
-        self.steps = steps
         self.total = torch.zeros(steps, len(METRICS))
         self.buckets = {b: torch.zeros(steps, len(METRICS)) for b in BUCKETS}
         self.decoded = [0, 0]                  # tokens, rounds of the replayed decoding
@@ -124,8 +95,7 @@ class Evaluation:
 
 @torch.no_grad()
 def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) -> dict:
-    """The TTT estimate on the held-out shards; `steps` overrides K (default: the ttt_steps the
-    draft was trained with)."""
+    """The TTT estimate on the held-out shards; `steps` overrides the K the draft was trained with."""
     checkpoint_dir = Path(checkpoint_dir)
     device = resolve_device(cfg.debug.train_device)
     draft, state = train_state.load_draft(checkpoint_dir, device)
@@ -135,20 +105,17 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
     reader = ShardReader(data_dir)
     check_manifest(reader.manifest, target.config, state["resolved"]["aux_layer_ids"], data_dir)
     trained = state["config"]["train"]   # the held-out split and K the draft was trained with
-    dtype = torch.float32
-    embed = target.get("embed_tokens.weight").to(device, dtype)
-    head_rows = target.get("lm_head.weight")[draft.t2d.cpu()].to(device, dtype)
+    embed = target.get("embed_tokens.weight").to(device, torch.float32)
+    head_rows = target.get("lm_head.weight")[draft.t2d.cpu()].to(device, torch.float32)
     steps = steps or trained["ttt_steps"]
+    objective = Objective(RowRule(), loss=trained.get("loss", "kl"), temperature=trained.get("loss_temperature", 1.0),
+                          eta=trained.get("lk_eta", 3.0))
     _, held_out = split_holdout(reader.sequences, trained["eval_fraction"])
     result = Evaluation(steps)
     for refs in pack(held_out, cfg.train.batch_tokens):
-        batch = reader.read(refs).to(device, dtype)
-        _, metrics, detail = ttt_forward(draft, batch, embed, head_rows, steps, ttt_attention,
-                                         ttt_loss_steps, trained["loss_decay"],
-                                         objective=Objective(RowRule(),
-                                                             loss=trained.get("loss", "kl"),
-                                                             temperature=trained.get("loss_temperature", 1.0),
-                                                             eta=trained.get("lk_eta", 3.0)))
+        batch = reader.read(refs).to(device, torch.float32)
+        _, metrics, detail = ttt_forward(draft, batch, embed, head_rows, steps, ttt_attention, ttt_loss_steps,
+                                         trained["loss_decay"], objective=objective)
         result.add(metrics, detail, batch)
     return {"checkpoint": str(checkpoint_dir), "step": state["step"], "held_out_sequences": len(held_out),
             **result.report()}
@@ -156,18 +123,19 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
 
 def evaluate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) -> dict:
     """The estimate, written to `eval.json` (and `eval.png`) in the checkpoint."""
-    checkpoint_dir = Path(checkpoint_dir)
     report = estimate(cfg, checkpoint_dir, steps)
-    (checkpoint_dir / "eval.json").write_text(strict_json(report, indent=1))
-    plot(report, _metrics_path(checkpoint_dir), checkpoint_dir / "eval.png")
+    write_report(report, Path(checkpoint_dir) / "eval.json", checkpoint_dir)
     return report
 
 
-def _metrics_path(checkpoint_dir: Path) -> Path:
-    return Path(train_state.read_state(checkpoint_dir)["config"]["train"]["output_dir"]) / "metrics.jsonl"
+def write_report(report: dict, out: Path, checkpoint_dir: str | Path | None = None) -> None:
+    """`out` as JSON and, for an estimate, its plot beside it with the checkpoint's training curves."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(strict_json(report, indent=1))
+    if "acc" in report:
+        train = train_state.read_state(Path(checkpoint_dir))["config"]["train"]
+        plot(report, Path(train["output_dir"]) / "metrics.jsonl", out.with_suffix(".png"))
 
-
-# ---------------------------------------------------------------- real decoding on prompts
 
 @dataclass
 class Prompt:
@@ -176,13 +144,14 @@ class Prompt:
 
 
 def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
-    """One line's prompt: `input_ids` (cut before the first assistant token when `loss_mask` is
-    there, so a held-out training line works) or a chat line rendered up to the generation prompt
-    (`chat()` gives the target's ChatEncoder)."""
-    if not isinstance(obj, dict) or ("input_ids" not in obj and not any(key in obj for key in CHAT_KEYS)):
+    """One line's prompt: `input_ids` (cut before the first assistant token when `loss_mask` is there, so
+    a held-out training line works) or a chat line up to the generation prompt (`chat()`: its ChatEncoder)."""
+    if is_chat(obj):
+        ids = check_chat_ids(chat().encode_prompt(obj), vocab_size).tolist()
+    elif not isinstance(obj, dict) or "input_ids" not in obj:
         raise ValueError("expected an object with 'input_ids' (optionally 'loss_mask'), or chat 'messages' "
                          "/ 'conversations'")
-    if "input_ids" in obj:   # ids given with a conversation win, as for training data
+    else:
         ids = obj["input_ids"]
         if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
             raise ValueError(f"'input_ids' must be a list of integers in [0, {vocab_size})")
@@ -191,11 +160,6 @@ def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
             if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
                 raise ValueError("'loss_mask' must be a list of 0/1 as long as 'input_ids'")
             ids = ids[:mask.index(1)] if 1 in mask else ids
-    else:
-        ids = chat().encode_prompt(obj).tolist()
-        if ids and max(ids) >= vocab_size:
-            raise ValueError(f"token id {max(ids)} >= the target's vocab_size {vocab_size}: the tokenizer "
-                             "files do not match the target")
     if not ids:
         raise ValueError("empty prompt (nothing before the first assistant token)")
     return ids
@@ -203,23 +167,12 @@ def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
 
 def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path) -> list[Prompt]:
     """The prompts of a JSON-lines file; errors name the file and line."""
-    path = Path(path)
-    check_input_file(path, "evaluate.prompts")
-
-    @functools.cache
-    def chat():
-        from eagle3.data.chat import ChatEncoder  # its optional packages only for chat prompts
-        return ChatEncoder(target_dir)
-
-    prompts = []
-    with path.open("rb") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                prompts.append(Prompt(number, prompt_ids(json.loads(utf8(line)), vocab_size, chat)))
-            except ValueError as e:   # JSONDecodeError, ChatError and InputError are ValueErrors
-                raise InputError(f"{path}:{number}: {e}") from None
+    path, chat, prompts = Path(path), chat_encoder(target_dir), []
+    for number, line in json_lines(path, "evaluate.prompts"):
+        try:
+            prompts.append(Prompt(number, prompt_ids(json.loads(utf8(line)), vocab_size, chat)))
+        except ValueError as e:   # JSONDecodeError, ChatError and InputError are ValueErrors
+            raise InputError(f"{path}:{number}: {e}") from None
     if not prompts:
         raise InputError(f"{path}: no prompts")
     return prompts
@@ -231,8 +184,8 @@ def batches(items: list, size: int) -> list[list]:
 
 def greedy_references(target: IncrementalTarget, prompts: list[Prompt], max_new: int, stop: set[int],
                       batch: int, cache: dict, key: tuple) -> list[Decoded]:
-    """The target's own greedy output per prompt, from `cache` when an earlier call (another draft,
-    same target, precision and settings) already decoded it."""
+    """The target's own greedy output per prompt, from `cache` where an earlier call (another draft, same
+    target, precision and settings) decoded it."""
     entries = [(*key, tuple(p.ids), max_new, tuple(sorted(stop))) for p in prompts]
     missing = {e: p.ids for e, p in zip(entries, prompts) if e not in cache}   # in order, each prompt once
     for group in batches(list(missing), batch):
@@ -243,9 +196,8 @@ def greedy_references(target: IncrementalTarget, prompts: list[Prompt], max_new:
 
 def decoding_report(decoded: list[Decoded], references: list[Decoded] | None, prompts: list[Prompt],
                     k: int) -> dict:
-    """Totals over all rounds of all prompts (the prefill's token counts in new_tokens, not in rounds):
-    `real_accept_len` pools every round (what the engines' metrics report), `accept_len_per_request`
-    averages each prompt's own tokens per round. `mismatches` against the greedy references (T = 0)."""
+    """Totals over all rounds of all prompts (the prefill in new_tokens, not in rounds); `mismatches`
+    against the greedy references (T = 0). The figures: docs/evaluate.md."""
     accepted = [a for d in decoded for a in d.accepted]
     drafts = [a for d in decoded for a in d.drafts_accepted]
     rounds = len(accepted)
@@ -265,12 +217,11 @@ SEEDED = ("real_accept_len", "accept_len_per_request", "per_position_acceptance"
 
 
 def over_seeds(reports: list[dict], seeds: list[int]) -> dict:
-    """One report per seed -> each figure's mean over the seeds, its sample standard deviation
-    (`<key>_sd`, 0 for one seed) and the per-seed figures."""
+    """One report per seed -> each figure's mean, sample standard deviation (`<key>_sd`, 0 for one seed)
+    and the per-seed figures."""
     def mean_sd(values: list[float]) -> tuple[float, float]:
         t = torch.tensor(values, dtype=torch.float64)
         return t.mean().item(), t.std().item() if len(values) > 1 else 0.0
-
     out = {k: v for k, v in reports[0].items() if k not in SEEDED}
     for key in SEEDED:
         values = [r[key] for r in reports]
@@ -282,19 +233,12 @@ def over_seeds(reports: list[dict], seeds: list[int]) -> dict:
     return out | {"seeds": seeds, "per_seed": [{"seed": s, **{k: r[k] for k in SEEDED}} for s, r in zip(seeds, reports)]}
 
 
-def prompt_seed(seed: int, line: int) -> int:
-    """Prompt `line`'s own stream under run seed `seed`."""
-    return seed * 1_000_003 + line
-
-
 @torch.no_grad()
 def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path | None = None, *,
                   greedy_cache: dict | None = None, out: str | Path | None = None) -> dict:
-    """Speculative decoding of `draft_dir` (ours or vLLM layout) on the prompts (default
-    `evaluate.prompts`) at the `[evaluate]` sampling settings: at temperature 0 greedy chain decoding
-    against the target's own greedy output (pass the same `greedy_cache` dict to calls for several
-    drafts to decode that reference once); above 0 speculative sampling, once per seed. `out` also
-    writes the report there as JSON."""
+    """Speculative decoding of `draft_dir` (ours or vLLM layout) on the prompts at the `[evaluate]` settings:
+    at T = 0 checked against the target's greedy output (the same `greedy_cache` for several drafts decodes
+    it once), above 0 once per seed. `out` also writes the report there."""
     e, start = cfg.evaluate, time.perf_counter()
     sampling = Sampling(e.temperature, e.top_p, e.draft_sampling)
     prompts_path = prompts_path or e.prompts
@@ -306,8 +250,7 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     prompts = read_prompts(prompts_path, ckpt.config.vocab_size, ckpt.dir)
     dbg = cfg.debug
     device, dtype = resolve_device(dbg.evaluate_device), TORCH_DTYPES[dbg.evaluate_dtype]
-    target = IncrementalTarget(ckpt, aux_ids, device, dtype)
-    stop = stop_tokens(cfg, ckpt)
+    target, stop = IncrementalTarget(ckpt, aux_ids, device, dtype), stop_tokens(cfg, ckpt)
     inv_freq = draft.inv_freq.float().clone()          # RoPE frequencies lose their precision in bf16
     draft = draft.to(device, dtype)
     draft.inv_freq = inv_freq.to(device)
@@ -325,7 +268,7 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
         seeds = list(range(e.seeds))
         runs = [decoding_report([d for group in batches(prompts, dbg.evaluate_batch_size)
                                  for d in sampled_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens,
-                                                              k, stop, sampling, [prompt_seed(s, p.line) for p in group])],
+                                                              k, stop, sampling, [s * 1_000_003 + p.line for p in group])],
                                 None, prompts, k) for s in seeds]
         report, timing = over_seeds(runs, seeds), {}
     end = time.perf_counter()
@@ -340,15 +283,13 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
         print(f"warning: {report['mismatches']} of {len(prompts)} prompts decoded differently from the target's "
               f"greedy output (lines {report['mismatch_lines']}): near-ties in {dbg.evaluate_dtype}, or a bug", file=sys.stderr)
     if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(strict_json(report, indent=1))
+        write_report(report, Path(out))
     return report
 
 
 def run(cfg: Config, draft_dir: str | Path, out: str | Path | None = None) -> tuple[dict, Path]:
-    """The `evaluate` command: for our checkpoints the TTT estimate when the config's shards are
-    there, real decoding when `evaluate.prompts` is set; both into one eval.json (default: in
-    the draft directory). Returns (report, where it was written)."""
+    """The `evaluate` command: the TTT estimate (our checkpoints, shards there) and real decoding (with
+    `evaluate.prompts`) into one eval.json; (report, where it was written)."""
     draft_dir = Path(draft_dir)
     ours = (draft_dir / train_state.STATE).exists()
     out = Path(out) if out else draft_dir / "eval.json"
@@ -363,10 +304,7 @@ def run(cfg: Config, draft_dir: str | Path, out: str | Path | None = None) -> tu
         report.update(real_decoding(cfg, draft_dir))
     elif not ours:
         raise InputError(f"{draft_dir}: a vLLM-layout draft is judged by real decoding: give --prompts FILE")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(strict_json(report, indent=1))
-    if "acc" in report:
-        plot(report, _metrics_path(draft_dir), out.with_suffix(".png"))
+    write_report(report, out, draft_dir)
     return report, out
 
 
@@ -386,8 +324,7 @@ def plot(report: dict, metrics_path: Path, out: Path) -> bool:
     left.legend()
     if metrics_path.exists():
         records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-        train = [r for r in records if r["split"] == "train"]
-        evals = [r for r in records if r["split"] == "eval"]
+        train, evals = ([r for r in records if r["split"] == split] for split in ("train", "eval"))
         right.plot([r["step"] for r in train], [r["loss"][0] for r in train], label="train loss (step 0)")
         twin = right.twinx()
         twin.plot([r["step"] for r in evals], [r["accept_len"] for r in evals], "r.-", label="eval accept_len")

@@ -1,9 +1,6 @@
-"""Export a trained draft for serving: vLLM (speculators layout) and SGLang (native).
-
-Both read `d2t`/`t2d` and the same weights; they differ in the config and in the layer's name
-(`layers.0.*` for vLLM, `midlayer.*` for SGLang, which silently skips names it does not know).
-`eagle3.draft_io` reads the vLLM layout back (ours or the peer trainer's) for real decoding.
-"""
+"""Export a trained draft for serving: vLLM (speculators layout) and SGLang (native). Both read `d2t`/`t2d`
+and the same weights; they differ in the config and the layer's name (`layers.0.*` for vLLM, `midlayer.*`
+for SGLang, which silently skips names it does not know). `eagle3.draft_io` reads the vLLM layout back."""
 from __future__ import annotations
 
 import json
@@ -23,8 +20,9 @@ from eagle3.ops import TORCH_DTYPES
 from eagle3.vocab import check_vocab
 from eagle3.errors import Eagle3Error
 
+
 class ExportError(Eagle3Error):
-    pass
+    """A checkpoint that cannot be exported, or an export that could not be written."""
 
 
 def _llama_layer_config(spec: dict, dtype: str) -> dict:
@@ -88,19 +86,15 @@ def export_weights(weights: dict[str, torch.Tensor], spec: dict, layer_prefix, n
             if src not in weights:   # an engine would silently keep a random tensor for it
                 raise ExportError(f"checkpoint weights lack {src}")
             out[f"{layer_prefix(i)}.{key}"] = weights[src]
-    left = set(weights) - {"d2t", "t2d", *top} - {
-        f"layers.{i}.{k}" for i in range(num_layers) for k in LAYER_KEYS}
-    if left:
+    if left := set(weights) - {"d2t", "t2d", *top} - {f"layers.{i}.{k}" for i in range(num_layers) for k in LAYER_KEYS}:
         raise ExportError(f"checkpoint weights not exported: {sorted(left)[:5]}")
-    out = {k: v.to(dtype).contiguous() for k, v in out.items()}
-    out["d2t"] = weights["d2t"].to(torch.int64)
-    out["t2d"] = weights["t2d"].to(torch.bool)
-    return out
+    return {**{k: v.to(dtype).contiguous() for k, v in out.items()},
+            "d2t": weights["d2t"].to(torch.int64), "t2d": weights["t2d"].to(torch.bool)}
 
 
 def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write into `<out_dir>.tmp`, then put it in place of `out_dir`: a failure (no room, no write
-    permission) removes the partial folder and names the directory, and an export already there stays."""
+    """Write into `<out_dir>.tmp`, then put it in place of `out_dir`: a failure removes the partial folder
+    and keeps an export already there."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if short := short_of_space(out_dir.parent, tensor_bytes(tensors) + (1 << 20), f"the {out_dir.name} export"):
         raise ExportError(short + "; nothing was written")
@@ -141,10 +135,10 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
             if spec["num_layers"] != 1:
                 raise ExportError(f"{checkpoint_dir}: SGLang's EAGLE-3 draft has one layer (midlayer); "
                                   f"this draft has {spec['num_layers']}; export vllm only")
-            for key in NORM_FLAGS:
-                if spec.get(key):
-                    raise ExportError(f"{checkpoint_dir}: the draft's {key} is on (experimental), which SGLang's LlamaForCausalLMEagle3 "
-                                      "does not read (it would decode with another draft); export vllm only")
+            if on := [key for key in NORM_FLAGS if spec.get(key)]:
+                raise ExportError(f"{checkpoint_dir}: the draft's {on[0]} is on (experimental), which SGLang's "
+                                  "LlamaForCausalLMEagle3 does not read (it would decode with another draft); "
+                                  "export vllm only")
             tensors = export_weights(weights, spec, lambda i: "midlayer", 1, dtype)
             written[fmt] = _write(out_dir / "sglang", sglang_config(state, cfg), tensors)
     return written

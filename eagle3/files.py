@@ -1,5 +1,5 @@
-"""Files read and written safely: JSON whose errors name the file, writes that appear whole or not at all,
-strict JSON out, safetensors whose corruption names the file, output modes that follow the umask."""
+"""Files read and written safely: JSON and safetensors whose errors name the file, writes that appear whole
+or not at all, strict JSON out, output modes that follow the umask, one run per output directory."""
 from __future__ import annotations
 
 import contextlib
@@ -13,15 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _current_umask() -> int:
-    mask = os.umask(0)   # the only portable way to read it is to set it: read once, at import
-    os.umask(mask)
-    return mask
-
-
-# what open() gives a new file: 0644 under the usual umask 022 (safetensors' save_file writes 0600)
-FILE_MODE = 0o666 & ~_current_umask()
+os.umask(_umask := os.umask(0))   # reading the umask means setting it: once, at import
+FILE_MODE = 0o666 & ~_umask       # what open() gives a new file (safetensors' save_file writes 0600)
 
 
 def read_json(path: Path, error: type[Exception], missing: str) -> object:
@@ -42,26 +35,23 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def make_readable(path: Path) -> None:
-    """Give a written file the mode of any file this user creates, so that a server running as
-    another user can read the exports, checkpoints and shards."""
+    """The mode of any file this user creates, so that a server running as another user can read it."""
     os.chmod(path, FILE_MODE)
 
 
-def finite(value):
-    """`value` with every non-finite float (NaN, inf) as None, in nested dicts, lists and tuples."""
+def _finite(value):
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
+        return {k: _finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
+        return [_finite(v) for v in value]
     return value
 
 
 def strict_json(value, **kwargs) -> str:
-    """json.dumps that writes strict JSON: a NaN metric becomes null (Python would write NaN,
-    which strict parsers reject)."""
-    return json.dumps(finite(value), allow_nan=False, **kwargs)
+    """json.dumps with NaN and inf as null: Python would write NaN, which strict parsers reject."""
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
 
 
 def open_safetensors(path: Path, error: type[Exception], hint: str):
@@ -74,8 +64,7 @@ def open_safetensors(path: Path, error: type[Exception], hint: str):
 
 
 def writable_dir(path: Path, error: type[Exception], key: str) -> Path:
-    """Create `path` if needed and check that files can be written there: a clear error at start-up
-    rather than an OSError traceback at the first checkpoint or shard."""
+    """Create `path` and check that files can be written there: an error at start-up, not at the first write."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -88,7 +77,7 @@ def writable_dir(path: Path, error: type[Exception], key: str) -> Path:
 
 
 def tensor_bytes(value) -> int:
-    """Bytes of every tensor in `value` (nested dicts, lists and tuples): what a file of them needs."""
+    """Bytes of every tensor in `value` (nested dicts, lists and tuples)."""
     import torch
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
@@ -128,14 +117,13 @@ def _release(f) -> None:
 
 @contextlib.contextmanager
 def run_lock(directory: Path, key: str, what: str, error: type[Exception], held: bool = True):
-    """Own `directory` while the block runs (an advisory lock on `directory/.lock`; `held` False: a
-    rank other than 0, which takes none): a second run meets `error` naming the holder (host, pid,
-    since when); a lock left by a process that died is taken over with a note. The kernel releases it
-    when the process ends, however it ends."""
+    """Own `directory` while the block runs, by an advisory lock on `directory/.lock` that the kernel releases
+    however the process ends: a second run meets `error` naming the holder; a dead run's lock is taken over
+    with a note. `held` False (ranks other than 0): no lock."""
     if not held:
         yield
         return
-    path = _lock_path(directory)
+    path = Path(directory).absolute() / ".lock"
     made = not path.parent.exists()
     _take(path, directory, key, what, error)
     try:
@@ -149,16 +137,11 @@ def run_lock(directory: Path, key: str, what: str, error: type[Exception], held:
 
 
 def relock(directory: Path, key: str, what: str, error: type[Exception]) -> None:
-    """After this process moved `directory` aside (its lock file with it) and made it anew: the lock
-    of the new one instead."""
-    path = _lock_path(directory)
+    """After this process moved `directory` aside (its lock file with it) and made it anew: lock the new one."""
+    path = Path(directory).absolute() / ".lock"
     if (f := _HELD.pop(str(path), None)) is not None:
         _release(f)
         _take(path, directory, key, what, error)
-
-
-def _lock_path(directory: Path) -> Path:
-    return Path(directory).absolute() / ".lock"
 
 
 def _take(path: Path, directory: Path, key: str, what: str, error: type[Exception]) -> None:

@@ -1,16 +1,7 @@
-"""fp8 training GEMMs (`train.float8`): the draft's linear layers as scaled fp8 matmuls.
-
-Forward: the input and the weight cast to float8_e4m3fn with one dynamic scale per tensor (amax /
-448); their product in the input's dtype. Backward: the output gradient in float8_e5m2 (more range,
-amax / 57344); dX = dY·W and dW = dYᵀ·X as scaled fp8 matmuls of the copies saved by the forward
-(they also halve the activation memory kept for backward). The fp32 master weights stay with the
-optimizer; a TTT forward casts each once for its K steps (`linear.casts_reused`). A cast is two Triton
-kernels (`kernels/fp8_cast.py`: amax, then one read and two writes, as it is and transposed).
-`torch._scaled_mm` runs on GPUs with fp8 tensor cores (compute capability 8.9 and later: Ada,
-Hopper, Blackwell) and on the CPU (the tests); it wants every dimension a multiple of 16, so rows
-are zero-padded (zero rows add nothing to dW). `train.float8 = auto` (`choose`) turns this on where
-it can run; `train.float8_head` (`head_loss`) does the same for the loss's lm_head GEMMs.
-"""
+"""fp8 training GEMMs (`train.float8`, `train.float8_head`): the draft's linear layers as scaled fp8
+matmuls, one dynamic scale per tensor: e4m3 forward, the output gradient in e5m2 (more range); dX and
+dW from the fp8 copies the forward saved (half the activation memory). The fp32 masters stay with the
+optimizer. `torch._scaled_mm` wants every dimension a multiple of 16: rows are zero-padded."""
 from __future__ import annotations
 
 import functools
@@ -25,27 +16,22 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., k] @ w.T with w [n, k], as fp8 GEMMs forward and backward; the output in autocast's
-    dtype where autocast is on (as the dense path's), else in x's. Without autograd (held-out
-    evaluation) the dense path: metrics measure the draft as it is served, in bf16. The output may
-    be a view of the padded product: do not modify it in place."""
+    """x [..., k] @ w.T with w [n, k] as fp8 GEMMs, in `compute_dtype(x)`; a view of the padded product
+    (not to be modified in place). Without autograd (evaluation) the dense path: the draft as served."""
     if not torch.is_grad_enabled() or x.numel() == 0:   # nothing to cast: a step-0 batch with no trained row
         return dense_linear(x, w)
-    out_dtype = compute_dtype(x)
-    y = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w, *cast(x, E4M3), *cast(w, E4M3), out_dtype)
+    y = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w, *cast(x, E4M3), *cast(w, E4M3), compute_dtype(x))
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def linears(x: torch.Tensor, *ws: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(`linear`(x, w) for w in ws): layers reading one input, which is cast once for all of them."""
+    """(`linear`(x, w) for w in ws): layers reading one input, cast once for all of them."""
     return tuple(linear(x, w) for w in ws)
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """t [..., k] -> (q [m16, k], qᵀ [k, m16], scale): `kernels.fp8_cast` (its Triton kernels on a
-    GPU, its torch reference elsewhere), reused inside `linear.casts_reused` (weights for the whole
-    scope, so one TTT forward casts each once for its K steps; activations only by the next call, so
-    one input to k, v, q (gate, up) is cast once: each would otherwise live until the forward ends)."""
+    """t [..., k] -> (q [m16, k], qᵀ [k, m16], scale), reused inside `linear.casts_reused`: a weight for the
+    scope, an activation until the next call (one input to k, v, q cast once)."""
     from kernels import fp8_cast   # Triton on first use, as the other kernels
     fn = fp8_cast.to_fp8 if t.is_cuda else fp8_cast.to_fp8_reference
     slot = ("fp8", id(t)) if isinstance(t, torch.nn.Parameter) else ("fp8", "activation")
@@ -54,7 +40,7 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
 
 def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
         out_dtype: torch.dtype) -> torch.Tensor:
-    """a [m, k] row-major @ b [k, n] column-major (a transposed row-major tensor), times both scales."""
+    """a [m, k] row-major @ b [k, n] column-major, times both scales."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
@@ -78,26 +64,22 @@ class _Float8Linear(torch.autograd.Function):
 
 
 def choose(setting: bool | None, device: torch.device, spec, where: str, say: bool = True) -> bool:
-    """train.float8 for this run: `true` checked (an error names what cannot), `false`, or auto: on
-    where the device and the draft's widths allow it, with a line on stderr (when `say`: rank 0)
-    saying which and why. Every rank decides alike: same GPU kind, same draft."""
-    dims = draft_dims(spec)
+    """train.float8: `true` checked, `false`, or auto: on where the device and widths allow, said when `say`."""
+    dims = {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,   # the GEMMs' widths
+            "num_attention_heads x head_dim": spec.num_attention_heads * spec.head_dim,
+            "num_key_value_heads x head_dim": spec.num_key_value_heads * spec.head_dim,
+            "3 x target_hidden_size": 3 * spec.target_hidden_size}
     if setting is not None:
         if setting:
             check_device(device, where)
             check_dims(dims, where)
         return setting
     odd = _odd(dims)
-    if device.type != "cuda":
-        why = f"{device.type}: fp8 GEMMs need a GPU"
-    elif torch.version.hip is not None:   # ROCm's fp8 formats are the fnuz ones, not e4m3fn / e5m2
-        why = "ROCm: not supported"
-    elif torch.cuda.get_device_capability(device) < (8, 9):
-        why = f"no fp8 tensor cores on {torch.cuda.get_device_name(device)}"
-    elif odd:
-        why = f"widths not multiples of 16: {', '.join(odd)}"
-    else:
-        why = "fp8 tensor cores"
+    why = (f"{device.type}: fp8 GEMMs need a GPU" if device.type != "cuda" else
+           "ROCm: not supported" if torch.version.hip is not None else   # its fp8 formats are the fnuz ones
+           f"no fp8 tensor cores on {torch.cuda.get_device_name(device)}"
+           if torch.cuda.get_device_capability(device) < (8, 9) else
+           f"widths not multiples of 16: {', '.join(odd)}" if odd else "fp8 tensor cores")
     on = why == "fp8 tensor cores"
     if say:
         print(f"train.float8 = auto: {'on' if on else 'off'} ({why})", file=sys.stderr)
@@ -106,10 +88,8 @@ def choose(setting: bool | None, device: torch.device, spec, where: str, say: bo
 
 def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torch.device, spec, where: str,
               say: bool = True):
-    """train.float8_head for this run -> the loss to train with: `loss_steps`, or the Triton
-    `ttt_loss_steps` with its lm_head GEMMs in fp8. `true` is checked (an error names what cannot);
-    auto is on where train.float8 resolved on, the loss is the Triton one on a GPU and the head's widths
-    are multiples of 16, with a line on stderr (when `say`: rank 0) saying which and why."""
+    """train.float8_head -> the loss: `loss_steps`, or the Triton one with fp8 lm_head GEMMs; auto is on
+    with train.float8, the Triton loss on a GPU and head widths that are multiples of 16."""
     from kernels import ttt_loss_steps
     triton_gpu = loss_steps is ttt_loss_steps and device.type == "cuda"
     dims = {"hidden_size": spec.hidden_size, "draft_vocab_size": spec.draft_vocab_size}
@@ -130,33 +110,23 @@ def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torc
     return functools.partial(ttt_loss_steps, float8=True) if setting else loss_steps
 
 
-def draft_dims(spec) -> dict[str, int]:
-    """The widths the fp8 GEMMs multiply along, by the names a user can change."""
-    return {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
-            "num_attention_heads x head_dim": spec.num_attention_heads * spec.head_dim,
-            "num_key_value_heads x head_dim": spec.num_key_value_heads * spec.head_dim,
-            "3 x target_hidden_size": 3 * spec.target_hidden_size}
-
-
 def _odd(dims: dict[str, int]) -> list[str]:
     return [name for name, size in dims.items() if size % 16]
 
 
 def check_device(device: torch.device, where: str, key: str = "train.float8") -> None:
-    """fp8 GEMMs need fp8 tensor cores on a GPU; say so at start-up, not at the first step."""
+    """fp8 GEMMs need fp8 tensor cores on a GPU: said at start-up, not at the first step."""
     if device.type == "cuda" and torch.version.hip is not None:
         raise ConfigError(f"{where}: {key} = true is not supported on ROCm (its fp8 formats are the fnuz ones, "
                           "not e4m3fn / e5m2)")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
         raise ConfigError(f"{where}: {key} = true needs a GPU with fp8 tensor cores (compute capability "
-                         f">= 8.9: Ada, Hopper, Blackwell); {name} has "
-                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+                          f">= 8.9: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} has "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
 
 
 def check_dims(dims: dict[str, int], where: str, key: str = "train.float8") -> None:
-    """torch._scaled_mm on a GPU wants every matrix dimension a multiple of 16 (rows are padded here)."""
-    odd = _odd(dims)
-    if odd:
+    """torch._scaled_mm wants every matrix dimension a multiple of 16 (rows are padded here)."""
+    if odd := _odd(dims):
         raise ConfigError(f"{where}: {key} = true needs the draft's widths to be multiples of 16; "
                           + ", ".join(f"{name} = {dims[name]}" for name in odd))

@@ -1,15 +1,7 @@
-"""`python -m eagle3 generate --config config.toml`: regenerate the assistant replies of the
-training conversations with the target itself (the biggest lever on acceptance).
-
-Each assistant reply (a run of loss_mask = 1) is replaced by the target's own continuation of
-everything before it (earlier replies already regenerated); user turns are kept. The output is
-pre-tokenized JSON lines, the format extraction reads. Conversations are decoded in batches of
-`debug.generate_batch_size` (one target pass for all of them, each conversation's keys and values in its
-slot of the target's shared KV pool, one sampling call for the batch).
-Resumable: lines are appended to `<output>.partial` in input order as they finish and a rerun
-skips the conversations already there. The settings that shape the replies are recorded beside it
-(`<output>.partial.settings.json`, then `<output>.settings.json`): a rerun with other settings is
-refused rather than mixing replies of both, and a rerun of a finished one does nothing.
+"""`python -m eagle3 generate --config config.toml`: regenerate the assistant replies of the training
+conversations with the target itself (the biggest lever on acceptance; docs/data.md). Each reply (a run of
+loss_mask = 1) becomes the target's continuation of everything before it, in batches sharing one KV pool.
+Resumable: `<output>.partial` grows in input order, its settings recorded beside it; other settings are refused.
 """
 from __future__ import annotations
 
@@ -27,7 +19,7 @@ from eagle3.data.shards import sha256_file
 from eagle3.resolve import resolve_device
 from eagle3.files import atomic_write_text, read_json, strict_json
 from eagle3.ops import TORCH_DTYPES
-from eagle3.sampling import draw, target_probs, uniforms
+from eagle3.sampling import sample
 from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.errors import Eagle3Error
@@ -35,20 +27,14 @@ from eagle3.errors import Eagle3Error
 
 def reply_spans(mask) -> list[tuple[int, int]]:
     """[start, end) of each run of 1s."""
-    spans, start = [], None
-    for i, m in enumerate(list(mask) + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
+    mask = list(mask)
+    edges = [i for i, (a, b) in enumerate(zip([0, *mask], [*mask, 0])) if bool(a) != bool(b)]
+    return list(zip(edges[0::2], edges[1::2]))
 
 
 def stop_tokens(cfg: Config, ckpt: Checkpoint) -> set[int]:
-    if cfg.generate.stop_token_ids is not None:
-        return set(cfg.generate.stop_token_ids)
-    return stop_token_ids(ckpt.dir, ckpt.config.raw.get("eos_token_id"))
+    ids = cfg.generate.stop_token_ids
+    return set(ids) if ids is not None else stop_token_ids(ckpt.dir, ckpt.config.raw.get("eos_token_id"))
 
 
 class Sampler:
@@ -58,19 +44,12 @@ class Sampler:
         self.temperature, self.top_p = temperature, top_p
 
     def many(self, logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
-        """One token per row of logits [B, V], each row drawn with a uniform from its own generator.
-        One argmax or one batched draw and one transfer for the batch: a call per row would cost B
-        launches and B device syncs per step, as much as the whole batched target pass."""
-        if self.temperature == 0:
-            return logits.argmax(-1).tolist()
-        u = uniforms(generators, 1)[:, 0].to(logits.device)
-        return draw(target_probs(logits, self.temperature, self.top_p), u).tolist()
+        return sample(logits, self.temperature, self.top_p, generators)
 
 
 class Conversation:
-    """One conversation being regenerated: its tokens so far, how many the target's cache holds,
-    and which original reply it is replacing. Every target pass ends on a position whose next
-    token is the next token of a reply, so each pass is followed by one sample."""
+    """One conversation being regenerated: its tokens so far, the target's cache, the reply it replaces.
+    Every target pass ends where a reply's next token follows, so each pass is followed by one sample."""
 
     def __init__(self, record: Record, target: IncrementalTarget, seed: int):
         self.record, self.original = record, record.input_ids.tolist()
@@ -109,8 +88,8 @@ class Conversation:
 
 def regenerate(target: IncrementalTarget, records: list[Record], sampler: Sampler, max_new: int,
                stop: set[int], batch: int, seed: int):
-    """Yield regenerated conversations in input order, running up to `batch` of them through the
-    target together (a pass takes each one's unseen tokens: a prompt chunk or its last sample)."""
+    """Regenerated conversations in input order, up to `batch` of them through the target together
+    (a pass takes each one's unseen tokens: a prompt chunk or its last sample)."""
     waiting = list(records)
     active: list[Conversation] = []
     finished: dict[int, dict] = {}
@@ -146,8 +125,7 @@ class GenerateError(Eagle3Error):
 
 
 def settings(cfg: Config, ckpt: Checkpoint) -> dict:
-    """Everything that changes the replies (not batch_size or device: the output does not depend on
-    them), keyed by the config key a user would change."""
+    """Everything that changes the replies (not batch size or device), keyed by the config key to change."""
     g = cfg.generate
     tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
     return {"target.path": str(ckpt.dir.resolve()), "target config.json sha256": ckpt.config.config_sha256,
@@ -162,11 +140,6 @@ def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".settings.json")
 
 
-def _changes(recorded: dict, current: dict) -> str:
-    keys = [k for k in {**recorded, **current} if recorded.get(k) != current.get(k)]
-    return ", ".join(f"{k} {strict_json(recorded.get(k))} -> {strict_json(current.get(k))}" for k in keys)
-
-
 def _check_same(path: Path, current: dict) -> None:
     """Refuse to add to or stand in for `path` when its recorded settings are not `current`."""
     sidecar = _sidecar(path)
@@ -176,15 +149,17 @@ def _check_same(path: Path, current: dict) -> None:
         recorded = read_json(sidecar, GenerateError, "written with the output")
         if not isinstance(recorded, dict):
             raise GenerateError(f"{sidecar}: expected a JSON object of generate settings; remove it and {path}")
-        changed, remove = _changes(recorded, current), f"{path} and {sidecar.name}"
+        changed = ", ".join(f"{k} {strict_json(recorded.get(k))} -> {strict_json(current.get(k))}"
+                            for k in {**recorded, **current} if recorded.get(k) != current.get(k))
+        remove = f"{path} and {sidecar.name}"
     if changed:
         raise GenerateError(f"{path} was generated with other settings ({changed}); set another "
                             f"generate.output_path, or remove {remove} to start over")
 
 
 def _finish(partial: Path, out: Path) -> None:
-    """Rename the partial file and its settings so that a kill between the steps resumes or finds
-    a finished output with its settings, never an output with another run's settings."""
+    """Rename the partial file and its settings in an order where a kill between the steps never leaves
+    an output with another run's settings."""
     atomic_write_text(_sidecar(out), _sidecar(partial).read_text())
     os.replace(partial, out)
     _sidecar(partial).unlink()

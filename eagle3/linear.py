@@ -1,18 +1,7 @@
-"""The draft's dense linear layers: x @ wᵀ, with each weight's gradient summed inside the GEMMs.
-
-A TTT forward passes every weight through K steps. Left to autocast and autograd, each step's
-weight gradient comes out of its GEMM in bf16, the K of them are added up by K-1 more passes over
-the whole gradient (bf16 adds: each rounds), and the sum is cast to the fp32 master's dtype. Here,
-inside `casts_reused` (one TTT forward), each master is cast once while it is unchanged, every use
-adds its dYᵀ·X into one fp32 sum by the GEMM itself (beta = 1, `torch.addmm(..., out_dtype=fp32)`
-on CUDA with torch >= 2.8; before, a GEMM and an fp32 add), and the cast's backward hands that sum to
-the master: no add kernels, no bf16 rounding of the partial sums. Outside the scope each call is its
-own cast and sum. Without autograd (held-out evaluation, decoding) it is `F.linear` as autocast runs
-it. On an H200 the Kimi-size step's add kernels fell from 15.5 to 6.1 ms (bench/RESULTS.md).
-
-The scope also holds `eagle3.float8`'s casts (`reused`): one TTT forward reuses a weight's fp8 copy
-the same way.
-"""
+"""The draft's dense linear layers: x @ wᵀ, each weight's gradient summed inside the GEMMs. Inside
+`casts_reused` (one TTT forward: K uses of every weight) each fp32 master is cast once while unchanged and
+every use adds its dYᵀ·X into one fp32 sum by the GEMM (beta = 1), which the cast's backward hands to the
+master: no add kernels, no bf16 rounding of partial sums. The scope also holds `eagle3.float8`'s casts."""
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +16,7 @@ _scope: dict | None = None
 
 @contextlib.contextmanager
 def casts_reused():
-    """Inside: a weight is cast once while it is unchanged (its version) and its uses share one
-    gradient sum; `reused` serves the fp8 casts. Leaving the scope drops what it holds."""
+    """Inside: a weight is cast once while unchanged (its version) and its uses share one gradient sum."""
     global _scope
     outer, _scope = _scope, {}
     try:
@@ -38,8 +26,7 @@ def casts_reused():
 
 
 def reused(slot, t: torch.Tensor, key, make):
-    """`make()` for tensor `t` under `key`, remembered in the scope's `slot` while `t` is the same
-    tensor at the same version (outside a scope: made anew each call)."""
+    """`make()` for `t` under `key`, kept in the scope's `slot` while `t` is unchanged (outside a scope: anew)."""
     if _scope is None:
         return make()
     held = _scope.get(slot)
@@ -60,8 +47,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def dense_linears(x: torch.Tensor, *ws: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(x @ w.T for w in ws): layers reading one input (k, v, q; gate, up). Their backward sums
-    the input gradient inside the GEMMs too (beta = 1) instead of adding the layers' gradients."""
+    """(x @ w.T for w in ws): layers reading one input, their input gradients summed in the GEMMs too."""
     dtype = compute_dtype(x)
     if not (torch.is_grad_enabled() and all(w.requires_grad for w in ws)):
         # no weight gradient to sum: F.linear, with autocast's own weight casts where it is on
@@ -71,8 +57,7 @@ def dense_linears(x: torch.Tensor, *ws: torch.Tensor) -> tuple[torch.Tensor, ...
 
 
 class _Sum:
-    """The weight gradient of one cast's uses, summed in fp32 (the compute dtype when wider), and the
-    cast's autograd node, which hands the sum to the master."""
+    """One cast's uses' weight gradient, summed in fp32, and the cast's autograd node, which hands it on."""
     __slots__ = ("grad", "node")
 
     def __init__(self):
@@ -87,8 +72,7 @@ def _cast(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, _Sum]:
 
 
 class _Cast(torch.autograd.Function):
-    """The master weight in the compute dtype, once per scope; its backward returns the summed
-    gradient of every use (the uses return none: `_Linears`)."""
+    """The master weight in the compute dtype; its backward returns the summed gradient of every use."""
 
     @staticmethod
     def forward(ctx, w, dtype, total):
@@ -104,8 +88,7 @@ class _Cast(torch.autograd.Function):
 
 
 class _Linears(torch.autograd.Function):
-    """y_i = x w_iᵀ for casts w_i that share x; the backward sums dx over the layers and adds each
-    dy_iᵀ x into its cast's fp32 sum, in the GEMMs."""
+    """y_i = x w_iᵀ for casts w_i sharing x; the backward adds each dy_iᵀ x into its cast's fp32 sum."""
 
     @staticmethod
     def forward(ctx, x, totals, *ws):   # x [..., k], ws [n_i, k], all in one dtype
@@ -127,40 +110,28 @@ class _Linears(torch.autograd.Function):
                 dy = dy.reshape(-1, dy.shape[-1])
                 if ctx.needs_input_grad[0]:
                     dx = dy.mm(w) if dx is None else dx.addmm_(dy, w)   # [m, k]
-                # only for a backward that will hand the sum on (torch.autograd.grad towards x
-                # alone, or backward(inputs=...), skip the cast: a sum left behind would be added
-                # into the next backward's)
+                # only when this backward runs the cast (not autograd.grad towards x alone): a sum
+                # left behind would be added into the next backward's
                 if torch._C._will_engine_execute_node(total.node):
                     _accumulate(total, dy.t(), x2)
         return None if dx is None else dx.reshape(x.shape), None, *[None] * len(ws)
 
 
 def _accumulate(total: _Sum, a: torch.Tensor, b: torch.Tensor) -> None:
-    """total.grad (+)= a @ b [n, k], in fp32 when a, b are narrower: by the GEMM itself on CUDA
-    (torch >= 2.8); with an older torch a GEMM in a's dtype and an fp32 add; on the CPU the operands
-    widened (exact sums; its speed does not matter)."""
-    wide = torch.promote_types(a.dtype, torch.float32)
+    """total.grad (+)= a @ b [n, k] in fp32: by the GEMM itself on CUDA where it can, operands widened on the CPU."""
+    wide, g = torch.promote_types(a.dtype, torch.float32), total.grad
     if a.dtype == wide or not a.is_cuda:
         a, b = a.to(wide), b.to(wide)
-        if total.grad is None:
-            total.grad = a @ b
-        else:
-            total.grad.addmm_(a, b)
+        total.grad = a @ b if g is None else g.addmm_(a, b)
     elif _gemm_sums_wide(a.device, a.dtype):
-        if total.grad is None:
-            total.grad = torch.mm(a, b, out_dtype=wide)
-        else:
-            torch.addmm(total.grad, a, b, out_dtype=wide, out=total.grad)
-    elif total.grad is None:
-        total.grad = torch.mm(a, b).to(wide)
+        total.grad = torch.mm(a, b, out_dtype=wide) if g is None else torch.addmm(g, a, b, out_dtype=wide, out=g)
     else:
-        total.grad.add_(torch.mm(a, b))
+        total.grad = torch.mm(a, b).to(wide) if g is None else g.add_(torch.mm(a, b))
 
 
 @functools.cache
 def _gemm_sums_wide(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch and GPU run a narrow x narrow -> fp32 GEMM that adds into its output
-    (`out_dtype`, torch >= 2.8); checked once on a small case."""
+    """Whether this torch and GPU run a narrow x narrow -> fp32 GEMM adding into its output."""
     try:
         a = torch.ones(16, 16, device=device, dtype=dtype)
         out = torch.mm(a, a, out_dtype=torch.float32)

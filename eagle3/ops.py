@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from kernels import reference
 
-
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -21,8 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm as training runs it: on a GPU one Triton kernel each way (`kernels.rms_norm`, rows
-    up to its MAX_WIDTH), elsewhere through torch.compile."""
+    """rms_norm as training runs it: a Triton kernel each way on a GPU, elsewhere torch.compile."""
     if x.is_cuda:
         from kernels import rms_norm as kernel   # Triton on first use, as the other kernels
         if x.shape[-1] <= kernel.MAX_WIDTH:
@@ -40,17 +38,13 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 
 @functools.cache
 def compiled(fn):
-    """`fn` under torch.compile: one fused kernel each way instead of an eager chain of fp32
-    temporaries. The row count (dim 0 of the first tensor argument, and of every other with as many
-    rows) is dynamic, since it changes with each TTT step and expert block; every other size is
-    static, one graph per width: with all sizes symbolic (dynamic=True) Inductor's reductions were
-    slower, and the Kimi-size TTT step took 870-880 ms against 851-855 (H200, bench/RESULTS.md)."""
+    """`fn` under torch.compile, one graph per width: only the row count (dim 0 of the first tensor argument
+    and of every other with as many rows) is dynamic, as Inductor's reductions run faster static."""
     # a graph per width, dtype and grad mode (the setting's name before torch 2.7: cache_size_limit)
     dynamo = torch._dynamo.config
     limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
     setattr(dynamo, limit, max(getattr(dynamo, limit), 32))
-    # the casts rounded where the code rounds (Inductor otherwise skips a bf16 round trip inside a
-    # kernel), so that the compiled op gives what the eager one and the reference models give
+    # casts rounded where the code rounds (Inductor otherwise skips a bf16 round trip in a kernel)
     from torch._inductor import config as inductor
     exact = {"emulate_precision_casts": True} if hasattr(inductor, "emulate_precision_casts") else {}
     graph = torch.compile(fn, dynamic=False, options=exact)
@@ -108,15 +102,14 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Ten
 
 
 def scatter_rows(t: torch.Tensor, index: torch.Tensor | None, total: int, fill=0) -> torch.Tensor:
-    """t [n, ...] into [total, ...] filled with `fill`, at rows `index` (t itself when index is None);
-    `index` must hold distinct rows."""
+    """t [n, ...] into [total, ...] filled with `fill`, at distinct rows `index` (t itself when None)."""
     if index is None:
         return t
     return _ScatterRows.apply(t, index, total, fill) if t.requires_grad else _spread(t, index, total, fill)
 
 
 def _spread(t: torch.Tensor, index: torch.Tensor, total: int, fill) -> torch.Tensor:
-    """scatter_rows without autograd: one Triton pass for the GPU's row blocks, torch elsewhere."""
+    """scatter_rows without autograd: one Triton pass on a GPU, torch elsewhere."""
     if t.is_cuda and t.dim() >= 2 and t.dtype.is_floating_point:
         from kernels.rows import spread_rows   # Triton on first use, as the other kernels
         return spread_rows(t, index, total, fill)
@@ -136,10 +129,7 @@ class _ScatterRows(torch.autograd.Function):
 
 
 class _GatherRows(torch.autograd.Function):
-    """x[index] for distinct rows, whose backward spreads the gradient rows into zeros (one pass on a
-    GPU: kernels/rows.py). Advanced indexing's backward is an accumulating index_put that sorts the
-    indices first (about 0.3 ms of GPU time and 9 ms of host time a call at [14k, 7168] on an H200,
-    15 calls in a Kimi-size TTT step); with distinct rows a spread gives the same result."""
+    """x[index] for distinct rows; its backward spreads the gradient rows (advanced indexing's sorts them)."""
 
     @staticmethod
     def forward(ctx, x, index):
@@ -154,8 +144,7 @@ class _GatherRows(torch.autograd.Function):
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    """Rows `index` of x [n, ...] (x itself when index is None); `index` must hold distinct rows
-    (the row subsets of TTT: sorted, from nonzero or searchsorted), the inverse of `scatter_rows`."""
+    """Rows `index` of x [n, ...] (x itself when None); distinct rows: the inverse of `scatter_rows`."""
     if index is None:
         return x
     return _GatherRows.apply(x, index) if x.requires_grad else x.index_select(0, index)

@@ -1,7 +1,5 @@
-"""Settings left "auto" in the config turned into values, in one place for every stage: the
-device, and the record `resolve` makes for a config and a target (aux layers, draft shape, data
-directory, verifier), which checkpoints carry so that resume, evaluate and export read what
-training used rather than deriving it again."""
+"""Settings left "auto" turned into values: the device, and `resolve`'s record for a config and a target,
+which checkpoints carry so that resume, evaluate and export read what training used."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -10,7 +8,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import Config, ConfigError
-from eagle3.models.weights import Checkpoint, TargetError, TextConfig
+from eagle3.models.weights import Checkpoint, TargetError
 
 
 @dataclass
@@ -36,8 +34,8 @@ class DraftSpec:
         return asdict(self)
 
 
-# the draft's norm settings, under the config keys speculators and vLLM use; SGLang's EAGLE-3 draft reads
-# none of them: with one on, an SGLang export would decode another draft
+# the norm settings under the keys speculators and vLLM use; SGLang reads none, so with one on its export
+# would decode another draft
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
@@ -45,9 +43,8 @@ NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"
 class Resolved:
     aux_layer_ids: list[int]        # target layers (0-based) whose outputs the draft reads
     draft_spec: DraftSpec
-    data_dir: str                   # what training reads: the shards (train.data_dir, auto: extract.output_dir),
-                                    # or with train.source = "online" the input file (data.path)
-    verifier_name: str              # what the exported config names as the verifier (auto: target.path)
+    data_dir: str                   # what training reads: the shards, or online the input file (data.path)
+    verifier_name: str              # what the exported config names as the verifier
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,43 +55,30 @@ class Resolved:
 
 
 def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
-    """Every "auto" of `cfg` that depends on the target, checked: a draft that cannot be built
-    fails here, at the start of extraction, not after it."""
-    text = ckpt.config
-    draft_vocab = cfg.vocab.draft_vocab_size or min(32000, text.vocab_size)
-    # what training reads: the shards, or online the input file itself (normalised: "./x" is "x")
-    data = cfg.data.path if cfg.train.source == "online" else cfg.resolved_train_data_dir()
-    return Resolved(resolve_aux_layer_ids(cfg, ckpt), resolve_draft_spec(cfg, text, draft_vocab),
-                    str(Path(data)), cfg.export.verifier_name or cfg.target.path)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_aux_layer_ids(cfg: Config, ckpt: Checkpoint) -> list[int]:
-    ids = cfg.target.aux_layer_ids or ckpt.config.default_aux_layer_ids()
-    n = ckpt.config.num_hidden_layers
+    """Every "auto" of `cfg` that depends on the target, checked: a draft that cannot be built fails here,
+    at the start of extraction, not after it."""
+    text, d, x = ckpt.config, cfg.draft, cfg.experimental
+    ids, n = cfg.target.aux_layer_ids or text.default_aux_layer_ids(), text.num_hidden_layers
     if any(not 0 <= i < n for i in ids):
         raise TargetError(f"{cfg.source}: target.aux_layer_ids = {ids}; the target has layers 0..{n - 1}")
-    return list(ids)
-
-
-def resolve_draft_spec(cfg: Config, text: TextConfig, draft_vocab: int) -> DraftSpec:
-    d, x, hidden = cfg.draft, cfg.experimental, text.hidden_size   # the frozen target embedding feeds the draft
     heads = d.num_attention_heads or text.num_attention_heads
     kv = d.num_key_value_heads or text.num_key_value_heads
     if heads % kv:
         raise ConfigError(f"{cfg.source}: draft.num_attention_heads {heads} is not a multiple of "
-                         f"draft.num_key_value_heads {kv}")
-    return DraftSpec(
+                          f"draft.num_key_value_heads {kv}")
+    hidden = text.hidden_size   # the draft's is the target's: the frozen target embedding feeds it
+    spec = DraftSpec(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
         head_dim=d.head_dim or text.raw.get("head_dim") or hidden // heads,
         intermediate_size=d.intermediate_size or text.intermediate_size, num_layers=d.num_layers,
         rms_norm_eps=text.rms_norm_eps, rope_theta=text.rope_theta,
         max_position_embeddings=text.max_position_embeddings,
-        draft_vocab_size=draft_vocab, target_vocab_size=text.vocab_size,
-        target_hidden_size=text.hidden_size, norm_before_residual=x.norm_before_residual,
+        draft_vocab_size=cfg.vocab.draft_vocab_size or min(32000, text.vocab_size), target_vocab_size=text.vocab_size,
+        target_hidden_size=hidden, norm_before_residual=x.norm_before_residual,
         norm_before_fc=x.aux_norm == "concat", fc_norm=x.aux_norm == "per_layer", norm_output=x.norm_output)
+    data = cfg.data.path if cfg.train.source == "online" else cfg.resolved_train_data_dir()
+    return Resolved(list(ids), spec, str(Path(data)), cfg.export.verifier_name or cfg.target.path)   # "./x" is "x"
+
+
+def resolve_device(name: str) -> torch.device:
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)

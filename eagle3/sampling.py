@@ -1,18 +1,10 @@
-"""Sampling, and the verification rule of speculative decoding as vLLM and SGLang run it (the facts
-and sources: docs/sampling.md). Shared by `generate` (the target alone) and `speculative` (draft +
-target), so both sample the target's distribution the same way.
+"""Sampling, and the verification rule of speculative decoding as vLLM and SGLang run it (docs/sampling.md),
+shared by `generate` and `speculative` so both sample the target the same way.
 
-- The target's distribution p: softmax(logits / T), truncated to the smallest set of most likely
-  tokens whose mass reaches top_p, renormalised. T = 0 is greedy (argmax), handled by the callers.
-- The draft's proposal: its argmax (`greedy`, vLLM's default: a one-hot q) or a sample of
-  q = softmax(draft logits / T) over the draft vocabulary, no top-p (`probabilistic`).
-- Verification, position by position: accept the drafted x with probability min(1, p(x) / q(x));
-  at the first rejection emit a sample of norm(max(p - q, 0)) and stop; when all k are accepted emit
-  a sample of the next p (the bonus token). The emitted tokens are distributed as the target's own
-  sampling (tests/test_sampling.py checks it).
-
-Every draw is an inverse-CDF lookup of a uniform number the caller takes from its own generator
-(one per prompt), so results do not depend on how prompts are batched.
+p = softmax(logits / T), top-p truncated; the draft proposes its argmax (`greedy`: q one-hot) or a sample
+of q = softmax(draft logits / T) (`probabilistic`). A drafted x is accepted with min(1, p(x) / q(x)); the
+first rejection emits a sample of norm(max(p - q, 0)), all k accepted a sample of the next p. Every draw is
+an inverse-CDF lookup of a uniform from the caller's per-prompt generator, so batching changes nothing.
 """
 from __future__ import annotations
 
@@ -78,25 +70,17 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(empty, p, r)
 
 
-def acceptance(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
-    """The probability of accepting a drafted token: min(1, p(x) / q(x))."""
-    return (p_x / q_x).clamp(max=1.0)
-
-
 def verify(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, u_accept: torch.Tensor,
            u_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling of one round for B chains.
-
-    drafts [B, k] target ids; p [B, k+1, V] the target's distributions after each prefix of the
-    drafts; q [B, k, V] the draft's distributions the drafts were sampled from, or None for greedy
-    proposals (q = one-hot of the draft); u_accept [B, k], u_token [B] uniforms.
-    Returns (accepted drafts a [B], the token emitted after them [B]): the recovered token at the
-    first rejection, or the bonus token of p[:, k] when all k are accepted."""
+    """Speculative sampling of one round for B chains: drafts [B, k] target ids; p [B, k+1, V] the target's
+    distributions after each prefix of the drafts; q [B, k, V] the draft's (None for greedy proposals: one-hot);
+    u_accept [B, k], u_token [B] uniforms -> (accepted drafts a [B], the token emitted after them [B]): the
+    recovered token at the first rejection, or the bonus token of p[:, k] when all k are accepted."""
     B, k = drafts.shape
     rows = torch.arange(B, device=p.device)
     p_x = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)                # [B, k]
     q_x = torch.ones_like(p_x) if q is None else q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    ok = u_accept.to(p_x) < acceptance(p_x, q_x)                              # [B, k]
+    ok = u_accept.to(p_x) < (p_x / q_x).clamp(max=1.0)                        # [B, k] accepted: min(1, p/q)
     a = ok.int().cumprod(-1).sum(-1)                                           # leading accepted drafts
     p_at = p[rows, a]                                                          # [B, V]
     if q is None:
@@ -110,3 +94,12 @@ def verify(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, u_acce
 def uniforms(generators: list[torch.Generator], n: int) -> torch.Tensor:
     """[B, n] uniforms on the CPU, row b from generators[b] (each prompt's own stream)."""
     return torch.stack([torch.rand(n, generator=g) for g in generators])
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]) -> list[int]:
+    """One token per row of logits [B, V] (argmax at T = 0), row b drawn with a uniform from generators[b]:
+    one batched draw and one transfer, not B launches and B syncs."""
+    if temperature == 0:
+        return logits.argmax(-1).tolist()
+    u = uniforms(generators, 1)[:, 0].to(logits.device)
+    return draw(target_probs(logits, temperature, top_p), u).tolist()

@@ -1,37 +1,25 @@
-"""Reference greedy speculative decoding with our own target forward and an EAGLE-3 draft.
-
-Chain drafting: each round the draft proposes K tokens from the last accepted position, the
-target verifies them in one forward, the longest agreeing prefix plus the target's own next token
-is kept. The output is exactly the target's greedy decoding (lossless); the accepted length per
-round (tokens gained per target forward) is what the acceptance estimate of eagle3.ttt predicts.
-The `_many` variants decode several prompts at once (one draft pass and one target forward per
-round for all of them): the same loops, fewer kernel launches, for measuring on many prompts.
-The draft caches its step-0 keys per prompt (`Drafter`), so a round costs it O(new rows), not O(n^2).
-At a temperature above 0, `sampled_decode_many` runs speculative sampling instead (eagle3.sampling:
-the engines' rule), whose output is distributed as the target's own sampling.
+"""Reference speculative decoding with our own target forward and an EAGLE-3 draft: each round the draft
+proposes k tokens and the target verifies them in one forward, keeping the agreeing prefix plus its own
+next token (greedy: exactly the target's greedy output), or by the engines' rule above T = 0 (eagle3.sampling).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
 
 from eagle3.models.incremental import IncrementalTarget, KVPool, LayerPass, PassLayout, SequenceCache
-from eagle3.sampling import Sampling, draft_probs, draw, target_probs, uniforms, verify
+from eagle3.sampling import Sampling, draft_probs, draw, sample, target_probs, uniforms, verify
 
 
 class Drafter:
-    """Proposes K tokens with the draft, as training-time test unrolls it: row t of step 0 reads
-    fc(aux[t]) and the embedding of x[t+1]; the chain continues from the last row.
-
-    Incremental across rounds: row t's step-0 keys and values depend only on aux[0..t] and
-    x[1..t+1], final once the target verified position t, so each sequence keeps every layer's
-    (after RoPE) in a draft cache, a slot of the drafter's KV pool (the target's kind:
-    eagle3.models.incremental), and a round runs step 0 only on the rows its cache lacks. Chain
-    step j of the last row (m-1) then runs like a token decoded after them: its key goes to pool
-    position m-1+j, which is also its RoPE position, so its query sees the step-0 keys 0..m-1 and
-    its own earlier steps' keys, as ttt_attention defines; the cache is cut back to m rows after."""
+    """Proposes k tokens with the draft as training-time test unrolls it: row t of step 0 reads fc(aux[t])
+    and the embedding of x[t+1]; the chain continues from the last row. Row t's step-0 keys are final once
+    the target verified position t, so each sequence keeps them in a draft cache (a slot of the drafter's
+    KV pool) and a round runs step 0 on new rows only. Chain step j of the last row m-1 puts its key at
+    position m-1+j (its RoPE position), as ttt_attention sees it; the cache is cut back to m rows after."""
 
     def __init__(self, draft, embed: torch.Tensor):
         self.draft, self.embed = draft, embed
@@ -49,24 +37,20 @@ class Drafter:
     def propose_many(self, auxes: list[torch.Tensor], tokens: list[list[int]], k: int,
                      sampling: Sampling | None = None, u: torch.Tensor | None = None,
                      caches: list[SequenceCache] | None = None):
-        """Several sequences in one draft pass per step (attention never crosses a sequence):
-        auxes[i] [m_i, 3H], tokens[i] = x_0..x_{m_i} -> k target token ids per sequence: each step's
-        argmax, or with a probabilistic `sampling` a draw of q = softmax(logits / T) with the
-        uniforms u [B, k]; then returns (ids, q [B, k, V_target]), q zero outside the draft vocabulary.
-
-        caches[i] (new_cache(), kept across the rounds of sequence i and updated here): step 0 runs
-        only rows from its length on (and always the last row); without caches every row runs.
-        Draft tokens stay on the device until the one transfer at the end."""
+        """auxes[i] [m_i, 3H], tokens[i] = x_0..x_{m_i} -> k target ids per sequence, one draft pass per step:
+        each step's argmax or, with a probabilistic `sampling`, a draw of q = softmax(logits / T) with the
+        uniforms u [B, k], then (ids, q [B, k, V_target]), q zero outside the draft vocabulary. caches[i]
+        (new_cache(), kept across rounds): step 0 runs only on rows it lacks; without, on every row."""
         if k < 1:
             raise ValueError(f"k = {k}: a round drafts at least one token")
-        sample = sampling is not None and not sampling.greedy and sampling.draft == "probabilistic"
+        probabilistic = sampling is not None and not sampling.greedy and sampling.draft == "probabilistic"
         caches = [self.new_cache() for _ in auxes] if caches is None else caches
         h = self._step0(auxes, tokens, caches)                               # [B, H] the last rows
         rows = [c.length for c in caches]                                    # m_i step-0 rows
         proposed, qs = [], []
         for step in range(1, k + 1):
             logits = self.draft.lm_head(self.draft.head_input(h))            # [B, V_d]
-            if sample:
+            if probabilistic:
                 qs.append(draft_probs(logits, sampling.temperature))
                 best = draw(qs[-1], u[:, step - 1].to(h.device))
             else:
@@ -77,7 +61,7 @@ class Drafter:
         for cache, m in zip(caches, rows):
             cache.length = m                                                 # drop the chain's keys
         ids = torch.stack(proposed, 1)                                       # [B, k]
-        if not sample:
+        if not probabilistic:
             return ids.tolist()
         q = torch.stack(qs, 1)                                               # [B, k, V_d]
         full = q.new_zeros(*q.shape[:2], self.embed.shape[0])
@@ -86,8 +70,8 @@ class Drafter:
 
     def _step0(self, auxes: list[torch.Tensor], tokens: list[list[int]],
                caches: list[SequenceCache]) -> torch.Tensor:
-        """Step 0 of the rows each cache lacks, at least the last (the chain starts from its output),
-        their keys added to the caches -> [B, H] each sequence's last-row output."""
+        """Step 0 of the rows each cache lacks, at least the last (the chain starts from it) -> [B, H]
+        each sequence's last-row output."""
         for cache, aux in zip(caches, auxes):
             cache.length = min(cache.length, aux.shape[0] - 1)
         starts = [c.length for c in caches]
@@ -100,8 +84,8 @@ class Drafter:
 
     def _pass(self, h: torch.Tensor, emb: torch.Tensor, caches: list[SequenceCache],
               lengths: list[int]) -> torch.Tensor:
-        """One draft step on the next lengths[i] rows of each sequence, packed: h, emb [N, H] ->
-        [N, H]. Row r of a sequence is at RoPE position r and sees its cache's keys 0..r."""
+        """One draft step on the next lengths[i] rows of each sequence, packed: h, emb [N, H] -> [N, H];
+        row r is at RoPE position r and sees its cache's keys 0..r."""
         layout = PassLayout(self.pool, caches, lengths, self.embed.device)
         passes = [LayerPass(self.pool, i, layout) for i in range(len(self.draft.layers))]
         out = self.draft.step(h, emb, layout.positions, passes, None, layout.cu)
@@ -136,8 +120,7 @@ def greedy_decode(target: IncrementalTarget, prompt: list[int], max_new: int,
 
 def greedy_decode_many(target: IncrementalTarget, prompts: list[list[int]], max_new: int,
                        stop: set[int] = frozenset()) -> list[Decoded]:
-    """The target's own greedy decoding of several prompts, each step's forward batched over the
-    prompts still decoding (one KV pool: attention for all of them in one call per layer)."""
+    """The target's own greedy decoding of several prompts, each step's forward batched over those still decoding."""
     caches = [target.new_cache() for _ in prompts]
     feed = [torch.tensor(p) for p in prompts]             # each sequence's tokens the cache lacks
     outs: list[list[int]] = [[] for _ in prompts]
@@ -153,24 +136,15 @@ def greedy_decode_many(target: IncrementalTarget, prompts: list[list[int]], max_
 
 
 class _Chain:
-    """One prompt under speculative decoding: its tokens x_0..x_m, the target's cache and aux states
-    of x_0..x_{m-1} (the newest token has none yet: the draft reads it as an embedding), and the
-    draft's cache of its step-0 rows (None for a drafter that keeps none)."""
+    """One prompt under speculative decoding: its tokens x_0..x_m, the target's cache and aux states of
+    x_0..x_{m-1} (the draft reads the newest as an embedding), the draft's cache (None for a drafter without)."""
 
     def __init__(self, prompt: list[int], cache, aux: torch.Tensor, first: int, draft_cache=None):
-        self.tokens, self.cache, self.aux = list(prompt) + [first], cache, aux
-        self.draft_cache = draft_cache
+        self.tokens, self.cache, self.aux, self.draft_cache = list(prompt) + [first], cache, aux, draft_cache
         self.result = Decoded([first])                   # the prefill gives one token, no draft
 
     def done(self, max_new: int, stop: set[int]) -> bool:
         return _finish(self.result.tokens, max_new, stop)[1]
-
-    def accept(self, drafts: list[int], verified: list[int], new_aux: torch.Tensor) -> None:
-        """verified[j]: the target's token after drafts[:j]; keep the agreeing prefix + its token."""
-        a = 0
-        while a < len(drafts) and drafts[a] == verified[a]:
-            a += 1
-        self.take(drafts, a, verified[a], new_aux)
 
     def take(self, drafts: list[int], a: int, token: int, new_aux: torch.Tensor) -> None:
         """Keep the first `a` drafts and the target's `token` after them."""
@@ -190,11 +164,6 @@ class _Chain:
         return result
 
 
-def _draft_cache(drafter):
-    """A new draft cache for one chain, or None for a drafter without (test stand-ins recompute)."""
-    return drafter.new_cache() if hasattr(drafter, "new_cache") else None
-
-
 def _propose(drafter, chains: list[_Chain], k: int, *sampling):
     """The drafter's proposals for the chains (propose_many), through their draft caches if any."""
     caches = {} if chains[0].draft_cache is None else {"caches": [c.draft_cache for c in chains]}
@@ -208,55 +177,56 @@ def speculative_decode(target: IncrementalTarget, drafter: Drafter, prompt: list
 
 def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]],
                             max_new: int, k: int, stop: set[int] = frozenset()) -> list[Decoded]:
-    """Greedy chain speculative decoding of several prompts, each round's drafting and verification
-    batched over the prompts still decoding; the output is the target's greedy output (lossless)."""
-    caches = [target.new_cache() for _ in prompts]
-    prefill = target.forward_many([torch.tensor(p) for p in prompts], caches)
-    firsts = target.greedy(torch.cat([final[-1:] for _, final in prefill])).tolist()
-    chains = [_Chain(p, c, aux, t, _draft_cache(drafter))
-              for p, c, (aux, _), t in zip(prompts, caches, prefill, firsts)]
-    active = [c for c in chains if not c.done(max_new, stop)]
-    while active:
+    """Greedy chain speculative decoding of several prompts; the output is the target's greedy output."""
+    def round_(live: list[int], active: list[_Chain]) -> None:
         drafts = _propose(drafter, active, k)
-        outs = target.forward_many([torch.tensor([c.tokens[-1]] + d) for c, d in zip(active, drafts)],
-                                   [c.cache for c in active])
+        outs = _verify_pass(target, active, drafts)
         verified = target.greedy(torch.cat([final for _, final in outs])).view(len(active), k + 1).tolist()
-        for chain, d, v, (new_aux, _) in zip(active, drafts, verified, outs):
-            chain.accept(d, v, new_aux)
-        active = [c for c in active if not c.done(max_new, stop)]
-    return [c.finish(max_new, stop) for c in chains]
+        for chain, d, v, (new_aux, _) in zip(active, drafts, verified, outs):   # v[j]: the target's token after d[:j]
+            a = next((j for j, (x, y) in enumerate(zip(d, v)) if x != y), len(d))   # the agreeing prefix
+            chain.take(d, a, v[a], new_aux)
+    return _decode(target, drafter, prompts, max_new, stop, lambda final: target.greedy(final).tolist(), round_)
 
 
 def sampled_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]], max_new: int,
                         k: int, stop: set[int], sampling: Sampling, seeds: list[int]) -> list[Decoded]:
-    """Speculative sampling of several prompts at sampling.temperature > 0, prompt i drawing every
-    uniform from its own generator seeded with seeds[i] (so its tokens do not depend on the batch):
-    per round the k drafts' uniforms (probabilistic proposals), k acceptance tests and one for the
-    emitted token. The output is distributed as the target's own sampling (lossless in distribution)."""
+    """Speculative sampling at sampling.temperature > 0, distributed as the target's own sampling. Prompt i
+    draws every uniform from its own generator (seeds[i]), so its tokens do not depend on the batch: per
+    round the k drafts' (probabilistic proposals), k acceptance tests and one for the emitted token."""
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    caches = [target.new_cache() for _ in prompts]
-    prefill = target.forward_many([torch.tensor(p) for p in prompts], caches)
-    firsts = sample_target(target, torch.cat([final[-1:] for _, final in prefill]), sampling,
-                           uniforms(generators, 1)[:, 0])
-    chains = [_Chain(p, c, aux, t, _draft_cache(drafter))
-              for p, c, (aux, _), t in zip(prompts, caches, prefill, firsts.tolist())]
-    live = [i for i, c in enumerate(chains) if not c.done(max_new, stop)]
-    while live:
-        active = [chains[i] for i in live]
+
+    def round_(live: list[int], active: list[_Chain]) -> None:
         u = uniforms([generators[i] for i in live], 2 * k + 1).to(target.device)   # [B, 2k+1]
         proposal = _propose(drafter, active, k, sampling, u[:, :k])
         drafts, q = proposal if sampling.draft == "probabilistic" else (proposal, None)
-        outs = target.forward_many([torch.tensor([c.tokens[-1]] + d) for c, d in zip(active, drafts)],
-                                   [c.cache for c in active])
+        outs = _verify_pass(target, active, drafts)
         logits = target.logits(torch.cat([final for _, final in outs])).view(len(active), k + 1, -1)
         p = target_probs(logits, sampling.temperature, sampling.top_p)        # [B, k+1, V]
         a, token = verify(torch.tensor(drafts, device=p.device), p, q, u[:, k:2 * k], u[:, 2 * k])
         for chain, d, n, t, (new_aux, _) in zip(active, drafts, a.tolist(), token.tolist(), outs):
             chain.take(d, n, t, new_aux)
+    first = lambda final: sample(target.logits(final), sampling.temperature, sampling.top_p, generators)  # noqa: E731
+    return _decode(target, drafter, prompts, max_new, stop, first, round_)
+
+
+def _decode(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]], max_new: int, stop: set[int],
+            first: Callable, round_: Callable) -> list[Decoded]:
+    """Prefill, the first token by first(final states [B, H]), then round_(live indices, their chains)
+    until every chain is done."""
+    caches = [target.new_cache() for _ in prompts]
+    prefill = target.forward_many([torch.tensor(p) for p in prompts], caches)
+    firsts = first(torch.cat([final[-1:] for _, final in prefill]))
+    keeps_cache = hasattr(drafter, "new_cache")          # test stand-ins recompute
+    chains = [_Chain(p, c, aux, t, drafter.new_cache() if keeps_cache else None)
+              for p, c, (aux, _), t in zip(prompts, caches, prefill, firsts)]
+    live = [i for i, c in enumerate(chains) if not c.done(max_new, stop)]
+    while live:
+        round_(live, [chains[i] for i in live])
         live = [i for i in live if not chains[i].done(max_new, stop)]
     return [c.finish(max_new, stop) for c in chains]
 
 
-def sample_target(target: IncrementalTarget, final: torch.Tensor, sampling: Sampling, u: torch.Tensor) -> torch.Tensor:
-    """The target's own sample from its post-norm final states [B, H] with uniforms u [B]."""
-    return draw(target_probs(target.logits(final), sampling.temperature, sampling.top_p), u.to(final.device))
+def _verify_pass(target: IncrementalTarget, chains: list[_Chain], drafts: list[list[int]]) -> list:
+    """The target's forward over each chain's newest token and its drafts."""
+    return target.forward_many([torch.tensor([c.tokens[-1]] + d) for c, d in zip(chains, drafts)],
+                               [c.cache for c in chains])

@@ -1,10 +1,6 @@
-"""Save and resume training state: one directory per saved step under `output_dir/checkpoints/`.
-
-A checkpoint directory appears only when complete: it is written as `step-NNNNNNNN.tmp` and then
-renamed. It holds the draft weights (fp32 master copy, `model.safetensors`), the optimizer and
-scheduler states, each rank's RNG states and `state.json` (step, data position, resolved config,
-draft spec, aux layer ids, target identity).
-"""
+"""Training checkpoints: `output_dir/checkpoints/step-NNNNNNNN/`, written as `.tmp` and renamed when
+complete: the fp32 draft weights (`model.safetensors`), optimizer and scheduler states, each rank's
+RNG states and `state.json` (step, resolved config, draft spec, aux layer ids, target identity)."""
 from __future__ import annotations
 
 import json
@@ -25,8 +21,7 @@ from eagle3.files import free_bytes, make_readable, open_safetensors, read_json,
 from eagle3.resolve import Resolved
 from eagle3.errors import Eagle3Error
 
-MODEL = "model.safetensors"
-STATE = "state.json"
+MODEL, STATE = "model.safetensors", "state.json"
 
 
 class CheckpointError(Eagle3Error):
@@ -43,27 +38,20 @@ def step_dir(output_dir: str | Path, step: int) -> Path:
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     root = checkpoints_dir(output_dir)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir()
+    return sorted(p for p in (root.iterdir() if root.is_dir() else ())
                   if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")
                   and (p / STATE).exists())
 
 
 def latest(output_dir: str | Path) -> Path | None:
-    found = complete_checkpoints(output_dir)
-    return found[-1] if found else None
+    return (complete_checkpoints(output_dir) or [None])[-1]
 
 
 def unreadable(path: Path) -> str | None:
-    """Why the checkpoint at `path` cannot be resumed from (a file truncated or damaged since it was
-    written), or None. Reads the headers only: state.json, the weights' header, the optimizer archive's
-    directory (at its end, so a truncated file fails here)."""
+    """Why the checkpoint at `path` cannot be resumed from (a file truncated or damaged), or None; headers only."""
     try:
         read_state(path)
-        with open_safetensors(path / MODEL, CheckpointError, "damaged"):
-            pass
-        with zipfile.ZipFile(path / "optimizer.pt"):
+        with open_safetensors(path / MODEL, CheckpointError, "damaged"), zipfile.ZipFile(path / "optimizer.pt"):
             pass
     except CheckpointError as e:
         return _first_line(e)
@@ -76,16 +64,14 @@ def latest_readable(output_dir: str | Path) -> tuple[Path | None, list[tuple[Pat
     """(the newest complete checkpoint that reads, [(newer one skipped, why)])."""
     skipped = []
     for path in reversed(complete_checkpoints(output_dir)):
-        why = unreadable(path)
-        if why is None:
+        if (why := unreadable(path)) is None:
             return path, skipped
         skipped.append((path, why))
     return None, skipped
 
 
 def rng_state() -> dict:
-    """Every RNG's state as tensors, tuples and numbers only, so that resume can read it with
-    torch.load(weights_only=True): numpy's key array is stored as an int64 tensor."""
+    """Every RNG's state as tensors, tuples and numbers only (for weights_only loading)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
@@ -103,9 +89,8 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(output_dir, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict,
-         dist, keep: int) -> Path:
-    """Collective: every rank calls it (each writes its RNG state); rank 0 writes the rest."""
+def save(output_dir, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict, dist, keep: int) -> Path:
+    """Collective: each rank writes its RNG state, rank 0 the rest."""
     _check_space(output_dir, step, model, optimizer, dist)
     final = step_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -125,25 +110,18 @@ def save(output_dir, step: int, model: torch.nn.Module, optimizer, scheduler, st
     return final
 
 
-# state.json, the RNG files of the ranks and the files' headers: small next to the tensors
-SLACK = 1 << 20
-
-
 def checkpoint_bytes(model, optimizer) -> int:
-    """About what a checkpoint takes on disk: the weights, the optimizer state and SLACK."""
-    return tensor_bytes(model.state_dict()) + tensor_bytes(optimizer.state_dict()["state"]) + SLACK
+    """About what a checkpoint takes on disk: the weights, the optimizer state, 1 MiB for the rest."""
+    return tensor_bytes(model.state_dict()) + tensor_bytes(optimizer.state_dict()["state"]) + (1 << 20)
 
 
 def _check_space(output_dir, step: int, model, optimizer, dist) -> None:
-    """Before anything of the checkpoint is written: fail naming the directory, the bytes needed
-    and free if they do not fit, so that the newest checkpoint stays the last good one. Rank 0
-    measures; its answer is shared, so that every rank stops (none waits at a barrier)."""
+    """Fail before anything is written if the checkpoint does not fit; rank 0 measures for every rank."""
     directory = checkpoints_dir(output_dir)
     need = checkpoint_bytes(model, optimizer)
     free = free_bytes(directory) if dist.main else 0
     if getattr(dist, "world", 1) > 1:
-        shared = dist.all_reduce(torch.tensor([float(free)], dtype=torch.float64, device=dist.device))
-        free = int(shared.item())
+        free = int(dist.all_reduce(torch.tensor([float(free)], dtype=torch.float64, device=dist.device)).item())
     if free < need:
         last = latest(output_dir)
         kept = f"the newest checkpoint, {last}, stays the last good one" if last else "no checkpoint was written yet"
@@ -154,17 +132,14 @@ def _check_space(output_dir, step: int, model, optimizer, dist) -> None:
 
 
 def _write_main(tmp: Path, step: int, model, optimizer, scheduler, state: dict) -> None:
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, tmp / MODEL)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, tmp / MODEL)
     make_readable(tmp / MODEL)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     (tmp / STATE).write_text(json.dumps({**state, "step": step}, indent=1))
 
 
 def _write_or_fail(tmp: Path, write) -> None:
-    """Run `write` into the temporary checkpoint directory. On failure (a full disk: torch.save says
-    only "unexpected pos") remove the partial directory, so that it takes no space and the last
-    complete checkpoint stays the newest, and name the directory and the free space."""
+    """Run `write` into the temporary directory; on failure (a full disk) remove it and name the free space."""
     try:
         write()
     except (OSError, RuntimeError) as e:
@@ -177,8 +152,7 @@ def _write_or_fail(tmp: Path, write) -> None:
 
 
 def read_state(path: str | Path) -> dict:
-    state = read_json(Path(path) / STATE, CheckpointError, "not a complete checkpoint")
-    return state
+    return read_json(Path(path) / STATE, CheckpointError, "not a complete checkpoint")
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -197,8 +171,7 @@ def _first_line(e: Exception) -> str:
 
 
 def _safe_load(path: Path, way_out: str):
-    """torch.load that unpickles only tensors and plain values (weights_only): a checkpoint someone
-    shared cannot run code on resume."""
+    """torch.load of tensors and plain values only: a shared checkpoint cannot run code on resume."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -212,8 +185,7 @@ def _safe_load(path: Path, way_out: str):
 
 
 def restore(path: Path, model, optimizer, scheduler, rank: int) -> dict:
-    """Load a checkpoint into model/optimizer/scheduler and this rank's RNG; return state.json. The RNG
-    files of ranks this run does not have (resumed on fewer) are not read."""
+    """Load a checkpoint into model/optimizer/scheduler and this rank's RNG; return state.json."""
     state = read_state(path)
     model.load_state_dict(load_weights(path))
     opt = _safe_load(path / "optimizer.pt", ELSEWHERE)
@@ -223,10 +195,9 @@ def restore(path: Path, model, optimizer, scheduler, rank: int) -> dict:
     if rng_file.exists():
         set_rng_state(_safe_load(rng_file, f"delete it to resume without this rank's RNG "
                                  f"state (a warning says so), or {ELSEWHERE}"))
-    else:   # the run goes on, but not bit for bit as an uninterrupted one would: say so
-        held = len(list(path.glob("rng-rank*.pt")))   # a checkpoint of fewer ranks holds none for this one
-        print(f"warning: {rng_file} is missing (the checkpoint holds the RNG states of {held} ranks): this "
-              "rank's RNG state is not restored", file=sys.stderr)
+    else:   # a checkpoint of fewer ranks: the run goes on, not bit for bit as an uninterrupted one
+        print(f"warning: {rng_file} is missing (the checkpoint holds the RNG states of "
+              f"{len(list(path.glob('rng-rank*.pt')))} ranks): this rank's RNG state is not restored", file=sys.stderr)
     return state
 
 

@@ -1,10 +1,7 @@
-"""Training-time test: the K-step unrolled draft, its targets, masks, loss and metrics.
-
-Rows are packed tokens. At step k, row t reads the embedding of x[t+1+k], is trained towards
-p[t+1+k] (the target's distribution for x[t+2+k]) and is valid when t+2+k is inside its sequence,
-loss_mask[t+2+k] = 1 and the target's greedy token g[t+1+k] is in the draft vocab. The mask moves
-with the targets at every step (SpecForge issue 885 is the bug of not moving it).
-"""
+"""Training-time test: the K-step unrolled draft, its targets, masks, loss and metrics. Rows are packed
+tokens: at step k, row t reads the embedding of x[t+1+k], is trained towards p[t+1+k] (the target's
+distribution for x[t+2+k]) and is valid when t+2+k is inside its sequence, loss_mask[t+2+k] = 1 and the
+target's greedy token g[t+1+k] is in the draft vocab: the mask moves with the targets."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,16 +13,15 @@ from eagle3.data.batch import Batch, RowPlan, RowRule
 from eagle3.draft import Rows
 from eagle3.ops import gather_rows, positions_from_cu_seqlens, scatter_rows
 
-# per-step metric sums; "accepted" (leading correct steps of each start row) only in step 0's row;
-# "alpha" / "alpha_greedy": each counted row's expected acceptance of its draft token (probabilistic
-# proposals: Σ_v min(p_v, q_v); greedy ones: p(argmax q)), 0 where the target's token is out of vocab
+# per-step metric sums; "accepted" (leading correct steps of each start row) in step 0's row only;
+# "alpha" / "alpha_greedy": a row's expected acceptance of its draft token: Σ_v min(p_v, q_v) / p(argmax q)
 METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_rows", "accepted", "alpha",
            "alpha_greedy")
 
 
 @dataclass(frozen=True)
 class Objective:
-    """Recipe levers of the training objective, beside the unroll itself (K, decay)."""
+    """Recipe levers of the training objective besides K and the decay."""
     rows: RowRule = RowRule()   # rows trained besides in-vocab assistant rows (prompt: loss_mask-0 labels)
     loss: str = "kl"            # the per-row loss (kernels.reference.LOSSES): kl, tv, nla, lk_hybrid, pq
     temperature: float = 1.0    # p and q both at this temperature in the loss (the serving temperature)
@@ -48,8 +44,7 @@ def row_layout(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Te
 
 def label_rows(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor,
                prompt: bool = False) -> torch.Tensor:
-    """[T] bool: at step k, row t's label x[t+2+k] is inside its sequence and an assistant token
-    (any token with `prompt`)."""
+    """[T] bool: at step k, row t's label x[t+2+k] is inside its sequence and (unless `prompt`) an assistant token."""
     T = positions.shape[0]
     inside = positions + 2 + k < seq_len
     if prompt:
@@ -60,35 +55,28 @@ def label_rows(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask
 
 def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor,
                  greedy: torch.Tensor, t2d: torch.Tensor, rule: RowRule = RowRule()) -> StepTargets:
-    """Step k's label rows: assistant rows count for accuracy; those whose target greedy token is
-    outside the draft vocab (the draft cannot be right there) are not trained and always count as
-    misses; prompt rows are trained only with `rule.prompt`."""
+    """Step k's label rows; rows whose greedy token is outside the draft vocab are not trained and count as misses."""
     T = positions.shape[0]
     index = (torch.arange(T, device=positions.device) + 1 + k).clamp(max=T - 1)
     acc_rows = label_rows(k, positions, seq_len, loss_mask)
     trained = label_rows(k, positions, seq_len, loss_mask, prompt=True) if rule.prompt else acc_rows
     in_vocab = t2d[greedy[index].long()]
-    valid = trained & in_vocab
-    return StepTargets(index, valid, acc_rows, in_vocab)
+    return StepTargets(index, trained & in_vocab, acc_rows, in_vocab)
 
 
 def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int,
                  temperature: float = 1.0) -> torch.Tensor:
-    """p over the draft vocab, once per batch for all steps: softmax(final @ W_t[t2d].T / temperature),
-    shifted up by one row and padded so that step k's targets are the view `probs[k : k + T]` (no
-    copy).
-    Returns [T + steps, V_d] in the compute dtype (rows past the end are zero and never valid)."""
+    """softmax(final @ W_t[t2d].T / temperature) for all steps [T + steps, V_d], shifted up a row and padded
+    so that step k's targets are the view `probs[k : k + T]` (rows past the end are zero, never valid)."""
     T = final_hidden.shape[0]
     probs = final_hidden.new_zeros(T + steps, head_rows.shape[0])
     logits = (final_hidden[1:] @ head_rows.T).float()
-    p = torch.softmax(logits if temperature == 1 else logits / temperature, dim=-1)    # [T - 1, V_d]
-    probs[:T - 1] = p
+    probs[:T - 1] = torch.softmax(logits if temperature == 1 else logits / temperature, dim=-1)
     return probs
 
 
 def loss_denominator(batch: Batch, rule: RowRule = RowRule()) -> torch.Tensor:
-    """The loss's normaliser: rows whose step-0 label x[t+2] is an assistant token (any token with
-    `rule.prompt`)."""
+    """The loss's normaliser: rows whose step-0 label x[t+2] is an assistant token (any with `rule.prompt`)."""
     positions, seq_len = row_layout(batch.cu_seqlens, batch.rows)
     return label_rows(0, positions, seq_len, batch.loss_mask, rule.prompt).sum()
 
@@ -99,48 +87,26 @@ def all_step_targets(batch: Batch, steps: int, t2d: torch.Tensor, rule: RowRule 
             for k in range(steps)]
 
 
-def live_rows(targets: list[StepTargets]) -> list[torch.Tensor]:
-    """Per step, the rows whose work can still reach the loss: row t is live at step k when it is
-    valid at some step >= k (its chain feeds nobody else's loss after step 0). [N_k] indices,
-    nested: live rows of step k+1 are live at step k. Computing them costs one host sync per
-    step; the trainer finds them on the CPU with the batch instead (`plan_rows`)."""
-    alive = torch.stack([tg.valid for tg in targets]).flip(0).cummax(0).values.flip(0)
-    return [a.nonzero().flatten() for a in alive]
-
-
-def loss_rows(targets: list[StepTargets], live: list) -> list[torch.Tensor]:
-    """Per step, the valid rows as indices into the rows the step keeps (all T rows, or live[k]):
-    what the loss computes. Found on the host with the batch, they spare the loss a sync per step."""
-    return [(tg.valid if r is None else tg.valid[r]).nonzero().flatten() for tg, r in zip(targets, live)]
-
-
 def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool = True,
               rule: RowRule = RowRule(), targets: list[StepTargets] | None = None) -> RowPlan:
-    """The batch's row plan (see `RowPlan`), wherever the batch and t2d are (the host, in training);
-    `targets`: the batch's `all_step_targets`, when the caller has them already."""
+    """The batch's `RowPlan`, wherever the batch and t2d are (the host, in training: no sync per step)."""
     targets = targets or all_step_targets(batch, steps, t2d, rule)
-    live = live_rows(targets) if skip_dead_rows else None
-    return RowPlan(steps, rule, live, loss_rows(targets, live or [None] * steps), int(loss_denominator(batch, rule)))
+    live = None
+    if skip_dead_rows:   # row t is live at step k when valid at some step >= k: nested, [N_k] each
+        alive = torch.stack([tg.valid for tg in targets]).flip(0).cummax(0).values.flip(0)
+        live = [a.nonzero().flatten() for a in alive]
+    # per step, the valid rows as indices into the rows the step keeps (all T, or live[k])
+    loss = [(tg.valid if r is None else tg.valid[r]).nonzero().flatten()
+            for tg, r in zip(targets, live or [None] * steps)]
+    return RowPlan(steps, rule, live, loss, int(loss_denominator(batch, rule)))
 
 
 def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
                 attention, loss_steps, decay: float = 0.8, scale: float | torch.Tensor = 1.0,
                 skip_dead_rows: bool = True, objective: Objective = Objective()):
-    """Unrolled TTT over one packed micro-batch.
-
-    batch: on the draft's device; its row plan is used when it was made for this unroll (steps,
-    skip_dead_rows, rows trained) and found here otherwise.
-    embed: frozen target embedding [V_t, H]; head_rows: target lm_head rows of the draft vocab
-    [V_d, H]. `attention` and `loss_steps` have the signatures of `kernels.ttt_attention`
-    and `kernels.ttt_loss_steps` (`loss_steps` is passed `p_rows` by keyword). With skip_dead_rows,
-    work that cannot reach the loss is skipped (exactly: same loss and gradients): at step 0 every
-    row makes its keys and values but only live rows run the rest; from step 1 on only live rows are
-    computed at all. `objective` holds
-    the recipe levers (rows trained, the loss); prepared live/loss rows must follow its row rule.
-    Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, METRICS], per-row detail): the
-    accepted-length sum in step 0's row only; the detail holds, per
-    row, `correct` [steps, T] and `accepted` [T] (leading correct steps), for evaluation.
-    """
+    """Unrolled TTT over one packed micro-batch: embed [V_t, H], head_rows [V_d, H]; `attention` and
+    `loss_steps` as in `kernels`. With skip_dead_rows, work that cannot reach the loss is skipped (same loss
+    and gradients). Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, METRICS], per-row detail)."""
     ids, greedy = batch.input_ids.long(), batch.target_argmax.long()
     T = batch.rows
     targets = all_step_targets(batch, steps, draft.t2d, objective.rows)
@@ -155,10 +121,9 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     cu_attention = batch.cu_seqlens_host if batch.cu_seqlens_host is not None else batch.cu_seqlens.to(torch.int32)
 
     def next_inputs(k: int, h: torch.Tensor):
-        """Step k reads x[t+1+k] at position t+k; its rows carry the chains still alive."""
         if k == steps or (k > 0 and live[k] is not None and live[k].numel() == 0):
             return None   # nothing reaches the loss any more (step 0 always runs: DDP wants every parameter used)
-        rows = _step_rows(k, live, T)
+        rows = Rows(T) if live[k] is None else Rows(T, kept=live[0]) if k == 0 else Rows(T, computed=live[k])
         computed = rows.computed if rows.computed is not None else slice(None)
         if k > 0 and rows.computed is not None:
             h = gather_rows(h, torch.searchsorted(kept[-1], rows.computed) if kept[-1] is not None else rows.computed)
@@ -182,16 +147,8 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     return (total, *step_metrics(targets, losses, argmaxes, alphas, probs, greedy, draft.d2t))
 
 
-def _step_rows(k: int, live: list, T: int) -> Rows:
-    if live[k] is None:
-        return Rows(T)
-    return Rows(T, kept=live[0]) if k == 0 else Rows(T, computed=live[k])
-
-
 def step_metrics(targets: list[StepTargets], losses, argmaxes, alphas, probs, greedy, d2t) -> tuple[torch.Tensor, dict]:
-    """Per-step sums on the device (no host sync), the METRICS columns; and the per-row detail
-    (correct per step, leading correct steps). probs [T + steps, V_d]: the loss's targets, for the
-    greedy-proposal acceptance p(argmax q)."""
+    """Per-step sums of the METRICS columns on the device (no host sync), and the per-row detail."""
     metrics = torch.zeros(len(targets), len(METRICS), device=greedy.device)
     run = torch.ones_like(greedy, dtype=torch.bool)
     accepted = torch.zeros_like(greedy)
@@ -211,17 +168,12 @@ def step_metrics(targets: list[StepTargets], losses, argmaxes, alphas, probs, gr
 
 
 def summarize(metrics: torch.Tensor) -> dict:
-    """Metric sums [steps, METRICS] (over batches/ranks) -> per-step loss, accuracy, conditional
-    accuracy, expected acceptance of both proposal kinds, and the acceptance-length estimate
-    tau = 1 + mean leading correct steps over start rows."""
+    """Metric sums [steps, METRICS] -> per-step loss, accuracy, conditional accuracy, expected acceptance
+    of both proposal kinds, and tau = 1 + mean leading correct steps over start rows."""
     m = metrics.double().cpu()
-    steps = m.shape[0]
     ratio = lambda a, b: (a / b).item() if b > 0 else float("nan")  # noqa: E731
-    out = {"loss": [ratio(m[k, 0], m[k, 1]) for k in range(steps)],
-           "acc": [ratio(m[k, 2], m[k, 3]) for k in range(steps)],
-           "cond_acc": [ratio(m[k, 4], m[k, 5]) for k in range(steps)],
-           "alpha": [ratio(m[k, 7], m[k, 3]) for k in range(steps)],
-           "alpha_greedy": [ratio(m[k, 8], m[k, 3]) for k in range(steps)],
-           "rows": [int(m[k, 3]) for k in range(steps)]}
+    columns = {"loss": (0, 1), "acc": (2, 3), "cond_acc": (4, 5), "alpha": (7, 3), "alpha_greedy": (8, 3)}
+    out = {name: [ratio(m[k, a], m[k, b]) for k in range(m.shape[0])] for name, (a, b) in columns.items()}
+    out["rows"] = [int(m[k, 3]) for k in range(m.shape[0])]
     out["accept_len"] = 1 + ratio(m[0, 6], m[0, 3]) if m[0, 3] > 0 else float("nan")
     return out

@@ -1,8 +1,5 @@
-"""The draft vocabulary: the most frequent loss-masked target ids, sorted.
-
-`d2t[i]` is the offset from draft id i to its target id; `t2d[j]` says whether target id j is in
-the draft vocabulary.
-"""
+"""The draft vocabulary: the most frequent loss-masked target ids, sorted. `d2t[i]` is the offset from
+draft id i to its target id; `t2d[j]` says whether target id j is in the draft vocabulary."""
 from __future__ import annotations
 
 from collections import Counter
@@ -21,17 +18,14 @@ def build_vocab(counts: Counter, target_vocab: int, draft_vocab: int) -> tuple[t
     if not 0 < draft_vocab <= target_vocab:
         raise VocabError(f"vocab.draft_vocab_size = {draft_vocab}; expected 1..{target_vocab} "
                          "(the target's vocab_size)")
-    bad = [i for i in counts if not 0 <= i < target_vocab]
-    if bad:
+    if bad := [i for i in counts if not 0 <= i < target_vocab]:
         raise VocabError(f"token ids {bad[:5]} are outside the target vocabulary of {target_vocab}")
     ranked = sorted(counts, key=lambda i: (-counts[i], i))[:draft_vocab]
     t2d = torch.zeros(target_vocab, dtype=torch.bool)
     t2d[ranked] = True
-    missing = draft_vocab - len(ranked)
-    if missing:
+    if missing := draft_vocab - len(ranked):
         t2d[(~t2d).nonzero().flatten()[:missing]] = True
-    draft_ids = t2d.nonzero().flatten()
-    d2t = draft_ids - torch.arange(draft_vocab)
+    d2t = t2d.nonzero().flatten() - torch.arange(draft_vocab)
     check_vocab(d2t, t2d)
     return d2t, t2d
 

@@ -1,10 +1,6 @@
-"""TTT kernels: fused attention and fused loss in Triton, with pure-torch references.
-
-`ttt_attention`, `ttt_loss` and `ttt_loss_steps` are the Triton versions, imported on first use so
-that the references (and everything built on them: evaluation, decoding) work where Triton is
-absent; the `*_reference` names are the ground truth they are tested against (also what
-`train.kernels = "torch"` uses on the CPU).
-"""
+"""TTT kernels: fused attention and loss in Triton (`ttt_attention`, `ttt_loss`, `ttt_loss_steps`,
+imported on first use so that code needing only the references runs without Triton) and their
+pure-torch ground truth (`*_reference`)."""
 import importlib
 
 from kernels.reference import ttt_attention as ttt_attention_reference

@@ -1,6 +1,5 @@
-"""The established torch recipe for the TTT hot spots on CUDA, what `train.kernels = "torch"` runs
-there: flex_attention with the TTT block mask (compiled; the mask built once per packing) and the
-reference loss under torch.compile. Same signatures as `kernels.reference`."""
+"""What `train.kernels = "torch"` runs on CUDA: compiled flex_attention with the TTT block mask (built
+once per packing) and the reference loss under torch.compile; `kernels.reference`'s signatures."""
 from __future__ import annotations
 
 import functools
@@ -37,9 +36,8 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     S, T, Hkv, D = k.shape
     bounds = tuple(cu_seqlens.tolist()) if cu_seqlens is not None else (0, T)   # host copy: no sync
     mask = _block_mask(T, S, bounds, str(q.device))
-    out = _compiled_flex()(q.transpose(0, 1)[None], k.reshape(S * T, Hkv, D).transpose(0, 1)[None],
-                           v.reshape(S * T, Hkv, D).transpose(0, 1)[None], block_mask=mask, scale=scale,
-                           enable_gqa=q.shape[1] != Hkv)
+    k, v = (x.reshape(S * T, Hkv, D).transpose(0, 1)[None] for x in (k, v))   # [1, Hkv, S*T, D]
+    out = _compiled_flex()(q.transpose(0, 1)[None], k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != Hkv)
     return out[0].transpose(0, 1)
 
 

@@ -1,43 +1,24 @@
-"""fp8 cast for training GEMMs: a tensor with one dynamic scale, in both layouts, in two passes.
-
-Hopper's fp8 GEMM takes only a row-major A and a column-major B, so each operand of the forward and
-backward products is wanted both as it is and transposed. For t [m, k] this returns
-
-    scale = max(amax(|t|) / MAX, 1e-12)              (MAX: 448 for e4m3, 57344 for e5m2)
-    q     = t / scale in fp8, [m16, k]               rows zero-padded to a multiple of 16
-    qᵀ    = the same values, [k, m16] contiguous
-
-with two kernels: an amax over the tensor (many programs, one atomic max each) and a tiled cast that
-reads each tile once and writes it twice, as it is and transposed. torch.compile's version of the
-same arithmetic moves several times the bytes: a whole-tensor reduction with dynamic shapes, and the
-transposed copy as a third pass.
-
-`to_fp8_reference` is the ground truth (and the CPU path): the same values bit for bit for finite
-inputs, since the division is IEEE (div_rn) and the fp8 conversion rounds to nearest even in both
-(a NaN, which the reference's amax keeps, the atomic max may drop; training stops at a non-finite
-loss either way).
-"""
+"""fp8 cast for training GEMMs: one dynamic scale, both layouts (Hopper's fp8 GEMM takes only a
+row-major A and a column-major B), in two kernels: an amax (one atomic max per program), then a tiled
+cast that reads each tile once and writes it twice. `to_fp8_reference` is the ground truth and the CPU
+path, equal bit for bit on finite inputs (IEEE division, round-to-nearest-even conversion in both)."""
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.interpreter import fix_loop_bounds
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if INTERPRET:
-    fix_loop_bounds()
+from kernels.interpreter import INTERPRET
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
+_OUT = {E4M3: tl.float8e4nv, E5M2: tl.float8e5}
 
 
 def to_fp8_reference(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """t [..., k] -> (q [m16, k], qᵀ [k, m16], fp32 scale) in torch."""
+    """t [..., k] (m rows) -> (q [m16, k], qᵀ [k, m16], fp32 scale): scale = max(amax |t| / MAX, 1e-12),
+    q = t / scale in `dtype`, rows zero-padded to a multiple of 16."""
     t = t.reshape(-1, t.shape[-1])
     t = F.pad(t, (0, 0, 0, -t.shape[0] % 16))
     amax = t.abs().amax() if t.numel() else t.new_zeros(())
@@ -72,21 +53,18 @@ def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, m, m16, k, OUT: tl.constexpr, 
                  mask=(cols[:, None] < k) & (rows[None, :] < m16))
 
 
-_OUT = {E4M3: tl.float8e4nv, E5M2: tl.float8e5}
-
-
 def to_fp8(t: torch.Tensor, dtype: torch.dtype, transposed: bool = True
            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """`to_fp8_reference` in two Triton kernels, no host sync (the scale stays on the device);
-    qᵀ is None when not `transposed` (an operand only ever used as A)."""
+    """`to_fp8_reference` with no host sync (the scale stays on the device); qᵀ is None when not
+    `transposed` (an operand only ever used as A)."""
     x = t.reshape(-1, t.shape[-1]).contiguous()
     m, k = x.shape
     m16 = m + -m % 16
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     if x.numel():
-        block = 4096
-        programs = min(triton.cdiv(x.numel(), block), 4 * _sms(x.device))
-        _amax_kernel[(programs,)](x, x.numel(), amax, BLOCK=block, num_warps=8)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        programs = min(triton.cdiv(x.numel(), 4096), 4 * sms)
+        _amax_kernel[(programs,)](x, x.numel(), amax, BLOCK=4096, num_warps=8)
     scale = (amax[0] / MAX[dtype]).clamp(min=1e-12)
     # the interpreter rounds some values to the wrong fp8 (-125.9 / 0.98 -> -64, not -128): there the
     # kernel writes fp32 and torch converts
@@ -97,14 +75,9 @@ def to_fp8(t: torch.Tensor, dtype: torch.dtype, transposed: bool = True
         grid = (triton.cdiv(m16, 64), triton.cdiv(k, 64))
         _cast_kernel[grid](x, q, qt, scale, m, m16, k, OUT=tl.float32 if INTERPRET else _OUT[dtype],
                            TRANSPOSED=transposed, BLOCK_M=64, BLOCK_K=64, num_warps=4)
-    qt = qt if transposed else None
     if INTERPRET:
-        q, qt = q.to(dtype), qt.to(dtype) if transposed else None
-    return q, qt, scale
-
-
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        q, qt = q.to(dtype), qt.to(dtype)
+    return q, qt if transposed else None, scale
 
 
 def same_bits(got, want) -> bool:

@@ -1,14 +1,13 @@
-"""Triton's CPU interpreter (TRITON_INTERPRET=1): what our kernels need of it that it lacks."""
-from __future__ import annotations
+"""Triton's CPU interpreter (TRITON_INTERPRET=1): whether it runs, and the fix our kernels need of it."""
+import os
+
+# Read once, at import: it also decides whether @triton.jit builds interpreted functions.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def fix_loop_bounds() -> None:
-    """Let interpreted kernels loop to run-time bounds (`for n0 in range(0, m0, BLOCK_N)`).
-
-    Triton 3.6's interpreter holds scalars as 1-element arrays and gives them `__index__ = int(array)`,
-    which NumPy >= 2.4 refuses for arrays that are not 0-d. Convert through the single element
-    instead. Only installed under TRITON_INTERPRET=1; harmless for other interpreted kernels.
-    """
+    """Let interpreted kernels loop to run-time bounds: Triton 3.6's interpreter gives its 1-element
+    scalar arrays `__index__ = int(array)`, which NumPy >= 2.4 refuses; convert the single element."""
     from triton.runtime import interpreter
 
     original = getattr(interpreter, "_patch_lang_tensor", None)
@@ -21,3 +20,7 @@ def fix_loop_bounds() -> None:
 
     patch._index_fixed = True
     interpreter._patch_lang_tensor = patch
+
+
+if INTERPRET:
+    fix_loop_bounds()

@@ -1,16 +1,6 @@
-"""Pure-torch ground truth for the two TTT hot spots (and the row spread around them).
-
-The loss comes in five kinds (`LOSSES`): soft cross-entropy ("kl", the default) and four aimed at
-speculative-decoding acceptance: "tv", "nla" and "lk_hybrid" as in Samarin et al., LK Losses: Direct
-Acceptance Rate Optimization for Speculative Decoding, arXiv 2602.23881 (speculators 0.9.0 defines
-`tv`, `nla` with α clamped at 1e-5 and `lk_hybrid` with eta 3.0 the same way), and "pq" for greedy
-proposals. Written with plain torch ops, so that autograd gives each one's gradient.
-
-These are the semantics the Triton kernels must reproduce; tests compare against them and the
-training loop falls back to them when `train.kernels = "torch"` (attention, loss) and on the CPU
-(the row spread: on a GPU `eagle3.ops.scatter_rows` always takes `kernels/rows.py`, whose result is
-the same to the bit).
-"""
+"""Pure-torch ground truth for the TTT hot spots and the row spread around them: what the Triton
+kernels are tested against, and what runs with `train.kernels = "torch"` and on the CPU. The losses
+(`LOSSES`) are defined in docs/losses.md; autograd gives each one's gradient."""
 from __future__ import annotations
 
 import torch
@@ -18,8 +8,7 @@ import torch.nn.functional as F
 
 
 def spread_rows(src: torch.Tensor, index: torch.Tensor, total: int, fill=0) -> torch.Tensor:
-    """src [n, ...] at rows `index` (distinct) of a [total, ...] tensor filled with `fill`: what
-    `kernels.rows.spread_rows` computes in one pass."""
+    """src [n, ...] at rows `index` (distinct) of a [total, ...] tensor filled with `fill`."""
     return src.new_full((total, *src.shape[1:]), fill).index_copy(0, index, src)
 
 
@@ -46,12 +35,8 @@ def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cu_seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Attention of TTT step S-1, with each sequence's scores materialized (the eager baseline).
-
-    q: [T, Hq, D] queries of the current step; k, v: [S, T, Hkv, D] keys/values of steps 0..S-1.
-    Query t attends causally to the step-0 keys of its own sequence and, for each later step j,
-    to the single key k[j, t] (the diagonal). Returns [T, Hq, D] in q's dtype.
-    """
+    """Attention of TTT step S-1: q [T, Hq, D] sees the step-0 keys of k, v [S, T, Hkv, D] causally
+    within its sequence (cu_seqlens [n+1] or None) and, at each later step j, only k[j, t] -> [T, Hq, D]."""
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv:
@@ -67,8 +52,7 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.to(q.dtype)
 
 
-# The losses of `ttt_loss`, by name; the Triton kernel takes the index (`LOSS`).
-LOSSES = ("kl", "tv", "nla", "lk_hybrid", "pq")
+LOSSES = ("kl", "tv", "nla", "lk_hybrid", "pq")   # the Triton kernel takes the index (`LOSS`)
 ALPHA_EPS = 1e-5   # nla and pq clamp their probability here before the log (speculators' value)
 
 
@@ -84,23 +68,9 @@ def loss_index(loss: str, temperature: float) -> int:
 def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor, valid: torch.Tensor | None = None,
              loss: str = "kl", temperature: float = 1.0, eta: float = 3.0,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The draft head's loss against target probabilities, per row.
-
-    h: [N, H] draft hidden after the final norm; w: [V, H] draft lm_head; p: [N, V] target
-    probabilities over the draft vocab (already at `temperature`); valid: bool [N]. With
-    q = softmax(h wᵀ / temperature) and α = Σ_v min(p, q) (the chance that a draft token sampled
-    from q is accepted against p), the loss of a row is, by `loss`:
-
-      kl         -Σ p log q (soft cross-entropy: forward KL's gradient)
-      tv         1 - α (total variation)
-      nla        -log max(α, 1e-5) (negative log acceptance)
-      lk_hybrid  λ KL(p‖q) + (1 - λ)(1 - α), λ = exp(-eta α) held constant (no gradient)
-      pq         -log max(Σ p q, 1e-5) (acceptance of a draft token x ~ q kept with probability p(x))
-
-    Returns (loss [N] fp32, argmax [N] int64, alpha [N] fp32): 0, -1 and 0 on rows that are not
-    valid (they need no logits); argmax is the first index of the max logit; alpha = α, detached.
-    Differentiable in h and w through autograd.
-    """
+    """Per-row loss of q = softmax(h wᵀ / temperature) (h [N, H], w [V, H]) against p [N, V]:
+    (loss [N] fp32, first argmax of the logits [N] int64, α = Σ min(p, q) [N] fp32, detached), with
+    0, -1 and 0 on rows not `valid` (bool [N]). Differentiable in h and w."""
     kind = LOSSES[loss_index(loss, temperature)]
     N = h.shape[0]
     if valid is None:
@@ -134,15 +104,9 @@ def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor, valid: torch.Ten
 
 def ttt_loss_steps(hs, w, ps, valids=None, weights=None, loss_fn=None, p_rows=None, *,
                    loss: str = "kl", temperature: float = 1.0, eta: float = 3.0):
-    """All K TTT steps at once: (total, losses, argmaxes, alphas) with total = Σ_k Σ_i weights[k] · loss_k,i.
-
-    Same contract as `kernels.ttt_loss.ttt_loss_steps`; hs[k] [N_k, H], ps[k] [N_k, V], valids[k]
-    bool [N_k], the indices of the valid rows (int64 or int32), or None; weights[k] a number or a tensor
-    broadcastable to [N_k] (default 1); p_rows[k] int64 [N_k] or None: the rows of ps[k] (then any
-    [P, V]) that hs[k]'s rows read, gathered here. `loss`, `temperature`, `eta` as in `ttt_loss`;
-    alphas[k] is step k's α (detached). `loss_fn` replaces `ttt_loss` for each step (e.g. a compiled
-    one), called as loss_fn(h, w, p, valid, loss=, temperature=, eta=).
-    """
+    """All K steps: (Σ_k Σ_i weights[k] · loss_k,i, losses, argmaxes, alphas), valids[k] a bool mask
+    or row indices, p_rows[k] the rows of ps[k] that hs[k] reads (or None); `loss_fn` replaces
+    `ttt_loss` per step (called as loss_fn(h, w, p, valid, loss=, temperature=, eta=))."""
     loss_index(loss, temperature)
     loss_fn = loss_fn or ttt_loss
     K = len(hs)

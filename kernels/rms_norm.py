@@ -1,33 +1,17 @@
-"""RMSNorm for training in Triton: one pass forward, one pass backward with the weight gradient
-summed per program.
-
-Forward, per row (fp32 inside): rstd = 1 / sqrt(mean(x²) + eps), y = w · round(x · rstd), rounded
-where `eagle3.ops.rms_norm` (the reference models' arithmetic) rounds. Backward, per row:
-dx̂ = round(dy · w), dx = rstd · (dx̂ - x̂ · mean(dx̂ · x̂)), and dw = Σ_rows dy · round(x̂), each
-program summing its rows in fp32 registers and the programs' partial sums added at the end (the
-order is fixed: deterministic). torch.compile makes the same backward two kernels, the weight
-gradient a slow column reduction.
-
-`eagle3.ops.rms_norm` is the reference (`eagle3.ops.fused_rms_norm` routes training here on a
-GPU). Under TRITON_INTERPRET=1 the tests run these kernels on the CPU; the interpreter rounds to
-bf16 otherwise than a GPU does (truncating), so there bf16 is checked bit for bit against a reference
-that truncates where the kernel rounds.
-"""
+"""RMSNorm for training in Triton, rounded where `eagle3.ops.rms_norm` (the reference) rounds: one
+pass forward, one backward whose programs each sum their rows' dw in fp32 (added in a fixed order:
+deterministic; torch.compile makes dw a slow column reduction). The interpreter rounds bf16 by
+truncation, so the CPU tests check bf16 against a reference that truncates."""
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.interpreter import fix_loop_bounds
+from kernels.interpreter import INTERPRET
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_WIDTH = 16384    # one row in registers; wider rows are the caller's to route elsewhere
 INTERPRET_PROGRAMS = 4    # backward programs under the interpreter (on a GPU: two per SM)
-if INTERPRET:
-    fix_loop_bounds()
 
 
 @triton.jit
@@ -52,6 +36,7 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, width, eps, BLOCK: tl.constexpr):
 @triton.jit
 def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTS, rows, width, rows_per_program, WRITE_DX: tl.constexpr,
                          BLOCK: tl.constexpr):
+    """dx̂ = round(dy w), dx = rstd (dx̂ - x̂ mean(dx̂ x̂)); this program's part of dw = Σ dy round(x̂)."""
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
@@ -105,7 +90,8 @@ class _RMSNorm(torch.autograd.Function):
         dy2 = dy.reshape(rows, width).contiguous()
         write_dx = ctx.needs_input_grad[0]
         dx = torch.empty_like(x2) if write_dx else None
-        programs = max(1, min(_backward_programs(x2.device), rows))
+        gpu = None if INTERPRET else torch.cuda.get_device_properties(x2.device)
+        programs = max(1, min(INTERPRET_PROGRAMS if gpu is None else 2 * gpu.multi_processor_count, rows))
         parts = torch.empty(programs, width, device=x2.device, dtype=torch.float32)
         block, warps = _block(width)
         if rows:
@@ -115,13 +101,6 @@ class _RMSNorm(torch.autograd.Function):
         else:
             parts.zero_()
         return dx.view(dy.shape) if write_dx else None, parts.sum(0).to(weight.dtype), None
-
-
-def _backward_programs(device: torch.device) -> int:
-    """Programs of the backward: two per SM (each sums its rows' dw; the partial sums are added after)."""
-    if INTERPRET:
-        return INTERPRET_PROGRAMS
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,25 +1,17 @@
-"""Rows spread into a filled tensor: out[index[i]] = src[i], every other row `fill`, in one pass.
-
-TTT computes each step on a subset of the packed rows and spreads results back over all of them
-(the queries, keys and values the attention kernels read; the gradients of the rows a step kept).
-torch's `new_full(...).index_copy(0, index, src)` writes the output twice and its index kernel is
-elementwise (far below the memory bandwidth). Here each program writes
-BLOCK_W columns of one output row, reading the source row named by the inverse index (-1: fill):
-one write of the output and one read of the source, vectorized.
-
-`kernels.reference.spread_rows` is the ground truth and the path off the GPU; under
-TRITON_INTERPRET=1 the tests run the kernel on the CPU.
-"""
+"""Rows spread into a filled tensor in one pass: out[index[i]] = src[i], every other row `fill`.
+torch's `new_full(...).index_copy(0, index, src)` writes the output twice with an elementwise index
+kernel; here each program writes BLOCK_W columns of one output row from the source row its inverse
+index names (-1: fill). `kernels.reference.spread_rows` is the ground truth and the path off the GPU."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from kernels.interpreter import INTERPRET
+
 MAX_BLOCK_W = 64 if INTERPRET else 2048   # columns per program (bf16: 4 KB of one row)
 
 
@@ -34,8 +26,8 @@ def _spread_kernel(SRC, INV, OUT, W, fill, BLOCK_W: tl.constexpr):
 
 
 def spread_rows(src: torch.Tensor, index: torch.Tensor, total: int, fill=0) -> torch.Tensor:
-    """Same contract as `kernels.reference.spread_rows`; `index` must hold distinct rows (a row written twice
-    would be either source). Not differentiable: `eagle3.ops.scatter_rows` wraps it."""
+    """`kernels.reference.spread_rows` (`index` distinct), not differentiable: `eagle3.ops.scatter_rows`
+    wraps it."""
     src = src.contiguous()
     n, W = src.shape[0], math.prod(src.shape[1:])
     out = src.new_empty((total, *src.shape[1:]))

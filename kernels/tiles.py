@@ -1,17 +1,7 @@
-"""Which tile configurations a Triton kernel's autotuner tries, by GPU family.
-
-What decides a family is the shared memory one block may use (the tiles of every pipeline stage
-live there): 227 KB on Hopper (sm_90) and datacenter Blackwell (sm_100, sm_103), 163 KB on A100
-(sm_80) and Jetson Orin (sm_87), about 99 KB on consumer Ampere, Ada and Blackwell (sm_86, sm_89,
-sm_120/121), less on older GPUs (64 KB on Turing) and on AMD GPUs (64 KB of LDS), which get the
-"small" lists too. A kernel lists its candidates per family ("large", "a100", "small"), each list
-ending with a fallback that fits every GPU; its autotuner gets all of them and `pruner` keeps the
-family's, in its order, at tuning time, from the device of the kernel's tensor arguments. Triton's
-autotuner still skips a config a device turns out unable to run (out of resources), so a list that
-guesses a little high costs compile time, not a failure. Only the "large" lists were timed (on an
-H200); `python -m eagle3.bench tiles` builds every list for every GPU of its family (no GPU needed)
-and checks each block's shared memory against that GPU's.
-"""
+"""Which tile configurations a Triton kernel's autotuner tries, by GPU family, which the shared memory
+one block may use decides: "large" 227 KB (sm_90, sm_100/103), "a100" 163 KB (sm_80, sm_87), "small"
+about 99 KB or less (sm_86/89/120, older GPUs, every ROCm GPU). Each family's list ends with a fallback
+that fits every GPU; `python -m eagle3.bench tiles` builds every list for its GPUs and checks them."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -45,8 +35,8 @@ def as_tuple(config, keys: tuple[str, ...]) -> tuple:
 
 
 def pruner(lists: dict[str, list[tuple]], keys: tuple[str, ...]) -> Callable:
-    """An `early_config_prune` for triton.autotune: of its configs, the ones in `lists` for the GPU
-    the kernel runs on, in that list's order (its tensors are passed positionally)."""
+    """An `early_config_prune` keeping the configs in `lists` for the GPU of the kernel's (positional)
+    tensors, in that list's order."""
     def prune(configs, named_args, **kwargs):
         device = next(a.device for a in named_args.values() if isinstance(a, torch.Tensor))
         by_tuple = {as_tuple(c, keys): c for c in configs}

@@ -1,88 +1,42 @@
-"""Fused TTT attention in Triton: forward and backward.
-
-At training-time-test step S-1, query t sees the step-0 keys 0..t of its own sequence (causal) and,
-for each later step j = 1..S-1, exactly one more key: k[j, t], its own row (the "diagonal").
-flex_attention serves this with a block mask and pays a whole tile for each thin diagonal; here the
-causal part is ordinary FlashAttention-2 and each diagonal key is a per-row dot product folded into
-the same online softmax.
-
-Kernels (all fp32 accumulation, exp2 with log2(e) folded into the scale):
-  forward     _fwd_kernel           one program per (query tile, q head, sequence)
-  backward    _bwd_preprocess       delta = rowsum(dO * O)
-              _bwd_diag_kernel      dk_j, dv_j of the diagonal steps j >= 1, and ds_j for dq
-              _bwd_dkdv_kernel      dk_0, dv_0: one program per (pair of key tiles, kv head,
-                                    sequence), looping over the q heads of the GQA group
-              _bwd_dq_kernel        dq: causal step-0 tiles plus the diagonal ds_j * k_j terms
-Every gradient is written by exactly one program, so the backward is deterministic.
-
-Tile loads: on Hopper and datacenter Blackwell (`uses_tma`) the q, dO and step-0 k, v tiles come
-through host tensor descriptors over the [T, H * D] rows as bulk asynchronous copies, which frees
-the registers and instructions of pointer arithmetic; elsewhere through pointers. A descriptor's
-tile runs past a packed sequence's end into the next sequence's rows, so nothing may rely on those
-loading as zeros: the causal mask drops keys past the sequence from the forward and dq, lse = +inf
-drops query rows past it from dk, dv, and rows past it are never stored (the diagonal keys and all
-stores use pointers). Those rows still enter the tile products multiplied by zero, so this assumes
-finite inputs: a NaN or inf in one sequence can reach its neighbour's outputs under TMA (never with
-pointer loads), where a training step's loss would be non-finite anyway.
-
-Layouts: q, o [T, Hq, D]; k, v [S, T, Hkv, D] (last dim contiguous); lse, delta [Hq, T] fp32 with the
-log-sum-exp in base 2; ds [S-1, Hq, T] fp32. Packed sequences come as cu_seqlens int32 [n+1]; the
-grid runs over the tiles of the longest sequence and programs past their sequence's end exit.
-
-Under TRITON_INTERPRET=1 (CPU tests) each kernel runs with one fixed block configuration and loaded
-tiles are upcast to fp32, because the interpreter computes bf16 dots and bf16 arithmetic wrongly;
-on a GPU the block sizes are autotuned.
-"""
+"""Fused TTT attention in Triton, forward and backward, each gradient with one writer (docs/kernels.md).
+Layouts: q, o [T, Hq, D]; k, v [S, T, Hkv, D]; lse, delta [Hq, T] fp32 (log-sum-exp in base 2);
+ds [S-1, Hq, T] fp32; packed sequences as cu_seqlens int32 [n+1]."""
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels import tiles
-from kernels.interpreter import fix_loop_bounds
+from kernels.interpreter import INTERPRET
 
 try:   # host-side TMA descriptors, in recent Triton releases; without them, pointer loads only
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     TensorDescriptor = None
 
-# Read once, at import: it is also what decides whether @triton.jit builds interpreted functions.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
-
-# Block sizes used under the interpreter (tests may change them to exercise other tilings).
-# fwd/dq need BLOCK_M % BLOCK_N == 0, dkdv needs BLOCK_N % BLOCK_M == 0.
+# Interpreter tilings (tests swap them): fwd/dq need BLOCK_M % BLOCK_N == 0, dkdv BLOCK_N % BLOCK_M == 0.
 INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16), "rows": 16}
 ROWS_BLOCK_GPU = 32  # rows per program of the two elementwise backward kernels
 
-
-if INTERPRET:
-    fix_loop_bounds()
-
-
-# ----------------------------------------------------------------------------------------------
-# Small device helpers
-# ----------------------------------------------------------------------------------------------
 
 @triton.jit
 def _sequence(CU_SEQLENS, seq, T, VARLEN: tl.constexpr):
     """(first token, length) of packed sequence `seq`; the whole batch when there is no cu_seqlens."""
     if VARLEN:
         start = tl.load(CU_SEQLENS + seq)
-        end = tl.load(CU_SEQLENS + seq + 1)
-        return start, end - start
+        return start, tl.load(CU_SEQLENS + seq + 1) - start
     else:
         return 0, T
 
 
 @triton.jit
 def _query_tile(CU_SEQLENS, T, GROUP: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(q head, kv head, sequence start, sequence length, first query position) of this program.
-    Heaviest (last) query tiles first, so the causal imbalance does not land in the tail."""
+    """(q head, kv head, sequence start, sequence length, first query position) of this program;
+    the heaviest (last) query tiles first, so the causal imbalance does not land in the tail."""
     head = tl.program_id(1)
     start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
     return head, head // GROUP, start, seqlen, (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -98,62 +52,25 @@ def _load_rows(base, rows, row_stride, offs_d, row_mask, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_rows_nomask(base, rows, row_stride, offs_d, UPCAST: tl.constexpr):
-    x = tl.load(base + rows[:, None] * row_stride + offs_d[None, :])
+def _load_tile(desc, row0, col, base, rows, row_stride, offs_d, row_mask,
+               TMA: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+    """A [rows, D] tile: with TMA through `desc` at (row0, col) of the [T, H * D] matrix (rows of the
+    next packed sequence come as they are: the callers' masks drop them), else by pointers at `base`."""
+    if TMA:
+        x = desc.load([row0, col])
+    else:
+        x = tl.load(base + rows[:, None] * row_stride + offs_d[None, :], mask=row_mask[:, None] if MASK else None,
+                    other=0.0 if MASK else None)
     if UPCAST:
         x = x.to(tl.float32)
     return x
 
 
 @triton.jit
-def _load_tile(desc, row0, col, base, rows, row_stride, offs_d, row_mask,
-               TMA: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
-    """A [rows, D] tile: with TMA, bulk asynchronous copies through `desc` at (row0, col) of the
-    [T, H * D] matrix, whose rows past T come as zeros but whose rows of the next packed sequence come
-    as they are (the callers' masks drop what those add); else pointer loads at `base`, zeros on
-    masked rows when MASK."""
-    if TMA:
-        x = desc.load([row0, col])
-        if UPCAST:
-            x = x.to(tl.float32)
-    elif MASK:
-        x = _load_rows(base, rows, row_stride, offs_d, row_mask, UPCAST)
-    else:
-        x = _load_rows_nomask(base, rows, row_stride, offs_d, UPCAST)
-    return x
-
-
-# ----------------------------------------------------------------------------------------------
-# Forward
-# ----------------------------------------------------------------------------------------------
-
-@triton.jit
-def _fwd_diag(acc, m_i, l_i, q, K, V, S, stride_ks, stride_kt, kv_rows, offs_d, row_mask, qk_scale,
-              UPCAST: tl.constexpr):
-    """Fold the S-1 diagonal keys into the running softmax: one q.k dot product per row and step."""
-    qf = q.to(tl.float32)
-    for _ in range(1, S):
-        K += stride_ks  # pointers advance step by step: no 32-bit overflow of j * stride_ks
-        V += stride_ks
-        # Issue both loads before any arithmetic: this loop is latency-bound, not compute-bound.
-        kj = _load_rows(K, kv_rows, stride_kt, offs_d, row_mask, UPCAST)
-        vj = _load_rows(V, kv_rows, stride_kt, offs_d, row_mask, UPCAST)
-        s = tl.sum(qf * kj.to(tl.float32), 1) * qk_scale
-        m_new = tl.maximum(m_i, s)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        l_i = l_i * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * vj.to(tl.float32)
-        m_i = m_new
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _load_key_tile(K0, V0, Kd, Vd, row0, col, stride_kt, offs_n, offs_d, seqlen,
                    TMA: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
-    """k, v of step-0 keys offs_n, batch rows row0.. of the descriptors; bounds-checked only on tiles
-    that straddle the diagonal (the others lie entirely below it and inside the sequence), and there
-    the causal mask drops keys past the sequence whichever way they loaded."""
+    """k, v of step-0 keys offs_n; bounds-checked only on tiles that straddle the diagonal, where the
+    causal mask drops keys past the sequence however they loaded."""
     k = _load_tile(Kd, row0, col, K0, offs_n, stride_kt, offs_d, offs_n < seqlen, TMA, MASK, UPCAST)
     v = _load_tile(Vd, row0, col, V0, offs_n, stride_kt, offs_d, offs_n < seqlen, TMA, MASK, UPCAST)
     return k, v
@@ -163,19 +80,13 @@ def _load_key_tile(K0, V0, Kd, Vd, row0, col, stride_kt, offs_n, offs_d, seqlen,
 def _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d, seqlen,
                      qk_scale, TMA: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                      UPCAST: tl.constexpr):
-    """One step-0 key tile of FlashAttention-2; MASK only on tiles that straddle the diagonal."""
+    """The online-softmax update of one step-0 key tile; MASK only on tiles that straddle the diagonal."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k, v = _load_key_tile(K0, V0, Kd, Vd, start + n0, col, stride_kt, offs_n, offs_d, seqlen, TMA, MASK, UPCAST)
-    return _fwd_softmax_tile(acc, m_i, l_i, q, k, v, offs_m, offs_n, qk_scale, MASK)
-
-
-@triton.jit
-def _fwd_softmax_tile(acc, m_i, l_i, q, k, v, offs_m, offs_n, qk_scale, MASK: tl.constexpr):
-    """The online-softmax update of one loaded key tile (k, v: [BLOCK_N, D])."""
     s = tl.dot(q, tl.trans(k))
     if MASK:
         s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
-    # Scale inside the max and the exponent (one FMA per score) rather than in a separate pass.
+    # scaled inside the max and the exponent: one FMA per score, no separate pass
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * qk_scale - m_new[:, None])
@@ -199,37 +110,44 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
     q = _load_tile(Qd, start + m0, head * HEAD_DIM, Q + start * stride_qt + head * stride_qh, offs_m,
                    stride_qt, offs_d, row_mask, TMA, True, UPCAST)
     kv_base = start * stride_kt + kv_head * stride_kh
-    K0 = K + kv_base
-    V0 = V + kv_base
+    K0, V0 = K + kv_base, V + kv_base
     col = kv_head * HEAD_DIM
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Diagonal keys first: they make every valid row's running max finite before any masked tile.
-    acc, m_i, l_i = _fwd_diag(acc, m_i, l_i, q, K0, V0, S, stride_ks, stride_kt, offs_m, offs_d,
-                              row_mask, qk_scale, UPCAST)
+    # Diagonal keys first (one q.k dot product per row and step): they make every valid row's running
+    # max finite before any masked tile.
+    qf = q.to(tl.float32)
+    Kj, Vj = K0, V0
+    for _ in range(1, S):
+        Kj += stride_ks  # pointers advance step by step: no 32-bit overflow of j * stride_ks
+        Vj += stride_ks
+        # both loads before any arithmetic: this loop is latency-bound
+        kj = _load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, UPCAST)
+        vj = _load_rows(Vj, offs_m, stride_kt, offs_d, row_mask, UPCAST)
+        s = tl.sum(qf * kj.to(tl.float32), 1) * qk_scale
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * vj.to(tl.float32)
+        m_i = m_new
     for n0 in range(0, m0, BLOCK_N):
         acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m,
                                          offs_d, seqlen, qk_scale, TMA, BLOCK_N, False, UPCAST)
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N):
         acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m,
                                          offs_d, seqlen, qk_scale, TMA, BLOCK_N, True, UPCAST)
-
     o = acc / l_i[:, None]
     o_ptrs = O + (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_mask[:, None])
     tl.store(LSE + head * T + start + offs_m, m_i + tl.log2(l_i), mask=row_mask)
 
 
-# ----------------------------------------------------------------------------------------------
-# Backward
-# ----------------------------------------------------------------------------------------------
-
 @triton.jit
 def _bwd_preprocess(O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, T,
                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """delta = rowsum(dO * O): the softmax backward's correction term, one value per (head, row)."""
+    """delta = rowsum(dO * O), one value per (head, row)."""
     head = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -244,12 +162,8 @@ def _bwd_diag_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
                      stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
                      T, S, H_Q, qk_scale, sm_scale,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """Gradients of the diagonal keys (steps j >= 1), which only their own row t ever sees.
-
-    One program owns rows [BLOCK] of one kv head, so it can sum dk_j, dv_j over the q heads of the
-    GQA group in registers. It also stores ds_j = p_j (dp_j - delta) for the dq kernel. Sequence
-    boundaries do not matter here: a diagonal key never crosses one.
-    """
+    """dk_j, dv_j of the diagonal keys (j >= 1), summed over the GQA group in registers, and
+    ds_j = p_j (dp_j - delta) for the dq kernel. A diagonal key never crosses a sequence boundary."""
     kv_head = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -283,66 +197,21 @@ def _bwd_diag_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
 def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, row0, col, LSEh, DELTAh, stride_qt, stride_dot, m0,
                    offs_n, offs_d, seqlen, qk_scale, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                    MASK: tl.constexpr, UPCAST: tl.constexpr):
-    """Contribution of one query tile (batch rows row0..) to a step-0 key tile (computed transposed:
-    keys are rows)."""
+    """dk, dv += one query tile's part (batch rows row0..), transposed: keys are rows."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_mask = offs_m < seqlen
-    # Rows past the sequence (zeros, or with TMA the next sequence's) get lse = +inf, so p = 0 and
-    # they add nothing to dk, dv.
+    # Rows past the sequence (zeros, or with TMA the next sequence's) get lse = +inf: p = 0.
     q = _load_tile(Qd, row0, col, Qh, offs_m, stride_qt, offs_d, row_mask, TMA, True, UPCAST)
     do = _load_tile(DOd, row0, col, DOh, offs_m, stride_dot, offs_d, row_mask, TMA, True, UPCAST)
     lse = tl.load(LSEh + offs_m, mask=row_mask, other=float("inf"))
     delta = tl.load(DELTAh + offs_m, mask=row_mask, other=0.0)
-    return _bwd_dkdv_scores_tile(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, qk_scale, MASK)
-
-
-@triton.jit
-def _bwd_dkdv_scores_tile(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, qk_scale, MASK: tl.constexpr):
-    """dk, dv += one loaded query tile's part (scores recomputed from the log-sum-exp)."""
     p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
     if MASK:
         p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)
-    dp_t = tl.dot(v, tl.trans(do))
-    ds_t = p_t * (dp_t - delta[None, :])
+    ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk)
     return dk, dv
-
-
-@triton.jit
-def _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Qd, Kd, Vd, DOd, stride_qt, stride_qh, stride_kt,
-                       stride_kh, stride_dot, stride_doh, T, start, seqlen, n0, kv_head, qk_scale, sm_scale,
-                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dk_0, dv_0 of the step-0 keys n0 .. n0+BLOCK_N of one kv head, summed over its q heads (keys
-    past the sequence are computed from whatever loaded, and not stored)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    key_mask = offs_n < seqlen
-    kv_base = start * stride_kt + kv_head * stride_kh
-    k, v = _load_key_tile(K + kv_base, V + kv_base, Kd, Vd, start + n0, kv_head * HEAD_DIM, stride_kt, offs_n,
-                          offs_d, seqlen, TMA, True, UPCAST)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    diag_end = tl.minimum(n0 + BLOCK_N, seqlen)
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
-        Qh = Q + start * stride_qt + head * stride_qh
-        DOh = DO + start * stride_dot + head * stride_doh
-        LSEh = LSE + head * T + start
-        DELTAh = DELTA + head * T + start
-        # Query tiles that straddle the diagonal need the causal mask; the ones after do not.
-        for m0 in range(n0, diag_end, BLOCK_M):
-            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
-                                    DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
-                                    TMA, BLOCK_M, True, UPCAST)
-        for m0 in range(n0 + BLOCK_N, seqlen, BLOCK_M):
-            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
-                                    DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
-                                    TMA, BLOCK_M, False, UPCAST)
-    out = kv_base + offs_n[:, None] * stride_kt + offs_d[None, :]
-    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_mask[:, None])
 
 
 @triton.jit
@@ -351,55 +220,56 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
                      T, qk_scale, sm_scale, seqlen_bucket, Qd, Kd, Vd, DOd,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dk_0, dv_0 for key tiles i and n_tiles-1-i of one kv head.
-
-    Key tile i is seen by every query after it, so early tiles cost the most. Pairing each tile with
-    its mirror gives every program the same work; that matters because with GQA there are few
-    programs (tiles/2 x kv heads), each looping over all the q heads of its group.
-    """
+    """dk_0, dv_0 of key tiles i and n_tiles-1-i of one kv head, summed over its q heads: early key
+    tiles are seen by more queries, so pairing each with its mirror evens the work of the few programs
+    GQA leaves. Keys past the sequence are computed from whatever loaded, and not stored."""
     pair = tl.program_id(0)
     kv_head = tl.program_id(1)
     start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
     mirror = tl.cdiv(seqlen, BLOCK_N) - 1 - pair
     # Visits tile `pair` and then `mirror`; once if they coincide, never if `mirror` came first.
     for tile in range(pair, mirror + 1, tl.maximum(mirror - pair, 1)):
-        _bwd_dkdv_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Qd, Kd, Vd, DOd, stride_qt, stride_qh, stride_kt,
-                           stride_kh, stride_dot, stride_doh, T, start, seqlen, tile * BLOCK_N, kv_head,
-                           qk_scale, sm_scale, GROUP, HEAD_DIM, TMA, UPCAST, BLOCK_M, BLOCK_N)
+        n0 = tile * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        key_mask = offs_n < seqlen
+        kv_base = start * stride_kt + kv_head * stride_kh
+        k, v = _load_key_tile(K + kv_base, V + kv_base, Kd, Vd, start + n0, kv_head * HEAD_DIM, stride_kt, offs_n,
+                              offs_d, seqlen, TMA, True, UPCAST)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        diag_end = tl.minimum(n0 + BLOCK_N, seqlen)
+        for g in range(GROUP):
+            head = kv_head * GROUP + g
+            Qh = Q + start * stride_qt + head * stride_qh
+            DOh = DO + start * stride_dot + head * stride_doh
+            LSEh = LSE + head * T + start
+            DELTAh = DELTA + head * T + start
+            # Query tiles that straddle the diagonal need the causal mask; the ones after do not.
+            for m0 in range(n0, diag_end, BLOCK_M):
+                dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
+                                        DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
+                                        TMA, BLOCK_M, True, UPCAST)
+            for m0 in range(n0 + BLOCK_N, seqlen, BLOCK_M):
+                dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
+                                        DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
+                                        TMA, BLOCK_M, False, UPCAST)
+        out = kv_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+        tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
+        tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_mask[:, None])
 
 
 @triton.jit
 def _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d, seqlen,
                  qk_scale, TMA: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
-    """Contribution of one step-0 key tile to dq."""
+    """dq += dS k for one step-0 key tile, the scores recomputed from the saved log-sum-exp."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k, v = _load_key_tile(K0, V0, Kd, Vd, start + n0, col, stride_kt, offs_n, offs_d, seqlen, TMA, MASK, UPCAST)
-    return _bwd_dq_scores_tile(dq, q, do, lse, delta, k, v, offs_m, offs_n, qk_scale, MASK)
-
-
-@triton.jit
-def _bwd_dq_scores_tile(dq, q, do, lse, delta, k, v, offs_m, offs_n, qk_scale, MASK: tl.constexpr):
-    """dq += dS k for one loaded key tile, the scores recomputed from the saved log-sum-exp."""
     p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
     if MASK:
         p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
-    dp = tl.dot(do, tl.trans(v))
-    ds = p * (dp - delta[:, None])
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq)
-
-
-@triton.jit
-def _bwd_dq_diag(K0, DS, head, start, T, S, H_Q, stride_ks, stride_kt, offs_m, offs_d, row_mask,
-                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """dq of the diagonal keys: ds_j (from _bwd_diag_kernel) times k_j, row by row, j = 1..S-1."""
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    Kj = K0
-    for j in range(1, S):
-        Kj += stride_ks
-        kj = _load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, True)
-        ds = tl.load(DS + ((j - 1) * H_Q + head) * T + start + offs_m, mask=row_mask, other=0.0)
-        dq += ds[:, None] * kj
-    return dq
 
 
 @triton.jit
@@ -408,8 +278,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
                    stride_dqt, stride_dqh, T, S, H_Q, qk_scale, sm_scale, seqlen_bucket, Qd, Kd, Vd, DOd,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dq for one query tile of one q head: causal step-0 tiles, then the diagonal terms (rows past
-    the sequence are computed from whatever loaded, and not stored)."""
+    """dq for one query tile of one q head: the diagonal terms, then the causal step-0 tiles (rows
+    past the sequence are computed from whatever loaded, and not stored)."""
     head, kv_head, start, seqlen, m0 = _query_tile(CU_SEQLENS, T, GROUP, VARLEN, BLOCK_M)
     if m0 >= seqlen:
         return
@@ -423,11 +293,14 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
     lse = tl.load(LSE + head * T + start + offs_m, mask=row_mask, other=0.0)
     delta = tl.load(DELTA + head * T + start + offs_m, mask=row_mask, other=0.0)
     kv_base = start * stride_kt + kv_head * stride_kh
-    K0 = K + kv_base
-    V0 = V + kv_base
-
-    dq = _bwd_dq_diag(K0, DS, head, start, T, S, H_Q, stride_ks, stride_kt, offs_m, offs_d, row_mask,
-                      BLOCK_M, HEAD_DIM)
+    K0, V0 = K + kv_base, V + kv_base
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    Kj = K0
+    for j in range(1, S):   # the diagonal keys: ds_j (from _bwd_diag_kernel) times k_j, row by row
+        Kj += stride_ks
+        kj = _load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, True)
+        ds = tl.load(DS + ((j - 1) * H_Q + head) * T + start + offs_m, mask=row_mask, other=0.0)
+        dq += ds[:, None] * kj
     col = kv_head * HEAD_DIM
     for n0 in range(0, m0, BLOCK_N):
         dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d,
@@ -439,21 +312,11 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask[:, None])
 
 
-# ----------------------------------------------------------------------------------------------
-# Launch configuration: autotuned on a GPU, one fixed tiling under the interpreter
-# ----------------------------------------------------------------------------------------------
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M is the query tile, BLOCK_N the key tile; per
-# GPU family (`kernels.tiles`: what decides it is the shared memory a block may use).
-# "large" (sm_90, sm_100/103: 227 KB): chosen on an H200 (HEAD_DIM=128, bf16) by `python -m
-# eagle3.bench attention --sweep`, which times the SWEEP lists below one config at a time. Each
-# compiles for sm_90 with no or a few bytes of register spills (checked with ptxas); configs whose
-# spills grew large were dropped. "a100" (163 KB) and "small" (about 99 KB: sm_86/89/120): the
-# "large" tilings whose tiles fit, by count (stages x the pipelined k, v tiles, or q, dO in dK/dV,
-# x HEAD_DIM x 2 bytes, plus the resident tiles: tests/test_tiles.py), and smaller ones; not
-# measured. FALLBACK, small tiles in two stages (48 KB or less of shared memory at HEAD_DIM=128 in
-# bf16), ends every list and fits every GPU Triton supports; the interpreter tests run it too
-# (tests/test_ttt_attention.py, "fallback_tiles").
+# (BLOCK_M query tile, BLOCK_N key tile, num_warps, num_stages) per GPU family (`kernels.tiles`). "large"
+# was timed on an H200 (HEAD_DIM=128, bf16: `python -m eagle3.bench attention --sweep`), dropping
+# configs that spilled many registers; "a100" and "small" hold the "large" tilings whose tiles fit the
+# family's shared memory by count (tests/test_tiles.py) and smaller ones, untimed. FALLBACK (48 KB or
+# less at HEAD_DIM=128 in bf16) ends every list and fits every GPU Triton supports.
 FALLBACK = (32, 32, 4, 2)
 _LARGE = {
     "fwd": [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), FALLBACK],
@@ -474,29 +337,20 @@ CONFIGS = {
         "dq": [(64, 64, 4, 2), (64, 32, 4, 3), FALLBACK],
     },
 }
-# Candidates for the sweep (`--sweep`, on the GPU it runs on): every family's tilings and a few more.
+# What `--sweep` times, one config at a time: every family's tilings and a few more.
 _EXTRA = {"fwd": [(128, 64, 8, 4), (128, 128, 8, 2)], "dkdv": [(64, 128, 8, 4), (64, 64, 4, 3)],
           "dq": [(64, 64, 4, 3), (128, 32, 8, 4)]}
 SWEEP = {name: [c for c in tiles.union({f: CONFIGS[f][name] for f in CONFIGS}) if c != FALLBACK] + extra
          for name, extra in _EXTRA.items()}
-# seqlen_bucket is the longest sequence rounded up to a power of two: the tuner reruns once per size
-# class, not for every new batch length.
+# seqlen_bucket, the longest sequence rounded up to a power of two: one tuning per size class
 _TUNE_KEY = ["HEAD_DIM", "GROUP", "VARLEN", "TMA", "seqlen_bucket"]
-
-
-def _options(config) -> dict:
-    """Launch keywords of a (BLOCK_M, BLOCK_N, num_warps, num_stages) tuple."""
-    block_m, block_n, warps, stages = config
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-
-
 # the TMA descriptor arguments and the block size that counts their tiles' rows
 DESCRIPTOR_ROWS = {"Qd": "BLOCK_M", "DOd": "BLOCK_M", "Kd": "BLOCK_N", "Vd": "BLOCK_N"}
 
 
 def _block_rows(nargs: dict) -> None:
-    """Give each TMA descriptor of a launch its tiling's tile (rows per DESCRIPTOR_ROWS). In place, as
-    Triton's own tutorials do: the tuner launches the very objects it hands its pre-hook."""
+    """Give each TMA descriptor of a launch its tiling's tile rows, in place (the tuner launches the
+    very objects it hands its pre-hook)."""
     for name, block in DESCRIPTOR_ROWS.items():
         if nargs.get(name) is not None:
             nargs[name].block_shape = [nargs[block], nargs[name].block_shape[-1]]
@@ -521,41 +375,36 @@ def pinned(name: str, config: tuple):
     """Launch kernel `name` ("fwd", "dkdv" or "dq") with `config` instead of the autotuner's pick."""
     if name not in KERNELS:
         raise ValueError(f"pinned: no kernel {name!r} (expected one of {', '.join(KERNELS)})")
-    before = _pinned.get(name)
+    saved = dict(_pinned)
     _pinned[name] = config
     try:
         yield
     finally:
-        if before is None:
-            del _pinned[name]
-        else:
-            _pinned[name] = before
+        _pinned.clear()
+        _pinned.update(saved)
 
 
 def best_config(name: str) -> tuple | None:
     """The autotuner's last pick for kernel `name` (None before it tuned, or under the interpreter)."""
     best = getattr(_TUNED.get(name), "best_config", None)
-    if best is None:
-        return None
-    return (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+    return None if best is None else tiles.as_tuple(best, ("BLOCK_M", "BLOCK_N"))
 
 
 def _launch(name, grid, *args, **kwargs):
     """A pinned config, else one fixed tiling under the interpreter, else the autotuned kernel (TMA
     descriptors come as keywords, so that the tuner's pre-hook sees them)."""
     if name in _pinned:
-        kwargs.update(_options(_pinned[name]))
+        block_m, block_n, warps, stages = _pinned[name]
     elif INTERPRET:
-        block_m, block_n = INTERPRET_BLOCKS[name]
-        kwargs.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1)
+        (block_m, block_n), warps, stages = INTERPRET_BLOCKS[name], 4, 1
     else:
         return _TUNED[name][grid](*args, **kwargs)
+    kwargs.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     _block_rows(kwargs)
     return KERNELS[name][grid](*args, **kwargs)
 
 
-# None: TMA wherever it is measured to pay; True / False: forced (tests under the interpreter, the bench).
-_tma_forced: bool | None = None
+_tma_forced: bool | None = None   # None: TMA where it pays (`uses_tma`); True / False: forced
 
 
 @contextlib.contextmanager
@@ -570,10 +419,8 @@ def tma_loads(enabled: bool):
 
 
 def uses_tma(device: torch.device) -> bool:
-    """Whether the kernels on `device` load their tiles through TMA: on the "large" GPU family (Hopper
-    sm_90, datacenter Blackwell sm_100/103), where Triton pipelines TMA loads over the tiling's stages
-    (on consumer Blackwell, sm_120, Triton 3.6 builds them single-buffered: pointer loads there), and
-    with a Triton that has host descriptors."""
+    """Whether the kernels on `device` load tiles through TMA: on the "large" family, where Triton
+    pipelines them (on sm_120 Triton 3.6 builds them single-buffered), with host descriptors."""
     if _tma_forced is not None:
         return _tma_forced and TensorDescriptor is not None
     return (TensorDescriptor is not None and not INTERPRET and device.type == "cuda"
@@ -581,7 +428,6 @@ def uses_tma(device: torch.device) -> bool:
 
 
 def tma_family(capability: tuple[int, int], hip: bool = False) -> bool:
-    """Whether GPUs of this compute capability get the TMA loads (see `uses_tma`)."""
     return tiles.family(capability, hip) == "large"
 
 
@@ -591,50 +437,25 @@ def _aligned(*tensors) -> bool:
 
 
 def _descriptors(tma: bool, **tensors) -> dict:
-    """Keyword arguments: a TMA descriptor over each tensor's [T, H * D] rows (step 0 of k, v), or None
-    each without TMA. The [16, D] tile is a placeholder: `_block_rows` sets the tiling's at launch."""
+    """A TMA descriptor over each tensor's [T, H * D] rows (None each without TMA); its [16, D] tile
+    is a placeholder that `_block_rows` sets at launch."""
     if not tma:
         return dict.fromkeys(tensors)
-    out = {}
-    for name, x in tensors.items():
-        width = x.shape[-2] * x.shape[-1]
-        out[name] = TensorDescriptor(x, [x.shape[-3], width], [width, 1], [16, x.shape[-1]])
-    return out
+    return {name: TensorDescriptor(x, [x.shape[-3], x.shape[-2] * x.shape[-1]], [x.shape[-2] * x.shape[-1], 1],
+                                   [16, x.shape[-1]]) for name, x in tensors.items()}
 
-
-def _rows_block():
-    return INTERPRET_BLOCKS["rows"] if INTERPRET else ROWS_BLOCK_GPU
-
-
-# ----------------------------------------------------------------------------------------------
-# Host side
-# ----------------------------------------------------------------------------------------------
 
 def _seqlen_info(cu_seqlens, T, device):
-    """(cu_seqlens int32 on device or None, number of sequences, longest length), checked. Pass
-    cu_seqlens on the host to keep the training step free of host syncs."""
+    """(cu_seqlens int32 on device or None, number of sequences, longest length), checked. cu_seqlens
+    on the host (pinned) costs no sync: .tolist() is free and the copy async."""
     if cu_seqlens is None:
         return None, 1, T
     bounds = cu_seqlens.tolist()
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"ttt_attention: cu_seqlens must rise from 0 to T={T}, got {bounds[:4]}...{bounds[-2:]}")
     max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
-    # cu_seqlens on the host (pinned) costs no sync: .tolist() above is free, this copy is async
     return (cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True).contiguous(),
             len(bounds) - 1, max_len)
-
-
-def _forward(q, k, v, cu, n_seq, max_len, scale, tma):
-    S, T, Hkv, D = k.shape
-    Hq = q.shape[1]
-    o = torch.empty_like(q)
-    lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
-    _launch("fwd", grid, q, k, v, o, lse, cu,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), o.stride(0), o.stride(1),
-            T, S, scale * LOG2E, triton.next_power_of_2(max_len), **_descriptors(tma, Qd=q, Kd=k[0], Vd=v[0]),
-            GROUP=Hq // Hkv, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
-    return o, lse
 
 
 def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma):
@@ -642,14 +463,10 @@ def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma):
     Hq = q.shape[1]
     group = Hq // Hkv
     qk_scale = scale * LOG2E
-    rows = _rows_block()
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    delta = torch.empty_like(lse)
+    rows = INTERPRET_BLOCKS["rows"] if INTERPRET else ROWS_BLOCK_GPU
+    dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse)
     ds = torch.empty(max(S - 1, 1), Hq, T, device=q.device, dtype=torch.float32)
     bucket = triton.next_power_of_2(max_len)
-
     _bwd_preprocess[(triton.cdiv(T, rows), Hq)](
         o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), T, HEAD_DIM=D, BLOCK=rows)
     if S > 1:
@@ -678,9 +495,17 @@ class _TTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, scale):
         q, k, v = (x.contiguous() for x in (q, k, v))
-        cu, n_seq, max_len = _seqlen_info(cu_seqlens, k.shape[1], q.device)
+        S, T, Hkv, D = k.shape
+        Hq = q.shape[1]
+        cu, n_seq, max_len = _seqlen_info(cu_seqlens, T, q.device)
         tma = uses_tma(q.device) and _aligned(q, k, v)   # the backward loads as the forward did
-        o, lse = _forward(q, k, v, cu, n_seq, max_len, scale, tma)
+        o = torch.empty_like(q)
+        lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
+        grid = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
+        _launch("fwd", grid, q, k, v, o, lse, cu,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), o.stride(0), o.stride(1),
+                T, S, scale * LOG2E, triton.next_power_of_2(max_len), **_descriptors(tma, Qd=q, Kd=k[0], Vd=v[0]),
+                GROUP=Hq // Hkv, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
         ctx.save_for_backward(q, k, v, o, lse, cu)
         ctx.meta = (n_seq, max_len, scale, tma)
         return o
@@ -692,24 +517,18 @@ class _TTTAttention(torch.autograd.Function):
         do = do.contiguous()
         if tma and not _aligned(do):
             do = do.clone()   # a fresh allocation is aligned
-        dq, dk, dv = _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma)
-        return dq, dk, dv, None, None
+        return (*_backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma), None, None)
 
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cu_seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Attention of TTT step S-1 (same contract as `kernels.reference.ttt_attention`).
-
-    q: [T, Hq, D] queries of the current step; k, v: [S, T, Hkv, D] keys/values of steps 0..S-1
-    (step 0 causal within each sequence, steps 1..S-1 only the diagonal); cu_seqlens: int32 [n+1]
-    packed-sequence boundaries or None; scale defaults to D^-0.5. Returns [T, Hq, D] in q's dtype,
-    differentiable in q, k and v.
-    """
+    """`kernels.reference.ttt_attention` fused: q [T, Hq, D], k, v [S, T, Hkv, D], D 64 or 128,
+    cu_seqlens int32 [n+1] or None, scale default D^-0.5 -> [T, Hq, D], differentiable in q, k, v."""
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv or S < 1:
         raise ValueError(f"ttt_attention: bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
-    if D not in (64, 128):  # the head dims tested and tuned; others would need their own configs
+    if D not in (64, 128):  # the head dims tested and tuned
         raise ValueError(f"ttt_attention: head dim {D} not supported (64 or 128)")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"ttt_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")

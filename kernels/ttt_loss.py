@@ -1,66 +1,7 @@
 """Fused TTT loss: draft lm_head + a loss against target probabilities, forward and backward.
-
-Per TTT step the draft projects N hidden rows onto V draft-vocab logits z = h wᵀ and takes a loss
-of q = softmax(z / τ) against each row's target probabilities p. Eagerly that keeps fp32 [N, V]
-logits, their softmax and their gradient alive for every step. Here rows go through in chunks of
-valid rows only:
-
-    z_c  = h_c @ wᵀ                      cuBLAS, into one reusable [chunk, V] buffer
-    kernel: lse / loss / α / argmax of each row and, when a gradient is wanted,
-            dz = g · ∂loss/∂z            written in place over z_c
-    dh_c = dz @ w,   dw += dzᵀ @ h_c     cuBLAS
-
-so the memory added beyond the inputs and their gradients is one chunk (O(chunk · V)), whatever N.
-
-The losses (`kernels.reference.LOSSES`; the kernel's constexpr LOSS). With x = z / τ, q = softmax(x),
-α = Σ_v min(p_v, q_v) (the chance that a draft token sampled from q is accepted against p: logged
-for every loss), I = [q <= p] and S = Σ I q; ∂/∂z = (1/τ) ∂/∂x, and Σp may differ slightly from 1,
-so it is not dropped:
-
-    kl         -Σ p log q = lse·Σp - Σ p x             ∂/∂x = q·Σp - p   (forward KL's gradient)
-    tv         1 - α                                   ∂/∂x = -q (I - S)
-    nla        -log max(α, 1e-5)                       ∂/∂x = -q (I - S) / α, 0 under the clamp
-    lk_hybrid  λ KL(p‖q) + (1 - λ)(1 - α),             ∂/∂x = λ (q·Σp - p) - (1 - λ) q (I - S)
-               λ = exp(-eta α) held constant
-    pq         -log max(A, 1e-5), A = Σ p q            ∂/∂x = q (A - p) / A, 0 under the clamp
-
-nla (LK_α) and lk_hybrid are from Samarin et al., LK Losses: Direct Acceptance Rate Optimization for
-Speculative Decoding, arXiv 2602.23881: they train the acceptance rate itself rather than a proxy;
-speculators 0.9.0 defines `tv`, `nla` (α clamped at 1e-5) and `lk_hybrid` (eta 3.0) the same way.
-pq is for greedy-proposal serving, where the draft's proposal x is accepted with probability p(x):
-A = E_{x~q} p(x).
-
-One program per row; each pass sweeps the row's z and p in BLOCK_V tiles:
-
-    pass 1  every loss: online max / sum-exp of x (lse), Σp, Σ p x, first index of the max of z;
-            pq also Σ p e^(x-m), rescaled online like the sum-exp (A = it / sum-exp)
-    pass 2  kl, pq: α, and dz in place when a gradient is wanted (it needs only pass 1's numbers:
-            kl's gradient pass only gains α's min and sum, 1.01x the kernel before α on an H200),
-            read only without one (kl without a gradient: 2 passes where there was 1);
-            tv, nla, lk_hybrid: α, S and (lk_hybrid) Σ p log p, read only
-    pass 3  tv, nla, lk_hybrid, only when a gradient is wanted: dz in place (it needs α and S)
-
-The third pass costs 1.2x (tv, nla) to 1.5x (lk_hybrid: the log of p, even with the GPU's fast log)
-kl's kernel time at 8192 x 32000 bf16, but the kernel is a few % of the step (3 GEMMs a row):
-at the loss bench's shapes every loss's fwd+bwd is within noise of kl's, memory the same.
-
-Two entry points:
-
-- `ttt_loss(h, w, p, valid, loss=...)`: one step, the signature and semantics of
-  `kernels.reference.ttt_loss`, differentiable for any upstream gradient. The per-row upstream
-  gradient g is only known in backward, and dw = Σ_i g_i dz_iᵀ h_i cannot be rescaled after the sum,
-  so backward recomputes the logits chunk by chunk (4 GEMMs per step: 1 forward, 3 backward). Holding
-  each step's dw [V, H] or dz [N, V] from forward to backward instead would save that GEMM but break
-  the memory bound once K steps are alive together.
-- `ttt_loss_steps(hs, w, ps, valids, weights, loss=...)`: all K steps at once with the loss weights
-  known up front (training knows them: 0.8^k / number of loss-masked rows). It returns Σ weight · loss
-  as a scalar, so the gradient is computed during forward (3 GEMMs per step, the matmul floor), dw is
-  accumulated in one buffer across steps and chunks, and backward only scales by the scalar upstream.
-  This is the one for training: call it once after the K draft steps, with their normed hidden states.
-
-Both run under TRITON_INTERPRET=1 on the CPU (the kernel upcasts every loaded tile to fp32, since
-bf16 arithmetic is wrong under the interpreter; the GEMMs are torch's).
-"""
+Valid rows go in chunks: z = h_c wᵀ (cuBLAS, one reusable [chunk, V] buffer), a row kernel for the
+loss, α, argmax and dz (in place over z), then dh_c = dz w, dw += dzᵀ h_c: one chunk of extra memory
+whatever N. The losses and their gradients: docs/losses.md; the passes over a row: docs/kernels.md."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -71,30 +12,25 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels import fp8_cast
-from kernels.reference import ALPHA_EPS, loss_index
+from kernels.reference import ALPHA_EPS, LOSSES, loss_index
 
-# Rows per chunk: enough for the GEMMs to run at full rate and for few bf16 roundings of the dw
-# accumulator, small enough that the chunk buffers (logits [chunk, V] plus two [chunk, H]) stay
-# well under 1 GiB. 8192 rows at V = 32000 in bf16.
+# Rows per chunk: enough for full-rate GEMMs and few bf16 roundings of dw, while the chunk buffers
+# (logits [chunk, V] plus two [chunk, H]) stay well under 1 GiB: 8192 rows at V = 32000 in bf16.
 CHUNK_BYTES = 512 * 2**20
 
-# LOSS: the index in kernels.reference.LOSSES.
-KL: tl.constexpr = tl.constexpr(0)
-TV: tl.constexpr = tl.constexpr(1)
-NLA: tl.constexpr = tl.constexpr(2)
-LK_HYBRID: tl.constexpr = tl.constexpr(3)
-PQ: tl.constexpr = tl.constexpr(4)
+# the kernel's LOSS: the index in kernels.reference.LOSSES
+KL, TV, NLA, LK_HYBRID, PQ = (tl.constexpr(LOSSES.index(n)) for n in ("kl", "tv", "nla", "lk_hybrid", "pq"))
 EPS: tl.constexpr = tl.constexpr(ALPHA_EPS)
 FLT_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)   # the smallest normal fp32
 
 
 @triton.jit
-def _q_p_tile(z_row, p_row, cols, mask, inv_t, lse):
-    """One tile of a row after pass 1: q = softmax(z / τ) from the row's lse, and p, both fp32
-    (the upcast is exact for bf16 and required by the interpreter); 0 in masked lanes."""
+def _q_p_tile(z_row, p_row, cols, V, inv_t, lse):
+    """(q = softmax(z / τ) from the row's lse, p, cols < V) of one tile, q and p fp32, 0 past V."""
+    mask = cols < V
     z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
     p = tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float32)
-    return tl.exp(z * inv_t - lse), p
+    return tl.exp(z * inv_t - lse), p, mask
 
 
 @triton.jit
@@ -107,8 +43,7 @@ def _ttt_loss_kernel(
     loss_ptr, argmax_ptr,   # [N] fp32, [N] int64 outputs
     alpha_ptr,              # [N] fp32 output: α = Σ min(p, q)
     inv_t, eta,             # fp32: 1 / temperature; lk_hybrid's λ = exp(-eta α)
-    V: tl.constexpr,        # constexpr: fixed per model, and the interpreter (numpy 2) cannot
-                            # loop to a run-time bound
+    V: tl.constexpr,        # constexpr: the interpreter (numpy 2) cannot loop to a run-time bound
     LOSS: tl.constexpr,     # KL, TV, NLA, LK_HYBRID or PQ
     WRITE_GRAD: tl.constexpr,
     FAST_LOG: tl.constexpr, # lk_hybrid's log p by the GPU's approximate log (libdevice, not interpretable)
@@ -122,13 +57,8 @@ def _ttt_loss_kernel(
 
     # Pass 1: online max / sum-exp of x = z/τ, Σp, Σp·x, the first index of the max of z and (pq)
     # Σp·e^(x - m), rescaled with the sum-exp.
-    m = float("-inf")
-    s = 0.0
-    psum = 0.0
-    px = 0.0
-    pe = 0.0
-    best = float("-inf")
-    best_idx = 0
+    m, s, psum, px, pe = float("-inf"), 0.0, 0.0, 0.0, 0.0
+    best, best_idx = float("-inf"), 0
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         mask = cols < V
@@ -168,20 +98,13 @@ def _ttt_loss_kernel(
         # Pass 2: α and dz in place; the row was just read (partly still in L2).
         #   kl: dz = g (q Σp - p);  pq: dz = g q (A - p) / A
         if WRITE_GRAD:
-            if LOSS == KL:
-                a = g * psum
-            else:
-                a = g * A
+            a = g * psum if LOSS == KL else g * A
         for start in range(0, V, BLOCK_V):
             cols = start + offs
-            mask = cols < V
-            q, p = _q_p_tile(z_row, p_row, cols, mask, inv_t, lse)
+            q, p, mask = _q_p_tile(z_row, p_row, cols, V, inv_t, lse)
             acc += tl.minimum(p, q)
             if WRITE_GRAD:
-                if LOSS == KL:
-                    dz = a * q - g * p
-                else:
-                    dz = q * (a - g * p)
+                dz = a * q - g * p if LOSS == KL else q * (a - g * p)
                 tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=mask)
         alpha = tl.sum(acc, 0)
     else:
@@ -190,17 +113,14 @@ def _ttt_loss_kernel(
         acc_h = tl.zeros([BLOCK_V], dtype=tl.float32)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
-            mask = cols < V
-            q, p = _q_p_tile(z_row, p_row, cols, mask, inv_t, lse)
+            q, p, mask = _q_p_tile(z_row, p_row, cols, V, inv_t, lse)
             below = q <= p
             acc += tl.where(below, q, p)
             acc_s += tl.where(below, q, 0.0)
             if LOSS == LK_HYBRID:   # Σ p log p; p < FLT_MIN adds under 1e-36 (and 0 log 0 = 0)
                 p_ok = tl.where(p >= FLT_MIN, p, 1.0)   # the fast log flushes subnormals to -inf
-                if FAST_LOG:   # libdevice's accurate logf would make this pass compute-bound
-                    acc_h += p * libdevice.fast_logf(p_ok)
-                else:
-                    acc_h += p * tl.log(p_ok)
+                # FAST_LOG: libdevice's accurate logf would make this pass compute-bound
+                acc_h += p * (libdevice.fast_logf(p_ok) if FAST_LOG else tl.log(p_ok))
         alpha = tl.sum(acc, 0)
         S = tl.sum(acc_s, 0)
         # The gradient is a q (S - I) [+ b (q Σp - p) for lk_hybrid], ∂α/∂x = q (I - S).
@@ -222,8 +142,7 @@ def _ttt_loss_kernel(
         if WRITE_GRAD:
             for start in range(0, V, BLOCK_V):
                 cols = start + offs
-                mask = cols < V
-                q, p = _q_p_tile(z_row, p_row, cols, mask, inv_t, lse)
+                q, p, mask = _q_p_tile(z_row, p_row, cols, V, inv_t, lse)
                 dz = a * q * (S - tl.where(q <= p, 1.0, 0.0))
                 if LOSS == LK_HYBRID:
                     dz += b * (q * psum - p)
@@ -231,36 +150,26 @@ def _ttt_loss_kernel(
     tl.store(alpha_ptr + row, alpha)
 
 
-# On the GPU the block width and warps are autotuned once per (V, LOSS, WRITE_GRAD); restore_value
-# because the kernel overwrites z in place. The interpreter gets one fixed config (autotuning
-# several needs a GPU driver).
-_GPU_CONFIGS = [triton.Config({"BLOCK_V": b}, num_warps=nw) for b, nw in ((2048, 4), (4096, 8), (4096, 16), (8192, 16))]
-_tuned_kernel = None
-
-
-def _gpu_kernel():
-    global _tuned_kernel
-    if _tuned_kernel is None:
-        _tuned_kernel = triton.autotune(_GPU_CONFIGS, key=["V", "LOSS", "WRITE_GRAD"],
-                                        restore_value=["z_ptr"])(_ttt_loss_kernel)
-    return _tuned_kernel
+# On the GPU BLOCK_V and warps are autotuned per (V, LOSS, WRITE_GRAD), z restored between trials
+# (the kernel overwrites it); the interpreter gets one fixed config (tuning needs a GPU driver).
+_tuned_kernel = triton.autotune([triton.Config({"BLOCK_V": b}, num_warps=nw)
+                                 for b, nw in ((2048, 4), (4096, 8), (4096, 16), (8192, 16))],
+                                key=["V", "LOSS", "WRITE_GRAD"], restore_value=["z_ptr"])(_ttt_loss_kernel)
 
 
 def chosen_configs() -> dict[str, str]:
-    """The autotuned configs chosen so far, by key (V, LOSS, WRITE_GRAD, ...): what the loss bench prints."""
-    return {} if _tuned_kernel is None else {str(k): str(c) for k, c in _tuned_kernel.cache.items()}
+    """The autotuned configs chosen so far, by key (V, LOSS, WRITE_GRAD, ...)."""
+    return {str(k): str(c) for k, c in _tuned_kernel.cache.items()}
 
 
 def _row_kernel(z, p, rows, p_rows, g, out, spec) -> None:
-    """Launch the row kernel over the chunk `z` (one program per row); g=None: no gradient.
+    """The row kernel over the chunk z, one program per row; g=None: no gradient.
     out = (loss, argmax, alpha) [N]; spec = (LOSS index, 1/τ, eta)."""
     n, V = z.shape
-    loss, argmax, alpha = out
     kind, inv_t, eta = spec
-    args = (z, z.stride(0), p, p.stride(0), rows, p_rows, loss if g is None else g, loss, argmax, alpha,
-            inv_t, eta, V, kind)
+    args = (z, z.stride(0), p, p.stride(0), rows, p_rows, out[0] if g is None else g, *out, inv_t, eta, V, kind)
     if z.is_cuda:
-        _gpu_kernel()[(n,)](*args, WRITE_GRAD=g is not None, FAST_LOG=True)
+        _tuned_kernel[(n,)](*args, WRITE_GRAD=g is not None, FAST_LOG=True)
     else:
         block = min(4096, triton.next_power_of_2(V))
         _ttt_loss_kernel[(n,)](*args, WRITE_GRAD=g is not None, FAST_LOG=False, BLOCK_V=block, num_warps=8)
@@ -276,8 +185,7 @@ class _Workspace:
             chunk = max(128, CHUNK_BYTES // (V * w.element_size()) // 128 * 128)
         self.chunk = max(1, min(chunk, max_rows))
         self.z = w.new_empty(self.chunk + -self.chunk % 16, V)   # fp8 GEMMs write rows in 16s
-        self._w, self._h, self._dh = w, None, None
-        self.float8 = float8
+        self._w, self._h, self._dh, self.float8 = w, None, None, float8
         if float8:   # w [V, H] and wᵀ [H, V] in e4m3, one scale: B of the logits and of dh
             self._wq, self._wq_t, self._sw = fp8_cast.to_fp8(w, fp8_cast.E4M3)
 
@@ -292,8 +200,8 @@ class _Workspace:
         return self.z[:n]
 
     def input_grad(self, dz: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out [n, H] = dz w, dz [n, V] (in fp8: e5m2 with one scale per chunk, as the draft's
-        linear layers take their output gradients)."""
+        """out [n, H] = dz w (in fp8: dz in e5m2, one scale per chunk, as the draft's linear layers
+        take their output gradients)."""
         if not self.float8:
             return torch.matmul(dz, self._w, out=out)
         dq, _, sd = fp8_cast.to_fp8(dz, fp8_cast.E5M2, transposed=False)                # [n16, V]
@@ -311,8 +219,8 @@ class _Workspace:
 
 
 def _valid_rows(valid: torch.Tensor | None, N: int, device) -> torch.Tensor:
-    """int64 indices of the rows that get logits (all rows when valid is None). A bool mask costs a
-    host sync (the number of rows decides the chunks); indices given by the caller do not."""
+    """int64 indices of the rows that get logits (all when valid is None). A bool mask costs a host
+    sync (the number of rows decides the chunks); indices given by the caller do not."""
     if valid is None:
         return torch.arange(N, device=device)
     if valid.dtype in (torch.int64, torch.int32):
@@ -327,12 +235,9 @@ def _valid_rows(valid: torch.Tensor | None, N: int, device) -> torch.Tensor:
 
 
 def _score_rows(h, w, p, rows, ws, out, spec, g=None, dh=None, dw=None, dw_fresh=True, p_rows=None) -> bool:
-    """Loss, argmax and α (`out`) of `rows` (valid rows of one step), chunk by chunk; h's row i reads
-    p's row p_rows[i] (row i when p_rows is None); spec = (LOSS index, 1/τ, eta).
-
-    With g (fp32 [N] upstream gradient per row) also writes dh[rows] and accumulates into dw
-    (overwriting it first when dw_fresh). Returns whether dw is still unwritten.
-    """
+    """Loss, argmax and α (`out`) of `rows`, chunk by chunk, h's row i reading p's row p_rows[i];
+    with g (fp32 [N] upstream gradient) also dh[rows] and dw (overwritten first when dw_fresh).
+    Returns whether dw is still unwritten."""
     n_rows = rows.numel()
     p_of = rows if p_rows is None else p_rows[rows]
     dense = n_rows == h.shape[0]   # all rows valid: plain slices, no gather / scatter
@@ -348,11 +253,10 @@ def _score_rows(h, w, p, rows, ws, out, spec, g=None, dh=None, dw=None, dw_fresh
         _row_kernel(z, p, r, p_of[a:b], g, out, spec)
         if g is None:
             continue
-        if dh is not None:
-            if dense:
-                ws.input_grad(z, dh[a:b])
-            else:
-                dh.index_copy_(0, r, ws.input_grad(z, dh_buf))
+        if dh is not None and dense:
+            ws.input_grad(z, dh[a:b])
+        elif dh is not None:
+            dh.index_copy_(0, r, ws.input_grad(z, dh_buf))
         if dw is not None:
             if dw_fresh:
                 torch.matmul(z.t(), h_c, out=dw)
@@ -391,7 +295,8 @@ def _grad_buffer(t: torch.Tensor, needed: bool, dense: bool):
 
 
 class TTTLossFunction(torch.autograd.Function):
-    """One step; forward stores nothing beyond its inputs, backward recomputes the logits."""
+    """One step for any upstream gradient: forward stores nothing beyond its inputs, backward
+    recomputes the logits (dw = Σ_i g_i dz_iᵀ h_i cannot be rescaled after the sum; 4 GEMMs a step)."""
 
     @staticmethod
     def forward(ctx, h, w, p, valid, chunk, spec):
@@ -411,34 +316,27 @@ class TTTLossFunction(torch.autograd.Function):
     def backward(ctx, dloss, _dargmax, _dalpha):
         h, w, p, rows = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
-        dense = rows.numel() == h.shape[0]
-        dh = _grad_buffer(h, need_h, dense)
+        dh = _grad_buffer(h, need_h, rows.numel() == h.shape[0])
         dw = _grad_buffer(w, need_w, True)
         if rows.numel() == 0:
             dh, dw = [t.zero_() if t is not None else None for t in (dh, dw)]
-            return dh, dw, None, None, None, None
-        ws = _Workspace(w, ctx.chunk, rows.numel())
-        g = dloss.float().contiguous()
-        _score_rows(h, w, p, rows, ws, _outputs(h.shape[0], h.device), ctx.spec, g=g, dh=dh, dw=dw)
+        else:
+            ws = _Workspace(w, ctx.chunk, rows.numel())
+            g = dloss.float().contiguous()
+            _score_rows(h, w, p, rows, ws, _outputs(h.shape[0], h.device), ctx.spec, g=g, dh=dh, dw=dw)
         return dh, dw, None, None, None, None
 
 
 def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor, valid: torch.Tensor | None = None,
              chunk: int | None = None, *, loss: str = "kl", temperature: float = 1.0, eta: float = 3.0,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused `kernels.reference.ttt_loss`: (loss [N] fp32, argmax [N] int64, alpha [N] fp32),
-    the loss differentiable in h, w.
-
-    h [N, H] draft hidden after the final norm, w [V, H] draft lm_head (same dtype), p [N, V]
-    target probabilities at `temperature` (any float dtype), valid bool [N] or None. `loss` one of
-    `kernels.reference.LOSSES` (see the module docstring), `eta` lk_hybrid's. Rows that are not valid
-    get loss 0, argmax -1 and α 0 and cost nothing. `chunk` rows per chunk (default: 512 MiB of logits).
-    """
+    """Fused `kernels.reference.ttt_loss` (same arguments and outputs), differentiable in h, w;
+    `valid` may also be row indices; `chunk` rows per chunk (default: 512 MiB of logits)."""
     return TTTLossFunction.apply(h, w, p, valid, chunk, _spec(loss, temperature, eta))
 
 
 class TTTLossStepsFunction(torch.autograd.Function):
-    """K steps with known weights: gradients computed in forward, backward scales them."""
+    """K steps with known weights: gradients computed in forward (3 GEMMs a step), backward scales them."""
 
     @staticmethod
     def forward(ctx, w, meta, *hs):
@@ -450,17 +348,15 @@ class TTTLossStepsFunction(torch.autograd.Function):
         rows = [_valid_rows(v, h.shape[0], h.device) for h, v in zip(hs, valids)]
         ws = _Workspace(w, chunk, max([r.numel() for r in rows] + [1]), float8)
         dw = torch.zeros_like(w) if need_w else None
-        K = len(hs)
         dw_fresh, total = True, 0.0
-        losses, argmaxes, alphas, dhs = [None] * K, [None] * K, [None] * K, [None] * K
-        # Last step first: training weights (0.8^k) shrink with k, so the bf16 dw accumulator takes
-        # the largest terms last and rounds fewer of them at full magnitude (the order autograd
-        # gives K separate calls).
-        for k in reversed(range(K)):
+        losses, argmaxes, alphas, dhs = ([None] * len(hs) for _ in range(4))
+        # Last step first: the weights (0.8^k) shrink with k, so the bf16 dw accumulator takes the
+        # largest terms last (the order autograd gives K separate calls).
+        for k in reversed(range(len(hs))):
             h, p, r = hs[k], ps[k], rows[k]
             out = _outputs(h.shape[0], h.device)
             dh = _grad_buffer(h, need_h[k], r.numel() == h.shape[0])
-            g = _row_weights(weights[k], h.shape[0], h.device)
+            g = torch.as_tensor(weights[k], dtype=torch.float32, device=h.device).expand(h.shape[0]).contiguous()
             if r.numel():
                 dw_fresh = _score_rows(h, w, p, r, ws, out, spec, g=g if grads else None,
                                        dh=dh, dw=dw, dw_fresh=dw_fresh, p_rows=p_rows[k])
@@ -478,17 +374,11 @@ class TTTLossStepsFunction(torch.autograd.Function):
         # Drop ctx's references so that autograd can adopt the buffers as .grad without a copy.
         dw, dhs = ctx.dw, ctx.dhs
         ctx.dw = ctx.dhs = None
-        # Always scale (about 1 ms of memory traffic at the Kimi shape) rather than test dtotal == 1,
-        # which would be a host sync inside every training step.
+        # Always scale rather than test dtotal == 1, a host sync in every training step.
         for t in [dw, *dhs]:
             if t is not None:
                 t.mul_(dtotal.to(t.dtype))
         return (dw, None, *dhs)
-
-
-def _row_weights(weight, N: int, device) -> torch.Tensor:
-    """A step's loss weight (number or [N] tensor) as fp32 [N]."""
-    return torch.as_tensor(weight, dtype=torch.float32, device=device).expand(N).contiguous()
 
 
 def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[torch.Tensor],
@@ -497,23 +387,9 @@ def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[tor
                    float8: bool = False, p_rows: Sequence[torch.Tensor | None] | None = None, *,
                    loss: str = "kl", temperature: float = 1.0, eta: float = 3.0,
                    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """All K TTT steps at once: (total, losses, argmaxes, alphas).
-
-    hs[k] [N_k, H], ps[k] [N_k, V] and valids[k] bool [N_k] (or None) are step k's inputs to
-    `ttt_loss`; valids[k] may also be the indices of the valid rows (int64 or int32, unique,
-    ascending), which saves the host sync of finding them; weights[k] is its loss weight (a number or an [N_k] tensor, default 1).
-    p_rows[k] (int64 [N_k] on ps[k]'s device, or None) says which row of ps[k] each row of hs[k]
-    reads: then ps[k] may be any [P, V] (e.g. every step's one target tensor), read in place instead
-    of gathered. Its values are not checked (that would cost a host sync): they must lie in [0, P).
-    `loss`, `temperature`, `eta`: as in `ttt_loss`, for every step.
-    total = Σ_k Σ_i weights[k]_i · loss_k,i is an fp32 scalar, differentiable in every hs[k] and w;
-    losses[k] / argmaxes[k] / alphas[k] are `ttt_loss`'s outputs for step k (not differentiable). The
-    gradient is computed during forward (3 GEMMs per step instead of 4), with dw accumulated in bf16
-    across chunks when w is bf16. Extra memory: the gradient buffers plus one chunk. `float8`: the
-    logits and dh GEMMs as scaled fp8 GEMMs (h chunks e4m3, dz e5m2, w e4m3 cast once; dw stays in w's
-    dtype), only where gradients are computed (evaluation measures in w's dtype); V and H must be
-    multiples of 16.
-    """
+    """All K TTT steps at once: `kernels.reference.ttt_loss_steps`'s contract (p_rows[k]: int64 on
+    ps[k]'s device, unchecked, read in place), plus `chunk` and `float8` (the logits and dh GEMMs in
+    scaled fp8 where gradients are computed; V and H multiples of 16). docs/kernels.md has the rest."""
     spec = _spec(loss, temperature, eta)
     K = len(hs)
     valids = [None] * K if valids is None else list(valids)

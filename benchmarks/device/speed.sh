@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 14's speed figures on the GPU machine, a part per argument (each under a 10-minute call):
-#   peer   the peer's step alone (speculators 0.9.0, benchmarks/peer/speculators_kimi_step.py: data and
+#   peer   the peer's step alone (speculators 0.9.0, benchmarks/peer/speculators_step.py: data and
 #          verifier about 75 s, its first epoch compiles for 4-5 minutes; 388 to 485 s in all from a
 #          cold start: give it the call's whole 600 s; its log streams to $OUT). Followed by `cache`,
 #          it leaves its compiled graphs for the next call (below): `peer cache` then `step` is how one
@@ -14,7 +14,7 @@
 #          From a cold start it does not fit 10 minutes on one GPU: carry the `cache` of an earlier
 #          call, or on nvidia-h200-x2 use PEER_GPU=1, which runs the peer on GPU 1 beside ours on
 #          GPU 0: one call of ~7 minutes (6.7 measured; ours is timed while the peer compiles; its
-#          timed epoch came after ours in the measured call: not enforced, check kimi_peer.log)
+#          timed epoch came after ours in the measured call: not enforced, check peer_step-kimi.log)
 #   step-a the step on layout (a) alone: Triton with train.float8, with train.float8_head too, and in
 #          bf16, with profile tables (STEP_KERNELS=... to time fewer)
 #   sweep  the TTT attention's config sweep: each kernel's candidates one by one (none started after 330 s)
@@ -31,7 +31,7 @@
 # (carry [".whl", ".peercache"]), they are unpacked before the first part. They hold the same compiled
 # code a cold run builds (the same torch, Triton and GPU), so what is timed does not change.
 # Each part's output is written to $OUT/PART.txt as it runs (step, step-a, step-b: also PART.jsonl;
-# peer, step: kimi_peer.log; step with PEER_GPU: also kimi_peer.out; step-a: prof.tgz, its profile tables), plus env.txt: a call stopped at its
+# peer, step: peer_step-kimi.log; step with PEER_GPU: also peer_step.out; step-a: prof.tgz, its profile tables), plus env.txt: a call stopped at its
 # limit still returns what it finished. At most 8 files come back from a call: count the parts' files.
 set -uo pipefail
 out=${OUT:-/tmp/speed-out}
@@ -49,12 +49,12 @@ for part in "$@"; do
   case $part in
     step)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-      PYTHONPATH=/tmp/site python3 -m eagle3.bench --layouts a --kernels triton,triton-fp8-head --steps 3 --warmup 2 \
-        --dir /tmp/bd --json "$out/step.jsonl" --peer-script benchmarks/peer/speculators_kimi_step.py \
+      PYTHONPATH=/tmp/site python3 -m benchmarks.step_peer --sizes ${SIZES:-kimi} --layouts a \
+        --kernels ${STEP_KERNELS:-triton,triton-fp8-head} --steps 3 --warmup 2 --dir /tmp/bd --json "$out/step.jsonl" \
         ${PEER_GPU:+--peer-gpu "$PEER_GPU"} 2>&1 | quiet | tee "$out/step.txt" ;;
     peer)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-      PYTHONPATH=/tmp/site python3 benchmarks/peer/speculators_kimi_step.py 2>&1 | quiet | tee "$out/peer.txt" ;;
+      PYTHONPATH=/tmp/site python3 benchmarks/peer/speculators_step.py 2>&1 | quiet | tee "$out/peer.txt" ;;
     step-a)
       rm -rf /tmp/prof
       python3 -m eagle3.bench --layouts a --kernels ${STEP_KERNELS:-triton-fp8,triton-fp8-head,triton} --steps 3 --warmup 2 --dir /tmp/bd \
@@ -66,11 +66,11 @@ for part in "$@"; do
     cache) tar czf - -C /tmp peer-cache | split -b 15M -d - "$out/peer-cache.tgz." && ls -l "$out"/peer-cache.tgz.* ;;
     fp8) python3 -m eagle3.bench float8 2>&1 | quiet | tee "$out/fp8.txt" ;;
     rows) python3 -m eagle3.bench rows 2>&1 | quiet | tee "$out/rows.txt" ;;
-    moe) python3 -m eagle3.bench moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
+    moe) python3 -m benchmarks.moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
     sweep) python3 -m eagle3.bench attention --sweep --sweep-seconds 330 2>&1 | quiet | tee "$out/sweep.txt" ;;
     attention) python3 -m eagle3.bench attention --shapes a,c 2>&1 | quiet | tee "$out/attention.txt" ;;
     kernels)
-      { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m eagle3.bench moe --parts layer; } \
+      { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m benchmarks.moe --parts layer; } \
         2>&1 | quiet | tee "$out/kernels.txt" ;;
     *) echo "unknown part $part: expected peer, cache, step, step-a, step-b, fp8, rows, moe, sweep, attention or kernels"; exit 2 ;;
   esac

@@ -8,8 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks import node, online, quality
-from eagle3.bench import moe
+from benchmarks import moe, node, online, quality
 from eagle3.data.shards import read_manifest, sha256_file
 from eagle3.models.weights import Checkpoint
 from eagle3.models.deepseek import DeepseekTarget

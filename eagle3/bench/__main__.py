@@ -1,8 +1,8 @@
-"""`python -m eagle3.bench [step] [options]` or `python -m eagle3.bench {attention,loss,moe,float8,rows,tiles} [options]`."""
+"""`python -m eagle3.bench [step] [options]` or `python -m eagle3.bench {attention,loss,float8,rows} [options]`."""
 import importlib
 import sys
 
-BENCHES = ("step", "attention", "loss", "moe", "float8", "rows", "tiles")
+BENCHES = ("step", "attention", "loss", "float8", "rows")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,30 +1,10 @@
 """`python -m eagle3.bench loss [--shapes a,b,c,c*] [--losses ...]`: the fused TTT loss against eager,
 torch.compile and the matmul floor, on the GPU.
 
-One training-like iteration = K = 7 steps sharing the draft head w [V, H]; step k has its own hidden
-rows h_k [N, H], target rows p[k : k + N] (views of one [N + K, V] tensor, as in training) and valid
-mask; total = Σ_k 0.8^k · Σ loss_k / n, then total.backward(). Timed fwd+bwd of that iteration
-(`timing.median_ms_of_calls`: median of triton.testing.do_bench over 7 calls) for:
-
-  eager      K calls of kernels.reference.ttt_loss
-  compile    K calls of torch.compile(kernels.reference.ttt_loss)
-  triton     K calls of kernels.ttt_loss.ttt_loss (exact for any upstream gradient: 4 GEMMs a step)
-  triton-K   one call of kernels.ttt_loss.ttt_loss_steps (weights known: 3 GEMMs a step)
-  cublas     the 3·K cuBLAS GEMMs alone, unchunked, at these shapes (no loss at all)
-  floor      the useful FLOPs (3 GEMMs of 2·n_valid·V·H per step) at the bf16 rate of torch.matmul
-             8192³ measured in the same run
-
-Memory: "extra" = peak allocated during the iteration − allocated before it (inputs only, .grad
-None) − the bytes of the gradients it leaves (w.grad and every h_k.grad): what the loss adds beyond
-its inputs and their gradients. "raw" = without that last subtraction.
-Correctness: every fused output against an fp32 reference at the bench shape (no TF32), beside the
-same errors for eager bf16.
-
---losses: also triton-K for each named loss kind (kernels.reference.LOSSES; kl is always among
-them, as the yardstick), timed and measured the same way, each checked against the fp32 reference
-of its own loss beside eager bf16 of that loss (tv's and nla's gradients follow [q <= p], which bf16
-logits flip here and there: a few % from fp32 in both); a table gives each one's time / kl's and its
-extra memory beside kl's (the bar: within 10% of kl's time, the same memory).
+One iteration: K = 7 steps share the head w [V, H]; step k has rows h_k [N, H], targets p[k : k + N] (views
+of one [N + K, V] tensor, as in training) and a valid mask; Σ_k 0.8^k · Σ loss_k / n, then backward. The
+floor: the useful FLOPs (3 GEMMs of 2·n_valid·V·H a step) at the bf16 matmul rate measured in the run.
+Memory: "raw" = peak allocated during the iteration above its inputs; "extra" = raw less the gradients left.
 """
 from __future__ import annotations
 
@@ -33,20 +13,26 @@ import functools
 
 import torch
 
-from eagle3.bench.timing import (describe_device, free_memory, matmul_tflops, median_ms_of_calls, peak_bytes,
-                                 require_cuda)
+from eagle3.bench.timing import (attempt, describe_device, free_memory, matmul_tflops, median_ms_of_calls,
+                                 peak_bytes, rel_error, require_cuda, shape_labels)
 from kernels.reference import LOSSES
 from kernels.reference import ttt_loss as reference_loss
 from kernels.ttt_loss import chosen_configs, ttt_loss, ttt_loss_steps
 
 K, V = 7, 32000
-SHAPES = {  # label: (N, H, share of rows not valid)
+SHAPES = {  # label: (N, H, share of rows not valid); "c*" is (c) with every row valid
     "a": (4096, 7168, 0.0),
     "b": (16384, 7168, 0.0),
     "c": (16384, 4096, 0.3),
 }
 GiB = 2 ** 30
 DEVICE = "cuda"
+NAN = float("nan")
+
+
+def shape(label: str) -> tuple[int, int, float]:
+    N, H, invalid = SHAPES[label.rstrip("*")]
+    return N, H, 0.0 if label.endswith("*") else invalid
 
 
 class Problem:
@@ -55,43 +41,31 @@ class Problem:
     def __init__(self, N: int, H: int, invalid: float, seed: int = 0):
         dev = DEVICE
         g = torch.Generator(device=dev).manual_seed(seed)
-        self.N, self.H = N, H
         self.w = (torch.randn(V, H, device=dev, generator=g) * (2 / H ** 0.5)).bfloat16().requires_grad_()
         self.hs = [torch.randn(N, H, device=dev, generator=g).bfloat16().requires_grad_() for _ in range(K)]
         p = torch.empty(N + K, V, device=dev, dtype=torch.bfloat16)
         for a in range(0, N + K, 4096):   # softmax in slices: no [N, V] fp32 temporary
             p[a:a + 4096] = torch.softmax(torch.randn(min(4096, N + K - a), V, device=dev, generator=g) * 3, -1)
-        self.p = p
         self.ps = [p[k:k + N] for k in range(K)]
         valid = torch.rand(N + K, device=dev, generator=g) >= invalid
         self.valids = [valid[k:k + N] for k in range(K)]
         self.n_valid = [int(v.sum()) for v in self.valids]
         self.weights = [0.8 ** k / max(1, self.n_valid[0]) for k in range(K)]
-
-    def leaves(self):
-        return [self.w, *self.hs]
+        self.leaves = [self.w, *self.hs]
 
     def zero_grads(self):
-        for t in self.leaves():
+        for t in self.leaves:
             t.grad = None
-
-    def useful_flops(self) -> float:
-        return sum(3 * 2 * n * V * self.H for n in self.n_valid)
 
 
 def per_step(prob: Problem, fn):
     """fwd+bwd of K calls of a per-step loss function; returns (losses, argmaxes, alphas)."""
     def run():
         prob.zero_grads()
-        total, losses, argmaxes, alphas = 0.0, [], [], []
-        for k in range(K):
-            loss, argmax, alpha = fn(prob.hs[k], prob.w, prob.ps[k], prob.valids[k])
-            total = total + loss.sum() * prob.weights[k]
-            losses.append(loss.detach())
-            argmaxes.append(argmax)
-            alphas.append(alpha)
-        total.backward()
-        return losses, argmaxes, alphas
+        outs = [fn(prob.hs[k], prob.w, prob.ps[k], prob.valids[k]) for k in range(K)]
+        sum(loss.sum() * weight for (loss, _, _), weight in zip(outs, prob.weights)).backward()
+        losses, argmaxes, alphas = zip(*outs)
+        return [loss.detach() for loss in losses], argmaxes, alphas
     return run
 
 
@@ -99,17 +73,15 @@ def all_steps(prob: Problem, loss: str = "kl"):
     """fwd+bwd of one ttt_loss_steps call (the `triton-K` iteration) with the given loss kind."""
     def run():
         prob.zero_grads()
-        total, losses, argmaxes, alphas = ttt_loss_steps(prob.hs, prob.w, prob.ps, prob.valids, prob.weights,
-                                                         loss=loss)
+        total, *out = ttt_loss_steps(prob.hs, prob.w, prob.ps, prob.valids, prob.weights, loss=loss)
         total.backward()
-        return losses, argmaxes, alphas
+        return out
     return run
 
 
 def cublas_only(prob: Problem):
     """The GEMMs the loss needs, unchunked, on the valid rows: logits, dh, dw per step."""
-    rows = [v.nonzero().squeeze(1) for v in prob.valids]
-    hv = [h.detach()[r] for h, r in zip(prob.hs, rows)]
+    hv = [h.detach()[v.nonzero().squeeze(1)] for h, v in zip(prob.hs, prob.valids)]
     w = prob.w.detach()
     z = torch.empty(max(prob.n_valid), V, device=DEVICE, dtype=torch.bfloat16)
     dw = torch.empty_like(w)
@@ -128,17 +100,10 @@ def cublas_only(prob: Problem):
 def memory(prob: Problem, fn) -> tuple[float, float]:
     """(extra, raw) GiB of one iteration; see the module docstring."""
     prob.zero_grads()
-    raw, out = peak_bytes(fn)
-    grads = sum(t.grad.nbytes for t in prob.leaves() if t.grad is not None)
-    del out
+    raw = peak_bytes(fn)[0]
+    grads = sum(t.grad.nbytes for t in prob.leaves if t.grad is not None)
     prob.zero_grads()
     return (raw - grads) / GiB, raw / GiB
-
-
-# --- correctness ---------------------------------------------------------------------------------
-
-def rel(x: torch.Tensor, y: torch.Tensor) -> float:
-    return ((x.float() - y.float()).norm() / y.float().norm()).item()
 
 
 def fp32_reference(prob: Problem, loss: str = "kl"):
@@ -165,45 +130,49 @@ def errors(prob: Problem, fn, ref) -> dict:
     valid = torch.cat(prob.valids)
     argmax, r_argmax = torch.cat(argmaxes), torch.cat(r_argmaxes)
     out = dict(
-        loss=rel(torch.cat(losses), torch.cat(r_losses)),
-        alpha=rel(torch.cat(alphas), torch.cat(r_alphas)),
+        loss=rel_error(torch.cat(losses), torch.cat(r_losses)),
+        alpha=rel_error(torch.cat(alphas), torch.cat(r_alphas)),
         argmax=(argmax[valid] == r_argmax[valid]).float().mean().item(),
         argmax_invalid_ok=bool((argmax[~valid] == -1).all()) if (~valid).any() else True,
-        dh=rel(torch.cat([h.grad for h in prob.hs]), torch.cat(r_dhs)),
-        dw=rel(prob.w.grad, r_dw),
+        dh=rel_error(torch.cat([h.grad for h in prob.hs]), torch.cat(r_dhs)),
+        dw=rel_error(prob.w.grad, r_dw),
     )
     prob.zero_grads()
     return out
 
 
-# --- the run -------------------------------------------------------------------------------------
+def check(prob: Problem, label: str, loss: str, contenders: list, checks: list) -> None:
+    """Each contender's errors against the fp32 reference of `loss`, appended to `checks`."""
+    ref = fp32_reference(prob, loss)
+    for name, fn in contenders:
+        if (e := attempt(f"[{label}] {name} check", errors, prob, fn, ref)) is not None:
+            checks.append((label, name, e))
+    del ref
+    free_memory()
 
-def bench_shape(label: str, rate: float, rows: list, checks: list, times: dict, losses: list[str] = ()):
-    N, H, invalid = SHAPES[label.rstrip("*")]
-    if label.endswith("*"):
-        invalid = 0.0      # the same shape with every row valid: what the compaction saves
+
+def measure(prob: Problem, name: str, fn) -> tuple[float, float, float]:
+    """(median ms, extra GiB, raw GiB) of one method."""
+    ms = median_ms_of_calls(fn, calls=7)
+    return ms, *(memory(prob, fn) if name != "cublas" else (NAN, NAN))
+
+
+def bench_shape(label: str, rate: float, results: dict, checks: list, losses: list[str] = ()):
+    """Check and time every method at one shape: results[(label, name)] = (ms, TFLOP/s, extra, raw GiB)."""
+    N, H, invalid = shape(label)
     prob = Problem(N, H, invalid)
-    flops = prob.useful_flops()
+    flops = sum(3 * 2 * n * V * H for n in prob.n_valid)
+    # triton: exact for any upstream gradient (4 GEMMs a step); triton-K: the loss weights known (3 GEMMs)
     methods = {"triton": per_step(prob, ttt_loss), "triton-K": all_steps(prob)}
     if not label.endswith("*"):
-        ref = fp32_reference(prob)
-        for name, fn in [("eager", per_step(prob, reference_loss)), *methods.items()]:
-            try:
-                checks.append((label, name, errors(prob, fn, ref)))
-            except Exception as exc:
-                print(f"[{label}] {name} check failed: {exc!r}", flush=True)
-        del ref
-        free_memory()
-        for loss in losses:   # each loss kind against the fp32 reference of the same loss, beside eager bf16
-            ref = fp32_reference(prob, loss)
-            for name, fn in [(f"eager[{loss}]", per_step(prob, functools.partial(reference_loss, loss=loss))),
-                             (f"triton-K[{loss}]", all_steps(prob, loss))][loss == "kl":]:
-                try:
-                    checks.append((label, name, errors(prob, fn, ref)))
-                except Exception as exc:
-                    print(f"[{label}] {name} check failed: {exc!r}", flush=True)
-            ref = None
-            free_memory()
+        check(prob, label, "kl", [("eager", per_step(prob, reference_loss)), *methods.items()], checks)
+        # each loss kind beside eager bf16 of it (kl's: "eager", above); tv's and nla's gradients follow
+        # [q <= p], which bf16 logits flip here and there: a few % from fp32 in both
+        for loss in losses:
+            pairs = [(f"triton-K[{loss}]", all_steps(prob, loss))]
+            if loss != "kl":
+                pairs.insert(0, (f"eager[{loss}]", per_step(prob, functools.partial(reference_loss, loss=loss))))
+            check(prob, label, loss, pairs, checks)
         print(f"[{label}] checked", flush=True)
         torch._dynamo.reset()
         methods = {"eager": per_step(prob, reference_loss),
@@ -211,25 +180,18 @@ def bench_shape(label: str, rate: float, rows: list, checks: list, times: dict, 
                    **methods, "cublas": cublas_only(prob)}
     methods.update({f"triton-K[{loss}]": all_steps(prob, loss) for loss in losses})
     for name, fn in methods.items():
-        try:
-            ms = median_ms_of_calls(fn, calls=7)
-            extra, raw = memory(prob, fn) if name != "cublas" else (float("nan"), float("nan"))
-        except Exception as exc:  # keep the rest of the table
-            print(f"[{label}] {name} failed: {exc!r}", flush=True)
-            continue
-        times[(label, name)] = (ms, extra)
-        rows.append((label, name, ms, flops / ms / 1e9, extra, raw))
-        print(f"[{label}] {name:9s} {ms:9.2f} ms {flops / ms / 1e9:6.0f} TFLOP/s "
-              f"extra {extra:6.2f} GiB raw {raw:6.2f} GiB", flush=True)
-    floor = flops / rate / 1e9
-    times[(label, "floor")] = (floor, 0.0)
-    rows.append((label, "floor", floor, rate, float("nan"), float("nan")))
+        if measured := attempt(f"[{label}] {name}", measure, prob, name, fn):
+            ms, extra, raw = measured
+            results[(label, name)] = (ms, flops / ms / 1e9, extra, raw)
+            print(f"[{label}] {name:9s} {ms:9.2f} ms {flops / ms / 1e9:6.0f} TFLOP/s "
+                  f"extra {extra:6.2f} GiB raw {raw:6.2f} GiB", flush=True)
+    results[(label, "floor")] = (flops / rate / 1e9, rate, NAN, NAN)
     del prob, methods
     free_memory()
 
 
-def ratios(times: dict, label: str) -> list[str]:
-    t = {name: v for (lab, name), v in times.items() if lab == label}
+def ratios(results: dict, label: str) -> list[str]:
+    t = {name: (v[0], v[2]) for (lab, name), v in results.items() if lab == label}
     out = []
     for name in ("triton", "triton-K"):
         if name not in t:
@@ -239,8 +201,8 @@ def ratios(times: dict, label: str) -> list[str]:
         if "compile" in t:
             parts.append(f"compile/{name} {t['compile'][0] / ms:.2f}x")
         if "eager" in t:
-            parts.append(f"eager/{name} {t['eager'][0] / ms:.2f}x")
-            parts.append(f"extra mem {extra / t['eager'][1] * 100:.1f}% of eager")
+            parts += [f"eager/{name} {t['eager'][0] / ms:.2f}x",
+                      f"extra mem {extra / t['eager'][1] * 100:.1f}% of eager"]
         parts.append(f"{name}/floor {ms / t['floor'][0]:.3f}")
         if "cublas" in t:
             parts.append(f"{name}/cublas {ms / t['cublas'][0]:.3f}")
@@ -252,20 +214,20 @@ def ratios(times: dict, label: str) -> list[str]:
     return out
 
 
-def loss_table(times: dict, labels: list[str], losses: list[str]) -> list[str]:
+def loss_table(results: dict, labels: list[str], losses: list[str]) -> list[str]:
     """Per shape and loss kind: triton-K's time, its ratio to kl's and its extra memory beside kl's."""
     out = ["| shape | loss | triton-K fwd+bwd ms | / kl | extra GiB | extra - kl's GiB |", "|---|---|---|---|---|---|"]
     worst = None
     for label in labels:
-        kl = times.get((label, "triton-K[kl]"))
+        kl = results.get((label, "triton-K[kl]"))
         for loss in losses:
-            t = times.get((label, f"triton-K[{loss}]"))
+            t = results.get((label, f"triton-K[{loss}]"))
             if t is None or kl is None:
                 continue
             ratio = t[0] / kl[0]
             if loss != "kl" and (worst is None or ratio > worst[0]):
                 worst = (ratio, label, loss)
-            out.append(f"| {label} | {loss} | {t[0]:.2f} | {ratio:.3f} | {t[1]:.2f} | {t[1] - kl[1]:+.3f} |")
+            out.append(f"| {label} | {loss} | {t[0]:.2f} | {ratio:.3f} | {t[2]:.2f} | {t[2] - kl[2]:+.3f} |")
     if worst is not None:
         ratio, label, loss = worst
         out.append(f"slowest loss against kl: {loss} at ({label}) {ratio:.3f}x "
@@ -274,25 +236,14 @@ def loss_table(times: dict, labels: list[str], losses: list[str]) -> list[str]:
 
 
 def parse_losses(text: str | None) -> list[str]:
-    """'tv,nla' -> ['kl', 'tv', 'nla'] (kl first: the yardstick); None -> [] (today's run)."""
-    if not text:
-        return []
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in LOSSES]
-    if unknown:
+    """'tv,nla' -> ['kl', 'tv', 'nla'] (kl first: the yardstick); None -> []."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    if unknown := [n for n in names if n not in LOSSES]:
         raise ValueError(f"unknown loss {', '.join(unknown)}; the losses are {','.join(LOSSES)}")
-    return ["kl"] + [n for n in dict.fromkeys(names) if n != "kl"]
+    return ["kl"] + [n for n in dict.fromkeys(names) if n != "kl"] if text else []
 
 
-def run(shapes: str = "all", losses: list[str] = ()) -> None:
-    labels = list(SHAPES) + ["c*"] if shapes == "all" else shapes.split(",")
-    print(f"{describe_device()}, K={K}, V={V}, bf16", flush=True)
-    rate = matmul_tflops()
-    print(f"bf16 torch.matmul 8192^3: {rate:.0f} TFLOP/s", flush=True)
-    rows, checks, times = [], [], {}
-    for label in labels:
-        bench_shape(label, rate, rows, checks, times, losses)
-
+def print_tables(results: dict, checks: list, labels: list[str], losses: list[str]) -> None:
     print("\nCorrectness vs fp32 reference (relative L2 error; argmax = agreement on valid rows)")
     print("| shape | method | loss | alpha | argmax | dh | dw |\n|---|---|---|---|---|---|---|")
     for label, name, e in checks:
@@ -301,27 +252,34 @@ def run(shapes: str = "all", losses: list[str] = ()) -> None:
               f"| {e['dh']:.2e} | {e['dw']:.2e} |")
     print("\n| shape | N, H, not valid | method | fwd+bwd ms | TFLOP/s (useful) | extra GiB | raw GiB |")
     print("|---|---|---|---|---|---|---|")
-    for label, name, ms, tf, extra, raw in rows:
-        N, H, invalid = SHAPES[label.rstrip("*")]
-        invalid = 0.0 if label.endswith("*") else invalid
-        mem = "" if extra != extra else f"{extra:.2f}"
-        rawm = "" if raw != raw else f"{raw:.2f}"
-        print(f"| {label} | {N}, {H}, {invalid:.0%} | {name} | {ms:.2f} | {tf:.0f} | {mem} | {rawm} |")
+    gib = lambda x: "" if x != x else f"{x:.2f}"
+    for (label, name), (ms, tf, extra, raw) in results.items():
+        N, H, invalid = shape(label)
+        print(f"| {label} | {N}, {H}, {invalid:.0%} | {name} | {ms:.2f} | {tf:.0f} | {gib(extra)} | {gib(raw)} |")
     if losses:
-        print()
-        print("\n".join(loss_table(times, labels, losses)))
-    print()
+        print("\n" + "\n".join(loss_table(results, labels, losses)))
+    print("", *(line for label in labels for line in ratios(results, label)), sep="\n")
+
+
+def run(shapes: str = "all", losses: list[str] = ()) -> None:
+    labels = shape_labels(shapes, [*SHAPES, "c*"])
+    print(f"{describe_device()}, K={K}, V={V}, bf16", flush=True)
+    rate = matmul_tflops()
+    print(f"bf16 torch.matmul 8192^3: {rate:.0f} TFLOP/s", flush=True)
+    results, checks = {}, []
     for label in labels:
-        for line in ratios(times, label):
-            print(line)
+        bench_shape(label, rate, results, checks, losses)
+    print_tables(results, checks, labels, losses)
     if configs := chosen_configs():
         print("loss kernel configs chosen by autotune (V, LOSS, WRITE_GRAD, ...):", configs)
+    ms = {key: v[0] for key, v in results.items()}
     for name in ("triton", "triton-K"):
-        if (("b", name) in times) and (("c", name) in times):
-            b, c = times[("b", name)][0], times[("c", name)][0]
-            line = f"{name}: time(c)/time(b) {c / b:.3f} (valid share x H ratio = {0.7 * 4096 / 7168:.3f})"
-            if ("c*", name) in times:
-                line += f"; time(c)/time(c, all valid) {c / times[('c*', name)][0]:.3f}"
+        if ("b", name) in ms and ("c", name) in ms:
+            c = ms[("c", name)]
+            line = (f"{name}: time(c)/time(b) {c / ms[('b', name)]:.3f} "
+                    f"(valid share x H ratio = {0.7 * 4096 / 7168:.3f})")
+            if ("c*", name) in ms:
+                line += f"; time(c)/time(c, all valid) {c / ms[('c*', name)]:.3f}"
             print(line)
 
 
@@ -330,11 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="all", help="comma-separated shape labels (a,b,c,c*) or 'all'")
     parser.add_argument("--losses", default=None, metavar="kl,tv,nla,lk_hybrid,pq",
                         help="also time triton-K (fwd+bwd) for each of these loss kinds and print each one's "
-                             "time and extra memory against kl's (default: kl alone, as before)")
+                             "time and extra memory against kl's (default: kl alone)")
     args = parser.parse_args(argv)
     try:
         losses = parse_losses(args.losses)
     except ValueError as exc:
         parser.error(str(exc))
-    require_cuda("loss")
+    require_cuda("eagle3.bench loss")
     run(args.shapes, losses)

@@ -1,12 +1,6 @@
-"""`python -m eagle3.bench rows`: the row kernels of a TTT step (`kernels/rows.py`,
-`kernels/rms_norm.py`) against what torch would run, on the GPU.
-
-spread   14,000 of 16,384 rows (a Kimi-size step's live rows) of [7168], [64, 128], [8, 128] bf16
-         into zeros: `kernels.rows.spread_rows` against torch's `new_full(...).index_copy`; equal
-         bit for bit, time and bandwidth (bytes: the output written, the source read)
-norm     RMSNorm of [rows, 7168] bf16, forward and forward + backward (autograd.grad, its host time
-         included): `kernels.rms_norm` against `ops.rms_norm` compiled (`ops.compiled`) and eager;
-         the share of outputs bit-equal to eager, dx and dw against fp64
+"""`python -m eagle3.bench rows`: the row kernels of a TTT step (`kernels/rows.py`, `kernels/rms_norm.py`)
+against what torch would run, on the GPU: the spread of a Kimi-size step's live rows into zeros (bytes: the
+output written, the source read) and RMSNorm fwd and fwd+bwd (autograd.grad, host time included).
 """
 from __future__ import annotations
 
@@ -14,16 +8,12 @@ import argparse
 
 import torch
 
-from eagle3.bench.timing import describe_device, median_ms, require_cuda
+from eagle3.bench.timing import describe_device, median_ms, rel_error, require_cuda
 from eagle3.ops import compiled, rms_norm
 
 SPREAD_TOTAL, SPREAD_ROWS = 16384, 14000
 SPREAD_SHAPES = [(7168,), (64, 128), (8, 128)]
 NORM_ROWS, NORM_WIDTH = [3000, 14000, 16384], 7168
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b).norm() / b.norm())
 
 
 def bench_spread() -> None:
@@ -52,6 +42,7 @@ def bench_norm() -> None:
         exact = torch.autograd.grad(ws * xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-6), (xs, ws),
                                     dy.double())
         eager_y = rms_norm(x, w, 1e-6).detach()
+        err = lambda got, want: f"{rel_error(got, want, torch.float64):.1e}"
         for name, fn in contenders.items():
             y = fn(x, w, 1e-6)
             dx, dw = torch.autograd.grad(y, (x, w), dy)
@@ -59,14 +50,14 @@ def bench_norm() -> None:
             both = median_ms(lambda: torch.autograd.grad(fn(x, w, 1e-6), (x, w), dy))
             print(f"norm [{rows}, {NORM_WIDTH}] {name:8s}: fwd {fwd * 1e3:5.0f} us, fwd+bwd {both * 1e3:5.0f} us, "
                   f"outputs bit-equal to eager {float((y == eager_y).float().mean()):.4%}, rel err vs fp64 "
-                  f"dx {rel(dx, exact[0]):.1e} dw {rel(dw, exact[1]):.1e}", flush=True)
+                  f"dx {err(dx, exact[0])} dw {err(dw, exact[1])}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench rows", description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="spread,norm", help="comma list of spread, norm")
     args = parser.parse_args(argv)
-    require_cuda("rows")
+    require_cuda("eagle3.bench rows")
     print(f"row kernels, {describe_device()}")
     for part in args.parts.split(","):
         {"spread": bench_spread, "norm": bench_norm}[part.strip()]()

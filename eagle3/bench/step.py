@@ -1,18 +1,16 @@
-"""`python -m eagle3.bench`: the full training step of a Kimi-K2.5-size draft on synthetic data.
+"""`python -m eagle3.bench`: the full training step of an EAGLE-3 draft on synthetic data, at the
+sizes of the targets users train for (Kimi-K2.5, Llama-3.1-8B, Llama-3.2-1B, the quality bench's small one).
 
-Writes a stand-in target (config, embedding, norm and head only: what the trainer reads) and
-synthetic hidden-state shards in the real format, then times `Trainer.train_step` (forward over
-all K steps, backward, optimizer step; DDP under torchrun) with the shards read through the
-trainer's own prefetcher and device copies (`Feed.device_batches`: each micro-batch's copy to the
-GPU overlaps the step before), `--steps` steps back to back as the training loop runs them, the GPU's
-queued work finished on both sides (`timing.wall_s`; until 2026-12-01 the median of single steps,
-each with its own copy on the compute stream). Prints tokens/s per GPU, model FLOPs utilization (matmul FLOPs of
-computing every row at every step, fwd+bwd, over the bf16 matmul rate measured in the same run),
-peak GPU memory and the share of step time the GPU is idle, per data layout and kernel choice:
-"torch" is the established recipe (compiled flex_attention, compiled loss, every row computed),
-"triton" is ours (Triton kernels, rows that cannot reach the loss skipped).
+Writes a stand-in target (config, embedding, norm and head: what the trainer reads) and synthetic
+hidden-state shards in the real format, then times `Trainer.train_step` (all K steps forward, backward,
+optimizer; DDP under torchrun) with the shards read through the trainer's own prefetcher and device copies,
+`--steps` steps back to back. Prints tokens/s per GPU, MFU (matmul FLOPs computing every row at every step
+over the bf16 rate measured in the same run), peak memory and the share of the step the GPU is idle, per
+size, data layout and kernel choice: "torch" is the established recipe (compiled flex_attention and loss,
+every row computed), "triton" ours; `-fp8` adds train.float8, `-fp8-head` also train.float8_head, `auto`
+the defaults' choice for the size.
 
-    python -m eagle3.bench [step] [--layouts a,b] [--kernels torch,triton] [--steps 5] [--warmup 2]
+    python -m eagle3.bench [step] [--sizes kimi,llama8b] [--layouts a,b] [--kernels torch,triton] [--steps 5]
     torchrun --nproc_per_node 2 -m eagle3.bench ...
     python -m eagle3.bench --tiny        # the same code on a tiny shape (CPU smoke test)
 """
@@ -21,16 +19,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
-import re
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -45,24 +38,36 @@ from eagle3.models.weights import read_config
 from eagle3.training import Trainer
 from eagle3.ttt import summarize
 
-KIMI = dict(hidden=7168, vocab=163840, heads=64, kv_heads=8, head_dim=128, inter=18432, draft_vocab=32000,
-            seqs=4, seq_len=4096, user=512)
-TINY = dict(hidden=64, vocab=2048, heads=1, kv_heads=1, head_dim=64, inter=128, draft_vocab=512,
-            seqs=4, seq_len=128, user=16)
+SIZES = {   # draft shapes (the target's hidden, heads, intermediate) and one micro-batch of tokens
+    "kimi": dict(hidden=7168, vocab=163840, heads=64, kv_heads=8, head_dim=128, inter=18432, draft_vocab=32000,
+                 seqs=4, seq_len=4096, user=512, layers=61),
+    "llama8b": dict(hidden=4096, vocab=128256, heads=32, kv_heads=8, head_dim=128, inter=14336, draft_vocab=32000,
+                    seqs=4, seq_len=4096, user=512, layers=32),
+    "llama1b": dict(hidden=2048, vocab=128256, heads=32, kv_heads=8, head_dim=64, inter=8192, draft_vocab=32000,
+                    seqs=4, seq_len=4096, user=512, layers=16),
+    "small": dict(hidden=256, vocab=2048, heads=4, kv_heads=2, head_dim=64, inter=768, draft_vocab=256,
+                  seqs=8, seq_len=512, user=128, layers=8),
+    "tiny": dict(hidden=64, vocab=2048, heads=1, kv_heads=1, head_dim=64, inter=128, draft_vocab=512,
+                 seqs=4, seq_len=128, user=16, layers=61),
+}
 
 
 def write_target(out: Path, s: dict) -> None:
-    """A stand-in target: a Kimi-like text config and only the tensors the trainer reads. Kept for the
-    next run with the same --dir (4.7 GB at Kimi size): config.json is written last, so its presence
+    """A stand-in target: a text config (Kimi's with 61 layers, else Llama's) and only the tensors the
+    trainer reads. Kept for the next run with the same --dir: config.json is written last, so its presence
     with the same contents means the weights are complete."""
     out.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": s["hidden"],
-              "vocab_size": s["vocab"], "num_hidden_layers": 61, "num_attention_heads": s["heads"],
-              "num_key_value_heads": s["heads"], "intermediate_size": s["inter"], "rms_norm_eps": 1e-5,
-              "rope_theta": 50000.0, "max_position_embeddings": 262144, "tie_word_embeddings": False,
-              # Kimi's MLA and MoE sizes: its family needs them, though no layer is written or read
-              "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-              "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8, "moe_intermediate_size": 2048}
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": s["hidden"],
+              "vocab_size": s["vocab"], "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"],
+              "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"], "intermediate_size": s["inter"],
+              "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "max_position_embeddings": 131072,
+              "tie_word_embeddings": False}
+    if s["layers"] == 61:   # Kimi's: its family needs the MLA and MoE sizes, though no layer is read
+        config.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], num_key_value_heads=s["heads"],
+                      q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                      n_routed_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, rope_theta=50000.0,
+                      max_position_embeddings=262144)
+        del config["head_dim"]
     written = out / "config.json"
     if written.exists() and json.loads(written.read_text()) == config:
         return
@@ -220,29 +225,32 @@ def same_weights_on_all_ranks(trainer: Trainer) -> bool:
     return bool(trainer.dist.all_reduce(equal) == trainer.dist.world)
 
 
-def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup: int, tflops: float,
-              profile_dir: Path | None = None, train_head: bool = False, prompt_rows: bool = False) -> dict:
-    # "triton-fp8": also train.float8; "triton-fp8-head": and train.float8_head
+def kernel_args(kernels: str) -> list[str]:
+    """A --kernels entry as config overrides: "torch", "triton[-fp8[-head]]", or "auto" (the defaults)."""
+    if kernels == "auto":
+        return []
     path, *options = kernels.split("-")
-    fp8, fp8_head = "fp8" in options, "head" in options
-    args = ["--target.path", str(root / "target"), "--train.data_dir", str(root / f"data-{layout}"),
-            "--train.output_dir", str(root / f"out-{layout}-{kernels}"), "--debug.kernels", path,
-            "--train.float8", str(fp8).lower(), "--train.float8_head", str(fp8_head).lower(),
+    # "torch" is the established recipe: every row computed, eager layers; ours skips dead rows and fuses
+    # the layers' elementwise chains
+    return ["--debug.kernels", path, "--train.float8", str("fp8" in options).lower(),
+            "--train.float8_head", str("head" in options).lower(), "--debug.skip_dead_rows", str(path != "torch").lower(),
+            "--debug.compile_ops", str(path != "torch").lower()]
+
+
+def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warmup: int, tflops: float,
+              profile_dir: Path | None = None, train_head: bool = False, prompt_rows: bool = False) -> dict:
+    s = SIZES[size]
+    args = ["--target.path", str(root / size / "target"), "--train.data_dir", str(root / size / f"data-{layout}"),
+            "--train.output_dir", str(root / size / f"out-{layout}-{kernels}"), *kernel_args(kernels),
             "--train.batch_tokens", str(s["seqs"] * s["seq_len"]), "--train.eval_fraction", "0",
             "--train.max_steps", str(steps + warmup + 2), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
             "--draft.num_key_value_heads", str(s["kv_heads"]), "--draft.head_dim", str(s["head_dim"]),
             "--draft.intermediate_size", str(s["inter"]),
-            # "torch" is the established recipe: every row computed, eager layers; ours skips dead
-            # rows and fuses the layers' elementwise chains
-            "--debug.skip_dead_rows", str(path != "torch").lower(),
-            "--debug.compile_ops", str(path != "torch").lower(),
-            # the default (and the peer's) head: the target's rows, frozen; --train-head: the
-            # workload of the figures recorded before 2026-11-30 (random head, trained)
+            # the default (and the peer's) head: the target's rows, frozen; --train-head: random, trained
             "--experimental.lm_head_init", "random" if train_head else "target",
             "--experimental.freeze_lm_head", str(not train_head).lower(),
-            # assistant rows only: the peer's workload and the recorded figures' (our default, prompt
-            # rows trained too, is --prompt-rows: more rows through the MLP and loss on layout b)
+            # assistant rows only by default: the peer's workload (ours trains prompt rows too: --prompt-rows)
             "--train.prompt_rows", str(prompt_rows).lower()]
     started = time.perf_counter()
     trainer = Trainer(config_mod.load(None, args))
@@ -264,165 +272,109 @@ def bench_one(root: Path, layout: str, kernels: str, s: dict, steps: int, warmup
 
     step = wall_s(loop)[0] / steps
     tokens = statistics.mean(rows)
-    table = profile_dir / f"profile-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}.txt" \
+    table = profile_dir / f"profile-{size}-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}.txt" \
         if profile_dir else None
     busy = gpu_busy_fraction(trainer, next(batches), table)[0] if cuda else float("nan")
     syncs = host_syncs(trainer, next(batches)) if cuda else []
     flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens, train_head)
-    return {"layout": layout, "kernels": kernels, "world": trainer.dist.world, "step_s": step,
+    return {"size": size, "layout": layout, "kernels": kernels, "float8": trainer.float8,
+            "float8_head": trainer.float8_head, "world": trainer.dist.world, "step_s": step,
             "tokens_per_s_per_gpu": tokens / step, "mfu": flops / step / 1e12 / tflops if cuda else float("nan"),
             "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
             "gpu_idle": 1 - busy, "same_weights_on_all_ranks": same_weights_on_all_ranks(trainer),
             "host_syncs": len(syncs), "host_sync_sites": sorted(set(syncs)),
             "first_step_loss": [round(x, 4) for x in summarize(first)["loss"]],
-            "attention_configs": attention_picks() if path == "triton" and cuda else None,
+            "attention_configs": attention_picks() if kernels != "torch" and cuda else None,
             "bench_s": round(time.perf_counter() - started)}
 
 
-def run_ours(args: argparse.Namespace, s: dict, dist: distributed.Dist, root: Path,
-             layouts: list[str]) -> tuple[list[dict], float]:
-    """Our step on every layout and kernel choice asked for: the rows (printed and appended to --json as
-    they come) and the bf16 matmul rate of this GPU."""
+def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path) -> tuple[list[dict], float]:
+    """Our step at every size, layout and kernel choice asked for: the rows (printed and appended to --json
+    as they come) and the bf16 matmul rate of this GPU."""
     if dist.main:
-        write_target(root / "target", s)
-        for layout in layouts:
-            write_shards(root / f"data-{layout}", root / "target", layout, s, dist.world * (args.steps + args.warmup + 2))
+        for size in args.sizes:
+            write_target(root / size / "target", SIZES[size])
+            for layout in args.layouts:
+                write_shards(root / size / f"data-{layout}", root / size / "target", layout, SIZES[size],
+                             dist.world * (args.steps + args.warmup + 2))
     dist.barrier()
     tflops = matmul_tflops() if dist.device.type == "cuda" else float("nan")
     results = []
-    for layout in layouts:
-        for kernels in args.kernels.split(","):
-            results.append(bench_one(root, layout, kernels, s, args.steps, args.warmup, tflops,
-                                     Path(args.profile_dir) if args.profile_dir else None, args.train_head,
-                                     args.prompt_rows))
-            if dist.main:
-                print(json.dumps(results[-1]), flush=True)
-                if args.json:
-                    with open(args.json, "a") as f:
-                        f.write(json.dumps({**results[-1], "tflops": tflops}) + "\n")
-            free_memory()
-            if dist.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
+    for size in args.sizes:
+        for layout in args.layouts:
+            for kernels in args.kernels:
+                results.append(bench_one(root, size, layout, kernels, args.steps, args.warmup, tflops,
+                                         args.profile_dir, args.train_head, args.prompt_rows))
+                if dist.main:
+                    print(json.dumps(results[-1]), flush=True)
+                    if args.json:
+                        with open(args.json, "a") as f:
+                            f.write(json.dumps({**results[-1], "tflops": tflops}) + "\n")
+                free_memory()
+                if dist.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
     return results, tflops
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="kimi", help=f"comma list of {', '.join(SIZES)}")
     parser.add_argument("--layouts", default="a,b")
     parser.add_argument("--kernels", default="torch,triton",
-                        help="comma list of torch, triton; a -fp8 suffix adds train.float8 (e.g. triton-fp8), "
-                             "-fp8-head also train.float8_head")
+                        help="comma list of torch, triton, auto (the defaults); a -fp8 suffix adds train.float8 "
+                             "(e.g. triton-fp8), -fp8-head also train.float8_head")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
-    parser.add_argument("--dir", default=None, help="where to write the synthetic target and shards "
+    parser.add_argument("--tiny", action="store_true", help="--sizes tiny (CPU smoke test)")
+    parser.add_argument("--dir", default=None, help="where to write the synthetic targets and shards "
                         "(kept, and reused by the next bench with the same --dir)")
-    parser.add_argument("--profile-dir", default=None, help="write each run's GPU kernel table here")
+    parser.add_argument("--profile-dir", type=Path, default=None, help="write each run's GPU kernel table here")
     parser.add_argument("--json", default=None, help="append the results here as JSON lines")
-    parser.add_argument("--peer-script", default=None,
-                        help="also run the peer's Kimi step (speculators 0.9.0: bench/peer/speculators_kimi_step.py, its "
-                             "wheels on PYTHONPATH) in this call and print ours (layout a) / the peer's tokens/s")
-    parser.add_argument("--peer-gpu", type=int, default=None,
-                        help="run the peer on this GPU of the host, beside ours on GPU 0, instead of before ours "
-                             "(a 2-GPU machine: the call takes the peer's minutes, not the sum; ours is timed "
-                             "while the peer prepares and compiles, and its timed epoch usually starts after ours "
-                             "ended: not enforced, so check the peer's log times)")
     parser.add_argument("--prompt-rows", action="store_true",
-                        help="train prompt rows too (train.prompt_rows, our default); default: assistant rows "
-                             "only, the peer's workload and the recorded figures'")
+                        help="train prompt rows too (train.prompt_rows, our default); default: assistant rows only, "
+                             "the peer's workload")
     parser.add_argument("--train-head", action="store_true",
-                        help="a random lm_head, trained (the figures recorded before 2026-11-30); default: "
-                             "the target's rows, frozen (our default and the peer's)")
+                        help="a random lm_head, trained; default: the target's rows, frozen (ours and the peer's)")
     args = parser.parse_args(argv)
+    args.sizes = ["tiny"] if args.tiny else args.sizes.split(",")
+    args.layouts, args.kernels = args.layouts.split(","), args.kernels.split(",")
+    if unknown := [x for x in args.sizes if x not in SIZES]:
+        parser.error(f"--sizes: unknown {', '.join(unknown)}; one of {', '.join(SIZES)}")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1 (the first-step loss is the first warm-up step's)")
-    if args.peer_gpu is not None and (not args.peer_script or args.peer_gpu < 1):
-        parser.error("--peer-gpu needs --peer-script and names a GPU other than ours (0): 1 or more")
-    if args.peer_gpu is not None and torch.cuda.is_available() and args.peer_gpu >= torch.cuda.device_count():
-        parser.error(f"--peer-gpu {args.peer_gpu}: this process sees {torch.cuda.device_count()} GPU(s), 0 to "
-                     f"{torch.cuda.device_count() - 1} (numbered as CUDA_VISIBLE_DEVICES shows them to it)")
-    if not args.tiny:   # a Kimi-size draft on a CPU would run for hours and take more memory than the machine
-        require_cuda("step", "; --tiny runs the same code at toy size on the CPU")
-    s = TINY if args.tiny else KIMI
+    if not args.tiny:   # a real-size draft on a CPU would run for hours
+        require_cuda("eagle3.bench step", "; --tiny runs the same code at toy size on the CPU")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     dist = distributed.setup()
-    if args.peer_script and dist.world > 1:   # the other ranks would wait in a collective for its minutes
-        raise SystemExit("error: --peer-script runs the peer on one GPU: run it without torchrun")
-    # the peer first: on our GPU it runs alone before ours (its 4-5 minute compile is the call's long
-    # pole); on another (--peer-gpu) it runs beside ours, its data and compilation overlapping our work
-    peer_run = start_peer(args.peer_script, args.peer_gpu) if args.peer_script and dist.main else None
-    peer = finish_peer(peer_run, s["seqs"] * s["seq_len"]) if peer_run and args.peer_gpu is None else None
     root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
-    layouts = args.layouts.split(",")
-    try:
-        results, tflops = run_ours(args, s, dist, root, layouts)
-    except BaseException:   # ours failed or was interrupted: the peer beside it must not keep its GPU
-        if peer_run:
-            peer_run.process.kill()
-        raise
-    if peer_run and args.peer_gpu is not None:
-        peer = finish_peer(peer_run, s["seqs"] * s["seq_len"])
+    results, tflops = run_ours(args, dist, root)
     if dist.main:
-        name = torch.cuda.get_device_name() if dist.device.type == "cuda" else "cpu"
-        print(f"\n{name}, torch {torch.__version__}, bf16 matmul {tflops:.0f} TFLOP/s (8192^3), "
-              f"{dist.world} rank(s), micro-batch {s['seqs']} x {s['seq_len']} tokens")
-        print("| layout | kernels | step ms | tokens/s/GPU | MFU (bf16 peak) | peak GiB | GPU idle | host syncs/step "
-              "| same weights on all ranks | first step loss0 |")
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
-        for r in results:
-            print(f"| {r['layout']} | {r['kernels']} | {r['step_s'] * 1e3:.0f} | {r['tokens_per_s_per_gpu']:,.0f} "
-                  f"| {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['gpu_idle']:.1%} | {r['host_syncs']} "
-                  f"| {r['same_weights_on_all_ranks']} | {r['first_step_loss'][0]:.4f} |")
-        by = {(r["layout"], r["kernels"]): r["tokens_per_s_per_gpu"] for r in results}
-        for layout in layouts:
-            if (layout, "torch") in by and (layout, "triton") in by:
-                print(f"layout {layout}: triton / torch tokens/s = {by[(layout, 'triton')] / by[(layout, 'torch')]:.2f}x")
-        for (layout, kernels), ours in by.items():
-            if layout == "a" and peer:
-                print(f"layout a: ours ({kernels}) / speculators 0.9.0 tokens/s = {ours / peer:.2f}x "
-                      f"({ours:,.0f} / {peer:,.0f}, same call)")
+        print_table(results, tflops, dist)
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     distributed.teardown()
 
 
-def peer_tokens_per_s(log: str, tokens_per_step: int) -> float | None:
-    """Steady-state tokens/s from the peer's log: the median of its own per-step times
-    (`profile/step_ms`) over its last epoch (the first compiles for minutes); None without one."""
-    starts = list(re.finditer(r"Training epoch \d+/\d+ started", log))
-    last = log[starts[-1].end():] if starts else ""
-    times = [float(v) for v in re.findall(r"profile/step_ms=([\d.]+(?:e[+-]?\d+)?)", last)]
-    return tokens_per_step / (statistics.median(times) / 1e3) if times else None
+def print_table(results: list[dict], tflops: float, dist: distributed.Dist) -> None:
+    name = torch.cuda.get_device_name() if dist.device.type == "cuda" else "cpu"
+    print(f"\n{name}, torch {torch.__version__}, bf16 matmul {tflops:.0f} TFLOP/s (8192^3), {dist.world} rank(s)")
+    print("| size | tokens/batch | layout | kernels | step ms | tokens/s/GPU | MFU (bf16 peak) | peak GiB | GPU idle "
+          "| host syncs/step | same weights on all ranks | first step loss0 |")
+    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+    for r in results:
+        s = SIZES[r["size"]]
+        print(f"| {r['size']} | {s['seqs'] * s['seq_len']} | {r['layout']} | {r['kernels']} | {r['step_s'] * 1e3:.0f} "
+              f"| {r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['gpu_idle']:.1%} "
+              f"| {r['host_syncs']} | {r['same_weights_on_all_ranks']} | {r['first_step_loss'][0]:.4f} |")
+    by = {(r["size"], r["layout"], r["kernels"]): r["tokens_per_s_per_gpu"] for r in results}
+    for (size, layout, kernels), ours in by.items():
+        if kernels == "triton" and (size, layout, "torch") in by:
+            print(f"{size} {layout}: triton / torch tokens/s = {ours / by[(size, layout, 'torch')]:.2f}x")
 
-
-class PeerRun(NamedTuple):
-    process: subprocess.Popen
-    log: Path        # the full log the peer's script writes; its stdout and stderr beside it, .out
-    started: float   # perf_counter
-
-
-def start_peer(script: str, gpu: int | None) -> PeerRun:
-    """Start the peer's step (its own script at its defaults, 48 sequences of 4096 tokens: 12 steps per
-    epoch, the second epoch steady, as in its recorded figures) on GPU `gpu` (None: the one ours uses,
-    so the caller waits for it before timing ours). Its full log goes to $OUT (or /tmp)/kimi_peer.log
-    (the script's own stdout keeps only a summary); its stdout and stderr to kimi_peer.out beside it."""
-    log_file = Path(os.environ.get("OUT", "/tmp")) / "kimi_peer.log"
-    log_file.unlink(missing_ok=True)
-    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
-    print(f"peer ({script}) started" + (f" on GPU {gpu}" if gpu is not None else ""), flush=True)
-    with open(log_file.with_suffix(".out"), "w") as out:   # a file, not a pipe: nobody reads it while it runs
-        run = subprocess.Popen([sys.executable, script], stdout=out, stderr=subprocess.STDOUT, env=env)
-    return PeerRun(run, log_file, time.perf_counter())
-
-
-def finish_peer(run: PeerRun, tokens_per_step: int) -> float | None:
-    """Wait for the peer started by `start_peer`: its steady tokens/s, or None (its log's tail printed)."""
-    rc = run.process.wait()
-    out = run.log.with_suffix(".out")
-    log = (run.log.read_text() if run.log.exists() else "") + (out.read_text() if out.exists() else "")
-    peer = peer_tokens_per_s(log, tokens_per_step)
-    print(f"peer: rc {rc}, {time.perf_counter() - run.started:.0f} s, "
-          + (f"{peer:,.0f} tokens/s" if peer else "no completed epoch found in its output:\n" + log[-3000:]), flush=True)
-    return peer
 
 if __name__ == "__main__":
     main()

@@ -1,17 +1,16 @@
-"""The one timer of the benches.
+"""The one timer of the benches, and what they share.
 
-`median_ms` times GPU work: `triton.testing.do_bench` (median, L2 flushed before each call) where
-Triton and CUDA are there, otherwise the same budgets with CUDA events around each call (the host
-clock on the CPU); `median_ms_of_calls` is the same for work slow enough that the figure should
-rest on a fixed number of calls. `wall_s` times work with host steps in it (a training step, a
-pipeline stage); `peak_bytes` gives the memory a piece of GPU work adds.
+`median_ms` times GPU work (do_bench's median, L2 flushed; CUDA events or the host clock without
+Triton); `wall_s` times work with host steps in it; `peak_bytes` gives the memory GPU work adds.
 """
 from __future__ import annotations
 
 import datetime
 import gc
+import os
 import statistics
 import time
+import traceback
 from typing import Callable, TypeVar
 
 import torch
@@ -20,8 +19,7 @@ T = TypeVar("T")
 
 
 def median_ms(fn: Callable[[], object], warmup: float = 25, rep: float = 100) -> float:
-    """Median milliseconds of one fn() after `warmup` ms of warm-up calls, over `rep` ms of calls
-    (at least one of each; the budgets of do_bench)."""
+    """Median ms of one fn() after `warmup` ms of warm-up calls, over `rep` ms of calls (at least one each)."""
     try:
         from triton.testing import do_bench
     except ImportError:   # no Triton (macOS, Windows)
@@ -40,8 +38,7 @@ def median_ms_of_calls(fn: Callable[[], object], calls: int, warmup_calls: int =
 
 
 def elapsed_ms(fn: Callable[[], object]) -> float:
-    """Milliseconds of one fn(): CUDA events around it on the GPU (the host returns before the GPU
-    is done), the host clock on the CPU."""
+    """Ms of one fn(): CUDA events on the GPU (the host returns before the GPU is done), else the host clock."""
     if not torch.cuda.is_available():
         start = time.perf_counter()
         fn()
@@ -64,8 +61,7 @@ def _median_ms_of_events(fn: Callable[[], object], warmup: float, rep: float) ->
 
 
 def wall_s(fn: Callable[[], T]) -> tuple[float, T]:
-    """(seconds, fn()) on the host clock, the GPU's queued work finished before and after: the time
-    of work whose host steps count too."""
+    """(seconds, fn()) on the host clock, queued GPU work finished before and after."""
     synchronize()
     start = time.perf_counter()
     out = fn()
@@ -74,14 +70,13 @@ def wall_s(fn: Callable[[], T]) -> tuple[float, T]:
 
 
 def synchronize() -> None:
-    """Wait for the GPU work this process queued (none if it never used CUDA: no context is made)."""
+    """Wait for this process's GPU work; no CUDA context is made if it never used CUDA."""
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
 def peak_bytes(fn: Callable[[], T]) -> tuple[int, T]:
-    """(peak bytes allocated during fn() above what was allocated before it, fn()), with what
-    earlier work left for the collector freed first."""
+    """(peak bytes allocated during fn() above what was allocated before it, fn())."""
     free_memory()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -92,14 +87,14 @@ def peak_bytes(fn: Callable[[], T]) -> tuple[int, T]:
 
 
 def free_memory() -> None:
-    """Drop what earlier work left (tensors in reference cycles, the allocator's cached blocks)."""
+    """Drop what earlier work left: tensors in reference cycles, the allocator's cached blocks."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def matmul_tflops() -> float:
-    """The bf16 matmul rate of this GPU, measured now (8192^3): the floor and MFU of the benches."""
+    """The bf16 matmul rate of this GPU (8192^3), measured now: the floor and MFU of the benches."""
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     return 2 * 8192 ** 3 / median_ms(lambda: a @ b, warmup=100, rep=500) / 1e9
 
@@ -118,7 +113,29 @@ def describe_device() -> str:
     return f"{datetime.date.today()} {device}, {versions}"
 
 
-def require_cuda(bench: str, otherwise: str = "") -> None:
+def require_cuda(command: str, otherwise: str = "") -> None:
     """A GPU-only bench stops with a message on a machine without CUDA, not a traceback."""
     if not torch.cuda.is_available():
-        raise SystemExit(f"error: python -m eagle3.bench {bench} needs a CUDA GPU{otherwise}")
+        raise SystemExit(f"error: python -m {command} needs a CUDA GPU{otherwise}")
+
+
+def attempt(what: str, fn: Callable[..., T], *args) -> T | None:
+    """fn(*args), or None after a line saying why: one failing contender (OOM, compile error) ends no run."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        print(f"{what} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        if os.environ.get("BENCH_TRACEBACK"):
+            traceback.print_exc()
+        return None
+
+
+def shape_labels(text: str, every: list[str]) -> list[str]:
+    """'a, c' -> ['a', 'c']; 'all' -> every."""
+    return list(every) if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+    """|got - want| / |want| (L2), both in `dtype`."""
+    want = want.to(dtype)
+    return ((got.to(dtype) - want).norm() / want.norm()).item()

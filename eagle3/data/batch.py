@@ -1,9 +1,6 @@
-"""One packed micro-batch as the trainer sees it: the shard tensors, typed, and the host-side row plan.
-
-T rows are the tokens of n sequences packed end to end; `cu_seqlens` [n+1] holds their boundaries.
-The row plan is what the step would otherwise have to learn on the device (with a host sync per
-TTT step): it is found on the host, once per batch, by `eagle3.ttt.plan_rows`.
-"""
+"""One packed micro-batch as the trainer sees it: T rows, the tokens of n sequences end to end
+(`cu_seqlens` [n+1] their boundaries), and the row plan `eagle3.ttt.plan_rows` finds on the host once
+per batch, which the step would otherwise learn on the device with a host sync per TTT step."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +14,7 @@ from eagle3.data.aux_fp8 import decode_aux_fp8
 @dataclass(frozen=True)
 class RowRule:
     """Which label rows the loss trains besides assistant rows whose target greedy token is in the draft
-    vocab (always trained). Accuracy and acceptance count assistant rows only, whatever the rule."""
+    vocab (always). Accuracy and acceptance count assistant rows only, whatever the rule."""
     prompt: bool = False    # rows whose label is a prompt token (loss_mask 0): the target's distribution there
 
 
@@ -59,11 +56,6 @@ class Batch:
     def rows(self) -> int:
         return self.input_ids.shape[0]
 
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "Batch":
-        """From the tensors a shard holds (plus cu_seqlens of the batch)."""
-        return cls(**tensors)
-
     def to(self, device: torch.device, float_dtype: torch.dtype) -> "Batch":
         """The batch on the device, floats in `float_dtype`, fp8 aux states decoded there; the host
         copy of the boundaries stays on the host."""
@@ -76,7 +68,7 @@ class Batch:
                      cu_seqlens_host=self.cu_seqlens_host, plan=None if self.plan is None else self.plan.to(device))
 
     def device_tensors(self) -> list[torch.Tensor]:
-        """Its tensors on a GPU (the host copy of the boundaries excluded): every field, as pin_memory."""
+        """Its tensors on a GPU, every field as pin_memory covers them."""
         tensors = []
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)

@@ -1,20 +1,8 @@
 """Chat conversations -> (input_ids, loss_mask) with the target's own tokenizer and chat template.
 
-Formats of a line:
-  {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ...}, ...]}   (OpenAI)
-  {"conversations": [{"from": "system"|"human"|"gpt", "value": ...}, ...]}            (ShareGPT)
-Content is a string or a list of {"type": "text", "text": ...} parts (joined).
-
-Tokenizer: Kimi's `tiktoken.model` + `tokenizer_config.json` (extra `tiktoken`) or a Hugging Face
-`tokenizer.json` (extra `tokenizers`). Template: `chat_template.jinja`, else `chat_template` in
-`tokenizer_config.json`, rendered in a jinja2 sandbox (extra `jinja2`).
-
-Loss mask: an assistant turn's tokens after the template's generation prompt (what the target
-emits when asked to reply) up to and including the turn's end marker (e.g. <|im_end|>), so the draft
-also learns to propose the stop; whitespace the template puts after the marker is not masked, as
-the target stops before it. The spans are found by rendering the conversation prefix by prefix and
-require each render to extend the previous one; a template that rewrites earlier turns is an error.
-Prompt and reply are tokenized apart, as an engine serving the model sees them (docs/data.md).
+Lines are OpenAI {"messages"} or ShareGPT {"conversations"}; the loss mask covers each assistant turn
+from the end of the template's generation prompt through its end marker, found by rendering prefix by
+prefix (formats, tokenizers and the mask's rules: docs/data.md).
 """
 from __future__ import annotations
 
@@ -22,33 +10,26 @@ import base64
 import importlib
 import json
 import re
+from collections.abc import Callable
 from itertools import accumulate, chain
 from pathlib import Path
 
 import numpy as np
 
 from eagle3.errors import Eagle3Error, InputError
-
-EXTRA = "pip install eagle3-trainer[chat]"
+from eagle3.files import read_json
 
 # Kimi-K2's split pattern (tokenization_kimi.py): Han runs are pre-tokens of their own.
 KIMI_PATTERN = "|".join([
     r"""[\p{Han}]+""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
+    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+""",
 ])
 # Kimi cuts its input like this before tiktoken, whose regex engine panics on very long runs.
 KIMI_MAX_TEXT, KIMI_MAX_RUN = 400_000, 25_000
-
 OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
-
-
 # The target files that decide how a conversation becomes tokens (hashed into the extraction plan).
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -61,10 +42,9 @@ def _require(module: str, needed_by: Path):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise InputError(f"{needed_by}: chat lines need the optional package '{module}': {EXTRA}") from None
+        raise InputError(f"{needed_by}: chat lines need the optional package '{module}': "
+                         "pip install eagle3-trainer[chat]") from None
 
-
-# ---------------------------------------------------------------- conversations
 
 def _text(content: object, where: str) -> str:
     if isinstance(content, list):
@@ -99,8 +79,6 @@ def conversation(obj: dict, require_reply: bool = True) -> list[dict]:
     return messages
 
 
-# ---------------------------------------------------------------- tokenizers
-
 def _read_ranks(path: Path) -> dict[bytes, int]:
     ranks = {}
     for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -133,71 +111,44 @@ def _special_tokens(model: Path, config_path: Path, config: dict) -> dict[str, i
         raise InputError(needed) from None
 
 
-class TiktokenTokenizer:
-    """Kimi's tokenizer: BPE ranks, Kimi's split pattern, special tokens from added_tokens_decoder."""
-
-    def __init__(self, model: Path, config_path: Path, config: dict):
-        tiktoken = _require("tiktoken", model)
-        self._enc = tiktoken.Encoding(name=model.name, pat_str=KIMI_PATTERN,
-                                      mergeable_ranks=_read_ranks(model),
-                                      special_tokens=_special_tokens(model, config_path, config))
-
-    def encode(self, text: str) -> list[int]:
-        pieces = chain.from_iterable(_cut(chunk, KIMI_MAX_RUN, r"\s+|\S+")
-                                     for chunk in _cut(text, KIMI_MAX_TEXT, r"(?s).+"))
-        # every special token allowed and no BOS added: the template writes what the model sees
-        return [t for piece in pieces for t in self._enc.encode(piece, allowed_special="all")]
-
-
-class HFTokenizer:
-    def __init__(self, path: Path):
+def _load_tokenizer(root: Path, config_path: Path, config: dict) -> Callable[[str], list[int]]:
+    """The target's encode function: Kimi's tiktoken.model or a Hugging Face tokenizer.json. Neither adds
+    special tokens (no BOS): the template writes what the model sees."""
+    if (model := root / "tiktoken.model").exists():
+        enc = _require("tiktoken", model).Encoding(name=model.name, pat_str=KIMI_PATTERN,
+                                                   mergeable_ranks=_read_ranks(model),
+                                                   special_tokens=_special_tokens(model, config_path, config))
+        return lambda text: [t for chunk in _cut(text, KIMI_MAX_TEXT, r"(?s).+")
+                             for piece in _cut(chunk, KIMI_MAX_RUN, r"\s+|\S+")
+                             for t in enc.encode(piece, allowed_special="all")]
+    if (path := root / "tokenizer.json").exists():
         tokenizers = _require("tokenizers", path)
         try:
-            self._tok = tokenizers.Tokenizer.from_file(str(path))
+            tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust library raises a bare Exception for a file it cannot read
             raise InputError(f"{path}: not a tokenizers file: {e}") from None
-
-    def encode(self, text: str) -> list[int]:
-        # no post-processor BOS: the template already writes {{ bos_token }} where the model has one
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-
-def _load_tokenizer(root: Path, config_path: Path, config: dict):
-    if (root / "tiktoken.model").exists():
-        return TiktokenTokenizer(root / "tiktoken.model", config_path, config)
-    if (root / "tokenizer.json").exists():
-        return HFTokenizer(root / "tokenizer.json")
+        return lambda text: tok.encode(text, add_special_tokens=False).ids
     raise InputError(f"{root}: chat lines need the target's tokenizer: expected tiktoken.model + "
                      "tokenizer_config.json (Kimi) or tokenizer.json in the target directory")
 
 
-# ---------------------------------------------------------------- template
-
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Hugging Face's variant: jinja2's own tojson HTML-escapes, which would change the prompt text
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message: str) -> None:
     raise ChatError(f"chat template: {message}")
 
 
-def _template_source(root: Path, config_path: Path, config: dict) -> tuple[str, Path]:
+def _load_template(root: Path, config_path: Path, config: dict):
     path = root / "chat_template.jinja"
-    if path.exists():
-        return path.read_text(), path
-    source = config.get("chat_template")
+    source, origin = (path.read_text(), path) if path.exists() else (config.get("chat_template"), config_path)
     if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
     if not isinstance(source, str):
         raise InputError(f"{root}: chat lines need the target's chat template: expected chat_template.jinja "
                          f"or 'chat_template' in {config_path.name}")
-    return source, config_path
-
-
-def _load_template(root: Path, config_path: Path, config: dict):
-    source, origin = _template_source(root, config_path, config)
     jinja2 = _require("jinja2", origin)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     # as transformers renders chat templates; no strftime_now, so dates fall back to the template's
@@ -216,25 +167,11 @@ def _token_text(value: object) -> str:
     return value.get("content", "") if isinstance(value, dict) else value or ""
 
 
-# ---------------------------------------------------------------- stop tokens
-
 def _json_object(path: Path) -> dict:
-    if not path.exists():
-        return {}
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON: {e}") from None
+    value = read_json(path, InputError, "") if path.exists() else {}
     if not isinstance(value, dict):
         raise InputError(f"{path}: expected a JSON object")
     return value
-
-
-def _ids(value: object, where: str) -> set[int]:
-    values = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise InputError(f"{where}: eos_token_id = {value!r}; expected an integer or a list of integers")
-    return set(values)
 
 
 def _token_id(root: Path, content: str) -> int | None:
@@ -252,22 +189,21 @@ def _token_id(root: Path, content: str) -> int | None:
 
 
 def stop_token_ids(root: str | Path, config_eos: object) -> set[int]:
-    """The tokens an engine stops at, found as vLLM finds them: the tokenizer's eos token, and
-    generation_config.json's eos_token_id (int or list), which falls back to config.json's
-    (`config_eos`) when the model has no generation_config.json."""
+    """The tokens an engine stops at, as vLLM finds them: the tokenizer's eos token and
+    generation_config.json's eos_token_id, else config.json's (`config_eos`)."""
     root = Path(root)
     generation = root / "generation_config.json"
     eos = _json_object(generation).get("eos_token_id") if generation.exists() else config_eos
-    stop = _ids(eos, str(generation if generation.exists() else root / "config.json")) if eos is not None else set()
-    token = None
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        token = token or _token_text(_json_object(root / name).get("eos_token")) or None
+    stop = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in stop):
+        raise InputError(f"{generation if generation.exists() else root / 'config.json'}: eos_token_id = {eos!r}; "
+                         "expected an integer or a list of integers")
+    token = next((t for name in ("tokenizer_config.json", "special_tokens_map.json")
+                  if (t := _token_text(_json_object(root / name).get("eos_token")))), None)
     if token and (i := _token_id(root, token)) is not None:
-        stop.add(i)
-    return stop
+        stop = [*stop, i]
+    return set(stop)
 
-
-# ---------------------------------------------------------------- encoder
 
 class ChatEncoder:
     """Encodes chat lines for one target directory; loading problems raise InputError."""
@@ -276,7 +212,7 @@ class ChatEncoder:
         root = Path(target_dir)
         config_path = root / "tokenizer_config.json"
         config = _json_object(config_path)
-        self.tokenizer = _load_tokenizer(root, config_path, config)
+        self.encode_text = _load_tokenizer(root, config_path, config)
         self.template = _load_template(root, config_path, config)
         self.variables = {"bos_token": _token_text(config.get("bos_token")),
                           "eos_token": _token_text(config.get("eos_token"))}
@@ -295,15 +231,13 @@ class ChatEncoder:
         return np.asarray(ids, dtype=np.int32), mask
 
     def encode_prompt(self, obj: dict) -> np.ndarray:
-        """int32 ids of a chat line as a prompt to reply to (real decoding): a trailing assistant
-        turn, the reference answer, is dropped and the template's generation prompt appended."""
+        """int32 ids of a chat line as a prompt: a trailing assistant turn dropped, the generation prompt added."""
         messages = conversation(obj, require_reply=False)
         if messages[-1]["role"] == "assistant":
             messages = messages[:-1]
         if not messages:
             raise ChatError("only an assistant turn: no prompt to reply to")
-        text = self._apply(messages, add_generation_prompt=True)
-        return np.asarray(self.tokenizer.encode(text), dtype=np.int32)
+        return np.asarray(self.encode_text(self._apply(messages, add_generation_prompt=True)), dtype=np.int32)
 
     def _apply(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
@@ -319,8 +253,8 @@ class ChatEncoder:
         before, spans = "", []
         for k, message in enumerate(messages):
             text = self._apply(messages[:k + 1])
-            rewrites = f"the chat template renders messages 1..{k} differently once message {k + 1} follows"
-            _check_extends(before, text, rewrites)
+            _check_extends(before, text, f"the chat template renders messages 1..{k} differently once "
+                                         f"message {k + 1} follows")
             if message["role"] == "assistant":
                 prompt = self._apply(messages[:k], add_generation_prompt=True)
                 _check_extends(before, prompt, "the chat template's generation prompt changes earlier turns")
@@ -331,29 +265,21 @@ class ChatEncoder:
         return before, spans
 
     def _token_cuts(self, text: str, bounds: list[int]) -> tuple[list[int], list[int]]:
-        """Token ids of `text` and, for each character position in `bounds`, the tokens before it.
-        Where the whole text tokenizes across a boundary (a reply starting with "\n\n" after the
-        template's "\n"), the pieces are tokenized apart, as an engine serving the model sees them:
-        the rendered prompt is tokenized, the reply's tokens are what the model emits after it."""
-        ids = self.tokenizer.encode(text)
+        """Token ids of `text` and, per character position in `bounds`, the tokens before it. The pieces
+        between bounds are tokenized apart, as an engine sees prompt and reply (docs/data.md)."""
+        ids = self.encode_text(text)
         edges = [0, *bounds, len(text)]
-        pieces = [self.tokenizer.encode(text[a:b]) for a, b in zip(edges, edges[1:])]
+        pieces = [self.encode_text(text[a:b]) for a, b in zip(edges, edges[1:])]
         joined = list(chain.from_iterable(pieces))
         if joined != ids and (cuts := self._prefix_cuts(text, bounds, ids)) is not None:
             return ids, cuts
         return joined, list(accumulate(len(p) for p in pieces[:-1]))
 
     def _prefix_cuts(self, text: str, bounds: list[int], ids: list[int]) -> list[int] | None:
-        """Some tokenizers encode a piece alone differently (a SentencePiece-style prefix space):
-        the token count of each prefix instead, if every prefix tokenizes as the start of the whole
-        (None where a boundary falls inside a token)."""
-        cuts = []
-        for b in bounds:
-            head = self.tokenizer.encode(text[:b])
-            if head != ids[:len(head)]:
-                return None
-            cuts.append(len(head))
-        return cuts
+        """For a tokenizer that encodes a piece alone differently (a SentencePiece prefix space): each
+        prefix's token count, if every prefix tokenizes as the start of the whole, else None."""
+        heads = [self.encode_text(text[:b]) for b in bounds]
+        return [len(h) for h in heads] if all(h == ids[:len(h)] for h in heads) else None
 
 
 def _check_extends(prefix: str, text: str, problem: str) -> None:

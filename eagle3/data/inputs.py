@@ -1,16 +1,13 @@
-"""Training conversations as token ids and loss masks, read from JSON lines.
-
-Pre-tokenized lines: {"input_ids": [...], "loss_mask": [...]}, read with no optional packages.
-Chat lines: {"messages": [...]} or ShareGPT {"conversations": [...]}, tokenized with the target's
-own tokenizer and chat template (eagle3.data.chat, loaded at the first chat line). A line that
-cannot be used is reported with its line number and is fatal or skipped (`data.on_error`); nothing
-is dropped silently: the counts go into the manifest.
-"""
+"""Training conversations as token ids and loss masks, read from JSON lines: pre-tokenized
+{"input_ids", "loss_mask"}, or chat lines through eagle3.data.chat. A bad line is fatal or skipped
+(`data.on_error`), never dropped silently: the counts go into the manifest (docs/data.md)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,33 +35,37 @@ class InputStats:
 CHAT_KEYS = ("messages", "conversations")
 
 
-class _LineParser:
-    """Pre-tokenized lines as they are; chat lines through the target's tokenizer and template."""
+def is_chat(obj: object) -> bool:
+    # ids given with the conversation win: they need no tokenizer and are what the user chose
+    return isinstance(obj, dict) and "input_ids" not in obj and any(key in obj for key in CHAT_KEYS)
 
-    def __init__(self, vocab_size: int, target_dir: str | Path | None):
-        self.vocab_size, self.target_dir, self._chat = vocab_size, target_dir, None
 
-    def __call__(self, obj: object) -> tuple[np.ndarray, np.ndarray]:
-        # ids given with the conversation win: they need no tokenizer and are what the user chose
-        from_chat = isinstance(obj, dict) and "input_ids" not in obj and any(key in obj for key in CHAT_KEYS)
-        if not from_chat:
-            return _parse_tokens(obj, self.vocab_size)
-        ids, mask = self._encoder().encode(obj)
-        if len(ids) < 2:
-            raise ValueError(f"conversation of {len(ids)} tokens; at least 2 are needed")
-        if ids.max() >= self.vocab_size:
-            raise ValueError(f"token id {int(ids.max())} >= the target's vocab_size {self.vocab_size}: "
-                             "the tokenizer files do not match the target")
-        return ids, mask
+def chat_encoder(target_dir: str | Path | None) -> Callable:
+    """A function giving the target's ChatEncoder, loaded at its first call (its optional packages only for chat)."""
+    @functools.cache
+    def encoder():
+        if target_dir is None:
+            raise InputError("chat lines need the target's tokenizer and chat template; no target "
+                             "directory was given")
+        from eagle3.data.chat import ChatEncoder
+        return ChatEncoder(target_dir)
+    return encoder
 
-    def _encoder(self):
-        if self._chat is None:
-            if self.target_dir is None:
-                raise InputError("chat lines need the target's tokenizer and chat template; no target "
-                                 "directory was given")
-            from eagle3.data.chat import ChatEncoder  # its optional packages only for chat data
-            self._chat = ChatEncoder(self.target_dir)
-        return self._chat
+
+def check_chat_ids(ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    if len(ids) and ids.max() >= vocab_size:
+        raise ValueError(f"token id {int(ids.max())} >= the target's vocab_size {vocab_size}: "
+                         "the tokenizer files do not match the target")
+    return ids
+
+
+def _parse_line(obj: object, vocab_size: int, chat: Callable) -> tuple[np.ndarray, np.ndarray]:
+    if not is_chat(obj):
+        return _parse_tokens(obj, vocab_size)
+    ids, mask = chat().encode(obj)
+    if len(ids) < 2:
+        raise ValueError(f"conversation of {len(ids)} tokens; at least 2 are needed")
+    return check_chat_ids(ids, vocab_size), mask
 
 
 def _parse_tokens(obj: object, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -87,42 +88,41 @@ def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: 
                  target_dir: str | Path | None = None) -> tuple[list[Record], InputStats]:
     """`target_dir` holds the tokenizer and chat template; only chat lines need it."""
     path = Path(path)
-    check_input_file(path, "data.path")
-    records, stats, parse = [], InputStats(), _LineParser(vocab_size, target_dir)
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            stats.lines += 1
-            try:
-                ids, mask = parse(json.loads(utf8(raw)))
-            except InputError as e:  # the tokenizer or template is unusable: every chat line would fail
-                raise InputError(f"{path}:{number}: {e}") from None
-            except Exception as e:   # noqa: BLE001 - any failure of one line (JSON, bytes, template) is that line's
-                message = f"{path}:{number}: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}"
-                if on_error == "fatal":
-                    raise InputError(message + " (set data.on_error = \"skip\" to skip such lines)") from None
-                print(f"warning: skipped {message}", file=sys.stderr)
-                stats.skipped += 1
-                stats.skipped_lines.append(number)
-                continue
-            if len(ids) > max_seq_len:
-                ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-                stats.truncated += 1
-            records.append(Record(number, ids, mask))
+    records, stats, chat = [], InputStats(), chat_encoder(target_dir)
+    for number, raw in json_lines(path, "data.path"):
+        stats.lines += 1
+        try:
+            ids, mask = _parse_line(json.loads(utf8(raw)), vocab_size, chat)
+        except InputError as e:  # the tokenizer or template is unusable: every chat line would fail
+            raise InputError(f"{path}:{number}: {e}") from None
+        except Exception as e:   # noqa: BLE001 - any failure of one line (JSON, bytes, template) is that line's
+            message = f"{path}:{number}: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}"
+            if on_error == "fatal":
+                raise InputError(message + " (set data.on_error = \"skip\" to skip such lines)") from None
+            print(f"warning: skipped {message}", file=sys.stderr)
+            stats.skipped += 1
+            stats.skipped_lines.append(number)
+            continue
+        if len(ids) > max_seq_len:
+            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+            stats.truncated += 1
+        records.append(Record(number, ids, mask))
     stats.sequences = len(records)
     if not records:
         raise InputError(f"{path}: no usable sequences")
     return records, stats
 
 
-def check_input_file(path: Path, key: str) -> None:
-    """A clear error for an input that is missing or no regular file (a directory, a FIFO)."""
+def json_lines(path: Path, key: str) -> Iterator[tuple[int, bytes]]:
+    """(number, bytes) of each non-blank line of the JSON-lines file config key `key` names; a clear error
+    for one that is missing or no regular file (a directory, a FIFO)."""
     if not path.exists():
         raise InputError(f"{path}: file not found ({key})")
     if not path.is_file():
         kind = "a directory" if path.is_dir() else "not a regular file"
         raise InputError(f"{path}: {kind}; {key} must name a JSON-lines file")
+    with path.open("rb") as f:
+        yield from ((number, raw) for number, raw in enumerate(f, start=1) if raw.strip())
 
 
 def utf8(raw: bytes) -> str:
@@ -134,4 +134,8 @@ def utf8(raw: bytes) -> str:
 
 
 def file_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -14,14 +14,11 @@ from eagle3.data.shards import SeqRef, ShardReader
 
 
 def split_holdout(refs: list[SeqRef], fraction: float) -> tuple[list[SeqRef], list[SeqRef]]:
-    """(train, eval): a sequence is held out by a fixed hash of its index, so the split does not
-    depend on the number of ranks or on shard sizes."""
+    """(train, eval): held out by a fixed hash of the index, whatever the ranks or shard sizes."""
     if fraction <= 0:
         return refs, []
-    held = [r for r in refs if (r.index * 2654435761 % 2**32) / 2**32 < fraction]
-    if not held:
-        held = refs[-1:]
-    keep = set(r.index for r in held)
+    held = [r for r in refs if (r.index * 2654435761 % 2**32) / 2**32 < fraction] or refs[-1:]
+    keep = {r.index for r in held}
     return [r for r in refs if r.index not in keep], held
 
 
@@ -31,30 +28,25 @@ def pack(refs: list[SeqRef], budget: int, seed: int | None = None, epoch: int = 
     if seed is not None:
         g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
-    batches, current, tokens = [], [], 0
+    batches, tokens = [], 0
     for ref in order:
-        if current and tokens + ref.length > budget:
-            batches.append(current)
-            current, tokens = [], 0
-        current.append(ref)
+        if not batches or tokens + ref.length > budget:
+            batches.append([])
+            tokens = 0
+        batches[-1].append(ref)
         tokens += ref.length
-    if current:
-        batches.append(current)
     return batches
 
 
 class Prefetcher:
-    """Reads micro-batches in a background thread in the given order, applies `prepare` (host-side
-    work the step would otherwise do on its critical path) and pins them on CUDA. A reader whose
-    reads are collectives (`lockstep`: the staged online target) is read in the caller's thread
-    instead, when the step asks: its messages then never run beside the step's own collectives
-    (two NCCL communicators driven from two threads can wait on each other across ranks)."""
+    """Reads micro-batches in order in a background thread, applies `prepare` (host work off the step's
+    critical path) and pins them on CUDA. A `lockstep` reader (collective reads) is read in the caller's
+    thread instead: two NCCL communicators driven from two threads can wait on each other across ranks."""
 
     def __init__(self, reader: ShardReader, batches: list[list[SeqRef]], depth: int, pin: bool,
                  prepare: Callable[[Batch], Batch] | None = None, together: int = 1):
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        # inline, `together` micro-batches (a step's) are read in one collective, and each is used as
-        # soon as it is read: pinning would only add a host copy
+        # inline, a step's `together` micro-batches are read in one collective and used at once: no pinning
         self._inline = self._produce(reader, batches, False, prepare, together) if reader.lockstep else None
         if self._inline is None:
             self._thread = threading.Thread(target=self._work, args=(reader, batches, pin, prepare), daemon=True)
@@ -90,8 +82,8 @@ class Prefetcher:
 
 
 def one_ahead(items: Iterable, start: Callable) -> Iterator:
-    """start(x) for each x in order, with start(x[n+1]) called before start(x[n])'s result is handed
-    over: work `start` queues (a copy to the GPU) then runs while the consumer works on x[n]."""
+    """start(x) for each x, start(x[n+1]) called before start(x[n])'s result is handed over: the work
+    it queues (a copy to the GPU) runs while the consumer works on x[n]."""
     pending = None
     for item in items:
         pending, current = start(item), pending

@@ -1,14 +1,7 @@
 """Online training's data (`train.source = "online"`): each micro-batch's hidden states made by the
-target forward when training asks for the batch, never written to disk.
-
-`OnlineReader` has the interface of `ShardReader` (`sequences`, `read`, `manifest`) over the input
-records of `data.path`: sequence i is record i, as extraction numbers them, so the same seed gives
-the same held-out split, the same packing and the same batches as extract-then-train, and the
-states are rounded to the dtypes shards store. Each rank runs the whole target layer by layer
-(extraction's executor, streaming or with the layers kept resident) on its own micro-batches, or
-(`staged`) the ranks hold the target's layers between them and pass every micro-batch along: then a
-read is a collective (`lockstep`), made by every rank in the same order, on a process group of its
-own, in the training loop's thread (the prefetcher reads such a reader inline).
+target when training reads the batch. `OnlineReader` is a `ShardReader` over the records of `data.path`
+(sequence i is record i, states in the shards' dtypes), so a seed gives the batches extract-then-train
+gives. `staged` splits the target's layers over the ranks: each read is then a collective (`lockstep`).
 """
 from __future__ import annotations
 
@@ -34,8 +27,7 @@ from eagle3.ops import TORCH_DTYPES
 
 
 def stream_note(ckpt: Checkpoint, device: torch.device) -> str:
-    """What `train.online_target = "stream"` costs against the other placements (printed at start-up:
-    it is the default, and the slowest where the others fit)."""
+    """What the default `train.online_target = "stream"` costs against the placements that may fit."""
     room = (f"; this GPU has {torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"
             if device.type == "cuda" else "")
     return (f"note: train.online_target = \"stream\" reads the target's {ckpt.text_bytes() / 1e9:.1f} GB of "
@@ -46,7 +38,7 @@ def stream_note(ckpt: Checkpoint, device: torch.device) -> str:
 
 @dataclass
 class TargetTotals:
-    """Target tokens and seconds since the start, for the log (which side bounds the run)."""
+    """Target tokens and seconds since the start: the log shows which side bounds the run."""
     tokens: int = 0
     seconds: float = 0.0
 
@@ -74,28 +66,23 @@ class OnlineReader:
             self.runner = TargetRunner(ckpt, aux_layer_ids, device, dtype, cfg.debug.chunk_tokens,
                                        resident=mode == "resident")
         # what an extraction of the same data would record: the draft vocabulary comes from it
-        counts = Counter()
-        for r in self.records:
-            counts.update(r.input_ids[r.loss_mask.astype(bool)].tolist())
+        counts = Counter(t for r in self.records for t in r.input_ids[r.loss_mask.astype(bool)].tolist())
         self.manifest = {"source": {"path": str(d.path), "sequences": stats.sequences},
                          "shards": [{"loss_tokens": sum(counts.values()),
                                      "loss_token_counts": {str(k): v for k, v in sorted(counts.items())}}]}
         self.totals = TargetTotals()   # the log takes differences
-        # one forward at a time (the prefetch thread and evaluation both read): memory for one, and
-        # the totals stay exact
+        # one forward at a time (prefetch and evaluation both read): memory for one, exact totals
         self._lock = threading.Lock()
         # the prefetch thread's current CUDA device is 0 whatever the rank: Triton launches there
         self._cuda = device.type == "cuda"
         self._device = torch.cuda.device(device) if self._cuda else contextlib.nullcontext()
 
     def read(self, refs: list[SeqRef]) -> Batch | None:
-        """The micro-batch of `refs`; staged, every rank calls it in lockstep, `refs` empty where a
-        rank has no batch this time (then None)."""
+        """The micro-batch of `refs`; staged, every rank calls it in lockstep (`refs` empty: None)."""
         return self.read_many([refs])[0]
 
     def read_many(self, batches: list[list[SeqRef]]) -> list[Batch | None]:
-        """Several micro-batches; staged, in one pass of the pipeline (fewer idle ticks), every rank
-        reading as many at once."""
+        """Several micro-batches; staged, in one pass of the pipeline (fewer idle ticks)."""
         records = [[self.records[r.index] for r in refs] for refs in batches]
         inputs = [(torch.from_numpy(np.concatenate([r.input_ids for r in recs]) if recs else np.zeros(0, np.int64)),
                    np.concatenate([[0], np.cumsum([len(r.input_ids) for r in recs])]).astype(int).tolist())
@@ -109,5 +96,5 @@ class OnlineReader:
                     else [self.runner.run(ids, cu) for ids, cu in inputs])
             self.totals.seconds += time.perf_counter() - start
             self.totals.tokens += sum(ids.numel() for ids, _ in inputs)
-        return [Batch.from_tensors(shard_tensors(recs, out, self.aux_dtype)) if recs else None
+        return [Batch(**shard_tensors(recs, out, self.aux_dtype)) if recs else None
                 for recs, out in zip(records, outs)]

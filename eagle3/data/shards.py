@@ -1,11 +1,7 @@
-"""Hidden-state shards on disk: writer with atomic commit, manifest, reader.
-
-A shard appears in `manifest.json` only after its file was fully written under a temp name and
-renamed, so a killed extraction resumes without redoing or trusting partial work.
-"""
+"""Hidden-state shards on disk: writer with atomic commit, manifest, reader. A shard is listed only
+once written under a temp name and renamed, so a killed extraction resumes without trusting partial work."""
 from __future__ import annotations
 
-import hashlib
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -17,7 +13,7 @@ from safetensors.torch import save_file
 
 from eagle3.data.batch import Batch
 from eagle3.data.aux_fp8 import encode_aux_fp8
-from eagle3.data.inputs import Record
+from eagle3.data.inputs import Record, file_sha256 as sha256_file   # one hash, two callers' names
 from eagle3.files import make_readable, open_safetensors, read_json, short_of_space, tensor_bytes
 from eagle3.models.weights import TextConfig
 from eagle3.errors import Eagle3Error
@@ -26,8 +22,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES = {"input_ids": "int32", "loss_mask": "uint8", "cu_seqlens": "int64", "aux_hidden": "bfloat16",
           "final_hidden": "bfloat16", "target_argmax": "int32"}
-
-
 # extraction verifies its finished shards against the journal and redoes the bad ones
 REDO = "rerun extract with the same config to redo it"
 
@@ -36,24 +30,16 @@ class DataError(Eagle3Error):
     """Hidden-state data that is missing, corrupt or does not match; the message names the file."""
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+SHARD_HEADER = 1 << 16   # the safetensors header of a shard, generously
 
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
-SHARD_HEADER = 1 << 16   # the safetensors header of a shard, generously
-
-
 def shard_tensors(records: list[Record], out: dict[str, torch.Tensor], aux_dtype: str) -> dict[str, torch.Tensor]:
-    """The tensors of a shard (or of an online micro-batch): the records' tokens and masks, and the
-    target's outputs for them (a TargetRunner's) in the stored dtypes."""
+    """A shard's (or online micro-batch's) tensors: the records' tokens and masks, the target's outputs
+    in the stored dtypes."""
     lengths = [len(r.input_ids) for r in records]
     tensors = {
         "input_ids": torch.from_numpy(np.concatenate([r.input_ids for r in records])),
@@ -69,12 +55,10 @@ def shard_tensors(records: list[Record], out: dict[str, torch.Tensor], aux_dtype
 
 
 def write_shard(directory: Path, index: int, tensors: dict[str, torch.Tensor]) -> dict:
-    """Write one shard atomically; return its manifest entry. A shard that would not fit on the
-    disk is refused before any byte of it is written (naming the directory, bytes needed and free)."""
+    """Write one shard atomically (refused before any byte when the disk lacks room); its manifest entry."""
     path = directory / shard_name(index)
     tmp = path.with_name(path.name + ".tmp")
-    short = short_of_space(directory, tensor_bytes(tensors) + SHARD_HEADER, f"{path.name}")
-    if short:
+    if short := short_of_space(directory, tensor_bytes(tensors) + SHARD_HEADER, path.name):
         raise DataError(f"{short}; nothing of it was written and the shards finished so far are kept: free space "
                         "and rerun extract, which resumes with this shard")
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
@@ -155,18 +139,11 @@ class ShardReader:
         return [self.read(refs) for refs in batches]
 
     def read(self, refs: list[SeqRef]) -> Batch:
-        """Pack `refs` into one batch: the shard tensors plus cu_seqlens of the batch. fp8 shards
-        also give `aux_scale`; `Batch.to` decodes them (on the GPU, in training)."""
+        """`refs` packed into one batch with its own cu_seqlens (fp8 shards add `aux_scale`: `Batch.to` decodes)."""
         keys = [k for k in self._handle(0).keys() if k != "cu_seqlens"]
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
-        for ref in refs:
-            handle = self._handle(ref.shard)
-            for key in parts:
-                parts[key].append(handle.get_slice(key)[ref.start:ref.end])
-        batch = {k: torch.cat(v) for k, v in parts.items()}
-        lengths = torch.tensor([r.length for r in refs], dtype=torch.int64)
-        batch["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-        return Batch.from_tensors(batch)
+        batch = {k: torch.cat([self._handle(r.shard).get_slice(k)[r.start:r.end] for r in refs]) for k in keys}
+        batch["cu_seqlens"] = torch.tensor([0] + [r.length for r in refs], dtype=torch.int64).cumsum(0)
+        return Batch(**batch)
 
 
 def check_manifest(manifest: dict, target: TextConfig, aux_ids: list[int], where: Path) -> None:

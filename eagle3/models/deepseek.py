@@ -1,16 +1,11 @@
-"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 forward for extraction, one layer at a time.
-
-MLA attention with interleaved-pair RoPE (YaRN) on the rope part only, dense first layers, and MoE
-layers with a sigmoid router, noaux_tc group-limited top-k, shared experts and int4 routed experts.
-Routed experts stay packed on the device; `layer_forward` dequantizes only the experts that received
-tokens, a few at a time, and runs each expert's tokens as one matmul.
-"""
+"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 forward, one layer at a time: MLA with interleaved YaRN RoPE on
+the rope part, dense first layers, MoE with a sigmoid noaux_tc router, shared experts and int4 routed
+experts kept packed (only the experts that received tokens are dequantized, a block at a time)."""
 from __future__ import annotations
 
 import itertools
 import math
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +15,8 @@ from eagle3.models import quant
 from eagle3.models.weights import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import cached_attention_packed, causal_attention_packed
 
-# experts dequantized into one buffer at a time: 32 Kimi experts are 2.8 GB of bf16, a small
-# transient next to a 64k-token chunk's activations
+# experts dequantized into one buffer at a time: 32 Kimi experts are 2.8 GB of bf16, small next to
+# a 64k-token chunk's activations
 EXPERT_BLOCK = 32
 
 
@@ -47,42 +42,30 @@ class DeepseekSpec:
 
     @classmethod
     def from_config(cls, c: TextConfig) -> DeepseekSpec:
-        """From a DeepSeek-V3 family config: `read_config` has checked the fields the family needs."""
-        raw = c.raw
+        """`read_config` has checked the fields the family needs; the rest are checked here."""
+        raw, where = c.raw, c.source
         q_lora = raw.get("q_lora_rank")   # null or absent: q_proj instead of q_a/q_b (DeepSeek-V2-Lite)
-        spec = cls(
-            q_lora_rank=None if q_lora is None else require(raw, "q_lora_rank", c.source, c.needs),
-            kv_lora_rank=raw["kv_lora_rank"],
-            qk_nope_head_dim=raw["qk_nope_head_dim"],
-            qk_rope_head_dim=raw["qk_rope_head_dim"],
-            v_head_dim=raw["v_head_dim"],
-            first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
-            moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
-            n_routed_experts=raw["n_routed_experts"],
-            n_shared_experts=int(raw.get("n_shared_experts") or 0),
-            num_experts_per_tok=raw["num_experts_per_tok"],
-            moe_intermediate_size=raw["moe_intermediate_size"],
-            n_group=int(raw.get("n_group") or 1),
-            topk_group=int(raw.get("topk_group") or 1),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-            topk_method=str(raw.get("topk_method", "noaux_tc")),
-        )
-        spec._validate(raw, c.source)
-        return spec
-
-    def _validate(self, raw: dict, where: str) -> None:
+        s = cls(q_lora_rank=None if q_lora is None else require(raw, "q_lora_rank", where, c.needs),
+                **{k: raw[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                       "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")},
+                first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
+                moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
+                n_shared_experts=int(raw.get("n_shared_experts") or 0),
+                n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                topk_method=str(raw.get("topk_method", "noaux_tc")))
         scoring = raw.get("scoring_func", "sigmoid")
-        if self.n_routed_experts and scoring != "sigmoid":
+        if s.n_routed_experts and scoring != "sigmoid":
             raise TargetError(f"{where}: scoring_func '{scoring}' is not supported (DeepSeek-V3 layout: sigmoid)")
-        if self.n_routed_experts and self.topk_method not in ("noaux_tc", "greedy"):
-            raise TargetError(f"{where}: topk_method '{self.topk_method}' is not supported "
-                              "(supported: noaux_tc, greedy)")
-        if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
-            raise TargetError(f"{where}: n_routed_experts {self.n_routed_experts} must split into n_group "
-                              f"{self.n_group} groups and topk_group {self.topk_group} <= n_group")
-        if self.qk_rope_head_dim % 2:
-            raise TargetError(f"{where}: qk_rope_head_dim {self.qk_rope_head_dim} must be even")
+        if s.n_routed_experts and s.topk_method not in ("noaux_tc", "greedy"):
+            raise TargetError(f"{where}: topk_method '{s.topk_method}' is not supported (supported: noaux_tc, greedy)")
+        if s.n_routed_experts % s.n_group or s.topk_group > s.n_group:
+            raise TargetError(f"{where}: n_routed_experts {s.n_routed_experts} must split into n_group "
+                              f"{s.n_group} groups and topk_group {s.topk_group} <= n_group")
+        if s.qk_rope_head_dim % 2:
+            raise TargetError(f"{where}: qk_rope_head_dim {s.qk_rope_head_dim} must be even")
+        return s
 
     @property
     def qk_head_dim(self) -> int:
@@ -91,9 +74,6 @@ class DeepseekSpec:
     def is_moe(self, i: int) -> bool:
         return bool(self.n_routed_experts) and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 
-
-# ---------------------------------------------------------------------------------------------
-# RoPE with YaRN
 
 def yarn_mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
@@ -133,14 +113,9 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# Routing and the experts' matmuls
-
 def route(logits: torch.Tensor, bias: torch.Tensor | None, spec: DeepseekSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 router logits [T, E] -> (expert ids [T, k] int64, weights [T, k] fp32).
-
-    Experts are chosen by the biased scores (after keeping the topk_group best groups, each group
-    scored by the sum of its two best biased scores); they are weighted by the unbiased ones."""
+    """fp32 logits [T, E] -> (experts [T, k] int64, weights [T, k] fp32): chosen by the biased scores within
+    the topk_group best groups (a group scores its two best), weighted by the unbiased ones."""
     scores = logits.float().sigmoid()
     choice = scores if bias is None else scores + bias.float()
     if spec.n_group > 1:
@@ -158,63 +133,30 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, spec: DeepseekSpec) -
 
 
 def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[n, 2I] gate | up of each (token, expert) pair -> silu(gate) · up · the pair's routing weight [n]
-    (scaling the [n, I] activation rather than the [n, H] output: cheaper)."""
+    """[n, 2I] gate | up -> silu(gate) · up · routing weight [n] (cheaper on [n, I] than on [n, H])."""
     I = gate_up.shape[1] // 2
     return silu_mul(gate_up[:, :I], gate_up[:, I:]).float().mul_(weight[:, None]).to(gate_up.dtype)
 
 
 def _select(stacked: torch.Tensor, experts: list[int]) -> torch.Tensor:
-    """stacked[experts] along the expert axis: a view for a run of consecutive experts (at a
-    64k-token chunk every Kimi expert is active, so no copy), a gathered copy otherwise."""
+    """stacked[experts]: a view for consecutive experts (all of Kimi's at a 64k-token chunk), else a copy."""
     if experts == list(range(experts[0], experts[0] + len(experts))):
         return stacked[experts[0]:experts[0] + len(experts)]
     return stacked.index_select(0, torch.tensor(experts).to(stacked.device, non_blocking=True))
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """x [n, K] with rows grouped by expert (sizes[j] rows for expert j), w [B, N, K] the experts'
-    weights -> [n, N], each group times its expert's w[j].T: one matmul per expert."""
+    """x [n, K] in groups of sizes[j] rows, w [B, N, K] -> [n, N], group j times w[j].T."""
     return torch.cat([F.linear(part, w[j]) for j, part in enumerate(x.split(sizes))])
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-def _where(ckpt: Checkpoint, name: str) -> str:
-    full = ckpt.full_name(name)
-    return f"{ckpt.dir / ckpt.weight_map[full]}: {full}"
-
-
-def _load_packed(ckpt: Checkpoint, base: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    packed, scale = ckpt.get(base + ".weight_packed"), ckpt.get(base + ".weight_scale")
-    try:
-        quant.check_packed(packed, scale, ckpt.get(base + ".weight_shape"), shape)
-    except ValueError as e:
-        full = ckpt.full_name(base + ".weight_packed")
-        raise TargetError(f"{ckpt.dir / ckpt.weight_map[full]}: {ckpt.full_name(base)}.{e}") from None
-    return packed, scale
-
-
-def _load_dense(ckpt: Checkpoint, base: str, shape: tuple[int, int], device, dtype) -> torch.Tensor:
-    """A linear's weight [out, in] on device in dtype, dequantized if it is stored packed."""
-    if quant.is_packed(ckpt.has, base):
-        packed, scale = _load_packed(ckpt, base, shape)
-        return quant.dequantize_int4(packed.to(device), scale.to(device), dtype)
-    w = ckpt.get(base + ".weight")
-    if list(w.shape) != list(shape):
-        raise TargetError(f"{_where(ckpt, base + '.weight')}: shape {list(w.shape)}; expected {list(shape)}")
-    return w.to(device, dtype, non_blocking=True)
-
-
 class DeepseekTarget:
-    """The interface of `LlamaTarget`: `cfg`, `load_layer(i)`, `layer_forward(...)`, `layer_shapes(i)`."""
+    """`LlamaTarget`'s interface: `cfg`, `load_layer(i)`, `layer_forward(...)`, `layer_shapes(i)`."""
 
     def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
         self.ckpt, self.cfg, self.device, self.dtype = ckpt, ckpt.config, device, dtype
         self.spec = DeepseekSpec.from_config(self.cfg)
-        # int4 experts dequantised by the Triton kernel on CUDA; off for a benchmark or a device where it misbehaves
-        self.triton_dequant = True
+        self.triton_dequant = True   # off: the torch dequantization on CUDA too (benchmarks)
         self.heads = self.cfg.num_attention_heads
         self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
         # on a GPU one fused kernel each: eagerly their fp32 chains move ~7x the bytes of their input
@@ -222,8 +164,7 @@ class DeepseekTarget:
         self.norm = compiled(rms_norm) if device.type == "cuda" else rms_norm
 
     def layer_shapes(self, i: int) -> dict[str, list[int] | quant.GroupedShape]:
-        """Every tensor layer i's forward reads (names relative to the text model, linears as stored:
-        `.weight` or the int4 parts) and the shape the config implies (the shapes `load_layer` expects)."""
+        """Every tensor layer i's forward reads, as stored -> the shape the config implies."""
         p, s, H = f"layers.{i}.", self.spec, self.cfg.hidden_size
         shapes = {f"{p}{n}.weight": [d] for n, d in self._norms().items()}
         for name, shape in self._shapes(i).items():
@@ -238,10 +179,8 @@ class DeepseekTarget:
                 shapes.update(quant.linear_shapes(self.ckpt.has, f"{p}mlp.experts.{e}.{proj}", shape))
         return shapes
 
-    # -- loading: runs in the prefetch thread ------------------------------------------------------
-
     def _norms(self) -> dict[str, int]:
-        """Each RMSNorm weight of a layer (without `.weight`) -> its width."""
+        """Each RMSNorm of a layer (without `.weight`) -> its width."""
         s, H = self.spec, self.cfg.hidden_size
         norms = {"input_layernorm": H, "post_attention_layernorm": H, "self_attn.kv_a_layernorm": s.kv_lora_rank}
         if s.q_lora_rank is not None:
@@ -272,10 +211,30 @@ class DeepseekTarget:
             shapes.update({p + "gate_proj": (inter, H), p + "up_proj": (inter, H), p + "down_proj": (H, inter)})
         return shapes
 
+    def _packed(self, base: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        ckpt = self.ckpt
+        packed, scale = ckpt.get(base + ".weight_packed"), ckpt.get(base + ".weight_scale")
+        try:
+            quant.check_packed(packed, scale, ckpt.get(base + ".weight_shape"), shape)
+        except ValueError as e:
+            full = ckpt.full_name(base + ".weight_packed")
+            raise TargetError(f"{ckpt.dir / ckpt.weight_map[full]}: {ckpt.full_name(base)}.{e}") from None
+        return packed, scale
+
+    def _dense(self, base: str, shape: tuple[int, int]) -> torch.Tensor:
+        """A linear's weight [out, in] on the device, dequantized if it is stored packed."""
+        if quant.is_packed(self.ckpt.has, base):
+            packed, scale = self._packed(base, shape)
+            return quant.dequantize_int4(packed.to(self.device), scale.to(self.device), self.dtype)
+        w, full = self.ckpt.get(base + ".weight"), self.ckpt.full_name(base + ".weight")
+        if list(w.shape) != list(shape):
+            raise TargetError(f"{self.ckpt.dir / self.ckpt.weight_map[full]}: {full}: shape {list(w.shape)}; "
+                              f"expected {list(shape)}")
+        return w.to(self.device, self.dtype, non_blocking=True)
+
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         p, dev = f"layers.{i}.", self.device
-        w = {name: _load_dense(self.ckpt, p + name, shape, dev, self.dtype)
-             for name, shape in self._shapes(i).items()}
+        w = {name: self._dense(p + name, shape) for name, shape in self._shapes(i).items()}
         w.update({n: self.ckpt.get(p + n + ".weight").to(dev, self.dtype) for n in self._norms()})
         if self.spec.is_moe(i):
             w["mlp.gate"] = self.ckpt.get(p + "mlp.gate.weight").to(dev, torch.float32)
@@ -285,8 +244,7 @@ class DeepseekTarget:
         return w
 
     def _load_experts(self, i: int) -> dict[str, torch.Tensor]:
-        """Stacked routed experts: `experts.gate_up.*` [E, 2I, ...] (gate rows first) and
-        `experts.down.*` [E, H, ...]; int4 stays packed, unless some expert is stored dense."""
+        """`experts.gate_up.*` [E, 2I, ...] (gate rows first), `experts.down.*` [E, H, ...]: packed if all are."""
         experts, shapes = range(self.spec.n_routed_experts), self._expert_shapes()
         packed = all(quant.is_packed(self.ckpt.has, f"layers.{i}.mlp.experts.{e}.{proj}")
                      for e in experts for proj in shapes)
@@ -303,7 +261,7 @@ class DeepseekTarget:
         packed = scale = None
         for e, names in enumerate(bases):
             for j, base in enumerate(names):
-                pk, sc = _load_packed(self.ckpt, base, shape)
+                pk, sc = self._packed(base, shape)
                 if packed is None:  # allocated on first sight: the scale dtype is the file's
                     packed = torch.empty(len(bases), rows, pk.shape[1], dtype=pk.dtype, device=self.device)
                     scale = torch.empty(len(bases), rows, sc.shape[1], dtype=sc.dtype, device=self.device)
@@ -312,18 +270,12 @@ class DeepseekTarget:
         return {"weight_packed": packed, "weight_scale": scale}
 
     def _stack_dense(self, bases: list[list[str]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-        """Like _stack_packed for experts of which some are stored dense: all dense in self.dtype."""
-        w = torch.stack([torch.cat([_load_dense(self.ckpt, b, shape, self.device, self.dtype) for b in names])
-                         for names in bases])
-        return {"weight": w}
-
-    # -- forward -------------------------------------------------------------------------------
+        """For experts of which some are stored dense: all dense, in self.dtype."""
+        return {"weight": torch.stack([torch.cat([self._dense(b, shape) for b in names]) for names in bases])}
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
                       cu_seqlens: torch.Tensor, cache: list[dict] | None = None) -> torch.Tensor:
-        """h [T, H] packed sequences -> h after the block. With `cache` (decoding: one dict per
-        packed sequence), each sequence's new keys/values are appended to its cache and its
-        queries also see the cached ones."""
+        """h [T, H] packed sequences -> h after the block; decoding with `cache` (cached_attention_packed)."""
         eps = self.cfg.rms_norm_eps
         h = h + self._attention(w, self.norm(h, w["input_layernorm"], eps), positions, cu_seqlens, cache)
         x = self.norm(h, w["post_attention_layernorm"], eps)
@@ -332,8 +284,7 @@ class DeepseekTarget:
         return h + self._moe(w, x)
 
     def _attention(self, w, x, positions, cu_seqlens, cache):
-        s, T, nh = self.spec, x.shape[0], self.heads
-        eps = self.cfg.rms_norm_eps
+        s, T, nh, eps = self.spec, x.shape[0], self.heads, self.cfg.rms_norm_eps
         if s.q_lora_rank is not None:
             q = F.linear(self.norm(F.linear(x, w["self_attn.q_a_proj"]), w["self_attn.q_a_layernorm"], eps),
                          w["self_attn.q_b_proj"])
@@ -365,36 +316,23 @@ class DeepseekTarget:
         return out
 
     def _routed(self, w, x, idx, weights):
-        """Σ_k weights[t, k] · expert_idx[t, k](x_t), [T, H] in x's dtype: (token, slot) pairs sorted by
-        expert; per block of EXPERT_BLOCK active experts, their weights dequantized into one buffer
-        and one matmul per expert and projection; each pair's output lands in its (token, slot) row,
-        and the k slots of a token are summed once at the end (fewer bytes than an fp32 index_add)."""
+        """Σ_k weights[t, k] · expert_idx[t, k](x_t) [T, H]: per block of EXPERT_BLOCK active experts, one
+        projection's weights dequantized at a time and one matmul per expert; each (token, slot) pair's
+        output in row t·k + slot, a token's k slots summed at the end (fewer bytes than an fp32 index_add)."""
         T, k = idx.shape
         order = idx.flatten().argsort(stable=True)
         token, pair_w = order // k, weights.flatten()[order]
         counts = torch.bincount(idx.flatten(), minlength=self.spec.n_routed_experts).tolist()  # one sync
         starts = list(itertools.accumulate(counts, initial=0))
-        pairs = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)   # row t·k + slot
-        for rows, gate_up, down in self._blocks(w, counts, starts):
-            h = self.expert_act(gate_up(x[token[rows]]), pair_w[rows])                          # [n, I]
-            pairs.index_copy_(0, order[rows], down(h))                                          # [n, H]
-        return pairs.view(T, k, x.shape[1]).sum(1)   # summed in fp32 (the reduction's accumulator), stored in x's dtype
-
-    def _blocks(self, w, counts, starts):
-        """(rows, gate_up, down) per block of EXPERT_BLOCK active experts: their weights dequantized
-        into one buffer, one matmul per expert and projection over the block's rows."""
+        pairs = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)
         active = [e for e, n in enumerate(counts) if n]
         for b in range(0, len(active), EXPERT_BLOCK):
             block = active[b:b + EXPERT_BLOCK]
-            sizes = [counts[e] for e in block]
-            yield (slice(starts[block[0]], starts[block[-1] + 1]),
-                   *(partial(self._dequantized_matmul, w=w, key=key, block=block, sizes=sizes)
-                     for key in ("gate_up", "down")))
-
-    def _dequantized_matmul(self, x, w, key, block, sizes):
-        """x's rows times their experts' `key` projection, dequantized just for this call (one
-        projection's buffer alive at a time)."""
-        return expert_matmul(x, self._expert_weights(w, key, block), sizes)
+            sizes, rows = [counts[e] for e in block], slice(starts[block[0]], starts[block[-1] + 1])
+            h = self.expert_act(expert_matmul(x[token[rows]], self._expert_weights(w, "gate_up", block), sizes),
+                                pair_w[rows])                                                    # [n, I]
+            pairs.index_copy_(0, order[rows], expert_matmul(h, self._expert_weights(w, "down", block), sizes))
+        return pairs.view(T, k, x.shape[1]).sum(1)   # summed in fp32 (the reduction's accumulator)
 
     def _expert_weights(self, w, key: str, experts: list[int]) -> torch.Tensor:
         """Dense [len(experts), out, in] weights of the chosen experts."""

@@ -1,10 +1,6 @@
-"""The whole target resident with a KV cache, for decoding many sequences a few tokens at a time
-(speculative-decoding checks and response regeneration; extraction streams layers instead).
-
-All sequences share one KV pool: per layer a key and a value buffer [slots, capacity, heads, D],
-a slot per sequence. A pass writes every new key/value with one indexed copy per layer and runs
-the short chunks (decode: 1 token, verify: k+1) of all sequences through one padded attention
-call per layer, so a pass costs O(layers) kernel launches whatever the number of sequences."""
+"""The whole target resident with a KV cache, decoding many sequences a few tokens at a time. All share
+one KV pool (a slot per sequence); a pass writes the new keys/values with one indexed copy per layer and
+attends the short chunks (decode: 1, verify: k+1) of all sequences in one padded call per layer."""
 from __future__ import annotations
 
 import heapq
@@ -14,24 +10,20 @@ import torch
 
 from eagle3.ops import rms_norm
 from eagle3.models.weights import Checkpoint
-from eagle3.models.attention import cached_attention, causal_cached_attention, padded_cached_attention
+from eagle3.models.attention import cached_attention, padded_cached_attention, sdpa
 from eagle3.models.streaming import build_model
 
-# Chunks up to this many tokens attend batched, padded to the next power of two (<= 2x wasted
-# queries); longer ones (prompts, user turns) attend one sequence at a time: few, and padding a
-# whole batch to a prompt's length would cost far more than their launches.
+# chunks up to this long attend batched, padded to a power of two; longer ones (prompts) one sequence
+# at a time: few, and padding a batch to a prompt's length costs far more than their launches
 SHORT_MAX = 64
 
 
 class KVPool:
-    """Keys and values of every sequence a target decodes: per layer one buffer pair
-    [slots, capacity, heads, D] (allocated at the layer's first write, when the model's k/v shapes
-    and dtype are known), grown by doubling. Slots are handed out lowest first, so the live ones
-    stay packed at the front and a pass usually reads them as one slice of the buffers."""
+    """Per layer a k and a v buffer [slots, capacity, heads, D], allocated at its first write, grown by
+    doubling. Slots go lowest first: the live ones stay at the front, usually read as one slice."""
 
     def __init__(self, layers: int):
-        self.k: list[torch.Tensor | None] = [None] * layers
-        self.v: list[torch.Tensor | None] = [None] * layers
+        self.k, self.v = [None] * layers, [None] * layers   # per layer [slots, capacity, heads, D] or None
         self.slots = self.capacity = 0          # allocated sizes, the same for every layer
         self.used, self.free = 0, []            # slots ever handed out; heap of released ones
 
@@ -59,8 +51,7 @@ class KVPool:
         self.slots, self.capacity = new_slots, new_cap
 
     def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store a pass's new k/v [T, heads, D] at flat positions index [T] (slot * capacity +
-        position) -> the layer's buffers [slots, capacity, heads, D]."""
+        """Store new k/v [T, heads, D] at flat index [T] (slot * capacity + position) -> the buffers."""
         if self.k[layer] is None:
             self.k[layer] = k.new_zeros(self.slots, self.capacity, *k.shape[1:])
             self.v[layer] = v.new_zeros(self.slots, self.capacity, *v.shape[1:])
@@ -70,8 +61,7 @@ class KVPool:
 
 
 class SequenceCache:
-    """One sequence's KV cache: its slot in the target's pool and how many positions it holds.
-    Dropping the handle gives the slot back to the pool."""
+    """One sequence's slot in the pool and how many positions it holds; dropped, the slot is freed."""
     __slots__ = ("slot", "length", "__weakref__")
 
     def __init__(self, pool: KVPool):
@@ -80,10 +70,9 @@ class SequenceCache:
 
 
 class _Group:
-    """Sequences whose chunks pad to the same length n, attended in one call: R rows of the pool
-    (`rows`: a slice, or an index of slots), each token's padded row r * n + i (`pad_index`),
-    which packed tokens they are (`tokens`; None: all, in order), and where each row's new
-    tokens start (`start_row` [R]: query i of row r sees keys 0 .. start + i)."""
+    """Sequences whose chunks pad to length n, attended in one call: R pool `rows` (a slice or slots),
+    each token's padded row r * n + i (`pad_index`), which packed `tokens` they are (None: all) and
+    where each row's new tokens start (`start_row` [R]: query i sees keys 0 .. start + i)."""
 
     def __init__(self, n: int, members: torch.Tensor, slots, starts, ends, seq, offset):
         self.n, ms = n, slots[members]
@@ -102,23 +91,9 @@ class _Group:
         self.keys = int(ends[members].max())                                    # L
         self._masks = {}
 
-    def host_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.rows, self.pad_index, self.tokens, self.start_row) if isinstance(t, torch.Tensor)]
-
-    def adopt(self, device_tensors: list[torch.Tensor]) -> None:
-        """Take the device copies of host_tensors()."""
-        it = iter(device_tensors)
-        if isinstance(self.rows, torch.Tensor):
-            self.rows = next(it)
-        self.pad_index = next(it)
-        self.tokens = next(it) if self.tokens is not None else None
-        self.start_row = next(it)
-
     def mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [R, 1, n * group, L] for queries folded as padded_cached_attention does
-        (row i * group + g: query i, head g of a kv head's group): 0 visible, -inf not. Built at
-        the first layer and kept for the pass (a boolean one would be converted by every layer);
-        its rows padded to 16 keys in memory, the alignment the fused kernels want."""
+        """Additive mask [R, 1, n * group, L] for padded_cached_attention's folded queries, kept for the
+        pass (a boolean one is converted by every layer); rows padded to 16 keys, as fused kernels want."""
         if (group, dtype) not in self._masks:
             device, width = self.start_row.device, -(-self.keys // 16) * 16
             last = (self.start_row[:, None] + torch.arange(self.n, device=device)).repeat_interleave(group, 1)
@@ -129,8 +104,8 @@ class _Group:
 
 
 class PassLayout:
-    """Where the packed tokens of one pass over several sequences go and what each query sees:
-    built once per pass on the host, copied to the device in one transfer, used by every layer."""
+    """Where the packed tokens of a pass go and what each query sees: built on the host, copied to the
+    device in one transfer, used by every layer."""
 
     def __init__(self, pool: KVPool, caches: list[SequenceCache], lengths: list[int], device: torch.device):
         if len({c.slot for c in caches}) < len(caches):
@@ -144,44 +119,30 @@ class PassLayout:
         seq = torch.arange(len(caches)).repeat_interleave(n, output_size=T)        # [T] sequence of each token
         offset = torch.arange(T) - cu[seq]                                         # [T] index in its chunk
         positions = starts[seq] + offset                                           # [T]
-        sizes = {_padded(x) for x in lengths if 0 < x <= SHORT_MAX}
+        sizes = {1 << (x - 1).bit_length() for x in lengths if 0 < x <= SHORT_MAX}   # next power of two
         self.groups = [_Group(size, ((n > size // 2) & (n <= size)).nonzero().flatten(),
                               slots, starts, ends, seq, offset) for size in sorted(sizes)]
         bounds = cu.tolist()
         self.long = [(bounds[b], bounds[b + 1], c.slot, c.length)
                      for b, (c, x) in enumerate(zip(caches, lengths)) if x > SHORT_MAX]
-        host = [cu, positions, slots[seq] * pool.capacity + positions]
-        for g in self.groups:
-            host += g.host_tensors()
-        on_device = _to_device(host, device)
-        self.cu, self.positions, self.write_index = on_device[:3]
-        at = 3
-        for g in self.groups:
-            k = len(g.host_tensors())
-            g.adopt(on_device[at:at + k])
-            at += k
-
-
-def _padded(x: int) -> int:
-    """Chunk length -> the power of two it is padded to."""
-    return 1 << (x - 1).bit_length()
-
-
-def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Small host int64 tensors -> device, in one copy."""
-    flat = torch.cat([t.flatten() for t in tensors]).to(device)
-    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+        self.cu, self.positions, self.write_index = cu, positions, slots[seq] * pool.capacity + positions
+        fields = [(self, a) for a in ("cu", "positions", "write_index")] + [
+            (g, a) for g in self.groups for a in ("rows", "pad_index", "tokens", "start_row")
+            if isinstance(getattr(g, a), torch.Tensor)]
+        host = [getattr(obj, a) for obj, a in fields]
+        flat = torch.cat([t.flatten() for t in host]).to(device)   # small int64 tensors: one copy
+        for (obj, a), t, part in zip(fields, host, flat.split([t.numel() for t in host])):
+            setattr(obj, a, part.view(t.shape))
 
 
 class LayerPass:
-    """What a layer's forward gets as `cache` in a batched pass (attention.cached_attention_packed calls
-    attend): the pool, the layer and the pass's layout."""
+    """A layer's `cache` in a batched pass: attention.cached_attention_packed calls `attend`."""
 
     def __init__(self, pool: KVPool, layer: int, layout: PassLayout):
         self.pool, self.layer, self.layout = pool, layer, layout
 
     def attend(self, q, k, v, scale=None) -> torch.Tensor:
-        """q [T, Hq, D], this pass's k/v [T, Hkv, D|Dv] -> attention output [T, Hq, Dv]."""
+        """q [T, Hq, D], this pass's k/v [T, Hkv, D|Dv] -> [T, Hq, Dv]."""
         lay = self.layout
         k_cache, v_cache = self.pool.write(self.layer, lay.write_index, k, v)
         group = q.shape[1] // k.shape[1]                            # query heads per kv head
@@ -194,9 +155,10 @@ class LayerPass:
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         for g in lay.groups:
             out.index_copy_(0, g.tokens, batched(g, q.index_select(0, g.tokens)))
-        for a, b, slot, start in lay.long:
-            attend = causal_cached_attention if start == 0 else cached_attention
-            out[a:b] = attend(q[a:b], k_cache[slot, :start + b - a], v_cache[slot, :start + b - a], scale)
+        for a, b, slot, start in lay.long:   # nothing cached before: plain causal, no mask for the fused kernels
+            ks, vs = k_cache[slot, :start + b - a], v_cache[slot, :start + b - a]
+            out[a:b] = sdpa(q[a:b], ks, vs, is_causal=True, scale=scale) if start == 0 else cached_attention(
+                q[a:b], ks, vs, scale)
         return out
 
 
@@ -213,7 +175,6 @@ class IncrementalTarget:
         self.pool = KVPool(len(self.layers))
 
     def new_cache(self) -> SequenceCache:
-        """One sequence's cache (a slot of the shared pool, freed when the handle is dropped)."""
         return SequenceCache(self.pool)
 
     @staticmethod
@@ -222,7 +183,7 @@ class IncrementalTarget:
 
     @staticmethod
     def crop(cache: SequenceCache, n: int) -> None:
-        """Forget every cached position from n on (rejected draft tokens): later writes overwrite them."""
+        """Forget the cached positions from n on (rejected draft tokens)."""
         cache.length = min(cache.length, n)
 
     def forward(self, ids: torch.Tensor, cache: SequenceCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,8 +192,7 @@ class IncrementalTarget:
 
     @torch.no_grad()
     def forward_many(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> list[tuple]:
-        """The next tokens of several sequences in one batched pass (matmuls over all of them, the
-        short chunks' attention in one call per layer) -> [(aux, final)] per sequence."""
+        """The next tokens of several sequences in one batched pass -> [(aux, final)] per sequence."""
         lengths = [c.numel() for c in chunks]
         layout = PassLayout(self.pool, caches, lengths, self.device)
         h = self.embed[torch.cat(chunks).to(self.device)]

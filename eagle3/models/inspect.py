@@ -1,12 +1,10 @@
-"""`python -m eagle3 inspect`: what the pipeline will read from a target, checked (the family's config
-fields, and every tensor the forward needs: present, of the shape the config implies), as one JSON-able
-report."""
+"""`python -m eagle3 inspect`: what the pipeline will read from a target, checked (config fields, every
+tensor the forward needs present and of the shape the config implies), as one JSON-able report."""
 from __future__ import annotations
 
 import torch
 
 from eagle3.models.weights import Checkpoint
-from eagle3.models.deepseek import DeepseekSpec
 from eagle3.models.streaming import build_model, check_tensors
 
 
@@ -14,8 +12,7 @@ def inspect(target: str) -> dict:
     """What the pipeline will read from a target; weights reported missing if absent."""
     ckpt = Checkpoint(target, require_weights=False)
     c = ckpt.config
-    # built as extraction builds it: its settings (RoPE kind, routing) are checked even without weights
-    model = build_model(ckpt, torch.device("cpu"), torch.float32)
+    model = build_model(ckpt, torch.device("cpu"), torch.float32)   # checks RoPE kind and routing, weights or not
     report = {"path": str(ckpt.dir), "model_type": c.model_type, "text_model_type": c.text_model_type,
               "architectures": c.architectures, "family": c.family.name, "config_source": c.source,
               "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "num_hidden_layers": c.num_hidden_layers,
@@ -23,12 +20,14 @@ def inspect(target: str) -> dict:
               "aux_layer_ids": c.default_aux_layer_ids(), "tie_word_embeddings": c.tie_word_embeddings,
               "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling, "quantization": c.quantization}
     if c.is_deepseek:
-        report["moe"] = _describe_moe(model.spec)
+        s = model.spec
+        report["moe"] = {"routed_experts": s.n_routed_experts, "shared_experts": s.n_shared_experts,
+                         "experts_per_token": s.num_experts_per_tok, "n_group": s.n_group,
+                         "topk_group": s.topk_group, "dense_layers": s.first_k_dense_replace,
+                         "moe_intermediate_size": s.moe_intermediate_size}
     if not ckpt.weight_map:
         report["weights"] = "missing: no model.safetensors or model.safetensors.index.json"
-        for name in ("embed_tokens", "lm_head", "norm"):
-            report[name] = None
-        return report
+        return report | dict.fromkeys(("embed_tokens", "lm_head", "norm"))
     needed = {ckpt.full_name(n) for n in check_tensors(ckpt, model)}   # a tied head is the embedding
     report["weights"] = {"files": len(set(ckpt.weight_map.values())),
                          "text_tensors": len(ckpt.text_tensor_names()),
@@ -39,9 +38,3 @@ def inspect(target: str) -> dict:
     report.update(ckpt.outer_tensors())
     return report
 
-
-def _describe_moe(spec: DeepseekSpec) -> dict:
-    return {"routed_experts": spec.n_routed_experts, "shared_experts": spec.n_shared_experts,
-            "experts_per_token": spec.num_experts_per_tok, "n_group": spec.n_group,
-            "topk_group": spec.topk_group, "dense_layers": spec.first_k_dense_replace,
-            "moe_intermediate_size": spec.moe_intermediate_size}

@@ -1,4 +1,4 @@
-"""Llama / Mistral / Qwen2 / Qwen3 forward for extraction, one layer at a time (see `streaming`)."""
+"""Llama / Mistral / Qwen2 / Qwen3 forward, one layer at a time (see `streaming`)."""
 from __future__ import annotations
 
 import torch
@@ -10,8 +10,7 @@ from eagle3.models.weights import Checkpoint, TargetError
 
 
 class LlamaTarget:
-    """Pre-norm decoder blocks with GQA, rotate-half RoPE and SwiGLU; Qwen2 q/k/v biases and
-    Qwen3 per-head q/k norms are picked up from the tensors present."""
+    """Pre-norm blocks with GQA, rotate-half RoPE and SwiGLU; Qwen2 biases and Qwen3 q/k norms if present."""
 
     def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
         self.ckpt, self.cfg, self.device, self.dtype = ckpt, ckpt.config, device, dtype
@@ -25,8 +24,7 @@ class LlamaTarget:
         self.has_qk_norm = ckpt.has("layers.0.self_attn.q_norm.weight")
 
     def layer_shapes(self, i: int) -> dict[str, list[int]]:
-        """Every tensor layer i's forward reads (names relative to the text model) and the shape the
-        config implies."""
+        """Every tensor layer i's forward reads -> the shape the config implies."""
         p, H, I = f"layers.{i}.", self.cfg.hidden_size, self.cfg.intermediate_size
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         shapes = {p + "input_layernorm.weight": [H], p + "post_attention_layernorm.weight": [H],
@@ -48,29 +46,20 @@ class LlamaTarget:
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
                       cu_seqlens: torch.Tensor, cache: list[dict] | None = None) -> torch.Tensor:
-        """h [T, H] packed sequences -> h after the block. With `cache` (decoding: one dict per
-        packed sequence), each sequence's new keys/values are appended to its cache and its
-        queries also see the cached ones."""
-        h = h + self._attention(w, rms_norm(h, w["input_layernorm.weight"], self.cfg.rms_norm_eps),
-                                positions, cu_seqlens, cache)
-        x = rms_norm(h, w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
+        """h [T, H] packed sequences -> h after the block; decoding with `cache` (cached_attention_packed)."""
+        eps = self.cfg.rms_norm_eps
+        h = h + self._attention(w, rms_norm(h, w["input_layernorm.weight"], eps), positions, cu_seqlens, cache)
+        x = rms_norm(h, w["post_attention_layernorm.weight"], eps)
         return h + swiglu(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
 
     def _attention(self, w, x, positions, cu_seqlens, cache):
-        T = x.shape[0]
-
-        def proj(name, heads):
-            return F.linear(x, w[f"self_attn.{name}.weight"], w.get(f"self_attn.{name}.bias")).view(
-                T, heads, self.head_dim)
-
-        q, k, v = proj("q_proj", self.heads), proj("k_proj", self.kv_heads), proj("v_proj", self.kv_heads)
+        T, eps = x.shape[0], self.cfg.rms_norm_eps
+        q, k, v = (F.linear(x, w[f"self_attn.{n}_proj.weight"], w.get(f"self_attn.{n}_proj.bias")).view(T, nh, -1)
+                   for n, nh in (("q", self.heads), ("k", self.kv_heads), ("v", self.kv_heads)))
         if self.has_qk_norm:
-            q = rms_norm(q, w["self_attn.q_norm.weight"], self.cfg.rms_norm_eps)
-            k = rms_norm(k, w["self_attn.k_norm.weight"], self.cfg.rms_norm_eps)
+            q, k = rms_norm(q, w["self_attn.q_norm.weight"], eps), rms_norm(k, w["self_attn.k_norm.weight"], eps)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:
-            out = causal_attention_packed(q, k, v, cu_seqlens)
-        else:
-            out = cached_attention_packed(q, k, v, cu_seqlens, cache)
+        out = (causal_attention_packed(q, k, v, cu_seqlens) if cache is None
+               else cached_attention_packed(q, k, v, cu_seqlens, cache))
         return F.linear(out.reshape(T, -1), w["self_attn.o_proj.weight"])

@@ -1,10 +1,6 @@
-"""compressed-tensors `pack-quantized` int4 weights: unpacking and dequantization.
-
-A quantized linear `X` is stored as `X.weight_packed` (int32 [out, in/8], eight 4-bit values per
-int32 along the input dimension, lowest nibble first, each stored as value + 8), `X.weight_scale`
-([out, in/group]) and `X.weight_shape` (int32 [2] = [out, in]); a plain linear as `X.weight`.
-Which one a linear is gets decided by its keys, never by the config's ignore list.
-"""
+"""compressed-tensors `pack-quantized` int4 linears: `X.weight_packed` (int32 [out, in/8], eight values
++ 8 per word, lowest nibble first), `X.weight_scale` [out, in/group], `X.weight_shape` (int32 [out, in]).
+A linear is packed or plain (`X.weight`) by its keys, never by the config's ignore list."""
 from __future__ import annotations
 
 import functools
@@ -16,8 +12,7 @@ PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
 
 
 class GroupedShape(NamedTuple):
-    """The shape of the weight_scale of an [out, in] linear: [out, in / g] for the file's group size g,
-    which must divide in and be a multiple of 8 (the config's group_size is only reported)."""
+    """weight_scale of an [out, in] linear: [out, in / g], the file's group size g a multiple of 8."""
     out: int
     inp: int
 
@@ -34,29 +29,26 @@ def shape_fits(expected: list[int] | GroupedShape, found: list[int]) -> bool:
 
 
 def packed_shapes(out: int, inp: int) -> dict[str, list[int] | GroupedShape]:
-    """The shapes of the three parts of an [out, in] int4 linear, by suffix."""
     return {"weight_packed": [out, inp // 8], "weight_scale": GroupedShape(out, inp), "weight_shape": [2]}
 
 
 def is_packed(has, base: str) -> bool:
-    """Linear `base` is stored as int4 parts: any of them present (so a lost part is reported by name)."""
+    """Any int4 part of linear `base` present (so that a lost part is reported by name)."""
     return any(has(f"{base}.{s}") for s in PACKED_SUFFIXES)
 
 
 def linear_shapes(has, base: str, shape: tuple[int, int]) -> dict[str, list[int] | GroupedShape]:
-    """The tensors of linear `base` (e.g. `layers.3.mlp.experts.0.up_proj`) of logical shape [out, in] =
-    `shape`, as stored (its three packed parts, or `base.weight`), and their shapes."""
+    """The tensors of linear `base` of shape [out, in] as stored (three packed parts or `.weight`) -> shape."""
     if is_packed(has, base):
         return {f"{base}.{suffix}": s for suffix, s in packed_shapes(*shape).items()}
     return {f"{base}.weight": list(shape)}
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [..., n/8] -> uint8 [..., n] nibbles (0..15), element 8c+j from bits 4j..4j+3 of column c."""
+    """int32 [..., n/8] -> uint8 [..., n] nibbles, element 8c+j from bits 4j..4j+3 of word c."""
     if packed.dtype != torch.int32:
         raise TypeError(f"weight_packed must be int32, got {packed.dtype}")
-    # int32 words are little-endian in memory (x86, Arm, CUDA): byte b of word c holds element
-    # 8c+2b in its low nibble and 8c+2b+1 in its high one, so a byte view unpacks with 8-bit ops
+    # little-endian words (x86, Arm, CUDA): byte b of word c holds elements 8c+2b (low) and 8c+2b+1 (high)
     b = packed.contiguous().view(torch.uint8)                     # [..., n/2]
     return torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)     # [..., n]
 
@@ -64,7 +56,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                     triton: bool = True) -> torch.Tensor:
     """packed int32 [..., out, in/8], scale [..., out, in/group] -> W [..., out, in] in `dtype`,
-    W[o, i] = (nibble - 8) * scale[o, i // group]. One fused Triton kernel on CUDA (unless not `triton`)."""
+    (nibble - 8) * scale[o, i // group]; one Triton kernel on CUDA (unless not `triton`)."""
     if packed.is_cuda and triton:
         return _dequantize_triton(packed, scale, dtype)
     return dequantize_int4_torch(packed, scale, dtype)
@@ -77,8 +69,7 @@ def dequantize_int4_torch(packed: torch.Tensor, scale: torch.Tensor, dtype: torc
 
 
 def _dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # eager torch makes ~5 passes over byte- and bf16-sized intermediates; dequantizing every active
-    # expert of a Kimi layer (17 G weights) is memory-bound, so one read of int4 + one write matters
+    # memory-bound (a Kimi layer's experts are 17 G weights): one read and one write, not eager's ~5 passes
     words, groups = packed.shape[-1], scale.shape[-1]
     packed, scale = packed.contiguous(), scale.contiguous()
     rows = packed.numel() // words
@@ -115,7 +106,7 @@ def _triton_kernel():
 
 
 def check_packed(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, expected: tuple[int, int]) -> None:
-    """Raise ValueError unless the three parts describe an [out, in] = expected matrix."""
+    """Raise ValueError unless the three parts describe an [out, in] = `expected` matrix."""
     if [int(v) for v in shape.tolist()] != list(expected):
         raise ValueError(f"weight_shape = {shape.tolist()}; expected {list(expected)}")
     if packed.dtype != torch.int32:

@@ -1,17 +1,8 @@
-"""The target resident across the ranks of one node as contiguous layer stages (online training's
-`train.online_target = "staged"`): rank r keeps layers [L·r/W, L·(r+1)/W) and every rank's
-micro-batch flows through all the stages.
-
-`StagedTarget.run` is a collective over its process group: every rank calls it with its own A
-micro-batches (A the same on every rank; a batch may be empty), in the same order. The W·A batches
-are numbered g = a·W + r (batch a of rank r: its owner is g mod W); after their sizes and ids are
-gathered, W·A + W - 1 ticks follow; at tick t rank r runs batch t - r through its layers, so the
-pipeline is full but for its W - 1 ticks of filling and draining. Each tick ends with one batch of
-point-to-point messages posted by every rank in one global order: the activations to the next
-stage, and the aux states (from the stage holding the aux layer) and final state and greedy token
-(from the last stage) to the batch's owner. Per rank it returns what `TargetRunner.run` returns,
-for each of its own micro-batches.
-"""
+"""The target resident across one node's ranks as layer stages (`train.online_target = "staged"`):
+rank r keeps layers [L·r/W, L·(r+1)/W). `run` is a collective: each rank's A micro-batches (batch a of
+rank r is g = a·W + r) are pipelined, rank r running batch t - r at tick t; each tick ends with one
+batch of point-to-point messages in one global order: activations to the next stage, aux and final
+states and greedy tokens to the batch's owner."""
 from __future__ import annotations
 
 import torch
@@ -22,18 +13,15 @@ from eagle3.models.streaming import build_model, check_tensors, greedy_argmax, r
 from eagle3.ops import rms_norm
 
 
-def stage_layers(num_layers: int, rank: int, world: int) -> range:
-    return range(num_layers * rank // world, num_layers * (rank + 1) // world)
-
-
 class StagedTarget:
     def __init__(self, ckpt: Checkpoint, aux_layer_ids: list[int], device: torch.device, dtype: torch.dtype,
                  rank: int, world: int, chunk_tokens: int = 65536):
         self.aux_layer_ids, self.device, self.dtype, self.rank, self.world = aux_layer_ids, device, dtype, rank, world
-        self.chunk_tokens = chunk_tokens   # whole sequences at most this many tokens a pass: activation memory
+        self.chunk_tokens = chunk_tokens   # whole sequences of at most this many tokens a pass
         self.model = build_model(ckpt, device, dtype)
         check_tensors(ckpt, self.model)
-        self.stages = [stage_layers(ckpt.config.num_hidden_layers, r, world) for r in range(world)]
+        L = ckpt.config.num_hidden_layers
+        self.stages = [range(L * r // world, L * (r + 1) // world) for r in range(world)]
         self.layers = {i: self.model.load_layer(i) for i in self.stages[rank]}
         self.hidden, self.eps = ckpt.config.hidden_size, ckpt.config.rms_norm_eps
         first, last = rank == 0, rank == world - 1
@@ -43,8 +31,7 @@ class StagedTarget:
 
     @torch.no_grad()
     def run(self, batches: list[tuple[torch.Tensor, list[int]]], group) -> list[dict[str, torch.Tensor] | None]:
-        """This rank's micro-batches, each (input_ids [T], cu_seqlens as python ints; T may be 0) ->
-        for each, CPU tensors aux [T, 3H], final [T, H], argmax [T] int32 (None for an empty batch)."""
+        """This rank's micro-batches ((ids, cu_seqlens), as many on every rank) -> `TargetRunner.run`'s, or None."""
         mine = [(ids.tolist(), list(cu)) for ids, cu in batches]
         gathered = [mine] * self.world   # one process: one stage, no messages
         if dist.is_initialized():
@@ -70,8 +57,7 @@ class StagedTarget:
         return 0 <= b < len(metas) and len(metas[b][0]) > 0
 
     def _forward(self, b: int, meta: tuple, h: torch.Tensor | None, kept: dict) -> torch.Tensor:
-        """This stage's layers on batch b, `chunk_tokens` of whole sequences at a time (sequences do not
-        see each other); what it keeps goes to `kept`; returns the activation."""
+        """This stage's layers on batch b, `chunk_tokens` at a time -> the activation; outputs to `kept`."""
         ids, cu = meta
         if self.rank == 0:
             h = self.embed[torch.tensor(ids).to(self.device, non_blocking=True)]
@@ -90,7 +76,7 @@ class StagedTarget:
         return h
 
     def _messages(self, tick: int, metas: list):
-        """Every message of the tick, in the one order all ranks post them: (kind, src, dst, batch, layer)."""
+        """Every message of the tick in the order all ranks post them: (kind, src, dst, batch, layer)."""
         for src in range(self.world):
             b = tick - src
             if not self._runs(b, metas):
@@ -130,5 +116,4 @@ class StagedTarget:
 
 
 def _join(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The chunks' rows in order; one chunk (the usual case) without a copy."""
     return parts[0] if len(parts) == 1 else torch.cat(parts)

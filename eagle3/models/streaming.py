@@ -1,8 +1,5 @@
-"""Layer-streaming executor: run a chunk of packed tokens through the target one layer at a time.
-
-Only the layer being computed and the one being prefetched are resident, so a target far larger
-than device memory is extracted with memory = two layers + the chunk's activations.
-"""
+"""Run packed tokens through the target one layer at a time: only the layer computed and the one
+prefetched are resident, so a target far larger than device memory runs in two layers + activations."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +19,7 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
 
 
 def check_tensors(ckpt: Checkpoint, model) -> list[str]:
-    """Fail before any compute if a tensor some layer will read is absent from the checkpoint or not of
-    the shape the config implies (headers only), or the embedding, head or final norm disagrees with
-    the config. Returns the names of the tensors the forward reads (relative to the text model)."""
+    """The tensors the forward reads; fail before any compute if one is absent or of the wrong shape."""
     shapes = {n: s for i in range(ckpt.config.num_hidden_layers) for n, s in model.layer_shapes(i).items()}
     names = ["embed_tokens.weight", "norm.weight", "lm_head.weight", *shapes]
     missing = [n for n in names if not ckpt.has(n)]
@@ -49,15 +44,13 @@ def split_chunks(cu_seqlens: list[int], chunk_tokens: int) -> list[tuple[int, in
 
 
 class TargetRunner:
-    """Produces, for packed token ids, the aux hidden states, the post-norm final hidden state and
-    the target's greedy next token over the full vocab."""
+    """Packed token ids -> aux hidden states, post-norm final hidden state and greedy next token."""
 
     def __init__(self, ckpt: Checkpoint, aux_layer_ids: list[int], device: torch.device,
                  dtype: torch.dtype = torch.bfloat16, chunk_tokens: int = 65536, resident: bool = False):
         self.ckpt, self.aux_layer_ids, self.device, self.dtype = ckpt, aux_layer_ids, device, dtype
         self.chunk_tokens = chunk_tokens
-        # resident: every layer loaded once and kept (for a target that fits, run many times online)
-        self.resident: list | None = [] if resident else None
+        self.resident: list | None = [] if resident else None   # every layer kept after the first pass
         self.model = build_model(ckpt, device, dtype)
         self.num_layers = ckpt.config.num_hidden_layers
         check_tensors(ckpt, self.model)
@@ -68,8 +61,7 @@ class TargetRunner:
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, cu_seqlens: list[int]) -> dict[str, torch.Tensor]:
-        """input_ids [T] int; cu_seqlens boundaries (python ints) -> CPU tensors
-        aux [T, 3H], final [T, H] (dtype), argmax [T] int32."""
+        """input_ids [T], cu_seqlens (python ints) -> CPU aux [T, 3H], final [T, H], argmax [T] int32."""
         outs = [self._run_chunk(input_ids[cu_seqlens[a]:cu_seqlens[b]],
                                 [c - cu_seqlens[a] for c in cu_seqlens[a:b + 1]])
                 for a, b in split_chunks(cu_seqlens, self.chunk_tokens)]
@@ -84,8 +76,7 @@ class TargetRunner:
                 "target_argmax": greedy_argmax(final, self.head).cpu()}
 
     def _layers(self):
-        """Each layer's weights in order: streamed (the next one loads while this one computes), or
-        the resident copies, loaded on the first pass."""
+        """Each layer's weights: streamed (the next one loads meanwhile), or the resident ones."""
         if self.resident is not None and len(self.resident) == self.num_layers:
             yield from self.resident
             return
@@ -103,8 +94,7 @@ class TargetRunner:
 
 
 def run_layers(model, layers, h: torch.Tensor, cu: list[int], aux_layer_ids: list[int]):
-    """h [T, H] of whole packed sequences (boundaries `cu`, python ints from 0) through `layers`,
-    (index, weights) pairs in order -> (h after them, {aux layer index among them: its output})."""
+    """h [T, H] of packed sequences `cu` through `layers` ((i, weights) pairs) -> (h, {aux layer i: h})."""
     cu_t = torch.tensor(cu).to(h.device, non_blocking=True)   # no wait for the queued work
     positions = positions_from_cu_seqlens(cu_t, h.shape[0])
     captured = {}

@@ -1,9 +1,5 @@
-"""Miniature random-weight targets with the real config layouts and tensor names.
-
-Used by the tests and the demo: every code path that reads a real checkpoint is exercised on
-these. `make_llama` writes Llama / Qwen2 / Qwen3 layouts (flat config, `model.` prefix);
-`make_kimi` writes Kimi-K2.5's (nested config, `language_model.` prefix, int4 routed experts).
-"""
+"""Miniature random-weight targets with the real config layouts and tensor names, for the tests and
+the demo: Llama / Qwen2 / Qwen3 (`make_llama`) and Kimi-K2.5 (`make_kimi`: nested config, int4 experts)."""
 from __future__ import annotations
 
 import json
@@ -15,49 +11,60 @@ from safetensors.torch import save_file
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
+def _start(out: str | Path, config: dict, seed: int, dtype: torch.dtype):
+    """Write config.json into `out` -> (out, tensors {}, rand, ones, mlp): makers of seeded random tensors
+    in `dtype` (rand: std 1/sqrt(fan-in) by default; ones: about 1), mlp adding an MLP's linears."""
+    out, t, g = Path(out), {}, torch.Generator().manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+    def rand(*shape, std=None, dtype=dtype):
+        return (torch.randn(*shape, generator=g) * (std if std is not None else shape[-1] ** -0.5)).to(dtype)
+
+    def ones(n):
+        return (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+
+    def mlp(p: str, hidden: int, inter: int, quant: bool = False):
+        # small output projections keep the residual stream close to the token embedding, so the target's
+        # greedy token is mostly a function of recent tokens: learnable by a tiny draft
+        for name, shape, std in (("gate_proj", (inter, hidden), hidden ** -0.5),
+                                 ("up_proj", (inter, hidden), hidden ** -0.5),
+                                 ("down_proj", (hidden, inter), 0.3 * inter ** -0.5)):
+            if quant:
+                t.update({f"{p}{name}.{k}": v for k, v in _quantized(g, *shape, std).items()})
+            else:
+                t[f"{p}{name}.weight"] = rand(*shape, std=std)
+
+    return out, t, rand, ones, mlp
+
+
 def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
-    """One model.safetensors, or `shards` files plus model.safetensors.index.json."""
+    """One model.safetensors, or `shards` files and model.safetensors.index.json."""
     if shards <= 1:
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
         return
-    names = list(tensors)
-    weight_map = {}
+    names, weight_map = list(tensors), {}
     for s in range(shards):
         file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         part = {n: tensors[n] for n in names[s::shards]}
         save_file(part, out / file, metadata={"format": "pt"})
-        weight_map.update({n: file for n in part})
+        weight_map.update(dict.fromkeys(part, file))
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
              "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def make_llama(out: str | Path, family: str = "llama", hidden: int = 64, layers: int = 6,
-               heads: int = 4, kv_heads: int = 2, intermediate: int = 128, vocab: int = 512,
-               tie: bool = False, shards: int = 1, seed: int = 0,
-               dtype: torch.dtype = torch.bfloat16) -> Path:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+def make_llama(out: str | Path, family: str = "llama", hidden: int = 64, layers: int = 6, heads: int = 4,
+               kv_heads: int = 2, intermediate: int = 128, vocab: int = 512, tie: bool = False, shards: int = 1,
+               seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
     head_dim = hidden // heads
-    config = {
-        "architectures": [_ARCH[family]], "model_type": family, "hidden_size": hidden,
-        "intermediate_size": intermediate, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "max_position_embeddings": 4096, "tie_word_embeddings": tie, "torch_dtype": "bfloat16",
-        "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, std=None):
-        std = std if std is not None else shape[-1] ** -0.5
-        return (torch.randn(*shape, generator=g) * std).to(dtype)
-
-    def ones(n):
-        return (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
-
-    t = {"model.embed_tokens.weight": rand(vocab, hidden, std=1.0), "model.norm.weight": ones(hidden)}
+    config = {"architectures": [_ARCH[family]], "model_type": family, "hidden_size": hidden,
+              "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": tie,
+              "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
+    out, t, rand, ones, mlp = _start(out, config, seed, dtype)
+    t.update({"model.embed_tokens.weight": rand(vocab, hidden, std=1.0), "model.norm.weight": ones(hidden)})
     if not tie:
         t["lm_head.weight"] = rand(vocab, hidden, std=3 * hidden ** -0.5)
     for i in range(layers):
@@ -67,27 +74,20 @@ def make_llama(out: str | Path, family: str = "llama", hidden: int = 64, layers:
         t[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
         t[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
         t[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
-        # small output projections keep the residual stream close to the token embedding, so the
-        # target's greedy token is mostly a function of recent tokens: learnable by a tiny draft
-        t[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim, std=0.3 * hidden ** -0.5)
-        t[p + "mlp.gate_proj.weight"] = rand(intermediate, hidden)
-        t[p + "mlp.up_proj.weight"] = rand(intermediate, hidden)
-        t[p + "mlp.down_proj.weight"] = rand(hidden, intermediate, std=0.3 * intermediate ** -0.5)
+        t[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim, std=0.3 * hidden ** -0.5)   # small: see mlp
+        mlp(p + "mlp.", hidden, intermediate)
         if family == "qwen2":
             for n, width in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
                 t[p + f"self_attn.{n}.bias"] = rand(width * head_dim, std=0.02)
         if family == "qwen3":
-            t[p + "self_attn.q_norm.weight"] = ones(head_dim)
-            t[p + "self_attn.k_norm.weight"] = ones(head_dim)
+            t.update({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)})
     _save_sharded(t, out, shards)
     return out
 
 
 def make_token_data(out: str | Path, vocab: int, sequences: int = 64, min_len: int = 16,
                     max_len: int = 96, seed: int = 0) -> Path:
-    """Pre-tokenized JSON lines: a 'user' prefix (loss_mask 0) then an 'assistant' reply (1).
-
-    Tokens follow a random bigram chain so the text has structure a draft can learn."""
+    """Pre-tokenized lines: a user prefix (loss_mask 0), then a reply (1) from a bigram chain a draft learns."""
     g = torch.Generator().manual_seed(seed)
     follow = torch.randint(3, vocab, (vocab, 4), generator=g)
     out = Path(out)
@@ -104,14 +104,14 @@ def make_token_data(out: str | Path, vocab: int, sequences: int = 64, min_len: i
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int values -8..7 [out, in] -> compressed-tensors int32 [out, in/8] (value + 8, lowest nibble first)."""
+    """int values -8..7 [out, in] -> compressed-tensors int32 [out, in/8]."""
     nib = (q.to(torch.int64) + 8).unflatten(-1, (-1, 8))
     word = (nib << (4 * torch.arange(8))).sum(-1)
     return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
 
 
 def _quantized(g: torch.Generator, out: int, inp: int, std: float, group: int = 32) -> dict[str, torch.Tensor]:
-    """Random int4 pack-quantized linear with weights of about `std`: weight_packed/scale/shape."""
+    """A random int4 linear with weights of about `std`: weight_packed/scale/shape."""
     q = torch.randint(-8, 8, (out, inp), generator=g)
     scale = std / 4.6 * (1 + 0.2 * torch.rand(out, inp // group, generator=g))  # int4 values have std ~4.6
     return {"weight_packed": pack_int4(q), "weight_scale": scale.to(torch.bfloat16),
@@ -121,13 +121,12 @@ def _quantized(g: torch.Generator, out: int, inp: int, std: float, group: int = 
 _KIMI_QUANT = {
     "config_groups": {"group_0": {
         "input_activations": None, "output_activations": None, "targets": ["Linear"],
-        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32,
-                    "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
-                    "symmetric": True, "type": "int"}}},
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
+                    "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True,
+                    "type": "int"}}},
     "format": "pack-quantized",
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
-    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
-}
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"}
 
 
 def kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head, intermediate,
@@ -141,30 +140,25 @@ def kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, q
         "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
                      "AutoModel": "modeling_deepseek.DeepseekV3Model",
                      "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
-        "model_type": "kimi_k2", "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001,
-        **ids, "ep_size": 1, "first_k_dense_replace": first_dense, "hidden_act": "silu",
-        "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": intermediate,
-        "kv_lora_rank": kv_lora_rank, "max_position_embeddings": int(yarn_original * yarn_factor),
-        "moe_intermediate_size": moe_intermediate, "moe_layer_freq": 1, "n_group": n_group,
-        "n_routed_experts": experts, "n_shared_experts": 1, "norm_topk_prob": True,
-        "num_attention_heads": heads, "num_experts_per_tok": top_k, "num_hidden_layers": layers,
-        "num_key_value_heads": heads, "num_nextn_predict_layers": 0, "pretraining_tp": 1,
-        "q_lora_rank": q_lora_rank, "qk_nope_head_dim": qk_nope, "qk_rope_head_dim": qk_rope,
+        "model_type": "kimi_k2", "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, **ids,
+        "ep_size": 1, "first_k_dense_replace": first_dense, "hidden_act": "silu", "hidden_size": hidden,
+        "initializer_range": 0.02, "intermediate_size": intermediate, "kv_lora_rank": kv_lora_rank,
+        "max_position_embeddings": int(yarn_original * yarn_factor), "moe_intermediate_size": moe_intermediate,
+        "moe_layer_freq": 1, "n_group": n_group, "n_routed_experts": experts, "n_shared_experts": 1,
+        "norm_topk_prob": True, "num_attention_heads": heads, "num_experts_per_tok": top_k,
+        "num_hidden_layers": layers, "num_key_value_heads": heads, "num_nextn_predict_layers": 0,
+        "pretraining_tp": 1, "q_lora_rank": q_lora_rank, "qk_nope_head_dim": qk_nope, "qk_rope_head_dim": qk_rope,
         "rms_norm_eps": 1e-05,
         "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": float(yarn_factor), "mscale": 1.0,
-                         "mscale_all_dim": 1.0, "original_max_position_embeddings": yarn_original,
-                         "type": "yarn"},
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": yarn_original, "type": "yarn"},
         "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "seq_aux": True,
-        "tie_word_embeddings": False, "topk_group": topk_group, "topk_method": "noaux_tc",
-        "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": v_head, "vocab_size": vocab,
-        "quantization_config": _KIMI_QUANT,
-    }
-    vision = {"init_pos_emb_height": 8, "init_pos_emb_time": 4, "init_pos_emb_width": 8,
-              "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mm_hidden_size": 16,
-              "mm_projector_type": "patchmerger", "patch_size": 14, "pos_emb_type": "divided_fixed",
-              "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05, "text_hidden_size": hidden,
-              "video_attn_type": "spatial_temporal", "vt_hidden_size": 16, "vt_intermediate_size": 32,
-              "vt_num_attention_heads": 2, "vt_num_hidden_layers": 1}
+        "tie_word_embeddings": False, "topk_group": topk_group, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+        "use_cache": True, "v_head_dim": v_head, "vocab_size": vocab, "quantization_config": _KIMI_QUANT}
+    vision = {"init_pos_emb_height": 8, "init_pos_emb_time": 4, "init_pos_emb_width": 8, "merge_kernel_size": [2, 2],
+              "merge_type": "sd2_tpool", "mm_hidden_size": 16, "mm_projector_type": "patchmerger", "patch_size": 14,
+              "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+              "text_hidden_size": hidden, "video_attn_type": "spatial_temporal", "vt_hidden_size": 16,
+              "vt_intermediate_size": 32, "vt_num_attention_heads": 2, "vt_num_hidden_layers": 1}
     return {"architectures": ["KimiK25ForConditionalGeneration"],
             "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
                          "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
@@ -181,37 +175,17 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
               yarn_original: int = 128, yarn_factor: float = 32.0, shards: int = 3, seed: int = 0,
               quantized: bool = True) -> Path:
     """A miniature Kimi-K2.5 checkpoint: `kimi_k25` wrapper config, `language_model.` prefix, vision
-    tensors, int4 pack-quantized routed experts (bf16 everything else), fp32 gate bias, sharded."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    tensors, int4 routed experts (bf16 everything else), fp32 gate bias, sharded."""
     config = kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head,
-                          intermediate, moe_intermediate, experts, top_k, n_group, topk_group, first_dense,
-                          vocab, yarn_original, yarn_factor)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, std=None):
-        return (torch.randn(*shape, generator=g) * (std if std is not None else shape[-1] ** -0.5)).to(torch.bfloat16)
-
-    def ones(n):
-        return (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
-
-    def mlp(p, inter, quant):
-        # small down projections (like the small o_proj) keep the target learnable by a tiny draft
-        for name, shape, std in (("gate_proj", (inter, hidden), hidden ** -0.5),
-                                 ("up_proj", (inter, hidden), hidden ** -0.5),
-                                 ("down_proj", (hidden, inter), 0.3 * inter ** -0.5)):
-            if quant:
-                t.update({f"{p}{name}.{k}": v for k, v in _quantized(g, *shape, std).items()})
-            else:
-                t[f"{p}{name}.weight"] = rand(*shape, std=std)
-
+                             intermediate, moe_intermediate, experts, top_k, n_group, topk_group, first_dense,
+                             vocab, yarn_original, yarn_factor)
+    out, t, rand, ones, mlp = _start(out, config, seed, torch.bfloat16)
     m = "language_model.model."
-    t = {m + "embed_tokens.weight": rand(vocab, hidden, std=1.0), m + "norm.weight": ones(hidden),
-         "language_model.lm_head.weight": rand(vocab, hidden, std=3 * hidden ** -0.5),
-         "vision_tower.patch_embed.proj.weight": rand(16, 3, 14, 14),
-         "vision_tower.encoder.blocks.0.wqkv.weight": rand(48, 16),
-         "mm_projector.proj.0.weight": rand(hidden, 64), "mm_projector.proj.0.bias": rand(hidden, std=0.02)}
+    t.update({m + "embed_tokens.weight": rand(vocab, hidden, std=1.0), m + "norm.weight": ones(hidden),
+              "language_model.lm_head.weight": rand(vocab, hidden, std=3 * hidden ** -0.5),
+              "vision_tower.patch_embed.proj.weight": rand(16, 3, 14, 14),
+              "vision_tower.encoder.blocks.0.wqkv.weight": rand(48, 16),
+              "mm_projector.proj.0.weight": rand(hidden, 64), "mm_projector.proj.0.bias": rand(hidden, std=0.02)})
     for i in range(layers):
         p, a = f"{m}layers.{i}.", f"{m}layers.{i}.self_attn."
         t[p + "input_layernorm.weight"] = ones(hidden)
@@ -227,13 +201,13 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
         t[a + "kv_b_proj.weight"] = rand(heads * (qk_nope + v_head), kv_lora_rank)
         t[a + "o_proj.weight"] = rand(hidden, heads * v_head, std=0.3 * (heads * v_head) ** -0.5)
         if i < first_dense:
-            mlp(p + "mlp.", intermediate, quant=False)
+            mlp(p + "mlp.", hidden, intermediate)
             continue
         t[p + "mlp.gate.weight"] = rand(experts, hidden)
-        t[p + "mlp.gate.e_score_correction_bias"] = 0.1 * torch.randn(experts, generator=g)
-        mlp(p + "mlp.shared_experts.", moe_intermediate, quant=False)
+        t[p + "mlp.gate.e_score_correction_bias"] = rand(experts, std=0.1, dtype=torch.float32)
+        mlp(p + "mlp.shared_experts.", hidden, moe_intermediate)
         for e in range(experts):
-            mlp(f"{p}mlp.experts.{e}.", moe_intermediate, quant=quantized)
+            mlp(f"{p}mlp.experts.{e}.", hidden, moe_intermediate, quant=quantized)
     _save_sharded(t, out, shards)
     return out
 

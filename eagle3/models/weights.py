@@ -1,8 +1,5 @@
-"""What a target checkpoint is: its resolved text config and lazy access to its tensors.
-
-Reads `config.json` with json (nested `text_config` resolved) and safetensors through the
-index or a single file. Nothing is loaded until a tensor is asked for by name.
-"""
+"""A target checkpoint: its text config (nested `text_config` resolved) and lazy, by-name access to its
+safetensors (through the index or a single file)."""
 from __future__ import annotations
 
 import hashlib
@@ -18,30 +15,25 @@ from eagle3.models import quant
 
 
 def require(cfg: dict, key: str, where: str, needs: str, kind: type = int):
-    """cfg[key], an integer (or with `kind` float, a number); else an error naming the field and `needs`,
-    who needs it (e.g. "model_type 'kimi_k2' (DeepSeek-V3 family)")."""
+    """cfg[key], an integer (`kind` float: a number); else an error naming the field and who `needs` it."""
     expected = "an integer" if kind is int else "a number"
     if key not in cfg:
         raise TargetError(f"{where}: missing field '{key}': {needs} needs it ({expected})")
     value = cfg[key]
-    if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
-        raise TargetError(f"{where}: field '{key}' = {value!r}; {needs} needs {expected}")
-    if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+    if not isinstance(value, int if kind is int else (int, float)) or isinstance(value, bool):
         raise TargetError(f"{where}: field '{key}' = {value!r}; {needs} needs {expected}")
     return value
 
 
 @dataclass(frozen=True)
 class Family:
-    """A kind of text model the pipeline runs: the model_types and architectures that name it, and the
-    fields its forward needs besides the common ones (field -> int or float)."""
+    """A kind of text model: the names that mean it, and the fields its forward needs besides the common ones."""
     name: str
     model_types: tuple[str, ...]
     architectures: tuple[str, ...]
     fields: dict
 
 
-# what every family needs
 COMMON_FIELDS = {"hidden_size": int, "vocab_size": int, "num_hidden_layers": int, "num_attention_heads": int,
                  "intermediate_size": int, "rms_norm_eps": float}
 # kimi_k25 / KimiK25ForConditionalGeneration: Kimi-K2.5's wrapper, for a text_config that names neither
@@ -54,24 +46,9 @@ LLAMA = Family("Llama", ("llama", "mistral", "qwen2", "qwen3"),
 FAMILIES = (DEEPSEEK, LLAMA)
 
 
-def find_family(model_type: str, architectures: list[str], where: str) -> tuple[Family, str]:
-    """The family, and what named it: the model_type (as transformers dispatches on it), or the
-    architectures when there is none. Never guessed from the fields present: a config that lost one
-    must be told so, not run as another family."""
-    if model_type:
-        named, found = f"model_type '{model_type}'", [f for f in FAMILIES if model_type in f.model_types]
-    else:
-        named = f"architectures {architectures}" if architectures else "no model_type or architectures"
-        found = [f for f in FAMILIES if set(architectures) & set(f.architectures)]
-    if not found:
-        supported = "; ".join(f"{', '.join(f.model_types)} ({f.name} family)" for f in FAMILIES)
-        raise TargetError(f"{where}: unsupported target ({named}); supported model_types: {supported}")
-    return found[0], named
-
-
 @dataclass
 class TextConfig:
-    """The text model's fields, whichever wrapper they came in. `raw` is the text-level dict."""
+    """The text model's fields, whichever wrapper they came in; `raw` is the text-level dict."""
     raw: dict
     source: str                 # file and path inside it, e.g. "config.json:text_config"
     model_type: str             # outer model_type
@@ -118,11 +95,8 @@ def rope_settings(text: dict) -> tuple[float, dict | None]:
     scaling = text.get("rope_scaling") or (params if params.get("rope_type", params.get("type")) else None)
     theta = text.get("rope_theta") or params.get("rope_theta") or 10000.0   # absent or null: the default
     if scaling:
-        scaling = dict(scaling)
         kind = scaling.get("rope_type", scaling.get("type", "default"))
-        scaling["rope_type"] = kind
-        if kind == "default":
-            scaling = None
+        scaling = None if kind == "default" else {**scaling, "rope_type": kind}
     return float(theta), scaling
 
 
@@ -130,11 +104,10 @@ def _describe_quant(q: dict | None) -> dict | None:
     if not q:
         return None
     out = {"method": q.get("quant_method"), "format": q.get("format")}
-    for group in (q.get("config_groups") or {}).values():
+    group = next(iter((q.get("config_groups") or {}).values()), None)
+    if group is not None:
         w = group.get("weights") or {}
-        out.update(num_bits=w.get("num_bits"), group_size=w.get("group_size"),
-                   symmetric=w.get("symmetric"))
-        break
+        out.update(num_bits=w.get("num_bits"), group_size=w.get("group_size"), symmetric=w.get("symmetric"))
     return out
 
 
@@ -157,8 +130,17 @@ def read_config(path: Path) -> TextConfig:
     model_type = str(outer.get("model_type", ""))
     text_model_type = str(text.get("model_type", model_type))
     architectures = list(text.get("architectures") or outer.get("architectures") or [])
-    family, named = find_family(text_model_type, architectures, where)
-    needs = f"{named} ({family.name} family)"
+    # the family by model_type (as transformers dispatches), else by architectures; never guessed from the
+    # fields present: a config that lost one is told so, not run as another family
+    if text_model_type:
+        named, found = f"model_type '{text_model_type}'", [f for f in FAMILIES if text_model_type in f.model_types]
+    else:
+        named = f"architectures {architectures}" if architectures else "no model_type or architectures"
+        found = [f for f in FAMILIES if set(architectures) & set(f.architectures)]
+    if not found:
+        supported = "; ".join(f"{', '.join(f.model_types)} ({f.name} family)" for f in FAMILIES)
+        raise TargetError(f"{where}: unsupported target ({named}); supported model_types: {supported}")
+    family, needs = found[0], f"{named} ({found[0].name} family)"
     for key, kind in {**COMMON_FIELDS, **family.fields}.items():
         require(text, key, where, needs, kind)
     theta, scaling = rope_settings(text)
@@ -166,29 +148,23 @@ def read_config(path: Path) -> TextConfig:
     quantization = text.get("quantization_config") or outer.get("quantization_config")
     tie = text.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))
     cfg = TextConfig(
-        raw=text, source=where, model_type=model_type, text_model_type=text_model_type,
-        architectures=architectures, hidden_size=text["hidden_size"], vocab_size=text["vocab_size"],
-        num_hidden_layers=text["num_hidden_layers"], num_attention_heads=heads,
-        num_key_value_heads=text.get("num_key_value_heads") or heads,
-        intermediate_size=text["intermediate_size"], rms_norm_eps=float(text["rms_norm_eps"]),
-        rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=bool(tie),
-        quantization=_describe_quant(quantization),
+        raw=text, source=where, model_type=model_type, text_model_type=text_model_type, architectures=architectures,
+        **{k: text[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size")},
+        num_attention_heads=heads, num_key_value_heads=text.get("num_key_value_heads") or heads,
+        rms_norm_eps=float(text["rms_norm_eps"]), rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=bool(tie), quantization=_describe_quant(quantization),
         max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
-        config_sha256=hashlib.sha256(blob).hexdigest(), family=family, needs=needs,
-    )
+        config_sha256=hashlib.sha256(blob).hexdigest(), family=family, needs=needs)
     if cfg.num_hidden_layers < 4:
         raise TargetError(f"{where}: num_hidden_layers = {cfg.num_hidden_layers}; EAGLE-3 needs at least 4")
     if cfg.hidden_size % heads:
-        raise TargetError(f"{where}: hidden_size {cfg.hidden_size} is not a multiple of "
-                          f"num_attention_heads {heads}")
+        raise TargetError(f"{where}: hidden_size {cfg.hidden_size} is not a multiple of num_attention_heads {heads}")
     return cfg
 
 
-# Where a text model's tensors live, in order of preference: (model prefix, lm_head name).
-_PREFIXES = [("language_model.model.", "language_model.lm_head.weight"),
-             ("model.language_model.", "lm_head.weight"),
-             ("model.", "lm_head.weight"),
-             ("", "lm_head.weight")]
+# where a text model's tensors live, in order of preference: (model prefix, lm_head name)
+_PREFIXES = [("language_model.model.", "language_model.lm_head.weight"), ("model.language_model.", "lm_head.weight"),
+             ("model.", "lm_head.weight"), ("", "lm_head.weight")]
 _SKIP = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "visual.", "model.visual.")
 
 
@@ -197,12 +173,8 @@ def _open(path: Path):
 
 
 class Checkpoint:
-    """A target directory: `config` (TextConfig) and lazy, by-name access to its text tensors.
-
-    Names passed to `get`/`info` are relative to the text model: `embed_tokens.weight`,
-    `layers.3.self_attn.q_proj.weight`, `norm.weight`; `lm_head.weight` resolves to the head or,
-    when the embeddings are tied, to the embedding.
-    """
+    """A target directory: `config` and its text tensors by names relative to the text model
+    (`layers.3.self_attn.q_proj.weight`); `lm_head.weight` is the embedding when they are tied."""
 
     def __init__(self, path: str | Path, require_weights: bool = True):
         self.path = Path(path)
@@ -211,6 +183,8 @@ class Checkpoint:
         cfg_path = self.path / "config.json" if self.path.is_dir() else self.path
         self.config = read_config(cfg_path)
         self.dir = cfg_path.parent
+        index = self.dir / "model.safetensors.index.json"
+        self.weights_file = index if index.exists() else self.dir / "model.safetensors"   # what lists the tensors
         self.weight_map = self._weight_map()
         self._handles: dict[str, object] = {}
         self.prefix, self.head_name = self._detect_prefix() if self.weight_map else ("", None)
@@ -218,39 +192,31 @@ class Checkpoint:
             raise TargetError(f"{self.dir}: no model.safetensors or model.safetensors.index.json found")
 
     def _weight_map(self) -> dict[str, str]:
-        index = self.dir / "model.safetensors.index.json"
-        if index.exists():
+        file = self.weights_file
+        if file.suffix == ".json":
             try:
-                wm = json.loads(index.read_text())["weight_map"]
+                wm = json.loads(file.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
-                raise TargetError(f"{index}: expected a JSON object with 'weight_map' ({e})") from None
+                raise TargetError(f"{file}: expected a JSON object with 'weight_map' ({e})") from None
             missing = sorted({f for f in wm.values() if not (self.dir / f).exists()})
             if missing:
-                raise TargetError(f"{index}: shard files listed but missing: {', '.join(missing[:5])}")
+                raise TargetError(f"{file}: shard files listed but missing: {', '.join(missing[:5])}")
             return wm
-        single = self.dir / "model.safetensors"
-        if single.exists():
-            with _open(single) as f:
-                return {name: single.name for name in f.keys()}
-        return {}
+        if not file.exists():
+            return {}
+        with _open(file) as f:
+            return {name: file.name for name in f.keys()}
 
     def _detect_prefix(self) -> tuple[str, str | None]:
         for prefix, head in _PREFIXES:
             if prefix + "embed_tokens.weight" in self.weight_map:
-                if self.config.tie_word_embeddings or head not in self.weight_map:
-                    if not self.config.tie_word_embeddings:
-                        raise TargetError(f"{self.dir}: no '{head}' tensor and tie_word_embeddings is false "
-                                          f"in {self.config.source}")
-                    return prefix, None
-                return prefix, head
+                tie = self.config.tie_word_embeddings
+                if not tie and head not in self.weight_map:
+                    raise TargetError(f"{self.dir}: no '{head}' tensor and tie_word_embeddings is false "
+                                      f"in {self.config.source}")
+                return prefix, None if tie else head
         raise TargetError(f"{self.dir}: no embedding tensor found (looked for "
                           f"{', '.join(p + 'embed_tokens.weight' for p, _ in _PREFIXES[:3])})")
-
-    @property
-    def weights_file(self) -> Path:
-        """The file that lists the tensors: the index, or the single model.safetensors."""
-        index = self.dir / "model.safetensors.index.json"
-        return index if index.exists() else self.dir / "model.safetensors"
 
     def full_name(self, name: str) -> str:
         if name == "lm_head.weight":
@@ -264,7 +230,7 @@ class Checkpoint:
         return [n for n in self.weight_map if not n.startswith(_SKIP)]
 
     def text_bytes(self) -> int:
-        """The size of the files that hold its text tensors (their sum: what a placement keeps or reads)."""
+        """The summed size of the files that hold its text tensors."""
         return sum((self.dir / f).stat().st_size for f in {self.weight_map[n] for n in self.text_tensor_names()})
 
     def _handle(self, name: str):
@@ -286,8 +252,7 @@ class Checkpoint:
         return {"name": full, "shape": list(sl.get_shape()), "dtype": sl.get_dtype()}
 
     def check_shapes(self, expected: dict[str, list[int] | quant.GroupedShape], shown: int = 5) -> None:
-        """Raise naming the tensors (the first `shown`) whose shape is not the `expected` one (names
-        relative to the text model): read from the safetensors headers, nothing is loaded."""
+        """Raise naming the tensors (the first `shown`) not of the `expected` shape, from the headers only."""
         wrong = [f"{self.full_name(n)} is {found}, expected {want}" for n, want in expected.items()
                  if not quant.shape_fits(want, found := self.info(n)["shape"])]
         if wrong:
@@ -296,8 +261,7 @@ class Checkpoint:
                               f"the shape {self.config.source} implies: {'; '.join(wrong[:shown])}{more}")
 
     def outer_tensors(self) -> dict[str, dict]:
-        """`info` of the embedding, head and final norm, checked against the config: a mismatch is
-        named here, not met as a broadcasting error in the forward (or a rank left waiting)."""
+        """`info` of the embedding, head and final norm, checked against the config (not met in the forward)."""
         c = self.config
         info = {name: self.info(f"{name}.weight") for name in ("embed_tokens", "lm_head", "norm")}
         for name in ("embed_tokens", "lm_head"):
@@ -305,6 +269,6 @@ class Checkpoint:
                 raise TargetError(f"{self.dir}: {info[name]['name']} has shape {info[name]['shape']}, but "
                                   f"{c.source} says vocab_size {c.vocab_size} x hidden_size {c.hidden_size}")
         if info["norm"]["shape"] != [c.hidden_size]:
-            raise TargetError(f"{self.dir}: {info['norm']['name']} has shape {info['norm']['shape']}; "
-                              f"expected [{c.hidden_size}]")
+            raise TargetError(f"{self.dir}: {info['norm']['name']} has shape {info['norm']['shape']}; expected "
+                              f"[{c.hidden_size}]")
         return info

@@ -1,11 +1,5 @@
-"""The training loop: DDP over the draft's trainable parameters, token-budget micro-batches,
-gradient accumulation, AdamW with warmup + wsd or cosine, evaluation, logging, checkpoints, export.
-
-Works as one plain process and under `torchrun --nproc_per_node N` (NCCL on GPUs, gloo on CPU). The
-parts it runs on are beside it: `schedule` (LR and data plan), `feed` (micro-batches to the device),
-`metrics` (the log), `run_dir` and `resume` (the rules of the output directory and of a resume),
-`kernel_choice`.
-"""
+"""The training loop: DDP over the draft's trainable parameters, gradient accumulation, AdamW,
+evaluation, logging, checkpoints and export, in one process or under torchrun (NCCL, or gloo on CPU)."""
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +35,7 @@ from eagle3.vocab import build_vocab
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Unroll:
-    """What the TTT unroll of a micro-batch takes besides the batch and the loss scale: the run's
-    constants (see `eagle3.ttt.ttt_forward`)."""
+    """The run's constants of the TTT unroll (see `eagle3.ttt.ttt_forward`)."""
     embed: torch.Tensor        # the target's frozen embedding [V_t, H], in the compute dtype
     head_rows: torch.Tensor    # the target's lm_head rows of the draft vocab [V_d, H]
     steps: int                 # train.ttt_steps, K
@@ -53,7 +46,7 @@ class Unroll:
     objective: Objective       # rows trained, the loss
 
     def evaluating(self) -> Unroll:
-        """The same unroll measuring on assistant rows only (no prompt rows), as evaluation does."""
+        """The same unroll measuring on assistant rows only, as evaluation does."""
         return dataclasses.replace(self, objective=dataclasses.replace(self.objective, rows=RowRule()))
 
 
@@ -71,9 +64,7 @@ class TTTModel(nn.Module):
 
 
 def masked_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
-    """optimizer.step() unless `skip` (a bool tensor). A fused AdamW (ours on CUDA) reads the flag on
-    the device, as GradScaler's found_inf: no host sync per step. Other optimizers (ours on the CPU)
-    read it on the host, where that costs nothing."""
+    """optimizer.step() unless `skip`; a fused AdamW reads the flag on the device (no host sync)."""
     if optimizer.defaults.get("fused"):
         optimizer.found_inf = skip.float()
         optimizer.step()
@@ -85,9 +76,7 @@ CAUSES = {1: "loss", 2: "gradient norm", 3: "loss and gradient norm"}
 
 
 class NonFinite:
-    """Steps whose loss (on any rank) or gradient norm is non-finite, tracked on the device: reading
-    a flag every step would cost a host sync on CUDA, so the first such step is kept on the device
-    and `check` reads it at log, eval and checkpoint steps."""
+    """Steps whose loss (any rank) or gradient norm is non-finite, tracked on the device (no sync per step)."""
 
     def __init__(self, dist: distributed.Dist, device: torch.device):
         self.dist = dist
@@ -95,7 +84,7 @@ class NonFinite:
         self.skipped = torch.zeros((), dtype=torch.long, device=device)      # such steps since the last log
 
     def track(self, loss_bad: torch.Tensor, grad_norm: torch.Tensor, step: int) -> torch.Tensor:
-        """Whether optimizer step `step` is non-finite on any rank, as a device flag."""
+        """Whether step `step` is non-finite on any rank, as a device flag."""
         flags = self.dist.all_reduce(torch.stack((loss_bad, ~torch.isfinite(grad_norm))).float())
         bad = flags.sum() > 0
         cause = (flags[0] > 0).long() + 2 * (flags[1] > 0).long()
@@ -105,8 +94,7 @@ class NonFinite:
         return bad
 
     def check(self, output_dir: Path, skip: bool) -> None:
-        """Stop at the first non-finite step unless `skip` (debug.skip_nonfinite); called before anything
-        is logged or saved, so the newest checkpoint stays the last good one."""
+        """Stop at the first non-finite step unless `skip`: before anything is logged or saved."""
         step, cause = self.first.tolist()
         if step < 0 or skip:
             return
@@ -119,7 +107,6 @@ class NonFinite:
 
 @dataclasses.dataclass
 class StepResult:
-    """What one optimizer step computed."""
     metrics: torch.Tensor     # metric sums [K, len(METRICS)] of this rank's micro-batches (zeros if skipped)
     grad_norm: torch.Tensor   # the gradient norm before clipping (all ranks)
     skipped: torch.Tensor     # bool: non-finite loss or gradient norm: no weight changed
@@ -139,8 +126,7 @@ class Window:
         self.tokens, self.clock, self.waited = 0, time.perf_counter(), 0.0
 
     def side_rates(self, reader, dist: distributed.Dist, tokens_all: int, elapsed: float) -> dict:
-        """Online, which side bounds the run (all ranks, since the last line): the target's tokens/s
-        over its forward's busy time, the draft's over the loop's time not spent waiting for batches."""
+        """Online: the target's tokens/s over its busy time, the draft's over the time not waiting."""
         totals = (reader.totals.tokens, reader.totals.seconds)
         since = [now - before for now, before in zip(totals, self.target)]
         self.target = totals
@@ -152,8 +138,7 @@ class Window:
 
 def open_reader(cfg: Config, target: Checkpoint, resolved, device: torch.device,
                 say: bool) -> ShardReader | OnlineReader:
-    """Where the micro-batches come from: the shards, or (online) the target run on data.path."""
-    if cfg.train.source == "online":   # each rank streams the target on its own micro-batches, on the training device
+    if cfg.train.source == "online":   # each rank runs the target on data.path for its own micro-batches
         if cfg.train.online_target == "stream" and say:
             print(stream_note(target, device), file=sys.stderr)
         return OnlineReader(cfg, target, resolved.aux_layer_ids, device)
@@ -165,9 +150,8 @@ def open_reader(cfg: Config, target: Checkpoint, resolved, device: torch.device,
 
 def build_draft(cfg: Config, target: Checkpoint, spec, reader, device: torch.device,
                 say: bool) -> tuple[Eagle3Draft, bool, torch.Tensor]:
-    """The draft with the data's vocabulary, train.float8 and the head of experimental.*; returns it,
-    whether it runs fp8 GEMMs, and the target's head rows of the draft vocab in their stored
-    precision (tied: the embedding's)."""
+    """(the draft as the config wants it, whether it runs fp8 GEMMs, the target's head rows of its vocab
+    in their stored precision)."""
     d2t, t2d = build_vocab(loss_token_counts(reader.manifest), target.config.vocab_size, spec.draft_vocab_size)
     draft = Eagle3Draft(spec)
     draft.d2t.copy_(d2t)
@@ -178,14 +162,6 @@ def build_draft(cfg: Config, target: Checkpoint, spec, reader, device: torch.dev
     if fp8:
         draft.use_float8()
     target_rows = target.get("lm_head.weight")[t2d]
-    init_head(draft, target_rows, cfg, say)
-    return draft, fp8, target_rows
-
-
-def init_head(draft: Eagle3Draft, target_rows: torch.Tensor, cfg: Config, say: bool) -> None:
-    """experimental.lm_head_init and experimental.freeze_lm_head: "target" copies the target's rows [V_d, H]
-    into the fp32 master exactly (from the stored tensor, before any cast to the compute dtype);
-    a frozen head gets no gradient, no optimizer state and no weight-gradient work in the loss."""
     head, x = draft.lm_head.weight, cfg.experimental
     if x.lm_head_init == "target":
         if target_rows.shape != head.shape:
@@ -196,38 +172,23 @@ def init_head(draft: Eagle3Draft, target_rows: torch.Tensor, cfg: Config, say: b
     if x.freeze_lm_head:
         head.requires_grad_(False)
         if x.lm_head_init == "random" and say:
-            print("warning: experimental.freeze_lm_head = true with experimental.lm_head_init = \"random\": the draft's "
-                  "lm_head stays random and is never trained; use lm_head_init = \"target\" or "
+            print("warning: experimental.freeze_lm_head = true with experimental.lm_head_init = \"random\": the "
+                  "draft's lm_head stays random and is never trained; use lm_head_init = \"target\" or "
                   "freeze_lm_head = false", file=sys.stderr)
+    return draft, fp8, target_rows
 
 
-def data_plan(cfg: Config, reader, world: int, data: str) -> tuple[Plan, list]:
-    """(the plan over the training split, the held-out sequences); `data` names where they come from."""
+def data_plan(cfg: Config, reader, world: int, data_dir: str) -> tuple[Plan, list]:
+    """(the plan over the training split, the held-out sequences)."""
     t = cfg.train
     train_refs, eval_refs = split_holdout(reader.sequences, t.eval_fraction)
-    longest = max(r.length for r in reader.sequences)
-    if longest > t.batch_tokens:
+    if (longest := max(r.length for r in reader.sequences)) > t.batch_tokens:
         raise TrainError(f"{cfg.source}: train.batch_tokens = {t.batch_tokens} is smaller than the "
                          f"longest sequence ({longest} tokens); raise it or lower data.max_seq_len")
-    return Plan(train_refs, t.batch_tokens, t.seed, world, t.grad_accum, t.max_steps, t.epochs, data=data), eval_refs
-
-
-def data_name(cfg: Config, reader, data_dir: str) -> str:
-    """Where the training data comes from, as an error names it."""
-    source = reader.manifest.get("source", {}).get("path", "?")
-    if cfg.train.source == "online":
-        return f"data.path {source} (online)"
-    return f"train.data_dir {Path(data_dir)} (extracted from data.path {source})"
-
-
-def wrap_ddp(model: nn.Module, world: int) -> nn.Module:
-    """The model the step runs: DDP over it on several ranks. device_ids=None: batches are already on
-    the device, and DDP moving the inputs would turn the host-side copies the step keeps (sequence
-    boundaries) into device tensors."""
-    if world == 1:
-        return model
-    return nn.parallel.DistributedDataParallel(model, device_ids=None, broadcast_buffers=False,
-                                               gradient_as_bucket_view=True)
+    source = reader.manifest.get("source", {}).get("path", "?")   # as an error names the data
+    data = (f"data.path {source} (online)" if t.source == "online" else
+            f"train.data_dir {Path(data_dir)} (extracted from data.path {source})")
+    return Plan(train_refs, t.batch_tokens, t.seed, world, t.grad_accum, t.max_steps, t.epochs, data), eval_refs
 
 
 class Trainer:
@@ -251,10 +212,7 @@ class Trainer:
         draft, self.float8, target_rows = build_draft(cfg, self.target, spec, self.reader, self.device,
                                                       say=self.dist.main)
         self.model = TTTModel(draft).to(self.device)
-        embed = self.target.get("embed_tokens.weight").to(self.device, self.float_dtype)
-        head_rows = target_rows.to(self.device, self.float_dtype)
-        self.plan, self.eval_refs = data_plan(cfg, self.reader, self.dist.world,
-                                              data_name(cfg, self.reader, self.resolved.data_dir))
+        self.plan, self.eval_refs = data_plan(cfg, self.reader, self.dist.world, self.resolved.data_dir)
         # a frozen lm_head is in neither the optimizer, gradient clipping nor DDP's buckets
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
@@ -267,14 +225,17 @@ class Trainer:
         self.float8_head = kernels.float8_head
         objective = Objective(RowRule(t.prompt_rows), loss=t.loss, temperature=t.loss_temperature,
                               eta=cfg.experimental.lk_eta)
-        self.unroll = Unroll(embed, head_rows, t.ttt_steps, kernels.attention, kernels.loss_steps, t.loss_decay,
-                             cfg.debug.skip_dead_rows, objective)
+        self.unroll = Unroll(self.target.get("embed_tokens.weight").to(self.device, self.float_dtype),
+                             target_rows.to(self.device, self.float_dtype), t.ttt_steps, kernels.attention,
+                             kernels.loss_steps, t.loss_decay, cfg.debug.skip_dead_rows, objective)
         self.eval_unroll = self.unroll.evaluating()
         self.feed = Feed(self.reader, self.plan, self.dist.rank, self.device, self.float_dtype,
                          self.model.draft.t2d.cpu(), self.unroll, self.eval_unroll, cfg.debug.prefetch,
                          overlap=self.cuda and not self.online)
         self.start_step = self._resume()
-        self.ddp = wrap_ddp(self.model, self.dist.world)
+        # device_ids=None: DDP moving the inputs would move the host-side boundaries to the device
+        self.ddp = self.model if self.dist.world == 1 else nn.parallel.DistributedDataParallel(
+            self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
         self.nonfinite = NonFinite(self.dist, self.device)
 
@@ -283,20 +244,17 @@ class Trainer:
         return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
                 "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
                 "world_size": self.dist.world, "schedule_total": self.schedule.total,
-                # what train.float8 and train.float8_head (auto: the GPU) resolved to
-                "float8_used": self.float8, "float8_head_used": self.float8_head}
+                "float8_used": self.float8, "float8_head_used": self.float8_head}   # "auto" resolved
 
     def _resume(self) -> int:
-        """Continue from train.resume's checkpoint, if any (its rules checked, its state loaded): the
-        step this run starts at."""
+        """Continue from train.resume's checkpoint, if any: the step this run starts at."""
         path = resume.checkpoint(self.cfg.train.resume, self.output_dir, say=self.dist.main)
         if path is None:
             return 0
         was, now = train_state.read_state(path), self._state()
         resume.check(path, was, now, self.plan.total)
         train_state.restore(path, self.model.draft, self.optimizer, self.scheduler, self.dist.rank)
-        # a run extended past its old end (a larger train.max_steps) keeps the schedule it was built
-        # with: steps past that end run at its final learning rate, lr x min_lr_ratio
+        # a run extended (a larger train.max_steps) keeps its schedule: past its end, lr x min_lr_ratio
         self.schedule.total = was["schedule_total"]
         if self.dist.main:
             print(resume.note(path, was, now), file=sys.stderr)
@@ -307,19 +265,14 @@ class Trainer:
             return model(batch, self.unroll if training else self.eval_unroll, scale)
 
     def settle_buckets(self, batch: Batch) -> None:
-        """DDP lays its gradient buckets out again after a process's first backward (in the order
-        the gradients became ready), and 3 or more ranks' gradients are summed in another order in
-        each layout: a run resumed from a checkpoint would round its first step unlike the run it
-        continues (6e-8 apart on 4 CPU ranks). One backward at the start of every process, its
-        gradients dropped and its random draws undone, puts every step of every process in the
-        rebuilt layout."""
+        """DDP lays its buckets out again after a process's first backward, and 3+ ranks sum gradients in
+        another order in each layout: one backward at the start, undone, keeps a resumed run bit-exact."""
         with torch.random.fork_rng(devices=[self.device] if self.cuda else []):
             self._forward(self.ddp, self.feed.on_device(self.feed.prepared(batch)), training=True)[0].backward()
         self.optimizer.zero_grad(set_to_none=True)
 
     def train_step(self, batches: list[Batch], step: int = 0) -> StepResult:
-        """One optimizer step over this rank's micro-batches (a step with a non-finite loss or gradient
-        norm changes no weight, and reports zero metric sums)."""
+        """One optimizer step over this rank's micro-batches (a non-finite one changes no weight)."""
         batches = [self.feed.prepared(b) for b in batches]
         loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
         # torch.full passes the value as a kernel argument: no pageable copy, no sync
@@ -328,8 +281,7 @@ class Trainer:
         metrics = torch.zeros(self.cfg.train.ttt_steps, len(METRICS), device=self.device)
         for a, batch in enumerate(batches):
             batch = self.feed.on_device(batch)
-            sync = self.dist.world == 1 or a == len(batches) - 1
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            with contextlib.nullcontext() if self.dist.world == 1 or a == len(batches) - 1 else self.ddp.no_sync():
                 loss, m, _ = self._forward(self.ddp, batch, self.dist.world / denom, training=True)
                 loss.backward()
             loss_bad |= ~torch.isfinite(loss.detach())
@@ -383,16 +335,14 @@ class Trainer:
         return self._finish(saved)
 
     def _after_step(self, done: int, result: StepResult, window: Window, bar: tqdm) -> Path | None:
-        """After optimizer step `done`: the finite check, the log, evaluation and a checkpoint, each when
-        due; the checkpoint written, if one was."""
+        """The finite check, the log, evaluation and a checkpoint, each when due; the checkpoint."""
         t, debug, last = self.cfg.train, self.cfg.debug, done == self.plan.total
         if any(done % every == 0 for every in (debug.log_every, t.eval_every, t.checkpoint_every)) or last:
             self.nonfinite.check(self.output_dir, debug.skip_nonfinite)
         if done % debug.log_every == 0 or last:
             self._log(done, result, window, bar)
         if done % t.eval_every == 0 or last:
-            evaluated = self.evaluate()
-            if evaluated is not None:
+            if (evaluated := self.evaluate()) is not None:
                 self.log.write({"step": done, "split": "eval", **evaluated})
         if done % t.checkpoint_every == 0 or last:
             return train_state.save(self.output_dir, done, self.model.draft, self.optimizer, self.scheduler,
@@ -416,25 +366,22 @@ class Trainer:
         self.nonfinite.skipped.zero_()
 
     def _finish(self, saved: Path | None) -> Path:
-        """The export of the last checkpoint and the summary (rank 0), once every rank is done."""
+        """The export of the last checkpoint and the summary, once every rank is done."""
         saved = saved or train_state.latest(self.output_dir)
-        if self.dist.main and saved is not None:
-            exported = export_all(saved, self.output_dir / "export", self.cfg)
-            for fmt, path in exported.items():
-                print(f"exported {fmt} draft: {path}")
         if self.dist.main:
+            if saved is not None:
+                for fmt, path in export_all(saved, self.output_dir / "export", self.cfg).items():
+                    print(f"exported {fmt} draft: {path}")
             print(self.log.summary(self.plan.total, saved, self.cfg.export.formats))
         self.dist.barrier()
         return self.output_dir
 
 
 def run(cfg: Config) -> Path:
-    """Train; rank 0 owns train.output_dir meanwhile (a second run on it stops at once). A collective
-    that fails because another rank is gone (or stuck past debug.collective_timeout_s) stops the run
-    here, with the checkpoint to resume from instead of torch's traceback."""
-    main_rank = int(os.environ.get("RANK", "0")) == 0
+    """Train; rank 0 owns train.output_dir meanwhile. A collective that fails because another rank is gone
+    (or stuck) stops the run with the checkpoint to resume from."""
     try:
-        with run_dir.lock(Path(cfg.train.output_dir), held=main_rank):
+        with run_dir.lock(Path(cfg.train.output_dir), held=int(os.environ.get("RANK", "0")) == 0):
             return Trainer(cfg).run()
     except RuntimeError as e:
         lost = distributed.lost_peer(e, f"debug.collective_timeout_s = {cfg.debug.collective_timeout_s:g} s")

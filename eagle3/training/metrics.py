@@ -1,5 +1,5 @@
-"""The training log: metrics.jsonl on rank 0, one strict-JSON line per record (NaN and inf as null),
-TensorBoard beside it when installed, and the end-of-run summary, read back from the file."""
+"""The training log: metrics.jsonl on rank 0 (strict JSON, NaN and inf as null), TensorBoard beside it
+when installed, and the end-of-run summary, read back from the file."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from eagle3.files import strict_json
 
 
 def _logged_step(line: str) -> float:
-    """Step of a metrics.jsonl line; a line torn by a kill counts as after any checkpoint."""
+    """Step of a metrics.jsonl line; a torn line counts as after any checkpoint."""
     try:
         return json.loads(line)["step"]
     except (json.JSONDecodeError, KeyError, TypeError):
@@ -21,13 +21,8 @@ def _num(value) -> str:
 
 
 class MetricsLog:
-    """metrics.jsonl on rank 0 (and TensorBoard when installed)."""
-
     def __init__(self, output_dir: Path, start_step: int, enabled: bool):
-        self.enabled = enabled
-        self.output_dir = output_dir
-        self.path = output_dir / "metrics.jsonl"
-        self.tb = None
+        self.enabled, self.output_dir, self.path, self.tb = enabled, output_dir, output_dir / "metrics.jsonl", None
         if not enabled:
             return
         if self.path.exists():  # a resumed run drops what the killed run logged after its checkpoint
@@ -54,24 +49,19 @@ class MetricsLog:
                         self.tb.add_scalar(f"{prefix}/{key}_{k}", v, record["step"])
 
     def summary(self, total: int, saved: Path | None, formats) -> str:
-        """Where the run ended (step `total`, last checkpoint `saved`) and where its files are (the
-        exports of `formats` that are there); read back from metrics.jsonl, so that a rerun of a
-        finished run says the same."""
+        """Where the run ended and where its files are, read back from metrics.jsonl (a rerun says the same)."""
         out = self.output_dir
         records = [json.loads(ln) for ln in self.path.read_text().splitlines()] if self.path.exists() else []
         last = {r["split"]: r for r in records}
         lines = [f"train: done, step {total} in {out}"]
         for split, name in (("train", "train"), ("eval", "held-out")):
-            if split in last:
-                r = last[split]
+            if r := last.get(split):
                 estimate = f", accept_len {_num(r['accept_len'])}" if split == "eval" else ""
                 lines.append(f"  {name} (step {r['step']}{estimate}), per TTT step: loss "
                              f"{' '.join(_num(x) for x in r['loss'])}; accuracy {' '.join(_num(x) for x in r['acc'])}")
-        skipped = sum(r.get("skipped_steps", 0) for r in records if r["split"] == "train")
-        if skipped:
+        if skipped := sum(r.get("skipped_steps", 0) for r in records if r["split"] == "train"):
             lines.append(f"  skipped steps (non-finite loss or gradient norm, debug.skip_nonfinite): {skipped}")
-        lines.append(f"  metrics: {self.path}")
-        lines.append(f"  last checkpoint: {saved}")
+        lines += [f"  metrics: {self.path}", f"  last checkpoint: {saved}"]
         lines += [f"  {fmt} export: {out / 'export' / fmt}" for fmt in formats if (out / "export" / fmt).is_dir()]
         if self.tb is not None:
             lines.append(f"  tensorboard: {out / 'tensorboard'}")

@@ -1,7 +1,5 @@
 """The resume rules: which checkpoint a run continues from (train.resume) and what it must share with
-it. Apart from `checkpoint` (which reads the output directory), these are pure functions of the
-checkpoint's state.json (`was`) and this run's state (`now`: the dict a checkpoint of this run would
-hold, `Trainer._state`), raising TrainError with the key, the two values and the way out."""
+it, checked on the checkpoint's state.json (`was`) and this run's (`now`, `Trainer._state`)."""
 from __future__ import annotations
 
 import json
@@ -11,22 +9,17 @@ from pathlib import Path
 from eagle3 import train_state
 from eagle3.errors import TrainError
 
-# Settings a resumed run must share with its checkpoint: data order and learning-rate schedule.
-# (train.grad_accum may change with the world size: their product, the global batch, must not.)
-# (train.max_steps may be raised to extend a run: the LR schedule keeps the total it was built with.)
-RESUME_FIXED = ("seed", "batch_tokens", "eval_fraction", "epochs", "ttt_steps",
-                "loss_decay", "lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_fraction", "betas",
-                "weight_decay", "prompt_rows")
+# what a resumed run keeps: data order and LR schedule (grad_accum x world size and max_steps: checked apart)
+RESUME_FIXED = ("seed", "batch_tokens", "eval_fraction", "epochs", "ttt_steps", "loss_decay", "lr", "min_lr_ratio",
+                "warmup_steps", "schedule", "decay_fraction", "betas", "weight_decay", "prompt_rows")
 # how the head starts and whether it trains: a change alters the optimizer's parameters
 HEAD_FIXED = ("lm_head_init", "freeze_lm_head")
 NEW_RUN = "choose another train.output_dir to start a new run"
 
 
 def checkpoint(choice: str, output_dir: Path, say: bool = True) -> Path | None:
-    """train.resume -> the checkpoint to continue from, None for a new run. "never" and "overwrite"
-    start anew; "auto" takes the newest checkpoint that reads (a newer damaged one is skipped, with a
-    warning when `say`), None where there is none, and stops where checkpoints are there but none
-    reads (starting over would write into the run); anything else is a checkpoint directory."""
+    """train.resume -> the checkpoint to continue from, None for a new run; "auto": the newest that reads
+    (newer damaged ones skipped, with a warning when `say`), an error where none reads."""
     if choice in ("never", "overwrite"):
         return None
     if choice != "auto":
@@ -42,8 +35,7 @@ def checkpoint(choice: str, output_dir: Path, say: bool = True) -> Path | None:
 
 
 def check(path: Path, was: dict, now: dict, total: int) -> None:
-    """Refuse to resume from `path` unless this run continues its run: the same draft, aux layers and
-    target, the same global batch, the fixed settings, and an end (`total` steps) not before it."""
+    """Refuse to resume from `path` unless this run continues its run (ending at step `total`)."""
     check_same_draft(path, was, now)
     check_global_batch(path, was, now["world_size"], now["config"]["train"]["grad_accum"])
     check_fixed(path, was["config"], now["config"])
@@ -51,7 +43,6 @@ def check(path: Path, was: dict, now: dict, total: int) -> None:
 
 
 def check_same_draft(path: Path, was: dict, now: dict) -> None:
-    """The resolved draft spec, aux layer ids, data and target are the checkpoint's."""
     before = {**was["resolved"], "target": was["target"]}
     for key, value in {**now["resolved"], "target": now["target"]}.items():
         if key != "verifier_name" and before[key] != value:   # the verifier is only a name in the export
@@ -60,8 +51,6 @@ def check_same_draft(path: Path, was: dict, now: dict) -> None:
 
 
 def check_fixed(path: Path, was: dict, now: dict) -> None:
-    """The settings of RESUME_FIXED and HEAD_FIXED in the configs `was` and `now` agree: the trainable
-    parameters, the data order and the LR schedule the checkpoint's steps followed."""
     fixed = [("experimental", key) for key in HEAD_FIXED] + [("train", key) for key in RESUME_FIXED]
     for section, key in fixed:
         before = was[section][key]
@@ -74,13 +63,10 @@ def check_fixed(path: Path, was: dict, now: dict) -> None:
 
 
 def check_global_batch(path: Path, was: dict, world: int, accum: int) -> None:
-    """Another world size resumes when world size x train.grad_accum is the checkpoint's: the plan
-    then gives optimizer step s the same micro-batches (s*world*accum .. +world*accum-1 of the
-    epoch's packing) and the loss is normalised over the whole step across ranks."""
+    """Another world size resumes when world size x train.grad_accum is the checkpoint's."""
     was_world, was_accum = was["world_size"], was["config"]["train"]["grad_accum"]
-    if was_world * was_accum == world * accum:
+    if (product := was_world * was_accum) == world * accum:
         return
-    product = was_world * was_accum
     keep = (f"train.grad_accum = {product // world} keeps it" if product % world == 0 else
             f"no train.grad_accum keeps it on {world} ranks (use a number of ranks that divides {product})")
     raise TrainError(f"{path}/state.json: the checkpoint's global batch is world size {was_world} x "
@@ -90,30 +76,23 @@ def check_global_batch(path: Path, was: dict, world: int, accum: int) -> None:
 
 
 def check_end(path: Path, was: dict, total: int, max_steps: int) -> None:
-    """train.max_steps may extend a run, never end it before its checkpoint."""
-    if total >= was["step"]:
-        return
-    raise TrainError(f"{path}/state.json: the checkpoint is at step {was['step']}, but this run ends at step "
-                     f"{total} (train.max_steps = {max_steps}); a resumed run may raise "
-                     f"train.max_steps to extend the run, not end before its checkpoint: set train.max_steps >= "
-                     f"{was['step']}, resume from an earlier checkpoint (train.resume = DIR), or {NEW_RUN}")
+    if total < was["step"]:
+        raise TrainError(f"{path}/state.json: the checkpoint is at step {was['step']}, but this run ends at step "
+                         f"{total} (train.max_steps = {max_steps}); a resumed run may raise "
+                         f"train.max_steps to extend the run, not end before its checkpoint: set train.max_steps >= "
+                         f"{was['step']}, resume from an earlier checkpoint (train.resume = DIR), or {NEW_RUN}")
 
 
 def fp8_changes(state: dict, float8: bool, float8_head: bool) -> str:
-    """What a resumed run does differently in fp8 from the checkpoint's steps so far ("" if nothing;
-    auto on another GPU kind, say)."""
-    said = ""
-    for key, now, what in (("float8_used", float8, "fp8 GEMMs (train.float8)"),
-                           ("float8_head_used", float8_head, "fp8 head GEMMs (train.float8_head)")):
-        if state[key] != now:
-            said += (f"; its steps so far ran {'with' if state[key] else 'without'} {what}, "
-                     f"from here {'with' if now else 'without'}")
-    return said
+    """What a resumed run does differently in fp8 from the checkpoint's steps so far ("" if nothing)."""
+    choices = (("float8_used", float8, "fp8 GEMMs (train.float8)"),
+               ("float8_head_used", float8_head, "fp8 head GEMMs (train.float8_head)"))
+    return "".join(f"; its steps so far ran {'with' if state[key] else 'without'} {what}, from here "
+                   f"{'with' if now else 'without'}" for key, now, what in choices if state[key] != now)
 
 
 def note(path: Path, was: dict, now: dict) -> str:
-    """The line a resume prints: the checkpoint, its step, and what differs from its steps so far (the
-    world size, with the same global batch; the fp8 choices)."""
+    """The line a resume prints: the checkpoint, its step, and what differs from its steps so far."""
     world, accum = was["world_size"], was["config"]["train"]["grad_accum"]
     other = (f"; written by world size {world} x train.grad_accum {accum}, now {now['world_size']} x "
              f"{now['config']['train']['grad_accum']}: the same global batch" if world != now["world_size"] else "")

@@ -1,6 +1,5 @@
-"""The rules of train.output_dir: a run owns it while it runs (an advisory lock, held by rank 0), never
-mixes with an earlier run in it (train.resume = "never" refuses one, "overwrite" moves it aside whole,
-nothing deleted), and a run stopped midway says what it leaves to resume from."""
+"""The rules of train.output_dir: a run owns it while it runs (rank 0's lock), never mixes with an earlier
+run in it ("never" refuses one, "overwrite" moves it aside), and a stopped run says what it leaves."""
 from __future__ import annotations
 
 import sys
@@ -25,19 +24,16 @@ def existing_run(output_dir: Path) -> list[str]:
 
 
 def refuse_existing_run(output_dir: Path, source: str) -> None:
-    """train.resume = "never" starts a new run: writing it into an old run's directory would truncate
-    its metrics and leave its checkpoints beside the new ones, where resume = "auto" picks them."""
-    held = existing_run(output_dir)
-    if held:
+    """train.resume = "never": a new run in an old run's directory would mix with its checkpoints."""
+    if held := existing_run(output_dir):
         raise TrainError(f"{source}: train.resume = \"never\", but train.output_dir {output_dir} already holds a "
-                         f"run ({', '.join(held)}); choose another train.output_dir, or set train.resume = \"overwrite\", "
-                         f"which moves the old run, whole, to {output_dir}.old-YYYYmmdd-HHMMSS "
+                         f"run ({', '.join(held)}); choose another train.output_dir, or set train.resume = "
+                         f"\"overwrite\", which moves the old run, whole, to {output_dir}.old-YYYYmmdd-HHMMSS "
                          "and starts the new one in an empty directory (nothing was deleted)")
 
 
 def move_old_run(output_dir: Path) -> Path | None:
-    """train.resume = "overwrite": rename an output_dir that holds a run to `<output_dir>.old-<time>`, whole,
-    so that the new run starts in an empty directory and the two never mix. Rank 0 only."""
+    """train.resume = "overwrite": move a run in output_dir aside, whole, to `<output_dir>.old-<time>`."""
     if not existing_run(output_dir):
         return None
     stamp = time.strftime(OLD_RUN)
@@ -55,12 +51,10 @@ def move_old_run(output_dir: Path) -> Path | None:
 
 
 def prepare(output_dir: Path, resume: str, source: str, dist) -> None:
-    """Make `output_dir` ready for a run under train.resume = `resume`: "overwrite" moves a run there
-    aside (rank 0, before any other rank looks at the directory, then takes the lock of the new one),
-    "never" refuses one; then check that it is writable. `dist`: `main` (rank 0) and `barrier()`."""
+    """Make `output_dir` ready for a run under train.resume = `resume` and check that it is writable."""
     if resume in ("never", "overwrite"):
         if resume == "overwrite":
-            if dist.main:
+            if dist.main:   # before any other rank looks, then the new directory locked
                 move_old_run(output_dir)
                 relock(output_dir, KEY, WHAT, TrainError)
             dist.barrier()
@@ -69,12 +63,10 @@ def prepare(output_dir: Path, resume: str, source: str, dist) -> None:
 
 
 def lock(output_dir: Path, held: bool):
-    """Own `output_dir` while the block runs (`held`: rank 0; the other ranks take no lock): a second
-    run on it stops at once, naming the one that holds it."""
+    """Own `output_dir` while the block runs (`held`: rank 0): a second run on it stops at once."""
     return run_lock(output_dir, KEY, WHAT, TrainError, held=held)
 
 
 def kept(cfg: Config) -> str:
-    """What a run stopped midway leaves to resume from, as its last line says it."""
     newest = train_state.latest(cfg.train.output_dir)
     return f"newest complete checkpoint {newest}" if newest else "no checkpoint written yet"

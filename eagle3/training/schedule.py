@@ -1,10 +1,4 @@
-"""What a run trains when: the learning-rate `Schedule` (a factor of the step) and the data `Plan`
-(which micro-batches each rank reads at each optimizer step). Both are pure functions of the step and
-the settings, so a resumed run, on any number of ranks with the same global batch, continues alike.
-
-The global batch of optimizer step s is the same whatever the number of ranks: micro-batch
-`s * world * accum + a * world + rank` of the epoch's packing goes to `rank` as its a-th.
-"""
+"""The learning-rate `Schedule` and the data `Plan`: pure functions of the step, so a resumed run continues alike."""
 from __future__ import annotations
 
 import math
@@ -14,9 +8,8 @@ from eagle3.errors import TrainError
 
 
 class Schedule:
-    """Linear warmup to lr, then to lr * min_lr_ratio at the last step (LambdaLR factor): by a
-    cosine over all the steps after warmup, or (`wsd`) at lr until the last `decay_fraction` of the
-    steps and linearly down over those."""
+    """LambdaLR factor: linear warmup, then down to min_ratio at the last step by a cosine, or (`wsd`)
+    constant until the last `decay_fraction` of the steps and linearly down over those."""
 
     def __init__(self, warmup: int, total: int, min_ratio: float, kind: str = "cosine", decay_fraction: float = 0.2):
         self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
@@ -34,20 +27,19 @@ class Schedule:
 
 
 class Plan:
-    """Which micro-batches each rank reads at each optimizer step (a pure function of the step)."""
+    """Which micro-batches rank r reads at step s: `s * world * accum + a * world + r` of the epoch's packing."""
 
     def __init__(self, refs, budget: int, seed: int, world: int, accum: int, max_steps: int, epochs: int,
                  data: str = "the data"):
         self.refs, self.budget, self.seed, self.per_step = refs, budget, seed, world * accum
         self.world, self.accum = world, accum
-        self._epochs: dict[int, list] = {}
-        self._steps: dict[int, int] = {}
+        self._epochs, self._steps = {}, {}   # the latest epoch's packing; steps per epoch
         if len(self.epoch(0)) < self.per_step:
-            tokens = sum(r.length for r in refs)
-            raise TrainError(f"{data}: its training split ({len(refs)} sequences, {tokens} tokens) packs into "
-                             f"{len(self.epoch(0))} micro-batches of train.batch_tokens = {budget}, fewer than "
-                             f"one optimizer step needs (world size {world} x train.grad_accum {accum}); use more "
-                             "data, or a smaller train.batch_tokens, train.grad_accum or train.eval_fraction")
+            raise TrainError(f"{data}: its training split ({len(refs)} sequences, {sum(r.length for r in refs)} "
+                             f"tokens) packs into {len(self.epoch(0))} micro-batches of train.batch_tokens = "
+                             f"{budget}, fewer than one optimizer step needs (world size {world} x train.grad_accum "
+                             f"{accum}); use more data, or a smaller train.batch_tokens, train.grad_accum or "
+                             "train.eval_fraction")
         self.total = max_steps or sum(self.steps_in(e) for e in range(epochs))
 
     def epoch(self, e: int) -> list:
@@ -68,7 +60,6 @@ class Plan:
         return e, step
 
     def rank_batches(self, start: int, rank: int):
-        """This rank's micro-batches for steps start..total-1, in order."""
         for step in range(start, self.total):
             e, j = self.locate(step)
             batches = self.epoch(e)

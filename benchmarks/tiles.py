@@ -1,4 +1,4 @@
-"""`python -m eagle3.bench tiles`: every autotune candidate of the TTT attention kernels compiled for
+"""`python -m benchmarks.tiles`: every autotune candidate of the TTT attention kernels compiled for
 the GPUs of its family, and each block's shared memory set against what that GPU gives a block.
 
 No GPU needed: `triton.compile` builds for a named target (PTX and cubin, with the ptxas Triton
@@ -8,7 +8,7 @@ cannot say is how fast a tiling runs there. The attention kernels are built at h
 larger one supported), packed sequences, bf16, with TMA loads on the GPUs that use them (sm_90,
 sm_100).
 
-    python -m eagle3.bench tiles [--families large,a100,small] [--jobs N]
+    python -m benchmarks.tiles [--families large,a100,small] [--jobs N]
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _run(job):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eagle3.bench tiles", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tiles", description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default=",".join(tiles.FAMILIES), help="comma list of " + ", ".join(tiles.FAMILIES))
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles side by side")
     args = parser.parse_args(argv)

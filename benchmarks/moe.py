@@ -1,4 +1,4 @@
-"""`python -m eagle3.bench moe`: Kimi-K2.5 extraction on one GPU: one real-size MoE layer's
+"""`python -m benchmarks.moe`: Kimi-K2.5 extraction on one GPU: one real-size MoE layer's
 throughput, and the peak memory of a 4-layer real-width streamed extraction (`--tiny`: the same
 code at toy size on the CPU).
 
@@ -197,7 +197,7 @@ def bench_streamed(s: dict, device: torch.device) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eagle3.bench moe", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe", description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (smoke test)")
     parser.add_argument("--parts", default="layer,streamed",
                         help="comma list: layer (one MoE layer's time), streamed (4-layer memory)")
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--expert-block {args.expert_block}: expected at least 1")
     deepseek.EXPERT_BLOCK = args.expert_block
     if not args.tiny:
-        require_cuda("moe", "; --tiny runs it at toy size on the CPU")
+        require_cuda("benchmarks.moe", "; --tiny runs it at toy size on the CPU")
     parts = args.parts.split(",")
     if not set(parts) <= {"layer", "streamed"}:
         parser.error(f"--parts {args.parts}: expected a comma list of layer, streamed")

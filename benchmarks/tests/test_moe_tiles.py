@@ -1,0 +1,51 @@
+"""The lab's MoE-layer bench and autotune-tiling check at toy size on the CPU."""
+import importlib
+
+import pytest
+import torch
+
+from benchmarks import moe
+from benchmarks import tiles as check
+from eagle3.bench import timing
+from kernels import tiles
+
+ttt_attention = importlib.import_module("kernels.ttt_attention")   # the module (the package exports the function)
+
+
+def test_moe_bench_runs_on_a_tiny_shape():
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        layer_s, layer = timing.wall_s(lambda: moe.bench_layer(moe.TINY, cpu, float("nan")))
+        streamed_s, streamed = timing.wall_s(lambda: moe.bench_streamed(moe.TINY, cpu))
+    assert layer["triton_dequant_ok"] and layer["tokens"] == 128
+    assert layer["tokens_per_s"] == pytest.approx(128 / layer["layer_s"])
+    assert layer["tflops"] == pytest.approx(sum(layer["flops"].values()) / layer["layer_s"] / 1e12)
+    assert layer["tflops"] < 10   # a timer that measured next to nothing would say so; no CPU runs this layer so fast
+    # each figure is the median of calls the bench made (dequantisation: of a quarter of the experts, times 4)
+    parts = layer["layer_s"] + layer["attention_s"] + layer["moe_s"] + layer["dequant_all_experts_s"] / 4
+    assert parts < layer_s
+    # the streamed extraction's time is the runner's, most of the call's
+    assert streamed["tokens"] == 128 and streamed_s / 4 < streamed["wall_s"] <= streamed_s
+
+
+def test_the_compile_check_covers_every_list_and_the_fallbacks_build_small():
+    """`python -m benchmarks.tiles` builds each list entry for each GPU of its family; the fallbacks,
+    built here for the smallest family's newest GPU (sm_120, no GPU needed, pointer loads) and the
+    attention's for sm_90 (TMA loads), stay within the 48 KiB a block gets on every GPU Triton
+    supports."""
+    jobs = check.candidates(list(tiles.FAMILIES))
+    expected = sum(len(ttt_attention.CONFIGS[f][k]) * len(check.TARGETS[f]) for f in tiles.FAMILIES
+                   for k in ("fwd", "dkdv", "dq"))
+    assert len(jobs) == expected and len(set(jobs)) == len(jobs)
+    assert {cc for f in tiles.FAMILIES for cc in check.TARGETS[f]} == set(check.BLOCK_SMEM)
+    assert all(tiles.family((cc // 10, cc % 10)) == f for f in tiles.FAMILIES for cc in check.TARGETS[f])
+    for kernel in ("fwd", "dkdv", "dq"):
+        for capability in (120, 90):
+            shared = check.compile_one(kernel, ttt_attention.FALLBACK, capability)
+            assert 0 < shared <= 48 * 1024, (kernel, capability, shared)
+
+
+def test_the_moe_bench_on_a_cpu_machine_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="moe needs a CUDA GPU; --tiny runs it at toy size on the CPU"):
+        moe.main(["--parts", "layer"])
