@@ -5,12 +5,17 @@ optimizer. `torch._scaled_mm` wants every dimension a multiple of 16: rows are z
 from __future__ import annotations
 
 import functools
+import json
+import os
+import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 from eagle3.config import ConfigError
-from eagle3.linear import compute_dtype, dense_linear, reused
+from eagle3.files import atomic_write_text
+from eagle3.linear import casts_reused, compute_dtype, dense_linear, reused
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -63,8 +68,10 @@ class _Float8Linear(torch.autograd.Function):
         return dx, dw, *[None] * 7
 
 
-def choose(setting: bool | None, device: torch.device, spec, where: str, say: bool = True) -> bool:
-    """train.float8: `true` checked, `false`, or auto: on where the device and widths allow, said when `say`."""
+def choose(setting: bool | None, device: torch.device, spec, where: str, say: bool = True, tokens: int = 16384,
+           agree=bool) -> bool:
+    """train.float8: `true` checked, `false`, or auto: on where the device and widths allow and one draft
+    layer's fp8 GEMMs time faster than bf16 at `tokens` rows (`agree`: every rank's vote), said when `say`."""
     dims = {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,   # the GEMMs' widths
             "num_attention_heads x head_dim": spec.num_attention_heads * spec.head_dim,
             "num_key_value_heads x head_dim": spec.num_key_value_heads * spec.head_dim,
@@ -79,17 +86,19 @@ def choose(setting: bool | None, device: torch.device, spec, where: str, say: bo
            "ROCm: not supported" if torch.version.hip is not None else   # its fp8 formats are the fnuz ones
            f"no fp8 tensor cores on {torch.cuda.get_device_name(device)}"
            if torch.cuda.get_device_capability(device) < (8, 9) else
-           f"widths not multiples of 16: {', '.join(odd)}" if odd else "fp8 tensor cores")
-    on = why == "fp8 tensor cores"
+           f"widths not multiples of 16: {', '.join(odd)}" if odd else None)
+    on = why is None and agree(faster(spec, tokens, device, "layer"))
     if say:
-        print(f"train.float8 = auto: {'on' if on else 'off'} ({why})", file=sys.stderr)
+        print(f"train.float8 = auto: {'on' if on else 'off'} ({why or timed(spec, tokens, device, 'layer')})",
+              file=sys.stderr)
     return on
 
 
 def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torch.device, spec, where: str,
-              say: bool = True):
+              say: bool = True, tokens: int = 16384, agree=bool):
     """train.float8_head -> the loss: `loss_steps`, or the Triton one with fp8 lm_head GEMMs; auto is on
-    with train.float8, the Triton loss on a GPU and head widths that are multiples of 16."""
+    with train.float8, the Triton loss on a GPU, head widths that are multiples of 16 and an fp8 head
+    that times faster than bf16 at `tokens` rows."""
     from kernels import ttt_loss_steps
     triton_gpu = loss_steps is ttt_loss_steps and device.type == "cuda"
     dims = {"hidden_size": spec.hidden_size, "draft_vocab_size": spec.draft_vocab_size}
@@ -103,11 +112,96 @@ def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torc
         odd = _odd(dims)
         why = ("train.float8 is off" if not draft_float8 else
                "the loss is not the Triton one on a GPU" if not triton_gpu else
-               f"widths not multiples of 16: {', '.join(odd)}" if odd else "fp8 tensor cores")
-        setting = why == "fp8 tensor cores"
+               f"widths not multiples of 16: {', '.join(odd)}" if odd else None)
+        setting = why is None and agree(faster(spec, tokens, device, "head"))
         if say:
-            print(f"train.float8_head = auto: {'on' if setting else 'off'} ({why})", file=sys.stderr)
+            print(f"train.float8_head = auto: {'on' if setting else 'off'} "
+                  f"({why or timed(spec, tokens, device, 'head')})", file=sys.stderr)
     return functools.partial(ttt_loss_steps, float8=True) if setting else loss_steps
+
+
+MARGIN = 0.95   # fp8 only where clearly faster: timing noise must not flip a run's choice
+
+
+def faster(spec, tokens: int, device: torch.device, part: str) -> bool:
+    """Whether fp8 beats bf16 for `part` at the draft's shapes (a small draft's casts cost more than
+    its GEMMs save): `timings`, measured once per GPU, versions, shape and token count."""
+    t = timings(spec, tokens, device, part)
+    return t["fp8_ms"] < MARGIN * t["bf16_ms"]
+
+
+def timed(spec, tokens: int, device: torch.device, part: str) -> str:
+    t = timings(spec, tokens, device, part)
+    what = "one layer's GEMMs" if part == "layer" else "the lm_head loss"
+    return (f"{what} at {tokens} tokens: fp8 {t['fp8_ms']:.2f} ms, bf16 {t['bf16_ms']:.2f} ms; "
+            f"timed once, {cache_path()}")
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3" / "float8.json"
+
+
+def timings(spec, tokens: int, device: torch.device, part: str) -> dict[str, float]:
+    """{"bf16_ms", "fp8_ms"}: forward and backward of `part` ("layer": one draft layer's linears and fc;
+    "head": the fused loss's lm_head GEMMs), read from the cache or timed on `device` and cached."""
+    import triton
+    shape = ((spec.hidden_size, spec.intermediate_size, spec.num_attention_heads * spec.head_dim,
+              spec.num_key_value_heads * spec.head_dim, spec.target_hidden_size) if part == "layer"
+             else (spec.hidden_size, spec.draft_vocab_size))
+    key = (f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|triton {triton.__version__}"
+           f"|{part} {shape}|{tokens}")
+    path = cache_path()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = {f"{name}_ms": _median_ms(_workload(part, spec, tokens, device, fp8), device)
+                      for name, fp8 in (("bf16", False), ("fp8", True))}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(cache, indent=1))
+    return cache[key]
+
+
+def _workload(part: str, spec, tokens: int, device: torch.device, fp8: bool):
+    """A step's worth of `part` as a function; its own generator, so the run's random stream is untouched."""
+    g = torch.Generator(device=device).manual_seed(0)
+    randn = functools.partial(torch.randn, device=device, generator=g)
+    if part == "head":
+        from kernels import ttt_loss_steps
+        V, H = spec.draft_vocab_size, spec.hidden_size
+        w, h = (randn(V, H) * H ** -0.5).bfloat16(), randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
+        p = torch.softmax(randn(tokens, V), -1).bfloat16()
+        return lambda: ttt_loss_steps([h], w, [p], float8=fp8)[0].backward()
+    H, I = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    shapes = [(q, H), (kv, H), (kv, H), (H, q), (I, H), (I, H), (H, I), (H, 3 * spec.target_hidden_size)]
+    ws = [randn(n, k, requires_grad=True) for n, k in shapes]
+    xs = [randn(tokens, k, dtype=torch.bfloat16, requires_grad=i < 7) for i, (_, k) in enumerate(shapes)]   # fc's: none
+    gs = [randn(tokens, n, dtype=torch.bfloat16) for n, _ in shapes]
+    fn = linear if fp8 else dense_linear
+
+    def step():
+        with torch.autocast(device.type, torch.bfloat16), casts_reused():
+            for x, w, gy in zip(xs, ws, gs):
+                fn(x, w).backward(gy)
+    return step
+
+
+def _median_ms(step, device: torch.device, reps: int = 5) -> float:
+    """Median CUDA-event time of `step` after one warm-up call; host-bound gaps count, as in training."""
+    step()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del step
+    torch.cuda.empty_cache()
+    return statistics.median(times)
 
 
 def _odd(dims: dict[str, int]) -> list[str]:

@@ -114,23 +114,39 @@ def _count(calls, t, dtype):
     return _to_fp8(t, dtype)
 
 
-def test_auto_float8_is_on_only_where_the_gpu_and_the_widths_allow_it(monkeypatch, capsys):
+def fake_timings(monkeypatch, table):
+    """float8.timings as measured: {part: (bf16 ms, fp8 ms)}."""
+    monkeypatch.setattr(float8, "timings", lambda spec, tokens, device, part: dict(
+        zip(("bf16_ms", "fp8_ms"), table[part])))
+
+
+def test_auto_float8_is_on_only_where_the_gpu_the_widths_and_the_timing_allow_it(monkeypatch, capsys):
     from types import SimpleNamespace
     spec = SimpleNamespace(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=16, target_hidden_size=64)
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA X")
+    fake_timings(monkeypatch, {"layer": (2.0, 1.0)})
     assert float8.choose(None, torch.device("cpu"), spec, "c.toml") is False
     assert "train.float8 = auto: off (cpu: fp8 GEMMs need a GPU)" in capsys.readouterr().err
     assert float8.choose(None, torch.device("cpu"), spec, "c.toml", say=False) is False   # not rank 0
     assert capsys.readouterr().err == ""
-    for capability, widths, on, said in [((9, 0), {}, True, "on (fp8 tensor cores)"),
+    timed = "one layer's GEMMs at 16384 tokens: fp8 1.00 ms, bf16 2.00 ms; timed once"
+    for capability, widths, on, said in [((9, 0), {}, True, f"on ({timed}"),
                                          ((8, 0), {}, False, "off (no fp8 tensor cores on NVIDIA X)"),
                                          ((9, 0), {"intermediate_size": 100}, False, "off (widths not multiples "
                                                                                       "of 16: intermediate_size)")]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert float8.choose(None, gpu, SimpleNamespace(**{**vars(spec), **widths}), "c.toml") is on
         assert f"train.float8 = auto: {said}" in capsys.readouterr().err
+    # a small draft: the casts cost more than the GEMMs save, or not clearly less; or one rank disagrees
+    for bf16, fp8 in [(1.0, 1.2), (1.0, 0.97)]:
+        fake_timings(monkeypatch, {"layer": (bf16, fp8)})
+        assert float8.choose(None, gpu, spec, "c.toml") is False
+        said = capsys.readouterr().err
+        assert f"train.float8 = auto: off (one layer's GEMMs at 16384 tokens: fp8 {fp8:.2f} ms" in said
+    fake_timings(monkeypatch, {"layer": (2.0, 1.0)})
+    assert float8.choose(None, gpu, spec, "c.toml", say=False, agree=lambda on: False) is False
     monkeypatch.setattr(torch.version, "hip", "6.2")                    # ROCm: other fp8 formats
     assert float8.choose(None, gpu, spec, "c.toml") is False
     assert "train.float8 = auto: off (ROCm: not supported)" in capsys.readouterr().err
@@ -139,6 +155,41 @@ def test_auto_float8_is_on_only_where_the_gpu_and_the_widths_allow_it(monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match="needs a GPU with fp8 tensor cores"):
         float8.choose(True, gpu, spec, "c.toml")
+
+
+def test_the_fp8_timing_is_measured_once_per_gpu_versions_shape_and_tokens(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA X")
+    measured = []
+    monkeypatch.setattr(float8, "_workload", lambda part, spec, tokens, device, fp8: (part, tokens, fp8))
+    monkeypatch.setattr(float8, "_median_ms", lambda step, device: measured.append(step) or (1.0 if step[2] else 3.0))
+    spec = SimpleNamespace(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, target_hidden_size=64, draft_vocab_size=256)
+    gpu = torch.device("cuda", 0)
+    assert float8.timings(spec, 4096, gpu, "layer") == {"bf16_ms": 3.0, "fp8_ms": 1.0}
+    assert float8.faster(spec, 4096, gpu, "layer") and len(measured) == 2           # the second read the cache
+    float8.timings(spec, 8192, gpu, "layer")                                          # another token count
+    float8.timings(SimpleNamespace(**{**vars(spec), "hidden_size": 128}), 4096, gpu, "layer")   # another shape
+    float8.timings(spec, 4096, gpu, "head")
+    assert measured == [("layer", 4096, False), ("layer", 4096, True), ("layer", 8192, False), ("layer", 8192, True),
+                        ("layer", 4096, False), ("layer", 4096, True), ("head", 4096, False), ("head", 4096, True)]
+    assert len(json.loads((tmp_path / "eagle3" / "float8.json").read_text())) == 4
+    (tmp_path / "eagle3" / "float8.json").write_text("{not json")                    # a damaged cache: timed anew
+    assert float8.timings(spec, 4096, gpu, "layer") == {"bf16_ms": 3.0, "fp8_ms": 1.0} and len(measured) == 10
+
+
+def test_the_timed_workload_runs_and_leaves_the_random_stream_alone():
+    """The layer workload runs forward and backward (on the CPU: bf16) without drawing from the global
+    generator the run's later draws use."""
+    from types import SimpleNamespace
+    spec = SimpleNamespace(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16, target_hidden_size=32, draft_vocab_size=64)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    float8._workload("layer", spec, 16, torch.device("cpu"), False)()
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_without_autograd_the_fp8_linear_is_the_dense_one():
@@ -176,9 +227,14 @@ def test_auto_float8_head_follows_train_float8_and_the_triton_loss(monkeypatch, 
     import kernels
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     gpu, spec = torch.device("cuda", 0), SimpleNamespace(hidden_size=64, draft_vocab_size=256)
+    fake_timings(monkeypatch, {"head": (2.0, 1.5)})
     loss = float8.head_loss(None, True, kernels.ttt_loss_steps, gpu, spec, "c.toml")
     assert loss.func is kernels.ttt_loss_steps and loss.keywords == {"float8": True}
-    assert "train.float8_head = auto: on (fp8 tensor cores)" in capsys.readouterr().err
+    assert ("train.float8_head = auto: on (the lm_head loss at 16384 tokens: fp8 1.50 ms, bf16 2.00 ms"
+            in capsys.readouterr().err)
+    fake_timings(monkeypatch, {"head": (2.0, 2.5)})                      # slower in fp8 at this shape
+    assert float8.head_loss(None, True, kernels.ttt_loss_steps, gpu, spec, "c.toml") is kernels.ttt_loss_steps
+    assert "train.float8_head = auto: off (the lm_head loss at 16384 tokens: fp8 2.50 ms" in capsys.readouterr().err
     for draft_fp8, loss_steps, device, widths, said in [
             (False, kernels.ttt_loss_steps, gpu, {}, "train.float8 is off"),
             (True, kernels.ttt_loss_steps_reference, gpu, {}, "the loss is not the Triton one on a GPU"),

@@ -245,8 +245,8 @@ def test_on_the_cpu_the_kernels_are_the_reference_and_the_fp8_head_is_refused():
     cpu = torch.device("cpu")
     spec = SimpleNamespace(head_dim=8, hidden_size=32, draft_vocab_size=128)
     for choice in ("auto", "torch"):
-        cfg = SimpleNamespace(debug=SimpleNamespace(kernels=choice), train=SimpleNamespace(float8_head=None),
-                              source="c.toml")
+        cfg = SimpleNamespace(debug=SimpleNamespace(kernels=choice),
+                              train=SimpleNamespace(float8_head=None, batch_tokens=64), source="c.toml")
         chosen = kernel_choice.choose(cfg, cpu, spec, draft_float8=False, say=False)
         assert chosen == kernel_choice.Kernels(reference.ttt_attention, reference.ttt_loss_steps, False)
     cfg.train.float8_head = True

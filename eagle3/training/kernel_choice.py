@@ -21,7 +21,7 @@ class Kernels:
     float8_head: bool       # whether loss_steps runs the lm_head GEMMs in fp8 (train.float8_head resolved)
 
 
-def choose(cfg: Config, device: torch.device, spec, draft_float8: bool, say: bool = True) -> Kernels:
+def choose(cfg: Config, device: torch.device, spec, draft_float8: bool, say: bool = True, agree=bool) -> Kernels:
     """debug.kernels: Triton ("auto" on CUDA; a head dim outside TRITON_HEAD_DIMS keeps flex attention) or
     torch (`kernels.flex` on CUDA, the reference on the CPU); then train.float8_head. `say`: rank 0."""
     choice, head_dim = cfg.debug.kernels, spec.head_dim
@@ -40,5 +40,6 @@ def choose(cfg: Config, device: torch.device, spec, draft_float8: bool, say: boo
         from kernels.flex import ttt_attention, ttt_loss_steps as plain
     else:
         from kernels.reference import ttt_attention, ttt_loss_steps as plain
-    loss_steps = float8.head_loss(cfg.train.float8_head, draft_float8, plain, device, spec, cfg.source, say=say)
+    loss_steps = float8.head_loss(cfg.train.float8_head, draft_float8, plain, device, spec, cfg.source, say,
+                                  cfg.train.batch_tokens, agree)
     return Kernels(ttt_attention, loss_steps, loss_steps is not plain)

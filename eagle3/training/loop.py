@@ -149,7 +149,7 @@ def open_reader(cfg: Config, target: Checkpoint, resolved, device: torch.device,
 
 
 def build_draft(cfg: Config, target: Checkpoint, spec, reader, device: torch.device,
-                say: bool) -> tuple[Eagle3Draft, bool, torch.Tensor]:
+                say: bool, agree=bool) -> tuple[Eagle3Draft, bool, torch.Tensor]:
     """(the draft as the config wants it, whether it runs fp8 GEMMs, the target's head rows of its vocab
     in their stored precision)."""
     d2t, t2d = build_vocab(loss_token_counts(reader.manifest), target.config.vocab_size, spec.draft_vocab_size)
@@ -158,7 +158,7 @@ def build_draft(cfg: Config, target: Checkpoint, spec, reader, device: torch.dev
     draft.t2d.copy_(t2d)
     if device.type == "cuda" and cfg.debug.compile_ops:
         draft.compile_elementwise()
-    fp8 = float8.choose(cfg.train.float8, device, spec, cfg.source, say=say)
+    fp8 = float8.choose(cfg.train.float8, device, spec, cfg.source, say, cfg.train.batch_tokens, agree)
     if fp8:
         draft.use_float8()
     target_rows = target.get("lm_head.weight")[t2d]
@@ -210,7 +210,7 @@ class Trainer:
         self.reader = open_reader(cfg, self.target, self.resolved, self.device, say=self.dist.main)
         spec = self.resolved.draft_spec
         draft, self.float8, target_rows = build_draft(cfg, self.target, spec, self.reader, self.device,
-                                                      say=self.dist.main)
+                                                      self.dist.main, self.agree)
         self.model = TTTModel(draft).to(self.device)
         self.plan, self.eval_refs = data_plan(cfg, self.reader, self.dist.world, self.resolved.data_dir)
         # a frozen lm_head is in neither the optimizer, gradient clipping nor DDP's buckets
@@ -221,7 +221,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         # the model is initialised alike on every rank; any draw from here on differs by rank
         torch.manual_seed(t.seed + 1_000_003 * self.dist.rank)
-        kernels = kernel_choice.choose(cfg, self.device, spec, self.float8, say=self.dist.main)
+        kernels = kernel_choice.choose(cfg, self.device, spec, self.float8, self.dist.main, self.agree)
         self.float8_head = kernels.float8_head
         objective = Objective(RowRule(t.prompt_rows), loss=t.loss, temperature=t.loss_temperature,
                               eta=cfg.experimental.lk_eta)
@@ -238,6 +238,10 @@ class Trainer:
             self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
         self.nonfinite = NonFinite(self.dist, self.device)
+
+    def agree(self, on: bool) -> bool:
+        """A start-up choice every rank makes alike: on only where it is on for all (timings differ by GPU)."""
+        return self.dist.all_reduce(torch.tensor(int(on), device=self.device)).item() == self.dist.world
 
     def _state(self) -> dict:
         """What a checkpoint of this run records besides the weights (state.json)."""
