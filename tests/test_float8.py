@@ -157,7 +157,7 @@ def test_auto_float8_is_on_only_where_the_gpu_the_widths_and_the_timing_allow_it
         float8.choose(True, gpu, spec, "c.toml")
 
 
-def test_the_fp8_timing_is_measured_once_per_gpu_versions_shape_and_tokens(monkeypatch, tmp_path):
+def test_the_fp8_timing_is_measured_once_per_gpu_versions_shape_and_tokens(monkeypatch, tmp_path, capsys):
     from types import SimpleNamespace
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA X")
@@ -177,6 +177,10 @@ def test_the_fp8_timing_is_measured_once_per_gpu_versions_shape_and_tokens(monke
     assert len(json.loads((tmp_path / "eagle3" / "float8.json").read_text())) == 4
     (tmp_path / "eagle3" / "float8.json").write_text("{not json")                    # a damaged cache: timed anew
     assert float8.timings(spec, 4096, gpu, "layer") == {"bf16_ms": 3.0, "fp8_ms": 1.0} and len(measured) == 10
+    assert not list((tmp_path / "eagle3").glob("*.tmp"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "eagle3" / "float8.json"))    # a file: no cache folder there
+    assert float8.timings(spec, 4096, gpu, "layer") == {"bf16_ms": 3.0, "fp8_ms": 1.0}
+    assert "the fp8 timing could not be cached" in capsys.readouterr().err
 
 
 def test_the_timed_workload_runs_and_leaves_the_random_stream_alone():
