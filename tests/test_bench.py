@@ -124,3 +124,12 @@ def test_bench_help_lists_every_bench(capsys):
         bench_main(["--help"])
     out = capsys.readouterr().out
     assert all(name in out for name in BENCHES)
+
+
+@pytest.mark.parametrize("argv, said", [(["--sizes", "llama70b"], "--sizes: unknown llama70b"),
+                                        (["--kernels", "triton-fp9"], "--kernels: unknown triton-fp9")])
+def test_the_step_bench_names_an_unknown_size_or_kernel_choice(argv, said, capsys):
+    from eagle3.bench import step
+    with pytest.raises(SystemExit):
+        step.parse(["--tiny"] + argv if "--kernels" in argv else argv)
+    assert said in capsys.readouterr().err

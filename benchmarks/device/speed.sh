@@ -4,9 +4,9 @@
 #          verifier about 75 s, its first epoch compiles for 4-5 minutes; 388 to 485 s in all from a
 #          cold start: give it the call's whole 600 s; its log streams to $OUT). Followed by `cache`,
 #          it leaves its compiled graphs for the next call (below): `peer cache` then `step` is how one
-#          H200 holds the step against the peer in one call (twelfth session: 494 s, then 336 s with the
-#          peer's first epoch down from 4:44 to 0:49). Chaining `peer` then `step` on a machine kept
-#          warm does not work: the next call may get a fresh machine (it did in the eleventh session)
+#          H200 holds the step against the peer in one call (494 s, then 336 s with the peer's first
+#          epoch down from 4:44 to 0:49). Chaining `peer` then `step` on a machine kept warm does not
+#          work: the next call may get a fresh machine
 #   cache  packs the compiled-graph caches of the parts before it into $OUT (see below)
 #   step   the peer's step, then the full Kimi-size step on layout (a), Triton kernels in bf16 and
 #          with train.float8 and train.float8_head (the defaults on an fp8 GPU), the default frozen

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import shutil
 import statistics
 import tempfile
@@ -340,6 +341,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.layouts, args.kernels = args.layouts.split(","), args.kernels.split(",")
     if unknown := [x for x in args.sizes if x not in SIZES]:
         parser.error(f"--sizes: unknown {', '.join(unknown)}; one of {', '.join(SIZES)}")
+    if bad := [k for k in args.kernels if not re.fullmatch(r"auto|(torch|triton)(-fp8(-head)?)?", k)]:
+        parser.error(f"--kernels: unknown {', '.join(bad)}; auto, torch or triton, with -fp8 or -fp8-head")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1 (the first-step loss is the first warm-up step's)")
     if not args.tiny:   # a real-size draft on a CPU would run for hours
