@@ -221,3 +221,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(bench_layer(s, device, peak), indent=1))
         if "streamed" in parts:
             print(json.dumps(bench_streamed(s, device), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,8 @@
 """The lab's MoE-layer bench and autotune-tiling check at toy size on the CPU."""
 import importlib
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,3 +52,10 @@ def test_the_moe_bench_on_a_cpu_machine_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="moe needs a CUDA GPU; --tiny runs it at toy size on the CPU"):
         moe.main(["--parts", "layer"])
+
+
+@pytest.mark.parametrize("module", ["benchmarks.moe", "benchmarks.tiles", "benchmarks.step_peer"])
+def test_each_lab_bench_runs_as_a_module(module):
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith(f"usage: python -m {module}"), out.stderr[-500:]
