@@ -17,10 +17,10 @@ from eagle3.errors import Eagle3Error
 from eagle3.config import Config
 from eagle3.resolve import resolve, resolve_device
 from eagle3.data.chat import TOKENIZER_FILES
-from eagle3.data.inputs import InputStats, file_sha256, read_records
-from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, sha256_file, shard_name,
+from eagle3.data.inputs import InputStats, read_records
+from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, shard_name,
                                 shard_tensors, write_shard)
-from eagle3.files import atomic_write_text, read_json, run_lock, writable_dir
+from eagle3.files import atomic_write_text, read_json, run_lock, sha256_file, writable_dir
 from eagle3.ops import TORCH_DTYPES
 from eagle3.models.weights import Checkpoint
 from eagle3.models.streaming import TargetRunner, build_model, check_tensors, split_chunks
@@ -77,11 +77,11 @@ def _verified(out: Path, done: dict[str, dict], mine: list[int]) -> dict[str, di
 
 
 def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats) -> dict:
-    data_sha = file_sha256(cfg.data.path)
+    data_sha = sha256_file(cfg.data.path)
     dtypes = dict(DTYPES)
     if cfg.extract.aux_dtype == "float8_e4m3fn":
         dtypes.update(aux_hidden="float8_e4m3fn", aux_scale="float32")
-    tokenizer = {name: file_sha256(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
+    tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
     plan = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len,
                        cfg.data.on_error, cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype,
                        FORMAT_VERSION])

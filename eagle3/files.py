@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -166,3 +167,12 @@ def _take(path: Path, directory: Path, key: str, what: str, error: type[Exceptio
     f.write(f"{what} on host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
     f.flush()
     _HELD[str(path)] = f
+
+
+def sha256_file(path: str | Path) -> str:
+    """The file's SHA-256, read in 16 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()

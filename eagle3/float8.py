@@ -86,10 +86,12 @@ def choose(setting: bool | None, device: torch.device, spec, where: str, say: bo
            f"no fp8 tensor cores on {torch.cuda.get_device_name(device)}"
            if torch.cuda.get_device_capability(device) < (8, 9) else
            f"widths not multiples of 16: {', '.join(odd)}" if odd else None)
-    on = why is None and agree(faster(spec, tokens, device, "layer"))
+    on = False
+    if why is None:
+        on, why = faster(spec, tokens, device, "layer")
+        on = agree(on)
     if say:
-        print(f"train.float8 = auto: {'on' if on else 'off'} ({why or timed(spec, tokens, device, 'layer')})",
-              file=sys.stderr)
+        print(f"train.float8 = auto: {'on' if on else 'off'} ({why})", file=sys.stderr)
     return on
 
 
@@ -112,28 +114,25 @@ def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torc
         why = ("train.float8 is off" if not draft_float8 else
                "the loss is not the Triton one on a GPU" if not triton_gpu else
                f"widths not multiples of 16: {', '.join(odd)}" if odd else None)
-        setting = why is None and agree(faster(spec, tokens, device, "head"))
+        setting = False
+        if why is None:
+            setting, why = faster(spec, tokens, device, "head")
+            setting = agree(setting)
         if say:
-            print(f"train.float8_head = auto: {'on' if setting else 'off'} "
-                  f"({why or timed(spec, tokens, device, 'head')})", file=sys.stderr)
+            print(f"train.float8_head = auto: {'on' if setting else 'off'} ({why})", file=sys.stderr)
     return functools.partial(ttt_loss_steps, float8=True) if setting else loss_steps
 
 
 MARGIN = 0.95   # fp8 only where clearly faster: timing noise must not flip a run's choice
 
 
-def faster(spec, tokens: int, device: torch.device, part: str) -> bool:
-    """Whether fp8 beats bf16 for `part` at the draft's shapes (a small draft's casts cost more than
-    its GEMMs save): `timings`, measured once per GPU, versions, shape and token count."""
-    t = timings(spec, tokens, device, part)
-    return t["fp8_ms"] < MARGIN * t["bf16_ms"]
-
-
-def timed(spec, tokens: int, device: torch.device, part: str) -> str:
+def faster(spec, tokens: int, device: torch.device, part: str) -> tuple[bool, str]:
+    """(whether fp8 beats bf16 for `part` at the draft's shapes, the times as said at start-up): a small
+    draft's casts cost more than its GEMMs save. `timings` measures once per GPU, versions, shape, tokens."""
     t = timings(spec, tokens, device, part)
     what = "one layer's GEMMs" if part == "layer" else "the lm_head loss"
-    return (f"{what} at {tokens} tokens: fp8 {t['fp8_ms']:.2f} ms, bf16 {t['bf16_ms']:.2f} ms; "
-            f"timed once, {cache_path()}")
+    return t["fp8_ms"] < MARGIN * t["bf16_ms"], (f"{what} at {tokens} tokens: fp8 {t['fp8_ms']:.2f} ms, bf16 "
+                                                 f"{t['bf16_ms']:.2f} ms; timed once, {cache_path()}")
 
 
 def cache_path() -> Path:

@@ -15,9 +15,8 @@ from tqdm import tqdm
 from eagle3.config import Config
 from eagle3.data.chat import TOKENIZER_FILES, stop_token_ids
 from eagle3.data.inputs import Record, read_records
-from eagle3.data.shards import sha256_file
 from eagle3.resolve import resolve_device
-from eagle3.files import atomic_write_text, read_json, strict_json
+from eagle3.files import atomic_write_text, read_json, sha256_file, strict_json
 from eagle3.ops import TORCH_DTYPES
 from eagle3.sampling import sample
 from eagle3.models.weights import Checkpoint

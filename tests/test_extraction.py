@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from conftest import ROOT, make_config
 from eagle3 import extraction
 from eagle3.data.inputs import InputError
-from eagle3.data.shards import DataError, ShardReader, loss_token_counts, read_manifest, sha256_file
+from eagle3.data.shards import DataError, ShardReader, loss_token_counts, read_manifest
+from eagle3.files import sha256_file
 
 
 def test_shards_and_honest_manifest(tmp_path, llama_target, token_data):

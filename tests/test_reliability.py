@@ -20,7 +20,8 @@ from conftest import ROOT, make_config
 from eagle3 import train_state
 from eagle3 import evaluate, extraction, training
 from eagle3.config import ConfigError
-from eagle3.data.shards import DataError, ShardReader, read_manifest, sha256_file
+from eagle3.data.shards import DataError, ShardReader, read_manifest
+from eagle3.files import sha256_file
 from eagle3.files import FILE_MODE, strict_json
 from eagle3.models.weights import Checkpoint, TargetError
 

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks import moe, node, online, quality
-from eagle3.data.shards import read_manifest, sha256_file
+from eagle3.data.shards import read_manifest
+from eagle3.files import sha256_file
 from eagle3.models.weights import Checkpoint
 from eagle3.models.deepseek import DeepseekTarget
 from eagle3.models.streaming import check_tensors

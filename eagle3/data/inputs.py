@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -131,11 +130,3 @@ def utf8(raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()

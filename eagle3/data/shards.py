@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 from eagle3.data.batch import Batch
 from eagle3.data.aux_fp8 import encode_aux_fp8
-from eagle3.data.inputs import Record, file_sha256 as sha256_file   # one hash, two callers' names
-from eagle3.files import make_readable, open_safetensors, read_json, short_of_space, tensor_bytes
+from eagle3.data.inputs import Record
+from eagle3.files import make_readable, open_safetensors, read_json, sha256_file, short_of_space, tensor_bytes
 from eagle3.models.weights import TextConfig
 from eagle3.errors import Eagle3Error
 
