@@ -15,7 +15,7 @@ from eagle3.models.inspect import inspect
 # the commands with a parser of their own, given the rest of the command line as it is
 FORWARDED = {"extract": "extract the target's hidden states into shards (what extract.py runs)",
              "train": "train an EAGLE-3 draft with training-time test (what train.py runs)",
-             "bench": "the training-step and quality benchmarks (python -m eagle3.bench)"}
+             "bench": "the training-step and kernel benchmarks (python -m eagle3.bench)"}
 
 
 def forward(command: str, argv: list[str]) -> None:
@@ -70,8 +70,7 @@ def export_command(args, overrides: list[str]) -> None:
 
 
 def checkpoint_config(args, overrides: list[str]) -> config_mod.Config:
-    """--config FILE when given, else the config our checkpoint was trained with (its state.json); overrides
-    on top."""
+    """--config FILE if given, else the config our checkpoint was trained with (its state.json); overrides on top."""
     from eagle3.train_state import read_state
     if args.config:
         return config_mod.load(args.config, overrides)

@@ -188,6 +188,10 @@ class DebugConfig:
         "auto", "`auto`: Triton on CUDA (flex_attention where the head dim is not 64/128), the torch reference on "
         "CPU; `torch`: compiled flex_attention + compiled loss on CUDA")
     skip_dead_rows: bool = setting(True, "skip TTT rows whose work cannot reach the loss (exact)")
+    cuda_graphs: bool | None = setting(
+        False, "replay each micro-batch's forward and backward as a CUDA graph (one GPU, shards, the Triton kernels; "
+        "batches padded to train.batch_tokens, every row computed); auto: on for a draft of hidden size <= 1024, "
+        "whose step the host's launches bound")
     compile_ops: bool = setting(True, "on CUDA, fused RMSNorm, RoPE and SiLU·up kernels for the draft")
     prefetch: int = setting(2, "micro-batches read ahead in a background thread")
     log_every: int = setting(10, "steps between metrics.jsonl lines")
@@ -294,8 +298,7 @@ def _coerce(value: object, tp: object, where: str) -> object:
 
 
 def _apply(cfg: Config, section: str, key: str, value: object, origin: str, command_line: bool = False) -> None:
-    """Set section.key from `origin`. Command-line text is parsed as JSON unless the key is a string; in TOML,
-    "200" stays a string."""
+    """Set section.key from `origin`; command-line text is JSON unless the key is a string (TOML's "200": a str)."""
     sections = _sections()
     if section not in sections:
         raise ConfigError(f"{origin}: unknown section [{section}]; allowed: {', '.join(sections)}")

@@ -219,8 +219,7 @@ def check_checkpoint_target(state: dict, target: Checkpoint, checkpoint_dir: Pat
 
 
 def load_any_draft(path: str | Path, target: Checkpoint) -> tuple[Eagle3Draft, list[int], int | None]:
-    """(draft on the CPU, our aux layer ids, its trained ttt_steps or None) from one of our checkpoints
-    (state.json) or a speculators/vLLM EAGLE-3 directory (config.json)."""
+    """(draft on the CPU, our aux layer ids, its trained ttt_steps or None) from our checkpoint or a vLLM-layout one."""
     path = Path(path)
     if (path / train_state.STATE).exists():
         draft, state = train_state.load_draft(path)

@@ -109,7 +109,7 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
     head_rows = target.get("lm_head.weight")[draft.t2d.cpu()].to(device, torch.float32)
     steps = steps or trained["ttt_steps"]
     objective = Objective(RowRule(), loss=trained.get("loss", "kl"), temperature=trained.get("loss_temperature", 1.0),
-                          eta=trained.get("lk_eta", 3.0))
+                          eta=state["config"].get("experimental", {}).get("lk_eta", 3.0))
     _, held_out = split_holdout(reader.sequences, trained["eval_fraction"])
     result = Evaluation(steps)
     for refs in pack(held_out, cfg.train.batch_tokens):
@@ -119,13 +119,6 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
         result.add(metrics, detail, batch)
     return {"checkpoint": str(checkpoint_dir), "step": state["step"], "held_out_sequences": len(held_out),
             **result.report()}
-
-
-def evaluate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) -> dict:
-    """The estimate, written to `eval.json` (and `eval.png`) in the checkpoint."""
-    report = estimate(cfg, checkpoint_dir, steps)
-    write_report(report, Path(checkpoint_dir) / "eval.json", checkpoint_dir)
-    return report
 
 
 def write_report(report: dict, out: Path, checkpoint_dir: str | Path | None = None) -> None:
@@ -184,8 +177,7 @@ def batches(items: list, size: int) -> list[list]:
 
 def greedy_references(target: IncrementalTarget, prompts: list[Prompt], max_new: int, stop: set[int],
                       batch: int, cache: dict, key: tuple) -> list[Decoded]:
-    """The target's own greedy output per prompt, from `cache` where an earlier call (another draft, same
-    target, precision and settings) decoded it."""
+    """The target's greedy output per prompt, from `cache` where an earlier call (another draft) decoded it."""
     entries = [(*key, tuple(p.ids), max_new, tuple(sorted(stop))) for p in prompts]
     missing = {e: p.ids for e, p in zip(entries, prompts) if e not in cache}   # in order, each prompt once
     for group in batches(list(missing), batch):
@@ -217,8 +209,7 @@ SEEDED = ("real_accept_len", "accept_len_per_request", "per_position_acceptance"
 
 
 def over_seeds(reports: list[dict], seeds: list[int]) -> dict:
-    """One report per seed -> each figure's mean, sample standard deviation (`<key>_sd`, 0 for one seed)
-    and the per-seed figures."""
+    """One report per seed -> each figure's mean, sample deviation (`<key>_sd`, 0 for one seed), per-seed figures."""
     def mean_sd(values: list[float]) -> tuple[float, float]:
         t = torch.tensor(values, dtype=torch.float64)
         return t.mean().item(), t.std().item() if len(values) > 1 else 0.0
@@ -288,8 +279,7 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
 
 
 def run(cfg: Config, draft_dir: str | Path, out: str | Path | None = None) -> tuple[dict, Path]:
-    """The `evaluate` command: the TTT estimate (our checkpoints, shards there) and real decoding (with
-    `evaluate.prompts`) into one eval.json; (report, where it was written)."""
+    """The TTT estimate (our checkpoints) and real decoding (`evaluate.prompts`) in one eval.json -> (report, path)."""
     draft_dir = Path(draft_dir)
     ours = (draft_dir / train_state.STATE).exists()
     out = Path(out) if out else draft_dir / "eval.json"

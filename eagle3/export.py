@@ -93,8 +93,7 @@ def export_weights(weights: dict[str, torch.Tensor], spec: dict, layer_prefix, n
 
 
 def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write into `<out_dir>.tmp`, then put it in place of `out_dir`: a failure removes the partial folder
-    and keeps an export already there."""
+    """Write `<out_dir>.tmp`, then rename it to `out_dir`: a failure removes it and keeps an export already there."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if short := short_of_space(out_dir.parent, tensor_bytes(tensors) + (1 << 20), f"the {out_dir.name} export"):
         raise ExportError(short + "; nothing was written")

@@ -100,8 +100,7 @@ def kept(cfg: Config) -> str:
 
 
 def run(cfg: Config) -> Path:
-    """Extract this rank's shards (i % world == rank); rank 0 writes the manifest once all are done.
-    A barrier failing because another rank is gone stops the extraction in one line."""
+    """Extract this rank's shards (i % world == rank), rank 0 the manifest; a lost rank stops it in one line."""
     dist = distributed.setup(cfg.debug.extract_device)
     try:   # rank 0 owns extract.output_dir meanwhile (a second extraction into it stops at once)
         with run_lock(Path(cfg.extract.output_dir), "extract.output_dir", "extract", DataError, held=dist.main):

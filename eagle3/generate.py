@@ -18,7 +18,7 @@ from eagle3.data.inputs import Record, read_records
 from eagle3.resolve import resolve_device
 from eagle3.files import atomic_write_text, read_json, sha256_file, strict_json
 from eagle3.ops import TORCH_DTYPES
-from eagle3.sampling import sample
+from eagle3.sampling import Sampling, sample
 from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.errors import Eagle3Error
@@ -34,16 +34,6 @@ def reply_spans(mask) -> list[tuple[int, int]]:
 def stop_tokens(cfg: Config, ckpt: Checkpoint) -> set[int]:
     ids = cfg.generate.stop_token_ids
     return set(ids) if ids is not None else stop_token_ids(ckpt.dir, ckpt.config.raw.get("eos_token_id"))
-
-
-class Sampler:
-    """The target's own sampling at `temperature` (0 = greedy) and top_p, as `eagle3.sampling` defines it."""
-
-    def __init__(self, temperature: float, top_p: float):
-        self.temperature, self.top_p = temperature, top_p
-
-    def many(self, logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
-        return sample(logits, self.temperature, self.top_p, generators)
 
 
 class Conversation:
@@ -85,10 +75,10 @@ class Conversation:
         return {"input_ids": self.ids, "loss_mask": self.mask, "source_line": self.record.line}
 
 
-def regenerate(target: IncrementalTarget, records: list[Record], sampler: Sampler, max_new: int,
+def regenerate(target: IncrementalTarget, records: list[Record], sampling: Sampling, max_new: int,
                stop: set[int], batch: int, seed: int):
-    """Regenerated conversations in input order, up to `batch` of them through the target together
-    (a pass takes each one's unseen tokens: a prompt chunk or its last sample)."""
+    """Regenerated conversations in input order (sampled at `sampling`'s temperature and top_p), up to `batch`
+    of them through the target together (a pass takes each one's unseen tokens: a prompt or its last sample)."""
     waiting = list(records)
     active: list[Conversation] = []
     finished: dict[int, dict] = {}
@@ -103,7 +93,8 @@ def regenerate(target: IncrementalTarget, records: list[Record], sampler: Sample
         if active:
             results = target.forward_many([c.feed() for c in active], [c.cache for c in active])
             last = target.logits(torch.stack([final[-1] for _, final in results]))      # [B, V]
-            for conv, token in zip(active, sampler.many(last, [c.generator for c in active])):
+            for conv, token in zip(active, sample(last, sampling.temperature, sampling.top_p,
+                                                  [c.generator for c in active])):
                 conv.take(token, max_new, stop)
         while order and order[0] in finished:
             yield finished.pop(order.pop(0))
@@ -157,8 +148,7 @@ def _check_same(path: Path, current: dict) -> None:
 
 
 def _finish(partial: Path, out: Path) -> None:
-    """Rename the partial file and its settings in an order where a kill between the steps never leaves
-    an output with another run's settings."""
+    """Rename the partial file and its settings so that a kill between the steps never mixes two runs' settings."""
     atomic_write_text(_sidecar(out), _sidecar(partial).read_text())
     os.replace(partial, out)
     _sidecar(partial).unlink()
@@ -185,10 +175,10 @@ def run(cfg: Config) -> Path:
     done = _done_lines(partial)
     todo = [r for r in records if r.line not in done]
     target = IncrementalTarget(ckpt, [0, 0, 0], resolve_device(cfg.debug.generate_device), TORCH_DTYPES[cfg.debug.generate_dtype])
-    sampler, stop = Sampler(g.temperature, g.top_p), stop_tokens(cfg, ckpt)
+    sampling, stop = Sampling(g.temperature, g.top_p), stop_tokens(cfg, ckpt)
     with partial.open("a") as f, tqdm(desc="generate", unit="conv", initial=len(records) - len(todo),
                                       total=len(records)) as bar:
-        for line in regenerate(target, todo, sampler, g.max_new_tokens, stop, cfg.debug.generate_batch_size, g.seed):
+        for line in regenerate(target, todo, sampling, g.max_new_tokens, stop, cfg.debug.generate_batch_size, g.seed):
             f.write(json.dumps(line) + "\n")
             f.flush()
             bar.update(1)

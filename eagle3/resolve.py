@@ -55,8 +55,7 @@ class Resolved:
 
 
 def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
-    """Every "auto" of `cfg` that depends on the target, checked: a draft that cannot be built fails here,
-    at the start of extraction, not after it."""
+    """Every "auto" of `cfg` that depends on the target, checked: a draft that cannot be built fails here."""
     text, d, x = ckpt.config, cfg.draft, cfg.experimental
     ids, n = cfg.target.aux_layer_ids or text.default_aux_layer_ids(), text.num_hidden_layers
     if any(not 0 <= i < n for i in ids):

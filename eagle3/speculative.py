@@ -70,8 +70,7 @@ class Drafter:
 
     def _step0(self, auxes: list[torch.Tensor], tokens: list[list[int]],
                caches: list[SequenceCache]) -> torch.Tensor:
-        """Step 0 of the rows each cache lacks, at least the last (the chain starts from it) -> [B, H]
-        each sequence's last-row output."""
+        """Step 0 of the rows each cache lacks, at least the last -> [B, H] each sequence's last-row output."""
         for cache, aux in zip(caches, auxes):
             cache.length = min(cache.length, aux.shape[0] - 1)
         starts = [c.length for c in caches]
@@ -211,8 +210,7 @@ def sampled_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: li
 
 def _decode(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]], max_new: int, stop: set[int],
             first: Callable, round_: Callable) -> list[Decoded]:
-    """Prefill, the first token by first(final states [B, H]), then round_(live indices, their chains)
-    until every chain is done."""
+    """Prefill, first(final states [B, H]) the first token, then round_(live indices, chains) until all are done."""
     caches = [target.new_cache() for _ in prompts]
     prefill = target.forward_many([torch.tensor(p) for p in prompts], caches)
     firsts = first(torch.cat([final[-1:] for _, final in prefill]))

@@ -67,9 +67,10 @@ def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_ma
 def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int,
                  temperature: float = 1.0) -> torch.Tensor:
     """softmax(final @ W_t[t2d].T / temperature) for all steps [T + steps, V_d], shifted up a row and padded
-    so that step k's targets are the view `probs[k : k + T]` (rows past the end are zero, never valid)."""
+    so that step k's targets are the view `probs[k : k + T]` (rows past the end are uniform: never valid,
+    finite under every loss)."""
     T = final_hidden.shape[0]
-    probs = final_hidden.new_zeros(T + steps, head_rows.shape[0])
+    probs = final_hidden.new_full((T + steps, head_rows.shape[0]), 1 / head_rows.shape[0])
     logits = (final_hidden[1:] @ head_rows.T).float()
     probs[:T - 1] = torch.softmax(logits if temperature == 1 else logits / temperature, dim=-1)
     return probs
@@ -103,22 +104,24 @@ def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool 
 
 def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
                 attention, loss_steps, decay: float = 0.8, scale: float | torch.Tensor = 1.0,
-                skip_dead_rows: bool = True, objective: Objective = Objective()):
+                skip_dead_rows: bool = True, objective: Objective = Objective(), static: bool = False):
     """Unrolled TTT over one packed micro-batch: embed [V_t, H], head_rows [V_d, H]; `attention` and
     `loss_steps` as in `kernels`. With skip_dead_rows, work that cannot reach the loss is skipped (same loss
-    and gradients). Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, METRICS], per-row detail)."""
+    and gradients). `static` (a CUDA graph's shapes): every row computed, the valid ones weighted, nothing
+    read on the host. Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, METRICS], per-row detail)."""
     ids, greedy = batch.input_ids.long(), batch.target_argmax.long()
     T = batch.rows
     targets = all_step_targets(batch, steps, draft.t2d, objective.rows)
     positions = row_layout(batch.cu_seqlens, T)[0]
     plan = batch.plan
-    if plan is None or not plan.fits(steps, skip_dead_rows, objective.rows):
+    if not static and (plan is None or not plan.fits(steps, skip_dead_rows, objective.rows)):
         plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.rows, targets)
-    live = plan.live or [None] * steps
+    live = [None] * steps if static else plan.live or [None] * steps
     probs = target_probs(batch.final_hidden, head_rows, steps, objective.temperature)
     kept = []
     # the kernels read the boundaries on the host: a host copy, when the trainer gives one, saves a sync
-    cu_attention = batch.cu_seqlens_host if batch.cu_seqlens_host is not None else batch.cu_seqlens.to(torch.int32)
+    cu_attention = (batch.cu_attention if batch.cu_attention is not None else batch.cu_seqlens_host
+                    if batch.cu_seqlens_host is not None else batch.cu_seqlens.to(torch.int32))
 
     def next_inputs(k: int, h: torch.Tensor):
         if k == steps or (k > 0 and live[k] is not None and live[k].numel() == 0):
@@ -136,10 +139,14 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     done = len(head_inputs)
     # step k's targets: rows k .. k+T-1 of probs (a view), or its kept rows shifted by k, read in place
     ps, p_rows = zip(*[(probs[k:k + T], None) if r is None else (probs, r + k) for k, r in enumerate(kept)])
+    weights = [decay ** k * scale for k in range(done)]
+    if static:   # per-row weights, 0 where not valid, instead of the rows' indices
+        valid, weights = [None] * done, [tg.valid * w for tg, w in zip(targets, weights)]
+    else:
+        valid = plan.loss[:done]
     total, losses, argmaxes, alphas = loss_steps(
-        head_inputs, draft.lm_head.weight.to(embed.dtype), list(ps), plan.loss[:done],
-        [decay ** k * scale for k in range(done)], p_rows=list(p_rows), loss=objective.loss,
-        temperature=objective.temperature, eta=objective.eta)
+        head_inputs, draft.lm_head.weight.to(embed.dtype), list(ps), valid, weights, p_rows=list(p_rows),
+        loss=objective.loss, temperature=objective.temperature, eta=objective.eta)
     missing = steps - done
     losses = [scatter_rows(x, r, T, 0) for x, r in zip(losses, kept)] + [total.new_zeros(T)] * missing
     alphas = [scatter_rows(x, r, T, 0) for x, r in zip(alphas, kept)] + [total.new_zeros(T)] * missing
@@ -157,7 +164,7 @@ def step_metrics(targets: list[StepTargets], losses, argmaxes, alphas, probs, gr
         counted = tg.valid & tg.acc_rows & tg.in_vocab
         correct = counted & (argmax + d2t[argmax.clamp(min=0)] == greedy[tg.index])
         p_top = probs[k:k + len(argmax)].gather(1, argmax.clamp(min=0).unsqueeze(1)).squeeze(1)
-        metrics[k, :6] = torch.stack([loss.detach().sum(), tg.valid.sum(), correct.sum(), tg.acc_rows.sum(),
+        metrics[k, :6] = torch.stack([torch.where(tg.valid, loss.detach(), 0).sum(), tg.valid.sum(), correct.sum(), tg.acc_rows.sum(),
                                       (correct & run).sum(), (tg.acc_rows & run).sum()]).float()
         metrics[k, 7:] = torch.stack([torch.where(counted, alpha, 0).sum(), torch.where(counted, p_top.float(), 0).sum()])
         run = run & correct

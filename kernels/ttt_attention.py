@@ -313,7 +313,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
 
 
 # (BLOCK_M query tile, BLOCK_N key tile, num_warps, num_stages) per GPU family (`kernels.tiles`). "large"
-# was timed on an H200 (HEAD_DIM=128, bf16: `python -m eagle3.bench attention --sweep`), dropping
+# was timed on an H200 (HEAD_DIM=128, bf16: `python -m benchmarks.attention_sweep`), dropping
 # configs that spilled many registers; "a100" and "small" hold the "large" tilings whose tiles fit the
 # family's shared memory by count (tests/test_tiles.py) and smaller ones, untimed. FALLBACK (48 KB or
 # less at HEAD_DIM=128 in bf16) ends every list and fits every GPU Triton supports.
@@ -337,11 +337,6 @@ CONFIGS = {
         "dq": [(64, 64, 4, 2), (64, 32, 4, 3), FALLBACK],
     },
 }
-# What `--sweep` times, one config at a time: every family's tilings and a few more.
-_EXTRA = {"fwd": [(128, 64, 8, 4), (128, 128, 8, 2)], "dkdv": [(64, 128, 8, 4), (64, 64, 4, 3)],
-          "dq": [(64, 64, 4, 3), (128, 32, 8, 4)]}
-SWEEP = {name: [c for c in tiles.union({f: CONFIGS[f][name] for f in CONFIGS}) if c != FALLBACK] + extra
-         for name, extra in _EXTRA.items()}
 # seqlen_bucket, the longest sequence rounded up to a power of two: one tuning per size class
 _TUNE_KEY = ["HEAD_DIM", "GROUP", "VARLEN", "TMA", "seqlen_bucket"]
 # the TMA descriptor arguments and the block size that counts their tiles' rows
@@ -445,11 +440,14 @@ def _descriptors(tma: bool, **tensors) -> dict:
                                    [16, x.shape[-1]]) for name, x in tensors.items()}
 
 
-def _seqlen_info(cu_seqlens, T, device):
+def _seqlen_info(cu_seqlens, T, device, max_seqlen=None):
     """(cu_seqlens int32 on device or None, number of sequences, longest length), checked. cu_seqlens
-    on the host (pinned) costs no sync: .tolist() is free and the copy async."""
+    on the host (pinned) costs no sync: .tolist() is free and the copy async. With `max_seqlen` (a bound,
+    as in a CUDA graph) the boundaries are neither read nor checked."""
     if cu_seqlens is None:
         return None, 1, T
+    if max_seqlen is not None:
+        return cu_seqlens.to(device=device, dtype=torch.int32).contiguous(), cu_seqlens.numel() - 1, max_seqlen
     bounds = cu_seqlens.tolist()
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"ttt_attention: cu_seqlens must rise from 0 to T={T}, got {bounds[:4]}...{bounds[-2:]}")
@@ -493,11 +491,11 @@ def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma):
 
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale):
+    def forward(ctx, q, k, v, cu_seqlens, scale, max_seqlen):
         q, k, v = (x.contiguous() for x in (q, k, v))
         S, T, Hkv, D = k.shape
         Hq = q.shape[1]
-        cu, n_seq, max_len = _seqlen_info(cu_seqlens, T, q.device)
+        cu, n_seq, max_len = _seqlen_info(cu_seqlens, T, q.device, max_seqlen)
         tma = uses_tma(q.device) and _aligned(q, k, v)   # the backward loads as the forward did
         o = torch.empty_like(q)
         lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
@@ -517,13 +515,15 @@ class _TTTAttention(torch.autograd.Function):
         do = do.contiguous()
         if tma and not _aligned(do):
             do = do.clone()   # a fresh allocation is aligned
-        return (*_backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma), None, None)
+        return (*_backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma), None, None, None)
 
 
-def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                  scale: float | None = None, max_seqlen: int | None = None) -> torch.Tensor:
     """`kernels.reference.ttt_attention` fused: q [T, Hq, D], k, v [S, T, Hkv, D], D 64 or 128,
-    cu_seqlens int32 [n+1] or None, scale default D^-0.5 -> [T, Hq, D], differentiable in q, k, v."""
+    cu_seqlens int32 [n+1] or None, scale default D^-0.5 -> [T, Hq, D], differentiable in q, k, v.
+    `max_seqlen`: a bound on the sequences' lengths, for boundaries on the device that the launch must
+    not read (CUDA graphs); sequences may then be empty."""
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv or S < 1:
@@ -535,4 +535,4 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = D ** -0.5 if scale is None else float(scale)
     if T == 0:
         return q.new_empty(q.shape)
-    return _TTTAttention.apply(q, k, v, cu_seqlens, scale)
+    return _TTTAttention.apply(q, k, v, cu_seqlens, scale, max_seqlen)

@@ -97,7 +97,6 @@ def test_the_timer_gives_the_median_of_calls_on_the_cpu():
 @pytest.mark.parametrize("argv, message", [
     (["attention"], "eagle3.bench attention needs a CUDA GPU"),
     (["loss"], "eagle3.bench loss needs a CUDA GPU"),
-    (["rows"], "eagle3.bench rows needs a CUDA GPU"),
 ])
 def test_gpu_benches_say_they_need_a_gpu(monkeypatch, argv, message):
     import importlib
@@ -107,6 +106,32 @@ def test_gpu_benches_say_they_need_a_gpu(monkeypatch, argv, message):
     bench = importlib.import_module(f"eagle3.bench.{argv[0]}")
     with pytest.raises(SystemExit, match=message):
         bench.main(argv[1:])
+
+
+def test_the_kernel_benches_append_each_row_as_a_json_line(tmp_path, monkeypatch):
+    """--json appends one line per row of the printed table, to what the file holds; the measured rows are
+    stood in for (both benches time GPU kernels)."""
+    from eagle3.bench import attention, loss
+    for bench in (attention, loss):
+        monkeypatch.setattr(bench, "require_cuda", lambda *args: None)
+    rows = {"triton (this kernel)": (2.0, 300.0, 0.25), "eager reference": None}
+    monkeypatch.setattr(attention, "bench_case", lambda label: {"case": {"label": label, "lengths": [4096]},
+                                                                "errors": {"out": 1e-3}, "ok": True, "rows": rows})
+    monkeypatch.setattr(loss, "matmul_tflops", lambda: 600.0)
+    monkeypatch.setattr(loss, "bench_shape", lambda label, rate, results, checks: results.update(
+        {(label, "triton-K"): (60.0, 500.0, 0.2, 1.0), (label, "floor"): (50.0, rate, float("nan"), float("nan"))}))
+    out = tmp_path / "rows.jsonl"
+    out.write_text('{"earlier": 1}\n')
+    attention.main(["--shapes", "a,c", "--json", str(out)])
+    loss.main(["--shapes", "b", "--json", str(out)])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0] == {"earlier": 1} and len(lines) == 1 + 4 + 2
+    assert [(r["shape"], r["implementation"], r["fwd_bwd_ms"]) for r in lines[1:5]] == [
+        ("a", "triton (this kernel)", 2.0), ("a", "eager reference", None),
+        ("c", "triton (this kernel)", 2.0), ("c", "eager reference", None)]
+    assert lines[1]["bench"] == "attention" and lines[1]["peak_gib"] == 0.25 and lines[1]["max_rel_err"] == 1e-3
+    assert [(r["bench"], r["shape"], r["N"], r["method"], r["fwd_bwd_ms"]) for r in lines[5:]] == [
+        ("loss", "b", 16384, "triton-K", 60.0), ("loss", "b", 16384, "floor", 50.0)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU sees")

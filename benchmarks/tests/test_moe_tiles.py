@@ -54,7 +54,9 @@ def test_the_moe_bench_on_a_cpu_machine_says_so(monkeypatch):
         moe.main(["--parts", "layer"])
 
 
-@pytest.mark.parametrize("module", ["benchmarks.moe", "benchmarks.tiles", "benchmarks.step_peer"])
+@pytest.mark.parametrize("module", ["benchmarks.moe", "benchmarks.tiles", "benchmarks.step_peer", "benchmarks.rows",
+                                    "benchmarks.float8", "benchmarks.attention_sweep", "benchmarks.loss_variants",
+                                    "benchmarks.graph_check"])
 def test_each_lab_bench_runs_as_a_module(module):
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, capture_output=True, text=True, timeout=120)

@@ -1,8 +1,8 @@
-"""`python -m eagle3.bench [step] [options]` or `python -m eagle3.bench {attention,loss,float8,rows} [options]`."""
+"""`python -m eagle3.bench [step] [options]` or `python -m eagle3.bench {attention,loss} [options]`."""
 import importlib
 import sys
 
-BENCHES = ("step", "attention", "loss", "float8", "rows")
+BENCHES = ("step", "attention", "loss")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""`python -m eagle3.bench attention [--shapes a,b,c]`: TTT attention, forward + backward, on the GPU.
+"""`python -m eagle3.bench attention [--shapes a,b,c] [--json FILE]`: TTT attention, forward + backward, on the GPU.
 
 Each shape is checked against fp32, then each contender timed (`timing.median_ms`) with its peak memory
 above the inputs and dO. Useful FLOPs, FlashAttention's way: forward = 4·D·Hq·(causal pairs + (S-1)·T
@@ -7,17 +7,15 @@ diagonal pairs), backward = 2.5x forward; the sdpa floor (step-0 keys only) with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import itertools
 import random
-import time
 
 import torch
 import torch.nn.functional as F
 
-from eagle3.bench.timing import (attempt, describe_device, free_memory, median_ms, peak_bytes, rel_error,
-                                 require_cuda, shape_labels)
+from eagle3.bench.timing import (append_json, attempt, describe_device, free_memory, median_ms, peak_bytes,
+                                 rel_error, require_cuda, shape_labels)
 from kernels.flex import ttt_attention as flex_attention   # compiled flex_attention: debug.kernels = "torch"
 from kernels.reference import ttt_attention as reference_attention
 from kernels.ttt_attention import ttt_attention
@@ -31,7 +29,7 @@ EAGER_LIMIT_GIB = 100.0  # skip the eager reference where its estimated footprin
 TOLERANCE = 1e-2
 
 
-def _make_case(label: str, seed: int = 0) -> dict:
+def make_case(label: str, seed: int = 0) -> dict:
     T, hq, hkv, n_seq = SHAPES[label]
     cuts = sorted(random.Random(seed).sample(range(1, T), n_seq - 1))
     lengths = [b - a for a, b in zip([0, *cuts], [*cuts, T])]
@@ -71,11 +69,11 @@ def _fp32_reference(case: dict) -> tuple[torch.Tensor, ...]:
 
 
 def check(case: dict) -> dict[str, float]:
-    got = _fwd_bwd(_triton, case)()
+    got = fwd_bwd(_triton, case)()
     return {name: rel_error(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, _fp32_reference(case))}
 
 
-def _fwd_bwd(build, case):
+def fwd_bwd(build, case):
     """A contender's step: () -> [outputs..., input gradients...]."""
     inputs, run, douts = build(case)
 
@@ -91,7 +89,7 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x.detach().clone().requires_grad_()
 
 
-def _kernel(attention):
+def contender(attention):
     """A contender with the trainer's attention signature (kernels/reference.py's)."""
     def build(case):
         inputs = [_leaf(case[n]) for n in ("q", "k", "v")]
@@ -104,8 +102,8 @@ def _pointer_loads(q, k, v, cu_seqlens=None):
         return ttt_attention(q, k, v, cu_seqlens=cu_seqlens)
 
 
-_triton, _flex, _eager = _kernel(ttt_attention), _kernel(flex_attention), _kernel(reference_attention)
-_pointer = _kernel(_pointer_loads)
+_triton, _flex, _eager = contender(ttt_attention), contender(flex_attention), contender(reference_attention)
+_pointer = contender(_pointer_loads)
 
 
 def _sdpa_floor(case):
@@ -129,14 +127,14 @@ def _eager_gib(case) -> float:
 
 def _measure(build, case) -> tuple[float, float]:
     """(median fwd+bwd ms, peak GiB above the inputs) of one contender."""
-    step = _fwd_bwd(build, case)
+    step = fwd_bwd(build, case)
     step()  # compile / autotune outside the measurements
     peak = peak_bytes(step)[0] / 2**30
     return median_ms(step, warmup=25, rep=200), peak
 
 
-def _bench_case(label: str) -> dict:
-    case = _make_case(label)
+def bench_case(label: str) -> dict:
+    case = make_case(label)
     errors = check(case)
     free_memory()
     ok = all(e < TOLERANCE for e in errors.values())
@@ -163,14 +161,19 @@ def _bench_case(label: str) -> dict:
     return dict(case=case, errors=errors, ok=ok, rows=rows)
 
 
-def run(shapes: str = "all") -> None:
-    print(f"TTT attention fwd+bwd, {describe_device()}")
-    results = [_bench_case(label) for label in shape_labels(shapes, SHAPES)]
+def run(shapes: str = "all", json_path: str | None = None) -> None:
+    device = describe_device()
+    print(f"TTT attention fwd+bwd, {device}")
+    results, rows = [bench_case(label) for label in shape_labels(shapes, SHAPES)], []
     print("\n| shape | implementation | fwd+bwd ms | TFLOP/s | peak GiB |\n|---|---|---:|---:|---:|")
     for res in results:
         for name, row in res["rows"].items():
             cells = "| not run (see above) | | |" if row is None else f"| {row[0]:.2f} | {row[1]:.0f} | {row[2]:.2f} |"
             print(f"| {res['case']['label']} | {name} {cells}")
+            rows.append({"bench": "attention", "device": device, "shape": res["case"]["label"],
+                         "lengths": res["case"]["lengths"], "max_rel_err": max(res["errors"].values()),
+                         "implementation": name, **dict(zip(("fwd_bwd_ms", "tflops", "peak_gib"), row or (None,) * 3))})
+    append_json(json_path, rows)
     print("\n| shape | check (max rel err) | kernel/flex time | flex/kernel speed-up | kernel/floor time "
           "| kernel/flex memory |\n|---|---|---:|---:|---:|---:|")
     for res in results:
@@ -184,69 +187,10 @@ def run(shapes: str = "all") -> None:
         print(f"| {res['case']['label']} | {verdict} | {cells} |")
 
 
-def _time_config(case, name, config, expected) -> tuple[float, float, list[torch.Tensor]]:
-    """(median fwd+bwd ms, max rel error against `expected`, outputs and gradients) with kernel `name`
-    pinned to `config` (None: all autotuned, nothing to compare with)."""
-    step = _fwd_bwd(_triton, case)
-    with kernel_module.pinned(name, config) if config else contextlib.nullcontext():
-        got = [t.detach() for t in step()]   # compiles (autotunes)
-        error = max(rel_error(a, b) for a, b in zip(got, expected)) if expected else 0.0
-        return median_ms(step, warmup=10, rep=100), error, got
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "/").replace("\n", " ")[:160]
-
-
-def _sweep_config(label, case, name, config, base, expected) -> str:
-    try:
-        ms, error, _ = _time_config(case, name, config, expected)
-        flag = "" if error < TOLERANCE else " WRONG"
-        return f"| {label} | {name} | {config} | {ms:.3f} | {ms / base:.3f} | {error:.1e}{flag} |"
-    except Exception as exc:  # a config that does not compile or run is a row, not the end
-        return f"| {label} | {name} | {config} | failed: {_cell(f'{type(exc).__name__}: {exc}')} | | |"
-
-
-def sweep(shapes: str, budget_s: float) -> None:
-    """Time every SWEEP config of every kernel at each shape, the others autotuned; start nothing after budget_s."""
-    deadline = time.monotonic() + budget_s
-    spent = "not run: sweep budget spent | | |"
-    print(f"TTT attention config sweep, {describe_device()}")
-    print("| shape | kernel | config (BLOCK_M, BLOCK_N, warps, stages) | fwd+bwd ms | vs autotuned "
-          "| max rel err vs autotuned |\n|---|---|---|---:|---:|---:|")
-    for label in shape_labels(shapes, SHAPES):
-        if time.monotonic() > deadline:
-            print(f"| {label} | | | {spent}")
-            continue
-        case = _make_case(label)
-        base, _, expected = _time_config(case, None, None, None)
-        picks = ", ".join(f"{name} {kernel_module.best_config(name)}" for name in kernel_module.SWEEP)
-        print(f"| {label} | (autotuned: {picks}) | | {base:.3f} | 1.000 | |", flush=True)
-        for name, config in ((name, c) for name, configs in kernel_module.SWEEP.items() for c in configs):
-            if time.monotonic() > deadline:
-                print(f"| {label} | {name} | {config} | {spent}")
-                continue
-            print(_sweep_config(label, case, name, config, base, expected), flush=True)
-            try:
-                free_memory()
-            except RuntimeError as exc:   # a sticky CUDA error: nothing after it can be trusted
-                print(f"sweep stopped: {_cell(str(exc))}")
-                return
-        del case, expected
-        free_memory()
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench attention", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="all", help="comma-separated shape labels (a,b,c) or 'all'")
-    parser.add_argument("--sweep", action="store_true",
-                        help="time each kernel's candidate configs (kernels.ttt_attention.SWEEP) one by one "
-                             "(shapes a and c unless --shapes names others)")
-    parser.add_argument("--sweep-seconds", type=float, default=300.0,
-                        help="start no new sweep config after this many seconds")
+    parser.add_argument("--json", default=None, help="append each row (shape, implementation) here as a JSON line")
     args = parser.parse_args(argv)
     require_cuda("eagle3.bench attention")
-    if args.sweep:
-        sweep("a,c" if args.shapes == "all" else args.shapes, args.sweep_seconds)
-    else:
-        run(args.shapes)
+    run(args.shapes, args.json)

@@ -1,4 +1,4 @@
-"""`python -m eagle3.bench loss [--shapes a,b,c,c*] [--losses ...]`: the fused TTT loss against eager,
+"""`python -m eagle3.bench loss [--shapes a,b,c,c*] [--json FILE]`: the fused TTT loss against eager,
 torch.compile and the matmul floor, on the GPU.
 
 One iteration: K = 7 steps share the head w [V, H]; step k has rows h_k [N, H], targets p[k : k + N] (views
@@ -9,13 +9,11 @@ Memory: "raw" = peak allocated during the iteration above its inputs; "extra" = 
 from __future__ import annotations
 
 import argparse
-import functools
 
 import torch
 
-from eagle3.bench.timing import (attempt, describe_device, free_memory, matmul_tflops, median_ms_of_calls,
-                                 peak_bytes, rel_error, require_cuda, shape_labels)
-from kernels.reference import LOSSES
+from eagle3.bench.timing import (append_json, attempt, describe_device, free_memory, matmul_tflops,
+                                 median_ms_of_calls, peak_bytes, rel_error, require_cuda, shape_labels)
 from kernels.reference import ttt_loss as reference_loss
 from kernels.ttt_loss import chosen_configs, ttt_loss, ttt_loss_steps
 
@@ -39,8 +37,7 @@ class Problem:
     """Inputs of one K-step iteration, on the GPU, in bf16."""
 
     def __init__(self, N: int, H: int, invalid: float, seed: int = 0):
-        dev = DEVICE
-        g = torch.Generator(device=dev).manual_seed(seed)
+        dev, g = DEVICE, torch.Generator(device=DEVICE).manual_seed(seed)
         self.w = (torch.randn(V, H, device=dev, generator=g) * (2 / H ** 0.5)).bfloat16().requires_grad_()
         self.hs = [torch.randn(N, H, device=dev, generator=g).bfloat16().requires_grad_() for _ in range(K)]
         p = torch.empty(N + K, V, device=dev, dtype=torch.bfloat16)
@@ -110,18 +107,14 @@ def fp32_reference(prob: Problem, loss: str = "kl"):
     """Per-step losses, argmaxes, alphas, dh and dw of the same iteration, in fp32 without TF32."""
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    wf = prob.w.detach().float().requires_grad_()
-    losses, argmaxes, alphas, dhs = [], [], [], []
+    wf, steps = prob.w.detach().float().requires_grad_(), []
     for k in range(K):
         hf = prob.hs[k].detach().float().requires_grad_()
         row, argmax, alpha = reference_loss(hf, wf, prob.ps[k].float(), prob.valids[k], loss=loss)
         (row.sum() * prob.weights[k]).backward()
-        losses.append(row.detach())
-        argmaxes.append(argmax)
-        alphas.append(alpha)
-        dhs.append(hf.grad)
+        steps.append((row.detach(), argmax, alpha, hf.grad))
     torch.backends.cuda.matmul.allow_tf32 = tf32
-    return losses, argmaxes, alphas, dhs, wf.grad
+    return (*map(list, zip(*steps)), wf.grad)
 
 
 def errors(prob: Problem, fn, ref) -> dict:
@@ -157,7 +150,7 @@ def measure(prob: Problem, name: str, fn) -> tuple[float, float, float]:
     return ms, *(memory(prob, fn) if name != "cublas" else (NAN, NAN))
 
 
-def bench_shape(label: str, rate: float, results: dict, checks: list, losses: list[str] = ()):
+def bench_shape(label: str, rate: float, results: dict, checks: list) -> None:
     """Check and time every method at one shape: results[(label, name)] = (ms, TFLOP/s, extra, raw GiB)."""
     N, H, invalid = shape(label)
     prob = Problem(N, H, invalid)
@@ -166,19 +159,11 @@ def bench_shape(label: str, rate: float, results: dict, checks: list, losses: li
     methods = {"triton": per_step(prob, ttt_loss), "triton-K": all_steps(prob)}
     if not label.endswith("*"):
         check(prob, label, "kl", [("eager", per_step(prob, reference_loss)), *methods.items()], checks)
-        # each loss kind beside eager bf16 of it (kl's: "eager", above); tv's and nla's gradients follow
-        # [q <= p], which bf16 logits flip here and there: a few % from fp32 in both
-        for loss in losses:
-            pairs = [(f"triton-K[{loss}]", all_steps(prob, loss))]
-            if loss != "kl":
-                pairs.insert(0, (f"eager[{loss}]", per_step(prob, functools.partial(reference_loss, loss=loss))))
-            check(prob, label, loss, pairs, checks)
         print(f"[{label}] checked", flush=True)
         torch._dynamo.reset()
         methods = {"eager": per_step(prob, reference_loss),
                    "compile": per_step(prob, torch.compile(reference_loss, dynamic=False)),
                    **methods, "cublas": cublas_only(prob)}
-    methods.update({f"triton-K[{loss}]": all_steps(prob, loss) for loss in losses})
     for name, fn in methods.items():
         if measured := attempt(f"[{label}] {name}", measure, prob, name, fn):
             ms, extra, raw = measured
@@ -214,62 +199,34 @@ def ratios(results: dict, label: str) -> list[str]:
     return out
 
 
-def loss_table(results: dict, labels: list[str], losses: list[str]) -> list[str]:
-    """Per shape and loss kind: triton-K's time, its ratio to kl's and its extra memory beside kl's."""
-    out = ["| shape | loss | triton-K fwd+bwd ms | / kl | extra GiB | extra - kl's GiB |", "|---|---|---|---|---|---|"]
-    worst = None
-    for label in labels:
-        kl = results.get((label, "triton-K[kl]"))
-        for loss in losses:
-            t = results.get((label, f"triton-K[{loss}]"))
-            if t is None or kl is None:
-                continue
-            ratio = t[0] / kl[0]
-            if loss != "kl" and (worst is None or ratio > worst[0]):
-                worst = (ratio, label, loss)
-            out.append(f"| {label} | {loss} | {t[0]:.2f} | {ratio:.3f} | {t[2]:.2f} | {t[2] - kl[2]:+.3f} |")
-    if worst is not None:
-        ratio, label, loss = worst
-        out.append(f"slowest loss against kl: {loss} at ({label}) {ratio:.3f}x "
-                   f"({'within' if ratio <= 1.10 else 'OVER'} the 1.10x bar)")
-    return out
-
-
-def parse_losses(text: str | None) -> list[str]:
-    """'tv,nla' -> ['kl', 'tv', 'nla'] (kl first: the yardstick); None -> []."""
-    names = [n.strip() for n in (text or "").split(",") if n.strip()]
-    if unknown := [n for n in names if n not in LOSSES]:
-        raise ValueError(f"unknown loss {', '.join(unknown)}; the losses are {','.join(LOSSES)}")
-    return ["kl"] + [n for n in dict.fromkeys(names) if n != "kl"] if text else []
-
-
-def print_tables(results: dict, checks: list, labels: list[str], losses: list[str]) -> None:
+def print_checks(checks: list) -> None:
     print("\nCorrectness vs fp32 reference (relative L2 error; argmax = agreement on valid rows)")
     print("| shape | method | loss | alpha | argmax | dh | dw |\n|---|---|---|---|---|---|---|")
     for label, name, e in checks:
         flag = "" if e["argmax_invalid_ok"] else " (argmax not -1 on invalid rows!)"
         print(f"| {label} | {name} | {e['loss']:.2e} | {e['alpha']:.2e} | {e['argmax'] * 100:.2f}%{flag} "
               f"| {e['dh']:.2e} | {e['dw']:.2e} |")
-    print("\n| shape | N, H, not valid | method | fwd+bwd ms | TFLOP/s (useful) | extra GiB | raw GiB |")
-    print("|---|---|---|---|---|---|---|")
-    gib = lambda x: "" if x != x else f"{x:.2f}"
-    for (label, name), (ms, tf, extra, raw) in results.items():
-        N, H, invalid = shape(label)
-        print(f"| {label} | {N}, {H}, {invalid:.0%} | {name} | {ms:.2f} | {tf:.0f} | {gib(extra)} | {gib(raw)} |")
-    if losses:
-        print("\n" + "\n".join(loss_table(results, labels, losses)))
-    print("", *(line for label in labels for line in ratios(results, label)), sep="\n")
 
 
-def run(shapes: str = "all", losses: list[str] = ()) -> None:
-    labels = shape_labels(shapes, [*SHAPES, "c*"])
-    print(f"{describe_device()}, K={K}, V={V}, bf16", flush=True)
+def run(shapes: str = "all", json_path: str | None = None) -> None:
+    labels, device = shape_labels(shapes, [*SHAPES, "c*"]), describe_device()
+    print(f"{device}, K={K}, V={V}, bf16", flush=True)
     rate = matmul_tflops()
     print(f"bf16 torch.matmul 8192^3: {rate:.0f} TFLOP/s", flush=True)
     results, checks = {}, []
     for label in labels:
-        bench_shape(label, rate, results, checks, losses)
-    print_tables(results, checks, labels, losses)
+        bench_shape(label, rate, results, checks)
+    print_checks(checks)
+    print("\n| shape | N, H, not valid | method | fwd+bwd ms | TFLOP/s (useful) | extra GiB | raw GiB |")
+    print("|---|---|---|---|---|---|---|")
+    gib, rows = (lambda x: "" if x != x else f"{x:.2f}"), []
+    for (label, name), (ms, tf, extra, raw) in results.items():
+        N, H, invalid = shape(label)
+        print(f"| {label} | {N}, {H}, {invalid:.0%} | {name} | {ms:.2f} | {tf:.0f} | {gib(extra)} | {gib(raw)} |")
+        rows.append({"bench": "loss", "device": device, "shape": label, "N": N, "H": H, "V": V, "not_valid": invalid,
+                     "method": name, "fwd_bwd_ms": ms, "tflops": tf, "extra_gib": extra, "raw_gib": raw})
+    append_json(json_path, rows)
+    print("", *(line for label in labels for line in ratios(results, label)), sep="\n")
     if configs := chosen_configs():
         print("loss kernel configs chosen by autotune (V, LOSS, WRITE_GRAD, ...):", configs)
     ms = {key: v[0] for key, v in results.items()}
@@ -286,13 +243,7 @@ def run(shapes: str = "all", losses: list[str] = ()) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.bench loss", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="all", help="comma-separated shape labels (a,b,c,c*) or 'all'")
-    parser.add_argument("--losses", default=None, metavar="kl,tv,nla,lk_hybrid,pq",
-                        help="also time triton-K (fwd+bwd) for each of these loss kinds and print each one's "
-                             "time and extra memory against kl's (default: kl alone)")
+    parser.add_argument("--json", default=None, help="append each row (shape, method) here as a JSON line")
     args = parser.parse_args(argv)
-    try:
-        losses = parse_losses(args.losses)
-    except ValueError as exc:
-        parser.error(str(exc))
     require_cuda("eagle3.bench loss")
-    run(args.shapes, losses)
+    run(args.shapes, args.json)

@@ -7,8 +7,8 @@ optimizer; DDP under torchrun) with the shards read through the trainer's own pr
 `--steps` steps back to back. Prints tokens/s per GPU, MFU (matmul FLOPs computing every row at every step
 over the bf16 rate measured in the same run), peak memory and the share of the step the GPU is idle, per
 size, data layout and kernel choice: "torch" is the established recipe (compiled flex_attention and loss,
-every row computed), "triton" ours; `-fp8` adds train.float8, `-fp8-head` also train.float8_head, `auto`
-the defaults' choice for the size.
+every row computed), "triton" ours; `-fp8` adds train.float8, `-fp8-head` also train.float8_head, `-graph`
+debug.cuda_graphs, `auto` the defaults' choice for the size.
 
     python -m eagle3.bench [step] [--sizes kimi,llama8b] [--layouts a,b] [--kernels torch,triton] [--steps 5]
     torchrun --nproc_per_node 2 -m eagle3.bench ...
@@ -47,7 +47,7 @@ SIZES = {   # draft shapes (the target's hidden, heads, intermediate) and one mi
     "llama1b": dict(hidden=2048, vocab=128256, heads=32, kv_heads=8, head_dim=64, inter=8192, draft_vocab=32000,
                     seqs=4, seq_len=4096, user=512, layers=16),
     "small": dict(hidden=256, vocab=2048, heads=4, kv_heads=2, head_dim=64, inter=768, draft_vocab=256,
-                  seqs=8, seq_len=512, user=128, layers=8),
+                  seqs=32, seq_len=512, user=128, layers=8),   # the quality bench's draft and batch
     "tiny": dict(hidden=64, vocab=2048, heads=1, kv_heads=1, head_dim=64, inter=128, draft_vocab=512,
                  seqs=4, seq_len=128, user=16, layers=61),
 }
@@ -142,12 +142,17 @@ def step_flops(s: dict, steps: int, tokens: int, head_trained: bool) -> float:
     return tokens * (3 * (fc + steps * (per_row_step + attention)) + steps * head + target_probs)
 
 
-def gpu_busy_fraction(trainer: Trainer, batch: Batch, table: Path | None = None) -> tuple[float, float]:
-    """(busy share, wall seconds) of one step under the profiler: union of the GPU kernels' time.
-    `table`: where to write the step's kernels by GPU time (where the time goes)."""
+def gpu_busy_fraction(trainer: Trainer, batches, table: Path | None = None, steps: int = 3) -> tuple[float, float]:
+    """(busy share, wall seconds) of `steps` steps back to back under the profiler, as training runs them:
+    union of the GPU kernels' time. `table`: where to write their kernels by GPU time (where the time goes)."""
     from torch.profiler import ProfilerActivity, profile
+
+    def loop():
+        for _ in range(steps):
+            trainer.train_step([next(batches)])
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = wall_s(lambda: trainer.train_step([batch]))[0]
+        wall = wall_s(loop)[0]
     if table is not None:
         table.parent.mkdir(parents=True, exist_ok=True)
         averages = prof.key_averages()
@@ -173,7 +178,7 @@ def gpu_busy_fraction(trainer: Trainer, batch: Batch, table: Path | None = None)
     busy += 0 if current is None else current[1] - current[0]
     if table is not None:   # the longest idle gaps, between which kernels
         with table.open("a") as f:
-            f.write(f"\nstep wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms; longest gaps:\n")
+            f.write(f"\n{steps} steps' wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms; longest gaps:\n")
             for gap, before, after in sorted(gaps, reverse=True)[:25]:
                 f.write(f"{gap / 1e3:8.2f} ms  after {before[:70]}  before {after[:70]}\n")
     return busy / 1e6 / wall, wall
@@ -235,7 +240,7 @@ def kernel_args(kernels: str) -> list[str]:
     # the layers' elementwise chains
     return ["--debug.kernels", path, "--train.float8", str("fp8" in options).lower(),
             "--train.float8_head", str("head" in options).lower(), "--debug.skip_dead_rows", str(path != "torch").lower(),
-            "--debug.compile_ops", str(path != "torch").lower()]
+            "--debug.compile_ops", str(path != "torch").lower(), "--debug.cuda_graphs", str("graph" in options).lower()]
 
 
 def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warmup: int, tflops: float,
@@ -244,7 +249,7 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
     args = ["--target.path", str(root / size / "target"), "--train.data_dir", str(root / size / f"data-{layout}"),
             "--train.output_dir", str(root / size / f"out-{layout}-{kernels}"), *kernel_args(kernels),
             "--train.batch_tokens", str(s["seqs"] * s["seq_len"]), "--train.eval_fraction", "0",
-            "--train.max_steps", str(steps + warmup + 2), "--train.resume", "never",
+            "--train.max_steps", str(steps + warmup + 4), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
             "--draft.num_key_value_heads", str(s["kv_heads"]), "--draft.head_dim", str(s["head_dim"]),
             "--draft.intermediate_size", str(s["inter"]),
@@ -275,7 +280,7 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
     tokens = statistics.mean(rows)
     table = profile_dir / f"profile-{size}-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}.txt" \
         if profile_dir else None
-    busy = gpu_busy_fraction(trainer, next(batches), table)[0] if cuda else float("nan")
+    busy = gpu_busy_fraction(trainer, batches, table)[0] if cuda else float("nan")
     syncs = host_syncs(trainer, next(batches)) if cuda else []
     flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens, train_head)
     return {"size": size, "layout": layout, "kernels": kernels, "float8": trainer.float8,
@@ -297,7 +302,7 @@ def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path) -> tu
             write_target(root / size / "target", SIZES[size])
             for layout in args.layouts:
                 write_shards(root / size / f"data-{layout}", root / size / "target", layout, SIZES[size],
-                             dist.world * (args.steps + args.warmup + 2))
+                             dist.world * (args.steps + args.warmup + 4))
     dist.barrier()
     tflops = matmul_tflops() if dist.device.type == "cuda" else float("nan")
     results = []
@@ -323,7 +328,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layouts", default="a,b")
     parser.add_argument("--kernels", default="torch,triton",
                         help="comma list of torch, triton, auto (the defaults); a -fp8 suffix adds train.float8 "
-                             "(e.g. triton-fp8), -fp8-head also train.float8_head")
+                             "(e.g. triton-fp8), -fp8-head also train.float8_head; -graph debug.cuda_graphs")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="--sizes tiny (CPU smoke test)")
@@ -341,8 +346,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.layouts, args.kernels = args.layouts.split(","), args.kernels.split(",")
     if unknown := [x for x in args.sizes if x not in SIZES]:
         parser.error(f"--sizes: unknown {', '.join(unknown)}; one of {', '.join(SIZES)}")
-    if bad := [k for k in args.kernels if not re.fullmatch(r"auto|(torch|triton)(-fp8(-head)?)?", k)]:
-        parser.error(f"--kernels: unknown {', '.join(bad)}; auto, torch or triton, with -fp8 or -fp8-head")
+    if bad := [k for k in args.kernels if not re.fullmatch(r"auto|torch(-fp8(-head)?)?|triton(-fp8(-head)?)?(-graph)?", k)]:
+        parser.error(f"--kernels: unknown {', '.join(bad)}; auto, torch or triton, with -fp8 or -fp8-head "
+                     "(and -graph after triton's)")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1 (the first-step loss is the first warm-up step's)")
     if not args.tiny:   # a real-size draft on a CPU would run for hours

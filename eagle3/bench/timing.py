@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
 import statistics
 import time
@@ -111,6 +112,13 @@ def describe_device() -> str:
     except ImportError:
         versions = f"torch {torch.__version__}, no triton"
     return f"{datetime.date.today()} {device}, {versions}"
+
+
+def append_json(path: str | None, rows: list[dict]) -> None:
+    """Each row as one JSON line at the end of `path` (no path: nothing)."""
+    if path:
+        with open(path, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def require_cuda(command: str, otherwise: str = "") -> None:

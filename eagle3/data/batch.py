@@ -51,6 +51,8 @@ class Batch:
     cu_seqlens_host: torch.Tensor | None = None   # int32 copy kept on the host: the kernels read it there
     plan: RowPlan | None = None
     ready: object = None                # a CUDA event: the batch's copy to the device, still in flight
+    cu_attention: torch.Tensor | None = None   # [m+1] int32: the kernels' boundaries of a `pad`ded batch
+    padding: int = 0                    # `pad`: filler rows after these, which cu_seqlens counts
 
     @property
     def rows(self) -> int:
@@ -65,7 +67,14 @@ class Batch:
                               self.aux_scale.to(device, non_blocking=True), float_dtype))
         return Batch(move(self.input_ids), move(self.loss_mask), move(self.target_argmax), aux,
                      move(self.final_hidden), self.cu_seqlens.to(device, non_blocking=True),
-                     cu_seqlens_host=self.cu_seqlens_host, plan=None if self.plan is None else self.plan.to(device))
+                     cu_seqlens_host=self.cu_seqlens_host, plan=None if self.plan is None else self.plan.to(device),
+                     cu_attention=None if self.cu_attention is None else move(self.cu_attention),
+                     padding=self.padding)
+
+    def row_tensors(self) -> dict[str, torch.Tensor]:
+        """The fields with a row per token."""
+        names = ("input_ids", "loss_mask", "target_argmax", "aux_hidden", "final_hidden", "aux_scale")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Its tensors on a GPU, every field as pin_memory covers them."""
@@ -82,3 +91,17 @@ class Batch:
         """Every tensor in pinned memory (for asynchronous copies)."""
         pinned = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return Batch(**{k: v.pin_memory() if isinstance(v, (torch.Tensor, RowPlan)) else v for k, v in pinned.items()})
+
+
+def pad(batch: Batch, rows: int, longest: int) -> Batch:
+    """The batch's boundaries for a CUDA graph's static `rows` rows, the rows themselves unchanged (the graph's
+    buffers add zeros, `eagle3.training.graph.load`). In `cu_seqlens` [rows+1] the filler rows are sequences of one
+    token (no label inside: never trained or counted); in `cu_attention`, chunks of at most `longest`
+    tokens, then empty sequences up to a power-of-two count (a graph per count)."""
+    n, cu = batch.rows, batch.cu_seqlens
+    cu_rows = torch.cat([cu, torch.arange(n + 1, rows + 1, dtype=cu.dtype), cu.new_full((n + 1 - cu.numel(),), rows)])
+    bounds = torch.cat([cu, torch.arange(n, rows, longest, dtype=cu.dtype)[1:], cu.new_full((int(rows > n),), rows)])
+    count = max(8, 1 << (bounds.numel() - 2).bit_length())   # sequences, a power of two
+    cu_attention = torch.cat([bounds, cu.new_full((count + 1 - bounds.numel(),), rows)]).to(torch.int32)
+    return dataclasses.replace(batch, cu_seqlens=cu_rows, cu_seqlens_host=None, cu_attention=cu_attention,
+                               padding=rows - n)

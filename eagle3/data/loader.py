@@ -82,8 +82,7 @@ class Prefetcher:
 
 
 def one_ahead(items: Iterable, start: Callable) -> Iterator:
-    """start(x) for each x, start(x[n+1]) called before start(x[n])'s result is handed over: the work
-    it queues (a copy to the GPU) runs while the consumer works on x[n]."""
+    """start(x) for each x, start(x[n+1]) called before start(x[n]) is handed over: its copy overlaps x[n]'s use."""
     pending = None
     for item in items:
         pending, current = start(item), pending

@@ -38,8 +38,7 @@ def shard_name(index: int) -> str:
 
 
 def shard_tensors(records: list[Record], out: dict[str, torch.Tensor], aux_dtype: str) -> dict[str, torch.Tensor]:
-    """A shard's (or online micro-batch's) tensors: the records' tokens and masks, the target's outputs
-    in the stored dtypes."""
+    """A shard's (or online micro-batch's) tensors: the records' tokens and masks, the target's outputs."""
     lengths = [len(r.input_ids) for r in records]
     tensors = {
         "input_ids": torch.from_numpy(np.concatenate([r.input_ids for r in records])),

@@ -42,8 +42,7 @@ def cudnn_takes(q, k, v) -> bool:
 
 
 def cached_attention_packed(q, k, v, cu_seqlens, caches, scale=None):
-    """Decoding: segment i of q/k/v [T, heads, D] continues caches[i] (a dict), or all at once through a
-    KV pool's pass (incremental.LayerPass)."""
+    """Decoding: segment i of q/k/v [T, heads, D] continues caches[i] (a dict), or all in a `LayerPass`."""
     if not isinstance(caches, list):
         return caches.attend(q, k, v, scale)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])

@@ -104,8 +104,7 @@ class _Group:
 
 
 class PassLayout:
-    """Where the packed tokens of a pass go and what each query sees: built on the host, copied to the
-    device in one transfer, used by every layer."""
+    """Where the packed tokens of a pass go and what each query sees: built on the host, sent in one copy."""
 
     def __init__(self, pool: KVPool, caches: list[SequenceCache], lengths: list[int], device: torch.device):
         if len({c.slot for c in caches}) < len(caches):

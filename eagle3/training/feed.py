@@ -6,24 +6,28 @@ from collections.abc import Iterator
 
 import torch
 
-from eagle3.data.batch import Batch
+from eagle3.data.batch import Batch, RowPlan, pad
 from eagle3.data.loader import Prefetcher, one_ahead
-from eagle3.ttt import plan_rows
+from eagle3.ttt import loss_denominator, plan_rows
 
 
 class Feed:
-    """`t2d`: the draft vocabulary's map, on the host; `depth`: debug.prefetch; `overlap`: copy on a side stream."""
+    """`t2d`: the draft vocabulary's map, on the host; `depth`: debug.prefetch; `overlap`: copy on a side stream;
+    `pad_to`: training batches `pad`ded to (rows, longest sequence), for CUDA graphs."""
 
     def __init__(self, reader, plan, rank: int, device: torch.device, dtype: torch.dtype, t2d: torch.Tensor,
-                 unroll, eval_unroll, depth: int, overlap: bool):
+                 unroll, eval_unroll, depth: int, overlap: bool, pad_to: tuple[int, int] | None = None):
         self.reader, self.plan, self.rank = reader, plan, rank
         self.device, self.dtype, self.cuda = device, dtype, device.type == "cuda"
         self.t2d, self.unroll, self.eval_unroll = t2d, unroll, eval_unroll
-        self.depth, self.overlap = depth, overlap
+        self.depth, self.overlap, self.pad_to = depth, overlap, pad_to
 
     def prepare(self, batch: Batch, training: bool = True) -> Batch:
         """Host-side work the step would otherwise sync for: the row plan and the host sequence boundaries."""
         u = self.unroll if training else self.eval_unroll
+        if training and self.pad_to:   # a graph's step takes only the loss's denominator from the plan
+            plan = RowPlan(u.steps, u.objective.rows, None, [], int(loss_denominator(batch, u.objective.rows)))
+            return pad(dataclasses.replace(batch, plan=plan), *self.pad_to)
         plan = plan_rows(batch, u.steps, self.t2d, u.skip_dead_rows, u.objective.rows)
         return dataclasses.replace(batch, plan=plan, cu_seqlens_host=batch.cu_seqlens.to(torch.int32))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import os
 import sys
 import time
@@ -25,8 +27,9 @@ from eagle3.errors import Eagle3Error, TrainError
 from eagle3.export import export_all
 from eagle3.models.weights import Checkpoint
 from eagle3.resolve import resolve
-from eagle3.training import kernel_choice, resume, run_dir
+from eagle3.training import graph, kernel_choice, resume, run_dir
 from eagle3.training.feed import Feed
+from eagle3.training.graph import GraphedStep
 from eagle3.training.metrics import MetricsLog
 from eagle3.training.schedule import Plan, Schedule
 from eagle3.ttt import METRICS, Objective, summarize, ttt_forward
@@ -44,10 +47,16 @@ class Unroll:
     decay: float               # train.loss_decay
     skip_dead_rows: bool       # debug.skip_dead_rows
     objective: Objective       # rows trained, the loss
+    static: bool = False       # a CUDA graph's shapes (`eagle3.ttt.ttt_forward`)
 
     def evaluating(self) -> Unroll:
         """The same unroll measuring on assistant rows only, as evaluation does."""
         return dataclasses.replace(self, objective=dataclasses.replace(self.objective, rows=RowRule()))
+
+    def graphed(self, longest: int) -> Unroll:
+        """The unroll at static shapes: every row, the attention bounded by the longest sequence."""
+        return dataclasses.replace(self, attention=functools.partial(self.attention, max_seqlen=longest),
+                                   skip_dead_rows=False, static=True)
 
 
 class TTTModel(nn.Module):
@@ -60,7 +69,7 @@ class TTTModel(nn.Module):
     def forward(self, batch: Batch, unroll: Unroll, scale: float | torch.Tensor = 1.0):
         u = unroll
         return ttt_forward(self.draft, batch, u.embed, u.head_rows, u.steps, u.attention, u.loss_steps, u.decay,
-                           scale, u.skip_dead_rows, u.objective)
+                           scale, u.skip_dead_rows, u.objective, u.static)
 
 
 def masked_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
@@ -229,15 +238,35 @@ class Trainer:
                              target_rows.to(self.device, self.float_dtype), t.ttt_steps, kernels.attention,
                              kernels.loss_steps, t.loss_decay, cfg.debug.skip_dead_rows, objective)
         self.eval_unroll = self.unroll.evaluating()
+        self.graphed, pad_to = self._graphs(kernels, spec.hidden_size)
         self.feed = Feed(self.reader, self.plan, self.dist.rank, self.device, self.float_dtype,
                          self.model.draft.t2d.cpu(), self.unroll, self.eval_unroll, cfg.debug.prefetch,
-                         overlap=self.cuda and not self.online)
+                         overlap=self.cuda and not self.online, pad_to=pad_to)
         self.start_step = self._resume()
         # device_ids=None: DDP moving the inputs would move the host-side boundaries to the device
         self.ddp = self.model if self.dist.world == 1 else nn.parallel.DistributedDataParallel(
             self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
         self.nonfinite = NonFinite(self.dist, self.device)
+
+    def _graphs(self, kernels, hidden: int) -> tuple[GraphedStep | None, tuple[int, int] | None]:
+        """debug.cuda_graphs resolved and said: (the graphed step, the (rows, longest) batches pad to), or Nones."""
+        triton = "max_seqlen" in inspect.signature(kernels.attention).parameters
+        on, why = graph.wanted(self.cfg.debug.cuda_graphs, self.device, self.dist.world, self.online, triton,
+                               hidden, self.cfg.source)
+        if self.dist.main and self.cfg.debug.cuda_graphs is not False:
+            print(f"debug.cuda_graphs = {'auto' if self.cfg.debug.cuda_graphs is None else 'true'}: {why}",
+                  file=sys.stderr)
+        if not on:
+            return None, None
+        longest = max(r.length for r in self.reader.sequences)
+        self.unroll = self.unroll.graphed(longest)
+        return GraphedStep(self._graph_step, self.device), (self.cfg.train.batch_tokens, longest)
+
+    def _graph_step(self, batch: Batch, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, metrics, _ = self._forward(self.model, batch, scale, training=True)
+        loss.backward()
+        return loss.detach(), metrics
 
     def agree(self, on: bool) -> bool:
         """A start-up choice every rank makes alike: on only where it is on for all (timings differ by GPU)."""
@@ -265,7 +294,9 @@ class Trainer:
         return was["step"]
 
     def _forward(self, model, batch, scale=1.0, training=False):
-        with torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext():
+        # a CUDA graph cannot replay autocast's cache of casts
+        cache = not (training and self.unroll.static)
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache) if self.cuda else contextlib.nullcontext():
             return model(batch, self.unroll if training else self.eval_unroll, scale)
 
     def settle_buckets(self, batch: Batch) -> None:
@@ -285,16 +316,19 @@ class Trainer:
         metrics = torch.zeros(self.cfg.train.ttt_steps, len(METRICS), device=self.device)
         for a, batch in enumerate(batches):
             batch = self.feed.on_device(batch)
-            with contextlib.nullcontext() if self.dist.world == 1 or a == len(batches) - 1 else self.ddp.no_sync():
-                loss, m, _ = self._forward(self.ddp, batch, self.dist.world / denom, training=True)
-                loss.backward()
+            if self.graphed is not None:
+                loss, m = self.graphed(batch, self.dist.world / denom)
+            else:
+                with contextlib.nullcontext() if self.dist.world == 1 or a == len(batches) - 1 else self.ddp.no_sync():
+                    loss, m, _ = self._forward(self.ddp, batch, self.dist.world / denom, training=True)
+                    loss.backward()
             loss_bad |= ~torch.isfinite(loss.detach())
             metrics += m
         grad_norm = nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
         bad = self.nonfinite.track(loss_bad, grad_norm, step)
         masked_step(self.optimizer, bad)
         self.scheduler.step()   # the schedule follows the step number, skipped or not
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graphed is None)   # a graph adds to the .grad it captured
         return StepResult(torch.where(bad, 0.0, metrics), grad_norm, bad)
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""`python -m eagle3.bench float8`: the pieces of `train.float8` at the Kimi-size draft's shapes.
+"""`python -m benchmarks.float8`: the pieces of `train.float8` at the Kimi-size draft's shapes.
 
 Per operand: the cast (`kernels.fp8_cast`) against the same arithmetic compiled and eager, bit for bit;
 the fp8 GEMM it feeds (`torch._scaled_mm`) against bf16; and fp8 GEMM + cast against the bf16 GEMM.
@@ -54,9 +54,9 @@ def odd_shapes_bit_equal() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(prog="python -m eagle3.bench float8", description=__doc__.split("\n")[0]).parse_args(argv)
+    argparse.ArgumentParser(prog="python -m benchmarks.float8", description=__doc__.split("\n")[0]).parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        raise SystemExit("error: python -m eagle3.bench float8 needs a GPU with fp8 tensor cores (compute capability >= 8.9)")
+        raise SystemExit("error: python -m benchmarks.float8 needs a GPU with fp8 tensor cores (compute capability >= 8.9)")
     print(describe_device())
     print(f"odd shapes (padding, k edges, 3-d, no transposed copy) bit-equal to the reference: {odd_shapes_bit_equal()}")
     print("| operand | a | format | bit-equal | cast triton / compiled / eager ms | cast GB/s (effective) | GEMM bf16 / fp8 ms "
@@ -67,3 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['name']} | {r['a']} | {r['format']} | {r['bit_equal']} | {r['cast_triton_ms']:.3f} / "
               f"{r['cast_compiled_ms']:.3f} / {r['cast_eager_ms']:.3f} | {r['cast_gb_per_s']:,.0f} | "
               f"{r['gemm_bf16_ms']:.3f} / {r['gemm_fp8_ms']:.3f} | {r['fp8_with_casts_vs_bf16']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

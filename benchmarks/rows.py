@@ -1,4 +1,4 @@
-"""`python -m eagle3.bench rows`: the row kernels of a TTT step (`kernels/rows.py`, `kernels/rms_norm.py`)
+"""`python -m benchmarks.rows`: the row kernels of a TTT step (`kernels/rows.py`, `kernels/rms_norm.py`)
 against what torch would run, on the GPU: the spread of a Kimi-size step's live rows into zeros (bytes: the
 output written, the source read) and RMSNorm fwd and fwd+bwd (autograd.grad, host time included).
 """
@@ -54,10 +54,14 @@ def bench_norm() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eagle3.bench rows", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.rows", description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="spread,norm", help="comma list of spread, norm")
     args = parser.parse_args(argv)
-    require_cuda("eagle3.bench rows")
+    require_cuda("benchmarks.rows")
     print(f"row kernels, {describe_device()}")
     for part in args.parts.split(","):
         {"spread": bench_spread, "norm": bench_norm}[part.strip()]()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""debug.cuda_graphs: each micro-batch's forward and backward replayed as one CUDA graph. A small draft's
+step is a thousand launches of microseconds of work each: the host's launch overhead, not the GPU, bounds it."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from eagle3.data.batch import Batch
+from eagle3.config import ConfigError
+
+HIDDEN_MAX = 1024   # auto: the drafts measured host-bound (benchmarks/RESULTS.md, "Speed at every size")
+
+
+def wanted(setting: bool | None, device: torch.device, world: int, online: bool, triton: bool,
+           hidden: int, source: str) -> tuple[bool, str]:
+    """(whether the run graphs its steps, why) for debug.cuda_graphs = `setting` (None: auto)."""
+    blockers = [why for why, blocks in (("not on CUDA", device.type != "cuda"), ("several ranks (DDP)", world > 1),
+                                        ("train.source = \"online\"", online),
+                                        ("not the Triton kernels", not triton)) if blocks]
+    if setting is False:
+        return False, "off (debug.cuda_graphs = false)"
+    if blockers:
+        if setting:
+            raise ConfigError(f"{source}: debug.cuda_graphs = true needs one CUDA GPU, shards and the Triton "
+                              f"kernels, here: {', '.join(blockers)}; set it to auto or false")
+        return False, f"off ({', '.join(blockers)})"
+    if setting is None and hidden > HIDDEN_MAX:
+        return False, f"off (draft hidden size {hidden} > {HIDDEN_MAX}: the GPU bounds the step)"
+    return True, "on" + (" (debug.cuda_graphs = true)" if setting else f" (draft hidden size {hidden} <= {HIDDEN_MAX})")
+
+
+class GraphedStep:
+    """`step(batch, scale) -> (loss, metric sums)`, run forward and backward (gradients added to .grad),
+    replayed as a CUDA graph per count of sequences (`eagle3.data.batch.pad`) over static input buffers.
+    The first WARMUP micro-batches run eagerly on the same buffers (kernel tuning, compilation); every
+    parameter's .grad must exist (zeroed, not None) from then on, so that the graph adds to it in place."""
+
+    WARMUP = 2
+
+    def __init__(self, step: Callable[[Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                 device: torch.device):
+        self.step, self.device = step, device
+        self.stream = torch.cuda.Stream(device)
+        self.scale = torch.zeros((), device=device)
+        self.inputs: dict[int, Batch] = {}      # per sequence count: the static batch the graph reads
+        self.graphs: dict[int, tuple] = {}      # per sequence count: (graph, loss, metrics)
+        self.eager = 0
+
+    def __call__(self, batch: Batch, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`batch` padded and on the device; its (loss, metrics) are valid until the next call."""
+        key = batch.cu_attention.numel()
+        static = self.inputs[key] = load(batch, self.inputs.get(key))
+        self.scale.copy_(scale)
+        if key in self.graphs:
+            graph, loss, metrics = self.graphs[key]
+            graph.replay()
+            return loss, metrics
+        here = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(here)
+        if self.eager < self.WARMUP:
+            self.eager += 1
+            with torch.cuda.stream(self.stream):
+                loss, metrics = self.step(static, self.scale)
+            here.wait_stream(self.stream)
+            for t in (loss, metrics):   # made on the side stream, read and freed on this one
+                t.record_stream(here)
+            return loss, metrics
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the prefetch thread may pin memory meanwhile, which a global capture would refuse
+        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            loss, metrics = self.step(static, self.scale)
+        self.graphs[key] = graph, loss, metrics
+        graph.replay()
+        return loss, metrics
+
+
+def load(batch: Batch, static: Batch | None = None) -> Batch:
+    """A `pad`ded `batch` copied into `static`, the buffers a graph reads (made when None), its filler rows zeros."""
+    if static is None:
+        rows = batch.rows + batch.padding
+        static = dataclasses.replace(batch, plan=None, ready=None, padding=0, cu_seqlens=batch.cu_seqlens.clone(),
+                                     cu_attention=batch.cu_attention.clone(),
+                                     **{name: t.new_empty(rows, *t.shape[1:]) for name, t in batch.row_tensors().items()})
+    for name, t in batch.row_tensors().items():
+        buffer = getattr(static, name)
+        buffer[:batch.rows].copy_(t)
+        buffer[batch.rows:].zero_()
+    for name in ("cu_seqlens", "cu_attention"):
+        getattr(static, name).copy_(getattr(batch, name))
+    return static
