@@ -10,7 +10,7 @@ import torch
 from eagle3.data.batch import Batch
 from eagle3.config import ConfigError
 
-HIDDEN_MAX = 1024   # auto: the drafts measured host-bound (benchmarks/RESULTS.md, "Speed at every size")
+HIDDEN_MAX = 1024   # auto: graphs won at hidden 256 and lost at 2048 (benchmarks/RESULTS.md, "Small draft, CUDA graphs")
 
 
 def wanted(setting: bool | None, device: torch.device, world: int, online: bool, triton: bool,
