@@ -152,9 +152,19 @@ def test_bench_help_lists_every_bench(capsys):
 
 
 @pytest.mark.parametrize("argv, said", [(["--sizes", "llama70b"], "--sizes: unknown llama70b"),
-                                        (["--kernels", "triton-fp9"], "--kernels: unknown triton-fp9")])
+                                        (["--kernels", "triton-fp9"], "--kernels: unknown triton-fp9"),
+                                        (["--kernels", "torch-graph"], "--kernels: unknown torch-graph")])
 def test_the_step_bench_names_an_unknown_size_or_kernel_choice(argv, said, capsys):
     from eagle3.bench import step
     with pytest.raises(SystemExit):
         step.parse(["--tiny"] + argv if "--kernels" in argv else argv)
     assert said in capsys.readouterr().err
+
+
+def test_the_step_bench_kernel_choices_set_the_config_they_name():
+    from eagle3.bench import step
+    args = dict(zip(*[iter(step.kernel_args("triton-fp8-head-graph"))] * 2))
+    assert args["--debug.kernels"] == "triton" and args["--train.float8_head"] == "true"
+    assert args["--debug.cuda_graphs"] == "true" and args["--debug.skip_dead_rows"] == "true"
+    assert dict(zip(*[iter(step.kernel_args("torch"))] * 2))["--debug.cuda_graphs"] == "false"
+    assert step.parse(["--tiny", "--kernels", "auto,triton-graph,triton-fp8-graph"]).kernels[1] == "triton-graph"
