@@ -49,11 +49,11 @@ def test_a_padded_batch_at_static_shapes_gives_the_same_loss_gradients_and_metri
 
 def test_auto_graphs_small_drafts_on_one_gpu_only():
     cuda = torch.device("cuda")
-    assert graph.wanted(None, cuda, 1, False, True, 256, "c.toml")[0]
-    assert not graph.wanted(None, cuda, 1, False, True, 4096, "c.toml")[0]
-    assert not graph.wanted(None, torch.device("cpu"), 1, False, True, 256, "c.toml")[0]
-    assert not graph.wanted(None, cuda, 8, False, True, 256, "c.toml")[0]
-    assert not graph.wanted(False, cuda, 1, False, True, 256, "c.toml")[0]
-    assert graph.wanted(True, cuda, 1, False, True, 4096, "c.toml")[0]
+    assert graph.wanted(None, cuda, 1, False, True, 256, "c.toml")
+    assert not graph.wanted(None, cuda, 1, False, True, 4096, "c.toml")
+    assert not graph.wanted(None, torch.device("cpu"), 1, False, True, 256, "c.toml")
+    assert not graph.wanted(None, cuda, 8, False, True, 256, "c.toml")
+    assert not graph.wanted(False, cuda, 1, False, True, 256, "c.toml")
+    assert graph.wanted(True, cuda, 1, False, True, 4096, "c.toml")
     with pytest.raises(ConfigError, match=r"c.toml: debug.cuda_graphs = true .*several ranks"):
         graph.wanted(True, cuda, 2, False, True, 256, "c.toml")

@@ -3,19 +3,27 @@ step is a thousand launches of microseconds of work each: the host's launch over
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 
 import torch
 
-from eagle3.data.batch import Batch
 from eagle3.config import ConfigError
+from eagle3.data.batch import Batch
 
 HIDDEN_MAX = 1024   # auto: graphs won at hidden 256 and lost at 2048 (benchmarks/RESULTS.md, "Small draft, CUDA graphs")
 
 
 def wanted(setting: bool | None, device: torch.device, world: int, online: bool, triton: bool,
-           hidden: int, source: str) -> tuple[bool, str]:
-    """(whether the run graphs its steps, why) for debug.cuda_graphs = `setting` (None: auto)."""
+           hidden: int, source: str, say: bool = False) -> bool:
+    """Whether the run graphs its steps for debug.cuda_graphs = `setting` (None: auto); `say`: print why."""
+    on, why = _decide(setting, device, world, online, triton, hidden, source)
+    if say and setting is not False:
+        print(f"debug.cuda_graphs = {'auto' if setting is None else 'true'}: {why}", file=sys.stderr)
+    return on
+
+
+def _decide(setting, device, world, online, triton, hidden, source) -> tuple[bool, str]:
     blockers = [why for why, blocks in (("not on CUDA", device.type != "cuda"), ("several ranks (DDP)", world > 1),
                                         ("train.source = \"online\"", online),
                                         ("not the Triton kernels", not triton)) if blocks]
@@ -32,16 +40,15 @@ def wanted(setting: bool | None, device: torch.device, world: int, online: bool,
 
 
 class GraphedStep:
-    """`step(batch, scale) -> (loss, metric sums)`, run forward and backward (gradients added to .grad),
+    """`forward(batch, scale)` and its backward (gradients added to .grad) per micro-batch,
     replayed as a CUDA graph per count of sequences (`eagle3.data.batch.pad`) over static input buffers.
     The first WARMUP micro-batches run eagerly on the same buffers (kernel tuning, compilation); every
     parameter's .grad must exist (zeroed, not None) from then on, so that the graph adds to it in place."""
 
     WARMUP = 2
 
-    def __init__(self, step: Callable[[Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                 device: torch.device):
-        self.step, self.device = step, device
+    def __init__(self, forward: Callable[[Batch, torch.Tensor], tuple], device: torch.device):
+        self.forward, self.device = forward, device   # (batch, scale) -> (loss, metric sums, detail)
         self.stream = torch.cuda.Stream(device)
         self.scale = torch.zeros((), device=device)
         self.inputs: dict[int, Batch] = {}      # per sequence count: the static batch the graph reads
@@ -62,7 +69,7 @@ class GraphedStep:
         if self.eager < self.WARMUP:
             self.eager += 1
             with torch.cuda.stream(self.stream):
-                loss, metrics = self.step(static, self.scale)
+                loss, metrics = self._step(static)
             here.wait_stream(self.stream)
             for t in (loss, metrics):   # made on the side stream, read and freed on this one
                 t.record_stream(here)
@@ -70,10 +77,15 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the prefetch thread may pin memory meanwhile, which a global capture would refuse
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-            loss, metrics = self.step(static, self.scale)
+            loss, metrics = self._step(static)
         self.graphs[key] = graph, loss, metrics
         graph.replay()
         return loss, metrics
+
+    def _step(self, static: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, metrics, _ = self.forward(static, self.scale)
+        loss.backward()
+        return loss.detach(), metrics
 
 
 def load(batch: Batch, static: Batch | None = None) -> Batch:

@@ -238,7 +238,12 @@ class Trainer:
                              target_rows.to(self.device, self.float_dtype), t.ttt_steps, kernels.attention,
                              kernels.loss_steps, t.loss_decay, cfg.debug.skip_dead_rows, objective)
         self.eval_unroll = self.unroll.evaluating()
-        self.graphed, pad_to = self._graphs(kernels, spec.hidden_size)
+        self.graphed = pad_to = None
+        if graph.wanted(cfg.debug.cuda_graphs, self.device, self.dist.world, self.online, "max_seqlen" in
+                        inspect.signature(kernels.attention).parameters, spec.hidden_size, cfg.source, self.dist.main):
+            longest = max(r.length for r in self.reader.sequences)
+            self.unroll, pad_to = self.unroll.graphed(longest), (t.batch_tokens, longest)
+            self.graphed = GraphedStep(functools.partial(self._forward, self.model, training=True), self.device)
         self.feed = Feed(self.reader, self.plan, self.dist.rank, self.device, self.float_dtype,
                          self.model.draft.t2d.cpu(), self.unroll, self.eval_unroll, cfg.debug.prefetch,
                          overlap=self.cuda and not self.online, pad_to=pad_to)
@@ -248,25 +253,6 @@ class Trainer:
             self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
         self.nonfinite = NonFinite(self.dist, self.device)
-
-    def _graphs(self, kernels, hidden: int) -> tuple[GraphedStep | None, tuple[int, int] | None]:
-        """debug.cuda_graphs resolved and said: (the graphed step, the (rows, longest) batches pad to), or Nones."""
-        triton = "max_seqlen" in inspect.signature(kernels.attention).parameters
-        on, why = graph.wanted(self.cfg.debug.cuda_graphs, self.device, self.dist.world, self.online, triton,
-                               hidden, self.cfg.source)
-        if self.dist.main and self.cfg.debug.cuda_graphs is not False:
-            print(f"debug.cuda_graphs = {'auto' if self.cfg.debug.cuda_graphs is None else 'true'}: {why}",
-                  file=sys.stderr)
-        if not on:
-            return None, None
-        longest = max(r.length for r in self.reader.sequences)
-        self.unroll = self.unroll.graphed(longest)
-        return GraphedStep(self._graph_step, self.device), (self.cfg.train.batch_tokens, longest)
-
-    def _graph_step(self, batch: Batch, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loss, metrics, _ = self._forward(self.model, batch, scale, training=True)
-        loss.backward()
-        return loss.detach(), metrics
 
     def agree(self, on: bool) -> bool:
         """A start-up choice every rank makes alike: on only where it is on for all (timings differ by GPU)."""
