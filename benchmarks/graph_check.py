@@ -16,7 +16,16 @@ from eagle3.training import Trainer, graph
 from eagle3.ttt import summarize
 
 VARIANTS = {"eager": ("triton", 2), "graph": ("triton-graph", 2), "static": ("triton-graph", 10 ** 9)}
-replayed = graph.GraphedStep.__call__
+replayed, zeroed = graph.GraphedStep.__call__, graph.load
+
+
+def leftover(batch, static=None):
+    """`graph.load` with the filler rows left as the previous micro-batch wrote them (not zeroed)."""
+    kept = {} if static is None else {n: getattr(static, n)[batch.rows:].clone() for n in batch.row_tensors()}
+    static = zeroed(batch, static)
+    for name, rows in kept.items():
+        getattr(static, name)[batch.rows:].copy_(rows)
+    return static
 
 
 def verified(self, batch, scale):
@@ -65,14 +74,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.graph_check", description=__doc__.split("\n")[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/graph-check"))
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="of " + ",".join(VARIANTS))
+    parser.add_argument("--filler", choices=("zeros", "leftover"), default="zeros",
+                        help="the static buffers' filler rows: zeros (as training) or the previous batch's rows")
     args = parser.parse_args(argv)
     require_cuda("benchmarks.graph_check")
     write_target(args.dir / "target", SIZES["small"])
     write_shards(args.dir / "data", args.dir / "target", "b", SIZES["small"], 12)
     graph.GraphedStep.__call__ = verified   # each replay's gradients against an eager run at the same weights
-    curves = {variant: curve(args.dir, variant, args.steps) for variant in VARIANTS}
+    graph.load = leftover if args.filler == "leftover" else zeroed
+    curves = {variant: curve(args.dir, variant, args.steps) for variant in args.variants.split(",")}
     for step, cols in enumerate(zip(*curves.values())):
-        print(f"{step:3d} rows {cols[0][2]} graphs {cols[1][3]} replay vs eager grads {cols[1][4]:.1e} | "
+        held = max(c[3] for c in cols)
+        checked = min((c[4] for c in cols if c[4] == c[4]), default=float("nan"))
+        print(f"{step:3d} rows {cols[0][2]} graphs {held} replay vs eager grads {checked:.1e} | "
               + " | ".join(f"{v} loss0 {c[0]:.5f} grad norm {c[1]:.4f}" for v, c in zip(curves, cols)))
 
 

@@ -189,7 +189,7 @@ class DebugConfig:
         "CPU; `torch`: compiled flex_attention + compiled loss on CUDA")
     skip_dead_rows: bool = setting(True, "skip TTT rows whose work cannot reach the loss (exact)")
     cuda_graphs: bool | None = setting(
-        False, "replay each micro-batch's forward and backward as a CUDA graph (one GPU, shards, the Triton kernels; "
+        None, "replay each micro-batch's forward and backward as a CUDA graph (one GPU, shards, the Triton kernels; "
         "batches padded to train.batch_tokens, every row computed); auto: on for a draft of hidden size <= 1024, "
         "whose step the host's launches bound")
     compile_ops: bool = setting(True, "on CUDA, fused RMSNorm, RoPE and SiLU·up kernels for the draft")

@@ -56,10 +56,10 @@ class Prefetcher:
     def _produce(reader, batches, pin, prepare, together: int = 1):
         batches = iter(batches)
         while chunk := list(itertools.islice(batches, together)):
-            for batch in reader.read_many(chunk):
+            for batch in reader.read_many(chunk, pin):
                 if prepare is not None:
                     batch = prepare(batch)
-                yield batch.pin_memory() if pin else batch
+                yield batch.pin_memory() if pin else batch   # what the reader did not pin already
 
     def _work(self, reader, batches, pin, prepare):
         try:

@@ -81,8 +81,8 @@ class OnlineReader:
         """The micro-batch of `refs`; staged, every rank calls it in lockstep (`refs` empty: None)."""
         return self.read_many([refs])[0]
 
-    def read_many(self, batches: list[list[SeqRef]]) -> list[Batch | None]:
-        """Several micro-batches; staged, in one pass of the pipeline (fewer idle ticks)."""
+    def read_many(self, batches: list[list[SeqRef]], pin: bool = False) -> list[Batch | None]:
+        """Several micro-batches; staged, in one pass of the pipeline (fewer idle ticks); the caller pins them."""
         records = [[self.records[r.index] for r in refs] for refs in batches]
         inputs = [(torch.from_numpy(np.concatenate([r.input_ids for r in recs]) if recs else np.zeros(0, np.int64)),
                    np.concatenate([[0], np.cumsum([len(r.input_ids) for r in recs])]).astype(int).tolist())
