@@ -78,11 +78,3 @@ def to_fp8(t: torch.Tensor, dtype: torch.dtype, transposed: bool = True
     if INTERPRET:
         q, qt = q.to(dtype), qt.to(dtype)
     return q, qt if transposed else None, scale
-
-
-def same_bits(got, want) -> bool:
-    """Two casts' (q, qᵀ, scale) are equal bit for bit; a qᵀ not made (None) matches only None."""
-    def bits(t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.uint8) if t.element_size() == 1 else t
-    return all((g is None) == (w is None) and (g is None or (g.dtype == w.dtype and torch.equal(bits(g), bits(w))))
-               for g, w in zip(got, want))

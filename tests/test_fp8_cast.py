@@ -30,6 +30,7 @@ def _child() -> None:
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 
+    from benchmarks.float8 import same_bits
     from kernels import fp8_cast
 
     print(json.dumps({"case": "interpreted", "ok": isinstance(fp8_cast._cast_kernel, InterpretedFunction)}))
@@ -41,7 +42,7 @@ def _child() -> None:
         got, want = fp8_cast.to_fp8(x, formats[fmt]), fp8_cast.to_fp8_reference(x, formats[fmt])
         m = x.reshape(-1, k).shape[0]
         detail = [(tuple(g.shape), tuple(w.shape)) for g, w in zip(got, want)]
-        same = fp8_cast.same_bits(got, want) and fp8_cast.same_bits(   # A operands: no qᵀ
+        same = same_bits(got, want) and same_bits(   # A operands: no qᵀ
             fp8_cast.to_fp8(x, formats[fmt], transposed=False), (want[0], None, want[2]))
         shapes = got[0].shape == (m + -m % 16, k) and got[1].shape == (k, m + -m % 16)
         nonzero = m == 0 or got[0].float().abs().max() > 0     # it did cast something
