@@ -33,7 +33,7 @@ def demo(args, overrides: list[str]) -> None:
     # a demo always trains anew (the run there moved aside), so that a rerun with other settings is no resume
     cfg = config_mod.load(args.config, ["--train.resume", "overwrite", *overrides])
     if not (Path(cfg.target.path) / "config.json").exists():
-        tiny.make_demo_target(cfg.target.path)
+        tiny.make_kimi(cfg.target.path, layers=8)
         print(f"demo: wrote a tiny random target to {cfg.target.path}")
     if not Path(cfg.data.path).exists():
         tiny.make_token_data(cfg.data.path, vocab=Checkpoint(cfg.target.path).config.vocab_size, sequences=256)

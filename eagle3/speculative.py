@@ -29,10 +29,6 @@ class Drafter:
         """An empty draft cache for one sequence (a slot of the pool, freed when dropped)."""
         return SequenceCache(self.pool)
 
-    def propose(self, aux: torch.Tensor, tokens: torch.Tensor, k: int) -> list[int]:
-        """aux [m, 3H] of positions 0..m-1; tokens [m+1] = x_0..x_m -> k target token ids."""
-        return self.propose_many([aux], [tokens.tolist()], k)[0]
-
     @torch.no_grad()
     def propose_many(self, auxes: list[torch.Tensor], tokens: list[list[int]], k: int,
                      sampling: Sampling | None = None, u: torch.Tensor | None = None,
@@ -112,11 +108,6 @@ def _finish(tokens: list[int], max_new: int, stop: set[int]) -> tuple[list[int],
     return tokens[:max_new], len(tokens) >= max_new
 
 
-def greedy_decode(target: IncrementalTarget, prompt: list[int], max_new: int,
-                  stop: set[int] = frozenset()) -> Decoded:
-    return greedy_decode_many(target, [prompt], max_new, stop)[0]
-
-
 def greedy_decode_many(target: IncrementalTarget, prompts: list[list[int]], max_new: int,
                        stop: set[int] = frozenset()) -> list[Decoded]:
     """The target's own greedy decoding of several prompts, each step's forward batched over those still decoding."""
@@ -167,11 +158,6 @@ def _propose(drafter, chains: list[_Chain], k: int, *sampling):
     """The drafter's proposals for the chains (propose_many), through their draft caches if any."""
     caches = {} if chains[0].draft_cache is None else {"caches": [c.draft_cache for c in chains]}
     return drafter.propose_many([c.aux for c in chains], [c.tokens for c in chains], k, *sampling, **caches)
-
-
-def speculative_decode(target: IncrementalTarget, drafter: Drafter, prompt: list[int], max_new: int,
-                       k: int, stop: set[int] = frozenset()) -> Decoded:
-    return speculative_decode_many(target, drafter, [prompt], max_new, k, stop)[0]
 
 
 def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]],

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -16,12 +17,45 @@ from eagle3 import config as config_mod  # noqa: E402
 from eagle3.models import tiny  # noqa: E402
 
 KIMI_FIXTURE = ROOT / "tests" / "fixtures" / "kimi-k2.5" / "config.json"   # the real file, copied
+LLAMA_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def make_llama(out: str | Path, family: str = "llama", hidden: int = 64, layers: int = 6, heads: int = 4,
+               kv_heads: int = 2, intermediate: int = 128, vocab: int = 512, tie: bool = False, shards: int = 1,
+               seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A miniature Llama / Qwen2 / Qwen3 checkpoint (Qwen2's q/k/v biases, Qwen3's q/k norms)."""
+    head_dim = hidden // heads
+    config = {"architectures": [LLAMA_ARCHITECTURES[family]], "model_type": family, "hidden_size": hidden,
+              "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": tie,
+              "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
+    out, t, rand, ones, mlp = tiny.start_target(out, config, seed, dtype)
+    t.update({"model.embed_tokens.weight": rand(vocab, hidden, std=1.0), "model.norm.weight": ones(hidden)})
+    if not tie:
+        t["lm_head.weight"] = rand(vocab, hidden, std=3 * hidden ** -0.5)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = ones(hidden)
+        t[p + "post_attention_layernorm.weight"] = ones(hidden)
+        t[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
+        t[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        t[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        t[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim, std=0.3 * hidden ** -0.5)   # small: see mlp
+        mlp(p + "mlp.", hidden, intermediate)
+        if family == "qwen2":
+            for n, width in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+                t[p + f"self_attn.{n}.bias"] = rand(width * head_dim, std=0.02)
+        if family == "qwen3":
+            t.update({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)})
+    tiny.save_sharded(t, out, shards)
+    return out
 
 
 @pytest.fixture(scope="session")
 def llama_target(tmp_path_factory) -> Path:
-    return tiny.make_llama(tmp_path_factory.mktemp("llama"), hidden=32, layers=5, heads=4, kv_heads=2,
-                           intermediate=64, vocab=256, shards=2)
+    return make_llama(tmp_path_factory.mktemp("llama"), hidden=32, layers=5, heads=4, kv_heads=2,
+                      intermediate=64, vocab=256, shards=2)
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,7 @@ from eagle3.__main__ import main
 from eagle3.data.inputs import InputError
 from eagle3.evaluate import read_prompts, real_decoding, reply_positions, run
 from eagle3.draft_io import DraftLoadError, load_vllm_draft
-from eagle3.speculative import (Drafter, greedy_decode, greedy_decode_many, speculative_decode,
-                                speculative_decode_many)
+from eagle3.speculative import Drafter, greedy_decode_many, speculative_decode_many
 from eagle3.models import tiny
 from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
@@ -29,6 +28,14 @@ from eagle3.models.streaming import TargetRunner
 from eagle3.ttt import ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps
 from test_chat import qwen_tokenizer
+
+
+def greedy_decode(target, prompt, max_new, stop=frozenset()):
+    return greedy_decode_many(target, [prompt], max_new, stop)[0]
+
+
+def speculative_decode(target, drafter, prompt, max_new, k, stop=frozenset()):
+    return speculative_decode_many(target, drafter, [prompt], max_new, k, stop)[0]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +52,7 @@ def kimi_target(tmp_path_factory):
 def test_cached_forward_equals_streaming_forward(target, llama_target):
     ids = torch.randint(0, 256, (30,))
     cache = target.new_cache()
-    parts = [target.forward(ids[a:b], cache) for a, b in ((0, 11), (11, 12), (12, 30))]
+    parts = [target.forward_many([ids[a:b]], [cache])[0] for a, b in ((0, 11), (11, 12), (12, 30))]
     ref = TargetRunner(Checkpoint(llama_target), [1, 2, 3], torch.device("cpu"), torch.float32).run(ids, [0, 30])
     torch.testing.assert_close(torch.cat([p[1] for p in parts]), ref["final_hidden"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat([p[0] for p in parts]), ref["aux_hidden"], rtol=1e-5, atol=1e-5)
@@ -185,9 +192,9 @@ def test_estimate_equals_real_acceptance_on_each_held_out_row(regenerated_run):
             if not mask[t + 2:t + 2 + K].all():   # whole chain inside the reply: nothing cuts it short
                 continue
             cache = target.new_cache()
-            aux, _ = target.forward(ids[:t + 1], cache)
-            proposed = drafter.propose(aux.bfloat16().float(), ids[:t + 2], K)
-            _, final = target.forward(torch.cat([ids[t + 1:t + 2], torch.tensor(proposed)]), cache)
+            [(aux, _)] = target.forward_many([ids[:t + 1]], [cache])
+            (proposed,) = drafter.propose_many([aux.bfloat16().float()], [ids[:t + 2].tolist()], K)
+            [(_, final)] = target.forward_many([torch.cat([ids[t + 1:t + 2], torch.tensor(proposed)])], [cache])
             verified = target.greedy(final).tolist()
             a = 0
             while a < K and proposed[a] == verified[a]:

@@ -9,11 +9,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import make_config
+from conftest import make_config, make_llama
 from eagle3 import train_state
 from eagle3 import extraction, training
 from eagle3.config import ConfigError
-from eagle3.models import tiny
 from eagle3.models.weights import Checkpoint
 
 FAST = {"train.eval_every": 100, "debug.log_every": 100, "train.checkpoint_every": 3}
@@ -23,8 +22,8 @@ FAST = {"train.eval_every": 100, "debug.log_every": 100, "train.checkpoint_every
 def tied(tmp_path_factory, token_data):
     """A tied target (no lm_head tensor) and its extracted data."""
     tmp = tmp_path_factory.mktemp("tied")
-    target = tiny.make_llama(tmp / "target", hidden=32, layers=5, heads=4, kv_heads=2, intermediate=64,
-                             vocab=256, tie=True)
+    target = make_llama(tmp / "target", hidden=32, layers=5, heads=4, kv_heads=2, intermediate=64,
+                        vocab=256, tie=True)
     extraction.run(make_config(tmp, target, token_data))
     return target, tmp / "hidden"
 

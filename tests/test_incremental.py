@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import make_config
+from conftest import make_config, make_llama
 from eagle3 import generate
 from eagle3.models import tiny
 from eagle3.models.weights import Checkpoint
@@ -20,8 +20,8 @@ def family_target(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     if request.param == "kimi":
         return tiny.make_kimi(tmp, vocab=256)
-    return tiny.make_llama(tmp, family=request.param, hidden=32, layers=4, heads=4, kv_heads=2,
-                           intermediate=64, vocab=256)
+    return make_llama(tmp, family=request.param, hidden=32, layers=4, heads=4, kv_heads=2,
+                      intermediate=64, vocab=256)
 
 
 class Sequence:
@@ -95,7 +95,7 @@ def test_slots_are_reused_lowest_first(llama_target):
     assert [target.new_cache().slot for _ in range(2)] == [0, 0]   # each dropped again at once
     kept = [target.new_cache(), target.new_cache(), target.new_cache()]
     assert sorted(c.slot for c in kept) == [0, 2, 4]
-    target.forward(torch.tensor([3, 4, 5]), kept[0])
+    target.forward_many([torch.tensor([3, 4, 5])], [kept[0]])
     IncrementalTarget.crop(kept[0], 5)                             # beyond the end: nothing to forget
     assert IncrementalTarget.cached_tokens(kept[0]) == 3
     with pytest.raises(ValueError, match="same cache twice"):

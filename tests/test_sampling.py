@@ -7,9 +7,9 @@ here give p-values many orders of magnitude below it."""
 import pytest
 import torch
 
+from conftest import make_llama
 from eagle3 import sampling, speculative
 from eagle3.draft import DraftSpec, Eagle3Draft
-from eagle3.models import tiny
 from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.sampling import Sampling, draw, target_probs, verify
@@ -119,8 +119,8 @@ V, PROMPT, COPIES = 16, [3, 1, 4, 1, 5], 3000
 def small(tmp_path_factory):
     """A tiny Llama with a 16-token vocabulary (peaked, context-dependent distributions) and a
     random draft over 12 of its tokens (its head scaled up: a q as peaked as p, and unlike it)."""
-    path = tiny.make_llama(tmp_path_factory.mktemp("v16"), hidden=32, layers=4, heads=4, kv_heads=2,
-                           intermediate=64, vocab=V)
+    path = make_llama(tmp_path_factory.mktemp("v16"), hidden=32, layers=4, heads=4, kv_heads=2,
+                      intermediate=64, vocab=V)
     target = IncrementalTarget(Checkpoint(path), [0, 1, 2], torch.device("cpu"))
     torch.manual_seed(0)
     draft = Eagle3Draft(DraftSpec(32, 4, 2, 8, 64, 1, 1e-6, 10000.0, 64, 12, V, 32))

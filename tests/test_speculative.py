@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import make_llama
 from eagle3.draft import DraftSpec, Eagle3Draft, RMSNorm, Rows
-from eagle3.models import tiny
 from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import SHORT_MAX, IncrementalTarget
 from eagle3.ops import positions_from_cu_seqlens
 from eagle3.sampling import Sampling
-from eagle3.speculative import Drafter, greedy_decode, sampled_decode_many, speculative_decode_many
+from eagle3.speculative import Drafter, greedy_decode_many, sampled_decode_many, speculative_decode_many
 from kernels.reference import ttt_attention
 
 VARIANTS = {
@@ -26,8 +26,8 @@ VARIANTS = {
 def small_target(tmp_path_factory, dtype) -> IncrementalTarget:
     """A tiny Llama with a 16-token vocabulary (its seed: greedy outputs that do not all fall into
     one short cycle); random drafts over 12 of the tokens are accepted now and then."""
-    path = tiny.make_llama(tmp_path_factory.mktemp("v16"), hidden=32, layers=4, heads=4, kv_heads=2,
-                           intermediate=64, vocab=16, seed=3)
+    path = make_llama(tmp_path_factory.mktemp("v16"), hidden=32, layers=4, heads=4, kv_heads=2,
+                      intermediate=64, vocab=16, seed=3)
     return IncrementalTarget(Checkpoint(path), [0, 1, 2], torch.device("cpu"), dtype)
 
 
@@ -155,7 +155,7 @@ def test_incremental_drafter_equals_full_recompute(target64, variant):
     together, one finishing early at a stop token; greedy, then probabilistic proposals."""
     drafter = Checked(make_drafter(target64, 0, **VARIANTS[variant]))
     prompts = prompts_of([SHORT_MAX + 6, 5, 1, 12])
-    stop = {greedy_decode(target64, prompts[1], 16).tokens[6]}
+    stop = {greedy_decode_many(target64, [prompts[1]], 16)[0].tokens[6]}
     decoded = speculative_decode_many(target64, drafter, prompts, 16, 3, stop)
     assert len(decoded[1].tokens) == 7 and max(len(d.tokens) for d in decoded) == 16
     sampled = sampled_decode_many(target64, drafter, prompts, 16, 3, stop, Sampling(1.0, 0.9, "probabilistic"),

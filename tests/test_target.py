@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import KIMI_FIXTURE, ROOT
+from conftest import KIMI_FIXTURE, ROOT, make_llama
 from eagle3.models.inspect import inspect
 from eagle3.models import deepseek, tiny
 from eagle3.models.weights import Checkpoint, TargetError, read_config
@@ -74,7 +74,7 @@ def test_inspect_tiny_checkpoint(llama_target):
 
 @pytest.mark.parametrize("reader", ["inspect", "runner"])   # the runner: before any compute
 def test_inconsistent_shapes_are_reported(tmp_path, reader):
-    path = tiny.make_llama(tmp_path, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, vocab=64)
+    path = make_llama(tmp_path, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, vocab=64)
     cfg = json.loads((path / "config.json").read_text())
     cfg["vocab_size"] = 100
     (path / "config.json").write_text(json.dumps(cfg))
@@ -86,8 +86,8 @@ def test_inconsistent_shapes_are_reported(tmp_path, reader):
 
 
 def test_tied_embeddings_and_only_requested_tensors(tmp_path):
-    path = tiny.make_llama(tmp_path, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, vocab=64,
-                           tie=True)
+    path = make_llama(tmp_path, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, vocab=64,
+                      tie=True)
     ckpt = Checkpoint(path)
     assert ckpt.head_name is None and ckpt.full_name("lm_head.weight") == "model.embed_tokens.weight"
     assert torch.equal(ckpt.get("lm_head.weight"), ckpt.get("embed_tokens.weight"))
@@ -154,8 +154,8 @@ def test_llama_forward_matches_dense_reference(llama_target):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_qwen_variants_run_and_chunking_is_exact(tmp_path, family):
-    path = tiny.make_llama(tmp_path, family=family, hidden=32, layers=4, heads=4, kv_heads=2,
-                           intermediate=64, vocab=64)
+    path = make_llama(tmp_path, family=family, hidden=32, layers=4, heads=4, kv_heads=2,
+                      intermediate=64, vocab=64)
     ckpt = Checkpoint(path)
     names = set(ckpt.text_tensor_names())
     assert ("model.layers.0.self_attn.q_proj.bias" in names) == (family == "qwen2")
@@ -173,7 +173,7 @@ def test_greedy_argmax_in_vocab_chunks():
 
 
 def test_missing_layer_tensor_fails_before_any_compute(tmp_path):
-    path = tiny.make_llama(tmp_path, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, vocab=64, shards=2)
+    path = make_llama(tmp_path, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, vocab=64, shards=2)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     del index["weight_map"]["model.layers.3.mlp.up_proj.weight"]
     (path / "model.safetensors.index.json").write_text(json.dumps(index))

@@ -5,7 +5,7 @@ set -euo pipefail
 out=${OUT:-/tmp/gpu_smoke}
 python - <<'PY'
 from eagle3.models import tiny
-tiny.make_llama("/tmp/smoke/target", hidden=256, layers=8, heads=4, kv_heads=2, intermediate=512, vocab=2048)
+tiny.make_kimi("/tmp/smoke/target", hidden=256, layers=8, intermediate=512, vocab=2048)
 tiny.make_token_data("/tmp/smoke/data.jsonl", vocab=2048, sequences=512, min_len=64, max_len=512)
 PY
 common="--target.path /tmp/smoke/target --data.path /tmp/smoke/data.jsonl --extract.output_dir /tmp/smoke/hidden

@@ -185,10 +185,6 @@ class IncrementalTarget:
         """Forget the cached positions from n on (rejected draft tokens)."""
         cache.length = min(cache.length, n)
 
-    def forward(self, ids: torch.Tensor, cache: SequenceCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Process the next ids [n] of one sequence -> (aux [n, 3H], post-norm final [n, H])."""
-        return self.forward_many([ids], [cache])[0]
-
     @torch.no_grad()
     def forward_many(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> list[tuple]:
         """The next tokens of several sequences in one batched pass -> [(aux, final)] per sequence."""

@@ -1,5 +1,5 @@
-"""Miniature random-weight targets with the real config layouts and tensor names, for the tests and
-the demo: Llama / Qwen2 / Qwen3 (`make_llama`) and Kimi-K2.5 (`make_kimi`: nested config, int4 experts)."""
+"""Miniature random-weight targets with the real config layouts and tensor names, for the demo and the
+tests: Kimi-K2.5 (`make_kimi`: nested config, int4 experts) and synthetic token data."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-
-def _start(out: str | Path, config: dict, seed: int, dtype: torch.dtype):
+def start_target(out: str | Path, config: dict, seed: int, dtype: torch.dtype):
     """Write config.json into `out` -> (out, tensors {}, rand, ones, mlp): makers of seeded random tensors
     in `dtype` (rand: std 1/sqrt(fan-in) by default; ones: about 1), mlp adding an MLP's linears."""
     out, t, g = Path(out), {}, torch.Generator().manual_seed(seed)
@@ -38,7 +35,7 @@ def _start(out: str | Path, config: dict, seed: int, dtype: torch.dtype):
     return out, t, rand, ones, mlp
 
 
-def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+def save_sharded(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
     """One model.safetensors, or `shards` files and model.safetensors.index.json."""
     if shards <= 1:
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
@@ -52,37 +49,6 @@ def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> N
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
              "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
-def make_llama(out: str | Path, family: str = "llama", hidden: int = 64, layers: int = 6, heads: int = 4,
-               kv_heads: int = 2, intermediate: int = 128, vocab: int = 512, tie: bool = False, shards: int = 1,
-               seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
-    head_dim = hidden // heads
-    config = {"architectures": [_ARCH[family]], "model_type": family, "hidden_size": hidden,
-              "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": tie,
-              "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
-    out, t, rand, ones, mlp = _start(out, config, seed, dtype)
-    t.update({"model.embed_tokens.weight": rand(vocab, hidden, std=1.0), "model.norm.weight": ones(hidden)})
-    if not tie:
-        t["lm_head.weight"] = rand(vocab, hidden, std=3 * hidden ** -0.5)
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = ones(hidden)
-        t[p + "post_attention_layernorm.weight"] = ones(hidden)
-        t[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
-        t[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
-        t[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
-        t[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim, std=0.3 * hidden ** -0.5)   # small: see mlp
-        mlp(p + "mlp.", hidden, intermediate)
-        if family == "qwen2":
-            for n, width in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
-                t[p + f"self_attn.{n}.bias"] = rand(width * head_dim, std=0.02)
-        if family == "qwen3":
-            t.update({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)})
-    _save_sharded(t, out, shards)
-    return out
 
 
 def make_token_data(out: str | Path, vocab: int, sequences: int = 64, min_len: int = 16,
@@ -179,7 +145,7 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
     config = kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head,
                              intermediate, moe_intermediate, experts, top_k, n_group, topk_group, first_dense,
                              vocab, yarn_original, yarn_factor)
-    out, t, rand, ones, mlp = _start(out, config, seed, torch.bfloat16)
+    out, t, rand, ones, mlp = start_target(out, config, seed, torch.bfloat16)
     m = "language_model.model."
     t.update({m + "embed_tokens.weight": rand(vocab, hidden, std=1.0), m + "norm.weight": ones(hidden),
               "language_model.lm_head.weight": rand(vocab, hidden, std=3 * hidden ** -0.5),
@@ -208,10 +174,5 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
         mlp(p + "mlp.shared_experts.", hidden, moe_intermediate)
         for e in range(experts):
             mlp(f"{p}mlp.experts.{e}.", hidden, moe_intermediate, quant=quantized)
-    _save_sharded(t, out, shards)
+    save_sharded(t, out, shards)
     return out
-
-
-def make_demo_target(out: str | Path) -> Path:
-    """The target the README demo and the default config.toml use: Kimi-K2.5's layout, tiny."""
-    return make_kimi(out, layers=8)
