@@ -17,6 +17,7 @@ import torch
 from conftest import KIMI_FIXTURE, ROOT
 from eagle3.models.inspect import inspect
 from eagle3.models import attention, deepseek, quant, tiny
+from eagle3.models.incremental import KVPool, LayerPass, PassLayout, SequenceCache
 from eagle3.models.weights import Checkpoint, TargetError, read_config
 from eagle3.models.streaming import TargetRunner
 
@@ -377,11 +378,14 @@ def test_decoding_with_caches_matches_the_full_forward(kimi):
     h = torch.randn(20, 64, generator=torch.Generator().manual_seed(4))
     cu = torch.tensor([0, 12, 20])
     full = model.layer_forward(weights, h, torch.cat([torch.arange(12), torch.arange(8)]), cu)
-    caches, parts = [{}, {}], {0: [], 1: []}
+    pool, parts = KVPool(1), {0: [], 1: []}
+    caches = [SequenceCache(pool), SequenceCache(pool)]
     for (a0, b0), (a1, b1) in (((0, 5), (0, 3)), ((5, 6), (3, 8)), ((6, 12), (8, 8))):
         x = torch.cat([h[a0:b0], h[12 + a1:12 + b1]])
-        pos = torch.cat([torch.arange(a0, b0), torch.arange(a1, b1)])
-        out = model.layer_forward(weights, x, pos, torch.tensor([0, b0 - a0, b0 - a0 + b1 - a1]), cache=caches)
+        layout = PassLayout(pool, caches, [b0 - a0, b1 - a1], torch.device("cpu"))
+        torch.testing.assert_close(layout.positions, torch.cat([torch.arange(a0, b0), torch.arange(a1, b1)]))
+        out = model.layer_forward(weights, x, layout.positions, layout.cu, cache=LayerPass(pool, 0, layout))
+        caches[0].length, caches[1].length = b0, b1
         parts[0].append(out[:b0 - a0])
         parts[1].append(out[b0 - a0:])
     torch.testing.assert_close(torch.cat(parts[0] + parts[1]), full, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
 """Attention of packed sequences for the target forwards: causal over each sequence for extraction,
-against a KV cache for decoding."""
+against a KV cache for decoding (`incremental.LayerPass`)."""
 from __future__ import annotations
 
 import torch
@@ -39,19 +39,6 @@ def cudnn_takes(q, k, v) -> bool:
     params = torch.backends.cuda.SDPAParams(*[x.transpose(0, 1)[None] for x in (q, k, v)], None, 0.0, True,
                                             q.shape[1] != k.shape[1])
     return torch.backends.cuda.can_use_cudnn_attention(params)
-
-
-def cached_attention_packed(q, k, v, cu_seqlens, caches, scale=None):
-    """Decoding: segment i of q/k/v [T, heads, D] continues caches[i] (a dict), or all in a `LayerPass`."""
-    if not isinstance(caches, list):
-        return caches.attend(q, k, v, scale)
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    bounds = cu_seqlens.tolist()
-    for a, b, cache in zip(bounds[:-1], bounds[1:], caches):
-        for name, new in (("k", k[a:b]), ("v", v[a:b])):
-            cache[name] = new if name not in cache else torch.cat([cache[name], new])
-        out[a:b] = cached_attention(q[a:b], cache["k"], cache["v"], scale=scale)
-    return out
 
 
 def cached_attention(q, k, v, scale=None):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from eagle3.ops import compiled, rms_norm, silu_mul, swiglu
 from eagle3.models import quant
 from eagle3.models.weights import Checkpoint, TargetError, TextConfig, require
-from eagle3.models.attention import cached_attention_packed, causal_attention_packed
+from eagle3.models.attention import causal_attention_packed
 
 # experts dequantized into one buffer at a time: 32 Kimi experts are 2.8 GB of bf16, small next to
 # a 64k-token chunk's activations
@@ -274,8 +274,8 @@ class DeepseekTarget:
         return {"weight": torch.stack([torch.cat([self._dense(b, shape) for b in names]) for names in bases])}
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
-                      cu_seqlens: torch.Tensor, cache: list[dict] | None = None) -> torch.Tensor:
-        """h [T, H] packed sequences -> h after the block; decoding with `cache` (cached_attention_packed)."""
+                      cu_seqlens: torch.Tensor, cache=None) -> torch.Tensor:
+        """h [T, H] packed sequences -> h after the block; decoding with `cache` (an `incremental.LayerPass`)."""
         eps = self.cfg.rms_norm_eps
         h = h + self._attention(w, self.norm(h, w["input_layernorm"], eps), positions, cu_seqlens, cache)
         x = self.norm(h, w["post_attention_layernorm"], eps)
@@ -304,7 +304,7 @@ class DeepseekTarget:
         else:
             # the cache keeps v padded to the q/k head dim: the fused kernels want equal head dims
             v = F.pad(v, (0, s.qk_head_dim - s.v_head_dim)) if s.v_head_dim < s.qk_head_dim else v
-            out = cached_attention_packed(q, k, v, cu_seqlens, cache, self.softmax_scale)[..., :s.v_head_dim]
+            out = cache.attend(q, k, v, self.softmax_scale)[..., :s.v_head_dim]
         return F.linear(out.reshape(T, nh * s.v_head_dim), w["self_attn.o_proj"])
 
     def _moe(self, w, x):

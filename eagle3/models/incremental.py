@@ -135,7 +135,7 @@ class PassLayout:
 
 
 class LayerPass:
-    """A layer's `cache` in a batched pass: attention.cached_attention_packed calls `attend`."""
+    """A layer's `cache` in a batched pass, which the layer's attention calls `attend` on."""
 
     def __init__(self, pool: KVPool, layer: int, layout: PassLayout):
         self.pool, self.layer, self.layout = pool, layer, layout

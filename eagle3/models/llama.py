@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.ops import apply_rope, llama_inv_freq, rms_norm, rope_cos_sin, swiglu
-from eagle3.models.attention import cached_attention_packed, causal_attention_packed
+from eagle3.models.attention import causal_attention_packed
 from eagle3.models.weights import Checkpoint, TargetError
 
 
@@ -45,8 +45,8 @@ class LlamaTarget:
                 for n in self.layer_shapes(i)}
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
-                      cu_seqlens: torch.Tensor, cache: list[dict] | None = None) -> torch.Tensor:
-        """h [T, H] packed sequences -> h after the block; decoding with `cache` (cached_attention_packed)."""
+                      cu_seqlens: torch.Tensor, cache=None) -> torch.Tensor:
+        """h [T, H] packed sequences -> h after the block; decoding with `cache` (an `incremental.LayerPass`)."""
         eps = self.cfg.rms_norm_eps
         h = h + self._attention(w, rms_norm(h, w["input_layernorm.weight"], eps), positions, cu_seqlens, cache)
         x = rms_norm(h, w["post_attention_layernorm.weight"], eps)
@@ -60,6 +60,5 @@ class LlamaTarget:
             q, k = rms_norm(q, w["self_attn.q_norm.weight"], eps), rms_norm(k, w["self_attn.k_norm.weight"], eps)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = (causal_attention_packed(q, k, v, cu_seqlens) if cache is None
-               else cached_attention_packed(q, k, v, cu_seqlens, cache))
+        out = causal_attention_packed(q, k, v, cu_seqlens) if cache is None else cache.attend(q, k, v)
         return F.linear(out.reshape(T, -1), w["self_attn.o_proj.weight"])
