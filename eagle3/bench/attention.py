@@ -1,9 +1,8 @@
 """`python -m eagle3.bench attention [--shapes a,b,c] [--json FILE]`: TTT attention, forward + backward, on the GPU.
 
-Each shape is checked against fp32, then each contender timed (`timing.median_ms`) with its peak memory
-above the inputs and dO. Useful FLOPs, FlashAttention's way: forward = 4·D·Hq·(causal pairs + (S-1)·T
-diagonal pairs), backward = 2.5x forward; the sdpa floor (step-0 keys only) without the diagonal.
-"""
+Each shape is checked against fp32, then each contender timed with its peak memory above the inputs and dO.
+Useful FLOPs, FlashAttention's way: forward = 4·D·Hq·(causal pairs + (S-1)·T diagonal pairs), backward = 2.5x
+forward; the sdpa floor (step-0 keys only) without the diagonal."""
 from __future__ import annotations
 
 import argparse
@@ -165,26 +164,18 @@ def run(shapes: str = "all", json_path: str | None = None) -> None:
     device = describe_device()
     print(f"TTT attention fwd+bwd, {device}")
     results, rows = [bench_case(label) for label in shape_labels(shapes, SHAPES)], []
-    print("\n| shape | implementation | fwd+bwd ms | TFLOP/s | peak GiB |\n|---|---|---:|---:|---:|")
+    print("\n| shape | implementation | fwd+bwd ms | TFLOP/s | peak GiB | time / this kernel's |")
+    print("|---|---|---:|---:|---:|---:|")
     for res in results:
+        ours = res["rows"].get("triton (this kernel)")
         for name, row in res["rows"].items():
-            cells = "| not run (see above) | | |" if row is None else f"| {row[0]:.2f} | {row[1]:.0f} | {row[2]:.2f} |"
+            ratio = f"{row[0] / ours[0]:.2f}" if row and ours else ""
+            cells = f"| {row[0]:.2f} | {row[1]:.0f} | {row[2]:.2f} | {ratio} |" if row else "| not run (see above) | | | |"
             print(f"| {res['case']['label']} | {name} {cells}")
             rows.append({"bench": "attention", "device": device, "shape": res["case"]["label"],
                          "lengths": res["case"]["lengths"], "max_rel_err": max(res["errors"].values()),
                          "implementation": name, **dict(zip(("fwd_bwd_ms", "tflops", "peak_gib"), row or (None,) * 3))})
     append_json(json_path, rows)
-    print("\n| shape | check (max rel err) | kernel/flex time | flex/kernel speed-up | kernel/floor time "
-          "| kernel/flex memory |\n|---|---|---:|---:|---:|---:|")
-    for res in results:
-        kern, flex, floor = (res["rows"].get(n) for n in ("triton (this kernel)", "flex_attention (compiled)",
-                                                          "sdpa causal floor"))
-        cells = "n/a | n/a | n/a | n/a"
-        if kern and flex and floor:
-            cells = (f"{kern[0] / flex[0]:.2f} | {flex[0] / kern[0]:.2f}x | {kern[0] / floor[0]:.2f} "
-                     f"| {kern[2] / flex[2]:.2f}")
-        verdict = f"{max(res['errors'].values()):.1e} {'pass' if res['ok'] else 'FAIL'}"
-        print(f"| {res['case']['label']} | {verdict} | {cells} |")
 
 
 def main(argv: list[str] | None = None) -> None:

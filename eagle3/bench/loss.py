@@ -1,11 +1,8 @@
 """`python -m eagle3.bench loss [--shapes a,b,c,c*] [--json FILE]`: the fused TTT loss against eager,
-torch.compile and the matmul floor, on the GPU.
-
-One iteration: K = 7 steps share the head w [V, H]; step k has rows h_k [N, H], targets p[k : k + N] (views
-of one [N + K, V] tensor, as in training) and a valid mask; Σ_k 0.8^k · Σ loss_k / n, then backward. The
-floor: the useful FLOPs (3 GEMMs of 2·n_valid·V·H a step) at the bf16 matmul rate measured in the run.
-Memory: "raw" = peak allocated during the iteration above its inputs; "extra" = raw less the gradients left.
-"""
+torch.compile and the GEMMs alone, on the GPU: K = 7 steps share the head w [V, H], step k reads rows
+h_k [N, H] and targets p[k : k + N] (views of one [N + K, V] tensor, as in training). The floor: the useful
+FLOPs at the bf16 rate measured in the run; memory "raw" is the peak above the inputs, "extra" raw less the
+gradients left."""
 from __future__ import annotations
 
 import argparse
@@ -176,27 +173,10 @@ def bench_shape(label: str, rate: float, results: dict, checks: list) -> None:
 
 
 def ratios(results: dict, label: str) -> list[str]:
-    t = {name: (v[0], v[2]) for (lab, name), v in results.items() if lab == label}
-    out = []
-    for name in ("triton", "triton-K"):
-        if name not in t:
-            continue
-        ms, extra = t[name]
-        parts = [f"{name}:"]
-        if "compile" in t:
-            parts.append(f"compile/{name} {t['compile'][0] / ms:.2f}x")
-        if "eager" in t:
-            parts += [f"eager/{name} {t['eager'][0] / ms:.2f}x",
-                      f"extra mem {extra / t['eager'][1] * 100:.1f}% of eager"]
-        parts.append(f"{name}/floor {ms / t['floor'][0]:.3f}")
-        if "cublas" in t:
-            parts.append(f"{name}/cublas {ms / t['cublas'][0]:.3f}")
-        out.append(f"({label}) " + ", ".join(parts))
-    if "compile" in t and "eager" in t:
-        out.append(f"({label}) compile: eager/compile {t['eager'][0] / t['compile'][0]:.2f}x, "
-                   f"compile/floor {t['compile'][0] / t['floor'][0]:.3f}, "
-                   f"extra mem {t['compile'][1] / t['eager'][1] * 100:.1f}% of eager")
-    return out
+    """Each fused method's time against the others' at one shape."""
+    ms = {name: v[0] for (lab, name), v in results.items() if lab == label}
+    return [f"({label}) " + ", ".join(f"{other}/{name} {ms[other] / ms[name]:.3f}" for other in ms if other != name)
+            for name in ("triton", "triton-K") if name in ms]
 
 
 def print_checks(checks: list) -> None:
@@ -229,15 +209,6 @@ def run(shapes: str = "all", json_path: str | None = None) -> None:
     print("", *(line for label in labels for line in ratios(results, label)), sep="\n")
     if configs := chosen_configs():
         print("loss kernel configs chosen by autotune (V, LOSS, WRITE_GRAD, ...):", configs)
-    ms = {key: v[0] for key, v in results.items()}
-    for name in ("triton", "triton-K"):
-        if ("b", name) in ms and ("c", name) in ms:
-            c = ms[("c", name)]
-            line = (f"{name}: time(c)/time(b) {c / ms[('b', name)]:.3f} "
-                    f"(valid share x H ratio = {0.7 * 4096 / 7168:.3f})")
-            if ("c*", name) in ms:
-                line += f"; time(c)/time(c, all valid) {c / ms[('c*', name)]:.3f}"
-            print(line)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,18 +1,9 @@
-"""`python -m eagle3.bench`: the full training step of an EAGLE-3 draft on synthetic data, at the
-sizes of the targets users train for (Kimi-K2.5, Llama-3.1-8B, Llama-3.2-1B, the quality bench's small one).
+"""`python -m eagle3.bench`: the full training step of an EAGLE-3 draft on synthetic shards, at the sizes users
+train for (Kimi-K2.5, Llama-3.1-8B, Llama-3.2-1B, the quality bench's small one; `--tiny` on the CPU).
 
-Writes a stand-in target (config, embedding, norm and head: what the trainer reads) and synthetic
-hidden-state shards in the real format, then times `Trainer.train_step` (all K steps forward, backward,
-optimizer; DDP under torchrun) with the shards read through the trainer's own prefetcher and device copies,
-`--steps` steps back to back. Prints tokens/s per GPU, MFU (matmul FLOPs computing every row at every step
-over the bf16 rate measured in the same run), peak memory and the share of the step the GPU is idle, per
-size, data layout and kernel choice: "torch" is the established recipe (compiled flex_attention and loss,
-every row computed), "triton" ours; `-fp8` adds train.float8, `-fp8-head` also train.float8_head, `-graph`
-debug.cuda_graphs, `auto` the defaults' choice for the size.
-
-    python -m eagle3.bench [step] [--sizes kimi,llama8b] [--layouts a,b] [--kernels torch,triton] [--steps 5]
-    torchrun --nproc_per_node 2 -m eagle3.bench ...
-    python -m eagle3.bench --tiny        # the same code on a tiny shape (CPU smoke test)
+`Trainer.train_step` (DDP under torchrun) timed over the trainer's own prefetcher: tokens/s per GPU, MFU
+against the bf16 rate measured in the run, peak memory, GPU idle share and host syncs, per size, data layout
+and kernel choice ("torch": compiled flex_attention and loss, every row; "triton": ours; docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -31,7 +22,7 @@ from safetensors.torch import save_file
 
 from eagle3 import config as config_mod
 from eagle3 import distributed
-from eagle3.bench.timing import free_memory, matmul_tflops, require_cuda, wall_s
+from eagle3.bench.timing import append_json, free_memory, matmul_tflops, require_cuda, wall_s
 from eagle3.data.batch import Batch
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, write_shard
 from eagle3.files import atomic_write_text
@@ -54,9 +45,8 @@ SIZES = {   # draft shapes (the target's hidden, heads, intermediate) and one mi
 
 
 def write_target(out: Path, s: dict) -> None:
-    """A stand-in target: a text config (Kimi's with 61 layers, else Llama's) and only the tensors the
-    trainer reads. Kept for the next run with the same --dir: config.json is written last, so its presence
-    with the same contents means the weights are complete."""
+    """A stand-in target: a text config (Kimi's with 61 layers, else Llama's) and the tensors the trainer reads;
+    kept for the next run with the same --dir (config.json, written last, says the weights are complete)."""
     out.mkdir(parents=True, exist_ok=True)
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": s["hidden"],
               "vocab_size": s["vocab"], "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"],
@@ -143,50 +133,39 @@ def step_flops(s: dict, steps: int, tokens: int, head_trained: bool) -> float:
 
 
 def gpu_busy_fraction(trainer: Trainer, batches, table: Path | None = None, steps: int = 3) -> tuple[float, float]:
-    """(busy share, wall seconds) of `steps` steps back to back under the profiler, as training runs them:
-    union of the GPU kernels' time. `table`: where to write their kernels by GPU time (where the time goes)."""
+    """(busy share, wall seconds) of `steps` steps back to back under the profiler: the union of the GPU
+    kernels' time. `table`: where to write the kernels by GPU time and the longest idle gaps between them."""
     from torch.profiler import ProfilerActivity, profile
-
-    def loop():
-        for _ in range(steps):
-            trainer.train_step([next(batches)])
-
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = wall_s(loop)[0]
+        wall = wall_s(lambda: [trainer.train_step([next(batches)]) for _ in range(steps)])[0]
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    merged = []   # [start, end, first kernel, last kernel to end] of each busy stretch
+    for a, b, name in spans:
+        if not merged or a > merged[-1][1]:
+            merged.append([a, b, name, name])
+        elif b > merged[-1][1]:
+            merged[-1][1], merged[-1][3] = b, name
+    busy = sum(b - a for a, b, _, _ in merged)
     if table is not None:
         table.parent.mkdir(parents=True, exist_ok=True)
         averages = prof.key_averages()
-        table.write_text(averages.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
-                         + averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90))
-        # every GPU kernel, not only the table's first rows: the sums by kind come from this
         kernels = sorted((e for e in averages if e.device_type.name == "CUDA"   # kernels, not the optimizer's
                           and not getattr(e, "is_user_annotation", False)),        # annotation of their span
                          key=lambda e: -e.self_device_time_total)
         atomic_write_text(table.with_suffix(".kernels.tsv"), "ms\tcalls\tkernel\n" + "".join(
             f"{e.self_device_time_total / 1e3:.3f}\t{e.count}\t{e.key}\n" for e in kernels))
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
-    busy, current, gaps = 0.0, None, []
-    for a, b, name in spans:
-        if current is None or a > current[1]:
-            if current is not None:
-                busy += current[1] - current[0]
-                gaps.append((a - current[1], current[2], name))
-            current = [a, b, name]
-        elif b > current[1]:
-            current[1:] = [b, name]
-    busy += 0 if current is None else current[1] - current[0]
-    if table is not None:   # the longest idle gaps, between which kernels
-        with table.open("a") as f:
-            f.write(f"\n{steps} steps' wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms; longest gaps:\n")
-            for gap, before, after in sorted(gaps, reverse=True)[:25]:
-                f.write(f"{gap / 1e3:8.2f} ms  after {before[:70]}  before {after[:70]}\n")
+        gaps = sorted(((n[0] - m[1], m[3], n[2]) for m, n in zip(merged, merged[1:])), reverse=True)[:25]
+        table.write_text(averages.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
+                         + averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90)
+                         + f"\n{steps} steps' wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms; longest gaps:\n"
+                         + "".join(f"{gap / 1e3:8.2f} ms  after {before[:70]}  before {after[:70]}\n"
+                                   for gap, before, after in gaps))
     return busy / 1e6 / wall, wall
 
 
 def attention_picks() -> dict:
-    """The (BLOCK_M, BLOCK_N, warps, stages) the TTT attention's tuner picked per kernel: what the
-    step ran (the picks of the last shape class tuned)."""
+    """(BLOCK_M, BLOCK_N, warps, stages) per kernel as the attention's tuner last picked them: what the step ran."""
     module = importlib.import_module("kernels.ttt_attention")   # the package exports a function of that name
     return {name: module.best_config(name) for name in ("fwd", "dkdv", "dq")}
 
@@ -313,9 +292,7 @@ def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path) -> tu
                                          args.profile_dir, args.train_head, args.prompt_rows))
                 if dist.main:
                     print(json.dumps(results[-1]), flush=True)
-                    if args.json:
-                        with open(args.json, "a") as f:
-                            f.write(json.dumps({**results[-1], "tflops": tflops}) + "\n")
+                    append_json(args.json, [{**results[-1], "tflops": tflops}])
                 free_memory()
                 if dist.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
