@@ -54,7 +54,7 @@ class Conversation:
 
     def feed(self) -> torch.Tensor:
         """Tokens the target has not seen yet."""
-        return torch.tensor(self.ids[IncrementalTarget.cached_tokens(self.cache):])
+        return torch.tensor(self.ids[self.cache.length:])
 
     def take(self, token: int, max_new: int, stop: set[int]) -> None:
         self.ids.append(token)

@@ -127,9 +127,9 @@ def greedy_decode_many(target: IncrementalTarget, prompts: list[list[int]], max_
 
 class _Chain:
     """One prompt under speculative decoding: its tokens x_0..x_m, the target's cache and aux states of
-    x_0..x_{m-1} (the draft reads the newest as an embedding), the draft's cache (None for a drafter without)."""
+    x_0..x_{m-1} (the draft reads the newest as an embedding), the draft's cache."""
 
-    def __init__(self, prompt: list[int], cache, aux: torch.Tensor, first: int, draft_cache=None):
+    def __init__(self, prompt: list[int], cache, aux: torch.Tensor, first: int, draft_cache):
         self.tokens, self.cache, self.aux, self.draft_cache = list(prompt) + [first], cache, aux, draft_cache
         self.result = Decoded([first])                   # the prefill gives one token, no draft
 
@@ -139,7 +139,7 @@ class _Chain:
     def take(self, drafts: list[int], a: int, token: int, new_aux: torch.Tensor) -> None:
         """Keep the first `a` drafts and the target's `token` after them."""
         gained = drafts[:a] + [token]
-        IncrementalTarget.crop(self.cache, len(self.tokens) + a)   # keep x_0..x_m and the accepted drafts
+        self.cache.length = min(self.cache.length, len(self.tokens) + a)   # x_0..x_m and the accepted drafts
         self.aux = torch.cat([self.aux, new_aux[:a + 1]])
         self.tokens += gained
         self.result.tokens += gained
@@ -155,9 +155,9 @@ class _Chain:
 
 
 def _propose(drafter, chains: list[_Chain], k: int, *sampling):
-    """The drafter's proposals for the chains (propose_many), through their draft caches if any."""
-    caches = {} if chains[0].draft_cache is None else {"caches": [c.draft_cache for c in chains]}
-    return drafter.propose_many([c.aux for c in chains], [c.tokens for c in chains], k, *sampling, **caches)
+    """The drafter's proposals for the chains (propose_many), through their draft caches."""
+    return drafter.propose_many([c.aux for c in chains], [c.tokens for c in chains], k, *sampling,
+                                caches=[c.draft_cache for c in chains])
 
 
 def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]],
@@ -200,9 +200,7 @@ def _decode(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]
     caches = [target.new_cache() for _ in prompts]
     prefill = target.forward_many([torch.tensor(p) for p in prompts], caches)
     firsts = first(torch.cat([final[-1:] for _, final in prefill]))
-    keeps_cache = hasattr(drafter, "new_cache")          # test stand-ins recompute
-    chains = [_Chain(p, c, aux, t, drafter.new_cache() if keeps_cache else None)
-              for p, c, (aux, _), t in zip(prompts, caches, prefill, firsts)]
+    chains = [_Chain(p, c, aux, t, drafter.new_cache()) for p, c, (aux, _), t in zip(prompts, caches, prefill, firsts)]
     live = [i for i, c in enumerate(chains) if not c.done(max_new, stop)]
     while live:
         round_(live, [chains[i] for i in live])

@@ -71,7 +71,10 @@ class OracleDrafter:
             out[self.calls % k] = (out[self.calls % k] + 1) % 256
         return out
 
-    def propose_many(self, auxes, tokens, k):
+    def new_cache(self):
+        return None
+
+    def propose_many(self, auxes, tokens, k, caches):
         return [self.propose(aux, torch.tensor(t), k) for aux, t in zip(auxes, tokens)]
 
 

@@ -48,7 +48,7 @@ class Sequence:
         self.final.append(out[1])
 
     def crop(self, n):
-        IncrementalTarget.crop(self.cache, n)
+        self.cache.length = n
         self.tokens, self.fed = self.tokens[:n], n
         self.aux, self.final = [torch.cat(self.aux)[:n]], [torch.cat(self.final)[:n]]
 
@@ -70,7 +70,7 @@ def test_batched_pool_equals_full_forward(family_target):
     step(target, seqs, [4] * 5)                              # verify k + 1 = 4 tokens each
     for s, keep in zip(seqs, (0, 1, 4, 2, 3)):               # reject some drafts
         s.crop(len(s.tokens) - 4 + keep)
-    assert [IncrementalTarget.cached_tokens(s.cache) for s in seqs] == [len(s.tokens) for s in seqs]
+    assert [s.cache.length for s in seqs] == [len(s.tokens) for s in seqs]
     seqs[2] = None                                           # a finished sequence frees its slot ...
     seqs[2] = Sequence(target, SHORT_MAX + 20, g)            # ... which a new long prompt takes
     extra = Sequence(target, 3, g)                           # one more slot: the pool grows
@@ -96,8 +96,7 @@ def test_slots_are_reused_lowest_first(llama_target):
     kept = [target.new_cache(), target.new_cache(), target.new_cache()]
     assert sorted(c.slot for c in kept) == [0, 2, 4]
     target.forward_many([torch.tensor([3, 4, 5])], [kept[0]])
-    IncrementalTarget.crop(kept[0], 5)                             # beyond the end: nothing to forget
-    assert IncrementalTarget.cached_tokens(kept[0]) == 3
+    assert kept[0].length == 3
     with pytest.raises(ValueError, match="same cache twice"):
         target.forward_many([torch.tensor([1]), torch.tensor([2])], [kept[0], kept[0]])
 

@@ -140,7 +140,10 @@ class NearDrafter:
         self.target = target
         self.noise = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(5)) * 2, -1)
 
-    def propose_many(self, auxes, tokens, k, sampling_, u):
+    def new_cache(self):
+        return None
+
+    def propose_many(self, auxes, tokens, k, sampling_, u, caches):
         contexts, ids, qs = [list(t) for t in tokens], [], []
         for j in range(k):
             caches = [self.target.new_cache() for _ in contexts]

@@ -176,15 +176,6 @@ class IncrementalTarget:
     def new_cache(self) -> SequenceCache:
         return SequenceCache(self.pool)
 
-    @staticmethod
-    def cached_tokens(cache: SequenceCache) -> int:
-        return cache.length
-
-    @staticmethod
-    def crop(cache: SequenceCache, n: int) -> None:
-        """Forget the cached positions from n on (rejected draft tokens)."""
-        cache.length = min(cache.length, n)
-
     @torch.no_grad()
     def forward_many(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> list[tuple]:
         """The next tokens of several sequences in one batched pass -> [(aux, final)] per sequence."""
