@@ -30,9 +30,6 @@ class DraftSpec:
     fc_norm: bool = False                # an RMSNorm per aux state before fc
     norm_output: bool = False            # norm(h) is the head's input and the next step's state
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 # the norm settings under the keys speculators and vLLM use; SGLang reads none, so with one on its export
 # would decode another draft

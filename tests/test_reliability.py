@@ -1,6 +1,7 @@
 """Issue 13, "nothing lost, nothing silent": what a user meets with a used output directory, damaged
 files, data that cannot train, NaN metrics, file modes, untrusted checkpoints and a full disk."""
 import contextlib
+import dataclasses
 import errno
 import io
 import json
@@ -618,7 +619,7 @@ def test_sglang_config_carries_only_the_ids_sglang_reads():
     spec = DraftSpec(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                      intermediate_size=64, target_vocab_size=256, draft_vocab_size=128, target_hidden_size=32,
                      num_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512)
-    config = sglang_config({"resolved": {"draft_spec": spec.to_dict(), "aux_layer_ids": [1, 30, 57]}}, Config())
+    config = sglang_config({"resolved": {"draft_spec": dataclasses.asdict(spec), "aux_layer_ids": [1, 30, 57]}}, Config())
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 30, 57], "use_aux_hidden_state": True}
     assert not [key for key in config if "aux" in key and key != "eagle_config"], config
 
