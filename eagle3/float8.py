@@ -86,13 +86,7 @@ def choose(setting: bool | None, device: torch.device, spec, where: str, say: bo
            f"no fp8 tensor cores on {torch.cuda.get_device_name(device)}"
            if torch.cuda.get_device_capability(device) < (8, 9) else
            f"widths not multiples of 16: {', '.join(odd)}" if odd else None)
-    on = False
-    if why is None:
-        on, why = faster(spec, tokens, device, "layer")
-        on = agree(on)
-    if say:
-        print(f"train.float8 = auto: {'on' if on else 'off'} ({why})", file=sys.stderr)
-    return on
+    return _auto("train.float8", why, spec, tokens, device, "layer", say, agree)
 
 
 def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torch.device, spec, where: str,
@@ -114,16 +108,22 @@ def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torc
         why = ("train.float8 is off" if not draft_float8 else
                "the loss is not the Triton one on a GPU" if not triton_gpu else
                f"widths not multiples of 16: {', '.join(odd)}" if odd else None)
-        setting = False
-        if why is None:
-            setting, why = faster(spec, tokens, device, "head")
-            setting = agree(setting)
-        if say:
-            print(f"train.float8_head = auto: {'on' if setting else 'off'} ({why})", file=sys.stderr)
+        setting = _auto("train.float8_head", why, spec, tokens, device, "head", say, agree)
     return functools.partial(ttt_loss_steps, float8=True) if setting else loss_steps
 
 
 MARGIN = 0.95   # fp8 only where clearly faster: timing noise must not flip a run's choice
+
+
+def _auto(key: str, why: str | None, spec, tokens: int, device: torch.device, part: str, say: bool, agree) -> bool:
+    """`key` = auto: on where nothing rules fp8 out (`why`) and `part` times faster in fp8, by every rank's vote."""
+    on = False
+    if why is None:
+        on, why = faster(spec, tokens, device, part)
+        on = agree(on)
+    if say:
+        print(f"{key} = auto: {'on' if on else 'off'} ({why})", file=sys.stderr)
+    return on
 
 
 def faster(spec, tokens: int, device: torch.device, part: str) -> tuple[bool, str]:
