@@ -1,8 +1,7 @@
 """Process-group plumbing for torchrun: NCCL on GPUs, gloo on the CPU; a no-op in one process.
 
 A dead rank must not leave the others waiting: collectives time out (`setup`), `lost_peer` names that
-failure, and SIGTERM (torchrun's word to the survivors) ends a rank with one line (`stop_on_sigterm`).
-"""
+failure, and SIGTERM (torchrun's word to the survivors) ends a rank with one line (`stop_on_sigterm`)."""
 from __future__ import annotations
 
 import os

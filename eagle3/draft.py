@@ -28,8 +28,7 @@ class RMSNorm(nn.Module):
 
 @dataclass
 class Rows:
-    """Which of `total` packed rows a TTT step computes (None: all). Every computed row provides keys and
-    values; only the kept ones' outputs are needed."""
+    """Which of `total` packed rows a TTT step computes (None: all): all give keys and values, the kept outputs."""
     total: int
     computed: torch.Tensor | None = None   # [C] global indices of the rows whose inputs are given
     kept: torch.Tensor | None = None       # [N] indices into the computed rows

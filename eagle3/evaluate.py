@@ -1,7 +1,6 @@
 """`python -m eagle3 evaluate --config C DRAFT [--prompts P.jsonl]`: judge a draft (docs/evaluate.md): our
 checkpoints by the held-out TTT estimate (split, K and loss as trained) and its replay as decoding rounds;
-any draft (ours or vLLM layout) by real speculative decoding of the prompts. Writes eval.json (and eval.png).
-"""
+any draft (ours or vLLM layout) by real speculative decoding of the prompts. Writes eval.json (and eval.png)."""
 from __future__ import annotations
 
 import json

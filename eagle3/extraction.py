@@ -58,8 +58,7 @@ def _finished(out: Path, plan_key: str) -> dict[str, dict]:
 
 
 def _verified(out: Path, done: dict[str, dict], mine: list[int]) -> dict[str, dict]:
-    """`done` less this rank's shards truncated or altered since their journal entry (a rerun would keep
-    them, and training fail), their entries removed so that they are redone."""
+    """`done` less this rank's shards altered since their journal entry (kept, they would fail training): redone."""
     for i in mine:
         if (entry := done.get(shard_name(i))) is None:
             continue

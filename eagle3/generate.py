@@ -1,8 +1,7 @@
 """`python -m eagle3 generate --config config.toml`: regenerate the assistant replies of the training
 conversations with the target itself (the biggest lever on acceptance; docs/data.md). Each reply (a run of
 loss_mask = 1) becomes the target's continuation of everything before it, in batches sharing one KV pool.
-Resumable: `<output>.partial` grows in input order, its settings recorded beside it; other settings are refused.
-"""
+Resumable: `<output>.partial` grows in input order, its settings recorded beside it; other settings are refused."""
 from __future__ import annotations
 
 import json

@@ -1,20 +1,13 @@
-"""Sampling, and the verification rule of speculative decoding as vLLM and SGLang run it (docs/sampling.md),
-shared by `generate` and `speculative` so both sample the target the same way.
-
-p = softmax(logits / T), top-p truncated; the draft proposes its argmax (`greedy`: q one-hot) or a sample
-of q = softmax(draft logits / T) (`probabilistic`). A drafted x is accepted with min(1, p(x) / q(x)); the
-first rejection emits a sample of norm(max(p - q, 0)), all k accepted a sample of the next p. Every draw is
-an inverse-CDF lookup of a uniform from the caller's per-prompt generator, so batching changes nothing.
-"""
+"""Sampling, and speculative decoding's verification rule as vLLM and SGLang run it (docs/sampling.md), shared
+by `generate` and `speculative`. Every draw is an inverse-CDF lookup of a uniform from the caller's per-prompt
+generator, so batching changes nothing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-DraftSampling = Literal["greedy", "probabilistic"]
-DRAFT_SAMPLING = ("greedy", "probabilistic")
+DRAFT_SAMPLING = ("greedy", "probabilistic")   # the draft proposes its argmax (q one-hot) or a sample of q
 
 
 @dataclass(frozen=True)
@@ -22,7 +15,7 @@ class Sampling:
     """How a request is served: the target's temperature and top_p, and how the draft proposes."""
     temperature: float = 0.0
     top_p: float = 1.0
-    draft: DraftSampling = "greedy"
+    draft: str = "greedy"
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -97,8 +90,7 @@ def uniforms(generators: list[torch.Generator], n: int) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]) -> list[int]:
-    """One token per row of logits [B, V] (argmax at T = 0), row b drawn with a uniform from generators[b]:
-    one batched draw and one transfer, not B launches and B syncs."""
+    """One token per row of logits [B, V] (argmax at T = 0), row b's uniform from generators[b]: one batched draw."""
     if temperature == 0:
         return logits.argmax(-1).tolist()
     u = uniforms(generators, 1)[:, 0].to(logits.device)

@@ -1,7 +1,6 @@
 """Reference speculative decoding with our own target forward and an EAGLE-3 draft: each round the draft
 proposes k tokens and the target verifies them in one forward, keeping the agreeing prefix plus its own
-next token (greedy: exactly the target's greedy output), or by the engines' rule above T = 0 (eagle3.sampling).
-"""
+next token (greedy: exactly the target's greedy output), or by the engines' rule above T = 0 (eagle3.sampling)."""
 from __future__ import annotations
 
 from collections.abc import Callable

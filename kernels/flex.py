@@ -17,8 +17,7 @@ def _compiled_flex():
 
 @functools.lru_cache(maxsize=64)
 def _block_mask(T: int, S: int, bounds: tuple[int, ...], device: str):
-    """Keys of all steps side by side ([S*T]): step 0 causal within the sequence, later steps the
-    diagonal only."""
+    """Keys of all steps side by side ([S*T]): step 0 causal within the sequence, later steps the diagonal only."""
     from torch.nn.attention.flex_attention import create_block_mask
     lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=device)
     seq_id = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)

@@ -55,8 +55,7 @@ def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, m, m16, k, OUT: tl.constexpr, 
 
 def to_fp8(t: torch.Tensor, dtype: torch.dtype, transposed: bool = True
            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """`to_fp8_reference` with no host sync (the scale stays on the device); qᵀ is None when not
-    `transposed` (an operand only ever used as A)."""
+    """`to_fp8_reference` with no host sync (the scale stays on the device); qᵀ None unless `transposed`."""
     x = t.reshape(-1, t.shape[-1]).contiguous()
     m, k = x.shape
     m16 = m + -m % 16

@@ -104,8 +104,7 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`eagle3.ops.rms_norm`'s contract (x [..., width], weight [width] in x's dtype), differentiable
-    in both; rows of at most MAX_WIDTH."""
+    """`eagle3.ops.rms_norm`'s contract (x [..., width <= MAX_WIDTH], weight in x's dtype), differentiable in both."""
     if x.shape[-1] > MAX_WIDTH:
         raise ValueError(f"kernels.rms_norm: rows of {x.shape[-1]} > {MAX_WIDTH} (use eagle3.ops.rms_norm)")
     return _RMSNorm.apply(x, weight, eps)

@@ -26,8 +26,7 @@ def _spread_kernel(SRC, INV, OUT, W, fill, BLOCK_W: tl.constexpr):
 
 
 def spread_rows(src: torch.Tensor, index: torch.Tensor, total: int, fill=0) -> torch.Tensor:
-    """`kernels.reference.spread_rows` (`index` distinct), not differentiable: `eagle3.ops.scatter_rows`
-    wraps it."""
+    """`kernels.reference.spread_rows` (`index` distinct), not differentiable: `eagle3.ops.scatter_rows` wraps it."""
     src = src.contiguous()
     n, W = src.shape[0], math.prod(src.shape[1:])
     out = src.new_empty((total, *src.shape[1:]))

@@ -35,8 +35,7 @@ def as_tuple(config, keys: tuple[str, ...]) -> tuple:
 
 
 def pruner(lists: dict[str, list[tuple]], keys: tuple[str, ...]) -> Callable:
-    """An `early_config_prune` keeping the configs in `lists` for the GPU of the kernel's (positional)
-    tensors, in that list's order."""
+    """An `early_config_prune` keeping, in order, the configs `lists` holds for the GPU of the kernel's tensors."""
     def prune(configs, named_args, **kwargs):
         device = next(a.device for a in named_args.values() if isinstance(a, torch.Tensor))
         by_tuple = {as_tuple(c, keys): c for c in configs}

@@ -200,8 +200,7 @@ class _Workspace:
         return self.z[:n]
 
     def input_grad(self, dz: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out [n, H] = dz w (in fp8: dz in e5m2, one scale per chunk, as the draft's linear layers
-        take their output gradients)."""
+        """out [n, H] = dz w (fp8: dz in e5m2, one scale per chunk, as the draft's layers take their gradients)."""
         if not self.float8:
             return torch.matmul(dz, self._w, out=out)
         dq, _, sd = fp8_cast.to_fp8(dz, fp8_cast.E5M2, transposed=False)                # [n16, V]

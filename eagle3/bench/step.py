@@ -3,8 +3,7 @@ train for (Kimi-K2.5, Llama-3.1-8B, Llama-3.2-1B, the quality bench's small one;
 
 `Trainer.train_step` (DDP under torchrun) timed over the trainer's own prefetcher: tokens/s per GPU, MFU
 against the bf16 rate measured in the run, peak memory, GPU idle share and host syncs, per size, data layout
-and kernel choice ("torch": compiled flex_attention and loss, every row; "triton": ours; docs/benchmarks.md).
-"""
+and kernel choice ("torch": compiled flex_attention and loss, every row; "triton": ours; docs/benchmarks.md)."""
 from __future__ import annotations
 
 import argparse
@@ -89,8 +88,7 @@ def loss_mask(layout: str, s: dict, g: torch.Generator) -> torch.Tensor:
 
 
 def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int) -> None:
-    """`batches` micro-batches of s["seqs"] sequences, one shard each, and their manifest (kept when
-    a previous bench in the same --dir already wrote at least as many)."""
+    """`batches` micro-batches of s["seqs"] sequences, a shard each, and their manifest (kept if --dir has as many)."""
     source = {"path": "synthetic", "layout": layout, "shape": s, "generator": 1}
     if (out / MANIFEST).exists():
         old = json.loads((out / MANIFEST).read_text())
@@ -274,8 +272,7 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
 
 
 def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path) -> tuple[list[dict], float]:
-    """Our step at every size, layout and kernel choice asked for: the rows (printed and appended to --json
-    as they come) and the bf16 matmul rate of this GPU."""
+    """Our step at each size, layout and kernel choice asked for -> (rows, printed and --json'd; the bf16 rate)."""
     if dist.main:
         for size in args.sizes:
             write_target(root / size / "target", SIZES[size])

@@ -1,8 +1,7 @@
 """The one timer of the benches, and what they share.
 
 `median_ms` times GPU work (do_bench's median, L2 flushed; CUDA events or the host clock without
-Triton); `wall_s` times work with host steps in it; `peak_bytes` gives the memory GPU work adds.
-"""
+Triton); `wall_s` times work with host steps in it; `peak_bytes` gives the memory GPU work adds."""
 from __future__ import annotations
 
 import datetime

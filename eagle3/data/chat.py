@@ -2,8 +2,7 @@
 
 Lines are OpenAI {"messages"} or ShareGPT {"conversations"}; the loss mask covers each assistant turn
 from the end of the template's generation prompt through its end marker, found by rendering prefix by
-prefix (formats, tokenizers and the mask's rules: docs/data.md).
-"""
+prefix (formats, tokenizers and the mask's rules: docs/data.md)."""
 from __future__ import annotations
 
 import base64

@@ -140,8 +140,7 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
               n_group: int = 1, topk_group: int = 1, first_dense: int = 1, vocab: int = 512,
               yarn_original: int = 128, yarn_factor: float = 32.0, shards: int = 3, seed: int = 0,
               quantized: bool = True) -> Path:
-    """A miniature Kimi-K2.5 checkpoint: `kimi_k25` wrapper config, `language_model.` prefix, vision
-    tensors, int4 routed experts (bf16 everything else), fp32 gate bias, sharded."""
+    """A miniature Kimi-K2.5: `kimi_k25` wrapper, `language_model.` prefix, vision tensors, int4 experts, sharded."""
     config = kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head,
                              intermediate, moe_intermediate, experts, top_k, n_group, topk_group, first_dense,
                              vocab, yarn_original, yarn_factor)

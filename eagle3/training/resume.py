@@ -18,8 +18,7 @@ NEW_RUN = "choose another train.output_dir to start a new run"
 
 
 def checkpoint(choice: str, output_dir: Path, say: bool = True) -> Path | None:
-    """train.resume -> the checkpoint to continue from, None for a new run; "auto": the newest that reads
-    (newer damaged ones skipped, with a warning when `say`), an error where none reads."""
+    """train.resume -> the checkpoint to resume (None: a new run); "auto": the newest that reads (warned when `say`)."""
     if choice in ("never", "overwrite"):
         return None
     if choice != "auto":
