@@ -47,8 +47,9 @@ def test_a_padded_batch_at_static_shapes_gives_the_same_loss_gradients_and_metri
         torch.testing.assert_close(b, a)
 
 
-def test_auto_graphs_small_drafts_on_one_gpu_only():
+def test_auto_graphs_small_drafts_on_one_gpu_only(monkeypatch):
     cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.version, "hip", None)
     assert graph.wanted(None, cuda, 1, False, True, 256, "c.toml")
     assert not graph.wanted(None, cuda, 1, False, True, 4096, "c.toml")
     assert not graph.wanted(None, torch.device("cpu"), 1, False, True, 256, "c.toml")
@@ -57,3 +58,6 @@ def test_auto_graphs_small_drafts_on_one_gpu_only():
     assert graph.wanted(True, cuda, 1, False, True, 4096, "c.toml")
     with pytest.raises(ConfigError, match=r"c.toml: debug.cuda_graphs = true .*several ranks"):
         graph.wanted(True, cuda, 2, False, True, 256, "c.toml")
+    monkeypatch.setattr(torch.version, "hip", "6.4")   # ROCm: auto stays off, true is the user's call
+    assert not graph.wanted(None, cuda, 1, False, True, 256, "c.toml")
+    assert graph.wanted(True, cuda, 1, False, True, 256, "c.toml")

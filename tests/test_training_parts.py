@@ -219,13 +219,16 @@ def test_which_checkpoint_train_resume_picks(tmp_path, capsys):
     assert f"warning: resume skips {newest}, which no longer reads" in capsys.readouterr().err
 
 
-def test_a_resume_says_which_fp8_choice_changed():
-    state = {"float8_used": True, "float8_head_used": False}
-    assert resume.fp8_changes(state, True, False) == ""
-    assert resume.fp8_changes(state, True, True) == \
+def test_a_resume_says_which_fp8_or_graph_choice_changed():
+    was, now = state(float8_used=True), state(float8_used=True)
+    assert resume.path_changes(was, now) == ""
+    assert resume.path_changes(was, state(float8_used=True, float8_head_used=True)) == \
         "; its steps so far ran without fp8 head GEMMs (train.float8_head), from here with"
-    assert resume.fp8_changes(state, False, False) == \
-        "; its steps so far ran with fp8 GEMMs (train.float8), from here without"
+    assert resume.path_changes(was, state()) == "; its steps so far ran with fp8 GEMMs (train.float8), from here without"
+    assert resume.path_changes(state(cuda_graphs_used=False), state(float8_used=True, cuda_graphs_used=True)) == (
+        "; its steps so far ran without fp8 GEMMs (train.float8), from here with; "
+        "its steps so far ran without CUDA graphs (debug.cuda_graphs), from here with")
+    assert resume.path_changes(state(), state(cuda_graphs_used=True)) == ""   # written before graphs were recorded
 
 
 def test_the_resume_line_names_the_step_and_what_differs():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU smoke check of the whole pipeline on a tiny target: extract -> train (torch and triton
-# kernels, 1 GPU) -> export; then compares the two kernel paths' losses.
+# GPU smoke check of the whole pipeline on a tiny target: extract -> train (torch kernels, triton eagerly,
+# triton as CUDA graphs (the default at this size); 1 GPU) -> export; then compares the paths' losses.
 set -euo pipefail
 out=${OUT:-/tmp/gpu_smoke}
 python - <<'PY'
@@ -12,12 +12,15 @@ common="--target.path /tmp/smoke/target --data.path /tmp/smoke/data.jsonl --extr
  --train.batch_tokens 8192 --train.max_steps 60 --debug.log_every 20 --train.eval_every 60 --train.lr 3e-3
  --draft.head_dim 128 --draft.num_attention_heads 4 --draft.num_key_value_heads 2"
 python extract.py $common
-for k in torch triton; do
-  python train.py $common --debug.kernels $k --train.output_dir /tmp/smoke/train-$k 2>&1 | grep -v "step/s\|s/step"
+for k in torch triton triton-graph; do
+  python train.py $common --debug.kernels ${k%-graph} --debug.cuda_graphs $([ $k = triton-graph ] && echo true || echo false) \
+    --train.output_dir /tmp/smoke/train-$k 2>&1 | grep -v "step/s\|s/step"
   tail -n 2 /tmp/smoke/train-$k/metrics.jsonl | cut -c1-400 | tee -a $out/metrics-$k.txt
 done
 PY_CMP='import json,sys
 a=[json.loads(l) for l in open("/tmp/smoke/train-torch/metrics.jsonl")]
 b=[json.loads(l) for l in open("/tmp/smoke/train-triton/metrics.jsonl")]
-for x,y in zip(a,b): print(x["split"], x["step"], "loss0 torch %.4f triton %.4f" % (x["loss"][0], y["loss"][0]), "tok/s", round(x.get("tokens_per_s",0)), round(y.get("tokens_per_s",0)))'
+c=[json.loads(l) for l in open("/tmp/smoke/train-triton-graph/metrics.jsonl")]
+for x,y,z in zip(a,b,c): print(x["split"], x["step"], "loss0 torch %.4f triton %.4f graph %.4f" % (x["loss"][0], y["loss"][0], z["loss"][0]),
+                             "tok/s", *(round(r.get("tokens_per_s",0)) for r in (x,y,z)))'
 python -c "$PY_CMP"

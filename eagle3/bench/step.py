@@ -87,9 +87,10 @@ def loss_mask(layout: str, s: dict, g: torch.Generator) -> torch.Tensor:
     return mask
 
 
-def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int) -> None:
-    """`batches` micro-batches of s["seqs"] sequences, a shard each, and their manifest (kept if --dir has as many)."""
-    source = {"path": "synthetic", "layout": layout, "shape": s, "generator": 1}
+def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int, varied: bool = False) -> None:
+    """`batches` micro-batches of s["seqs"] sequences, a shard each, and their manifest (kept if --dir has as many);
+    `varied`: sequences of 1 to 2 × seq_len tokens instead (the loss mask's turns then straddle them)."""
+    source = {"path": "synthetic", "layout": layout, "shape": s, "generator": 1, **({"varied": True} if varied else {})}
     if (out / MANIFEST).exists():
         old = json.loads((out / MANIFEST).read_text())
         if old.get("source") == source and len(old["shards"]) >= batches:
@@ -108,7 +109,7 @@ def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int) ->
                              torch.randint(0, s["vocab"], (T,), generator=g, dtype=torch.int32))
         tensors = {"input_ids": ids, "target_argmax": greedy,
                    "loss_mask": torch.cat([loss_mask(layout, s, g) for _ in range(s["seqs"])]),
-                   "cu_seqlens": torch.arange(0, T + 1, s["seq_len"], dtype=torch.int64),
+                   "cu_seqlens": boundaries(T, s["seq_len"], g) if varied else torch.arange(0, T + 1, s["seq_len"]),
                    "aux_hidden": aux, "final_hidden": final}
         entries.append(write_shard(out, b, tensors))
     text = read_config(target / "config.json")
@@ -116,6 +117,12 @@ def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int) ->
                 "aux_layer_ids": text.default_aux_layer_ids(), "dtypes": DTYPES, "plan_key": "synthetic",
                 "source": source, "shards": entries, "complete": True}
     atomic_write_text(out / MANIFEST, json.dumps(manifest))
+
+
+def boundaries(T: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
+    """cu_seqlens [n+1] of sequences of 1 to 2 × seq_len tokens filling T."""
+    ends = torch.randint(1, 2 * seq_len + 1, (T,), generator=g).cumsum(0)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), ends[ends < T], torch.tensor([T])])
 
 
 def step_flops(s: dict, steps: int, tokens: int, head_trained: bool) -> float:

@@ -263,7 +263,8 @@ class Trainer:
         return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
                 "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
                 "world_size": self.dist.world, "schedule_total": self.schedule.total,
-                "float8_used": self.float8, "float8_head_used": self.float8_head}   # "auto" resolved
+                "float8_used": self.float8, "float8_head_used": self.float8_head,   # "auto" resolved
+                "cuda_graphs_used": self.graphed is not None}
 
     def _resume(self) -> int:
         """Continue from train.resume's checkpoint, if any: the step this run starts at."""

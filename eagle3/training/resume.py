@@ -82,12 +82,15 @@ def check_end(path: Path, was: dict, total: int, max_steps: int) -> None:
                          f"{was['step']}, resume from an earlier checkpoint (train.resume = DIR), or {NEW_RUN}")
 
 
-def fp8_changes(state: dict, float8: bool, float8_head: bool) -> str:
-    """What a resumed run does differently in fp8 from the checkpoint's steps so far ("" if nothing)."""
-    choices = (("float8_used", float8, "fp8 GEMMs (train.float8)"),
-               ("float8_head_used", float8_head, "fp8 head GEMMs (train.float8_head)"))
-    return "".join(f"; its steps so far ran {'with' if state[key] else 'without'} {what}, from here "
-                   f"{'with' if now else 'without'}" for key, now, what in choices if state[key] != now)
+USED = (("float8_used", "fp8 GEMMs (train.float8)"), ("float8_head_used", "fp8 head GEMMs (train.float8_head)"),
+        ("cuda_graphs_used", "CUDA graphs (debug.cuda_graphs)"))
+
+
+def path_changes(was: dict, now: dict) -> str:
+    """What a resumed run does differently from the checkpoint's steps so far ("" if nothing; a choice the
+    checkpoint did not record is not compared)."""
+    return "".join(f"; its steps so far ran {'with' if was[key] else 'without'} {what}, from here "
+                   f"{'with' if now[key] else 'without'}" for key, what in USED if key in was and was[key] != now[key])
 
 
 def note(path: Path, was: dict, now: dict) -> str:
@@ -95,5 +98,5 @@ def note(path: Path, was: dict, now: dict) -> str:
     world, accum = was["world_size"], was["config"]["train"]["grad_accum"]
     other = (f"; written by world size {world} x train.grad_accum {accum}, now {now['world_size']} x "
              f"{now['config']['train']['grad_accum']}: the same global batch" if world != now["world_size"] else "")
-    other += fp8_changes(was, now["float8_used"], now["float8_head_used"])
+    other += path_changes(was, now)
     return f"resumed from {path} (step {was['step']}{other})"
