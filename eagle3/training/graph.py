@@ -43,9 +43,8 @@ def _decide(setting, device, world, online, triton, hidden, source) -> tuple[boo
 
 class GraphedStep:
     """`forward(batch, scale)` and its backward (gradients added to .grad) per micro-batch,
-    replayed as a CUDA graph per count of sequences (`eagle3.data.batch.pad`) over static input buffers. The
-    graphs share one memory pool: replays run one at a time on one stream, and a replay's outputs are read
-    before the next call, so one step's activations are held whatever the number of graphs.
+    replayed as a CUDA graph per count of sequences (`eagle3.data.batch.pad`) over static input buffers, each
+    graph with its own memory pool (its activations).
     The first WARMUP micro-batches run eagerly on the same buffers (kernel tuning, compilation); every
     parameter's .grad must exist (zeroed, not None) from then on, so that the graph adds to it in place."""
 
@@ -53,7 +52,7 @@ class GraphedStep:
 
     def __init__(self, forward: Callable[[Batch, torch.Tensor], tuple], device: torch.device):
         self.forward, self.device = forward, device   # (batch, scale) -> (loss, metric sums, detail)
-        self.stream, self.pool = torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
         self.scale = torch.zeros((), device=device)
         self.inputs: dict[int, Batch] = {}      # per sequence count: the static batch the graph reads
         self.graphs: dict[int, tuple] = {}      # per sequence count: (graph, loss, metrics)
@@ -80,7 +79,7 @@ class GraphedStep:
             return loss, metrics
         graph = torch.cuda.CUDAGraph()
         # thread_local: the prefetch thread may pin memory meanwhile, which a global capture would refuse
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
             loss, metrics = self._step(static)
         self.graphs[key] = graph, loss, metrics
         graph.replay()
