@@ -13,6 +13,7 @@ import contextlib
 import time
 
 import torch
+import triton
 
 from eagle3.bench.attention import SHAPES, TOLERANCE, contender, fwd_bwd, kernel_module, make_case
 from eagle3.bench.timing import describe_device, free_memory, median_ms, rel_error, require_cuda, shape_labels
@@ -25,11 +26,26 @@ SWEEP = {name: [c for c in tiles.union({f: CONFIGS[f][name] for f in CONFIGS}) i
          for name, extra in _EXTRA.items()}
 
 
+@contextlib.contextmanager
+def pinned(name: str, config: tuple):
+    """Launch kernel `name` ("fwd", "dkdv" or "dq") with `config` (BLOCK_M, BLOCK_N, warps, stages) instead of
+    the autotuner's pick: a one-config autotuner in its place (it launches that config untimed)."""
+    m, n, warps, stages = config
+    saved = kernel_module.TUNED[name]
+    kernel_module.TUNED[name] = triton.autotune([triton.Config(
+        {"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages, pre_hook=kernel_module.block_rows)],
+        key=[])(kernel_module.KERNELS[name])
+    try:
+        yield
+    finally:
+        kernel_module.TUNED[name] = saved
+
+
 def time_config(case, name, config, expected) -> tuple[float, float, list[torch.Tensor]]:
     """(median fwd+bwd ms, max rel error against `expected`, outputs and gradients) with kernel `name`
     pinned to `config` (None: all autotuned, nothing to compare with)."""
     step = fwd_bwd(contender(ttt_attention), case)
-    with kernel_module.pinned(name, config) if config else contextlib.nullcontext():
+    with pinned(name, config) if config else contextlib.nullcontext():
         got = [t.detach() for t in step()]   # compiles (autotunes)
         error = max(rel_error(a, b) for a, b in zip(got, expected)) if expected else 0.0
         return median_ms(step, warmup=10, rep=100), error, got

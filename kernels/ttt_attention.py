@@ -343,7 +343,7 @@ _TUNE_KEY = ["HEAD_DIM", "GROUP", "VARLEN", "TMA", "seqlen_bucket"]
 DESCRIPTOR_ROWS = {"Qd": "BLOCK_M", "DOd": "BLOCK_M", "Kd": "BLOCK_N", "Vd": "BLOCK_N"}
 
 
-def _block_rows(nargs: dict) -> None:
+def block_rows(nargs: dict) -> None:
     """Give each TMA descriptor of a launch its tiling's tile rows, in place (the tuner launches the
     very objects it hands its pre-hook)."""
     for name, block in DESCRIPTOR_ROWS.items():
@@ -355,47 +355,30 @@ def _tuned(kernel, name: str):
     """The autotuned kernel: every family's candidates, pruned to the running GPU's at tuning time."""
     lists = {family: configs[name] for family, configs in CONFIGS.items()}
     return triton.autotune(configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s,
-                                                  pre_hook=_block_rows)
+                                                  pre_hook=block_rows)
                                     for m, n, w, s in tiles.union(lists)], key=_TUNE_KEY,
                            prune_configs_by={"early_config_prune": tiles.pruner(lists, ("BLOCK_M", "BLOCK_N"))})(kernel)
 
 
 KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
-_TUNED = {} if INTERPRET else {name: _tuned(k, name) for name, k in KERNELS.items()}
-_pinned: dict[str, tuple] = {}
-
-
-@contextlib.contextmanager
-def pinned(name: str, config: tuple):
-    """Launch kernel `name` ("fwd", "dkdv" or "dq") with `config` instead of the autotuner's pick."""
-    if name not in KERNELS:
-        raise ValueError(f"pinned: no kernel {name!r} (expected one of {', '.join(KERNELS)})")
-    saved = dict(_pinned)
-    _pinned[name] = config
-    try:
-        yield
-    finally:
-        _pinned.clear()
-        _pinned.update(saved)
+# the autotuned kernels (benchmarks.attention_sweep swaps one for a single config)
+TUNED = {} if INTERPRET else {name: _tuned(k, name) for name, k in KERNELS.items()}
 
 
 def best_config(name: str) -> tuple | None:
     """The autotuner's last pick for kernel `name` (None before it tuned, or under the interpreter)."""
-    best = getattr(_TUNED.get(name), "best_config", None)
+    best = getattr(TUNED.get(name), "best_config", None)
     return None if best is None else tiles.as_tuple(best, ("BLOCK_M", "BLOCK_N"))
 
 
 def _launch(name, grid, *args, **kwargs):
-    """A pinned config, else one fixed tiling under the interpreter, else the autotuned kernel (TMA
-    descriptors come as keywords, so that the tuner's pre-hook sees them)."""
-    if name in _pinned:
-        block_m, block_n, warps, stages = _pinned[name]
-    elif INTERPRET:
-        (block_m, block_n), warps, stages = INTERPRET_BLOCKS[name], 4, 1
-    else:
-        return _TUNED[name][grid](*args, **kwargs)
-    kwargs.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    _block_rows(kwargs)
+    """The autotuned kernel, else one fixed tiling under the interpreter (TMA descriptors come as
+    keywords, so that the tuner's pre-hook sees them)."""
+    if not INTERPRET:
+        return TUNED[name][grid](*args, **kwargs)
+    block_m, block_n = INTERPRET_BLOCKS[name]
+    kwargs.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1)
+    block_rows(kwargs)
     return KERNELS[name][grid](*args, **kwargs)
 
 
@@ -433,7 +416,7 @@ def _aligned(*tensors) -> bool:
 
 def _descriptors(tma: bool, **tensors) -> dict:
     """A TMA descriptor over each tensor's [T, H * D] rows (None each without TMA); its [16, D] tile
-    is a placeholder that `_block_rows` sets at launch."""
+    is a placeholder that `block_rows` sets at launch."""
     if not tma:
         return dict.fromkeys(tensors)
     return {name: TensorDescriptor(x, [x.shape[-3], x.shape[-2] * x.shape[-1]], [x.shape[-2] * x.shape[-1], 1],

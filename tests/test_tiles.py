@@ -44,15 +44,15 @@ def test_the_autotuners_keep_the_running_gpus_family_in_its_order(monkeypatch, c
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.version, "hip", "6.2" if hip else None)
     family = tiles.family(capability, hip)
-    assert ttt_attention._TUNED, "run without TRITON_INTERPRET: the interpreter builds no autotuners"
-    for kernel, tuned in ttt_attention._TUNED.items():
+    assert ttt_attention.TUNED, "run without TRITON_INTERPRET: the interpreter builds no autotuners"
+    for kernel, tuned in ttt_attention.TUNED.items():
         kept = tuned.early_config_prune(tuned.configs, {"Q": torch.zeros(1), "T": 4})
         assert [tiles.as_tuple(c, ("BLOCK_M", "BLOCK_N")) for c in kept] == ttt_attention.CONFIGS[family][kernel]
 
 
 def test_on_an_h200_the_tuner_tries_the_tuned_lists_unchanged():
     """The "large" lists are the ones measured; the union the autotuners hold starts with them."""
-    for kernel, tuned in ttt_attention._TUNED.items():
+    for kernel, tuned in ttt_attention.TUNED.items():
         tuned_there = ttt_attention.CONFIGS["large"][kernel]
         first = [tiles.as_tuple(c, ("BLOCK_M", "BLOCK_N")) for c in tuned.configs][:len(tuned_there)]
         assert first == tuned_there
@@ -71,9 +71,9 @@ def test_every_tuned_attention_config_sets_its_tma_tiles():
     """The autotuned launch (never run on the CPU) gets the descriptors' tiles from each config's
     pre-hook, for the tiling that config launches."""
     from types import SimpleNamespace
-    for tuned in ttt_attention._TUNED.values():
-        assert all(c.pre_hook is ttt_attention._block_rows for c in tuned.configs)
+    for tuned in ttt_attention.TUNED.values():
+        assert all(c.pre_hook is ttt_attention.block_rows for c in tuned.configs)
     descs = {n: SimpleNamespace(block_shape=[16, 128]) for n in ("Qd", "DOd", "Kd", "Vd")}
-    ttt_attention._block_rows({**descs, "BLOCK_M": 64, "BLOCK_N": 32})
+    ttt_attention.block_rows({**descs, "BLOCK_M": 64, "BLOCK_N": 32})
     assert [descs[n].block_shape for n in ("Qd", "DOd", "Kd", "Vd")] == [[64, 128], [64, 128], [32, 128], [32, 128]]
-    ttt_attention._block_rows({"Qd": None, "Kd": None, "Vd": None, "BLOCK_M": 64, "BLOCK_N": 32})   # no TMA
+    ttt_attention.block_rows({"Qd": None, "Kd": None, "Vd": None, "BLOCK_M": 64, "BLOCK_N": 32})   # no TMA

@@ -40,7 +40,7 @@ MATCH_CASES = {
 # must drop
 TMA_CASES = [f"tma_{name}" for name in MATCH_CASES]
 OTHER_CASES = ["custom_scale", "bf16_upcast", "sequences_isolated", "tma_sequences_isolated",
-               "tma_misaligned_views", "rejects_bad_arguments", "pinned_configs"]
+               "tma_misaligned_views", "rejects_bad_arguments"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,28 +103,11 @@ def test_best_config_reads_the_autotuners_pick(monkeypatch):
 
     import kernels.ttt_attention as tta
     assert tta.best_config("dq") is None       # nothing tuned in this (CPU) process
-    monkeypatch.setitem(tta._TUNED, "dkdv", SimpleNamespace(
+    monkeypatch.setitem(tta.TUNED, "dkdv", SimpleNamespace(
         best_config=triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3)))
     assert tta.best_config("dkdv") == (64, 128, 8, 3)
-    monkeypatch.setitem(tta._TUNED, "dkdv", SimpleNamespace())     # a tuner that has not run
+    monkeypatch.setitem(tta.TUNED, "dkdv", SimpleNamespace())     # a tuner that has not run
     assert tta.best_config("dkdv") is None
-
-
-def test_pinning_an_unknown_kernel_is_refused():
-    from kernels.ttt_attention import pinned
-    with pytest.raises(ValueError, match="no kernel 'fwdd'"):
-        with pinned("fwdd", (32, 32, 4, 2)):
-            pass
-
-
-def test_a_pinned_config_is_the_one_launched(results):
-    # What the sweep relies on: kernels.ttt_attention.pinned overrides the tiling, warps and stages of
-    # exactly the kernel it names (the innermost pin wins, and leaving it restores the outer one), and
-    # the result is still right.
-    res = _result(results, "pinned_configs")
-    assert res["seen_inner"] == [32, 16, 2, 3]
-    assert res["seen"] == {"fwd": [16, 16, 8, 2], "dkdv": [16, 32, 4, 2], "dq": [32, 16, 4, 3]}
-    assert max(res["errors"].values()) < TOLERANCE, res["errors"]
 
 
 def test_bf16_inputs_are_upcast_under_the_interpreter(results):
@@ -273,32 +256,6 @@ def _other_case(name):
                              and all(torch.equal(g[:, other], b[:, other]) for g, b in zip(got[2:], base[2:])))
             changed.append(not torch.allclose(got[0][own], base[0][own]))
         return {"other_sequence_unchanged": all(unchanged), "own_sequence_changed": all(changed)}
-    if name == "pinned_configs":
-        import kernels.ttt_attention as tta
-        seen = {}
-
-        class Spy:  # records the launch keywords of one kernel, then launches it
-            def __init__(self, name, kernel):
-                self.name, self.kernel = name, kernel
-
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    seen[self.name] = [kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")]
-                    return self.kernel[grid](*args, **kwargs)
-                return launch
-
-        kernels = tta.KERNELS
-        tta.KERNELS = {n: Spy(n, k) for n, k in kernels.items()}
-        try:
-            with tta.pinned("fwd", (16, 16, 8, 2)), tta.pinned("dkdv", (16, 32, 4, 2)), tta.pinned("dq", (32, 16, 4, 3)):
-                with tta.pinned("fwd", (32, 16, 2, 3)):   # nested: the inner pin wins, then the outer is back
-                    inner = _errors(45, 4, 2, 64, 3, [20, 25])
-                    seen_inner = dict(seen)
-                errors = _errors(45, 4, 2, 64, 3, [20, 25])
-        finally:
-            tta.KERNELS = kernels
-        errors.update({f"nested {k}": e for k, e in inner.items()})
-        return {"errors": errors, "seen": seen, "seen_inner": seen_inner["fwd"]}
     if name == "rejects_bad_arguments":
         q, k, v, _ = _inputs(8, 4, 2, 64, 2)
         calls = {

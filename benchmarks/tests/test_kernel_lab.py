@@ -29,3 +29,13 @@ def test_the_loss_table_sets_each_kind_against_kl():
     assert "| a | tv | 10.50 | 1.050 | 0.50 | +0.000 |" in table
     assert "| c | pq | 23.00 | 1.150 | 1.25 | +0.250 |" in table
     assert table[-1] == "slowest loss against kl: pq at (c) 1.150x (OVER the 1.10x bar)"
+
+
+def test_the_sweep_pins_one_kernel_to_one_config_and_restores_the_tuner(monkeypatch):
+    kernels = attention_sweep.kernel_module
+    monkeypatch.setitem(kernels.TUNED, "dq", tuner := object())
+    with attention_sweep.pinned("dq", (32, 16, 4, 3)):
+        (config,) = kernels.TUNED["dq"].configs
+        assert (config.kwargs, config.num_warps, config.num_stages) == ({"BLOCK_M": 32, "BLOCK_N": 16}, 4, 3)
+        assert config.pre_hook is kernels.block_rows
+    assert kernels.TUNED["dq"] is tuner
