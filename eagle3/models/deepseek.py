@@ -156,7 +156,6 @@ class DeepseekTarget:
     def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
         self.ckpt, self.cfg, self.device, self.dtype = ckpt, ckpt.config, device, dtype
         self.spec = DeepseekSpec.from_config(self.cfg)
-        self.triton_dequant = True   # off: the torch dequantization on CUDA too (benchmarks)
         self.heads = self.cfg.num_attention_heads
         self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
         # on a GPU one fused kernel each: eagerly their fp32 chains move ~7x the bytes of their input
@@ -339,5 +338,4 @@ class DeepseekTarget:
         if f"experts.{key}.weight" in w:
             return _select(w[f"experts.{key}.weight"], experts)
         return quant.dequantize_int4(_select(w[f"experts.{key}.weight_packed"], experts),
-                                     _select(w[f"experts.{key}.weight_scale"], experts), self.dtype,
-                                     self.triton_dequant)
+                                     _select(w[f"experts.{key}.weight_scale"], experts), self.dtype)

@@ -53,11 +53,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)     # [..., n]
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                    triton: bool = True) -> torch.Tensor:
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """packed int32 [..., out, in/8], scale [..., out, in/group] -> W [..., out, in] in `dtype`,
-    (nibble - 8) * scale[o, i // group]; one Triton kernel on CUDA (unless not `triton`)."""
-    if packed.is_cuda and triton:
+    (nibble - 8) * scale[o, i // group]; one Triton kernel on CUDA."""
+    if packed.is_cuda:
         return _dequantize_triton(packed, scale, dtype)
     return dequantize_int4_torch(packed, scale, dtype)
 
