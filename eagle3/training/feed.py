@@ -34,28 +34,22 @@ class Feed:
     def prepared(self, batch: Batch) -> Batch:
         return batch if batch.plan is not None else self.prepare(batch)
 
-    def prefetcher(self, start: int) -> Prefetcher:
-        """This rank's micro-batches from step `start` on, read ahead (and prepared, on CUDA only)."""
-        return Prefetcher(self.reader, self.plan.rank_batches(start, self.rank), self.depth,
-                          pin=self.cuda, prepare=self.prepare if self.cuda else None, together=self.plan.accum)
-
     def batches(self, start: int) -> Iterator[Batch]:
-        return self.device_batches(self.prefetcher(start))
-
-    def device_batches(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-        """With `overlap`, each micro-batch copied on a stream of its own, one ahead, and waited for when the
-        step takes it (`on_device`); else as they come (online, a staged target's reads are collectives)."""
+        """This rank's micro-batches from step `start` on, read ahead (and prepared, on CUDA only). With `overlap`,
+        each copied on a stream of its own, one ahead, and waited for when the step takes it (`on_device`); else
+        as they come (online, a staged target's reads are collectives)."""
+        batches = Prefetcher(self.reader, self.plan.rank_batches(start, self.rank), self.depth, pin=self.cuda,
+                             prepare=self.prepare if self.cuda else None, together=self.plan.accum)
         if not self.overlap:
-            yield from batches
-            return
+            return batches
         stream = torch.cuda.Stream(self.device)
 
-        def start(batch: Batch) -> Batch:
+        def start_copy(batch: Batch) -> Batch:
             with torch.cuda.stream(stream):
                 moved = self.on_device(self.prepared(batch))
                 return dataclasses.replace(moved, ready=stream.record_event())
 
-        yield from one_ahead(batches, start)
+        return one_ahead(batches, start_copy)
 
     def on_device(self, batch: Batch) -> Batch:
         """The batch on the device: copied here, or its copy waited for by this stream, which now owns it."""
