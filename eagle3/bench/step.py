@@ -169,12 +169,6 @@ def gpu_busy_fraction(trainer: Trainer, batches, table: Path | None = None, step
     return busy / 1e6 / wall, wall
 
 
-def attention_picks() -> dict:
-    """(BLOCK_M, BLOCK_N, warps, stages) per kernel as the attention's tuner last picked them: what the step ran."""
-    module = importlib.import_module("kernels.ttt_attention")   # the package exports a function of that name
-    return {name: module.best_config(name) for name in ("fwd", "dkdv", "dq")}
-
-
 def host_syncs(trainer: Trainer, batch: Batch) -> list[str]:
     """Where one step waits for the GPU (torch's sync debug mode; the step should need none)."""
     import threading
@@ -274,7 +268,9 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
             "gpu_idle": 1 - busy, "same_weights_on_all_ranks": same_weights_on_all_ranks(trainer),
             "host_syncs": len(syncs), "host_sync_sites": sorted(set(syncs)),
             "first_step_loss": [round(x, 4) for x in summarize(first)["loss"]],
-            "attention_configs": attention_picks() if kernels != "torch" and cuda else None,
+            # the attention tuner's last picks, (BLOCK_M, BLOCK_N, warps, stages): what the step ran
+            "attention_configs": {name: importlib.import_module("kernels.ttt_attention").best_config(name)
+                                  for name in ("fwd", "dkdv", "dq")} if kernels != "torch" and cuda else None,
             "bench_s": round(time.perf_counter() - started)}
 
 

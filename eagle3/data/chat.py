@@ -270,15 +270,11 @@ class ChatEncoder:
         edges = [0, *bounds, len(text)]
         pieces = [self.encode_text(text[a:b]) for a, b in zip(edges, edges[1:])]
         joined = list(chain.from_iterable(pieces))
-        if joined != ids and (cuts := self._prefix_cuts(text, bounds, ids)) is not None:
-            return ids, cuts
+        if joined != ids:   # a piece alone encodes differently (a SentencePiece prefix space): cut by prefixes
+            heads = [self.encode_text(text[:b]) for b in bounds]
+            if all(h == ids[:len(h)] for h in heads):   # each prefix tokenizes as the start of the whole
+                return ids, [len(h) for h in heads]
         return joined, list(accumulate(len(p) for p in pieces[:-1]))
-
-    def _prefix_cuts(self, text: str, bounds: list[int], ids: list[int]) -> list[int] | None:
-        """For a tokenizer that encodes a piece alone differently (a SentencePiece prefix space): each
-        prefix's token count, if every prefix tokenizes as the start of the whole, else None."""
-        heads = [self.encode_text(text[:b]) for b in bounds]
-        return [len(h) for h in heads] if all(h == ids[:len(h)] for h in heads) else None
 
 
 def _check_extends(prefix: str, text: str, problem: str) -> None:
