@@ -74,8 +74,7 @@ def checkpoint_config(args, overrides: list[str]) -> config_mod.Config:
     from eagle3.train_state import read_state
     if args.config:
         return config_mod.load(args.config, overrides)
-    return config_mod.override(config_mod.from_dict(read_state(args.checkpoint)["config"], args.checkpoint),
-                               overrides)
+    return config_mod.override(config_mod.from_dict(read_state(args.checkpoint)["config"], args.checkpoint), overrides)
 
 
 def config_command(args, overrides: list[str]) -> None:

@@ -200,8 +200,7 @@ def load_vllm_draft(path: str | Path, target: Checkpoint | None = None) -> tuple
             raise DraftLoadError(f"{path / 'config.json'}: transformer_layer_config: {e}") from None
     if target is not None:
         _check_target(draft, files, target, where)
-    aux = vllm_aux_layer_ids(config, target.config.num_hidden_layers if target else None,
-                             str(path / "config.json"))
+    aux = vllm_aux_layer_ids(config, target.config.num_hidden_layers if target else None, str(path / "config.json"))
     return draft.eval(), aux
 
 

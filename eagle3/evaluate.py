@@ -185,8 +185,7 @@ def greedy_references(target: IncrementalTarget, prompts: list[Prompt], max_new:
     return [cache[e] for e in entries]
 
 
-def decoding_report(decoded: list[Decoded], references: list[Decoded] | None, prompts: list[Prompt],
-                    k: int) -> dict:
+def decoding_report(decoded: list[Decoded], references: list[Decoded] | None, prompts: list[Prompt], k: int) -> dict:
     """Totals over all rounds of all prompts (the prefill in new_tokens, not in rounds); `mismatches`
     against the greedy references (T = 0). The figures: docs/evaluate.md."""
     accepted = [a for d in decoded for a in d.accepted]

@@ -18,8 +18,7 @@ from eagle3.config import Config
 from eagle3.resolve import resolve, resolve_device
 from eagle3.data.chat import TOKENIZER_FILES
 from eagle3.data.inputs import InputStats, read_records
-from eagle3.data.shards import (DTYPES, FORMAT_VERSION, MANIFEST, DataError, shard_name,
-                                shard_tensors, write_shard)
+from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, DataError, shard_name, shard_tensors, write_shard
 from eagle3.files import atomic_write_text, read_json, run_lock, sha256_file, writable_dir
 from eagle3.ops import TORCH_DTYPES
 from eagle3.models.weights import Checkpoint

@@ -63,8 +63,7 @@ class Drafter:
         targets = torch.arange(q.shape[-1], device=q.device) + self.draft.d2t
         return ids.tolist(), full.index_copy_(-1, targets, q)
 
-    def _step0(self, auxes: list[torch.Tensor], tokens: list[list[int]],
-               caches: list[SequenceCache]) -> torch.Tensor:
+    def _step0(self, auxes: list[torch.Tensor], tokens: list[list[int]], caches: list[SequenceCache]) -> torch.Tensor:
         """Step 0 of the rows each cache lacks, at least the last -> [B, H] each sequence's last-row output."""
         for cache, aux in zip(caches, auxes):
             cache.length = min(cache.length, aux.shape[0] - 1)

@@ -435,8 +435,7 @@ def _seqlen_info(cu_seqlens, T, device, max_seqlen=None):
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"ttt_attention: cu_seqlens must rise from 0 to T={T}, got {bounds[:4]}...{bounds[-2:]}")
     max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
-    return (cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True).contiguous(),
-            len(bounds) - 1, max_len)
+    return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True).contiguous(), len(bounds) - 1, max_len
 
 
 def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma):

@@ -47,8 +47,7 @@ def _require(module: str, needed_by: Path):
 
 def _text(content: object, where: str) -> str:
     if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise ChatError(f"{where}: content parts must be {{\"type\": \"text\", \"text\": ...}}")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
@@ -99,8 +98,7 @@ def _cut(text: str, limit: int, pattern: str) -> list[str]:
 
 
 def _special_tokens(model: Path, config_path: Path, config: dict) -> dict[str, int]:
-    needed = (f"{config_path}: 'added_tokens_decoder' ({{id: {{\"content\": ...}}}}) is needed with "
-              f"{model.name}")
+    needed = f"{config_path}: 'added_tokens_decoder' ({{id: {{\"content\": ...}}}}) is needed with {model.name}"
     decoder = config.get("added_tokens_decoder")
     if not isinstance(decoder, dict) or not decoder:
         raise InputError(needed)
@@ -152,8 +150,7 @@ def _load_template(root: Path, config_path: Path, config: dict):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     # as transformers renders chat templates; no strftime_now, so dates fall back to the template's
     # fixed default and a resumed extraction tokenizes exactly as before
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     try:

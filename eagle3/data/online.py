@@ -95,5 +95,4 @@ class OnlineReader:
                     else [self.runner.run(ids, cu) for ids, cu in inputs])
             self.totals.seconds += time.perf_counter() - start
             self.totals.tokens += sum(ids.numel() for ids, _ in inputs)
-        return [Batch(**shard_tensors(recs, out, self.aux_dtype)) if recs else None
-                for recs, out in zip(records, outs)]
+        return [Batch(**shard_tensors(recs, out, self.aux_dtype)) if recs else None for recs, out in zip(records, outs)]

@@ -122,8 +122,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, spec: DeepseekSpec) -
         T, E = choice.shape
         groups = choice.view(T, spec.n_group, E // spec.n_group)
         best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)             # [T, G]
-        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(
-            1, best.topk(spec.topk_group, dim=-1).indices, True)
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(spec.topk_group, dim=-1).indices, True)
         choice = groups.masked_fill(~keep[..., None], float("-inf")).view(T, E)
     idx = choice.topk(spec.num_experts_per_tok, dim=-1).indices
     weights = scores.gather(1, idx)

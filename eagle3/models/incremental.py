@@ -184,8 +184,7 @@ class IncrementalTarget:
         h = self.embed[torch.cat(chunks).to(self.device)]
         captured = {}
         for i, weights in enumerate(self.layers):
-            h = self.model.layer_forward(weights, h, layout.positions, layout.cu,
-                                         cache=LayerPass(self.pool, i, layout))
+            h = self.model.layer_forward(weights, h, layout.positions, layout.cu, cache=LayerPass(self.pool, i, layout))
             if i in self.aux_layer_ids:
                 captured[i] = h
         for cache, n in zip(caches, lengths):

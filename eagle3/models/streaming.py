@@ -105,8 +105,7 @@ def run_layers(model, layers, h: torch.Tensor, cu: list[int], aux_layer_ids: lis
     return h, captured
 
 
-def greedy_argmax(final: torch.Tensor, head: torch.Tensor, rows: int = 4096,
-                  vocab_chunk: int = 32768) -> torch.Tensor:
+def greedy_argmax(final: torch.Tensor, head: torch.Tensor, rows: int = 4096, vocab_chunk: int = 32768) -> torch.Tensor:
     """argmax_v(final @ head.T) without holding [T, V] logits: [T] int32."""
     out = torch.empty(final.shape[0], dtype=torch.int32, device=final.device)
     for r in range(0, final.shape[0], rows):

@@ -28,8 +28,7 @@ def checkpoint(choice: str, output_dir: Path, say: bool = True) -> Path | None:
         raise train_state.CheckpointError("no checkpoint of the run reads any more: " + "; ".join(
             f"{bad}: {why}" for bad, why in skipped) + f"; {train_state.ELSEWHERE}")
     for bad, why in skipped if say else ():
-        print(f"warning: resume skips {bad}, which no longer reads ({why}); resuming from {path}",
-              file=sys.stderr)
+        print(f"warning: resume skips {bad}, which no longer reads ({why}); resuming from {path}", file=sys.stderr)
     return path
 
 
