@@ -39,23 +39,18 @@ def vllm_config(state: dict, cfg: Config) -> dict:
     resolved = state["resolved"]
     spec = resolved["draft_spec"]
     return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "speculators_version": "0.3.0",
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.export.speculative_tokens}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": cfg.export.verifier_name or resolved["verifier_name"],
-                         "architectures": state["target_architectures"]},
-        },
+                         "architectures": state["target_architectures"]}},
         "transformer_layer_config": _llama_layer_config(spec, cfg.export.dtype),
-        "draft_vocab_size": spec["draft_vocab_size"],
-        "target_hidden_size": spec["target_hidden_size"],
+        "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
         **{key: spec.get(key, False) for key in NORM_FLAGS},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in resolved["aux_layer_ids"]],
-        "torch_dtype": cfg.export.dtype,
-    }
+        "torch_dtype": cfg.export.dtype}
 
 
 def sglang_config(state: dict, cfg: Config) -> dict:

@@ -83,13 +83,11 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
     plan = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len,
                        cfg.data.on_error, cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype,
                        FORMAT_VERSION])
-    return {
-        "format_version": FORMAT_VERSION, "target": ckpt.config.identity(), "aux_layer_ids": aux_ids,
-        "dtypes": dtypes, "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
-        "source": {"path": str(cfg.data.path), "sha256": data_sha, "max_seq_len": cfg.data.max_seq_len,
-                   "lines": stats.lines, "sequences": stats.sequences, "skipped_lines": stats.skipped,
-                   "skipped_line_numbers": stats.skipped_lines[:1000], "truncated": stats.truncated},
-    }
+    return {"format_version": FORMAT_VERSION, "target": ckpt.config.identity(), "aux_layer_ids": aux_ids,
+            "dtypes": dtypes, "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
+            "source": {"path": str(cfg.data.path), "sha256": data_sha, "max_seq_len": cfg.data.max_seq_len,
+                       "lines": stats.lines, "sequences": stats.sequences, "skipped_lines": stats.skipped,
+                       "skipped_line_numbers": stats.skipped_lines[:1000], "truncated": stats.truncated}}
 
 
 def kept(cfg: Config) -> str:

@@ -119,14 +119,11 @@ def errors(prob: Problem, fn, ref) -> dict:
     r_losses, r_argmaxes, r_alphas, r_dhs, r_dw = ref
     valid = torch.cat(prob.valids)
     argmax, r_argmax = torch.cat(argmaxes), torch.cat(r_argmaxes)
-    out = dict(
-        loss=rel_error(torch.cat(losses), torch.cat(r_losses)),
-        alpha=rel_error(torch.cat(alphas), torch.cat(r_alphas)),
-        argmax=(argmax[valid] == r_argmax[valid]).float().mean().item(),
-        argmax_invalid_ok=bool((argmax[~valid] == -1).all()) if (~valid).any() else True,
-        dh=rel_error(torch.cat([h.grad for h in prob.hs]), torch.cat(r_dhs)),
-        dw=rel_error(prob.w.grad, r_dw),
-    )
+    out = dict(loss=rel_error(torch.cat(losses), torch.cat(r_losses)),
+               alpha=rel_error(torch.cat(alphas), torch.cat(r_alphas)),
+               argmax=(argmax[valid] == r_argmax[valid]).float().mean().item(),
+               argmax_invalid_ok=bool((argmax[~valid] == -1).all()) if (~valid).any() else True,
+               dh=rel_error(torch.cat([h.grad for h in prob.hs]), torch.cat(r_dhs)), dw=rel_error(prob.w.grad, r_dw))
     prob.zero_grads()
     return out
 

@@ -22,15 +22,13 @@ def inspect(target: str) -> dict:
     if c.is_deepseek:
         s = model.spec
         report["moe"] = {"routed_experts": s.n_routed_experts, "shared_experts": s.n_shared_experts,
-                         "experts_per_token": s.num_experts_per_tok, "n_group": s.n_group,
-                         "topk_group": s.topk_group, "dense_layers": s.first_k_dense_replace,
-                         "moe_intermediate_size": s.moe_intermediate_size}
+                         "experts_per_token": s.num_experts_per_tok, "n_group": s.n_group, "topk_group": s.topk_group,
+                         "dense_layers": s.first_k_dense_replace, "moe_intermediate_size": s.moe_intermediate_size}
     if not ckpt.weight_map:
         report["weights"] = "missing: no model.safetensors or model.safetensors.index.json"
         return report | dict.fromkeys(("embed_tokens", "lm_head", "norm"))
     needed = {ckpt.full_name(n) for n in check_tensors(ckpt, model)}   # a tied head is the embedding
-    report["weights"] = {"files": len(set(ckpt.weight_map.values())),
-                         "text_tensors": len(ckpt.text_tensor_names()),
+    report["weights"] = {"files": len(set(ckpt.weight_map.values())), "text_tensors": len(ckpt.text_tensor_names()),
                          "skipped_tensors": len(ckpt.weight_map) - len(ckpt.text_tensor_names()),
                          "prefix": ckpt.prefix, "forward_tensors": len(needed),
                          "int4_linears": sum(n.endswith(".weight_packed") for n in needed),
