@@ -40,14 +40,12 @@ def shard_name(index: int) -> str:
 def shard_tensors(records: list[Record], out: dict[str, torch.Tensor], aux_dtype: str) -> dict[str, torch.Tensor]:
     """A shard's (or online micro-batch's) tensors: the records' tokens and masks, the target's outputs."""
     lengths = [len(r.input_ids) for r in records]
-    tensors = {
-        "input_ids": torch.from_numpy(np.concatenate([r.input_ids for r in records])),
-        "loss_mask": torch.from_numpy(np.concatenate([r.loss_mask for r in records])),
-        "cu_seqlens": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
-        "aux_hidden": out["aux_hidden"].to(torch.bfloat16),
-        "final_hidden": out["final_hidden"].to(torch.bfloat16),
-        "target_argmax": out["target_argmax"].to(torch.int32),
-    }
+    tensors = {"input_ids": torch.from_numpy(np.concatenate([r.input_ids for r in records])),
+               "loss_mask": torch.from_numpy(np.concatenate([r.loss_mask for r in records])),
+               "cu_seqlens": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
+               "aux_hidden": out["aux_hidden"].to(torch.bfloat16),
+               "final_hidden": out["final_hidden"].to(torch.bfloat16),
+               "target_argmax": out["target_argmax"].to(torch.int32)}
     if aux_dtype == "float8_e4m3fn":
         tensors.update(encode_aux_fp8(out["aux_hidden"]))
     return tensors
@@ -107,7 +105,7 @@ class ShardReader:
     """Random access to the sequences of an extraction directory."""
     lockstep = False   # reads are independent per rank (online's staged reads are not)
 
-    def __init__(self, directory: str | Path, verify: bool = False):
+    def __init__(self, directory: str | Path):
         self.dir = Path(directory)
         self.manifest = read_manifest(self.dir)
         self.files = [self.dir / s["file"] for s in self.manifest["shards"]]
@@ -117,22 +115,16 @@ class ShardReader:
             if "bytes" in entry and path.stat().st_size != entry["bytes"]:   # cheap: catches truncation
                 raise DataError(f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']} "
                                 f"(truncated or replaced); {REDO}")
-            if verify and sha256_file(path) != entry["sha256"]:
-                raise DataError(f"{path}: sha256 differs from the manifest (corrupt or replaced); {REDO}")
         self._handles: dict[int, object] = {}
-        self.sequences = self._index()
+        self.sequences: list[SeqRef] = []
+        for s in range(len(self.files)):
+            cu = self._handle(s).get_tensor("cu_seqlens").tolist()
+            self.sequences += [SeqRef(s, a, b, len(self.sequences) + i) for i, (a, b) in enumerate(zip(cu, cu[1:]))]
 
     def _handle(self, shard: int):
         if shard not in self._handles:
             self._handles[shard] = open_safetensors(self.files[shard], DataError, REDO)
         return self._handles[shard]
-
-    def _index(self) -> list[SeqRef]:
-        refs = []
-        for s in range(len(self.files)):
-            cu = self._handle(s).get_tensor("cu_seqlens").tolist()
-            refs += [SeqRef(s, a, b, len(refs) + i) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
-        return refs
 
     def read_many(self, batches: list[list[SeqRef]], pin: bool = False) -> list[Batch]:
         return [self.read(refs, pin) for refs in batches]
