@@ -30,6 +30,12 @@ def build_vocab(counts: Counter, target_vocab: int, draft_vocab: int) -> tuple[t
     return d2t, t2d
 
 
+def coverage(counts: Counter, t2d: torch.Tensor) -> float:
+    """Share of the counted tokens inside the draft vocabulary: no draft proposes the others."""
+    total = sum(counts.values())
+    return sum(n for i, n in counts.items() if t2d[i]) / total if total else 0.0
+
+
 def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str = "vocab") -> None:
     """The invariant both engines rely on: arange(draft_vocab) + d2t == nonzero(t2d), sorted, unique, in range."""
     if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:

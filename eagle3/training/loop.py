@@ -33,7 +33,7 @@ from eagle3.training.graph import GraphedStep
 from eagle3.training.metrics import MetricsLog
 from eagle3.training.schedule import Plan, Schedule
 from eagle3.ttt import METRICS, Objective, summarize, ttt_forward
-from eagle3.vocab import build_vocab
+from eagle3.vocab import build_vocab, coverage
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -161,7 +161,11 @@ def build_draft(cfg: Config, target: Checkpoint, spec, reader, device: torch.dev
                 say: bool, agree=bool) -> tuple[Eagle3Draft, bool, torch.Tensor]:
     """(the draft as the config wants it, whether it runs fp8 GEMMs, the target's head rows of its vocab
     in their stored precision)."""
-    d2t, t2d = build_vocab(loss_token_counts(reader.manifest), target.config.vocab_size, spec.draft_vocab_size)
+    counts = loss_token_counts(reader.manifest)
+    d2t, t2d = build_vocab(counts, target.config.vocab_size, spec.draft_vocab_size)
+    if say:
+        print(f"draft vocab: {spec.draft_vocab_size} of {target.config.vocab_size} tokens, "
+              f"{coverage(counts, t2d):.1%} of the loss tokens (vocab.draft_vocab_size)", file=sys.stderr)
     draft = Eagle3Draft(spec)
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)
