@@ -174,17 +174,6 @@ def batches(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def greedy_references(target: IncrementalTarget, prompts: list[Prompt], max_new: int, stop: set[int],
-                      batch: int, cache: dict, key: tuple) -> list[Decoded]:
-    """The target's greedy output per prompt, from `cache` where an earlier call (another draft) decoded it."""
-    entries = [(*key, tuple(p.ids), max_new, tuple(sorted(stop))) for p in prompts]
-    missing = {e: p.ids for e, p in zip(entries, prompts) if e not in cache}   # in order, each prompt once
-    for group in batches(list(missing), batch):
-        for entry, decoded in zip(group, greedy_decode_many(target, [missing[e] for e in group], max_new, stop)):
-            cache[entry] = decoded
-    return [cache[e] for e in entries]
-
-
 def decoding_report(decoded: list[Decoded], references: list[Decoded] | None, prompts: list[Prompt], k: int) -> dict:
     """Totals over all rounds of all prompts (the prefill in new_tokens, not in rounds); `mismatches`
     against the greedy references (T = 0). The figures: docs/evaluate.md."""
@@ -224,10 +213,9 @@ def over_seeds(reports: list[dict], seeds: list[int]) -> dict:
 
 @torch.no_grad()
 def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path | None = None, *,
-                  greedy_cache: dict | None = None, out: str | Path | None = None) -> dict:
+                  out: str | Path | None = None) -> dict:
     """Speculative decoding of `draft_dir` (ours or vLLM layout) on the prompts at the `[evaluate]` settings:
-    at T = 0 checked against the target's greedy output (the same `greedy_cache` for several drafts decodes
-    it once), above 0 once per seed. `out` also writes the report there."""
+    at T = 0 checked against the target's greedy output, above 0 once per seed. `out` also writes the report there."""
     e, start = cfg.evaluate, time.perf_counter()
     sampling = Sampling(e.temperature, e.top_p, e.draft_sampling)
     prompts_path = prompts_path or e.prompts
@@ -246,9 +234,8 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     drafter = Drafter(draft, target.embed)
     loaded = time.perf_counter()
     if sampling.greedy:
-        key = (str(ckpt.dir.resolve()), ckpt.config.config_sha256, str(device), dbg.evaluate_dtype)
-        references = greedy_references(target, prompts, e.max_new_tokens, stop, dbg.evaluate_batch_size,
-                                       {} if greedy_cache is None else greedy_cache, key)
+        references = [d for group in batches(prompts, dbg.evaluate_batch_size)
+                      for d in greedy_decode_many(target, [p.ids for p in group], e.max_new_tokens, stop)]
         timing = {"greedy_seconds": time.perf_counter() - loaded}
         decoded = [d for group in batches(prompts, dbg.evaluate_batch_size)
                    for d in speculative_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens, k, stop)]
