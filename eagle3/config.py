@@ -1,8 +1,5 @@
-"""The one typed configuration schema: TOML loading, `--section.key value` overrides, validation.
-
-Each key is a field with its type (`Literal[...]` for a fixed set), default and one-line doc, from which
-`python -m eagle3 config` and docs/config.md are made. `None` ("auto" in TOML) means "derive it".
-"""
+"""The one typed configuration schema (each key's type, default and doc make `python -m eagle3 config` and
+docs/config.md; `None`, "auto" in TOML, means derive it): TOML loading, `--section.key value` overrides, checks."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,7 +1,5 @@
-"""Process-group plumbing for torchrun: NCCL on GPUs, gloo on the CPU; a no-op in one process.
-
-A dead rank must not leave the others waiting: collectives time out (`setup`), `lost_peer` names that
-failure, and SIGTERM (torchrun's word to the survivors) ends a rank with one line (`stop_on_sigterm`)."""
+"""Process-group plumbing for torchrun (NCCL on GPUs, gloo on the CPU; a no-op in one process), so that a dead rank
+leaves none waiting: collectives time out, `lost_peer` names that failure, SIGTERM ends a rank with one line."""
 from __future__ import annotations
 
 import os
@@ -88,9 +86,8 @@ def first_word(line: str) -> str | int:
 
 
 def stop_on_sigterm(kept: Callable[[], str]) -> None:
-    """Under a launcher (WORLD_SIZE > 1), SIGTERM ends the rank with status 143 and one line: stopped, what
-    is kept (`kept()`) and that the same command resumes. A thread does it, woken by the signal's wakeup byte:
-    the main thread may be stuck in a collective, where a Python handler would not run. Call from the main thread."""
+    """Under a launcher, SIGTERM ends the rank with status 143 and one line naming what is `kept()`, by a thread woken
+    by the signal's wakeup byte (a handler would not run in a stuck collective). Call from the main thread."""
     global _spoken
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return

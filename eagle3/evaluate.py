@@ -1,6 +1,5 @@
-"""`python -m eagle3 evaluate --config C DRAFT [--prompts P.jsonl]`: judge a draft (docs/evaluate.md): our
-checkpoints by the held-out TTT estimate (split, K and loss as trained) and its replay as decoding rounds;
-any draft (ours or vLLM layout) by real speculative decoding of the prompts. Writes eval.json (and eval.png)."""
+"""`python -m eagle3 evaluate`: our checkpoints by the held-out TTT estimate, any draft (ours or vLLM layout) by
+real speculative decoding of prompts, into eval.json and eval.png (docs/evaluate.md)."""
 from __future__ import annotations
 
 import json
@@ -46,9 +45,8 @@ def reply_positions(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
 
 
 def decoding_rounds(accepted: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[int, int]:
-    """(tokens, rounds) of chain speculative decoding of each reply, replayed from the per-row accepted
-    counts: the prefill yields the reply's first token; a round whose newest token is x_m drafts from
-    row m-1 and gains its accepted drafts + 1, capped at the reply's end."""
+    """(tokens, rounds) of chain speculative decoding of each reply replayed from the per-row accepted counts: a round
+    whose newest token is x_m drafts from row m-1 and gains its accepted drafts + 1 (the prefill: the first token)."""
     acc, mask, bounds = accepted.tolist(), loss_mask.tolist(), cu_seqlens.tolist()
     tokens = rounds = 0
     for a, b in zip(bounds[:-1], bounds[1:]):

@@ -1,6 +1,5 @@
-"""Export a trained draft for serving: vLLM (speculators layout) and SGLang (native). Both read `d2t`/`t2d`
-and the same weights; they differ in the config and the layer's name (`layers.0.*` for vLLM, `midlayer.*`
-for SGLang, which silently skips names it does not know). `eagle3.draft_io` reads the vLLM layout back."""
+"""Export a trained draft for vLLM (speculators layout, `layers.0.*`) and SGLang (native, `midlayer.*`): the same
+weights and `d2t`/`t2d`, another config. `eagle3.draft_io` reads the vLLM layout back."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,5 @@
-"""The draft's dense linear layers: x @ wᵀ, each weight's gradient summed inside the GEMMs. Inside
-`casts_reused` (one TTT forward: K uses of every weight) each fp32 master is cast once while unchanged and
-every use adds its dYᵀ·X into one fp32 sum by the GEMM (beta = 1), which the cast's backward hands to the
-master: no add kernels, no bf16 rounding of partial sums. The scope also holds `eagle3.float8`'s casts."""
+"""The draft's dense linear layers: inside `casts_reused` (one TTT forward) each fp32 master is cast once and every
+use adds its dYᵀ·X into one fp32 sum by the GEMM (beta = 1): no add kernels, no bf16 partial sums."""
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,5 @@
-"""Training checkpoints: `output_dir/checkpoints/step-NNNNNNNN/`, written as `.tmp` and renamed when
-complete: the fp32 draft weights (`model.safetensors`), optimizer and scheduler states, each rank's
-RNG states and `state.json` (step, resolved config, draft spec, aux layer ids, target identity)."""
+"""Training checkpoints `output_dir/checkpoints/step-NNNNNNNN/` (written as `.tmp`, renamed when complete): fp32
+draft weights, optimizer and scheduler states, each rank's RNG states, `state.json` (step, config, target)."""
 from __future__ import annotations
 
 import json

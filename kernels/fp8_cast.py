@@ -1,7 +1,5 @@
-"""fp8 cast for training GEMMs: one dynamic scale, both layouts (Hopper's fp8 GEMM takes only a
-row-major A and a column-major B), in two kernels: an amax (one atomic max per program), then a tiled
-cast that reads each tile once and writes it twice. `to_fp8_reference` is the ground truth and the CPU
-path, equal bit for bit on finite inputs (IEEE division, round-to-nearest-even conversion in both)."""
+"""fp8 cast for training GEMMs, one dynamic scale, both layouts (Hopper's fp8 GEMM takes a row-major A, a column-major
+B): an amax kernel, then a tiled cast; `to_fp8_reference`, the CPU path, equals it bit for bit on finite inputs."""
 from __future__ import annotations
 
 import torch

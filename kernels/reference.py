@@ -1,6 +1,5 @@
-"""Pure-torch ground truth for the TTT hot spots and the row spread around them: what the Triton
-kernels are tested against, and what runs with `train.kernels = "torch"` and on the CPU. The losses
-(`LOSSES`) are defined in docs/losses.md; autograd gives each one's gradient."""
+"""Pure-torch ground truth of the TTT kernels and the row spread: what the Triton kernels are tested against and what
+runs on the CPU; the losses (`LOSSES`) are defined in docs/losses.md, autograd gives their gradients."""
 from __future__ import annotations
 
 import torch
@@ -68,9 +67,8 @@ def loss_index(loss: str, temperature: float) -> int:
 def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor, valid: torch.Tensor | None = None,
              loss: str = "kl", temperature: float = 1.0, eta: float = 3.0,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row loss of q = softmax(h wᵀ / temperature) (h [N, H], w [V, H]) against p [N, V]:
-    (loss [N] fp32, first argmax of the logits [N] int64, α = Σ min(p, q) [N] fp32, detached), with
-    0, -1 and 0 on rows not `valid` (bool [N]). Differentiable in h and w."""
+    """Per-row loss of q = softmax(h wᵀ / temperature) (h [N, H], w [V, H]) against p [N, V] -> (loss, first argmax
+    of the logits, detached α = Σ min(p, q)), [N] each, 0, -1 and 0 on rows not `valid`; differentiable in h, w."""
     kind = LOSSES[loss_index(loss, temperature)]
     N = h.shape[0]
     if valid is None:
@@ -104,9 +102,8 @@ def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor, valid: torch.Ten
 
 def ttt_loss_steps(hs, w, ps, valids=None, weights=None, loss_fn=None, p_rows=None, *,
                    loss: str = "kl", temperature: float = 1.0, eta: float = 3.0):
-    """All K steps: (Σ_k Σ_i weights[k] · loss_k,i, losses, argmaxes, alphas), valids[k] a bool mask
-    or row indices, p_rows[k] the rows of ps[k] that hs[k] reads (or None); `loss_fn` replaces
-    `ttt_loss` per step (called as loss_fn(h, w, p, valid, loss=, temperature=, eta=))."""
+    """All K steps: (Σ_k Σ_i weights[k] · loss_k,i, losses, argmaxes, alphas); valids[k] a bool mask or row indices,
+    p_rows[k] the rows of ps[k] that hs[k] reads (or None); `loss_fn` replaces `ttt_loss` per step."""
     loss_index(loss, temperature)
     loss_fn = loss_fn or ttt_loss
     K = len(hs)

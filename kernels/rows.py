@@ -1,7 +1,5 @@
-"""Rows spread into a filled tensor in one pass: out[index[i]] = src[i], every other row `fill`.
-torch's `new_full(...).index_copy(0, index, src)` writes the output twice with an elementwise index
-kernel; here each program writes BLOCK_W columns of one output row from the source row its inverse
-index names (-1: fill). `kernels.reference.spread_rows` is the ground truth and the path off the GPU."""
+"""Rows spread into a filled tensor in one pass, out[index[i]] = src[i], every other row `fill` (torch's
+new_full + index_copy writes it twice); `kernels.reference.spread_rows` is the ground truth and the CPU path."""
 from __future__ import annotations
 
 import math

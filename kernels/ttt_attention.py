@@ -220,9 +220,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
                      T, qk_scale, sm_scale, seqlen_bucket, Qd, Kd, Vd, DOd,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dk_0, dv_0 of key tiles i and n_tiles-1-i of one kv head, summed over its q heads: early key
-    tiles are seen by more queries, so pairing each with its mirror evens the work of the few programs
-    GQA leaves. Keys past the sequence are computed from whatever loaded, and not stored."""
+    """dk_0, dv_0 of key tiles i and n_tiles-1-i of one kv head, summed over its q heads (pairing each tile with its
+    mirror evens the causal work of the few programs GQA leaves); keys past the sequence are not stored."""
     pair = tl.program_id(0)
     kv_head = tl.program_id(1)
     start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
@@ -424,9 +423,8 @@ def _descriptors(tma: bool, **tensors) -> dict:
 
 
 def _seqlen_info(cu_seqlens, T, device, max_seqlen=None):
-    """(cu_seqlens int32 on device or None, number of sequences, longest length), checked. cu_seqlens
-    on the host (pinned) costs no sync: .tolist() is free and the copy async. With `max_seqlen` (a bound,
-    as in a CUDA graph) the boundaries are neither read nor checked."""
+    """(cu_seqlens int32 on device or None, number of sequences, longest length), checked (pinned host boundaries
+    cost no sync); with `max_seqlen` (a bound, as in a CUDA graph) they are neither read nor checked."""
     if cu_seqlens is None:
         return None, 1, T
     if max_seqlen is not None:
@@ -502,10 +500,8 @@ class _TTTAttention(torch.autograd.Function):
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                   scale: float | None = None, max_seqlen: int | None = None) -> torch.Tensor:
-    """`kernels.reference.ttt_attention` fused: q [T, Hq, D], k, v [S, T, Hkv, D], D 64 or 128,
-    cu_seqlens int32 [n+1] or None, scale default D^-0.5 -> [T, Hq, D], differentiable in q, k, v.
-    `max_seqlen`: a bound on the sequences' lengths, for boundaries on the device that the launch must
-    not read (CUDA graphs); sequences may then be empty."""
+    """`kernels.reference.ttt_attention` fused: q [T, Hq, D], k, v [S, T, Hkv, D], D 64 or 128 -> [T, Hq, D];
+    `max_seqlen` bounds the lengths of boundaries on the device that the launch must not read (CUDA graphs)."""
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv or S < 1:

@@ -1,7 +1,5 @@
-"""Fused TTT loss: draft lm_head + a loss against target probabilities, forward and backward.
-Valid rows go in chunks: z = h_c wᵀ (cuBLAS, one reusable [chunk, V] buffer), a row kernel for the
-loss, α, argmax and dz (in place over z), then dh_c = dz w, dw += dzᵀ h_c: one chunk of extra memory
-whatever N. The losses and their gradients: docs/losses.md; the passes over a row: docs/kernels.md."""
+"""Fused TTT loss, forward and backward: per chunk of valid rows z = h_c wᵀ (cuBLAS, one reusable buffer), a row kernel
+for loss, α, argmax and dz in place, dh_c = dz w, dw += dzᵀ h_c (docs/losses.md, docs/kernels.md)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -234,9 +232,8 @@ def _valid_rows(valid: torch.Tensor | None, N: int, device) -> torch.Tensor:
 
 
 def _score_rows(h, w, p, rows, ws, out, spec, g=None, dh=None, dw=None, dw_fresh=True, p_rows=None) -> bool:
-    """Loss, argmax and α (`out`) of `rows`, chunk by chunk, h's row i reading p's row p_rows[i];
-    with g (fp32 [N] upstream gradient) also dh[rows] and dw (overwritten first when dw_fresh).
-    Returns whether dw is still unwritten."""
+    """Loss, argmax and α (`out`) of `rows`, chunk by chunk, h's row i reading p's row p_rows[i]; with g (fp32 [N])
+    also dh[rows] and dw (overwritten first when dw_fresh) -> whether dw is still unwritten."""
     n_rows = rows.numel()
     p_of = rows if p_rows is None else p_rows[rows]
     dense = n_rows == h.shape[0]   # all rows valid: plain slices, no gather / scatter
@@ -386,9 +383,8 @@ def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[tor
                    float8: bool = False, p_rows: Sequence[torch.Tensor | None] | None = None, *,
                    loss: str = "kl", temperature: float = 1.0, eta: float = 3.0,
                    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """All K TTT steps at once: `kernels.reference.ttt_loss_steps`'s contract (p_rows[k]: int64 on
-    ps[k]'s device, unchecked, read in place), plus `chunk` and `float8` (the logits and dh GEMMs in
-    scaled fp8 where gradients are computed; V and H multiples of 16). docs/kernels.md has the rest."""
+    """All K TTT steps at once: `kernels.reference.ttt_loss_steps`'s contract, plus `chunk` and `float8` (the logits and
+    dh GEMMs in scaled fp8 where gradients are computed; V and H multiples of 16); docs/kernels.md."""
     spec = _spec(loss, temperature, eta)
     K = len(hs)
     valids = [None] * K if valids is None else list(valids)

@@ -1,8 +1,5 @@
-"""`python -m eagle3.bench attention [--shapes a,b,c] [--json FILE]`: TTT attention, forward + backward, on the GPU.
-
-Each shape is checked against fp32, then each contender timed with its peak memory above the inputs and dO.
-Useful FLOPs, FlashAttention's way: forward = 4·D·Hq·(causal pairs + (S-1)·T diagonal pairs), backward = 2.5x
-forward; the sdpa floor (step-0 keys only) without the diagonal."""
+"""`python -m eagle3.bench attention [--shapes a,b,c] [--json FILE]`: TTT attention fwd + bwd on the GPU, checked
+against fp32, each contender timed with its peak memory; useful FLOPs counted FlashAttention's way (`_flops`)."""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +39,7 @@ def make_case(label: str, seed: int = 0) -> dict:
 
 
 def _flops(case: dict, diagonal: bool = True) -> float:
+    """Forward 4·D·Hq·(causal pairs + (S-1)·T diagonal pairs), backward 2.5x; the sdpa floor without the diagonal."""
     pairs = sum(n * (n + 1) // 2 for n in case["lengths"]) + diagonal * (S_STEPS - 1) * case["T"]
     return 3.5 * 4 * HEAD_DIM * case["hq"] * pairs
 

@@ -1,6 +1,5 @@
-"""`python -m eagle3.bench`: the full training step of an EAGLE-3 draft on synthetic shards, at the sizes users
-train for (Kimi-K2.5, Llama-3.1-8B, Llama-3.2-1B, the quality bench's small one; `--tiny` on the CPU): tokens/s
-per GPU, MFU, peak memory, GPU idle share and host syncs, per size, data layout and kernel choice (docs/benchmarks.md)."""
+"""`python -m eagle3.bench`: the training step of an EAGLE-3 draft on synthetic shards at the sizes users train for:
+tokens/s per GPU, MFU, peak memory, GPU idle, host syncs per size, data layout and kernel choice (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import argparse

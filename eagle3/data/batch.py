@@ -1,6 +1,5 @@
-"""One packed micro-batch as the trainer sees it: T rows, the tokens of n sequences end to end
-(`cu_seqlens` [n+1] their boundaries), and the row plan `eagle3.ttt.plan_rows` finds on the host once
-per batch, which the step would otherwise learn on the device with a host sync per TTT step."""
+"""One packed micro-batch as the trainer sees it: T rows, n sequences end to end (`cu_seqlens` [n+1]), and the
+row plan `eagle3.ttt.plan_rows` finds on the host once per batch (on the device: a host sync per TTT step)."""
 from __future__ import annotations
 
 import dataclasses
@@ -94,10 +93,8 @@ class Batch:
 
 
 def pad(batch: Batch, rows: int, longest: int) -> Batch:
-    """The batch's boundaries for a CUDA graph's static `rows` rows, the rows themselves unchanged (the graph's
-    buffers add zeros, `eagle3.training.graph.load`). In `cu_seqlens` [rows+1] the filler rows are sequences of one
-    token (no label inside: never trained or counted); in `cu_attention`, chunks of at most `longest`
-    tokens, then empty sequences up to a power-of-two count (a graph per count)."""
+    """Boundaries for a CUDA graph's static `rows` rows: filler rows as one-token sequences (never trained or
+    counted); `cu_attention` in chunks of at most `longest` tokens, padded to a power-of-two count of sequences."""
     n, cu = batch.rows, batch.cu_seqlens
     cu_rows = torch.cat([cu, torch.arange(n + 1, rows + 1, dtype=cu.dtype), cu.new_full((n + 1 - cu.numel(),), rows)])
     bounds = torch.cat([cu, torch.arange(n, rows, longest, dtype=cu.dtype)[1:], cu.new_full((int(rows > n),), rows)])

@@ -1,8 +1,5 @@
-"""Chat conversations -> (input_ids, loss_mask) with the target's own tokenizer and chat template.
-
-Lines are OpenAI {"messages"} or ShareGPT {"conversations"}; the loss mask covers each assistant turn
-from the end of the template's generation prompt through its end marker, found by rendering prefix by
-prefix (formats, tokenizers and the mask's rules: docs/data.md)."""
+"""Chat lines (OpenAI {"messages"}, ShareGPT {"conversations"}) -> (input_ids, loss_mask) with the target's own
+tokenizer and chat template, each assistant turn found by rendering prefix by prefix (docs/data.md)."""
 from __future__ import annotations
 
 import base64

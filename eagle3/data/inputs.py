@@ -1,6 +1,5 @@
-"""Training conversations as token ids and loss masks, read from JSON lines: pre-tokenized
-{"input_ids", "loss_mask"}, or chat lines through eagle3.data.chat. A bad line is fatal or skipped
-(`data.on_error`), never dropped silently: the counts go into the manifest (docs/data.md)."""
+"""Training conversations as token ids and loss masks from JSON lines (pre-tokenized or chat); a bad line is fatal
+or skipped (`data.on_error`) and counted in the manifest, never dropped silently (docs/data.md)."""
 from __future__ import annotations
 
 import functools

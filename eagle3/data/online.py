@@ -1,7 +1,5 @@
-"""Online training's data (`train.source = "online"`): each micro-batch's hidden states made by the
-target when training reads the batch. `OnlineReader` is a `ShardReader` over the records of `data.path`
-(sequence i is record i, states in the shards' dtypes), so a seed gives the batches extract-then-train
-gives. `staged` splits the target's layers over the ranks: each read is then a collective (`lockstep`)."""
+"""Online training's data (`train.source = "online"`): `OnlineReader`, a `ShardReader` over the records of
+`data.path` whose hidden states the target makes as training reads them (a seed gives extract-then-train's batches)."""
 from __future__ import annotations
 
 import contextlib

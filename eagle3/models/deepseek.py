@@ -1,6 +1,5 @@
-"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 forward, one layer at a time: MLA with interleaved YaRN RoPE on
-the rope part, dense first layers, MoE with a sigmoid noaux_tc router, shared experts and int4 routed
-experts kept packed (only the experts that received tokens are dequantized, a block at a time)."""
+"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 forward, one layer at a time: MLA with interleaved YaRN RoPE, MoE with a
+sigmoid noaux_tc router; int4 experts stay packed, those that received tokens dequantized a block at a time."""
 from __future__ import annotations
 
 import itertools
@@ -314,9 +313,8 @@ class DeepseekTarget:
         return out
 
     def _routed(self, w, x, idx, weights):
-        """Σ_k weights[t, k] · expert_idx[t, k](x_t) [T, H]: per block of EXPERT_BLOCK active experts, one
-        projection's weights dequantized at a time and one matmul per expert; each (token, slot) pair's
-        output in row t·k + slot, a token's k slots summed at the end (fewer bytes than an fp32 index_add)."""
+        """Σ_k weights[t, k] · expert_idx[t, k](x_t) [T, H], EXPERT_BLOCK active experts' weights dequantized at a
+        time; pair (t, slot) lands in row t·k + slot, the k slots summed at the end (fewer bytes than index_add)."""
         T, k = idx.shape
         order = idx.flatten().argsort(stable=True)
         token, pair_w = order // k, weights.flatten()[order]

@@ -1,6 +1,5 @@
-"""The whole target resident with a KV cache, decoding many sequences a few tokens at a time. All share
-one KV pool (a slot per sequence); a pass writes the new keys/values with one indexed copy per layer and
-attends the short chunks (decode: 1, verify: k+1) of all sequences in one padded call per layer."""
+"""The whole target resident with one KV pool (a slot per sequence), decoding many sequences a few tokens at a
+time: per layer one indexed copy of the new keys and one padded attention call for all short chunks."""
 from __future__ import annotations
 
 import heapq
@@ -70,9 +69,8 @@ class SequenceCache:
 
 
 class _Group:
-    """Sequences whose chunks pad to length n, attended in one call: R pool `rows` (a slice or slots),
-    each token's padded row r * n + i (`pad_index`), which packed `tokens` they are (None: all) and
-    where each row's new tokens start (`start_row` [R]: query i sees keys 0 .. start + i)."""
+    """Sequences whose chunks pad to length n, attended in one call: R pool `rows`, each token's padded row
+    (`pad_index`), which packed `tokens` they are (None: all), where each row's new tokens start (`start_row`)."""
 
     def __init__(self, n: int, members: torch.Tensor, slots, starts, ends, seq, offset):
         self.n, ms = n, slots[members]

@@ -1,6 +1,5 @@
-"""compressed-tensors `pack-quantized` int4 linears: `X.weight_packed` (int32 [out, in/8], eight values
-+ 8 per word, lowest nibble first), `X.weight_scale` [out, in/group], `X.weight_shape` (int32 [out, in]).
-A linear is packed or plain (`X.weight`) by its keys, never by the config's ignore list."""
+"""compressed-tensors `pack-quantized` int4 linears: `X.weight_packed` (int32 [out, in/8], values + 8, lowest nibble
+first), `X.weight_scale` [out, in/group], `X.weight_shape`; packed or plain (`X.weight`) by its keys."""
 from __future__ import annotations
 
 import functools
