@@ -101,8 +101,8 @@ def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Pat
         tmp.rename(out_dir)
     except (OSError, SafetensorError) as e:   # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"{out_dir}: writing the export failed ({getattr(e, 'strerror', None) or e}); the partial folder was "
-                          "removed") from None
+        raise ExportError(f"{out_dir}: writing the export failed ({getattr(e, 'strerror', None) or e}); the partial "
+                          "folder was removed") from None
     return out_dir
 
 
@@ -113,17 +113,11 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
     cfg = cfg or from_dict(state["config"], str(checkpoint_dir / train_state.STATE))
     weights = train_state.load_weights(checkpoint_dir)
     check_vocab(weights["d2t"], weights["t2d"], str(checkpoint_dir / train_state.MODEL))
-    spec = state["resolved"]["draft_spec"]
-    if len(state["resolved"]["aux_layer_ids"]) != 3:
-        raise ExportError(f"{checkpoint_dir}: EAGLE-3 export needs exactly 3 aux layers")
-    dtype = TORCH_DTYPES[cfg.export.dtype]
-    written = {}
-    for fmt in cfg.export.formats:
+    spec, dtype, written = state["resolved"]["draft_spec"], TORCH_DTYPES[cfg.export.dtype], {}
+    for fmt in cfg.export.formats:   # "vllm" or "sglang", as the config's type says
         if fmt == "vllm":
             tensors = export_weights(weights, spec, lambda i: f"layers.{i}", spec["num_layers"], dtype)
             written[fmt] = _write(out_dir / "vllm", vllm_config(state, cfg), tensors)
-        elif fmt != "sglang":
-            raise ExportError(f"export format {fmt!r}; expected 'vllm' or 'sglang'")
         else:
             if spec["num_layers"] != 1:
                 raise ExportError(f"{checkpoint_dir}: SGLang's EAGLE-3 draft has one layer (midlayer); "

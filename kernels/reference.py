@@ -11,15 +11,6 @@ def spread_rows(src: torch.Tensor, index: torch.Tensor, total: int, fill=0) -> t
     return src.new_full((total, *src.shape[1:]), fill).index_copy(0, index, src)
 
 
-def _lengths(cu_seqlens: torch.Tensor | None, total: int) -> list[int]:
-    if cu_seqlens is None:
-        return [total]
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != total:
-        raise ValueError(f"ttt_attention: cu_seqlens must run from 0 to T={total}, got {bounds[0]}..{bounds[-1]}")
-    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-
-
 def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, Hq, D]; k, v [S, n, Hq, D] (heads already expanded), fp32 -> [n, Hq, D]."""
     n = q.shape[0]
@@ -40,9 +31,11 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Hq = q.shape[1]
     if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv:
         raise ValueError(f"ttt_attention: bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
-    scale = D ** -0.5 if scale is None else scale
-    group = Hq // Hkv
-    lengths = _lengths(cu_seqlens, T)
+    bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != T:
+        raise ValueError(f"ttt_attention: cu_seqlens must run from 0 to T={T}, got {bounds[0]}..{bounds[-1]}")
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    scale, group = D ** -0.5 if scale is None else scale, Hq // Hkv
     # split (not slice) per sequence: its backward is one concatenation, not a zero-fill per piece
     qs = q.float().split(lengths, dim=0)
     ks = k.float().repeat_interleave(group, dim=2).split(lengths, dim=1)

@@ -7,7 +7,6 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,17 +26,9 @@ def stream_note(ckpt: Checkpoint, device: torch.device) -> str:
     """What the default `train.online_target = "stream"` costs against the placements that may fit."""
     room = (f"; this GPU has {torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"
             if device.type == "cuda" else "")
-    return (f"note: train.online_target = \"stream\" reads the target's {ckpt.text_bytes() / 1e9:.1f} GB of "
-            f"weights ({ckpt.dir}) for every micro-batch: measured on two H200s, 4.0x slower end to end than "
-            f"\"resident\" (the whole target on each GPU, beside the draft's training{room}) and 3.2x slower "
-            f"than \"staged\" (1/N of it on each of a node's N GPUs); README, \"Online or offline\"")
-
-
-@dataclass
-class TargetTotals:
-    """Target tokens and seconds since the start: the log shows which side bounds the run."""
-    tokens: int = 0
-    seconds: float = 0.0
+    return (f"note: train.online_target = \"stream\" reads the target's {ckpt.text_bytes() / 1e9:.1f} GB of weights "
+            f"({ckpt.dir}) for every micro-batch, 3-4x slower than \"resident\" (the whole target on each GPU{room}) "
+            "or \"staged\" (1/N of it on each of a node's N GPUs); docs/training.md")
 
 
 class OnlineReader:
@@ -67,7 +58,7 @@ class OnlineReader:
         self.manifest = {"source": {"path": str(d.path), "sequences": stats.sequences},
                          "shards": [{"loss_tokens": sum(counts.values()),
                                      "loss_token_counts": {str(k): v for k, v in sorted(counts.items())}}]}
-        self.totals = TargetTotals()   # the log takes differences
+        self.totals = [0, 0.0]   # target tokens and seconds since the start, of which the log takes differences
         # one forward at a time (prefetch and evaluation both read): memory for one, exact totals
         self._lock = threading.Lock()
         # the prefetch thread's current CUDA device is 0 whatever the rank: Triton launches there
@@ -91,6 +82,6 @@ class OnlineReader:
             # CPU tensors back: the forward has finished
             outs = (self.runner.run(inputs, self.group) if self.lockstep
                     else [self.runner.run(ids, cu) for ids, cu in inputs])
-            self.totals.seconds += time.perf_counter() - start
-            self.totals.tokens += sum(ids.numel() for ids, _ in inputs)
+            self.totals[0] += sum(ids.numel() for ids, _ in inputs)
+            self.totals[1] += time.perf_counter() - start
         return [Batch(**shard_tensors(recs, out, self.aux_dtype)) if recs else None for recs, out in zip(records, outs)]
