@@ -6,23 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-DRAFT_SAMPLING = ("greedy", "probabilistic")   # the draft proposes its argmax (q one-hot) or a sample of q
-
-
 @dataclass(frozen=True)
 class Sampling:
-    """How a request is served: the target's temperature and top_p, and how the draft proposes."""
+    """How a request is served (checked as config keys): the target's temperature and top_p, and how the draft
+    proposes: "greedy", its argmax (q one-hot), or "probabilistic", a sample of q."""
     temperature: float = 0.0
     top_p: float = 1.0
     draft: str = "greedy"
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature = {self.temperature}; expected a number >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p = {self.top_p}; expected a number in (0, 1]")
-        if self.draft not in DRAFT_SAMPLING:
-            raise ValueError(f"draft sampling {self.draft!r}; expected one of {', '.join(DRAFT_SAMPLING)}")
 
     @property
     def greedy(self) -> bool:

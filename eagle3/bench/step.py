@@ -159,15 +159,12 @@ def host_syncs(trainer: Trainer, batch: Batch) -> list[str]:
     import warnings
     sites = []
 
-    def record(message, category, filename, lineno, file=None, line=None):
-        frames = traceback.extract_stack()[:-1]
-        in_step = threading.current_thread() is threading.main_thread() and any(
-            Path(f.filename).parent.name == "training" for f in frames)   # not the prefetch thread
-        if "synchroniz" in str(message) and in_step:
-            ours = [f for f in frames if "/eagle3/" in f.filename or "/kernels/" in f.filename]
-            inner = [f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:]]
-            sites.append(" < ".join(reversed(inner)) + (f" (from {Path(ours[-1].filename).name}:"
-                                                        f"{ours[-1].lineno})" if ours else ""))
+    def record(message, *_):   # as warnings.showwarning; the prefetch thread's syncs are not the step's
+        if "synchroniz" in str(message) and threading.current_thread() is threading.main_thread():
+            frames = traceback.extract_stack()[:-1]
+            ours = [f for f in frames if "/eagle3/" in f.filename or "/kernels/" in f.filename] or frames
+            sites.append(f"{Path(frames[-1].filename).name}:{frames[-1].lineno} (from "
+                         f"{Path(ours[-1].filename).name}:{ours[-1].lineno})")
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
