@@ -30,8 +30,6 @@ def spread_rows(src: torch.Tensor, index: torch.Tensor, total: int, fill=0) -> t
     out = src.new_empty((total, *src.shape[1:]))
     if total == 0 or W == 0:
         return out.fill_(fill)
-    if not INTERPRET and not src.is_cuda:
-        raise ValueError("spread_rows: the Triton kernel runs on CUDA tensors (or under TRITON_INTERPRET=1)")
     inverse = torch.full((total,), -1, dtype=torch.int32, device=src.device)
     inverse.index_copy_(0, index, torch.arange(n, dtype=torch.int32, device=src.device))
     block = min(MAX_BLOCK_W, triton.next_power_of_2(W))

@@ -401,11 +401,7 @@ def uses_tma(device: torch.device) -> bool:
     if _tma_forced is not None:
         return _tma_forced and TensorDescriptor is not None
     return (TensorDescriptor is not None and not INTERPRET and device.type == "cuda"
-            and tma_family(torch.cuda.get_device_capability(device), torch.version.hip is not None))
-
-
-def tma_family(capability: tuple[int, int], hip: bool = False) -> bool:
-    return tiles.family(capability, hip) == "large"
+            and tiles.family(torch.cuda.get_device_capability(device), torch.version.hip is not None) == "large")
 
 
 def _aligned(*tensors) -> bool:
