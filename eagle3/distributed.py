@@ -75,8 +75,7 @@ def lost_peer(error: BaseException, timeout: str) -> str | None:
     return f"rank {rank}: {other} {what} (a collective failed: {cause})"
 
 
-# with stop_on_sigterm: whichever of the error path (`first_word`) and the SIGTERM thread takes it first
-# says this rank's one line
+# with stop_on_sigterm: the error path (`first_word`) or the SIGTERM thread, whichever takes it, says the line
 _spoken: threading.Lock | None = None
 
 

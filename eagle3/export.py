@@ -58,8 +58,7 @@ def sglang_config(state: dict, cfg: Config) -> dict:
     config.update({
         "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
         "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
-        # SGLang reads only eagle_config's ids, as outputs of layers (ours; its target models capture
-        # the input of layer id + 1): ModelRunner.__init__ in sglang/srt/model_executor/model_runner.py
+        # SGLang reads only eagle_config's ids, as outputs of layers (ours): sglang/srt/model_executor/model_runner.py
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(state["resolved"]["aux_layer_ids"]),
                          "use_aux_hidden_state": True},
         "torch_dtype": cfg.export.dtype,

@@ -108,8 +108,7 @@ class _Linears(torch.autograd.Function):
                 dy = dy.reshape(-1, dy.shape[-1])
                 if ctx.needs_input_grad[0]:
                     dx = dy.mm(w) if dx is None else dx.addmm_(dy, w)   # [m, k]
-                # only when this backward runs the cast (not autograd.grad towards x alone): a sum
-                # left behind would be added into the next backward's
+                # only when this backward runs the cast: a sum left behind would go into the next backward's
                 if torch._C._will_engine_execute_node(total.node):
                     _accumulate(total, dy.t(), x2)
         return None if dx is None else dx.reshape(x.shape), None, *[None] * len(ws)

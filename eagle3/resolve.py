@@ -31,8 +31,7 @@ class DraftSpec:
     norm_output: bool = False            # norm(h) is the head's input and the next step's state
 
 
-# the norm settings under the keys speculators and vLLM use; SGLang reads none, so with one on its export
-# would decode another draft
+# the norm settings under the keys speculators and vLLM use (SGLang reads none)
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 

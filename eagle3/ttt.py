@@ -11,8 +11,8 @@ from eagle3.data.batch import Batch, RowPlan, RowRule
 from eagle3.draft import Rows
 from eagle3.ops import gather_rows, positions_from_cu_seqlens, scatter_rows
 
-# per-step metric sums; "accepted" (leading correct steps of each start row) in step 0's row only;
-# "alpha" / "alpha_greedy": a row's expected acceptance of its draft token: Σ_v min(p_v, q_v) / p(argmax q)
+# per-step metric sums; "accepted" (leading correct steps) in step 0's row only; "alpha" / "alpha_greedy":
+# a row's expected acceptance of its draft token, Σ_v min(p_v, q_v) / p(argmax q)
 METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_rows", "accepted", "alpha", "alpha_greedy")
 
 

@@ -63,8 +63,7 @@ def to_fp8(t: torch.Tensor, dtype: torch.dtype, transposed: bool = True
         programs = min(triton.cdiv(x.numel(), 4096), 4 * sms)
         _amax_kernel[(programs,)](x, x.numel(), amax, BLOCK=4096, num_warps=8)
     scale = (amax[0] / MAX[dtype]).clamp(min=1e-12)
-    # the interpreter rounds some values to the wrong fp8 (-125.9 / 0.98 -> -64, not -128): there the
-    # kernel writes fp32 and torch converts
+    # the interpreter rounds some values to the wrong fp8: there the kernel writes fp32 and torch converts
     out = torch.float32 if INTERPRET else dtype
     q = torch.empty(m16, k, dtype=out, device=x.device)
     qt = torch.empty(k, m16, dtype=out, device=x.device) if transposed else q

@@ -115,8 +115,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Diagonal keys first (one q.k dot product per row and step): they make every valid row's running
-    # max finite before any masked tile.
+    # diagonal keys first (a q.k product per row and step): every valid row's running max finite before any mask
     qf = q.to(tl.float32)
     Kj, Vj = K0, V0
     for _ in range(1, S):
@@ -311,11 +310,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask[:, None])
 
 
-# (BLOCK_M query tile, BLOCK_N key tile, num_warps, num_stages) per GPU family (`kernels.tiles`). "large"
-# was timed on an H200 (HEAD_DIM=128, bf16: `python -m benchmarks.attention_sweep`), dropping
-# configs that spilled many registers; "a100" and "small" hold the "large" tilings whose tiles fit the
-# family's shared memory by count (tests/test_tiles.py) and smaller ones, untimed. FALLBACK (48 KB or
-# less at HEAD_DIM=128 in bf16) ends every list and fits every GPU Triton supports.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU family (`kernels.tiles`): "large" timed on an H200
+# (`python -m benchmarks.attention_sweep`), the others the tilings that fit their shared memory, untimed;
+# FALLBACK (48 KB or less at HEAD_DIM=128 in bf16) ends every list and fits every GPU Triton supports.
 FALLBACK = (32, 32, 4, 2)
 _LARGE = {
     "fwd": [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), FALLBACK],

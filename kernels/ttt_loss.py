@@ -12,8 +12,7 @@ from triton.language.extra import libdevice
 from kernels import fp8_cast
 from kernels.reference import ALPHA_EPS, LOSSES, loss_index
 
-# Rows per chunk: enough for full-rate GEMMs and few bf16 roundings of dw, while the chunk buffers
-# (logits [chunk, V] plus two [chunk, H]) stay well under 1 GiB: 8192 rows at V = 32000 in bf16.
+# rows per chunk: full-rate GEMMs, few bf16 roundings of dw, buffers under 1 GiB (8192 rows at V = 32000 in bf16)
 CHUNK_BYTES = 512 * 2**20
 
 # the kernel's LOSS: the index in kernels.reference.LOSSES
@@ -53,8 +52,7 @@ def _ttt_loss_kernel(
     p_row = p_ptr + tl.load(p_rows_ptr + i) * p_stride
     offs = tl.arange(0, BLOCK_V)
 
-    # Pass 1: online max / sum-exp of x = z/τ, Σp, Σp·x, the first index of the max of z and (pq)
-    # Σp·e^(x - m), rescaled with the sum-exp.
+    # Pass 1: online max / sum-exp of x = z/τ, Σp, Σp·x, the first argmax of z and (pq) Σp·e^(x - m).
     m, s, psum, px, pe = float("-inf"), 0.0, 0.0, 0.0, 0.0
     best, best_idx = float("-inf"), 0
     for start in range(0, V, BLOCK_V):
@@ -148,8 +146,7 @@ def _ttt_loss_kernel(
     tl.store(alpha_ptr + row, alpha)
 
 
-# On the GPU BLOCK_V and warps are autotuned per (V, LOSS, WRITE_GRAD), z restored between trials
-# (the kernel overwrites it); the interpreter gets one fixed config (tuning needs a GPU driver).
+# on the GPU BLOCK_V and warps autotuned per (V, LOSS, WRITE_GRAD), z restored between trials (written in place)
 _tuned_kernel = triton.autotune([triton.Config({"BLOCK_V": b}, num_warps=nw)
                                  for b, nw in ((2048, 4), (4096, 8), (4096, 16), (8192, 16))],
                                 key=["V", "LOSS", "WRITE_GRAD"], restore_value=["z_ptr"])(_ttt_loss_kernel)
@@ -346,8 +343,7 @@ class TTTLossStepsFunction(torch.autograd.Function):
         dw = torch.zeros_like(w) if need_w else None
         dw_fresh, total = True, 0.0
         losses, argmaxes, alphas, dhs = ([None] * len(hs) for _ in range(4))
-        # Last step first: the weights (0.8^k) shrink with k, so the bf16 dw accumulator takes the
-        # largest terms last (the order autograd gives K separate calls).
+        # last step first: the bf16 dw accumulator takes the largest terms (0.8^k) last, as autograd's order does
         for k in reversed(range(len(hs))):
             h, p, r = hs[k], ps[k], rows[k]
             out = _outputs(h.shape[0], h.device)

@@ -194,8 +194,7 @@ def kernel_args(kernels: str) -> list[str]:
     if kernels == "auto":
         return []
     path, *options = kernels.split("-")
-    # "torch" is the established recipe: every row computed, eager layers; ours skips dead rows and fuses
-    # the layers' elementwise chains
+    # "torch": the established recipe, every row computed, eager layers; ours skips dead rows, fuses elementwise
     return ["--debug.kernels", path, "--train.float8", str("fp8" in options).lower(),
             "--train.float8_head", str("head" in options).lower(), "--debug.skip_dead_rows", str(path != "torch").lower(),
             "--debug.compile_ops", str(path != "torch").lower(), "--debug.cuda_graphs", str("graph" in options).lower()]

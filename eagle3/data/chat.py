@@ -145,8 +145,7 @@ def _load_template(root: Path, config_path: Path, config: dict):
                          f"or 'chat_template' in {config_path.name}")
     jinja2 = _require("jinja2", origin)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-    # as transformers renders chat templates; no strftime_now, so dates fall back to the template's
-    # fixed default and a resumed extraction tokenizes exactly as before
+    # as transformers renders templates; no strftime_now: a resumed extraction tokenizes exactly as before
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

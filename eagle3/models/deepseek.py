@@ -14,8 +14,7 @@ from eagle3.models import quant
 from eagle3.models.weights import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import causal_attention_packed
 
-# experts dequantized into one buffer at a time: 32 Kimi experts are 2.8 GB of bf16, small next to
-# a 64k-token chunk's activations
+# experts dequantized into one buffer at a time: 32 Kimi experts, 2.8 GB of bf16, small next to a chunk's activations
 EXPERT_BLOCK = 32
 
 

@@ -12,8 +12,7 @@ from eagle3.models.weights import Checkpoint
 from eagle3.models.attention import cached_attention, padded_cached_attention, sdpa
 from eagle3.models.streaming import build_model
 
-# chunks up to this long attend batched, padded to a power of two; longer ones (prompts) one sequence
-# at a time: few, and padding a batch to a prompt's length costs far more than their launches
+# chunks up to this long attend batched, padded to a power of two; longer ones (prompts, few) one at a time
 SHORT_MAX = 64
 
 

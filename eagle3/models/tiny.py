@@ -22,8 +22,7 @@ def start_target(out: str | Path, config: dict, seed: int, dtype: torch.dtype):
         return (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
 
     def mlp(p: str, hidden: int, inter: int, quant: bool = False):
-        # small output projections keep the residual stream close to the token embedding, so the target's
-        # greedy token is mostly a function of recent tokens: learnable by a tiny draft
+        # small output projections: the greedy token mostly a function of recent tokens, learnable by a tiny draft
         for name, shape, std in (("gate_proj", (inter, hidden), hidden ** -0.5),
                                  ("up_proj", (inter, hidden), hidden ** -0.5),
                                  ("down_proj", (hidden, inter), 0.3 * inter ** -0.5)):
