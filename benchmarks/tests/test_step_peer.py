@@ -1,9 +1,6 @@
 """The peer's step beside ours (`python -m benchmarks.step_peer`): its rate read from its log, its
 process handled, at toy size on the CPU."""
-import json
-
 import pytest
-import torch
 
 from benchmarks import step_peer
 from benchmarks.step_peer import finish_peer, peer_tokens_per_s, start_peer
@@ -56,27 +53,3 @@ def test_a_failing_bench_stops_the_peer_running_beside_it(tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match="ours failed"):
         step_peer.main(["--tiny", "--dir", str(tmp_path / "bd"), "--peer-script", str(script), "--peer-gpu", "1"])
     assert started[0].process.wait(timeout=10) == -9   # killed, not left running for its minute
-
-
-def test_the_step_lab_trains_a_random_head_and_prompt_rows_when_asked(tmp_path):
-    """--train-head and --prompt-rows reach the trainer's config: another first loss than the default's."""
-    from benchmarks import step_lab
-    base = ["--tiny", "--layouts", "b", "--kernels", "torch", "--steps", "1", "--warmup", "1", "--dir", str(tmp_path)]
-    for name, lab in (("default", []), ("head", ["--train-head"]), ("rows", ["--prompt-rows"])):
-        step_lab.main(base + lab + ["--json", str(tmp_path / f"{name}.jsonl")])
-    loss = {n: json.loads((tmp_path / f"{n}.jsonl").read_text())["first_step_loss"] for n in ("default", "head", "rows")}
-    assert loss["head"] != loss["default"] != loss["rows"]
-    assert step_lab.overrides(True, False)[-1] == "false" and step_lab.overrides(False, True)[-1] == "true"
-
-
-def test_the_profile_tables_list_kernels_and_the_longest_gaps(tmp_path):
-    from torch.profiler import profile
-
-    from benchmarks import step_lab
-    with profile() as prof:
-        torch.ones(4).sum()
-    merged = [[0, 1000, "a", "b"], [4000, 5000, "c", "d"], [5500, 6000, "e", "f"]]
-    step_lab.profile_tables(tmp_path / "p")(prof, merged, 0.01, "tiny-a-torch")
-    text = (tmp_path / "p" / "profile-tiny-a-torch.txt").read_text()
-    assert "GPU busy 2.5 ms" in text and text.index("3.00 ms  after b  before c") < text.index("0.50 ms  after d")
-    assert (tmp_path / "p" / "profile-tiny-a-torch.kernels.tsv").read_text().startswith("ms\tcalls\tkernel\n")

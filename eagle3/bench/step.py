@@ -1,5 +1,5 @@
 """`python -m eagle3.bench`: the training step of an EAGLE-3 draft on synthetic shards at the sizes users train for:
-tokens/s per GPU, MFU, peak memory, GPU idle, host syncs per size, data layout and kernel choice (docs/benchmarks.md)."""
+tokens/s per GPU, MFU, peak memory, GPU idle, host syncs by size, data layout and kernel choice (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import argparse
@@ -83,10 +83,11 @@ def loss_mask(layout: str, s: dict, g: torch.Generator) -> torch.Tensor:
     return mask
 
 
-def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int, varied: bool = False) -> None:
+def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int, boundaries=None) -> None:
     """`batches` micro-batches of s["seqs"] sequences, a shard each, and their manifest (kept if --dir has as many);
-    `varied`: sequences of 1 to 2 × seq_len tokens instead (the loss mask's turns then straddle them)."""
-    source = {"path": "synthetic", "layout": layout, "shape": s, "generator": 1, **({"varied": True} if varied else {})}
+    `boundaries(T, generator)`: other cu_seqlens than sequences of s["seq_len"] (the loss mask's turns ignore them)."""
+    source = {"path": "synthetic", "layout": layout, "shape": s, "generator": 1,
+              **({"boundaries": boundaries.__name__} if boundaries else {})}
     if (out / MANIFEST).exists():
         old = json.loads((out / MANIFEST).read_text())
         if old.get("source") == source and len(old["shards"]) >= batches:
@@ -105,7 +106,7 @@ def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int, va
                              torch.randint(0, s["vocab"], (T,), generator=g, dtype=torch.int32))
         tensors = {"input_ids": ids, "target_argmax": greedy,
                    "loss_mask": torch.cat([loss_mask(layout, s, g) for _ in range(s["seqs"])]),
-                   "cu_seqlens": boundaries(T, s["seq_len"], g) if varied else torch.arange(0, T + 1, s["seq_len"]),
+                   "cu_seqlens": boundaries(T, g) if boundaries else torch.arange(0, T + 1, s["seq_len"]),
                    "aux_hidden": aux, "final_hidden": final}
         entries.append(write_shard(out, b, tensors))
     text = read_config(target / "config.json")
@@ -113,12 +114,6 @@ def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int, va
                 "aux_layer_ids": text.default_aux_layer_ids(), "dtypes": DTYPES, "plan_key": "synthetic",
                 "source": source, "shards": entries, "complete": True}
     atomic_write_text(out / MANIFEST, json.dumps(manifest))
-
-
-def boundaries(T: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
-    """cu_seqlens [n+1] of sequences of 1 to 2 × seq_len tokens filling T."""
-    ends = torch.randint(1, 2 * seq_len + 1, (T,), generator=g).cumsum(0)
-    return torch.cat([torch.zeros(1, dtype=torch.int64), ends[ends < T], torch.tensor([T])])
 
 
 def step_flops(s: dict, steps: int, tokens: int, head_trained: bool) -> float:
