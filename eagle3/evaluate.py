@@ -168,10 +168,6 @@ def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path) -> l
     return prompts
 
 
-def batches(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
-
-
 def decoding_report(decoded: list[Decoded], references: list[Decoded] | None, prompts: list[Prompt], k: int) -> dict:
     """Totals over all rounds of all prompts (the prefill in new_tokens, not in rounds); `mismatches`
     against the greedy references (T = 0). The figures: docs/evaluate.md."""
@@ -195,18 +191,13 @@ SEEDED = ("real_accept_len", "accept_len_per_request", "per_position_acceptance"
 
 def over_seeds(reports: list[dict], seeds: list[int]) -> dict:
     """One report per seed -> each figure's mean, sample deviation (`<key>_sd`, 0 for one seed), per-seed figures."""
-    def mean_sd(values: list[float]) -> tuple[float, float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        return t.mean().item(), t.std().item() if len(values) > 1 else 0.0
     out = {k: v for k, v in reports[0].items() if k not in SEEDED}
     for key in SEEDED:
-        values = [r[key] for r in reports]
-        if isinstance(values[0], list):
-            pairs = [mean_sd(list(column)) for column in zip(*values)]
-            out[key], out[f"{key}_sd"] = [m for m, _ in pairs], [d for _, d in pairs]
-        else:
-            out[key], out[f"{key}_sd"] = mean_sd(values)
-    return out | {"seeds": seeds, "per_seed": [{"seed": s, **{k: r[k] for k in SEEDED}} for s, r in zip(seeds, reports)]}
+        t = torch.tensor([r[key] for r in reports], dtype=torch.float64)   # [seeds] or [seeds, k]
+        sd = t.std(0) if len(reports) > 1 else torch.zeros_like(t[0])
+        out[key], out[f"{key}_sd"] = t.mean(0).tolist(), sd.tolist()
+    per_seed = [{"seed": s, **{k: r[k] for k in SEEDED}} for s, r in zip(seeds, reports)]
+    return out | {"seeds": seeds, "per_seed": per_seed}
 
 
 @torch.no_grad()
@@ -230,20 +221,18 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     draft = draft.to(device, dtype)
     draft.inv_freq = inv_freq.to(device)
     drafter = Drafter(draft, target.embed)
-    loaded = time.perf_counter()
+    loaded, n, size = time.perf_counter(), e.max_new_tokens, dbg.evaluate_batch_size
+    groups = [([p.ids for p in prompts[i:i + size]], prompts[i:i + size]) for i in range(0, len(prompts), size)]
     if sampling.greedy:
-        references = [d for group in batches(prompts, dbg.evaluate_batch_size)
-                      for d in greedy_decode_many(target, [p.ids for p in group], e.max_new_tokens, stop)]
+        references = [d for ids, _ in groups for d in greedy_decode_many(target, ids, n, stop)]
         timing = {"greedy_seconds": time.perf_counter() - loaded}
-        decoded = [d for group in batches(prompts, dbg.evaluate_batch_size)
-                   for d in speculative_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens, k, stop)]
+        decoded = [d for ids, _ in groups for d in speculative_decode_many(target, drafter, ids, n, k, stop)]
         report = decoding_report(decoded, references, prompts, k)
     else:
         seeds = list(range(e.seeds))
-        runs = [decoding_report([d for group in batches(prompts, dbg.evaluate_batch_size)
-                                 for d in sampled_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens,
-                                                              k, stop, sampling, [s * 1_000_003 + p.line for p in group])],
-                                None, prompts, k) for s in seeds]
+        runs = [decoding_report([d for ids, group in groups for d in sampled_decode_many(
+            target, drafter, ids, n, k, stop, sampling, [s * 1_000_003 + p.line for p in group])], None, prompts, k)
+            for s in seeds]
         report, timing = over_seeds(runs, seeds), {}
     end = time.perf_counter()
     report = {"draft": str(draft_dir), "draft_format": "ours" if trained else "vllm",
@@ -254,8 +243,9 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
               "batch_size": dbg.evaluate_batch_size, "wall_seconds": end - start, **timing,
               "speculative_seconds": end - loaded - timing.get("greedy_seconds", 0.0)}
     if report.get("mismatches"):
-        print(f"warning: {report['mismatches']} of {len(prompts)} prompts decoded differently from the target's "
-              f"greedy output (lines {report['mismatch_lines']}): near-ties in {dbg.evaluate_dtype}, or a bug", file=sys.stderr)
+        print(f"warning: {report['mismatches']} of {len(prompts)} prompts decoded differently from the target's greedy "
+              f"output (lines {report['mismatch_lines']}): near-ties in {dbg.evaluate_dtype}, or a bug",
+              file=sys.stderr)
     if out is not None:
         write_report(report, Path(out))
     return report
