@@ -3,7 +3,6 @@ against fp32, each contender timed with its peak memory; useful FLOPs counted Fl
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import random
 
@@ -15,8 +14,6 @@ from eagle3.bench.timing import (append_json, attempt, describe_device, free_mem
 from kernels.flex import ttt_attention as flex_attention   # compiled flex_attention: debug.kernels = "torch"
 from kernels.reference import ttt_attention as reference_attention
 from kernels.ttt_attention import ttt_attention
-
-kernel_module = importlib.import_module("kernels.ttt_attention")   # the attribute of that name is the function
 
 S_STEPS, HEAD_DIM, DTYPE = 7, 128, torch.bfloat16
 SHAPES = {"a": (4096, 64, 8, 1), "b": (4096, 64, 8, 8), "c": (8192, 64, 64, 1)}   # label: (T, Hq, Hkv, sequences)
@@ -94,13 +91,7 @@ def contender(attention):
     return build
 
 
-def _pointer_loads(q, k, v, cu_seqlens=None):
-    with kernel_module.tma_loads(False):   # where the kernel would use TMA; the backward loads as its forward did
-        return ttt_attention(q, k, v, cu_seqlens=cu_seqlens)
-
-
 _triton, _flex, _eager = contender(ttt_attention), contender(flex_attention), contender(reference_attention)
-_pointer = contender(_pointer_loads)
 
 
 def _sdpa_floor(case):
@@ -139,11 +130,8 @@ def bench_case(label: str) -> dict:
           f"bf16, sequences {case['lengths']}")
     print("  check vs fp32 reference (relative error): "
           + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()) + ("  PASS" if ok else "  FAIL"))
-    contenders = [("triton (this kernel)", _triton, _flops(case))]
-    if kernel_module.uses_tma(torch.device(DEVICE)):
-        contenders.append(("triton, pointer loads", _pointer, _flops(case)))
-    contenders += [("flex_attention (compiled)", _flex, _flops(case)),
-                   ("sdpa causal floor", _sdpa_floor, _flops(case, diagonal=False)),
+    contenders = [("triton (this kernel)", _triton, _flops(case)), ("flex_attention (compiled)", _flex, _flops(case)),
+                  ("sdpa causal floor", _sdpa_floor, _flops(case, diagonal=False)),
                    ("eager reference", _eager, _flops(case))]
     rows = {}
     for name, build, flops in contenders:
