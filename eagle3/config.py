@@ -187,8 +187,7 @@ class DebugConfig:
     skip_dead_rows: bool = setting(True, "skip TTT rows whose work cannot reach the loss (exact)")
     cuda_graphs: bool | None = setting(
         None, "replay each micro-batch's forward and backward as a CUDA graph (one GPU, shards, the Triton kernels; "
-        "batches padded to train.batch_tokens, every row computed); auto: on for a draft of hidden size <= 1024, "
-        "whose step the host's launches bound")
+        "batches padded to train.batch_tokens); auto: on for a draft of hidden size <= 1024 (launch-bound)")
     compile_ops: bool = setting(True, "on CUDA, fused RMSNorm, RoPE and SiLU·up kernels for the draft")
     prefetch: int = setting(2, "micro-batches read ahead in a background thread")
     log_every: int = setting(10, "steps between metrics.jsonl lines")

@@ -235,10 +235,9 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
             for s in seeds]
         report, timing = over_seeds(runs, seeds), {}
     end = time.perf_counter()
-    report = {"draft": str(draft_dir), "draft_format": "ours" if trained else "vllm",
-              "target": str(cfg.target.path), "prompts_file": str(prompts_path), "aux_layer_ids": aux_ids,
-              "temperature": e.temperature, "top_p": e.top_p,
-              "draft_sampling": "greedy" if sampling.greedy else e.draft_sampling, **report,
+    report = {"draft": str(draft_dir), "draft_format": "ours" if trained else "vllm", "target": str(cfg.target.path),
+              "prompts_file": str(prompts_path), "aux_layer_ids": aux_ids, "temperature": e.temperature,
+              "top_p": e.top_p, "draft_sampling": "greedy" if sampling.greedy else e.draft_sampling, **report,
               "max_new_tokens": e.max_new_tokens, "device": str(device), "dtype": dbg.evaluate_dtype,
               "batch_size": dbg.evaluate_batch_size, "wall_seconds": end - start, **timing,
               "speculative_seconds": end - loaded - timing.get("greedy_seconds", 0.0)}

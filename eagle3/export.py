@@ -25,11 +25,9 @@ class ExportError(Eagle3Error):
 
 
 def _llama_layer_config(spec: dict, dtype: str) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec["hidden_size"],
-            "num_attention_heads": spec["num_attention_heads"],
-            "num_key_value_heads": spec["num_key_value_heads"], "head_dim": spec["head_dim"],
-            "intermediate_size": spec["intermediate_size"], "rms_norm_eps": spec["rms_norm_eps"],
-            "rope_theta": spec["rope_theta"], "max_position_embeddings": spec["max_position_embeddings"],
+    same = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+            "rms_norm_eps", "rope_theta", "max_position_embeddings")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **{k: spec[k] for k in same},
             "vocab_size": spec["target_vocab_size"], "num_hidden_layers": spec["num_layers"],
             "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": dtype}
 

@@ -76,9 +76,8 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
     if cfg.extract.aux_dtype == "float8_e4m3fn":
         dtypes.update(aux_hidden="float8_e4m3fn", aux_scale="float32")
     tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
-    plan = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len,
-                       cfg.data.on_error, cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype,
-                       FORMAT_VERSION])
+    plan = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len, cfg.data.on_error,
+                       cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype, FORMAT_VERSION])
     return {"format_version": FORMAT_VERSION, "target": ckpt.config.identity(), "aux_layer_ids": aux_ids,
             "dtypes": dtypes, "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
             "source": {"path": str(cfg.data.path), "sha256": data_sha, "max_seq_len": cfg.data.max_seq_len,

@@ -102,9 +102,8 @@ def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torc
         check_dims(dims, where, "train.float8_head")
     elif setting is None:
         odd = _odd(dims)
-        why = ("train.float8 is off" if not draft_float8 else
-               "the loss is not the Triton one on a GPU" if not triton_gpu else
-               f"widths not multiples of 16: {', '.join(odd)}" if odd else None)
+        why = ("train.float8 is off" if not draft_float8 else "not the Triton loss on a GPU" if not triton_gpu
+               else f"widths not multiples of 16: {', '.join(odd)}" if odd else None)
         setting = _auto("train.float8_head", why, spec, tokens, device, "head", say, agree)
     return functools.partial(ttt_loss_steps, float8=True) if setting else loss_steps
 

@@ -113,14 +113,12 @@ class GenerateError(Eagle3Error):
 
 def settings(cfg: Config, ckpt: Checkpoint) -> dict:
     """Everything that changes the replies (not batch size or device), keyed by the config key to change."""
-    g = cfg.generate
     tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
+    keys = ("data.max_seq_len data.on_error generate.max_new_tokens generate.temperature generate.top_p generate.seed "
+            "debug.generate_dtype").split()
     return {"target.path": str(ckpt.dir.resolve()), "target config.json sha256": ckpt.config.config_sha256,
             "target tokenizer sha256": tokenizer, "data.path sha256": sha256_file(Path(cfg.data.path)),
-            "data.max_seq_len": cfg.data.max_seq_len, "data.on_error": cfg.data.on_error,
-            "generate.max_new_tokens": g.max_new_tokens, "generate.temperature": g.temperature,
-            "generate.top_p": g.top_p, "generate.seed": g.seed, "debug.generate_dtype": cfg.debug.generate_dtype,
-            "stop tokens": sorted(stop_tokens(cfg, ckpt))}
+            **{key: cfg.value(key) for key in keys}, "stop tokens": sorted(stop_tokens(cfg, ckpt))}
 
 
 def _sidecar(path: Path) -> Path:

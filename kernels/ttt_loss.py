@@ -1,4 +1,4 @@
-"""Fused TTT loss, forward and backward: per chunk of valid rows z = h_c wᵀ (cuBLAS, one reusable buffer), a row kernel
+"""Fused TTT loss, forward and backward: per chunk of valid rows z = h_c wᵀ (cuBLAS, one reused buffer), a row kernel
 for loss, α, argmax and dz in place, dh_c = dz w, dw += dzᵀ h_c (docs/losses.md, docs/kernels.md)."""
 from __future__ import annotations
 
@@ -276,9 +276,8 @@ def _spec(loss: str, temperature: float, eta: float) -> tuple[int, float, float]
 
 def _outputs(N: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """loss 0, argmax -1 and α 0: what rows that are not valid keep."""
-    return (torch.zeros(N, dtype=torch.float32, device=device),
-            torch.full((N,), -1, dtype=torch.int64, device=device),
-            torch.zeros(N, dtype=torch.float32, device=device))
+    zero = torch.zeros(N, dtype=torch.float32, device=device)
+    return zero, torch.full((N,), -1, dtype=torch.int64, device=device), zero.clone()
 
 
 def _grad_buffer(t: torch.Tensor, needed: bool, dense: bool):

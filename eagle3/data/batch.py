@@ -61,9 +61,8 @@ class Batch:
         """The batch on the device, floats in `float_dtype`, fp8 aux states decoded there; the host
         copy of the boundaries stays on the host."""
         move = lambda t: t.to(device, float_dtype if t.is_floating_point() else None, non_blocking=True)  # noqa: E731
-        aux = (move(self.aux_hidden) if self.aux_scale is None else
-               decode_aux_fp8(self.aux_hidden.to(device, non_blocking=True),
-                              self.aux_scale.to(device, non_blocking=True), float_dtype))
+        aux = (move(self.aux_hidden) if self.aux_scale is None else decode_aux_fp8(
+            self.aux_hidden.to(device, non_blocking=True), self.aux_scale.to(device, non_blocking=True), float_dtype))
         return Batch(move(self.input_ids), move(self.loss_mask), move(self.target_argmax), aux,
                      move(self.final_hidden), self.cu_seqlens.to(device, non_blocking=True),
                      cu_seqlens_host=self.cu_seqlens_host, plan=None if self.plan is None else self.plan.to(device),

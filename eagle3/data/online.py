@@ -55,9 +55,8 @@ class OnlineReader:
                                        resident=mode == "resident")
         # what an extraction of the same data would record: the draft vocabulary comes from it
         counts = Counter(t for r in self.records for t in r.input_ids[r.loss_mask.astype(bool)].tolist())
-        self.manifest = {"source": {"path": str(d.path), "sequences": stats.sequences},
-                         "shards": [{"loss_tokens": sum(counts.values()),
-                                     "loss_token_counts": {str(k): v for k, v in sorted(counts.items())}}]}
+        self.manifest = {"source": {"path": str(d.path), "sequences": stats.sequences}, "shards": [
+            {"loss_tokens": sum(counts.values()), "loss_token_counts": {str(k): v for k, v in sorted(counts.items())}}]}
         self.totals = [0, 0.0]   # target tokens and seconds since the start, of which the log takes differences
         # one forward at a time (prefetch and evaluation both read): memory for one, exact totals
         self._lock = threading.Lock()

@@ -9,9 +9,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 def sdpa(q, k, v, **kw) -> torch.Tensor:
     """q/k/v [n, heads, D] -> [n, heads, Dv], in 4-D: with 3-D inputs SDPA silently takes the math path."""
-    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                          v.transpose(0, 1)[None], enable_gqa=q.shape[1] != k.shape[1],
-                                          **kw)[0].transpose(0, 1)
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **kw)[0].transpose(0, 1)
 
 
 def causal_attention_packed(q, k, v, cu_seqlens, scale=None):

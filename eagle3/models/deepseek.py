@@ -46,10 +46,9 @@ class DeepseekSpec:
         s = cls(q_lora_rank=None if q_lora is None else require(raw, "q_lora_rank", where, c.needs),
                 **{k: raw[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                                        "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")},
-                first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
-                moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
-                n_shared_experts=int(raw.get("n_shared_experts") or 0),
-                n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
+                **{k: int(raw.get(k) or default) for k, default in (("first_k_dense_replace", 0), ("n_group", 1),
+                                                                   ("moe_layer_freq", 1), ("n_shared_experts", 0),
+                                                                   ("topk_group", 1))},
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                 topk_method=str(raw.get("topk_method", "noaux_tc")))

@@ -122,9 +122,8 @@ class PassLayout:
         self.long = [(bounds[b], bounds[b + 1], c.slot, c.length)
                      for b, (c, x) in enumerate(zip(caches, lengths)) if x > SHORT_MAX]
         self.cu, self.positions, self.write_index = cu, positions, slots[seq] * pool.capacity + positions
-        fields = [(self, a) for a in ("cu", "positions", "write_index")] + [
-            (g, a) for g in self.groups for a in ("rows", "pad_index", "tokens", "start_row")
-            if isinstance(getattr(g, a), torch.Tensor)]
+        fields = [(self, a) for a in ("cu", "positions", "write_index")] + [(g, a) for g in self.groups for a in (
+            "rows", "pad_index", "tokens", "start_row") if isinstance(getattr(g, a), torch.Tensor)]
         host = [getattr(obj, a) for obj, a in fields]
         flat = torch.cat([t.flatten() for t in host]).to(device)   # small int64 tensors: one copy
         for (obj, a), t, part in zip(fields, host, flat.split([t.numel() for t in host])):

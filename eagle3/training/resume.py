@@ -57,10 +57,9 @@ def check_global_batch(path: Path, was: dict, world: int, accum: int) -> None:
         return
     keep = (f"train.grad_accum = {product // world} keeps it" if product % world == 0 else
             f"no train.grad_accum keeps it on {world} ranks (use a number of ranks that divides {product})")
-    raise TrainError(f"{path}/state.json: the checkpoint's global batch is world size {was_world} x "
-                     f"train.grad_accum {was_accum} = {product} micro-batches per step, this run's is world size "
-                     f"{world} x train.grad_accum {accum} = {world * accum}; a resumed run must keep it: "
-                     f"{keep} (or {NEW_RUN})")
+    raise TrainError(f"{path}/state.json: the checkpoint's global batch is world size {was_world} x train.grad_accum "
+                     f"{was_accum} = {product} micro-batches per step, this run's is world size {world} x "
+                     f"train.grad_accum {accum} = {world * accum}; a resumed run must keep it: {keep} (or {NEW_RUN})")
 
 
 def check_end(path: Path, was: dict, total: int, max_steps: int) -> None:
