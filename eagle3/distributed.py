@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from eagle3.errors import Eagle3Error
+
 # what gloo's transport raises (a plain RuntimeError) when a peer's socket closes or a wait runs out
 GLOO_LOST = ("Connection closed by peer", "Connection reset by peer", "Socket closed", "Read error",
              "Timed out waiting")
@@ -82,6 +84,20 @@ _spoken: threading.Lock | None = None
 def first_word(line: str) -> str | int:
     """What SystemExit should carry: `line`, or status 1 alone when the SIGTERM thread has said this rank's."""
     return line if _spoken is None or _spoken.acquire(blocking=False) else 1
+
+
+def main(run: Callable, kept: Callable, description: str, argv: list[str] | None, prog: str | None) -> None:
+    """train.py's and extract.py's entry: `run(cfg)` of the command line's config; an error, Ctrl-C or SIGTERM ends it
+    in one line naming what is `kept(cfg)`."""
+    from eagle3.config import cli, interrupted
+    cfg = cli(argv, description, prog)
+    stop_on_sigterm(lambda: kept(cfg))
+    try:
+        run(cfg)
+    except Eagle3Error as e:
+        raise SystemExit(first_word(f"error: {e}")) from None
+    except KeyboardInterrupt:
+        interrupted(kept(cfg))
 
 
 def stop_on_sigterm(kept: Callable[[], str]) -> None:

@@ -13,7 +13,6 @@ import torch
 from tqdm import tqdm
 
 from eagle3 import distributed
-from eagle3.errors import Eagle3Error
 from eagle3.config import Config
 from eagle3.resolve import resolve, resolve_device
 from eagle3.data.chat import TOKENIZER_FILES
@@ -154,12 +153,4 @@ def _write_manifest(out: Path, header: dict, plan: list, stats: InputStats, tota
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    from eagle3.config import cli, interrupted
-    cfg = cli(argv, "Extract target hidden states into shards.", prog)
-    distributed.stop_on_sigterm(lambda: kept(cfg))
-    try:
-        run(cfg)
-    except Eagle3Error as e:
-        raise SystemExit(distributed.first_word(f"error: {e}")) from None
-    except KeyboardInterrupt:
-        interrupted(kept(cfg))
+    distributed.main(run, kept, "Extract target hidden states into shards.", argv, prog)

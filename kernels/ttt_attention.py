@@ -438,27 +438,21 @@ def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma):
     dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse)
     ds = torch.empty(max(S - 1, 1), Hq, T, device=q.device, dtype=torch.float32)
     bucket = triton.next_power_of_2(max_len)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1))
     _bwd_preprocess[(triton.cdiv(T, rows), Hq)](
         o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), T, HEAD_DIM=D, BLOCK=rows)
     if S > 1:
-        _bwd_diag_kernel[(triton.cdiv(T, rows), Hkv)](
-            q, k, v, do, lse, delta, dk, dv, ds,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
-            T, S, Hq, qk_scale, scale, GROUP=group, HEAD_DIM=D, BLOCK=rows)
+        _bwd_diag_kernel[(triton.cdiv(T, rows), Hkv)](q, k, v, do, lse, delta, dk, dv, ds, *strides, T, S, Hq,
+                                                      qk_scale, scale, GROUP=group, HEAD_DIM=D, BLOCK=rows)
     # one set for both passes: each launch sets the tiles of its own tiling before it runs
     descriptors = _descriptors(tma, Qd=q, Kd=k[0], Vd=v[0], DOd=do)
+    consts = dict(GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
     grid_kv = lambda meta: (triton.cdiv(triton.cdiv(max_len, meta["BLOCK_N"]), 2), Hkv, n_seq)
-    _launch(
-        "dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
-        T, qk_scale, scale, bucket, **descriptors,
-        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
+    _launch("dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu, *strides, T, qk_scale, scale, bucket, **descriptors,
+            **consts)
     grid_q = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
-    _launch(
-        "dq", grid_q, q, k, v, do, lse, delta, ds, dq, cu,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
-        dq.stride(0), dq.stride(1), T, S, Hq, qk_scale, scale, bucket, **descriptors,
-        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
+    _launch("dq", grid_q, q, k, v, do, lse, delta, ds, dq, cu, *strides, dq.stride(0), dq.stride(1), T, S, Hq, qk_scale,
+            scale, bucket, **descriptors, **consts)
     return dq, dk, dv
 
 

@@ -29,13 +29,10 @@ class RowPlan:
     def fits(self, steps: int, skip_dead_rows: bool, rule: RowRule) -> bool:
         return self.steps == steps and (self.live is not None) == skip_dead_rows and self.rule == rule
 
-    def to(self, device: torch.device) -> "RowPlan":
-        move = lambda rows: [r.to(device, non_blocking=True) for r in rows]   # noqa: E731
-        return dataclasses.replace(self, live=None if self.live is None else move(self.live), loss=move(self.loss))
-
-    def pin_memory(self) -> "RowPlan":
-        return dataclasses.replace(self, live=None if self.live is None else [r.pin_memory() for r in self.live],
-                                   loss=[r.pin_memory() for r in self.loss])
+    def map(self, fn) -> "RowPlan":
+        """The plan with `fn` applied to each of its tensors (a copy to the device, pinning)."""
+        return dataclasses.replace(self, live=None if self.live is None else list(map(fn, self.live)),
+                                   loss=list(map(fn, self.loss)))
 
 
 @dataclass
@@ -65,7 +62,8 @@ class Batch:
             self.aux_hidden.to(device, non_blocking=True), self.aux_scale.to(device, non_blocking=True), float_dtype))
         return Batch(move(self.input_ids), move(self.loss_mask), move(self.target_argmax), aux,
                      move(self.final_hidden), self.cu_seqlens.to(device, non_blocking=True),
-                     cu_seqlens_host=self.cu_seqlens_host, plan=None if self.plan is None else self.plan.to(device),
+                     cu_seqlens_host=self.cu_seqlens_host,
+                     plan=self.plan and self.plan.map(lambda r: r.to(device, non_blocking=True)),
                      cu_attention=None if self.cu_attention is None else move(self.cu_attention),
                      padding=self.padding)
 
@@ -88,7 +86,8 @@ class Batch:
     def pin_memory(self) -> "Batch":
         """Every tensor in pinned memory (for asynchronous copies)."""
         pinned = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return Batch(**{k: v.pin_memory() if isinstance(v, (torch.Tensor, RowPlan)) else v for k, v in pinned.items()})
+        return Batch(**{k: v.pin_memory() if isinstance(v, torch.Tensor) else v.map(torch.Tensor.pin_memory)
+                        if isinstance(v, RowPlan) else v for k, v in pinned.items()})
 
 
 def pad(batch: Batch, rows: int, longest: int) -> Batch:

@@ -23,7 +23,7 @@ from eagle3.data.loader import pack, split_holdout
 from eagle3.data.online import OnlineReader, stream_note
 from eagle3.data.shards import ShardReader, check_manifest, loss_token_counts
 from eagle3.draft import Eagle3Draft
-from eagle3.errors import Eagle3Error, TrainError
+from eagle3.errors import TrainError
 from eagle3.export import export_all
 from eagle3.models.weights import Checkpoint
 from eagle3.resolve import resolve
@@ -417,12 +417,4 @@ def run(cfg: Config) -> Path:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    from eagle3.config import cli, interrupted
-    cfg = cli(argv, "Train an EAGLE-3 draft with training-time test.", prog)
-    distributed.stop_on_sigterm(lambda: run_dir.kept(cfg))
-    try:
-        run(cfg)
-    except Eagle3Error as e:
-        raise SystemExit(distributed.first_word(f"error: {e}")) from None
-    except KeyboardInterrupt:
-        interrupted(run_dir.kept(cfg))
+    distributed.main(run, run_dir.kept, "Train an EAGLE-3 draft with training-time test.", argv, prog)
