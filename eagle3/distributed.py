@@ -111,14 +111,10 @@ def stop_on_sigterm(kept: Callable[[], str]) -> None:
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     signal.signal(signal.SIGTERM, lambda *_: None)   # the wakeup byte is written for handled signals only
-    os.register_at_fork(after_in_child=_default_sigterm)
+    # in a forked child the pipe is shared: its own SIGTERM must not wake this rank's thread
+    os.register_at_fork(after_in_child=lambda: (signal.set_wakeup_fd(-1),
+                                                signal.signal(signal.SIGTERM, signal.SIG_DFL)))
     threading.Thread(target=_on_sigterm, args=(read, kept), daemon=True, name="sigterm").start()
-
-
-def _default_sigterm() -> None:
-    """In a forked child the pipe is shared: its own SIGTERM must not wake this rank's thread."""
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _on_sigterm(read: int, kept: Callable[[], str]) -> None:

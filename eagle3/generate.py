@@ -169,7 +169,8 @@ def run(cfg: Config) -> Path:
                                   cfg.data.on_error, target_dir=ckpt.dir)
     done = _done_lines(partial)
     todo = [r for r in records if r.line not in done]
-    target = IncrementalTarget(ckpt, [0, 0, 0], resolve_device(cfg.debug.generate_device), TORCH_DTYPES[cfg.debug.generate_dtype])
+    device, dtype = resolve_device(cfg.debug.generate_device), TORCH_DTYPES[cfg.debug.generate_dtype]
+    target = IncrementalTarget(ckpt, [0, 0, 0], device, dtype)
     sampling, stop = Sampling(g.temperature, g.top_p), stop_tokens(cfg, ckpt)
     with partial.open("a") as f, tqdm(desc="generate", unit="conv", initial=len(records) - len(todo),
                                       total=len(records)) as bar:

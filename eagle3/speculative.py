@@ -30,8 +30,6 @@ class Drafter:
                      caches: list[SequenceCache] | None = None):
         """auxes[i] [m_i, 3H], tokens[i] = x_0..x_{m_i} -> k target ids per sequence (argmaxes, or with a probabilistic
         `sampling` draws with uniforms u [B, k], then also q [B, k, V_target]); caches[i] kept across rounds."""
-        if k < 1:
-            raise ValueError(f"k = {k}: a round drafts at least one token")
         probabilistic = sampling is not None and not sampling.greedy and sampling.draft == "probabilistic"
         caches = [self.new_cache() for _ in auxes] if caches is None else caches
         h = self._step0(auxes, tokens, caches)                               # [B, H] the last rows

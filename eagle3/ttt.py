@@ -158,9 +158,10 @@ def step_metrics(targets: list[StepTargets], losses, argmaxes, alphas, probs, gr
         counted = tg.valid & tg.acc_rows & tg.in_vocab
         correct = counted & (argmax + d2t[argmax.clamp(min=0)] == greedy[tg.index])
         p_top = probs[k:k + len(argmax)].gather(1, argmax.clamp(min=0).unsqueeze(1)).squeeze(1)
-        metrics[k, :6] = torch.stack([torch.where(tg.valid, loss.detach(), 0).sum(), tg.valid.sum(), correct.sum(), tg.acc_rows.sum(),
-                                      (correct & run).sum(), (tg.acc_rows & run).sum()]).float()
-        metrics[k, 7:] = torch.stack([torch.where(counted, alpha, 0).sum(), torch.where(counted, p_top.float(), 0).sum()])
+        metrics[k, :6] = torch.stack([torch.where(tg.valid, loss.detach(), 0).sum(), tg.valid.sum(), correct.sum(),
+                                      tg.acc_rows.sum(), (correct & run).sum(), (tg.acc_rows & run).sum()]).float()
+        metrics[k, 7:] = torch.stack([torch.where(counted, alpha, 0).sum(),
+                                      torch.where(counted, p_top.float(), 0).sum()])
         run = run & correct
         accepted += run
         corrects.append(correct)

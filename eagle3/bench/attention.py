@@ -30,9 +30,8 @@ def make_case(label: str, seed: int = 0) -> dict:
     randn = lambda *size: torch.randn(*size, device=DEVICE, dtype=DTYPE, generator=gen)
     # packed boundaries as the trainer passes them: int32 in pinned host memory
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).pin_memory() if n_seq > 1 else None
-    return dict(label=label, T=T, hq=hq, hkv=hkv, lengths=lengths, cu=cu,
-                q=randn(T, hq, HEAD_DIM), k=randn(S_STEPS, T, hkv, HEAD_DIM),
-                v=randn(S_STEPS, T, hkv, HEAD_DIM), do=randn(T, hq, HEAD_DIM))
+    return dict(label=label, T=T, hq=hq, hkv=hkv, lengths=lengths, cu=cu, q=randn(T, hq, HEAD_DIM),
+                k=randn(S_STEPS, T, hkv, HEAD_DIM), v=randn(S_STEPS, T, hkv, HEAD_DIM), do=randn(T, hq, HEAD_DIM))
 
 
 def _flops(case: dict, diagonal: bool = True) -> float:
@@ -156,7 +155,7 @@ def run(shapes: str = "all", json_path: str | None = None) -> None:
         ours = res["rows"].get("triton (this kernel)")
         for name, row in res["rows"].items():
             ratio = f"{row[0] / ours[0]:.2f}" if row and ours else ""
-            cells = f"| {row[0]:.2f} | {row[1]:.0f} | {row[2]:.2f} | {ratio} |" if row else "| not run (see above) | | | |"
+            cells = f"| {row[0]:.2f} | {row[1]:.0f} | {row[2]:.2f} | {ratio} |" if row else "| not run | | | |"
             print(f"| {res['case']['label']} | {name} {cells}")
             rows.append({"bench": "attention", "device": device, "shape": res["case"]["label"],
                          "lengths": res["case"]["lengths"], "max_rel_err": max(res["errors"].values()),

@@ -190,9 +190,9 @@ def kernel_args(kernels: str) -> list[str]:
         return []
     path, *options = kernels.split("-")
     # "torch": the established recipe, every row computed, eager layers; ours skips dead rows, fuses elementwise
-    return ["--debug.kernels", path, "--train.float8", str("fp8" in options).lower(),
-            "--train.float8_head", str("head" in options).lower(), "--debug.skip_dead_rows", str(path != "torch").lower(),
-            "--debug.compile_ops", str(path != "torch").lower(), "--debug.cuda_graphs", str("graph" in options).lower()]
+    ours, has = str(path != "torch").lower(), lambda option: str(option in options).lower()   # noqa: E731
+    return ["--debug.kernels", path, "--train.float8", has("fp8"), "--train.float8_head", has("head"),
+            "--debug.skip_dead_rows", ours, "--debug.compile_ops", ours, "--debug.cuda_graphs", has("graph")]
 
 
 def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warmup: int, tflops: float,
@@ -288,7 +288,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.layouts, args.kernels = args.layouts.split(","), args.kernels.split(",")
     if unknown := [x for x in args.sizes if x not in SIZES]:
         parser.error(f"--sizes: unknown {', '.join(unknown)}; one of {', '.join(SIZES)}")
-    if bad := [k for k in args.kernels if not re.fullmatch(r"auto|torch(-fp8(-head)?)?|triton(-fp8(-head)?)?(-graph)?", k)]:
+    kinds = r"auto|torch(-fp8(-head)?)?|triton(-fp8(-head)?)?(-graph)?"
+    if bad := [k for k in args.kernels if not re.fullmatch(kinds, k)]:
         parser.error(f"--kernels: unknown {', '.join(bad)}; auto, torch or triton, with -fp8 or -fp8-head "
                      "(and -graph after triton's)")
     if args.warmup < 1 or args.steps < 1:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import datetime
 import gc
 import json
-import os
 import statistics
 import time
-import traceback
 from typing import Callable, TypeVar
 
 import torch
@@ -87,16 +85,12 @@ def matmul_tflops() -> float:
 
 def describe_device() -> str:
     """Today's date, the GPU (or the CPU) and the versions: the first line of a bench's output."""
+    import triton
     device = "cpu"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         device = f"{props.name} ({props.multi_processor_count} SMs)"
-    try:
-        import triton
-        versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    except ImportError:
-        versions = f"torch {torch.__version__}, no triton"
-    return f"{datetime.date.today()} {device}, {versions}"
+    return f"{datetime.date.today()} {device}, torch {torch.__version__}, triton {triton.__version__}"
 
 
 def append_json(path: str | None, rows: list[dict]) -> None:
@@ -118,8 +112,6 @@ def attempt(what: str, fn: Callable[..., T], *args) -> T | None:
         return fn(*args)
     except Exception as exc:
         print(f"{what} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        if os.environ.get("BENCH_TRACEBACK"):
-            traceback.print_exc()
         return None
 
 

@@ -261,9 +261,8 @@ class Trainer:
         """What a checkpoint of this run records besides the weights (state.json)."""
         return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
                 "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
-                "world_size": self.dist.world, "schedule_total": self.schedule.total,
-                "float8_used": self.float8, "float8_head_used": self.float8_head,   # "auto" resolved
-                "cuda_graphs_used": self.graphed is not None}
+                "world_size": self.dist.world, "schedule_total": self.schedule.total, "float8_used": self.float8,
+                "float8_head_used": self.float8_head, "cuda_graphs_used": self.graphed is not None}   # "auto"s resolved
 
     def _resume(self) -> int:
         """Continue from train.resume's checkpoint, if any: the step this run starts at."""
@@ -281,8 +280,8 @@ class Trainer:
 
     def _forward(self, model, batch, scale=1.0, training=False):
         # a CUDA graph cannot replay autocast's cache of casts
-        cache = not (training and self.unroll.static)
-        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache) if self.cuda else contextlib.nullcontext():
+        with (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not (training and self.unroll.static))
+              if self.cuda else contextlib.nullcontext()):
             return model(batch, self.unroll if training else self.eval_unroll, scale)
 
     def settle_buckets(self, batch: Batch) -> None:
