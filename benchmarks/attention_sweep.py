@@ -2,7 +2,8 @@
 
 Each config of SWEEP (every GPU family's tilings and a few more) is pinned for its kernel, the others autotuned, and timed
 fwd+bwd at the attention bench's shapes (`python -m eagle3.bench attention`), with its error against the
-autotuned result: how a new GPU's tile lists are chosen (docs/kernels.md).
+autotuned result: how a new GPU's tile lists are chosen (docs/kernels.md). Where tiles load through TMA, the autotuned
+kernels are also timed with pointer loads.
 
     python -m benchmarks.attention_sweep [--shapes a,c] [--seconds 300]
 """
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import time
 
 import torch
 import triton
 
-from eagle3.bench.attention import SHAPES, TOLERANCE, contender, fwd_bwd, kernel_module, make_case
+from eagle3.bench.attention import SHAPES, TOLERANCE, contender, fwd_bwd, make_case
 from eagle3.bench.timing import describe_device, free_memory, median_ms, rel_error, require_cuda, shape_labels
 from kernels import tiles
 from kernels.ttt_attention import CONFIGS, FALLBACK, ttt_attention
@@ -24,6 +26,7 @@ _EXTRA = {"fwd": [(128, 64, 8, 4), (128, 128, 8, 2)], "dkdv": [(64, 128, 8, 4), 
           "dq": [(64, 64, 4, 3), (128, 32, 8, 4)]}
 SWEEP = {name: [c for c in tiles.union({f: CONFIGS[f][name] for f in CONFIGS}) if c != FALLBACK] + extra
          for name, extra in _EXTRA.items()}
+kernel_module = importlib.import_module("kernels.ttt_attention")   # the attribute of that name is the function
 
 
 @contextlib.contextmanager
@@ -79,6 +82,10 @@ def sweep(shapes: str, budget_s: float) -> None:
         base, _, expected = time_config(case, None, None, None)
         picks = ", ".join(f"{name} {kernel_module.best_config(name)}" for name in SWEEP)
         print(f"| {label} | (autotuned: {picks}) | | {base:.3f} | 1.000 | |", flush=True)
+        if kernel_module.uses_tma(torch.device("cuda")):   # the backward loads as its forward did
+            with kernel_module.tma_loads(False):
+                ms, error, _ = time_config(case, None, None, expected)
+            print(f"| {label} | (autotuned, pointer loads instead of TMA) | | {ms:.3f} | {ms / base:.3f} | {error:.1e} |")
         for name, config in ((name, c) for name, configs in SWEEP.items() for c in configs):
             if time.monotonic() > deadline:
                 print(f"| {label} | {name} | {config} | {spent}")

@@ -19,6 +19,12 @@ VARIANTS = {"eager": ("triton", 2), "graph": ("triton-graph", 2), "static": ("tr
 replayed, zeroed = graph.GraphedStep.__call__, graph.load
 
 
+def varied(T: int, g: torch.Generator) -> torch.Tensor:
+    """cu_seqlens of sequences of 1 to 1,024 tokens filling T: batches of several sequence counts, several graphs."""
+    ends = torch.randint(1, 1025, (T,), generator=g).cumsum(0)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), ends[ends < T], torch.tensor([T])])
+
+
 def leftover(batch, static=None):
     """`graph.load` with the filler rows left as the previous micro-batch wrote them (not zeroed)."""
     kept = {} if static is None else {n: getattr(static, n)[batch.rows:].clone() for n in batch.row_tensors()}
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     require_cuda("benchmarks.graph_check")
     write_target(args.dir / "target", SIZES["small"])
     data = "data-varied" if args.varied else "data"
-    write_shards(args.dir / data, args.dir / "target", "b", SIZES["small"], 12, varied=args.varied)
+    write_shards(args.dir / data, args.dir / "target", "b", SIZES["small"], 12, varied if args.varied else None)
     graph.GraphedStep.__call__ = verified   # each replay's gradients against an eager run at the same weights
     graph.load = leftover if args.filler == "leftover" else zeroed
     curves = {variant: curve(args.dir, data, variant, args.steps) for variant in args.variants.split(",")}

@@ -471,7 +471,6 @@ KEPT = ("real_accept_len", "real_accept_len_sd", "accept_len_per_request", "acce
 def measure(r: Recipe, work: Path, device: str, settings: list[str]) -> dict:
     """Real decoding of every draft under each judging setting, into eval-<draft>-<setting>.json."""
     from eagle3.evaluate import real_decoding
-    greedy_cache: dict = {}
     results = {}
     for name, path in drafts(work).items():
         bench = path / "bench.json" if name.startswith("peer") else path.parent.parent / "bench.json"
@@ -481,8 +480,7 @@ def measure(r: Recipe, work: Path, device: str, settings: list[str]) -> dict:
                                                         "evaluate.max_new_tokens": r.eval_new_tokens,
                                                         "evaluate.k": r.ttt_steps, "debug.evaluate_batch_size": r.eval_prompts,
                                                         **SETTINGS[setting](r)})
-            report = real_decoding(cfg, path, work / "prompts.jsonl", greedy_cache=greedy_cache,
-                                   out=work / f"eval-{name}-{setting}.json")
+            report = real_decoding(cfg, path, work / "prompts.jsonl", out=work / f"eval-{name}-{setting}.json")
             results[name][setting] = {k: report[k] for k in KEPT if k in report}
     return results
 

@@ -34,7 +34,7 @@ def _kernel(name: str, config: tuple, capability: int):
     loads through TMA descriptors where a launch would (`uses_tma`: the "large" family)."""
     attention = importlib.import_module("kernels.ttt_attention")
     fn = attention.KERNELS[name]
-    tma = attention.tma_family(divmod(capability, 10))
+    tma = tiles.family(divmod(capability, 10)) == "large"
     descriptors = [a for a in attention.DESCRIPTOR_ROWS if a in fn.arg_names]
     constexprs = {"GROUP": 8, "HEAD_DIM": 128, "VARLEN": True, "TMA": tma, "UPCAST": False}
     if not tma:

@@ -89,9 +89,8 @@ def generate_command(args, overrides: list[str]) -> None:
     run(config_mod.load(args.config, overrides))
 
 
-COMMANDS = {"inspect": lambda args, _: print(json.dumps(inspect(args.target), indent=2)),
-            "export": export_command, "evaluate": evaluate_command, "generate": generate_command,
-            "demo": demo, "config": config_command}
+COMMANDS = {"inspect": lambda args, _: print(json.dumps(inspect(args.target), indent=2)), "export": export_command,
+            "evaluate": evaluate_command, "generate": generate_command, "demo": demo, "config": config_command}
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

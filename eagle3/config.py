@@ -1,8 +1,5 @@
-"""The one typed configuration schema: TOML loading, `--section.key value` overrides, validation.
-
-Each key is a field with its type (`Literal[...]` for a fixed set), default and one-line doc, from which
-`python -m eagle3 config` and docs/config.md are made. `None` ("auto" in TOML) means "derive it".
-"""
+"""The one typed configuration schema (each key's type, default and doc make `python -m eagle3 config` and
+docs/config.md; `None`, "auto" in TOML, means derive it): TOML loading, `--section.key value` overrides, checks."""
 from __future__ import annotations
 
 import dataclasses
@@ -190,8 +187,7 @@ class DebugConfig:
     skip_dead_rows: bool = setting(True, "skip TTT rows whose work cannot reach the loss (exact)")
     cuda_graphs: bool | None = setting(
         None, "replay each micro-batch's forward and backward as a CUDA graph (one GPU, shards, the Triton kernels; "
-        "batches padded to train.batch_tokens, every row computed); auto: on for a draft of hidden size <= 1024, "
-        "whose step the host's launches bound")
+        "batches padded to train.batch_tokens); auto: on for a draft of hidden size <= 1024 (launch-bound)")
     compile_ops: bool = setting(True, "on CUDA, fused RMSNorm, RoPE and SiLU·up kernels for the draft")
     prefetch: int = setting(2, "micro-batches read ahead in a background thread")
     log_every: int = setting(10, "steps between metrics.jsonl lines")
@@ -234,7 +230,7 @@ class Config:
 POSITIVE = ("data.max_seq_len draft.num_layers train.batch_tokens train.grad_accum train.ttt_steps train.eval_every "
             "train.checkpoint_every train.keep_checkpoints export.speculative_tokens generate.max_new_tokens "
             "evaluate.max_new_tokens evaluate.k evaluate.seeds debug.shard_tokens debug.chunk_tokens debug.log_every "
-            "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch").split()
+            "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch train.epochs").split()
 
 # keys that moved or went: an old config names the new key (or why it went) instead of "unknown key"
 MOVED = {"debug": "train.kernels train.skip_dead_rows train.compile_ops train.prefetch train.collective_timeout_s "
@@ -321,11 +317,9 @@ def validate(cfg: Config) -> None:
     for name in POSITIVE:
         if (value := cfg.value(name)) is not None and value <= 0:
             raise ConfigError(f"{cfg.origin(name)}: {name} = {value}; expected a positive integer")
-    t, e, x = cfg.train, cfg.evaluate, cfg.experimental
-    if t.max_steps < 0 or t.epochs <= 0:
-        raise ConfigError(f"{cfg.origin('train.max_steps' if t.max_steps < 0 else 'train.epochs')}: "
-                          "train.max_steps must be >= 0 and train.epochs > 0")
-    ranges = {"train.lr": (t.lr > 0, "> 0"), "train.grad_clip": (t.grad_clip > 0, "> 0"),
+    t, e, g, x = cfg.train, cfg.evaluate, cfg.generate, cfg.experimental
+    ranges = {"train.max_steps": (t.max_steps >= 0, "an integer >= 0 (0: train.epochs epochs)"),
+              "train.lr": (t.lr > 0, "> 0"), "train.grad_clip": (t.grad_clip > 0, "> 0"),
               "train.loss_decay": (t.loss_decay > 0, "> 0"), "train.loss_temperature": (t.loss_temperature > 0, "> 0"),
               "train.min_lr_ratio": (0 <= t.min_lr_ratio <= 1, "a number in [0, 1]"),
               "train.warmup_steps": (t.warmup_steps >= 0, "an integer >= 0"),
@@ -335,6 +329,8 @@ def validate(cfg: Config) -> None:
               "train.eval_fraction": (0 <= t.eval_fraction < 1, "[0, 1)"),
               "evaluate.temperature": (e.temperature >= 0, "a number >= 0 (0 = greedy)"),
               "evaluate.top_p": (0 < e.top_p <= 1, "a number in (0, 1]"),
+              "generate.temperature": (g.temperature >= 0, "a number >= 0 (0 = greedy)"),
+              "generate.top_p": (0 < g.top_p <= 1, "a number in (0, 1]"),
               "experimental.lk_eta": (x.lk_eta >= 0, "a number >= 0"),
               "debug.collective_timeout_s": (cfg.debug.collective_timeout_s > 0, "> 0")}
     for name, (ok, expected) in ranges.items():
@@ -347,10 +343,6 @@ def validate(cfg: Config) -> None:
     if t.resume not in ("auto", "never", "overwrite") and not Path(t.resume).is_dir():
         raise ConfigError(f"{cfg.origin('train.resume')}: train.resume = {t.resume!r}; expected 'auto', 'never', "
                           "'overwrite' or an existing checkpoint directory")
-    g = cfg.generate
-    if g.temperature < 0 or not 0 < g.top_p <= 1:
-        raise ConfigError(f"{cfg.origin('generate.temperature' if g.temperature < 0 else 'generate.top_p')}: "
-                          f"generate.temperature must be >= 0 and generate.top_p in (0, 1]")
     if (ids := cfg.target.aux_layer_ids) is not None and len(ids) != 3:
         raise ConfigError(f"{cfg.origin('target.aux_layer_ids')}: target.aux_layer_ids = {ids}; EAGLE-3 needs "
                           "exactly 3 layers")

@@ -1,7 +1,5 @@
-"""Process-group plumbing for torchrun: NCCL on GPUs, gloo on the CPU; a no-op in one process.
-
-A dead rank must not leave the others waiting: collectives time out (`setup`), `lost_peer` names that
-failure, and SIGTERM (torchrun's word to the survivors) ends a rank with one line (`stop_on_sigterm`)."""
+"""Process-group plumbing for torchrun (NCCL on GPUs, gloo on the CPU; a no-op in one process), so that a dead rank
+leaves none waiting: collectives time out, `lost_peer` names that failure, SIGTERM ends a rank with one line."""
 from __future__ import annotations
 
 import os
@@ -16,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+
+from eagle3.errors import Eagle3Error
 
 # what gloo's transport raises (a plain RuntimeError) when a peer's socket closes or a wait runs out
 GLOO_LOST = ("Connection closed by peer", "Connection reset by peer", "Socket closed", "Read error",
@@ -77,8 +77,7 @@ def lost_peer(error: BaseException, timeout: str) -> str | None:
     return f"rank {rank}: {other} {what} (a collective failed: {cause})"
 
 
-# with stop_on_sigterm: whichever of the error path (`first_word`) and the SIGTERM thread takes it first
-# says this rank's one line
+# with stop_on_sigterm: the error path (`first_word`) or the SIGTERM thread, whichever takes it, says the line
 _spoken: threading.Lock | None = None
 
 
@@ -87,10 +86,23 @@ def first_word(line: str) -> str | int:
     return line if _spoken is None or _spoken.acquire(blocking=False) else 1
 
 
+def main(run: Callable, kept: Callable, description: str, argv: list[str] | None, prog: str | None) -> None:
+    """train.py's and extract.py's entry: `run(cfg)` of the command line's config; an error, Ctrl-C or SIGTERM ends it
+    in one line naming what is `kept(cfg)`."""
+    from eagle3.config import cli, interrupted
+    cfg = cli(argv, description, prog)
+    stop_on_sigterm(lambda: kept(cfg))
+    try:
+        run(cfg)
+    except Eagle3Error as e:
+        raise SystemExit(first_word(f"error: {e}")) from None
+    except KeyboardInterrupt:
+        interrupted(kept(cfg))
+
+
 def stop_on_sigterm(kept: Callable[[], str]) -> None:
-    """Under a launcher (WORLD_SIZE > 1), SIGTERM ends the rank with status 143 and one line: stopped, what
-    is kept (`kept()`) and that the same command resumes. A thread does it, woken by the signal's wakeup byte:
-    the main thread may be stuck in a collective, where a Python handler would not run. Call from the main thread."""
+    """Under a launcher, SIGTERM ends the rank with status 143 and one line naming what is `kept()`, by a thread woken
+    by the signal's wakeup byte (a handler would not run in a stuck collective). Call from the main thread."""
     global _spoken
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return
@@ -99,14 +111,10 @@ def stop_on_sigterm(kept: Callable[[], str]) -> None:
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     signal.signal(signal.SIGTERM, lambda *_: None)   # the wakeup byte is written for handled signals only
-    os.register_at_fork(after_in_child=_default_sigterm)
+    # in a forked child the pipe is shared: its own SIGTERM must not wake this rank's thread
+    os.register_at_fork(after_in_child=lambda: (signal.set_wakeup_fd(-1),
+                                                signal.signal(signal.SIGTERM, signal.SIG_DFL)))
     threading.Thread(target=_on_sigterm, args=(read, kept), daemon=True, name="sigterm").start()
-
-
-def _default_sigterm() -> None:
-    """In a forked child the pipe is shared: its own SIGTERM must not wake this rank's thread."""
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _on_sigterm(read: int, kept: Callable[[], str]) -> None:

@@ -33,8 +33,7 @@ class DraftLoadError(Eagle3Error):
     """A draft directory that cannot be used; the message names the file and the field or tensor."""
 
 
-# Names of the draft's own computation: an unknown one (a bias, a qk-norm) would change the result if
-# dropped, so it is an error; anything else (the frozen embedding copy, the verifier head) gets a note.
+# names of the draft's own computation: an unknown one (a bias) is an error, anything else gets a note
 DRAFT_PARTS = ("fc", "layers.", "norm.", "lm_head.", "input_norm.", "hidden_norm.", "midlayer.", "fc_norm.")
 
 

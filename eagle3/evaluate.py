@@ -1,6 +1,5 @@
-"""`python -m eagle3 evaluate --config C DRAFT [--prompts P.jsonl]`: judge a draft (docs/evaluate.md): our
-checkpoints by the held-out TTT estimate (split, K and loss as trained) and its replay as decoding rounds;
-any draft (ours or vLLM layout) by real speculative decoding of the prompts. Writes eval.json (and eval.png)."""
+"""`python -m eagle3 evaluate`: our checkpoints by the held-out TTT estimate, any draft (ours or vLLM layout) by
+real speculative decoding of prompts, into eval.json and eval.png (docs/evaluate.md)."""
 from __future__ import annotations
 
 import json
@@ -46,9 +45,8 @@ def reply_positions(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
 
 
 def decoding_rounds(accepted: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[int, int]:
-    """(tokens, rounds) of chain speculative decoding of each reply, replayed from the per-row accepted
-    counts: the prefill yields the reply's first token; a round whose newest token is x_m drafts from
-    row m-1 and gains its accepted drafts + 1, capped at the reply's end."""
+    """(tokens, rounds) of chain speculative decoding of each reply replayed from the per-row accepted counts: a round
+    whose newest token is x_m drafts from row m-1 and gains its accepted drafts + 1 (the prefill: the first token)."""
     acc, mask, bounds = accepted.tolist(), loss_mask.tolist(), cu_seqlens.tolist()
     tokens = rounds = 0
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -170,21 +168,6 @@ def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path) -> l
     return prompts
 
 
-def batches(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-def greedy_references(target: IncrementalTarget, prompts: list[Prompt], max_new: int, stop: set[int],
-                      batch: int, cache: dict, key: tuple) -> list[Decoded]:
-    """The target's greedy output per prompt, from `cache` where an earlier call (another draft) decoded it."""
-    entries = [(*key, tuple(p.ids), max_new, tuple(sorted(stop))) for p in prompts]
-    missing = {e: p.ids for e, p in zip(entries, prompts) if e not in cache}   # in order, each prompt once
-    for group in batches(list(missing), batch):
-        for entry, decoded in zip(group, greedy_decode_many(target, [missing[e] for e in group], max_new, stop)):
-            cache[entry] = decoded
-    return [cache[e] for e in entries]
-
-
 def decoding_report(decoded: list[Decoded], references: list[Decoded] | None, prompts: list[Prompt], k: int) -> dict:
     """Totals over all rounds of all prompts (the prefill in new_tokens, not in rounds); `mismatches`
     against the greedy references (T = 0). The figures: docs/evaluate.md."""
@@ -208,26 +191,20 @@ SEEDED = ("real_accept_len", "accept_len_per_request", "per_position_acceptance"
 
 def over_seeds(reports: list[dict], seeds: list[int]) -> dict:
     """One report per seed -> each figure's mean, sample deviation (`<key>_sd`, 0 for one seed), per-seed figures."""
-    def mean_sd(values: list[float]) -> tuple[float, float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        return t.mean().item(), t.std().item() if len(values) > 1 else 0.0
     out = {k: v for k, v in reports[0].items() if k not in SEEDED}
     for key in SEEDED:
-        values = [r[key] for r in reports]
-        if isinstance(values[0], list):
-            pairs = [mean_sd(list(column)) for column in zip(*values)]
-            out[key], out[f"{key}_sd"] = [m for m, _ in pairs], [d for _, d in pairs]
-        else:
-            out[key], out[f"{key}_sd"] = mean_sd(values)
-    return out | {"seeds": seeds, "per_seed": [{"seed": s, **{k: r[k] for k in SEEDED}} for s, r in zip(seeds, reports)]}
+        t = torch.tensor([r[key] for r in reports], dtype=torch.float64)   # [seeds] or [seeds, k]
+        sd = t.std(0) if len(reports) > 1 else torch.zeros_like(t[0])
+        out[key], out[f"{key}_sd"] = t.mean(0).tolist(), sd.tolist()
+    per_seed = [{"seed": s, **{k: r[k] for k in SEEDED}} for s, r in zip(seeds, reports)]
+    return out | {"seeds": seeds, "per_seed": per_seed}
 
 
 @torch.no_grad()
 def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path | None = None, *,
-                  greedy_cache: dict | None = None, out: str | Path | None = None) -> dict:
+                  out: str | Path | None = None) -> dict:
     """Speculative decoding of `draft_dir` (ours or vLLM layout) on the prompts at the `[evaluate]` settings:
-    at T = 0 checked against the target's greedy output (the same `greedy_cache` for several drafts decodes
-    it once), above 0 once per seed. `out` also writes the report there."""
+    at T = 0 checked against the target's greedy output, above 0 once per seed. `out` also writes the report there."""
     e, start = cfg.evaluate, time.perf_counter()
     sampling = Sampling(e.temperature, e.top_p, e.draft_sampling)
     prompts_path = prompts_path or e.prompts
@@ -244,33 +221,30 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     draft = draft.to(device, dtype)
     draft.inv_freq = inv_freq.to(device)
     drafter = Drafter(draft, target.embed)
-    loaded = time.perf_counter()
+    loaded, n, size = time.perf_counter(), e.max_new_tokens, dbg.evaluate_batch_size
+    groups = [([p.ids for p in prompts[i:i + size]], prompts[i:i + size]) for i in range(0, len(prompts), size)]
     if sampling.greedy:
-        key = (str(ckpt.dir.resolve()), ckpt.config.config_sha256, str(device), dbg.evaluate_dtype)
-        references = greedy_references(target, prompts, e.max_new_tokens, stop, dbg.evaluate_batch_size,
-                                       {} if greedy_cache is None else greedy_cache, key)
+        references = [d for ids, _ in groups for d in greedy_decode_many(target, ids, n, stop)]
         timing = {"greedy_seconds": time.perf_counter() - loaded}
-        decoded = [d for group in batches(prompts, dbg.evaluate_batch_size)
-                   for d in speculative_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens, k, stop)]
+        decoded = [d for ids, _ in groups for d in speculative_decode_many(target, drafter, ids, n, k, stop)]
         report = decoding_report(decoded, references, prompts, k)
     else:
         seeds = list(range(e.seeds))
-        runs = [decoding_report([d for group in batches(prompts, dbg.evaluate_batch_size)
-                                 for d in sampled_decode_many(target, drafter, [p.ids for p in group], e.max_new_tokens,
-                                                              k, stop, sampling, [s * 1_000_003 + p.line for p in group])],
-                                None, prompts, k) for s in seeds]
+        runs = [decoding_report([d for ids, group in groups for d in sampled_decode_many(
+            target, drafter, ids, n, k, stop, sampling, [s * 1_000_003 + p.line for p in group])], None, prompts, k)
+            for s in seeds]
         report, timing = over_seeds(runs, seeds), {}
     end = time.perf_counter()
-    report = {"draft": str(draft_dir), "draft_format": "ours" if trained else "vllm",
-              "target": str(cfg.target.path), "prompts_file": str(prompts_path), "aux_layer_ids": aux_ids,
-              "temperature": e.temperature, "top_p": e.top_p,
-              "draft_sampling": "greedy" if sampling.greedy else e.draft_sampling, **report,
+    report = {"draft": str(draft_dir), "draft_format": "ours" if trained else "vllm", "target": str(cfg.target.path),
+              "prompts_file": str(prompts_path), "aux_layer_ids": aux_ids, "temperature": e.temperature,
+              "top_p": e.top_p, "draft_sampling": "greedy" if sampling.greedy else e.draft_sampling, **report,
               "max_new_tokens": e.max_new_tokens, "device": str(device), "dtype": dbg.evaluate_dtype,
               "batch_size": dbg.evaluate_batch_size, "wall_seconds": end - start, **timing,
               "speculative_seconds": end - loaded - timing.get("greedy_seconds", 0.0)}
     if report.get("mismatches"):
-        print(f"warning: {report['mismatches']} of {len(prompts)} prompts decoded differently from the target's "
-              f"greedy output (lines {report['mismatch_lines']}): near-ties in {dbg.evaluate_dtype}, or a bug", file=sys.stderr)
+        print(f"warning: {report['mismatches']} of {len(prompts)} prompts decoded differently from the target's greedy "
+              f"output (lines {report['mismatch_lines']}): near-ties in {dbg.evaluate_dtype}, or a bug",
+              file=sys.stderr)
     if out is not None:
         write_report(report, Path(out))
     return report

@@ -1,6 +1,5 @@
-"""Export a trained draft for serving: vLLM (speculators layout) and SGLang (native). Both read `d2t`/`t2d`
-and the same weights; they differ in the config and the layer's name (`layers.0.*` for vLLM, `midlayer.*`
-for SGLang, which silently skips names it does not know). `eagle3.draft_io` reads the vLLM layout back."""
+"""Export a trained draft for vLLM (speculators layout, `layers.0.*`) and SGLang (native, `midlayer.*`): the same
+weights and `d2t`/`t2d`, another config. `eagle3.draft_io` reads the vLLM layout back."""
 from __future__ import annotations
 
 import json
@@ -26,11 +25,9 @@ class ExportError(Eagle3Error):
 
 
 def _llama_layer_config(spec: dict, dtype: str) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec["hidden_size"],
-            "num_attention_heads": spec["num_attention_heads"],
-            "num_key_value_heads": spec["num_key_value_heads"], "head_dim": spec["head_dim"],
-            "intermediate_size": spec["intermediate_size"], "rms_norm_eps": spec["rms_norm_eps"],
-            "rope_theta": spec["rope_theta"], "max_position_embeddings": spec["max_position_embeddings"],
+    same = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+            "rms_norm_eps", "rope_theta", "max_position_embeddings")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **{k: spec[k] for k in same},
             "vocab_size": spec["target_vocab_size"], "num_hidden_layers": spec["num_layers"],
             "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": dtype}
 
@@ -59,8 +56,7 @@ def sglang_config(state: dict, cfg: Config) -> dict:
     config.update({
         "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
         "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
-        # SGLang reads only eagle_config's ids, as outputs of layers (ours; its target models capture
-        # the input of layer id + 1): ModelRunner.__init__ in sglang/srt/model_executor/model_runner.py
+        # SGLang reads only eagle_config's ids, as outputs of layers (ours): sglang/srt/model_executor/model_runner.py
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(state["resolved"]["aux_layer_ids"]),
                          "use_aux_hidden_state": True},
         "torch_dtype": cfg.export.dtype,
@@ -102,8 +98,8 @@ def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Pat
         tmp.rename(out_dir)
     except (OSError, SafetensorError) as e:   # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"{out_dir}: writing the export failed ({getattr(e, 'strerror', None) or e}); the partial folder was "
-                          "removed") from None
+        raise ExportError(f"{out_dir}: writing the export failed ({getattr(e, 'strerror', None) or e}); the partial "
+                          "folder was removed") from None
     return out_dir
 
 
@@ -114,17 +110,11 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
     cfg = cfg or from_dict(state["config"], str(checkpoint_dir / train_state.STATE))
     weights = train_state.load_weights(checkpoint_dir)
     check_vocab(weights["d2t"], weights["t2d"], str(checkpoint_dir / train_state.MODEL))
-    spec = state["resolved"]["draft_spec"]
-    if len(state["resolved"]["aux_layer_ids"]) != 3:
-        raise ExportError(f"{checkpoint_dir}: EAGLE-3 export needs exactly 3 aux layers")
-    dtype = TORCH_DTYPES[cfg.export.dtype]
-    written = {}
-    for fmt in cfg.export.formats:
+    spec, dtype, written = state["resolved"]["draft_spec"], TORCH_DTYPES[cfg.export.dtype], {}
+    for fmt in cfg.export.formats:   # "vllm" or "sglang", as the config's type says
         if fmt == "vllm":
             tensors = export_weights(weights, spec, lambda i: f"layers.{i}", spec["num_layers"], dtype)
             written[fmt] = _write(out_dir / "vllm", vllm_config(state, cfg), tensors)
-        elif fmt != "sglang":
-            raise ExportError(f"export format {fmt!r}; expected 'vllm' or 'sglang'")
         else:
             if spec["num_layers"] != 1:
                 raise ExportError(f"{checkpoint_dir}: SGLang's EAGLE-3 draft has one layer (midlayer); "

@@ -13,7 +13,6 @@ import torch
 from tqdm import tqdm
 
 from eagle3 import distributed
-from eagle3.errors import Eagle3Error
 from eagle3.config import Config
 from eagle3.resolve import resolve, resolve_device
 from eagle3.data.chat import TOKENIZER_FILES
@@ -31,11 +30,7 @@ def _check_or_write_header(out: Path, header: dict, main: bool) -> None:
     """The first run writes the manifest header; a rerun must be of the same plan."""
     path = out / MANIFEST
     if path.exists():
-        try:
-            existing = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: not valid JSON ({e}); delete the output directory to start over") from None
-        if existing.get("plan_key") != header["plan_key"]:
+        if read_json(path, DataError, "").get("plan_key") != header["plan_key"]:
             raise DataError(f"{path}: this directory holds an extraction of other data, target or settings; "
                             "choose another extract.output_dir or delete the whole directory")
     elif main:
@@ -80,9 +75,8 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
     if cfg.extract.aux_dtype == "float8_e4m3fn":
         dtypes.update(aux_hidden="float8_e4m3fn", aux_scale="float32")
     tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
-    plan = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len,
-                       cfg.data.on_error, cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype,
-                       FORMAT_VERSION])
+    plan = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len, cfg.data.on_error,
+                       cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype, FORMAT_VERSION])
     return {"format_version": FORMAT_VERSION, "target": ckpt.config.identity(), "aux_layer_ids": aux_ids,
             "dtypes": dtypes, "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
             "source": {"path": str(cfg.data.path), "sha256": data_sha, "max_seq_len": cfg.data.max_seq_len,
@@ -159,12 +153,4 @@ def _write_manifest(out: Path, header: dict, plan: list, stats: InputStats, tota
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    from eagle3.config import cli, interrupted
-    cfg = cli(argv, "Extract target hidden states into shards.", prog)
-    distributed.stop_on_sigterm(lambda: kept(cfg))
-    try:
-        run(cfg)
-    except Eagle3Error as e:
-        raise SystemExit(distributed.first_word(f"error: {e}")) from None
-    except KeyboardInterrupt:
-        interrupted(kept(cfg))
+    distributed.main(run, kept, "Extract target hidden states into shards.", argv, prog)

@@ -118,9 +118,8 @@ def _release(f) -> None:
 
 @contextlib.contextmanager
 def run_lock(directory: Path, key: str, what: str, error: type[Exception], held: bool = True):
-    """Own `directory` while the block runs, by an advisory lock on `directory/.lock` that the kernel releases
-    however the process ends: a second run meets `error` naming the holder; a dead run's lock is taken over
-    with a note. `held` False (ranks other than 0): no lock."""
+    """Own `directory` while the block runs (unless not `held`) by an advisory lock on `directory/.lock`, which the
+    kernel releases however the process ends: a second run meets `error` naming the holder."""
     if not held:
         yield
         return

@@ -1,7 +1,5 @@
-"""fp8 training GEMMs (`train.float8`, `train.float8_head`): the draft's linear layers as scaled fp8
-matmuls, one dynamic scale per tensor: e4m3 forward, the output gradient in e5m2 (more range); dX and
-dW from the fp8 copies the forward saved (half the activation memory). The fp32 masters stay with the
-optimizer. `torch._scaled_mm` wants every dimension a multiple of 16: rows are zero-padded."""
+"""fp8 training GEMMs (`train.float8`, `train.float8_head`): scaled fp8 matmuls, one dynamic scale per tensor, e4m3
+forward and e5m2 gradients, dX and dW from the forward's fp8 copies; fp32 masters; rows zero-padded to 16s."""
 from __future__ import annotations
 
 import functools
@@ -91,9 +89,8 @@ def choose(setting: bool | None, device: torch.device, spec, where: str, say: bo
 
 def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torch.device, spec, where: str,
               say: bool = True, tokens: int = 16384, agree=bool):
-    """train.float8_head -> the loss: `loss_steps`, or the Triton one with fp8 lm_head GEMMs; auto is on
-    with train.float8, the Triton loss on a GPU, head widths that are multiples of 16 and an fp8 head
-    that times faster than bf16 at `tokens` rows."""
+    """train.float8_head -> the loss: `loss_steps`, or the Triton one with fp8 lm_head GEMMs; auto: on with
+    train.float8 and the Triton loss on a GPU where the head's widths allow and it times faster at `tokens` rows."""
     from kernels import ttt_loss_steps
     triton_gpu = loss_steps is ttt_loss_steps and device.type == "cuda"
     dims = {"hidden_size": spec.hidden_size, "draft_vocab_size": spec.draft_vocab_size}
@@ -105,9 +102,8 @@ def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torc
         check_dims(dims, where, "train.float8_head")
     elif setting is None:
         odd = _odd(dims)
-        why = ("train.float8 is off" if not draft_float8 else
-               "the loss is not the Triton one on a GPU" if not triton_gpu else
-               f"widths not multiples of 16: {', '.join(odd)}" if odd else None)
+        why = ("train.float8 is off" if not draft_float8 else "not the Triton loss on a GPU" if not triton_gpu
+               else f"widths not multiples of 16: {', '.join(odd)}" if odd else None)
         setting = _auto("train.float8_head", why, spec, tokens, device, "head", say, agree)
     return functools.partial(ttt_loss_steps, float8=True) if setting else loss_steps
 

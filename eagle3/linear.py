@@ -1,7 +1,5 @@
-"""The draft's dense linear layers: x @ wᵀ, each weight's gradient summed inside the GEMMs. Inside
-`casts_reused` (one TTT forward: K uses of every weight) each fp32 master is cast once while unchanged and
-every use adds its dYᵀ·X into one fp32 sum by the GEMM (beta = 1), which the cast's backward hands to the
-master: no add kernels, no bf16 rounding of partial sums. The scope also holds `eagle3.float8`'s casts."""
+"""The draft's dense linear layers: inside `casts_reused` (one TTT forward) each fp32 master is cast once and every
+use adds its dYᵀ·X into one fp32 sum by the GEMM (beta = 1): no add kernels, no bf16 partial sums."""
 from __future__ import annotations
 
 import contextlib
@@ -110,8 +108,7 @@ class _Linears(torch.autograd.Function):
                 dy = dy.reshape(-1, dy.shape[-1])
                 if ctx.needs_input_grad[0]:
                     dx = dy.mm(w) if dx is None else dx.addmm_(dy, w)   # [m, k]
-                # only when this backward runs the cast (not autograd.grad towards x alone): a sum
-                # left behind would be added into the next backward's
+                # only when this backward runs the cast: a sum left behind would go into the next backward's
                 if torch._C._will_engine_execute_node(total.node):
                     _accumulate(total, dy.t(), x2)
         return None if dx is None else dx.reshape(x.shape), None, *[None] * len(ws)

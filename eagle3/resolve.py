@@ -31,8 +31,7 @@ class DraftSpec:
     norm_output: bool = False            # norm(h) is the head's input and the next step's state
 
 
-# the norm settings under the keys speculators and vLLM use; SGLang reads none, so with one on its export
-# would decode another draft
+# the norm settings under the keys speculators and vLLM use (SGLang reads none)
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
@@ -64,14 +63,13 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
                           f"draft.num_key_value_heads {kv}")
     hidden = text.hidden_size   # the draft's is the target's: the frozen target embedding feeds it
     spec = DraftSpec(
-        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
-        head_dim=d.head_dim or text.raw.get("head_dim") or hidden // heads,
-        intermediate_size=d.intermediate_size or text.intermediate_size, num_layers=d.num_layers,
-        rms_norm_eps=text.rms_norm_eps, rope_theta=text.rope_theta,
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, num_layers=d.num_layers,
+        head_dim=d.head_dim or text.raw.get("head_dim") or hidden // heads, rope_theta=text.rope_theta,
+        intermediate_size=d.intermediate_size or text.intermediate_size, rms_norm_eps=text.rms_norm_eps,
         max_position_embeddings=text.max_position_embeddings,
         draft_vocab_size=cfg.vocab.draft_vocab_size or min(32000, text.vocab_size), target_vocab_size=text.vocab_size,
-        target_hidden_size=hidden, norm_before_residual=x.norm_before_residual,
-        norm_before_fc=x.aux_norm == "concat", fc_norm=x.aux_norm == "per_layer", norm_output=x.norm_output)
+        target_hidden_size=hidden, norm_before_residual=x.norm_before_residual, norm_before_fc=x.aux_norm == "concat",
+        fc_norm=x.aux_norm == "per_layer", norm_output=x.norm_output)
     data = cfg.data.path if cfg.train.source == "online" else cfg.resolved_train_data_dir()
     return Resolved(list(ids), spec, str(Path(data)), cfg.export.verifier_name or cfg.target.path)   # "./x" is "x"
 

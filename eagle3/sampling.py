@@ -1,29 +1,18 @@
-"""Sampling, and speculative decoding's verification rule as vLLM and SGLang run it (docs/sampling.md), shared
-by `generate` and `speculative`. Every draw is an inverse-CDF lookup of a uniform from the caller's per-prompt
-generator, so batching changes nothing."""
+"""Sampling and speculative decoding's verification rule as vLLM and SGLang run it (docs/sampling.md); every draw
+an inverse-CDF lookup of a uniform from the caller's per-prompt generator, so batching changes nothing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-DRAFT_SAMPLING = ("greedy", "probabilistic")   # the draft proposes its argmax (q one-hot) or a sample of q
-
-
 @dataclass(frozen=True)
 class Sampling:
-    """How a request is served: the target's temperature and top_p, and how the draft proposes."""
+    """How a request is served (checked as config keys): the target's temperature and top_p, and how the draft
+    proposes: "greedy", its argmax (q one-hot), or "probabilistic", a sample of q."""
     temperature: float = 0.0
     top_p: float = 1.0
     draft: str = "greedy"
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature = {self.temperature}; expected a number >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p = {self.top_p}; expected a number in (0, 1]")
-        if self.draft not in DRAFT_SAMPLING:
-            raise ValueError(f"draft sampling {self.draft!r}; expected one of {', '.join(DRAFT_SAMPLING)}")
 
     @property
     def greedy(self) -> bool:
@@ -65,10 +54,8 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def verify(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, u_accept: torch.Tensor,
            u_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling of one round for B chains: drafts [B, k] target ids; p [B, k+1, V] the target's
-    distributions after each prefix of the drafts; q [B, k, V] the draft's (None for greedy proposals: one-hot);
-    u_accept [B, k], u_token [B] uniforms -> (accepted drafts a [B], the token emitted after them [B]): the
-    recovered token at the first rejection, or the bonus token of p[:, k] when all k are accepted."""
+    """One round for B chains: drafts [B, k], the target's p [B, k+1, V] after each prefix, the draft's q [B, k, V]
+    (None: greedy, one-hot), uniforms -> (accepted drafts [B], the recovered or bonus token after them [B])."""
     B, k = drafts.shape
     rows = torch.arange(B, device=p.device)
     p_x = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)                # [B, k]

@@ -1,6 +1,5 @@
-"""Reference speculative decoding with our own target forward and an EAGLE-3 draft: each round the draft
-proposes k tokens and the target verifies them in one forward, keeping the agreeing prefix plus its own
-next token (greedy: exactly the target's greedy output), or by the engines' rule above T = 0 (eagle3.sampling)."""
+"""Reference speculative decoding with our own target forward and an EAGLE-3 draft: per round k drafts verified in
+one target forward, greedily (exactly the target's greedy output) or by the engines' rule above T = 0."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,11 +13,8 @@ from eagle3.sampling import Sampling, draft_probs, draw, sample, target_probs, u
 
 
 class Drafter:
-    """Proposes k tokens with the draft as training-time test unrolls it: row t of step 0 reads fc(aux[t])
-    and the embedding of x[t+1]; the chain continues from the last row. Row t's step-0 keys are final once
-    the target verified position t, so each sequence keeps them in a draft cache (a slot of the drafter's
-    KV pool) and a round runs step 0 on new rows only. Chain step j of the last row m-1 puts its key at
-    position m-1+j (its RoPE position), as ttt_attention sees it; the cache is cut back to m rows after."""
+    """Proposes k tokens with the draft as training-time test unrolls it, the chain from the last row; verified rows'
+    step-0 keys stay in a draft cache per sequence (chain keys at m-1+j, cut back after), so step 0 runs on new rows."""
 
     def __init__(self, draft, embed: torch.Tensor):
         self.draft, self.embed = draft, embed
@@ -32,12 +28,8 @@ class Drafter:
     def propose_many(self, auxes: list[torch.Tensor], tokens: list[list[int]], k: int,
                      sampling: Sampling | None = None, u: torch.Tensor | None = None,
                      caches: list[SequenceCache] | None = None):
-        """auxes[i] [m_i, 3H], tokens[i] = x_0..x_{m_i} -> k target ids per sequence, one draft pass per step:
-        each step's argmax or, with a probabilistic `sampling`, a draw of q = softmax(logits / T) with the
-        uniforms u [B, k], then (ids, q [B, k, V_target]), q zero outside the draft vocabulary. caches[i]
-        (new_cache(), kept across rounds): step 0 runs only on rows it lacks; without, on every row."""
-        if k < 1:
-            raise ValueError(f"k = {k}: a round drafts at least one token")
+        """auxes[i] [m_i, 3H], tokens[i] = x_0..x_{m_i} -> k target ids per sequence (argmaxes, or with a probabilistic
+        `sampling` draws with uniforms u [B, k], then also q [B, k, V_target]); caches[i] kept across rounds."""
         probabilistic = sampling is not None and not sampling.greedy and sampling.draft == "probabilistic"
         caches = [self.new_cache() for _ in auxes] if caches is None else caches
         h = self._step0(auxes, tokens, caches)                               # [B, H] the last rows
@@ -173,9 +165,8 @@ def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts
 
 def sampled_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]], max_new: int,
                         k: int, stop: set[int], sampling: Sampling, seeds: list[int]) -> list[Decoded]:
-    """Speculative sampling at sampling.temperature > 0, distributed as the target's own sampling. Prompt i
-    draws every uniform from its own generator (seeds[i]), so its tokens do not depend on the batch: per
-    round the k drafts' (probabilistic proposals), k acceptance tests and one for the emitted token."""
+    """Speculative sampling at sampling.temperature > 0, distributed as the target's own; prompt i draws its uniforms
+    from its own generator (seeds[i]), so its tokens do not depend on the batch."""
     generators = [torch.Generator().manual_seed(s) for s in seeds]
 
     def round_(live: list[int], active: list[_Chain]) -> None:

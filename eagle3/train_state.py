@@ -1,6 +1,5 @@
-"""Training checkpoints: `output_dir/checkpoints/step-NNNNNNNN/`, written as `.tmp` and renamed when
-complete: the fp32 draft weights (`model.safetensors`), optimizer and scheduler states, each rank's
-RNG states and `state.json` (step, resolved config, draft spec, aux layer ids, target identity)."""
+"""Training checkpoints `output_dir/checkpoints/step-NNNNNNNN/` (written as `.tmp`, renamed when complete): fp32
+draft weights, optimizer and scheduler states, each rank's RNG states, `state.json` (step, config, target)."""
 from __future__ import annotations
 
 import json
@@ -38,9 +37,8 @@ def step_dir(output_dir: str | Path, step: int) -> Path:
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     root = checkpoints_dir(output_dir)
-    return sorted(p for p in (root.iterdir() if root.is_dir() else ())
-                  if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")
-                  and (p / STATE).exists())
+    return sorted(p for p in (root.iterdir() if root.is_dir() else ()) if p.is_dir() and p.name.startswith("step-")
+                  and not p.name.endswith(".tmp") and (p / STATE).exists())
 
 
 def latest(output_dir: str | Path) -> Path | None:
@@ -177,9 +175,8 @@ def _safe_load(path: Path, way_out: str):
     except pickle.UnpicklingError as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)|Unsupported operand \S+", str(e))
         what = f"{found.group(1) or found.group(0)}, " if found else ""
-        raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain values "
-                              f"({what}loaded with weights_only=True), which this trainer never writes; "
-                              f"{way_out}") from None
+        raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain values ({what}loaded "
+                              f"with weights_only=True), which this trainer never writes; {way_out}") from None
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"{path}: unreadable ({_first_line(e)}); {way_out}") from None
 

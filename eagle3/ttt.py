@@ -1,7 +1,5 @@
-"""Training-time test: the K-step unrolled draft, its targets, masks, loss and metrics. Rows are packed
-tokens: at step k, row t reads the embedding of x[t+1+k], is trained towards p[t+1+k] (the target's
-distribution for x[t+2+k]) and is valid when t+2+k is inside its sequence, loss_mask[t+2+k] = 1 and the
-target's greedy token g[t+1+k] is in the draft vocab: the mask moves with the targets."""
+"""Training-time test: the K-step unrolled draft, its targets, masks, loss and metrics. At step k packed row t reads
+x[t+1+k], is trained towards p[t+1+k] and is valid where its label is an in-vocab assistant token (docs/ttt.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +11,8 @@ from eagle3.data.batch import Batch, RowPlan, RowRule
 from eagle3.draft import Rows
 from eagle3.ops import gather_rows, positions_from_cu_seqlens, scatter_rows
 
-# per-step metric sums; "accepted" (leading correct steps of each start row) in step 0's row only;
-# "alpha" / "alpha_greedy": a row's expected acceptance of its draft token: Σ_v min(p_v, q_v) / p(argmax q)
+# per-step metric sums; "accepted" (leading correct steps) in step 0's row only; "alpha" / "alpha_greedy":
+# a row's expected acceptance of its draft token, Σ_v min(p_v, q_v) / p(argmax q)
 METRICS = ("loss_sum", "valid", "correct", "acc_rows", "cond_correct", "cond_rows", "accepted", "alpha", "alpha_greedy")
 
 
@@ -65,9 +63,8 @@ def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_ma
 
 def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int,
                  temperature: float = 1.0) -> torch.Tensor:
-    """softmax(final @ W_t[t2d].T / temperature) for all steps [T + steps, V_d], shifted up a row and padded
-    so that step k's targets are the view `probs[k : k + T]` (rows past the end are uniform: never valid,
-    finite under every loss)."""
+    """softmax(final @ W_t[t2d].T / temperature) [T + steps, V_d], shifted up a row so that step k's targets are the
+    view `probs[k : k + T]`, padded with uniform rows (never valid, finite under every loss)."""
     T = final_hidden.shape[0]
     probs = final_hidden.new_full((T + steps, head_rows.shape[0]), 1 / head_rows.shape[0])
     logits = (final_hidden[1:] @ head_rows.T).float()
@@ -104,10 +101,8 @@ def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool 
 def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
                 attention, loss_steps, decay: float = 0.8, scale: float | torch.Tensor = 1.0,
                 skip_dead_rows: bool = True, objective: Objective = Objective(), static: bool = False):
-    """Unrolled TTT over one packed micro-batch: embed [V_t, H], head_rows [V_d, H]; `attention` and
-    `loss_steps` as in `kernels`. With skip_dead_rows, work that cannot reach the loss is skipped (same loss
-    and gradients). `static` (a CUDA graph's shapes): every row computed, the valid ones weighted, nothing
-    read on the host. Returns (Σ_k decay^k · scale · Σ_valid loss_k, metric sums [steps, METRICS], per-row detail)."""
+    """Unrolled TTT over one packed micro-batch -> (Σ_k decay^k · scale · Σ_valid loss_k, metric sums, per-row detail);
+    skip_dead_rows skips work that cannot reach the loss; `static`: every row computed, nothing read on the host."""
     ids, greedy = batch.input_ids.long(), batch.target_argmax.long()
     T = batch.rows
     targets = all_step_targets(batch, steps, draft.t2d, objective.rows)
@@ -163,9 +158,10 @@ def step_metrics(targets: list[StepTargets], losses, argmaxes, alphas, probs, gr
         counted = tg.valid & tg.acc_rows & tg.in_vocab
         correct = counted & (argmax + d2t[argmax.clamp(min=0)] == greedy[tg.index])
         p_top = probs[k:k + len(argmax)].gather(1, argmax.clamp(min=0).unsqueeze(1)).squeeze(1)
-        metrics[k, :6] = torch.stack([torch.where(tg.valid, loss.detach(), 0).sum(), tg.valid.sum(), correct.sum(), tg.acc_rows.sum(),
-                                      (correct & run).sum(), (tg.acc_rows & run).sum()]).float()
-        metrics[k, 7:] = torch.stack([torch.where(counted, alpha, 0).sum(), torch.where(counted, p_top.float(), 0).sum()])
+        metrics[k, :6] = torch.stack([torch.where(tg.valid, loss.detach(), 0).sum(), tg.valid.sum(), correct.sum(),
+                                      tg.acc_rows.sum(), (correct & run).sum(), (tg.acc_rows & run).sum()]).float()
+        metrics[k, 7:] = torch.stack([torch.where(counted, alpha, 0).sum(),
+                                      torch.where(counted, p_top.float(), 0).sum()])
         run = run & correct
         accepted += run
         corrects.append(correct)

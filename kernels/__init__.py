@@ -1,6 +1,5 @@
-"""TTT kernels: fused attention and loss in Triton (`ttt_attention`, `ttt_loss`, `ttt_loss_steps`,
-imported on first use so that code needing only the references runs without Triton) and their
-pure-torch ground truth (`*_reference`)."""
+"""TTT kernels: fused attention and loss in Triton (`ttt_attention`, `ttt_loss`, `ttt_loss_steps`, imported on first
+use: the references run without Triton) and their pure-torch ground truth (`*_reference`)."""
 import importlib
 
 from kernels.reference import ttt_attention as ttt_attention_reference

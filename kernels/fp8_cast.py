@@ -1,7 +1,5 @@
-"""fp8 cast for training GEMMs: one dynamic scale, both layouts (Hopper's fp8 GEMM takes only a
-row-major A and a column-major B), in two kernels: an amax (one atomic max per program), then a tiled
-cast that reads each tile once and writes it twice. `to_fp8_reference` is the ground truth and the CPU
-path, equal bit for bit on finite inputs (IEEE division, round-to-nearest-even conversion in both)."""
+"""fp8 cast for training GEMMs, one dynamic scale, both layouts (Hopper's fp8 GEMM takes a row-major A, a column-major
+B): an amax kernel, then a tiled cast; `to_fp8_reference`, the CPU path, equals it bit for bit on finite inputs."""
 from __future__ import annotations
 
 import torch
@@ -65,8 +63,7 @@ def to_fp8(t: torch.Tensor, dtype: torch.dtype, transposed: bool = True
         programs = min(triton.cdiv(x.numel(), 4096), 4 * sms)
         _amax_kernel[(programs,)](x, x.numel(), amax, BLOCK=4096, num_warps=8)
     scale = (amax[0] / MAX[dtype]).clamp(min=1e-12)
-    # the interpreter rounds some values to the wrong fp8 (-125.9 / 0.98 -> -64, not -128): there the
-    # kernel writes fp32 and torch converts
+    # the interpreter rounds some values to the wrong fp8: there the kernel writes fp32 and torch converts
     out = torch.float32 if INTERPRET else dtype
     q = torch.empty(m16, k, dtype=out, device=x.device)
     qt = torch.empty(k, m16, dtype=out, device=x.device) if transposed else q

@@ -1,6 +1,5 @@
-"""Pure-torch ground truth for the TTT hot spots and the row spread around them: what the Triton
-kernels are tested against, and what runs with `train.kernels = "torch"` and on the CPU. The losses
-(`LOSSES`) are defined in docs/losses.md; autograd gives each one's gradient."""
+"""Pure-torch ground truth of the TTT kernels and the row spread: what the Triton kernels are tested against and what
+runs on the CPU; the losses (`LOSSES`) are defined in docs/losses.md, autograd gives their gradients."""
 from __future__ import annotations
 
 import torch
@@ -10,15 +9,6 @@ import torch.nn.functional as F
 def spread_rows(src: torch.Tensor, index: torch.Tensor, total: int, fill=0) -> torch.Tensor:
     """src [n, ...] at rows `index` (distinct) of a [total, ...] tensor filled with `fill`."""
     return src.new_full((total, *src.shape[1:]), fill).index_copy(0, index, src)
-
-
-def _lengths(cu_seqlens: torch.Tensor | None, total: int) -> list[int]:
-    if cu_seqlens is None:
-        return [total]
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != total:
-        raise ValueError(f"ttt_attention: cu_seqlens must run from 0 to T={total}, got {bounds[0]}..{bounds[-1]}")
-    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -41,9 +31,11 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Hq = q.shape[1]
     if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv:
         raise ValueError(f"ttt_attention: bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
-    scale = D ** -0.5 if scale is None else scale
-    group = Hq // Hkv
-    lengths = _lengths(cu_seqlens, T)
+    bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != T:
+        raise ValueError(f"ttt_attention: cu_seqlens must run from 0 to T={T}, got {bounds[0]}..{bounds[-1]}")
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    scale, group = D ** -0.5 if scale is None else scale, Hq // Hkv
     # split (not slice) per sequence: its backward is one concatenation, not a zero-fill per piece
     qs = q.float().split(lengths, dim=0)
     ks = k.float().repeat_interleave(group, dim=2).split(lengths, dim=1)
@@ -68,9 +60,8 @@ def loss_index(loss: str, temperature: float) -> int:
 def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor, valid: torch.Tensor | None = None,
              loss: str = "kl", temperature: float = 1.0, eta: float = 3.0,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row loss of q = softmax(h wᵀ / temperature) (h [N, H], w [V, H]) against p [N, V]:
-    (loss [N] fp32, first argmax of the logits [N] int64, α = Σ min(p, q) [N] fp32, detached), with
-    0, -1 and 0 on rows not `valid` (bool [N]). Differentiable in h and w."""
+    """Per-row loss of q = softmax(h wᵀ / temperature) (h [N, H], w [V, H]) against p [N, V] -> (loss, first argmax
+    of the logits, detached α = Σ min(p, q)), [N] each, 0, -1 and 0 on rows not `valid`; differentiable in h, w."""
     kind = LOSSES[loss_index(loss, temperature)]
     N = h.shape[0]
     if valid is None:
@@ -104,9 +95,8 @@ def ttt_loss(h: torch.Tensor, w: torch.Tensor, p: torch.Tensor, valid: torch.Ten
 
 def ttt_loss_steps(hs, w, ps, valids=None, weights=None, loss_fn=None, p_rows=None, *,
                    loss: str = "kl", temperature: float = 1.0, eta: float = 3.0):
-    """All K steps: (Σ_k Σ_i weights[k] · loss_k,i, losses, argmaxes, alphas), valids[k] a bool mask
-    or row indices, p_rows[k] the rows of ps[k] that hs[k] reads (or None); `loss_fn` replaces
-    `ttt_loss` per step (called as loss_fn(h, w, p, valid, loss=, temperature=, eta=))."""
+    """All K steps: (Σ_k Σ_i weights[k] · loss_k,i, losses, argmaxes, alphas); valids[k] a bool mask or row indices,
+    p_rows[k] the rows of ps[k] that hs[k] reads (or None); `loss_fn` replaces `ttt_loss` per step."""
     loss_index(loss, temperature)
     loss_fn = loss_fn or ttt_loss
     K = len(hs)

@@ -1,7 +1,5 @@
-"""RMSNorm for training in Triton, rounded where `eagle3.ops.rms_norm` (the reference) rounds: one
-pass forward, one backward whose programs each sum their rows' dw in fp32 (added in a fixed order:
-deterministic; torch.compile makes dw a slow column reduction). The interpreter rounds bf16 by
-truncation, so the CPU tests check bf16 against a reference that truncates."""
+"""RMSNorm for training in Triton, rounded where `eagle3.ops.rms_norm` rounds: one pass forward, one backward whose
+programs sum their rows' dw in fp32, added in a fixed order (deterministic; torch.compile's is a slow reduction)."""
 from __future__ import annotations
 
 import torch

@@ -1,7 +1,5 @@
-"""Rows spread into a filled tensor in one pass: out[index[i]] = src[i], every other row `fill`.
-torch's `new_full(...).index_copy(0, index, src)` writes the output twice with an elementwise index
-kernel; here each program writes BLOCK_W columns of one output row from the source row its inverse
-index names (-1: fill). `kernels.reference.spread_rows` is the ground truth and the path off the GPU."""
+"""Rows spread into a filled tensor in one pass, out[index[i]] = src[i], every other row `fill` (torch's
+new_full + index_copy writes it twice); `kernels.reference.spread_rows` is the ground truth and the CPU path."""
 from __future__ import annotations
 
 import math
@@ -32,8 +30,6 @@ def spread_rows(src: torch.Tensor, index: torch.Tensor, total: int, fill=0) -> t
     out = src.new_empty((total, *src.shape[1:]))
     if total == 0 or W == 0:
         return out.fill_(fill)
-    if not INTERPRET and not src.is_cuda:
-        raise ValueError("spread_rows: the Triton kernel runs on CUDA tensors (or under TRITON_INTERPRET=1)")
     inverse = torch.full((total,), -1, dtype=torch.int32, device=src.device)
     inverse.index_copy_(0, index, torch.arange(n, dtype=torch.int32, device=src.device))
     block = min(MAX_BLOCK_W, triton.next_power_of_2(W))

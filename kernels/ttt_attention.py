@@ -115,8 +115,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Diagonal keys first (one q.k dot product per row and step): they make every valid row's running
-    # max finite before any masked tile.
+    # diagonal keys first (a q.k product per row and step): every valid row's running max finite before any mask
     qf = q.to(tl.float32)
     Kj, Vj = K0, V0
     for _ in range(1, S):
@@ -220,9 +219,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
                      T, qk_scale, sm_scale, seqlen_bucket, Qd, Kd, Vd, DOd,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dk_0, dv_0 of key tiles i and n_tiles-1-i of one kv head, summed over its q heads: early key
-    tiles are seen by more queries, so pairing each with its mirror evens the work of the few programs
-    GQA leaves. Keys past the sequence are computed from whatever loaded, and not stored."""
+    """dk_0, dv_0 of key tiles i and n_tiles-1-i of one kv head, summed over its q heads (pairing each tile with its
+    mirror evens the causal work of the few programs GQA leaves); keys past the sequence are not stored."""
     pair = tl.program_id(0)
     kv_head = tl.program_id(1)
     start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
@@ -312,11 +310,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask[:, None])
 
 
-# (BLOCK_M query tile, BLOCK_N key tile, num_warps, num_stages) per GPU family (`kernels.tiles`). "large"
-# was timed on an H200 (HEAD_DIM=128, bf16: `python -m benchmarks.attention_sweep`), dropping
-# configs that spilled many registers; "a100" and "small" hold the "large" tilings whose tiles fit the
-# family's shared memory by count (tests/test_tiles.py) and smaller ones, untimed. FALLBACK (48 KB or
-# less at HEAD_DIM=128 in bf16) ends every list and fits every GPU Triton supports.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU family (`kernels.tiles`): "large" timed on an H200
+# (`python -m benchmarks.attention_sweep`), the others the tilings that fit their shared memory, untimed;
+# FALLBACK (48 KB or less at HEAD_DIM=128 in bf16) ends every list and fits every GPU Triton supports.
 FALLBACK = (32, 32, 4, 2)
 _LARGE = {
     "fwd": [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), FALLBACK],
@@ -402,11 +398,7 @@ def uses_tma(device: torch.device) -> bool:
     if _tma_forced is not None:
         return _tma_forced and TensorDescriptor is not None
     return (TensorDescriptor is not None and not INTERPRET and device.type == "cuda"
-            and tma_family(torch.cuda.get_device_capability(device), torch.version.hip is not None))
-
-
-def tma_family(capability: tuple[int, int], hip: bool = False) -> bool:
-    return tiles.family(capability, hip) == "large"
+            and tiles.family(torch.cuda.get_device_capability(device), torch.version.hip is not None) == "large")
 
 
 def _aligned(*tensors) -> bool:
@@ -424,9 +416,8 @@ def _descriptors(tma: bool, **tensors) -> dict:
 
 
 def _seqlen_info(cu_seqlens, T, device, max_seqlen=None):
-    """(cu_seqlens int32 on device or None, number of sequences, longest length), checked. cu_seqlens
-    on the host (pinned) costs no sync: .tolist() is free and the copy async. With `max_seqlen` (a bound,
-    as in a CUDA graph) the boundaries are neither read nor checked."""
+    """(cu_seqlens int32 on device or None, number of sequences, longest length), checked (pinned host boundaries
+    cost no sync); with `max_seqlen` (a bound, as in a CUDA graph) they are neither read nor checked."""
     if cu_seqlens is None:
         return None, 1, T
     if max_seqlen is not None:
@@ -447,27 +438,21 @@ def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma):
     dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse)
     ds = torch.empty(max(S - 1, 1), Hq, T, device=q.device, dtype=torch.float32)
     bucket = triton.next_power_of_2(max_len)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1))
     _bwd_preprocess[(triton.cdiv(T, rows), Hq)](
         o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), T, HEAD_DIM=D, BLOCK=rows)
     if S > 1:
-        _bwd_diag_kernel[(triton.cdiv(T, rows), Hkv)](
-            q, k, v, do, lse, delta, dk, dv, ds,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
-            T, S, Hq, qk_scale, scale, GROUP=group, HEAD_DIM=D, BLOCK=rows)
+        _bwd_diag_kernel[(triton.cdiv(T, rows), Hkv)](q, k, v, do, lse, delta, dk, dv, ds, *strides, T, S, Hq,
+                                                      qk_scale, scale, GROUP=group, HEAD_DIM=D, BLOCK=rows)
     # one set for both passes: each launch sets the tiles of its own tiling before it runs
     descriptors = _descriptors(tma, Qd=q, Kd=k[0], Vd=v[0], DOd=do)
+    consts = dict(GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
     grid_kv = lambda meta: (triton.cdiv(triton.cdiv(max_len, meta["BLOCK_N"]), 2), Hkv, n_seq)
-    _launch(
-        "dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
-        T, qk_scale, scale, bucket, **descriptors,
-        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
+    _launch("dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu, *strides, T, qk_scale, scale, bucket, **descriptors,
+            **consts)
     grid_q = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
-    _launch(
-        "dq", grid_q, q, k, v, do, lse, delta, ds, dq, cu,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1),
-        dq.stride(0), dq.stride(1), T, S, Hq, qk_scale, scale, bucket, **descriptors,
-        GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
+    _launch("dq", grid_q, q, k, v, do, lse, delta, ds, dq, cu, *strides, dq.stride(0), dq.stride(1), T, S, Hq, qk_scale,
+            scale, bucket, **descriptors, **consts)
     return dq, dk, dv
 
 
@@ -502,10 +487,8 @@ class _TTTAttention(torch.autograd.Function):
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                   scale: float | None = None, max_seqlen: int | None = None) -> torch.Tensor:
-    """`kernels.reference.ttt_attention` fused: q [T, Hq, D], k, v [S, T, Hkv, D], D 64 or 128,
-    cu_seqlens int32 [n+1] or None, scale default D^-0.5 -> [T, Hq, D], differentiable in q, k, v.
-    `max_seqlen`: a bound on the sequences' lengths, for boundaries on the device that the launch must
-    not read (CUDA graphs); sequences may then be empty."""
+    """`kernels.reference.ttt_attention` fused: q [T, Hq, D], k, v [S, T, Hkv, D], D 64 or 128 -> [T, Hq, D];
+    `max_seqlen` bounds the lengths of boundaries on the device that the launch must not read (CUDA graphs)."""
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv or S < 1:

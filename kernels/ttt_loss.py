@@ -1,7 +1,5 @@
-"""Fused TTT loss: draft lm_head + a loss against target probabilities, forward and backward.
-Valid rows go in chunks: z = h_c wᵀ (cuBLAS, one reusable [chunk, V] buffer), a row kernel for the
-loss, α, argmax and dz (in place over z), then dh_c = dz w, dw += dzᵀ h_c: one chunk of extra memory
-whatever N. The losses and their gradients: docs/losses.md; the passes over a row: docs/kernels.md."""
+"""Fused TTT loss, forward and backward: per chunk of valid rows z = h_c wᵀ (cuBLAS, one reused buffer), a row kernel
+for loss, α, argmax and dz in place, dh_c = dz w, dw += dzᵀ h_c (docs/losses.md, docs/kernels.md)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -14,8 +12,7 @@ from triton.language.extra import libdevice
 from kernels import fp8_cast
 from kernels.reference import ALPHA_EPS, LOSSES, loss_index
 
-# Rows per chunk: enough for full-rate GEMMs and few bf16 roundings of dw, while the chunk buffers
-# (logits [chunk, V] plus two [chunk, H]) stay well under 1 GiB: 8192 rows at V = 32000 in bf16.
+# rows per chunk: full-rate GEMMs, few bf16 roundings of dw, buffers under 1 GiB (8192 rows at V = 32000 in bf16)
 CHUNK_BYTES = 512 * 2**20
 
 # the kernel's LOSS: the index in kernels.reference.LOSSES
@@ -55,8 +52,7 @@ def _ttt_loss_kernel(
     p_row = p_ptr + tl.load(p_rows_ptr + i) * p_stride
     offs = tl.arange(0, BLOCK_V)
 
-    # Pass 1: online max / sum-exp of x = z/τ, Σp, Σp·x, the first index of the max of z and (pq)
-    # Σp·e^(x - m), rescaled with the sum-exp.
+    # Pass 1: online max / sum-exp of x = z/τ, Σp, Σp·x, the first argmax of z and (pq) Σp·e^(x - m).
     m, s, psum, px, pe = float("-inf"), 0.0, 0.0, 0.0, 0.0
     best, best_idx = float("-inf"), 0
     for start in range(0, V, BLOCK_V):
@@ -150,8 +146,7 @@ def _ttt_loss_kernel(
     tl.store(alpha_ptr + row, alpha)
 
 
-# On the GPU BLOCK_V and warps are autotuned per (V, LOSS, WRITE_GRAD), z restored between trials
-# (the kernel overwrites it); the interpreter gets one fixed config (tuning needs a GPU driver).
+# on the GPU BLOCK_V and warps autotuned per (V, LOSS, WRITE_GRAD), z restored between trials (written in place)
 _tuned_kernel = triton.autotune([triton.Config({"BLOCK_V": b}, num_warps=nw)
                                  for b, nw in ((2048, 4), (4096, 8), (4096, 16), (8192, 16))],
                                 key=["V", "LOSS", "WRITE_GRAD"], restore_value=["z_ptr"])(_ttt_loss_kernel)
@@ -234,9 +229,8 @@ def _valid_rows(valid: torch.Tensor | None, N: int, device) -> torch.Tensor:
 
 
 def _score_rows(h, w, p, rows, ws, out, spec, g=None, dh=None, dw=None, dw_fresh=True, p_rows=None) -> bool:
-    """Loss, argmax and α (`out`) of `rows`, chunk by chunk, h's row i reading p's row p_rows[i];
-    with g (fp32 [N] upstream gradient) also dh[rows] and dw (overwritten first when dw_fresh).
-    Returns whether dw is still unwritten."""
+    """Loss, argmax and α (`out`) of `rows`, chunk by chunk, h's row i reading p's row p_rows[i]; with g (fp32 [N])
+    also dh[rows] and dw (overwritten first when dw_fresh) -> whether dw is still unwritten."""
     n_rows = rows.numel()
     p_of = rows if p_rows is None else p_rows[rows]
     dense = n_rows == h.shape[0]   # all rows valid: plain slices, no gather / scatter
@@ -282,9 +276,8 @@ def _spec(loss: str, temperature: float, eta: float) -> tuple[int, float, float]
 
 def _outputs(N: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """loss 0, argmax -1 and α 0: what rows that are not valid keep."""
-    return (torch.zeros(N, dtype=torch.float32, device=device),
-            torch.full((N,), -1, dtype=torch.int64, device=device),
-            torch.zeros(N, dtype=torch.float32, device=device))
+    zero = torch.zeros(N, dtype=torch.float32, device=device)
+    return zero, torch.full((N,), -1, dtype=torch.int64, device=device), zero.clone()
 
 
 def _grad_buffer(t: torch.Tensor, needed: bool, dense: bool):
@@ -349,8 +342,7 @@ class TTTLossStepsFunction(torch.autograd.Function):
         dw = torch.zeros_like(w) if need_w else None
         dw_fresh, total = True, 0.0
         losses, argmaxes, alphas, dhs = ([None] * len(hs) for _ in range(4))
-        # Last step first: the weights (0.8^k) shrink with k, so the bf16 dw accumulator takes the
-        # largest terms last (the order autograd gives K separate calls).
+        # last step first: the bf16 dw accumulator takes the largest terms (0.8^k) last, as autograd's order does
         for k in reversed(range(len(hs))):
             h, p, r = hs[k], ps[k], rows[k]
             out = _outputs(h.shape[0], h.device)
@@ -386,9 +378,8 @@ def ttt_loss_steps(hs: Sequence[torch.Tensor], w: torch.Tensor, ps: Sequence[tor
                    float8: bool = False, p_rows: Sequence[torch.Tensor | None] | None = None, *,
                    loss: str = "kl", temperature: float = 1.0, eta: float = 3.0,
                    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """All K TTT steps at once: `kernels.reference.ttt_loss_steps`'s contract (p_rows[k]: int64 on
-    ps[k]'s device, unchecked, read in place), plus `chunk` and `float8` (the logits and dh GEMMs in
-    scaled fp8 where gradients are computed; V and H multiples of 16). docs/kernels.md has the rest."""
+    """All K TTT steps at once: `kernels.reference.ttt_loss_steps`'s contract, plus `chunk` and `float8` (the logits and
+    dh GEMMs in scaled fp8 where gradients are computed; V and H multiples of 16); docs/kernels.md."""
     spec = _spec(loss, temperature, eta)
     K = len(hs)
     valids = [None] * K if valids is None else list(valids)

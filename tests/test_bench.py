@@ -52,18 +52,6 @@ def test_the_step_bench_at_a_llama_size_trains_on_a_llama_target(tmp_path):
     assert r["first_step_loss"][0] > 0
 
 
-def test_varied_shards_hold_sequences_of_several_lengths_filling_each_shard(tmp_path):
-    """benchmarks.graph_check --varied: batches whose sequence counts differ, so that several graphs are made."""
-    from eagle3.bench import step
-    from eagle3.data.shards import ShardReader
-    s = dict(step.SIZES["tiny"], seqs=8)
-    step.write_target(tmp_path / "target", s)
-    step.write_shards(tmp_path / "data", tmp_path / "target", "b", s, 3, varied=True)
-    lengths = [r.length for r in ShardReader(tmp_path / "data").sequences]
-    assert sum(lengths) == 3 * s["seqs"] * s["seq_len"] and min(lengths) >= 1 and max(lengths) <= 2 * s["seq_len"]
-    assert len(set(lengths)) > len(lengths) // 2   # not the fixed s["seq_len"] of the other benches
-
-
 def test_train_step_bench_under_torchrun_ends_with_the_same_weights_on_both_ranks(tmp_path):
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",

@@ -241,8 +241,8 @@ def test_auto_float8_head_follows_train_float8_and_the_triton_loss(monkeypatch, 
     assert "train.float8_head = auto: off (the lm_head loss at 16384 tokens: fp8 2.50 ms" in capsys.readouterr().err
     for draft_fp8, loss_steps, device, widths, said in [
             (False, kernels.ttt_loss_steps, gpu, {}, "train.float8 is off"),
-            (True, kernels.ttt_loss_steps_reference, gpu, {}, "the loss is not the Triton one on a GPU"),
-            (True, kernels.ttt_loss_steps, torch.device("cpu"), {}, "the loss is not the Triton one on a GPU"),
+            (True, kernels.ttt_loss_steps_reference, gpu, {}, "not the Triton loss on a GPU"),
+            (True, kernels.ttt_loss_steps, torch.device("cpu"), {}, "not the Triton loss on a GPU"),
             (True, kernels.ttt_loss_steps, gpu, {"draft_vocab_size": 100}, "widths not multiples of 16: draft_vocab_size")]:
         chosen = float8.head_loss(None, draft_fp8, loss_steps, device, SimpleNamespace(**{**vars(spec), **widths}),
                                   "c.toml")

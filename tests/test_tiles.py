@@ -62,11 +62,6 @@ def test_on_an_h200_the_tuner_tries_the_tuned_lists_unchanged():
                for c in ttt_attention.CONFIGS[f][k] if c != ttt_attention.FALLBACK)
 
 
-def test_union_needs_a_list_per_family():
-    with pytest.raises(ValueError, match="one per family"):
-        tiles.union({"large": [(1, 2, 3, 4)]})
-
-
 def test_every_tuned_attention_config_sets_its_tma_tiles():
     """The autotuned launch (never run on the CPU) gets the descriptors' tiles from each config's
     pre-hook, for the tiling that config launches."""

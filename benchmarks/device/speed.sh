@@ -57,7 +57,7 @@ for part in "$@"; do
       PYTHONPATH=/tmp/site python3 benchmarks/peer/speculators_step.py 2>&1 | quiet | tee "$out/peer.txt" ;;
     step-a)
       rm -rf /tmp/prof
-      python3 -m eagle3.bench --layouts a --kernels ${STEP_KERNELS:-triton-fp8,triton-fp8-head,triton} --steps 3 --warmup 2 --dir /tmp/bd \
+      python3 -m benchmarks.step_lab --layouts a --kernels ${STEP_KERNELS:-triton-fp8,triton-fp8-head,triton} --steps 3 --warmup 2 --dir /tmp/bd \
         --json "$out/step-a.jsonl" --profile-dir /tmp/prof 2>&1 | quiet | tee "$out/step-a.txt"
       tar czf "$out/prof.tgz" -C /tmp prof ;;   # one file back for all the kernel tables
     step-b)

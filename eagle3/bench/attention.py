@@ -1,12 +1,8 @@
-"""`python -m eagle3.bench attention [--shapes a,b,c] [--json FILE]`: TTT attention, forward + backward, on the GPU.
-
-Each shape is checked against fp32, then each contender timed with its peak memory above the inputs and dO.
-Useful FLOPs, FlashAttention's way: forward = 4·D·Hq·(causal pairs + (S-1)·T diagonal pairs), backward = 2.5x
-forward; the sdpa floor (step-0 keys only) without the diagonal."""
+"""`python -m eagle3.bench attention [--shapes a,b,c] [--json FILE]`: TTT attention fwd + bwd on the GPU, checked
+against fp32, each contender timed with its peak memory; useful FLOPs counted FlashAttention's way (`_flops`)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import random
 
@@ -18,8 +14,6 @@ from eagle3.bench.timing import (append_json, attempt, describe_device, free_mem
 from kernels.flex import ttt_attention as flex_attention   # compiled flex_attention: debug.kernels = "torch"
 from kernels.reference import ttt_attention as reference_attention
 from kernels.ttt_attention import ttt_attention
-
-kernel_module = importlib.import_module("kernels.ttt_attention")   # the attribute of that name is the function
 
 S_STEPS, HEAD_DIM, DTYPE = 7, 128, torch.bfloat16
 SHAPES = {"a": (4096, 64, 8, 1), "b": (4096, 64, 8, 8), "c": (8192, 64, 64, 1)}   # label: (T, Hq, Hkv, sequences)
@@ -36,12 +30,12 @@ def make_case(label: str, seed: int = 0) -> dict:
     randn = lambda *size: torch.randn(*size, device=DEVICE, dtype=DTYPE, generator=gen)
     # packed boundaries as the trainer passes them: int32 in pinned host memory
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).pin_memory() if n_seq > 1 else None
-    return dict(label=label, T=T, hq=hq, hkv=hkv, lengths=lengths, cu=cu,
-                q=randn(T, hq, HEAD_DIM), k=randn(S_STEPS, T, hkv, HEAD_DIM),
-                v=randn(S_STEPS, T, hkv, HEAD_DIM), do=randn(T, hq, HEAD_DIM))
+    return dict(label=label, T=T, hq=hq, hkv=hkv, lengths=lengths, cu=cu, q=randn(T, hq, HEAD_DIM),
+                k=randn(S_STEPS, T, hkv, HEAD_DIM), v=randn(S_STEPS, T, hkv, HEAD_DIM), do=randn(T, hq, HEAD_DIM))
 
 
 def _flops(case: dict, diagonal: bool = True) -> float:
+    """Forward 4·D·Hq·(causal pairs + (S-1)·T diagonal pairs), backward 2.5x; the sdpa floor without the diagonal."""
     pairs = sum(n * (n + 1) // 2 for n in case["lengths"]) + diagonal * (S_STEPS - 1) * case["T"]
     return 3.5 * 4 * HEAD_DIM * case["hq"] * pairs
 
@@ -96,13 +90,7 @@ def contender(attention):
     return build
 
 
-def _pointer_loads(q, k, v, cu_seqlens=None):
-    with kernel_module.tma_loads(False):   # where the kernel would use TMA; the backward loads as its forward did
-        return ttt_attention(q, k, v, cu_seqlens=cu_seqlens)
-
-
 _triton, _flex, _eager = contender(ttt_attention), contender(flex_attention), contender(reference_attention)
-_pointer = contender(_pointer_loads)
 
 
 def _sdpa_floor(case):
@@ -141,11 +129,8 @@ def bench_case(label: str) -> dict:
           f"bf16, sequences {case['lengths']}")
     print("  check vs fp32 reference (relative error): "
           + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()) + ("  PASS" if ok else "  FAIL"))
-    contenders = [("triton (this kernel)", _triton, _flops(case))]
-    if kernel_module.uses_tma(torch.device(DEVICE)):
-        contenders.append(("triton, pointer loads", _pointer, _flops(case)))
-    contenders += [("flex_attention (compiled)", _flex, _flops(case)),
-                   ("sdpa causal floor", _sdpa_floor, _flops(case, diagonal=False)),
+    contenders = [("triton (this kernel)", _triton, _flops(case)), ("flex_attention (compiled)", _flex, _flops(case)),
+                  ("sdpa causal floor", _sdpa_floor, _flops(case, diagonal=False)),
                    ("eager reference", _eager, _flops(case))]
     rows = {}
     for name, build, flops in contenders:
@@ -170,7 +155,7 @@ def run(shapes: str = "all", json_path: str | None = None) -> None:
         ours = res["rows"].get("triton (this kernel)")
         for name, row in res["rows"].items():
             ratio = f"{row[0] / ours[0]:.2f}" if row and ours else ""
-            cells = f"| {row[0]:.2f} | {row[1]:.0f} | {row[2]:.2f} | {ratio} |" if row else "| not run (see above) | | | |"
+            cells = f"| {row[0]:.2f} | {row[1]:.0f} | {row[2]:.2f} | {ratio} |" if row else "| not run | | | |"
             print(f"| {res['case']['label']} | {name} {cells}")
             rows.append({"bench": "attention", "device": device, "shape": res["case"]["label"],
                          "lengths": res["case"]["lengths"], "max_rel_err": max(res["errors"].values()),

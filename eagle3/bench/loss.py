@@ -1,8 +1,5 @@
-"""`python -m eagle3.bench loss [--shapes a,b,c,c*] [--json FILE]`: the fused TTT loss against eager,
-torch.compile and the GEMMs alone, on the GPU: K = 7 steps share the head w [V, H], step k reads rows
-h_k [N, H] and targets p[k : k + N] (views of one [N + K, V] tensor, as in training). The floor: the useful
-FLOPs at the bf16 rate measured in the run; memory "raw" is the peak above the inputs, "extra" raw less the
-gradients left."""
+"""`python -m eagle3.bench loss [--shapes a,b,c,c*] [--json FILE]`: the fused TTT loss of K = 7 steps against eager,
+torch.compile, the GEMMs alone and the floor (the useful FLOPs at the bf16 rate measured in the run), on the GPU."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +28,8 @@ def shape(label: str) -> tuple[int, int, float]:
 
 
 class Problem:
-    """Inputs of one K-step iteration, on the GPU, in bf16."""
+    """Inputs of one K-step iteration in bf16 on the GPU: the head w [V, H], rows h_k [N, H] and targets p[k : k + N]
+    (views of one [N + K, V] tensor, as in training)."""
 
     def __init__(self, N: int, H: int, invalid: float, seed: int = 0):
         dev, g = DEVICE, torch.Generator(device=DEVICE).manual_seed(seed)
@@ -92,7 +90,7 @@ def cublas_only(prob: Problem):
 
 
 def memory(prob: Problem, fn) -> tuple[float, float]:
-    """(extra, raw) GiB of one iteration; see the module docstring."""
+    """(extra, raw) GiB of one iteration: raw the peak above the inputs, extra raw less the gradients left."""
     prob.zero_grads()
     raw = peak_bytes(fn)[0]
     grads = sum(t.grad.nbytes for t in prob.leaves if t.grad is not None)

@@ -1,9 +1,5 @@
-"""`python -m eagle3.bench`: the full training step of an EAGLE-3 draft on synthetic shards, at the sizes users
-train for (Kimi-K2.5, Llama-3.1-8B, Llama-3.2-1B, the quality bench's small one; `--tiny` on the CPU).
-
-`Trainer.train_step` (DDP under torchrun) timed over the trainer's own prefetcher: tokens/s per GPU, MFU
-against the bf16 rate measured in the run, peak memory, GPU idle share and host syncs, per size, data layout
-and kernel choice ("torch": compiled flex_attention and loss, every row; "triton": ours; docs/benchmarks.md)."""
+"""`python -m eagle3.bench`: the training step of an EAGLE-3 draft on synthetic shards at the sizes users train for:
+tokens/s per GPU, MFU, peak memory, GPU idle, host syncs by size, data layout and kernel choice (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import argparse
@@ -87,10 +83,11 @@ def loss_mask(layout: str, s: dict, g: torch.Generator) -> torch.Tensor:
     return mask
 
 
-def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int, varied: bool = False) -> None:
+def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int, boundaries=None) -> None:
     """`batches` micro-batches of s["seqs"] sequences, a shard each, and their manifest (kept if --dir has as many);
-    `varied`: sequences of 1 to 2 × seq_len tokens instead (the loss mask's turns then straddle them)."""
-    source = {"path": "synthetic", "layout": layout, "shape": s, "generator": 1, **({"varied": True} if varied else {})}
+    `boundaries(T, generator)`: other cu_seqlens than sequences of s["seq_len"] (the loss mask's turns ignore them)."""
+    source = {"path": "synthetic", "layout": layout, "shape": s, "generator": 1,
+              **({"boundaries": boundaries.__name__} if boundaries else {})}
     if (out / MANIFEST).exists():
         old = json.loads((out / MANIFEST).read_text())
         if old.get("source") == source and len(old["shards"]) >= batches:
@@ -109,7 +106,7 @@ def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int, va
                              torch.randint(0, s["vocab"], (T,), generator=g, dtype=torch.int32))
         tensors = {"input_ids": ids, "target_argmax": greedy,
                    "loss_mask": torch.cat([loss_mask(layout, s, g) for _ in range(s["seqs"])]),
-                   "cu_seqlens": boundaries(T, s["seq_len"], g) if varied else torch.arange(0, T + 1, s["seq_len"]),
+                   "cu_seqlens": boundaries(T, g) if boundaries else torch.arange(0, T + 1, s["seq_len"]),
                    "aux_hidden": aux, "final_hidden": final}
         entries.append(write_shard(out, b, tensors))
     text = read_config(target / "config.json")
@@ -117,12 +114,6 @@ def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int, va
                 "aux_layer_ids": text.default_aux_layer_ids(), "dtypes": DTYPES, "plan_key": "synthetic",
                 "source": source, "shards": entries, "complete": True}
     atomic_write_text(out / MANIFEST, json.dumps(manifest))
-
-
-def boundaries(T: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
-    """cu_seqlens [n+1] of sequences of 1 to 2 × seq_len tokens filling T."""
-    ends = torch.randint(1, 2 * seq_len + 1, (T,), generator=g).cumsum(0)
-    return torch.cat([torch.zeros(1, dtype=torch.int64), ends[ends < T], torch.tensor([T])])
 
 
 def step_flops(s: dict, steps: int, tokens: int, head_trained: bool) -> float:
@@ -137,36 +128,23 @@ def step_flops(s: dict, steps: int, tokens: int, head_trained: bool) -> float:
     return tokens * (3 * (fc + steps * (per_row_step + attention)) + steps * head + target_probs)
 
 
-def gpu_busy_fraction(trainer: Trainer, batches, table: Path | None = None, steps: int = 3) -> tuple[float, float]:
-    """(busy share, wall seconds) of `steps` steps back to back under the profiler: the union of the GPU
-    kernels' time. `table`: where to write the kernels by GPU time and the longest idle gaps between them."""
+def gpu_busy_fraction(trainer: Trainer, batches, label: str, report=None, steps: int = 3) -> float:
+    """The busy share of `steps` steps back to back under the profiler: the union of the GPU kernels' time.
+    `report(prof, stretches, wall, label)` gets the profile and the busy stretches [start, end, first, last kernel]."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = wall_s(lambda: [trainer.train_step([next(batches)]) for _ in range(steps)])[0]
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
-    merged = []   # [start, end, first kernel, last kernel to end] of each busy stretch
+    merged = []
     for a, b, name in spans:
         if not merged or a > merged[-1][1]:
             merged.append([a, b, name, name])
         elif b > merged[-1][1]:
             merged[-1][1], merged[-1][3] = b, name
-    busy = sum(b - a for a, b, _, _ in merged)
-    if table is not None:
-        table.parent.mkdir(parents=True, exist_ok=True)
-        averages = prof.key_averages()
-        kernels = sorted((e for e in averages if e.device_type.name == "CUDA"   # kernels, not the optimizer's
-                          and not getattr(e, "is_user_annotation", False)),        # annotation of their span
-                         key=lambda e: -e.self_device_time_total)
-        atomic_write_text(table.with_suffix(".kernels.tsv"), "ms\tcalls\tkernel\n" + "".join(
-            f"{e.self_device_time_total / 1e3:.3f}\t{e.count}\t{e.key}\n" for e in kernels))
-        gaps = sorted(((n[0] - m[1], m[3], n[2]) for m, n in zip(merged, merged[1:])), reverse=True)[:25]
-        table.write_text(averages.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
-                         + averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90)
-                         + f"\n{steps} steps' wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms; longest gaps:\n"
-                         + "".join(f"{gap / 1e3:8.2f} ms  after {before[:70]}  before {after[:70]}\n"
-                                   for gap, before, after in gaps))
-    return busy / 1e6 / wall, wall
+    if report is not None:
+        report(prof, merged, wall, label)
+    return sum(b - a for a, b, _, _ in merged) / 1e6 / wall
 
 
 def host_syncs(trainer: Trainer, batch: Batch) -> list[str]:
@@ -176,15 +154,12 @@ def host_syncs(trainer: Trainer, batch: Batch) -> list[str]:
     import warnings
     sites = []
 
-    def record(message, category, filename, lineno, file=None, line=None):
-        frames = traceback.extract_stack()[:-1]
-        in_step = threading.current_thread() is threading.main_thread() and any(
-            Path(f.filename).parent.name == "training" for f in frames)   # not the prefetch thread
-        if "synchroniz" in str(message) and in_step:
-            ours = [f for f in frames if "/eagle3/" in f.filename or "/kernels/" in f.filename]
-            inner = [f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:]]
-            sites.append(" < ".join(reversed(inner)) + (f" (from {Path(ours[-1].filename).name}:"
-                                                        f"{ours[-1].lineno})" if ours else ""))
+    def record(message, *_):   # as warnings.showwarning; the prefetch thread's syncs are not the step's
+        if "synchroniz" in str(message) and threading.current_thread() is threading.main_thread():
+            frames = traceback.extract_stack()[:-1]
+            ours = [f for f in frames if "/eagle3/" in f.filename or "/kernels/" in f.filename] or frames
+            sites.append(f"{Path(frames[-1].filename).name}:{frames[-1].lineno} (from "
+                         f"{Path(ours[-1].filename).name}:{ours[-1].lineno})")
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -214,15 +189,15 @@ def kernel_args(kernels: str) -> list[str]:
     if kernels == "auto":
         return []
     path, *options = kernels.split("-")
-    # "torch" is the established recipe: every row computed, eager layers; ours skips dead rows and fuses
-    # the layers' elementwise chains
-    return ["--debug.kernels", path, "--train.float8", str("fp8" in options).lower(),
-            "--train.float8_head", str("head" in options).lower(), "--debug.skip_dead_rows", str(path != "torch").lower(),
-            "--debug.compile_ops", str(path != "torch").lower(), "--debug.cuda_graphs", str("graph" in options).lower()]
+    # "torch": the established recipe, every row computed, eager layers; ours skips dead rows, fuses elementwise
+    ours, has = str(path != "torch").lower(), lambda option: str(option in options).lower()   # noqa: E731
+    return ["--debug.kernels", path, "--train.float8", has("fp8"), "--train.float8_head", has("head"),
+            "--debug.skip_dead_rows", ours, "--debug.compile_ops", ours, "--debug.cuda_graphs", has("graph")]
 
 
 def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warmup: int, tflops: float,
-              profile_dir: Path | None = None, train_head: bool = False, prompt_rows: bool = False) -> dict:
+              overrides: list[str] = (), report=None) -> dict:
+    """One size, layout and kernel choice; `overrides`: more config arguments, `report`: see gpu_busy_fraction."""
     s = SIZES[size]
     args = ["--target.path", str(root / size / "target"), "--train.data_dir", str(root / size / f"data-{layout}"),
             "--train.output_dir", str(root / size / f"out-{layout}-{kernels}"), *kernel_args(kernels),
@@ -231,11 +206,7 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
             "--draft.num_key_value_heads", str(s["kv_heads"]), "--draft.head_dim", str(s["head_dim"]),
             "--draft.intermediate_size", str(s["inter"]),
-            # the default (and the peer's) head: the target's rows, frozen; --train-head: random, trained
-            "--experimental.lm_head_init", "random" if train_head else "target",
-            "--experimental.freeze_lm_head", str(not train_head).lower(),
-            # assistant rows only by default: the peer's workload (ours trains prompt rows too: --prompt-rows)
-            "--train.prompt_rows", str(prompt_rows).lower()]
+            "--train.prompt_rows", "false", *overrides]   # assistant rows only: the peer's workload
     started = time.perf_counter()
     trainer = Trainer(config_mod.load(None, args))
     cuda = trainer.device.type == "cuda"
@@ -256,11 +227,10 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
 
     step = wall_s(loop)[0] / steps
     tokens = statistics.mean(rows)
-    table = profile_dir / f"profile-{size}-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}.txt" \
-        if profile_dir else None
-    busy = gpu_busy_fraction(trainer, batches, table)[0] if cuda else float("nan")
+    label = f"{size}-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}"
+    busy = gpu_busy_fraction(trainer, batches, label, report) if cuda else float("nan")
     syncs = host_syncs(trainer, next(batches)) if cuda else []
-    flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens, train_head)
+    flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens, not trainer.cfg.experimental.freeze_lm_head)
     return {"size": size, "layout": layout, "kernels": kernels, "float8": trainer.float8,
             "float8_head": trainer.float8_head, "world": trainer.dist.world, "step_s": step,
             "tokens_per_s_per_gpu": tokens / step, "mfu": flops / step / 1e12 / tflops if cuda else float("nan"),
@@ -274,7 +244,8 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
             "bench_s": round(time.perf_counter() - started)}
 
 
-def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path) -> tuple[list[dict], float]:
+def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path, overrides: list[str] = (),
+             report=None) -> tuple[list[dict], float]:
     """Our step at each size, layout and kernel choice asked for -> (rows, printed and --json'd; the bf16 rate)."""
     if dist.main:
         for size in args.sizes:
@@ -289,7 +260,7 @@ def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path) -> tu
         for layout in args.layouts:
             for kernels in args.kernels:
                 results.append(bench_one(root, size, layout, kernels, args.steps, args.warmup, tflops,
-                                         args.profile_dir, args.train_head, args.prompt_rows))
+                                         overrides, report))
                 if dist.main:
                     print(json.dumps(results[-1]), flush=True)
                     append_json(args.json, [{**results[-1], "tflops": tflops}])
@@ -311,19 +282,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="--sizes tiny (CPU smoke test)")
     parser.add_argument("--dir", default=None, help="where to write the synthetic targets and shards "
                         "(kept, and reused by the next bench with the same --dir)")
-    parser.add_argument("--profile-dir", type=Path, default=None, help="write each run's GPU kernel table here")
     parser.add_argument("--json", default=None, help="append the results here as JSON lines")
-    parser.add_argument("--prompt-rows", action="store_true",
-                        help="train prompt rows too (train.prompt_rows, our default); default: assistant rows only, "
-                             "the peer's workload")
-    parser.add_argument("--train-head", action="store_true",
-                        help="a random lm_head, trained; default: the target's rows, frozen (ours and the peer's)")
     args = parser.parse_args(argv)
     args.sizes = ["tiny"] if args.tiny else args.sizes.split(",")
     args.layouts, args.kernels = args.layouts.split(","), args.kernels.split(",")
     if unknown := [x for x in args.sizes if x not in SIZES]:
         parser.error(f"--sizes: unknown {', '.join(unknown)}; one of {', '.join(SIZES)}")
-    if bad := [k for k in args.kernels if not re.fullmatch(r"auto|torch(-fp8(-head)?)?|triton(-fp8(-head)?)?(-graph)?", k)]:
+    kinds = r"auto|torch(-fp8(-head)?)?|triton(-fp8(-head)?)?(-graph)?"
+    if bad := [k for k in args.kernels if not re.fullmatch(kinds, k)]:
         parser.error(f"--kernels: unknown {', '.join(bad)}; auto, torch or triton, with -fp8 or -fp8-head "
                      "(and -graph after triton's)")
     if args.warmup < 1 or args.steps < 1:
@@ -333,11 +299,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, overrides: list[str] = (), report=None) -> None:
+    """The bench; `overrides` and `report` as in bench_one (benchmarks/step_lab.py passes them)."""
     args = parse(argv)
     dist = distributed.setup()
     root = Path(args.dir or tempfile.mkdtemp(prefix="eagle3-bench-"))
-    results, tflops = run_ours(args, dist, root)
+    results, tflops = run_ours(args, dist, root, overrides, report)
     if dist.main:
         print_table(results, tflops, dist)
         if args.dir is None:

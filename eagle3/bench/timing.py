@@ -1,16 +1,12 @@
-"""The one timer of the benches, and what they share.
-
-`median_ms` times GPU work (do_bench's median, L2 flushed; CUDA events or the host clock without
-Triton); `wall_s` times work with host steps in it; `peak_bytes` gives the memory GPU work adds."""
+"""The one timer of the benches, and what they share: `median_ms` times GPU work (do_bench's median, L2 flushed;
+the host clock on a CPU), `wall_s` work with host steps in it, `peak_bytes` the memory GPU work adds."""
 from __future__ import annotations
 
 import datetime
 import gc
 import json
-import os
 import statistics
 import time
-import traceback
 from typing import Callable, TypeVar
 
 import torch
@@ -20,13 +16,14 @@ T = TypeVar("T")
 
 def median_ms(fn: Callable[[], object], warmup: float = 25, rep: float = 100) -> float:
     """Median ms of one fn() after `warmup` ms of warm-up calls, over `rep` ms of calls (at least one each)."""
-    try:
+    if torch.cuda.is_available():
         from triton.testing import do_bench
-    except ImportError:   # no Triton (macOS, Windows)
-        do_bench = None
-    if do_bench is None or not torch.cuda.is_available():
-        return _median_ms_of_events(fn, warmup, rep)
-    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+        return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    fn()
+    estimate = max(elapsed_ms(lambda: [fn() for _ in range(5)]) / 5, 1e-6)
+    for _ in range(max(1, int(warmup / estimate))):
+        fn()
+    return statistics.median(elapsed_ms(fn) for _ in range(max(1, int(rep / estimate))))
 
 
 def median_ms_of_calls(fn: Callable[[], object], calls: int, warmup_calls: int = 1) -> float:
@@ -51,28 +48,15 @@ def elapsed_ms(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end)
 
 
-def _median_ms_of_events(fn: Callable[[], object], warmup: float, rep: float) -> float:
-    """do_bench's procedure without Triton (and without its L2 flush)."""
-    fn()
-    estimate = max(elapsed_ms(lambda: [fn() for _ in range(5)]) / 5, 1e-6)
-    for _ in range(max(1, int(warmup / estimate))):
-        fn()
-    return statistics.median(elapsed_ms(fn) for _ in range(max(1, int(rep / estimate))))
-
-
 def wall_s(fn: Callable[[], T]) -> tuple[float, T]:
-    """(seconds, fn()) on the host clock, queued GPU work finished before and after."""
-    synchronize()
-    start = time.perf_counter()
-    out = fn()
-    synchronize()
-    return time.perf_counter() - start, out
-
-
-def synchronize() -> None:
-    """Wait for this process's GPU work; no CUDA context is made if it never used CUDA."""
+    """(seconds, fn()) on the host clock, queued GPU work finished before and after (no CUDA context made)."""
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out
 
 
 def peak_bytes(fn: Callable[[], T]) -> tuple[int, T]:
@@ -101,16 +85,12 @@ def matmul_tflops() -> float:
 
 def describe_device() -> str:
     """Today's date, the GPU (or the CPU) and the versions: the first line of a bench's output."""
+    import triton
     device = "cpu"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         device = f"{props.name} ({props.multi_processor_count} SMs)"
-    try:
-        import triton
-        versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    except ImportError:
-        versions = f"torch {torch.__version__}, no triton"
-    return f"{datetime.date.today()} {device}, {versions}"
+    return f"{datetime.date.today()} {device}, torch {torch.__version__}, triton {triton.__version__}"
 
 
 def append_json(path: str | None, rows: list[dict]) -> None:
@@ -132,8 +112,6 @@ def attempt(what: str, fn: Callable[..., T], *args) -> T | None:
         return fn(*args)
     except Exception as exc:
         print(f"{what} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        if os.environ.get("BENCH_TRACEBACK"):
-            traceback.print_exc()
         return None
 
 

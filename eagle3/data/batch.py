@@ -1,6 +1,5 @@
-"""One packed micro-batch as the trainer sees it: T rows, the tokens of n sequences end to end
-(`cu_seqlens` [n+1] their boundaries), and the row plan `eagle3.ttt.plan_rows` finds on the host once
-per batch, which the step would otherwise learn on the device with a host sync per TTT step."""
+"""One packed micro-batch as the trainer sees it: T rows, n sequences end to end (`cu_seqlens` [n+1]), and the
+row plan `eagle3.ttt.plan_rows` finds on the host once per batch (on the device: a host sync per TTT step)."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,13 +29,10 @@ class RowPlan:
     def fits(self, steps: int, skip_dead_rows: bool, rule: RowRule) -> bool:
         return self.steps == steps and (self.live is not None) == skip_dead_rows and self.rule == rule
 
-    def to(self, device: torch.device) -> "RowPlan":
-        move = lambda rows: [r.to(device, non_blocking=True) for r in rows]   # noqa: E731
-        return dataclasses.replace(self, live=None if self.live is None else move(self.live), loss=move(self.loss))
-
-    def pin_memory(self) -> "RowPlan":
-        return dataclasses.replace(self, live=None if self.live is None else [r.pin_memory() for r in self.live],
-                                   loss=[r.pin_memory() for r in self.loss])
+    def map(self, fn) -> "RowPlan":
+        """The plan with `fn` applied to each of its tensors (a copy to the device, pinning)."""
+        return dataclasses.replace(self, live=None if self.live is None else list(map(fn, self.live)),
+                                   loss=list(map(fn, self.loss)))
 
 
 @dataclass
@@ -62,12 +58,12 @@ class Batch:
         """The batch on the device, floats in `float_dtype`, fp8 aux states decoded there; the host
         copy of the boundaries stays on the host."""
         move = lambda t: t.to(device, float_dtype if t.is_floating_point() else None, non_blocking=True)  # noqa: E731
-        aux = (move(self.aux_hidden) if self.aux_scale is None else
-               decode_aux_fp8(self.aux_hidden.to(device, non_blocking=True),
-                              self.aux_scale.to(device, non_blocking=True), float_dtype))
+        aux = (move(self.aux_hidden) if self.aux_scale is None else decode_aux_fp8(
+            self.aux_hidden.to(device, non_blocking=True), self.aux_scale.to(device, non_blocking=True), float_dtype))
         return Batch(move(self.input_ids), move(self.loss_mask), move(self.target_argmax), aux,
                      move(self.final_hidden), self.cu_seqlens.to(device, non_blocking=True),
-                     cu_seqlens_host=self.cu_seqlens_host, plan=None if self.plan is None else self.plan.to(device),
+                     cu_seqlens_host=self.cu_seqlens_host,
+                     plan=self.plan and self.plan.map(lambda r: r.to(device, non_blocking=True)),
                      cu_attention=None if self.cu_attention is None else move(self.cu_attention),
                      padding=self.padding)
 
@@ -90,14 +86,13 @@ class Batch:
     def pin_memory(self) -> "Batch":
         """Every tensor in pinned memory (for asynchronous copies)."""
         pinned = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return Batch(**{k: v.pin_memory() if isinstance(v, (torch.Tensor, RowPlan)) else v for k, v in pinned.items()})
+        return Batch(**{k: v.pin_memory() if isinstance(v, torch.Tensor) else v.map(torch.Tensor.pin_memory)
+                        if isinstance(v, RowPlan) else v for k, v in pinned.items()})
 
 
 def pad(batch: Batch, rows: int, longest: int) -> Batch:
-    """The batch's boundaries for a CUDA graph's static `rows` rows, the rows themselves unchanged (the graph's
-    buffers add zeros, `eagle3.training.graph.load`). In `cu_seqlens` [rows+1] the filler rows are sequences of one
-    token (no label inside: never trained or counted); in `cu_attention`, chunks of at most `longest`
-    tokens, then empty sequences up to a power-of-two count (a graph per count)."""
+    """Boundaries for a CUDA graph's static `rows` rows: filler rows as one-token sequences (never trained or
+    counted); `cu_attention` in chunks of at most `longest` tokens, padded to a power-of-two count of sequences."""
     n, cu = batch.rows, batch.cu_seqlens
     cu_rows = torch.cat([cu, torch.arange(n + 1, rows + 1, dtype=cu.dtype), cu.new_full((n + 1 - cu.numel(),), rows)])
     bounds = torch.cat([cu, torch.arange(n, rows, longest, dtype=cu.dtype)[1:], cu.new_full((int(rows > n),), rows)])

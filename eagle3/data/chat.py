@@ -1,8 +1,5 @@
-"""Chat conversations -> (input_ids, loss_mask) with the target's own tokenizer and chat template.
-
-Lines are OpenAI {"messages"} or ShareGPT {"conversations"}; the loss mask covers each assistant turn
-from the end of the template's generation prompt through its end marker, found by rendering prefix by
-prefix (formats, tokenizers and the mask's rules: docs/data.md)."""
+"""Chat lines (OpenAI {"messages"}, ShareGPT {"conversations"}) -> (input_ids, loss_mask) with the target's own
+tokenizer and chat template, each assistant turn found by rendering prefix by prefix (docs/data.md)."""
 from __future__ import annotations
 
 import base64
@@ -148,8 +145,7 @@ def _load_template(root: Path, config_path: Path, config: dict):
                          f"or 'chat_template' in {config_path.name}")
     jinja2 = _require("jinja2", origin)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-    # as transformers renders chat templates; no strftime_now, so dates fall back to the template's
-    # fixed default and a resumed extraction tokenizes exactly as before
+    # as transformers renders templates; no strftime_now: a resumed extraction tokenizes exactly as before
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

@@ -1,6 +1,5 @@
-"""Training conversations as token ids and loss masks, read from JSON lines: pre-tokenized
-{"input_ids", "loss_mask"}, or chat lines through eagle3.data.chat. A bad line is fatal or skipped
-(`data.on_error`), never dropped silently: the counts go into the manifest (docs/data.md)."""
+"""Training conversations as token ids and loss masks from JSON lines (pre-tokenized or chat); a bad line is fatal
+or skipped (`data.on_error`) and counted in the manifest, never dropped silently (docs/data.md)."""
 from __future__ import annotations
 
 import functools
@@ -58,15 +57,6 @@ def check_chat_ids(ids: np.ndarray, vocab_size: int) -> np.ndarray:
     return ids
 
 
-def _parse_line(obj: object, vocab_size: int, chat: Callable) -> tuple[np.ndarray, np.ndarray]:
-    if not is_chat(obj):
-        return _parse_tokens(obj, vocab_size)
-    ids, mask = chat().encode(obj)
-    if len(ids) < 2:
-        raise ValueError(f"conversation of {len(ids)} tokens; at least 2 are needed")
-    return check_chat_ids(ids, vocab_size), mask
-
-
 def _parse_tokens(obj: object, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(obj, dict) or "input_ids" not in obj or "loss_mask" not in obj:
         raise ValueError("expected an object with 'input_ids' and 'loss_mask' (pre-tokenized), "
@@ -91,7 +81,11 @@ def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: 
     for number, raw in json_lines(path, "data.path"):
         stats.lines += 1
         try:
-            ids, mask = _parse_line(json.loads(utf8(raw)), vocab_size, chat)
+            obj = json.loads(utf8(raw))
+            ids, mask = chat().encode(obj) if is_chat(obj) else _parse_tokens(obj, vocab_size)
+            if len(ids) < 2:   # a chat line's (_parse_tokens checks a pre-tokenized one's)
+                raise ValueError(f"conversation of {len(ids)} tokens; at least 2 are needed")
+            check_chat_ids(ids, vocab_size)
         except InputError as e:  # the tokenizer or template is unusable: every chat line would fail
             raise InputError(f"{path}:{number}: {e}") from None
         except Exception as e:   # noqa: BLE001 - any failure of one line (JSON, bytes, template) is that line's

@@ -39,9 +39,8 @@ def pack(refs: list[SeqRef], budget: int, seed: int | None = None, epoch: int = 
 
 
 class Prefetcher:
-    """Reads micro-batches in order in a background thread, applies `prepare` (host work off the step's
-    critical path) and pins them on CUDA. A `lockstep` reader (collective reads) is read in the caller's
-    thread instead: two NCCL communicators driven from two threads can wait on each other across ranks."""
+    """Reads micro-batches in order in a background thread, `prepare`d and pinned on CUDA; a `lockstep` reader in
+    the caller's thread (two NCCL communicators driven from two threads can wait on each other across ranks)."""
 
     def __init__(self, reader: ShardReader, batches: list[list[SeqRef]], depth: int, pin: bool,
                  prepare: Callable[[Batch], Batch] | None = None, together: int = 1):

@@ -1,7 +1,5 @@
-"""Online training's data (`train.source = "online"`): each micro-batch's hidden states made by the
-target when training reads the batch. `OnlineReader` is a `ShardReader` over the records of `data.path`
-(sequence i is record i, states in the shards' dtypes), so a seed gives the batches extract-then-train
-gives. `staged` splits the target's layers over the ranks: each read is then a collective (`lockstep`)."""
+"""Online training's data (`train.source = "online"`): `OnlineReader`, a `ShardReader` over the records of
+`data.path` whose hidden states the target makes as training reads them (a seed gives extract-then-train's batches)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +7,6 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,17 +26,9 @@ def stream_note(ckpt: Checkpoint, device: torch.device) -> str:
     """What the default `train.online_target = "stream"` costs against the placements that may fit."""
     room = (f"; this GPU has {torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"
             if device.type == "cuda" else "")
-    return (f"note: train.online_target = \"stream\" reads the target's {ckpt.text_bytes() / 1e9:.1f} GB of "
-            f"weights ({ckpt.dir}) for every micro-batch: measured on two H200s, 4.0x slower end to end than "
-            f"\"resident\" (the whole target on each GPU, beside the draft's training{room}) and 3.2x slower "
-            f"than \"staged\" (1/N of it on each of a node's N GPUs); README, \"Online or offline\"")
-
-
-@dataclass
-class TargetTotals:
-    """Target tokens and seconds since the start: the log shows which side bounds the run."""
-    tokens: int = 0
-    seconds: float = 0.0
+    return (f"note: train.online_target = \"stream\" reads the target's {ckpt.text_bytes() / 1e9:.1f} GB of weights "
+            f"({ckpt.dir}) for every micro-batch, 3-4x slower than \"resident\" (the whole target on each GPU{room}) "
+            "or \"staged\" (1/N of it on each of a node's N GPUs); docs/training.md")
 
 
 class OnlineReader:
@@ -66,10 +55,9 @@ class OnlineReader:
                                        resident=mode == "resident")
         # what an extraction of the same data would record: the draft vocabulary comes from it
         counts = Counter(t for r in self.records for t in r.input_ids[r.loss_mask.astype(bool)].tolist())
-        self.manifest = {"source": {"path": str(d.path), "sequences": stats.sequences},
-                         "shards": [{"loss_tokens": sum(counts.values()),
-                                     "loss_token_counts": {str(k): v for k, v in sorted(counts.items())}}]}
-        self.totals = TargetTotals()   # the log takes differences
+        self.manifest = {"source": {"path": str(d.path), "sequences": stats.sequences}, "shards": [
+            {"loss_tokens": sum(counts.values()), "loss_token_counts": {str(k): v for k, v in sorted(counts.items())}}]}
+        self.totals = [0, 0.0]   # target tokens and seconds since the start, of which the log takes differences
         # one forward at a time (prefetch and evaluation both read): memory for one, exact totals
         self._lock = threading.Lock()
         # the prefetch thread's current CUDA device is 0 whatever the rank: Triton launches there
@@ -93,6 +81,6 @@ class OnlineReader:
             # CPU tensors back: the forward has finished
             outs = (self.runner.run(inputs, self.group) if self.lockstep
                     else [self.runner.run(ids, cu) for ids, cu in inputs])
-            self.totals.seconds += time.perf_counter() - start
-            self.totals.tokens += sum(ids.numel() for ids, _ in inputs)
+            self.totals[0] += sum(ids.numel() for ids, _ in inputs)
+            self.totals[1] += time.perf_counter() - start
         return [Batch(**shard_tensors(recs, out, self.aux_dtype)) if recs else None for recs, out in zip(records, outs)]

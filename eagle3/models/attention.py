@@ -9,15 +9,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 def sdpa(q, k, v, **kw) -> torch.Tensor:
     """q/k/v [n, heads, D] -> [n, heads, Dv], in 4-D: with 3-D inputs SDPA silently takes the math path."""
-    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                          v.transpose(0, 1)[None], enable_gqa=q.shape[1] != k.shape[1],
-                                          **kw)[0].transpose(0, 1)
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **kw)[0].transpose(0, 1)
 
 
 def causal_attention_packed(q, k, v, cu_seqlens, scale=None):
-    """Causal attention of each packed sequence: q/k [T, heads, D], v [T, Hkv, Dv] -> [T, Hq, Dv]. A v
-    narrower than q/k (MLA) runs as it is under cuDNN where cuDNN takes it, else zero-padded to D
-    (flash attention needs equal head dims)."""
+    """Causal attention of each packed sequence: q/k [T, heads, D], v [T, Hkv, Dv] -> [T, Hq, Dv]; a narrower v
+    (MLA) runs as it is under cuDNN where cuDNN takes it, else zero-padded (flash needs equal head dims)."""
     dv = v.shape[-1]
     pad = max(0, q.shape[-1] - dv)
     out = q.new_empty(q.shape[0], q.shape[1], dv)
@@ -49,13 +47,9 @@ def cached_attention(q, k, v, scale=None):
 
 
 def padded_cached_attention(q, k_cache, v_cache, rows, pad_index, mask, scale=None):
-    """A few new tokens of each of R sequences against their cached keys, in one call -> [t, Hq, Dv].
-
-    q [t, Hq, D] packed, going to padded rows pad_index [t] (r * n + i: query i of sequence r);
-    k/v_cache [slots, capacity, Hkv, D|Dv] with the new keys written; rows: the R slots (a slice: a
-    view; or an index: gathered); mask [R, 1, n * G, L], G = Hq / Hkv: GQA folded into the query
-    length (query i of head h * G + g is row i * G + g of kv head h), so any fused kernel applies.
-    Padded queries are zeros and see key 0 at least: every row stays finite."""
+    """New tokens q [t, Hq, D] of R sequences (padded rows pad_index = r * n + i) against their cached keys
+    k/v_cache[rows, :L] in one call -> [t, Hq, Dv]. GQA is folded into the query length of mask [R, 1, n * G, L]
+    so any fused kernel applies; padded queries (zeros) see key 0 at least: every row stays finite."""
     R, _, rows_per_head, L = mask.shape
     Hq, Hkv, D = q.shape[1], k_cache.shape[2], q.shape[2]
     G = Hq // Hkv

@@ -1,6 +1,5 @@
-"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 forward, one layer at a time: MLA with interleaved YaRN RoPE on
-the rope part, dense first layers, MoE with a sigmoid noaux_tc router, shared experts and int4 routed
-experts kept packed (only the experts that received tokens are dequantized, a block at a time)."""
+"""DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 forward, one layer at a time: MLA with interleaved YaRN RoPE, MoE with a
+sigmoid noaux_tc router; int4 experts stay packed, those that received tokens dequantized a block at a time."""
 from __future__ import annotations
 
 import itertools
@@ -15,8 +14,7 @@ from eagle3.models import quant
 from eagle3.models.weights import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import causal_attention_packed
 
-# experts dequantized into one buffer at a time: 32 Kimi experts are 2.8 GB of bf16, small next to
-# a 64k-token chunk's activations
+# experts dequantized into one buffer at a time: 32 Kimi experts, 2.8 GB of bf16, small next to a chunk's activations
 EXPERT_BLOCK = 32
 
 
@@ -48,10 +46,9 @@ class DeepseekSpec:
         s = cls(q_lora_rank=None if q_lora is None else require(raw, "q_lora_rank", where, c.needs),
                 **{k: raw[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                                        "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")},
-                first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
-                moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
-                n_shared_experts=int(raw.get("n_shared_experts") or 0),
-                n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
+                **{k: int(raw.get(k) or default) for k, default in (("first_k_dense_replace", 0), ("n_group", 1),
+                                                                   ("moe_layer_freq", 1), ("n_shared_experts", 0),
+                                                                   ("topk_group", 1))},
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                 topk_method=str(raw.get("topk_method", "noaux_tc")))
@@ -314,9 +311,8 @@ class DeepseekTarget:
         return out
 
     def _routed(self, w, x, idx, weights):
-        """Σ_k weights[t, k] · expert_idx[t, k](x_t) [T, H]: per block of EXPERT_BLOCK active experts, one
-        projection's weights dequantized at a time and one matmul per expert; each (token, slot) pair's
-        output in row t·k + slot, a token's k slots summed at the end (fewer bytes than an fp32 index_add)."""
+        """Σ_k weights[t, k] · expert_idx[t, k](x_t) [T, H], EXPERT_BLOCK active experts' weights dequantized at a
+        time; pair (t, slot) lands in row t·k + slot, the k slots summed at the end (fewer bytes than index_add)."""
         T, k = idx.shape
         order = idx.flatten().argsort(stable=True)
         token, pair_w = order // k, weights.flatten()[order]

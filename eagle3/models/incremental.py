@@ -1,6 +1,5 @@
-"""The whole target resident with a KV cache, decoding many sequences a few tokens at a time. All share
-one KV pool (a slot per sequence); a pass writes the new keys/values with one indexed copy per layer and
-attends the short chunks (decode: 1, verify: k+1) of all sequences in one padded call per layer."""
+"""The whole target resident with one KV pool (a slot per sequence), decoding many sequences a few tokens at a
+time: per layer one indexed copy of the new keys and one padded attention call for all short chunks."""
 from __future__ import annotations
 
 import heapq
@@ -13,8 +12,7 @@ from eagle3.models.weights import Checkpoint
 from eagle3.models.attention import cached_attention, padded_cached_attention, sdpa
 from eagle3.models.streaming import build_model
 
-# chunks up to this long attend batched, padded to a power of two; longer ones (prompts) one sequence
-# at a time: few, and padding a batch to a prompt's length costs far more than their launches
+# chunks up to this long attend batched, padded to a power of two; longer ones (prompts, few) one at a time
 SHORT_MAX = 64
 
 
@@ -70,9 +68,8 @@ class SequenceCache:
 
 
 class _Group:
-    """Sequences whose chunks pad to length n, attended in one call: R pool `rows` (a slice or slots),
-    each token's padded row r * n + i (`pad_index`), which packed `tokens` they are (None: all) and
-    where each row's new tokens start (`start_row` [R]: query i sees keys 0 .. start + i)."""
+    """Sequences whose chunks pad to length n, attended in one call: R pool `rows`, each token's padded row
+    (`pad_index`), which packed `tokens` they are (None: all), where each row's new tokens start (`start_row`)."""
 
     def __init__(self, n: int, members: torch.Tensor, slots, starts, ends, seq, offset):
         self.n, ms = n, slots[members]
@@ -125,9 +122,8 @@ class PassLayout:
         self.long = [(bounds[b], bounds[b + 1], c.slot, c.length)
                      for b, (c, x) in enumerate(zip(caches, lengths)) if x > SHORT_MAX]
         self.cu, self.positions, self.write_index = cu, positions, slots[seq] * pool.capacity + positions
-        fields = [(self, a) for a in ("cu", "positions", "write_index")] + [
-            (g, a) for g in self.groups for a in ("rows", "pad_index", "tokens", "start_row")
-            if isinstance(getattr(g, a), torch.Tensor)]
+        fields = [(self, a) for a in ("cu", "positions", "write_index")] + [(g, a) for g in self.groups for a in (
+            "rows", "pad_index", "tokens", "start_row") if isinstance(getattr(g, a), torch.Tensor)]
         host = [getattr(obj, a) for obj, a in fields]
         flat = torch.cat([t.flatten() for t in host]).to(device)   # small int64 tensors: one copy
         for (obj, a), t, part in zip(fields, host, flat.split([t.numel() for t in host])):

@@ -1,6 +1,5 @@
-"""compressed-tensors `pack-quantized` int4 linears: `X.weight_packed` (int32 [out, in/8], eight values
-+ 8 per word, lowest nibble first), `X.weight_scale` [out, in/group], `X.weight_shape` (int32 [out, in]).
-A linear is packed or plain (`X.weight`) by its keys, never by the config's ignore list."""
+"""compressed-tensors `pack-quantized` int4 linears: `X.weight_packed` (int32 [out, in/8], values + 8, lowest nibble
+first), `X.weight_scale` [out, in/group], `X.weight_shape`; packed or plain (`X.weight`) by its keys."""
 from __future__ import annotations
 
 import functools
@@ -45,9 +44,7 @@ def linear_shapes(has, base: str, shape: tuple[int, int]) -> dict[str, list[int]
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [..., n/8] -> uint8 [..., n] nibbles, element 8c+j from bits 4j..4j+3 of word c."""
-    if packed.dtype != torch.int32:
-        raise TypeError(f"weight_packed must be int32, got {packed.dtype}")
+    """int32 [..., n/8] (`check_packed`) -> uint8 [..., n] nibbles, element 8c+j from bits 4j..4j+3 of word c."""
     # little-endian words (x86, Arm, CUDA): byte b of word c holds elements 8c+2b (low) and 8c+2b+1 (high)
     b = packed.contiguous().view(torch.uint8)                     # [..., n/2]
     return torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)     # [..., n]
@@ -56,9 +53,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """packed int32 [..., out, in/8], scale [..., out, in/group] -> W [..., out, in] in `dtype`,
     (nibble - 8) * scale[o, i // group]; one Triton kernel on CUDA."""
-    if packed.is_cuda:
-        return _dequantize_triton(packed, scale, dtype)
-    return dequantize_int4_torch(packed, scale, dtype)
+    return (_dequantize_triton if packed.is_cuda else dequantize_int4_torch)(packed, scale, dtype)
 
 
 def dequantize_int4_torch(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

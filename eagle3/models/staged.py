@@ -1,8 +1,5 @@
-"""The target resident across one node's ranks as layer stages (`train.online_target = "staged"`):
-rank r keeps layers [L·r/W, L·(r+1)/W). `run` is a collective: each rank's A micro-batches (batch a of
-rank r is g = a·W + r) are pipelined, rank r running batch t - r at tick t; each tick ends with one
-batch of point-to-point messages in one global order: activations to the next stage, aux and final
-states and greedy tokens to the batch's owner."""
+"""The target resident across one node's ranks as layer stages (`train.online_target = "staged"`): rank r keeps
+layers [L·r/W, L·(r+1)/W); `run`, a collective, pipelines every rank's micro-batches through them (docs/data.md)."""
 from __future__ import annotations
 
 import torch

@@ -62,9 +62,9 @@ class TargetRunner:
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, cu_seqlens: list[int]) -> dict[str, torch.Tensor]:
         """input_ids [T], cu_seqlens (python ints) -> CPU aux [T, 3H], final [T, H], argmax [T] int32."""
-        outs = [self._run_chunk(input_ids[cu_seqlens[a]:cu_seqlens[b]],
-                                [c - cu_seqlens[a] for c in cu_seqlens[a:b + 1]])
-                for a, b in split_chunks(cu_seqlens, self.chunk_tokens)]
+        cu = cu_seqlens
+        outs = [self._run_chunk(input_ids[cu[a]:cu[b]], [c - cu[a] for c in cu[a:b + 1]])
+                for a, b in split_chunks(cu, self.chunk_tokens)]
         return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
 
     def _run_chunk(self, ids: torch.Tensor, cu: list[int]) -> dict[str, torch.Tensor]:

@@ -130,8 +130,7 @@ def read_config(path: Path) -> TextConfig:
     model_type = str(outer.get("model_type", ""))
     text_model_type = str(text.get("model_type", model_type))
     architectures = list(text.get("architectures") or outer.get("architectures") or [])
-    # the family by model_type (as transformers dispatches), else by architectures; never guessed from the
-    # fields present: a config that lost one is told so, not run as another family
+    # the family by model_type (as transformers dispatches), else by architectures; never guessed from the fields
     if text_model_type:
         named, found = f"model_type '{text_model_type}'", [f for f in FAMILIES if text_model_type in f.model_types]
     else:

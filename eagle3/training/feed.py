@@ -35,9 +35,8 @@ class Feed:
         return batch if batch.plan is not None else self.prepare(batch)
 
     def batches(self, start: int) -> Iterator[Batch]:
-        """This rank's micro-batches from step `start` on, read ahead (and prepared, on CUDA only). With `overlap`,
-        each copied on a stream of its own, one ahead, and waited for when the step takes it (`on_device`); else
-        as they come (online, a staged target's reads are collectives)."""
+        """This rank's micro-batches from step `start` on, read ahead; with `overlap` each copied to the device one
+        ahead on a stream of its own (`on_device` waits for it), else as they come (online)."""
         batches = Prefetcher(self.reader, self.plan.rank_batches(start, self.rank), self.depth, pin=self.cuda,
                              prepare=self.prepare if self.cuda else None, together=self.plan.accum)
         if not self.overlap:

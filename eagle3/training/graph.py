@@ -11,42 +11,33 @@ import torch
 from eagle3.config import ConfigError
 from eagle3.data.batch import Batch
 
-HIDDEN_MAX = 1024   # auto: graphs won at hidden 256 and lost at 2048 (benchmarks/RESULTS.md, "Small draft, CUDA graphs")
+HIDDEN_MAX = 1024   # auto: graphs won at hidden 256, lost at 2048 (benchmarks/RESULTS.md, "Small draft, CUDA graphs")
 
 
 def wanted(setting: bool | None, device: torch.device, world: int, online: bool, triton: bool,
            hidden: int, source: str, say: bool = False) -> bool:
     """Whether the run graphs its steps for debug.cuda_graphs = `setting` (None: auto); `say`: print why."""
-    on, why = _decide(setting, device, world, online, triton, hidden, source)
-    if say and setting is not False:
-        print(f"debug.cuda_graphs = {'auto' if setting is None else 'true'}: {why}", file=sys.stderr)
-    return on
-
-
-def _decide(setting, device, world, online, triton, hidden, source) -> tuple[bool, str]:
+    if setting is False:
+        return False
     blockers = [why for why, blocks in (("not on CUDA", device.type != "cuda"), ("several ranks (DDP)", world > 1),
                                         ("train.source = \"online\"", online),
                                         ("not the Triton kernels", not triton)) if blocks]
-    if setting is False:
-        return False, "off (debug.cuda_graphs = false)"
-    if blockers:
-        if setting:
-            raise ConfigError(f"{source}: debug.cuda_graphs = true needs one CUDA GPU, shards and the Triton "
-                              f"kernels, here: {', '.join(blockers)}; set it to auto or false")
-        return False, f"off ({', '.join(blockers)})"
-    if setting is None and torch.version.hip:
-        return False, "off (ROCm: not measured there)"
-    if setting is None and hidden > HIDDEN_MAX:
-        return False, f"off (draft hidden size {hidden} > {HIDDEN_MAX}: the GPU bounds the step)"
-    return True, "on" + (" (debug.cuda_graphs = true)" if setting else f" (draft hidden size {hidden} <= {HIDDEN_MAX})")
+    if blockers and setting:
+        raise ConfigError(f"{source}: debug.cuda_graphs = true needs one CUDA GPU, shards and the Triton "
+                          f"kernels, here: {', '.join(blockers)}; set it to auto or false")
+    off = (", ".join(blockers) if blockers else "ROCm: not measured there" if setting is None and torch.version.hip
+           else f"draft hidden size {hidden} > {HIDDEN_MAX}: the GPU bounds the step"
+           if setting is None and hidden > HIDDEN_MAX else None)
+    why = f"off ({off})" if off else "on" + (" (debug.cuda_graphs = true)" if setting else
+                                              f" (draft hidden size {hidden} <= {HIDDEN_MAX})")
+    if say:
+        print(f"debug.cuda_graphs = {'auto' if setting is None else 'true'}: {why}", file=sys.stderr)
+    return off is None
 
 
 class GraphedStep:
-    """`forward(batch, scale)` and its backward (gradients added to .grad) per micro-batch,
-    replayed as a CUDA graph per count of sequences (`eagle3.data.batch.pad`) over static input buffers, each
-    graph with its own memory pool (its activations).
-    The first WARMUP micro-batches run eagerly on the same buffers (kernel tuning, compilation); every
-    parameter's .grad must exist (zeroed, not None) from then on, so that the graph adds to it in place."""
+    """`forward(batch, scale)` and its backward (adding to .grad, which must exist) replayed as one CUDA graph per
+    count of sequences over static buffers; the first WARMUP micro-batches run eagerly (tuning, compilation)."""
 
     WARMUP = 2
 
@@ -92,12 +83,12 @@ class GraphedStep:
 
 
 def load(batch: Batch, static: Batch | None = None) -> Batch:
-    """A `pad`ded `batch` copied into `static`, the buffers a graph reads (made when None), its filler rows zeros."""
+    """A padded `batch` copied into `static`, the buffers a graph reads (made when None), its filler rows zeros."""
     if static is None:
-        rows = batch.rows + batch.padding
+        rows, tensors = batch.rows + batch.padding, batch.row_tensors()
         static = dataclasses.replace(batch, plan=None, ready=None, padding=0, cu_seqlens=batch.cu_seqlens.clone(),
                                      cu_attention=batch.cu_attention.clone(),
-                                     **{name: t.new_empty(rows, *t.shape[1:]) for name, t in batch.row_tensors().items()})
+                                     **{name: t.new_empty(rows, *t.shape[1:]) for name, t in tensors.items()})
     for name, t in batch.row_tensors().items():
         buffer = getattr(static, name)
         buffer[:batch.rows].copy_(t)

@@ -23,7 +23,7 @@ from eagle3.data.loader import pack, split_holdout
 from eagle3.data.online import OnlineReader, stream_note
 from eagle3.data.shards import ShardReader, check_manifest, loss_token_counts
 from eagle3.draft import Eagle3Draft
-from eagle3.errors import Eagle3Error, TrainError
+from eagle3.errors import TrainError
 from eagle3.export import export_all
 from eagle3.models.weights import Checkpoint
 from eagle3.resolve import resolve
@@ -136,9 +136,8 @@ class Window:
 
     def side_rates(self, reader, dist: distributed.Dist, tokens_all: int, elapsed: float) -> dict:
         """Online: the target's tokens/s over its busy time, the draft's over the time not waiting."""
-        totals = (reader.totals.tokens, reader.totals.seconds)
-        since = [now - before for now, before in zip(totals, self.target)]
-        self.target = totals
+        since = [now - before for now, before in zip(reader.totals, self.target)]
+        self.target = tuple(reader.totals)
         made = dist.all_reduce(torch.tensor([float(since[0]), since[1]], device=self.metrics.device))
         busy = float(made[1]) / dist.world
         return {"target_tokens_per_s": float(made[0]) / busy if busy else float("nan"),
@@ -266,9 +265,8 @@ class Trainer:
         """What a checkpoint of this run records besides the weights (state.json)."""
         return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
                 "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
-                "world_size": self.dist.world, "schedule_total": self.schedule.total,
-                "float8_used": self.float8, "float8_head_used": self.float8_head,   # "auto" resolved
-                "cuda_graphs_used": self.graphed is not None}
+                "world_size": self.dist.world, "schedule_total": self.schedule.total, "float8_used": self.float8,
+                "float8_head_used": self.float8_head, "cuda_graphs_used": self.graphed is not None}   # "auto"s resolved
 
     def _resume(self) -> int:
         """Continue from train.resume's checkpoint, if any: the step this run starts at."""
@@ -286,8 +284,8 @@ class Trainer:
 
     def _forward(self, model, batch, scale=1.0, training=False):
         # a CUDA graph cannot replay autocast's cache of casts
-        cache = not (training and self.unroll.static)
-        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache) if self.cuda else contextlib.nullcontext():
+        with (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not (training and self.unroll.static))
+              if self.cuda else contextlib.nullcontext()):
             return model(batch, self.unroll if training else self.eval_unroll, scale)
 
     def settle_buckets(self, batch: Batch) -> None:
@@ -422,12 +420,4 @@ def run(cfg: Config) -> Path:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    from eagle3.config import cli, interrupted
-    cfg = cli(argv, "Train an EAGLE-3 draft with training-time test.", prog)
-    distributed.stop_on_sigterm(lambda: run_dir.kept(cfg))
-    try:
-        run(cfg)
-    except Eagle3Error as e:
-        raise SystemExit(distributed.first_word(f"error: {e}")) from None
-    except KeyboardInterrupt:
-        interrupted(run_dir.kept(cfg))
+    distributed.main(run, run_dir.kept, "Train an EAGLE-3 draft with training-time test.", argv, prog)

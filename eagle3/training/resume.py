@@ -34,30 +34,20 @@ def checkpoint(choice: str, output_dir: Path, say: bool = True) -> Path | None:
 
 def check(path: Path, was: dict, now: dict, total: int) -> None:
     """Refuse to resume from `path` unless this run continues its run (ending at step `total`)."""
-    check_same_draft(path, was, now)
-    check_global_batch(path, was, now["world_size"], now["config"]["train"]["grad_accum"])
-    check_fixed(path, was["config"], now["config"])
-    check_end(path, was, total, now["config"]["train"]["max_steps"])
-
-
-def check_same_draft(path: Path, was: dict, now: dict) -> None:
     before = {**was["resolved"], "target": was["target"]}
     for key, value in {**now["resolved"], "target": now["target"]}.items():
         if key != "verifier_name" and before[key] != value:   # the verifier is only a name in the export
-            raise TrainError(f"{path}/state.json: {key} differs from this run's ({before[key]} vs "
-                             f"{value}); {NEW_RUN}")
-
-
-def check_fixed(path: Path, was: dict, now: dict) -> None:
-    fixed = [("experimental", key) for key in HEAD_FIXED] + [("train", key) for key in RESUME_FIXED]
-    for section, key in fixed:
-        before = was[section][key]
-        if key == "decay_fraction" and now["train"]["schedule"] == "cosine":
+            raise TrainError(f"{path}/state.json: {key} differs from this run's ({before[key]} vs {value}); {NEW_RUN}")
+    check_global_batch(path, was, now["world_size"], now["config"]["train"]["grad_accum"])
+    for section, key in [("experimental", key) for key in HEAD_FIXED] + [("train", key) for key in RESUME_FIXED]:
+        before, after = was["config"][section][key], now["config"][section][key]
+        if key == "decay_fraction" and now["config"]["train"]["schedule"] == "cosine":
             continue   # the cosine does not read it (and a changed schedule is refused)
-        if before != now[section][key]:
-            raise TrainError(f"{path}/state.json: {section}.{key} was {json.dumps(before)}, this run "
-                             f"has {json.dumps(now[section][key])}; a resumed run must keep it (set "
-                             f"--{section}.{key} {json.dumps(before)} to resume it, or {NEW_RUN})")
+        if before != after:
+            raise TrainError(f"{path}/state.json: {section}.{key} was {json.dumps(before)}, this run has "
+                             f"{json.dumps(after)}; a resumed run must keep it (set --{section}.{key} "
+                             f"{json.dumps(before)} to resume it, or {NEW_RUN})")
+    check_end(path, was, total, now["config"]["train"]["max_steps"])
 
 
 def check_global_batch(path: Path, was: dict, world: int, accum: int) -> None:
@@ -67,10 +57,9 @@ def check_global_batch(path: Path, was: dict, world: int, accum: int) -> None:
         return
     keep = (f"train.grad_accum = {product // world} keeps it" if product % world == 0 else
             f"no train.grad_accum keeps it on {world} ranks (use a number of ranks that divides {product})")
-    raise TrainError(f"{path}/state.json: the checkpoint's global batch is world size {was_world} x "
-                     f"train.grad_accum {was_accum} = {product} micro-batches per step, this run's is world size "
-                     f"{world} x train.grad_accum {accum} = {world * accum}; a resumed run must keep it: "
-                     f"{keep} (or {NEW_RUN})")
+    raise TrainError(f"{path}/state.json: the checkpoint's global batch is world size {was_world} x train.grad_accum "
+                     f"{was_accum} = {product} micro-batches per step, this run's is world size {world} x "
+                     f"train.grad_accum {accum} = {world * accum}; a resumed run must keep it: {keep} (or {NEW_RUN})")
 
 
 def check_end(path: Path, was: dict, total: int, max_steps: int) -> None:
