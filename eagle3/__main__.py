@@ -78,10 +78,8 @@ def checkpoint_config(args, overrides: list[str]) -> config_mod.Config:
 
 
 def config_command(args, overrides: list[str]) -> None:
-    cfg = config_mod.load(args.config, overrides)
-    label = Path(args.config).name if args.config else "set"
-    text = config_mod.markdown_table(cfg, label) if args.markdown else config_mod.reference(cfg, label, args.all)
-    print(text, end="")
+    cfg, name = config_mod.load(args.config, overrides), Path(args.config).name if args.config else "set"
+    print(config_mod.markdown_table(cfg, name) if args.markdown else config_mod.reference(cfg, name, args.all), end="")
 
 
 def generate_command(args, overrides: list[str]) -> None:
@@ -110,8 +108,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
     add("inspect", "resolve a target checkpoint and print what the pipeline will use (one JSON object)",
         None).add_argument("target", help="target directory (or its config.json)")
-    for name in ("extract", "train"):
-        sub.add_parser(name, help=FORWARDED[name], add_help=False)
+    for name, text in FORWARDED.items():
+        sub.add_parser(name, help=text, add_help=False)
     p = add("export", "export a training checkpoint for the engines in export.formats (vllm, sglang; e.g. "
                       "--export.formats '[\"vllm\"]')",
             "TOML config file (default: the checkpoint's own config, kept in its state.json)", None)
@@ -130,7 +128,6 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     p.add_argument("--out", help="where to write the report (default: eval.json in the draft directory)")
     add("generate", "regenerate the training replies with the target itself ([generate] keys)")
     add("demo", "tiny target -> extract -> train -> export, on the CPU")
-    sub.add_parser("bench", help=FORWARDED["bench"], add_help=False)
     p = add("config", "the config keys with their type, default and meaning",
             "a TOML config file: its values are shown where they are not the defaults", None)
     p.add_argument("--all", action="store_true", help="also the [experimental] and [debug] keys")

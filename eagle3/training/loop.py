@@ -170,23 +170,18 @@ def build_draft(cfg: Config, target: Checkpoint, spec, reader, device: torch.dev
     draft.t2d.copy_(t2d)
     if device.type == "cuda" and cfg.debug.compile_ops:
         draft.compile_elementwise()
-    fp8 = float8.choose(cfg.train.float8, device, spec, cfg.source, say, cfg.train.batch_tokens, agree)
-    if fp8:
+    if fp8 := float8.choose(cfg.train.float8, device, spec, cfg.source, say, cfg.train.batch_tokens, agree):
         draft.use_float8()
     target_rows = target.get("lm_head.weight")[t2d]
     head, x = draft.lm_head.weight, cfg.experimental
-    if x.lm_head_init == "target":
-        if target_rows.shape != head.shape:
-            raise TrainError(f"{cfg.source}: experimental.lm_head_init = \"target\": the target's head rows are "
-                             f"{list(target_rows.shape)}, the draft's lm_head is {list(head.shape)}")
+    if x.lm_head_init == "target":   # [draft vocab, hidden] both, by construction
         with torch.no_grad():
             head.copy_(target_rows)
     if x.freeze_lm_head:
         head.requires_grad_(False)
         if x.lm_head_init == "random" and say:
-            print("warning: experimental.freeze_lm_head = true with experimental.lm_head_init = \"random\": the "
-                  "draft's lm_head stays random and is never trained; use lm_head_init = \"target\" or "
-                  "freeze_lm_head = false", file=sys.stderr)
+            print('warning: experimental.freeze_lm_head = true with lm_head_init = "random": the lm_head stays '
+                  'random and is never trained; set lm_head_init = "target" or freeze_lm_head = false', file=sys.stderr)
     return draft, fp8, target_rows
 
 
