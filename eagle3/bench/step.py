@@ -154,9 +154,10 @@ def host_syncs(trainer: Trainer, batch: Batch) -> list[str]:
     import warnings
     sites = []
 
-    def record(message, *_):   # as warnings.showwarning; the prefetch thread's syncs are not the step's
-        if "synchroniz" in str(message) and threading.current_thread() is threading.main_thread():
-            frames = traceback.extract_stack()[:-1]
+    def record(message, *_):   # as warnings.showwarning; only the step's syncs, not the prefetch thread's
+        frames = traceback.extract_stack()[:-1]
+        if "synchroniz" in str(message) and threading.current_thread() is threading.main_thread() and any(
+                Path(f.filename).parent.name == "training" for f in frames):
             ours = [f for f in frames if "/eagle3/" in f.filename or "/kernels/" in f.filename] or frames
             sites.append(f"{Path(frames[-1].filename).name}:{frames[-1].lineno} (from "
                          f"{Path(ours[-1].filename).name}:{ours[-1].lineno})")
