@@ -23,40 +23,58 @@ ap.add_argument("--eagle31", action="store_true",
                 help="keep speculators' own defaults for the draft's norms (norm_before_residual, norm_before_fc, "
                      "norm_output on: its EAGLE-3.1 defaults) instead of turning them off")
 ap.add_argument("--prepare-only", action="store_true", help="stop after writing the peer's data (CPU check)")
+ap.add_argument("--data-from", default=None, help="train on another run's data (its --work/data), waiting until that "
+                "run has written it, instead of extracting again: peer variants side by side in one call")
 a = ap.parse_args()
 
 from transformers import AutoConfig, AutoModelForCausalLM
 from datasets import Dataset
 
-work = Path(a.work); data = work / "data"
+work = Path(a.work); data = Path(a.data_from) if a.data_from else work / "data"
 shutil.rmtree(work, ignore_errors=True)
-(data / "hidden_states").mkdir(parents=True)
 cfg = AutoConfig.from_pretrained(a.target)
-dev = "cuda" if torch.cuda.is_available() else "cpu"
-tgt = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.bfloat16).to(dev).eval()
-rows = [json.loads(l) for l in open(a.data) if l.strip()]
-L = cfg.num_hidden_layers
-capture = [2, L // 2, L - 3]          # speculators' default: inputs of these layers
-last = {}
-tgt.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
-freq = {}
-t0 = time.time()
-with torch.no_grad():
-    for i, r in enumerate(rows):
-        x = torch.tensor(r["input_ids"], device=dev)[None]
-        o = tgt.model(input_ids=x, output_hidden_states=True)
-        hs = torch.stack([o.hidden_states[k][0] for k in capture] + [last["h"][0]], 1)  # [T, 4, H]
-        save_file({"hidden_states": hs.to(torch.bfloat16).cpu().contiguous(), "token_ids": x[0].cpu()},
-                  str(data / "hidden_states" / f"hs_{i}.safetensors"))
-        for t, m in zip(r["input_ids"], r["loss_mask"]):
-            if m:
-                freq[t] = freq.get(t, 0) + 1
-print(f"peer extraction: {len(rows)} sequences in {time.time() - t0:.0f}s", flush=True)
-ds = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows],
-                        "seq_len": [len(r["input_ids"]) for r in rows]})
-ds.set_format(type="torch"); ds.save_to_disk(str(data))
-torch.save(freq, data / "token_freq.pt")
-del tgt; torch.cuda.empty_cache()
+freq_file = data / "token_freq.pt"   # written last, by a rename: the data is complete once it exists
+
+
+def extract():
+    (data / "hidden_states").mkdir(parents=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tgt = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.bfloat16).to(dev).eval()
+    rows = [json.loads(l) for l in open(a.data) if l.strip()]
+    L = cfg.num_hidden_layers
+    capture = [2, L // 2, L - 3]          # speculators' default: inputs of these layers
+    last = {}
+    tgt.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    freq = {}
+    t0 = time.time()
+    with torch.no_grad():
+        for i, r in enumerate(rows):
+            x = torch.tensor(r["input_ids"], device=dev)[None]
+            o = tgt.model(input_ids=x, output_hidden_states=True)
+            hs = torch.stack([o.hidden_states[k][0] for k in capture] + [last["h"][0]], 1)  # [T, 4, H]
+            save_file({"hidden_states": hs.to(torch.bfloat16).cpu().contiguous(), "token_ids": x[0].cpu()},
+                      str(data / "hidden_states" / f"hs_{i}.safetensors"))
+            for t, m in zip(r["input_ids"], r["loss_mask"]):
+                if m:
+                    freq[t] = freq.get(t, 0) + 1
+    print(f"peer extraction: {len(rows)} sequences in {time.time() - t0:.0f}s", flush=True)
+    ds = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows],
+                            "seq_len": [len(r["input_ids"]) for r in rows]})
+    ds.set_format(type="torch"); ds.save_to_disk(str(data))
+    torch.save(freq, data / "token_freq.tmp")
+    (data / "token_freq.tmp").rename(freq_file)
+    del tgt; torch.cuda.empty_cache()
+
+
+if a.data_from:   # the run extracting it starts in the same call: no stale data is there
+    for _ in range(360):
+        if freq_file.exists():
+            break
+        time.sleep(5)
+    else:
+        sys.exit(f"peer: no complete data in {data} after 30 minutes")
+else:
+    extract()
 if a.prepare_only:
     print("prepared:", data); sys.exit(0)
 
