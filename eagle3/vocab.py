@@ -30,7 +30,7 @@ def build_vocab(counts: Counter, target_vocab: int, draft_vocab: int) -> tuple[t
 
 def coverage(counts: Counter, t2d: torch.Tensor) -> float:
     """Share of the counted tokens inside the draft vocabulary: no draft proposes the others."""
-    return sum(n for i, n in counts.items() if t2d[i]) / max(1, sum(counts.values()))
+    return sum(counts[i] for i in t2d.nonzero().flatten().tolist()) / max(1, sum(counts.values()))
 
 
 def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str = "vocab") -> None:
