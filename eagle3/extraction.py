@@ -30,7 +30,7 @@ def _check_or_write_header(out: Path, header: dict, main: bool) -> None:
     """The first run writes the manifest header; a rerun must be of the same plan."""
     path = out / MANIFEST
     if path.exists():
-        if read_json(path, DataError, "").get("plan_key") != header["plan_key"]:
+        if read_json(path, DataError, "", "delete the directory to start over").get("plan_key") != header["plan_key"]:
             raise DataError(f"{path}: this directory holds an extraction of other data, target or settings; "
                             "choose another extract.output_dir or delete the whole directory")
     elif main:

@@ -18,14 +18,14 @@ os.umask(_umask := os.umask(0))   # reading the umask means setting it: once, at
 FILE_MODE = 0o666 & ~_umask       # what open() gives a new file (safetensors' save_file writes 0600)
 
 
-def read_json(path: Path, error: type[Exception], missing: str) -> object:
-    """The JSON in `path`; `error` naming the file when it is absent (with the `missing` hint) or corrupt."""
+def read_json(path: Path, error: type[Exception], missing: str, corrupt: str = "") -> object:
+    """The JSON in `path`; `error` naming the file when it is absent or corrupt (with the matching hint)."""
     try:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise error(f"{path}: not found ({missing})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path}: not valid JSON ({e})") from None
+        raise error(f"{path}: not valid JSON ({e}){'; ' + corrupt if corrupt else ''}") from None
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -108,6 +108,10 @@ def test_other_settings_refuse_existing_output(tmp_path, llama_target, token_dat
     extraction.run(make_config(tmp_path, llama_target, token_data))
     with pytest.raises(DataError, match="holds an extraction of other data, target or settings"):
         extraction.run(make_config(tmp_path, llama_target, token_data, **{"data.max_seq_len": 10}))
+    manifest = tmp_path / "hidden" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])   # a damaged manifest: the rerun names it and the way out
+    with pytest.raises(DataError, match=f"^{manifest}: not valid JSON .*; delete the directory to start over$"):
+        extraction.run(make_config(tmp_path, llama_target, token_data))
 
 
 def test_bad_lines_reported_with_line_numbers(tmp_path, llama_target):

@@ -12,6 +12,7 @@ set -uo pipefail
 out=${OUT:-/tmp/quality-out}; work=${WORK:-.quality}
 mkdir -p "$out" "$work"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export QUALITY_CALL=$(date +%s%N)   # the peer's --data-from waits for data extracted in this call
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"

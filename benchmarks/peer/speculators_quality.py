@@ -5,7 +5,7 @@ usage: python speculators_quality.py TARGET_DIR DATA_JSONL OUT_DIR [--epochs 4] 
        [--draft-vocab N] [--lr 3e-4] [--decay 0.8] [--batch-tokens 4096] [--loss-fn kl_div]
 Prints the extraction and training wall times and the peer's validation metrics; copies the final draft
 (speculators / vLLM layout) to OUT_DIR."""
-import argparse, json, re, shutil, subprocess, sys, time
+import argparse, json, os, re, shutil, subprocess, sys, time
 from pathlib import Path
 
 import torch
@@ -62,13 +62,14 @@ def extract():
                             "seq_len": [len(r["input_ids"]) for r in rows]})
     ds.set_format(type="torch"); ds.save_to_disk(str(data))
     torch.save(freq, data / "token_freq.tmp")
+    (data / "call").write_text(os.environ.get("QUALITY_CALL", ""))
     (data / "token_freq.tmp").rename(freq_file)
     del tgt; torch.cuda.empty_cache()
 
 
-if a.data_from:   # the run extracting it starts in the same call: no stale data is there
+if a.data_from:   # the data the run beside this one extracts in this call (QUALITY_CALL), not a stale one
     for _ in range(360):
-        if freq_file.exists():
+        if freq_file.exists() and (data / "call").read_text() == os.environ.get("QUALITY_CALL", ""):
             break
         time.sleep(5)
     else:

@@ -136,8 +136,8 @@ class Window:
 
     def side_rates(self, reader, dist: distributed.Dist, tokens_all: int, elapsed: float) -> dict:
         """Online: the target's tokens/s over its busy time, the draft's over the time not waiting."""
-        since = [now - before for now, before in zip(reader.totals, self.target)]
-        self.target = tuple(reader.totals)
+        before, self.target = self.target, tuple(reader.totals)   # one snapshot: the prefetch thread adds to it
+        since = [a - b for a, b in zip(self.target, before)]
         made = dist.all_reduce(torch.tensor([float(since[0]), since[1]], device=self.metrics.device))
         busy = float(made[1]) / dist.world
         return {"target_tokens_per_s": float(made[0]) / busy if busy else float("nan"),
