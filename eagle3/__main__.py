@@ -26,17 +26,34 @@ def forward(command: str, argv: list[str]) -> None:
     (training.main if command == "train" else extraction.main)(argv, prog=f"python -m eagle3 {command}")
 
 
+THINKING = {"data.path": lambda p: str(Path(p).with_name("thinking.jsonl")),   # the demo's own paths, not set
+            "extract.output_dir": lambda p: p + "-thinking", "train.output_dir": lambda p: p + "-thinking"}
+
+
 def demo(args, overrides: list[str]) -> None:
-    """Make the tiny demo target and data if absent, then extract, train and export."""
+    """Make the tiny demo target and data if absent, then extract, train and export. `--thinking`: chat lines with
+    reasoning and tool calls, rendered by the target's Kimi-K2.5 template, in paths of their own."""
     from eagle3 import extraction, training
     from eagle3.models import tiny
     # a demo always trains anew (the run there moved aside), so that a rerun with other settings is no resume
     cfg = config_mod.load(args.config, ["--train.resume", "overwrite", *overrides])
-    if not (Path(cfg.target.path) / "config.json").exists():
-        tiny.make_kimi(cfg.target.path, layers=8)
-        print(f"demo: wrote a tiny random target to {cfg.target.path}")
+    if args.thinking:
+        for name, derive in THINKING.items():
+            if not cfg.origin(name).startswith("command line"):
+                section, key = name.split(".")
+                setattr(getattr(cfg, section), key, derive(cfg.value(name)))
+    target = Path(cfg.target.path)
+    if not (target / "config.json").exists():
+        tiny.make_kimi(target, layers=8)
+        print(f"demo: wrote a tiny random target to {target}")
+    if args.thinking and not (target / "chat_template.jinja").exists():
+        tiny.write_kimi_chat(target, Checkpoint(target).config.vocab_size)
+        print(f"demo: wrote Kimi-K2.5's tokenizer files and chat template (tiny vocabulary) to {target}")
     if not Path(cfg.data.path).exists():
-        tiny.make_token_data(cfg.data.path, vocab=Checkpoint(cfg.target.path).config.vocab_size, sequences=256)
+        if args.thinking:
+            tiny.make_chat_data(cfg.data.path, conversations=160)
+        else:
+            tiny.make_token_data(cfg.data.path, vocab=Checkpoint(target).config.vocab_size, sequences=256)
         print(f"demo: wrote synthetic training data to {cfg.data.path}")
     extraction.run(cfg)
     training.run(cfg)
@@ -127,7 +144,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         p.add_argument(flag, help=f"{text} (evaluate.{flag[2:].replace('-', '_')})")
     p.add_argument("--out", help="where to write the report (default: eval.json in the draft directory)")
     add("generate", "regenerate the training replies with the target itself ([generate] keys)")
-    add("demo", "tiny target -> extract -> train -> export, on the CPU")
+    p = add("demo", "tiny target -> extract -> train -> export, on the CPU")
+    p.add_argument("--thinking", action="store_true", help="chat lines with reasoning and tool calls (Kimi-K2.5's "
+                   "template) instead of token lines; data and runs beside the plain demo's, with -thinking")
     p = add("config", "the config keys with their type, default and meaning",
             "a TOML config file: its values are shown where they are not the defaults", None)
     p.add_argument("--all", action="store_true", help="also the [experimental] and [debug] keys")

@@ -26,8 +26,8 @@ class ConfigError(Eagle3Error):
 
 def setting(default: object, doc: str):
     """A config key: its default and its one-line doc."""
-    if isinstance(default, list):       # a mutable default: each Config gets its own copy
-        return field(default_factory=lambda: list(default), metadata={"doc": doc})
+    if isinstance(default, (list, dict)):       # a mutable default: each Config gets its own copy
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
     return field(default=default, metadata={"doc": doc})
 
 
@@ -48,6 +48,9 @@ class DataConfig:
     max_seq_len: int = setting(4096, "tokens; longer sequences are truncated (counted in the manifest)")
     on_error: Literal["fatal", "skip"] = setting(
         "fatal", "a line that cannot be used: `fatal` stops naming it, `skip` skips it (counted in the manifest)")
+    chat_template_kwargs: dict = setting(
+        {}, "chat lines: passed to the target's chat template as an engine passes a request's `chat_template_kwargs` "
+        "(Kimi-K2.5: `{thinking = false}` for instant mode); a line's own `chat_template_kwargs` win")
 
 
 @dataclass
@@ -123,7 +126,6 @@ class ExportConfig:
     formats: list[Literal["vllm", "sglang"]] = setting(
         ["vllm", "sglang"], "written to `train.output_dir/export/<format>/` at the end of training")
     speculative_tokens: int = setting(3, "draft tokens per round advertised to the engine")
-    dtype: Dtype = setting("bfloat16", "dtype of the exported weights")
     verifier_name: str | None = setting(None, "what the engine loads as the verifier; auto: `target.path`")
 
 
@@ -175,6 +177,7 @@ class DebugConfig:
     extract_device: str = setting("auto", "where extraction runs the target (same choices)")
     generate_device: str = setting("auto", "where `generate` runs the target (same choices)")
     evaluate_device: str = setting("auto", "where `evaluate` runs target and draft (same choices)")
+    export_dtype: Dtype = setting("bfloat16", "dtype of the exported draft's weights")
     generate_dtype: Dtype = setting("bfloat16", "compute dtype of the target in `generate`")
     evaluate_dtype: Dtype = setting("float32", "compute dtype in `evaluate` (bf16 near-ties would be mismatches)")
     generate_batch_size: int = setting(16, "conversations decoded together by `generate`")
@@ -240,6 +243,7 @@ MOVED = {"debug": "train.kernels train.skip_dead_rows train.compile_ops train.pr
 RENAMED = {old: f"now {new}.{old.split('.')[1]}" for new, olds in MOVED.items() for old in olds.split()}
 RENAMED |= {f"{s}.device": f"now debug.{s}_device" for s in ("train", "extract", "generate", "evaluate")}
 RENAMED |= {f"{s}.{k}": f"now debug.{s}_{k}" for s in ("generate", "evaluate") for k in ("batch_size", "dtype")}
+RENAMED |= {"export.dtype": "now debug.export_dtype"}
 RENAMED |= {f"draft.{k}": "the draft's is always the target's" for k in (
     "hidden_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")}
 RENAMED |= {f"train.{k}": "measured without gain (benchmarks/RESULTS.md)" for k in (
@@ -260,6 +264,8 @@ def type_name(tp: object) -> str:
         return " | ".join(json.dumps(a) for a in args)
     if origin is list:
         return f"list[{type_name(args[0])}]"
+    if tp is dict:
+        return "table"
     if origin in (typing.Union, types.UnionType):     # X | None: "auto" in TOML
         return " | ".join("auto" if a is type(None) else type_name(a) for a in args)
     return tp.__name__
@@ -290,6 +296,8 @@ def _coerce(value: object, tp: object, where: str) -> object:
         return float(value)
     if tp in (int, float, str, bool) and type(value) is tp:
         return value
+    if tp is dict and isinstance(value, dict):
+        return dict(value)
     raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}")
 
 

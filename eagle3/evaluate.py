@@ -155,9 +155,11 @@ def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
     return ids
 
 
-def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path) -> list[Prompt]:
-    """The prompts of a JSON-lines file; errors name the file and line."""
-    path, chat, prompts = Path(path), chat_encoder(target_dir), []
+def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path,
+                 template_kwargs: dict | None = None) -> list[Prompt]:
+    """The prompts of a JSON-lines file (chat lines rendered with `template_kwargs`, as training data); errors name the
+    file and line."""
+    path, chat, prompts = Path(path), chat_encoder(target_dir, template_kwargs), []
     for number, line in json_lines(path, "evaluate.prompts"):
         try:
             prompts.append(Prompt(number, prompt_ids(json.loads(utf8(line)), vocab_size, chat)))
@@ -213,7 +215,7 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     ckpt = Checkpoint(cfg.target.path)
     draft, aux_ids, trained = load_any_draft(draft_dir, ckpt)
     k = e.k or trained or advertised_tokens(draft_dir) or 7
-    prompts = read_prompts(prompts_path, ckpt.config.vocab_size, ckpt.dir)
+    prompts = read_prompts(prompts_path, ckpt.config.vocab_size, ckpt.dir, cfg.data.chat_template_kwargs)
     dbg = cfg.debug
     device, dtype = resolve_device(dbg.evaluate_device), TORCH_DTYPES[dbg.evaluate_dtype]
     target, stop = IncrementalTarget(ckpt, aux_ids, device, dtype), stop_tokens(cfg, ckpt)

@@ -43,23 +43,23 @@ def vllm_config(state: dict, cfg: Config) -> dict:
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": cfg.export.verifier_name or resolved["verifier_name"],
                          "architectures": state["target_architectures"]}},
-        "transformer_layer_config": _llama_layer_config(spec, cfg.export.dtype),
+        "transformer_layer_config": _llama_layer_config(spec, cfg.debug.export_dtype),
         "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
         **{key: spec.get(key, False) for key in NORM_FLAGS},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in resolved["aux_layer_ids"]],
-        "torch_dtype": cfg.export.dtype}
+        "torch_dtype": cfg.debug.export_dtype}
 
 
 def sglang_config(state: dict, cfg: Config) -> dict:
     spec = state["resolved"]["draft_spec"]
-    config = _llama_layer_config(spec, cfg.export.dtype)
+    config = _llama_layer_config(spec, cfg.debug.export_dtype)
     config.update({
         "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
         "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
         # SGLang reads only eagle_config's ids, as outputs of layers (ours): sglang/srt/model_executor/model_runner.py
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(state["resolved"]["aux_layer_ids"]),
                          "use_aux_hidden_state": True},
-        "torch_dtype": cfg.export.dtype,
+        "torch_dtype": cfg.debug.export_dtype,
     })
     return config
 
@@ -110,7 +110,7 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
     cfg = cfg or from_dict(state["config"], str(checkpoint_dir / train_state.STATE))
     weights = train_state.load_weights(checkpoint_dir)
     check_vocab(weights["d2t"], weights["t2d"], str(checkpoint_dir / train_state.MODEL))
-    spec, dtype, written = state["resolved"]["draft_spec"], TORCH_DTYPES[cfg.export.dtype], {}
+    spec, dtype, written = state["resolved"]["draft_spec"], TORCH_DTYPES[cfg.debug.export_dtype], {}
     for fmt in cfg.export.formats:   # "vllm" or "sglang", as the config's type says
         if fmt == "vllm":
             tensors = export_weights(weights, spec, lambda i: f"layers.{i}", spec["num_layers"], dtype)

@@ -15,7 +15,8 @@ from tqdm import tqdm
 from eagle3 import distributed
 from eagle3.config import Config
 from eagle3.resolve import resolve, resolve_device
-from eagle3.data.chat import TOKENIZER_FILES
+from eagle3.data.chat import RENDERING
+from eagle3.data.tokenizer import TOKENIZER_FILES
 from eagle3.data.inputs import InputStats, read_records
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, DataError, shard_name, shard_tensors, write_shard
 from eagle3.files import atomic_write_text, read_json, run_lock, sha256_file, writable_dir
@@ -76,12 +77,14 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
         dtypes.update(aux_hidden="float8_e4m3fn", aux_scale="float32")
     tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
     plan = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len, cfg.data.on_error,
-                       cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype, FORMAT_VERSION])
+                       cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype, FORMAT_VERSION,
+                       *([cfg.data.chat_template_kwargs, RENDERING] if stats.chat.lines else [])])
     return {"format_version": FORMAT_VERSION, "target": ckpt.config.identity(), "aux_layer_ids": aux_ids,
             "dtypes": dtypes, "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
             "source": {"path": str(cfg.data.path), "sha256": data_sha, "max_seq_len": cfg.data.max_seq_len,
                        "lines": stats.lines, "sequences": stats.sequences, "skipped_lines": stats.skipped,
-                       "skipped_line_numbers": stats.skipped_lines[:1000], "truncated": stats.truncated}}
+                       "skipped_line_numbers": stats.skipped_lines[:1000], "truncated": stats.truncated,
+                       **({"chat": stats.chat.summary()} if stats.chat.lines else {})}}
 
 
 def kept(cfg: Config) -> str:
@@ -109,7 +112,9 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
     aux_ids = resolve(cfg, ckpt).aux_layer_ids   # the whole record: a draft that cannot be built fails now
     check_tensors(ckpt, build_model(ckpt, torch.device("cpu"), torch.float32))   # headers only, before any work
     records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len,
-                                  cfg.data.on_error, target_dir=ckpt.dir)
+                                  cfg.data.on_error, target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs)
+    if dist.main and stats.chat.lines:
+        print(f"extract: {stats.chat.describe()}")
     out = writable_dir(cfg.extract.output_dir, DataError, "extract.output_dir")
     (out / JOURNAL).mkdir(parents=True, exist_ok=True)
     header = _header(cfg, ckpt, aux_ids, stats)

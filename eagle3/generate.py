@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3.config import Config
-from eagle3.data.chat import TOKENIZER_FILES, stop_token_ids
+from eagle3.data.tokenizer import TOKENIZER_FILES, stop_token_ids
 from eagle3.data.inputs import Record, read_records
 from eagle3.resolve import resolve_device
 from eagle3.files import atomic_write_text, read_json, sha256_file, strict_json
@@ -69,7 +69,8 @@ class Conversation:
         self.cursor, self.reply = end, 0
 
     def output(self) -> dict:
-        return {"input_ids": self.ids, "loss_mask": self.mask, "source_line": self.record.line}
+        return {"input_ids": self.ids, "loss_mask": self.mask, "source_line": self.record.line,
+                "source_part": self.record.part}
 
 
 def regenerate(target: IncrementalTarget, records: list[Record], sampling: Sampling, max_new: int,
@@ -78,14 +79,14 @@ def regenerate(target: IncrementalTarget, records: list[Record], sampling: Sampl
     of them through the target together (a pass takes each one's unseen tokens: a prompt or its last sample)."""
     waiting = list(records)
     active: list[Conversation] = []
-    finished: dict[int, dict] = {}
-    order = [r.line for r in records]
+    finished: dict[tuple[int, int], dict] = {}
+    order = [(r.line, r.part) for r in records]
     while waiting or active:
         while waiting and len(active) < batch:
             record = waiting.pop(0)
-            active.append(Conversation(record, target, seed * 1_000_003 + record.line))
+            active.append(Conversation(record, target, seed * 1_000_003 + record.line + 1_000_000_007 * record.part))
         for conv in [c for c in active if c.done]:
-            finished[conv.record.line] = conv.output()
+            finished[conv.record.line, conv.record.part] = conv.output()
             active.remove(conv)
         if active:
             results = target.forward_many([c.feed() for c in active], [c.cache for c in active])
@@ -97,14 +98,14 @@ def regenerate(target: IncrementalTarget, records: list[Record], sampling: Sampl
             yield finished.pop(order.pop(0))
 
 
-def _done_lines(partial: Path) -> set[int]:
-    """Source lines already regenerated; a torn last line (killed mid-write) is dropped."""
+def _done_lines(partial: Path) -> set[tuple[int, int]]:
+    """(source line, part) of the sequences already regenerated; a torn last line (killed mid-write) is dropped."""
     if not partial.exists():
         return set()
     lines = partial.read_text().split("\n")
     complete = [line for line in lines[:-1] if line]
     partial.write_text("".join(line + "\n" for line in complete))
-    return {json.loads(line)["source_line"] for line in complete}
+    return {(row["source_line"], row.get("source_part", 0)) for row in map(json.loads, complete)}
 
 
 class GenerateError(Eagle3Error):
@@ -114,7 +115,7 @@ class GenerateError(Eagle3Error):
 def settings(cfg: Config, ckpt: Checkpoint) -> dict:
     """Everything that changes the replies (not batch size or device), keyed by the config key to change."""
     tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
-    keys = ("data.max_seq_len data.on_error generate.max_new_tokens generate.temperature generate.top_p generate.seed "
+    keys = ("data.max_seq_len data.on_error data.chat_template_kwargs generate.max_new_tokens generate.temperature generate.top_p generate.seed "
             "debug.generate_dtype").split()
     return {"target.path": str(ckpt.dir.resolve()), "target config.json sha256": ckpt.config.config_sha256,
             "target tokenizer sha256": tokenizer, "data.path sha256": sha256_file(Path(cfg.data.path)),
@@ -165,10 +166,10 @@ def run(cfg: Config) -> Path:
         return out
     else:
         atomic_write_text(_sidecar(partial), strict_json(current, indent=1) + "\n")
-    records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len,
-                                  cfg.data.on_error, target_dir=ckpt.dir)
+    records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
+                                  target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs, regenerating=True)
     done = _done_lines(partial)
-    todo = [r for r in records if r.line not in done]
+    todo = [r for r in records if (r.line, r.part) not in done]
     device, dtype = resolve_device(cfg.debug.generate_device), TORCH_DTYPES[cfg.debug.generate_dtype]
     target = IncrementalTarget(ckpt, [0, 0, 0], device, dtype)
     sampling, stop = Sampling(g.temperature, g.top_p), stop_tokens(cfg, ckpt)
@@ -179,5 +180,5 @@ def run(cfg: Config) -> Path:
             f.flush()
             bar.update(1)
     _finish(partial, out)
-    print(f"generate: {len(records)} conversations ({stats.skipped} input lines skipped) -> {out}")
+    print(f"generate: {len(records)} sequences of {stats.lines - stats.skipped} input lines ({stats.skipped} skipped) -> {out}")
     return out

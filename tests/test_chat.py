@@ -8,7 +8,8 @@ import pytest
 
 from conftest import make_config
 from eagle3 import extraction
-from eagle3.data.chat import KIMI_PATTERN, ChatEncoder, _cut, stop_token_ids
+from eagle3.data.chat import ChatEncoder
+from eagle3.data.tokenizer import KIMI_PATTERN, _cut, stop_token_ids
 from eagle3.data.inputs import InputError, read_records
 from eagle3.data.shards import loss_token_counts, read_manifest
 
@@ -88,9 +89,8 @@ def write_lines(path, lines):
 def test_kimi_chat_ids_and_assistant_mask(tmp_path, kimi, form):
     if form == "sharegpt":
         line = {"conversations": [{"from": SHAREGPT[r], "value": c} for r, c in DIALOG]}
-    elif form == "parts":  # content as text parts, split mid-word
-        line = {"messages": [{"role": r, "content": [{"type": "text", "text": c[:3]},
-                                                     {"type": "text", "text": c[3:]}]} for r, c in DIALOG]}
+    elif form == "parts":  # content as text parts
+        line = {"messages": [{"role": r, "content": [{"type": "text", "text": c}]} for r, c in DIALOG]}
     else:
         line = {"messages": [{"role": r, "content": c} for r, c in DIALOG]}
     records, stats = read_records(write_lines(tmp_path / "chat.jsonl", [line]), 1000, 4096,
@@ -101,10 +101,17 @@ def test_kimi_chat_ids_and_assistant_mask(tmp_path, kimi, form):
     assert stats.sequences == 1 and stats.skipped == 0
 
 
+def test_text_parts_are_joined_by_newlines_as_vllm_gives_a_template_a_string(kimi):
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "hello"}]
+    (ids, mask), = ChatEncoder(kimi).encode({"messages": [{"role": "user", "content": "hi"},
+                                                          {"role": "assistant", "content": parts}]}).sequences
+    assert ids[mask == 1].tolist() == [HELLO, 10, HELLO, END]
+
+
 def test_system_turn_and_kimi_split_pattern(kimi):
-    ids, mask = ChatEncoder(kimi).encode({"messages": [
+    (ids, mask), = ChatEncoder(kimi).encode({"messages": [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "中文English"},
-        {"role": "assistant", "content": "hello"}]})
+        {"role": "assistant", "content": "hello"}]}).sequences
     assert ids.tolist() == [SYS, *b("system"), MID, *b("be brief"), END, USER, *b("user"), MID,
                             *b("中文English"), END, ASST, *b("assistant"), MID, HELLO, END]
     assert ids[mask == 1].tolist() == [HELLO, END]
@@ -151,11 +158,11 @@ def test_malformed_chat_lines_skipped_and_counted(tmp_path, kimi, capsys):
         assert reason.replace("\\", "") in warnings
 
 
-def test_template_that_rewrites_earlier_turns_is_reported(tmp_path):
+def test_a_reply_that_does_not_follow_the_generation_prompt_is_reported(tmp_path):
     template = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}<|im_end|>{% endif %}{% endfor %}"
     root = make_kimi_tokenizer(tmp_path / "tok", template)
     dialog = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-    rewrites = r"chat.jsonl:1: the chat template renders messages 1..1 differently"
+    rewrites = r"chat.jsonl:1: message 2 of 2 \(assistant\) does not start with the chat template's generation prompt"
     with pytest.raises(InputError, match=rewrites):
         read_records(write_lines(tmp_path / "chat.jsonl", [dialog]), 1000, 4096, target_dir=root)
 
@@ -187,14 +194,14 @@ def test_a_reply_that_merges_with_the_prompt_is_tokenized_as_an_engine_sees_it(t
     root = make_kimi_tokenizer(tmp_path / "tok", NEWLINE_TEMPLATE, extra=[b"\n\n"])
     dialog = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\nhello"}]}
     encoder = ChatEncoder(root)
-    ids, mask = encoder.encode(dialog)
+    (ids, mask), = encoder.encode(dialog).sequences
     prompt = [USER, *b("user"), 10, *b("hi"), END, USER, *b("assistant"), 10]
     assert ids.tolist() == prompt + [nn, HELLO, END] and mask.tolist() == [0] * len(prompt) + [1, 1, 1]
     assert encoder.encode_prompt(dialog).tolist() == prompt    # what the engine tokenizes
     # no marker at all between prompt "h" and reply "ello": the same rule, not a refusal
     bare = make_kimi_tokenizer(tmp_path / "bare", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    ids, mask = ChatEncoder(bare).encode({"messages": [{"role": "user", "content": "h"},
-                                                       {"role": "assistant", "content": "ello"}]})
+    (ids, mask), = ChatEncoder(bare).encode({"messages": [{"role": "user", "content": "h"},
+                                                       {"role": "assistant", "content": "ello"}]}).sequences
     assert ids.tolist() == [*b("h"), *b("e"), 256 + 1, *b("o")] and mask.tolist() == [0, 1, 1, 1]
 
 
@@ -243,8 +250,8 @@ def test_template_syntax_error_names_the_template_file(tmp_path):
 def test_tojson_keeps_non_ascii_text(tmp_path):
     template = "{% for m in messages %}{{ m['content'] | tojson }}<|im_end|>{% endfor %}"
     root = make_kimi_tokenizer(tmp_path / "tok", template)
-    ids, mask = ChatEncoder(root).encode({"messages": [{"role": "user", "content": "<é>"},
-                                                       {"role": "assistant", "content": "hello"}]})
+    (ids, mask), = ChatEncoder(root).encode({"messages": [{"role": "user", "content": "<é>"},
+                                                       {"role": "assistant", "content": "hello"}]}).sequences
     assert ids.tolist() == [*b('"<é>"'), END, *b('"'), HELLO, *b('"'), END]
     assert ids[mask == 1].tolist() == [*b('"'), HELLO, *b('"'), END]
 
@@ -317,15 +324,15 @@ def test_tokenizer_json_target(tmp_path):
     root, tok = qwen_tokenizer(tmp_path / "qwen")
     dialog = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
                            {"role": "user", "content": "ok?"}, {"role": "assistant", "content": "hi"}]}
-    ids, mask = ChatEncoder(root).encode(dialog)
+    (ids, mask), = ChatEncoder(root).encode(dialog).sequences
     text = ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello there<|im_end|>\n"
-            "<|im_start|>user\nok?<|im_end|>\n<|im_start|>assistant\nhi<|im_end|>\n")
+            "<|im_start|>user\nok?<|im_end|>\n<|im_start|>assistant\nhi<|im_end|>")
     assert ids.tolist() == tok.encode(text, add_special_tokens=False).ids
     tokens = [tok.id_to_token(i) for i in ids]
     masked = [t for t, m in zip(tokens, mask) if m]
-    # the reply and its end marker; not the newline the template writes after it
+    # the reply and its end marker; the sequence ends there, before the newline the template writes after it
     assert masked == ["hello", " ", "there", "<|im_end|>", "hi", "<|im_end|>"]
-    assert tokens[-1] == "\n" and mask[-1] == 0
+    assert tokens[-1] == "<|im_end|>" and mask[-1] == 1
 
 
 def test_sentencepiece_style_prefix_space_falls_back_to_prefix_counts(tmp_path):
@@ -336,8 +343,8 @@ def test_sentencepiece_style_prefix_space_falls_back_to_prefix_counts(tmp_path):
     words = ["[UNK]", "hi", "▁hi", "hello", "▁hello"]
     root, tok = make_hf_tokenizer(tmp_path / "sp", pre_tokenizers.Metaspace(prepend_scheme="first"), words,
                                   template, ["<s>", "</s>", "[INST]", "[/INST]"], named=True)
-    ids, mask = ChatEncoder(root).encode({"conversations": [{"from": "human", "value": "hi"},
-                                                            {"from": "gpt", "value": "hello"}]})
+    (ids, mask), = ChatEncoder(root).encode({"conversations": [{"from": "human", "value": "hi"},
+                                                            {"from": "gpt", "value": "hello"}]}).sequences
     assert [tok.id_to_token(i) for i in ids] == ["<s>", "[INST]", "hi", "[/INST]", "hello", "</s>"]
     assert mask.tolist() == [0, 0, 0, 0, 1, 1]
 

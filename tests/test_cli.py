@@ -78,9 +78,9 @@ def test_overrides_reach_export(tmp_path, monkeypatch):
     monkeypatch.setattr(export, "export_all", lambda ckpt, out, cfg: seen.append(cfg) or {})
     main(["export", str(checkpoint), str(tmp_path / "out"), "--export.formats", '["vllm"]'])
     assert seen[-1].export.formats == ["vllm"] and seen[-1].export.speculative_tokens == 5
-    main(["export", str(checkpoint), str(tmp_path / "out"), "--config", CONFIG, "--export.dtype=float32"])
+    main(["export", str(checkpoint), str(tmp_path / "out"), "--config", CONFIG, "--debug.export_dtype=float32"])
     assert seen[-1].export.formats == ["vllm", "sglang"] and seen[-1].export.speculative_tokens == 3
-    assert seen[-1].export.dtype == "float32" and seen[-1].source == CONFIG
+    assert seen[-1].debug.export_dtype == "float32" and seen[-1].source == CONFIG
     with pytest.raises(SystemExit, match=r"export.formats\[0\] = 'onnx'; expected one of \('vllm', 'sglang'\)"):
         main(["export", str(checkpoint), str(tmp_path / "out"), "--export.formats", '["onnx"]'])
 

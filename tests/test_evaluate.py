@@ -255,7 +255,7 @@ def llama_run(tmp_path_factory, llama_target, token_data):
         "generate.output_path": tmp / "regen.jsonl", "generate.max_new_tokens": 24, "debug.generate_dtype": "float32",
         "debug.generate_device": "cpu", "train.max_steps": 60, "train.batch_tokens": 400, "train.ttt_steps": 3,
         "train.eval_fraction": 0.25, "train.eval_every": 60, "train.checkpoint_every": 60, "debug.log_every": 20,
-        "train.lr": 1e-2, "export.formats": '["vllm"]', "export.dtype": "float32",
+        "train.lr": 1e-2, "export.formats": '["vllm"]', "debug.export_dtype": "float32",
         "debug.evaluate_device": "cpu", "evaluate.max_new_tokens": 20})
     generate.run(cfg)
     cfg.data.path = str(tmp / "regen.jsonl")

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.data.chat import ChatEncoder, stop_token_ids
+from eagle3.data.chat import ChatEncoder
+from eagle3.data.tokenizer import stop_token_ids
 from eagle3.data.inputs import read_records
 from eagle3.generate import regenerate, reply_spans
 from eagle3.models.weights import Checkpoint
@@ -65,7 +66,7 @@ def test_chat_ids_and_masks_are_the_engines(smollm, tmp_path):
     root, _, tok = smollm
     encoder = ChatEncoder(root)
     for dialog in DIALOGS:
-        ids, mask = encoder.encode({"messages": messages(dialog)})
+        (ids, mask), = encoder.encode({"messages": messages(dialog)}).sequences   # ChatML keeps history: one sequence
         replies = [k for k, (role, _) in enumerate(dialog) if role == "assistant"]
         # served: the prompt rendered with the generation prompt and tokenized, then the reply's tokens
         expected, expected_mask = [], []
@@ -75,10 +76,8 @@ def test_chat_ids_and_masks_are_the_engines(smollm, tmp_path):
             reply = tok(dialog[k][1] + "<|im_end|>", add_special_tokens=False)["input_ids"]
             expected += context + reply
             expected_mask += [0] * len(context) + [1] * len(reply)
-        whole = tok.apply_chat_template(messages(dialog), tokenize=False)
-        tail = tok(whole[len(tok.decode(expected)):], add_special_tokens=False)["input_ids"]
-        assert ids.tolist() == expected + tail
-        assert mask.tolist() == expected_mask + [0] * len(tail)
+        assert ids.tolist() == expected     # through the last reply's end marker
+        assert mask.tolist() == expected_mask
         last_prompt = tok.apply_chat_template(messages(dialog[:replies[-1]]), add_generation_prompt=True,
                                               tokenize=True, return_dict=True)["input_ids"]
         assert encoder.encode_prompt({"messages": messages(dialog)}).tolist() == last_prompt

@@ -681,11 +681,11 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, llama_target, token_data
 
 
 def test_overrides_may_stand_before_the_positionals(tmp_path, trained):
-    """`export --export.dtype float32 CKPT OUT`: the override's value is not taken for a positional."""
+    """`export --debug.export_dtype float32 CKPT OUT`: the override's value is not taken for a positional."""
     from eagle3.__main__ import main
     run_tmp, _ = trained
     checkpoint = run_tmp / "train" / "checkpoints" / "step-00000006"
-    main(["export", "--export.dtype", "float32", "--export.formats=[\"vllm\"]", str(checkpoint), str(tmp_path / "x")])
+    main(["export", "--debug.export_dtype", "float32", "--export.formats=[\"vllm\"]", str(checkpoint), str(tmp_path / "x")])
     assert {t.dtype for n, t in load_file(tmp_path / "x" / "vllm" / "model.safetensors").items()
             if n not in ("d2t", "t2d")} == {torch.float32}
     assert not (tmp_path / "x" / "sglang").exists()

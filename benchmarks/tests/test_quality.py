@@ -22,7 +22,8 @@ def work(tmp_path_factory):
     quality.main(["--tiny", "--work", str(work), "--device", "cpu", "--stages", "target,data,ours,measure", *RECIPE,
                 "--variant", "base", "--variant", "trained-head:experimental.freeze_lm_head=false",
                 "--variant", "aux:target.aux_layer_ids=[1,3,6]",
-                "--variant", "sampled:data.path={work}/regen-sampled.jsonl,train.loss=nla"])
+                "--variant", "sampled:data.path={work}/regen-sampled.jsonl,train.loss=nla",
+                "--variant", "thinking:data.path={work}/thinking.jsonl"])
     return work
 
 
@@ -61,7 +62,7 @@ def test_judging_prompts_never_come_from_the_draft_data(work):
 @pytest.mark.slow
 def test_measure_reports_real_decoding_of_every_variant_losslessly(work):
     results = json.loads((work / "quality.json").read_text())["results"]
-    assert set(results) == {"base", "trained-head", "aux", "sampled"}
+    assert set(results) == {"base", "trained-head", "aux", "sampled", "thinking"}
     K = quality.TINY.ttt_steps
     for m in results.values():
         assert m["t0"]["mismatches"] == 0 and m["t0"]["prompts"] == quality.TINY.eval_prompts
@@ -85,6 +86,24 @@ def test_measure_reports_real_decoding_of_every_variant_losslessly(work):
     assert manifest["source"]["path"].endswith("regen-sampled.jsonl"), manifest["source"]
     state = json.loads(next((work / "ours-sampled" / "checkpoints").glob("step-*/state.json")).read_text())
     assert state["config"]["train"]["loss"] == "nla"
+
+
+@pytest.mark.slow
+def test_the_thinking_variant_trains_every_reply_token_through_the_chat_path(work):
+    """thinking.jsonl holds the greedy replies as chat lines, half reasoning: extracted through the chat path, every
+    reply token is trained (reasoning about half of them), the same text as the pre-tokenized lines."""
+    from tokenizers import Tokenizer
+    chat = json.loads((work / "hidden-thinking" / "manifest.json").read_text())["source"]["chat"]
+    r = quality.TINY
+    assert chat["lines"] == chat["sequences"] == r.train_prompts and not chat["fields_not_rendered"]
+    trained = chat["trained_tokens"]
+    assert trained["tool_calls"] == 0 and 0.3 < trained["reasoning"] / sum(trained.values()) < 0.7, trained
+    tok = Tokenizer.from_file(str(work / "target" / "tokenizer.json"))
+    greedy = [json.loads(line) for line in (work / "regen.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (work / "thinking.jsonl").read_text().splitlines()]
+    for row, line in zip(greedy, lines):
+        user, reply = line["messages"]
+        assert user["content"] + reply["reasoning_content"] + reply["content"] == tok.decode(row["input_ids"])
 
 
 @pytest.mark.slow

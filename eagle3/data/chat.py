@@ -1,275 +1,306 @@
-"""Chat lines (OpenAI {"messages"}, ShareGPT {"conversations"}) -> (input_ids, loss_mask) with the target's own
-tokenizer and chat template, each assistant turn found by rendering prefix by prefix (docs/data.md)."""
+"""Chat lines -> the sequences the engine generated each assistant reply in. Every field the engines' chat API
+carries (reasoning, tool calls, tool results, tools, template kwargs) reaches the target's own template as vLLM and
+SGLang pass it; each reply is trained as the model emitted it, after the context rendered before it (docs/data.md)."""
 from __future__ import annotations
 
-import base64
-import importlib
 import json
-import re
-from collections.abc import Callable
+import os
+from collections import Counter
+from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from pathlib import Path
 
 import numpy as np
 
-from eagle3.errors import Eagle3Error, InputError
-from eagle3.files import read_json
+from eagle3.data.tokenizer import ChatError, TargetTokenizer
 
-# Kimi-K2's split pattern (tokenization_kimi.py): Han runs are pre-tokens of their own.
-KIMI_PATTERN = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+""",
-])
-# Kimi cuts its input like this before tiktoken, whose regex engine panics on very long runs.
-KIMI_MAX_TEXT, KIMI_MAX_RUN = 400_000, 25_000
-OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
-# The target files that decide how a conversation becomes tokens (hashed into the extraction plan).
-TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-class ChatError(Eagle3Error):
-    """A conversation that cannot be encoded; the caller adds the file and line."""
+ROLES = {"messages": ("role", "content", {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}),
+         "conversations": ("from", "value", {"system": "system", "human": "user", "gpt": "assistant"})}
+# what vLLM (>= 0.11.1) and SGLang pass to the template per message, besides role and content
+MESSAGE_FIELDS = ("reasoning_content", "reasoning", "tool_calls", "tool_call_id", "name")
+REASONING = ("reasoning_content", "reasoning")
+LINE_FIELDS = ("tools", "chat_template_kwargs")
+# kwargs the engines set themselves: a line may not override them
+RESERVED_KWARGS = {"messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+                   "bos_token", "eos_token"}
+THINK_START, THINK_END = "<think>", "</think>"
+CATEGORIES = ("reasoning", "content", "tool_calls")
+PROBE = "\u2063probe\u2063"   # a reasoning no data holds: shows whether the template keeps a turn's reasoning
+RENDERING = 2   # the version of how chat lines become sequences: an extraction planned under another is not resumed
 
 
-def _require(module: str, needed_by: Path):
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise InputError(f"{needed_by}: chat lines need the optional package '{module}': "
-                         "pip install eagle3-trainer[chat]") from None
+@dataclass
+class Chat:
+    messages: list[dict]         # as the engines pass them to the template
+    tools: list | None
+    kwargs: dict                 # chat_template_kwargs: the config's default, then the line's
+    ignored: set[str]            # keys of the line no engine reads, e.g. "messages[].weight"
+
+
+@dataclass
+class Encoded:
+    """A chat line as training sequences: (int32 ids, uint8 loss mask) each, and what was trained."""
+    sequences: list[tuple[np.ndarray, np.ndarray]]
+    replies: int = 0
+    trained: Counter = field(default_factory=Counter)    # loss tokens by category (CATEGORIES)
+    repeated: int = 0            # tokens a sequence shares with the line's previous one (rendered again)
+    unrendered: set[str] = field(default_factory=set)    # fields of the line the template leaves out of the text
+    ignored: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Reply:
+    text: str                    # after the generation prompt, through the end-of-turn marker
+    spans: dict                  # category -> [start, end) in text (content: everything else)
+    unrendered: set[str]
 
 
 def _text(content: object, where: str) -> str:
+    """Content as the engines give the template a string: None -> "", text parts joined by newlines (vLLM)."""
+    if content is None:
+        return ""
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise ChatError(f"{where}: content parts must be {{\"type\": \"text\", \"text\": ...}}")
-        content = "".join(p["text"] for p in content)
+        return "\n".join(p["text"] for p in content)
     if not isinstance(content, str):
-        raise ChatError(f"{where}: content must be a string or a list of text parts")
-    if not content.strip():
-        raise ChatError(f"{where}: empty content")
+        raise ChatError(f"{where}: content must be a string, a list of text parts or null")
     return content
 
 
-def conversation(obj: dict, require_reply: bool = True) -> list[dict]:
-    """The line's turns as [{"role", "content": str}] in OpenAI roles (a prompt needs no reply)."""
+def _split_think(content: str) -> tuple[str | None, str]:
+    """(reasoning, content) of a reply written with its thinking inline, `<think>R</think>C`; (None, content) else."""
+    head, end, rest = content.partition(THINK_END)
+    if not end or not head.lstrip().startswith(THINK_START):
+        return None, content
+    return head.lstrip()[len(THINK_START):], rest
+
+
+def _tool_calls(calls: object, where: str) -> list[dict]:
+    """OpenAI tool calls with `arguments` parsed to an object, as both engines hand them to templates."""
+    if not isinstance(calls, list):
+        raise ChatError(f"{where}: tool_calls must be a list")
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ChatError(f"{where}: tool_calls[{i}] must be {{\"id\", \"type\": \"function\", \"function\": "
+                            "{\"name\", \"arguments\"}}")
+        arguments = function.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise ChatError(f"{where}: tool_calls[{i}].function.arguments is not valid JSON") from None
+        if not isinstance(arguments, dict):
+            raise ChatError(f"{where}: tool_calls[{i}].function.arguments must be a JSON object")
+        out.append({**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}})
+    return out
+
+
+def _message(turn: object, number: int, total: int, key: str) -> tuple[dict, set[str]]:
+    """One turn as the engines pass it to the template, and the keys of it they do not read."""
+    role_key, text_key, roles = ROLES[key]
+    where = f"message {number} of {total}"
+    role = turn.get(role_key) if isinstance(turn, dict) else None
+    if not isinstance(role, str) or role not in roles:
+        raise ChatError(f"{where}: unknown role {role!r}; expected '{role_key}' one of {sorted(roles)}")
+    message = {"role": roles[role], "content": _text(turn.get(text_key), where)}
+    given = {k: turn[k] for k in REASONING if turn.get(k) is not None}
+    if len(set(map(str, given.values()))) > 1:
+        raise ChatError(f"{where}: reasoning_content and reasoning differ; give one")
+    reasoning = next(iter(given.values()), None)
+    if reasoning is None and message["role"] == "assistant":
+        reasoning, message["content"] = _split_think(message["content"])
+    if reasoning is not None:
+        if message["role"] != "assistant" or not isinstance(reasoning, str):
+            raise ChatError(f"{where}: reasoning must be a string on an assistant turn")
+        message.update(reasoning_content=reasoning, reasoning=reasoning)   # vLLM passes both names
+    if turn.get("tool_calls"):   # an empty list is no tool call (vLLM drops it)
+        if message["role"] != "assistant":
+            raise ChatError(f"{where}: tool_calls on a {message['role']} turn")
+        message["tool_calls"] = _tool_calls(turn["tool_calls"], where)
+    for k in ("tool_call_id", "name"):
+        if turn.get(k) is not None:
+            if not isinstance(turn[k], str):
+                raise ChatError(f"{where}: {k} must be a string")
+            message[k] = turn[k]
+    if message["role"] == "assistant" and not (message["content"].strip() or reasoning or "tool_calls" in message):
+        raise ChatError(f"{where}: empty content")
+    if message["role"] != "assistant" and not message["content"].strip() and message["role"] != "tool":
+        raise ChatError(f"{where}: empty content")
+    ignored = {f"{key}[].{k}" for k in turn if k not in (role_key, text_key, *MESSAGE_FIELDS)}
+    return message, ignored
+
+
+def conversation(obj: dict, default_kwargs: dict, require_reply: bool = True) -> Chat:
+    """The line's turns, tools and template kwargs as the engines pass them (a prompt needs no reply)."""
     key = "messages" if "messages" in obj else "conversations"
-    role_key, text_key, roles = (("role", "content", OPENAI_ROLES) if key == "messages"
-                                 else ("from", "value", SHAREGPT_ROLES))
     turns = obj[key]
     if not isinstance(turns, list) or not turns:
         raise ChatError(f"'{key}' must be a non-empty list of turns")
-    messages = []
-    for number, turn in enumerate(turns, start=1):
-        where = f"message {number} of {len(turns)}"
-        role = turn.get(role_key) if isinstance(turn, dict) else None
-        if not isinstance(role, str) or role not in roles:
-            raise ChatError(f"{where}: unknown role {role!r}; expected '{role_key}' one of {sorted(roles)}")
-        messages.append({"role": roles[role], "content": _text(turn.get(text_key), where)})
+    parsed = [_message(turn, n, len(turns), key) for n, turn in enumerate(turns, start=1)]
+    messages = [m for m, _ in parsed]
     if require_reply and not any(m["role"] == "assistant" for m in messages):
         raise ChatError(f"no assistant turn in '{key}': nothing to learn from")
-    return messages
+    tools = obj.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ChatError("tools must be a list of objects")
+    kwargs = obj.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ChatError("chat_template_kwargs must be an object")
+    if reserved := sorted(RESERVED_KWARGS & set(kwargs)):
+        raise ChatError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    ignored = set().union(*(i for _, i in parsed)) | {k for k in obj if k not in (key, *LINE_FIELDS)}
+    return Chat(messages, tools or None, {**default_kwargs, **kwargs}, ignored)
 
 
-def _read_ranks(path: Path) -> dict[bytes, int]:
-    ranks = {}
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
-        except ValueError:
-            raise InputError(f"{path}:{number}: expected '<base64 token> <rank>'") from None
-    return ranks
+def _without(message: dict, keys: tuple[str, ...]) -> dict:
+    return {k: v for k, v in message.items() if k not in keys}
 
 
-def _cut(text: str, limit: int, pattern: str) -> list[str]:
-    """`text` cut every `limit` characters inside each match of `pattern` longer than that."""
-    cuts = [m.start() + j for m in re.finditer(pattern, text) for j in range(limit, len(m.group()), limit)]
-    bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
-def _special_tokens(model: Path, config_path: Path, config: dict) -> dict[str, int]:
-    needed = f"{config_path}: 'added_tokens_decoder' ({{id: {{\"content\": ...}}}}) is needed with {model.name}"
-    decoder = config.get("added_tokens_decoder")
-    if not isinstance(decoder, dict) or not decoder:
-        raise InputError(needed)
-    try:
-        return {entry["content"]: int(i) for i, entry in decoder.items()}
-    except (KeyError, TypeError, ValueError):
-        raise InputError(needed) from None
-
-
-def _load_tokenizer(root: Path, config_path: Path, config: dict) -> Callable[[str], list[int]]:
-    """The target's encode function: Kimi's tiktoken.model or a Hugging Face tokenizer.json. Neither adds
-    special tokens (no BOS): the template writes what the model sees."""
-    if (model := root / "tiktoken.model").exists():
-        enc = _require("tiktoken", model).Encoding(name=model.name, pat_str=KIMI_PATTERN,
-                                                   mergeable_ranks=_read_ranks(model),
-                                                   special_tokens=_special_tokens(model, config_path, config))
-        return lambda text: [t for chunk in _cut(text, KIMI_MAX_TEXT, r"(?s).+")
-                             for piece in _cut(chunk, KIMI_MAX_RUN, r"\s+|\S+")
-                             for t in enc.encode(piece, allowed_special="all")]
-    if (path := root / "tokenizer.json").exists():
-        tokenizers = _require("tokenizers", path)
-        try:
-            tok = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as e:  # the Rust library raises a bare Exception for a file it cannot read
-            raise InputError(f"{path}: not a tokenizers file: {e}") from None
-        return lambda text: tok.encode(text, add_special_tokens=False).ids
-    raise InputError(f"{root}: chat lines need the target's tokenizer: expected tiktoken.model + "
-                     "tokenizer_config.json (Kimi) or tokenizer.json in the target directory")
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # Hugging Face's variant: jinja2's own tojson HTML-escapes, which would change the prompt text
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatError(f"chat template: {message}")
-
-
-def _load_template(root: Path, config_path: Path, config: dict):
-    path = root / "chat_template.jinja"
-    source, origin = (path.read_text(), path) if path.exists() else (config.get("chat_template"), config_path)
-    if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-    if not isinstance(source, str):
-        raise InputError(f"{root}: chat lines need the target's chat template: expected chat_template.jinja "
-                         f"or 'chat_template' in {config_path.name}")
-    jinja2 = _require("jinja2", origin)
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    # as transformers renders templates; no strftime_now: a resumed extraction tokenizes exactly as before
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise InputError(f"{origin}:{e.lineno}: chat template syntax error: {e.message}") from None
-
-
-def _token_text(value: object) -> str:
-    return value.get("content", "") if isinstance(value, dict) else value or ""
-
-
-def _json_object(path: Path) -> dict:
-    value = read_json(path, InputError, "") if path.exists() else {}
-    if not isinstance(value, dict):
-        raise InputError(f"{path}: expected a JSON object")
-    return value
-
-
-def _token_id(root: Path, content: str) -> int | None:
-    """The id of token `content` in the target's tokenizer files (special tokens, then the vocabulary)."""
-    config = _json_object(root / "tokenizer_config.json")
-    for i, entry in (config.get("added_tokens_decoder") or {}).items():
-        if isinstance(entry, dict) and entry.get("content") == content:
-            return int(i)
-    tok = _json_object(root / "tokenizer.json")
-    for entry in tok.get("added_tokens") or []:
-        if isinstance(entry, dict) and entry.get("content") == content:
-            return entry.get("id")
-    vocab = (tok.get("model") or {}).get("vocab")
-    return vocab.get(content) if isinstance(vocab, dict) else None
-
-
-def stop_token_ids(root: str | Path, config_eos: object) -> set[int]:
-    """The tokens an engine stops at, as vLLM finds them: the tokenizer's eos token and
-    generation_config.json's eos_token_id, else config.json's (`config_eos`)."""
-    root = Path(root)
-    generation = root / "generation_config.json"
-    eos = _json_object(generation).get("eos_token_id") if generation.exists() else config_eos
-    stop = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in stop):
-        raise InputError(f"{generation if generation.exists() else root / 'config.json'}: eos_token_id = {eos!r}; "
-                         "expected an integer or a list of integers")
-    token = next((t for name in ("tokenizer_config.json", "special_tokens_map.json")
-                  if (t := _token_text(_json_object(root / name).get("eos_token")))), None)
-    if token and (i := _token_id(root, token)) is not None:
-        stop = [*stop, i]
-    return set(stop)
+def _diff(a: str, b: str) -> tuple[int, int]:
+    """[start, end) in `a` of what `a` has beyond `b` (their common prefix and suffix taken off)."""
+    start = len(os.path.commonprefix([a, b]))
+    tail = len(os.path.commonprefix([a[start:][::-1], b[start:][::-1]]))
+    return start, len(a) - tail
 
 
 class ChatEncoder:
     """Encodes chat lines for one target directory; loading problems raise InputError."""
 
-    def __init__(self, target_dir: str | Path):
-        root = Path(target_dir)
-        config_path = root / "tokenizer_config.json"
-        config = _json_object(config_path)
-        self.encode_text = _load_tokenizer(root, config_path, config)
-        self.template = _load_template(root, config_path, config)
-        self.variables = {"bos_token": _token_text(config.get("bos_token")),
-                          "eos_token": _token_text(config.get("eos_token"))}
+    def __init__(self, target_dir: str | Path, template_kwargs: dict | None = None):
+        self.tokenizer = TargetTokenizer(target_dir)
+        self.default_kwargs = dict(template_kwargs or {})
 
-    def encode(self, obj: dict) -> tuple[np.ndarray, np.ndarray]:
-        """int32 ids and uint8 loss mask of a {"messages"} or {"conversations"} line."""
-        messages = conversation(obj)
-        text, spans = self._render(messages)
-        ids, cuts = self._token_cuts(text, [b for span in spans for b in span])
-        mask = np.zeros(len(ids), dtype=np.uint8)
-        replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-        for k, start, end in zip(replies, cuts[0::2], cuts[1::2]):
-            if start == end:
-                raise ChatError(f"message {k + 1} of {len(messages)} (assistant) renders to no tokens")
-            mask[start:end] = 1
-        return np.asarray(ids, dtype=np.int32), mask
+    def encode(self, obj: dict, regenerating: bool = False) -> Encoded:
+        """The sequences of a {"messages"} or {"conversations"} line: replies share one sequence while the template
+        renders the earlier ones unchanged before the next; `regenerating`: also while it would keep their reasoning."""
+        chat = conversation(obj, self.default_kwargs)
+        render = self._renderer(chat)
+        out = Encoded([], ignored=set(chat.ignored))
+        groups: list[tuple[str, list[int], list[Reply]]] = []   # (text, reply bounds, replies)
+        for k, message in enumerate(chat.messages):
+            if message["role"] != "assistant":
+                continue
+            prompt, reply = render(chat.messages[:k], True), self._reply(chat, k)
+            if not reply.text:
+                raise ChatError(f"message {k + 1} of {len(chat.messages)} (assistant) renders to no tokens")
+            out.replies += 1
+            out.unrendered |= reply.unrendered
+            if groups and prompt.startswith(groups[-1][0]) and (not regenerating or self._keeps_reasoning(chat, k)):
+                text, bounds, replies = groups.pop()
+            else:
+                bounds, replies = [], []
+            groups.append((prompt + reply.text, [*bounds, len(prompt), len(prompt) + len(reply.text)],
+                           [*replies, reply]))
+        for text, bounds, replies in groups:
+            ids, cuts, starts = self._token_cuts(text, bounds)
+            mask = np.zeros(len(ids), dtype=np.uint8)
+            for reply, start, end, token_starts in zip(replies, cuts[0::2], cuts[1::2], starts):
+                mask[start:end] = 1
+                ends = [*token_starts[1:], len(reply.text)]
+                out.trained.update(_category(reply.spans, (a + b - 1) / 2) for a, b in zip(token_starts, ends))
+            if out.sequences:
+                previous = out.sequences[-1][0]
+                out.repeated += len(os.path.commonprefix([previous[:len(ids)].tolist(), ids[:len(previous)]]))
+            out.sequences.append((np.asarray(ids, dtype=np.int32), mask))
+        out.unrendered |= self._unrendered_context(chat, render)
+        return out
 
     def encode_prompt(self, obj: dict) -> np.ndarray:
         """int32 ids of a chat line as a prompt: a trailing assistant turn dropped, the generation prompt added."""
-        messages = conversation(obj, require_reply=False)
-        if messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
+        chat = conversation(obj, self.default_kwargs, require_reply=False)
+        messages = chat.messages[:-1] if chat.messages[-1]["role"] == "assistant" else chat.messages
         if not messages:
             raise ChatError("only an assistant turn: no prompt to reply to")
-        return np.asarray(self.encode_text(self._apply(messages, add_generation_prompt=True)), dtype=np.int32)
+        return np.asarray(self.tokenizer.encode(self._renderer(chat)(messages, True)), dtype=np.int32)
 
-    def _apply(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.variables)
-        except ChatError:
-            raise
-        except Exception as e:  # a template is third-party code: whatever it raises is this line's problem
-            raise ChatError(f"chat template failed: {type(e).__name__}: {e}") from None
+    def _renderer(self, chat: Chat):
+        return lambda messages, add_generation_prompt: self.tokenizer.render(
+            messages, add_generation_prompt, chat.tools, chat.kwargs)
 
-    def _render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation's text and the character span [start, end) of each assistant reply."""
-        before, spans = "", []
-        for k, message in enumerate(messages):
-            text = self._apply(messages[:k + 1])
-            _check_extends(before, text, f"the chat template renders messages 1..{k} differently once "
-                                         f"message {k + 1} follows")
-            if message["role"] == "assistant":
-                prompt = self._apply(messages[:k], add_generation_prompt=True)
-                _check_extends(before, prompt, "the chat template's generation prompt changes earlier turns")
-                _check_extends(prompt, text, f"message {k + 1} (assistant) does not start with the chat "
-                                             "template's generation prompt")
-                spans.append((len(prompt), max(len(prompt), len(text.rstrip()))))
-            before = text
-        return before, spans
+    def _reply(self, chat: Chat, k: int) -> Reply:
+        """Turn k as the model emitted it after the generation prompt, rendered after the earlier turns without
+        their reasoning (it is context, never reply: templates that drop it from history then agree with the
+        prompt). Where the template drops the turn's own reasoning (Kimi's final turns: it renders them as
+        history), the reasoning goes before `</think>`, where the model wrote it."""
+        render, message = self._renderer(chat), chat.messages[k]
+        context = [_without(m, REASONING) for m in chat.messages[:k]]
+        prompt = render(context, True)
 
-    def _token_cuts(self, text: str, bounds: list[int]) -> tuple[list[int], list[int]]:
-        """Token ids of `text` and, per character position in `bounds`, the tokens before it. The pieces
-        between bounds are tokenized apart, as an engine sees prompt and reply (docs/data.md)."""
-        ids = self.encode_text(text)
+        def reply(m: dict) -> str | None:
+            whole = render([*context, m], False)
+            return whole[len(prompt):].rstrip() if whole.startswith(prompt) else None
+
+        bare = reply(_without(message, (*REASONING, "tool_calls")))
+        if bare is None:
+            raise ChatError(f"message {k + 1} of {len(chat.messages)} (assistant) does not start with the chat "
+                            "template's generation prompt, so its tokens cannot be located")
+        text, spans, unrendered = bare, {}, set()
+        if "tool_calls" in message:
+            tools = reply(_without(message, REASONING))
+            if tools is None or tools == bare:
+                unrendered.add("tool_calls")
+            else:
+                text, spans = tools, {"tool_calls": _diff(tools, bare)}
+        if not (reasoning := message.get("reasoning")):
+            return Reply(text, spans, unrendered)
+        full = reply(message)
+        if full is not None and full != text:
+            start, end = _diff(full, text)
+            return Reply(full, {**_shift(spans, start, len(full) - len(text)), "reasoning": (start, end)}, unrendered)
+        if THINK_END not in text:   # thinking off, or a template without reasoning
+            return Reply(text, spans, unrendered | {"reasoning"})
+        at = text.index(THINK_END)
+        return Reply(text[:at] + reasoning + text[at:],
+                     {**_shift(spans, at, len(reasoning)), "reasoning": (at, at + len(reasoning))}, unrendered)
+
+    def _keeps_reasoning(self, chat: Chat, k: int) -> bool:
+        """Whether turn k's context renders the reasoning of the reply before it, where that reply (regenerated)
+        would carry reasoning in this template's format."""
+        j = max(i for i in range(k) if chat.messages[i]["role"] == "assistant")
+        probed = Chat([dict(m, reasoning_content=PROBE, reasoning=PROBE) if i == j else m
+                       for i, m in enumerate(chat.messages)], chat.tools, chat.kwargs, chat.ignored)
+        if "reasoning" not in self._reply(probed, j).spans:
+            return True
+        return PROBE in self._renderer(chat)(probed.messages[:k], True)
+
+    def _unrendered_context(self, chat: Chat, render) -> set[str]:
+        """The line's tools, template kwargs, and the tool-turn fields before its last reply the template never reads."""
+        out = {f"chat_template_kwargs.{k}" for k in chat.kwargs if k not in self.tokenizer.template_variables}
+        if chat.tools and "tools" not in self.tokenizer.template_variables:
+            out.add("tools")
+        last = max(k for k, m in enumerate(chat.messages) if m["role"] == "assistant")
+        context = chat.messages[:last]
+        for key in ("tool_call_id", "name"):
+            if any(key in m for m in context):
+                if render([_without(m, (key,)) for m in context], True) == render(context, True):
+                    out.add(key)
+        return out
+
+    def _token_cuts(self, text: str, bounds: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
+        """Token ids of `text`, per character position in `bounds` the tokens before it, and the character offsets
+        (within its reply) of each reply token. The pieces between bounds are tokenized apart, as an engine sees
+        prompt and reply (docs/data.md)."""
         edges = [0, *bounds, len(text)]
-        pieces = [self.encode_text(text[a:b]) for a, b in zip(edges, edges[1:])]
-        joined = list(chain.from_iterable(pieces))
+        pieces = [self.tokenizer.encode.with_starts(text[a:b]) for a, b in zip(edges, edges[1:])]
+        joined = list(chain.from_iterable(ids for ids, _ in pieces))
+        starts = [s for _, s in pieces[1::2]]
+        ids = self.tokenizer.encode(text)
         if joined != ids:   # a piece alone encodes differently (a SentencePiece prefix space): cut by prefixes
-            heads = [self.encode_text(text[:b]) for b in bounds]
+            heads = [self.tokenizer.encode(text[:b]) for b in bounds]
             if all(h == ids[:len(h)] for h in heads):   # each prefix tokenizes as the start of the whole
-                return ids, [len(h) for h in heads]
-        return joined, list(accumulate(len(p) for p in pieces[:-1]))
+                return ids, [len(h) for h in heads], starts
+        return joined, list(accumulate(len(piece) for piece, _ in pieces[:-1])), starts
 
 
-def _check_extends(prefix: str, text: str, problem: str) -> None:
-    if not text.startswith(prefix):
-        raise ChatError(f"{problem}, so the assistant tokens cannot be located by rendering prefixes")
+def _shift(spans: dict, at: int, by: int) -> dict:
+    """`spans` with every span at or after `at` moved `by` characters (text was inserted at `at`)."""
+    return {k: (a + by, b + by) if a >= at else (a, b) for k, (a, b) in spans.items()}
+
+
+def _category(spans: dict, middle: float) -> str:
+    """The category of the token whose middle character is at `middle` (a span found by difference may be a
+    character or two off at its ends)."""
+    return next((k for k, (a, b) in spans.items() if a <= middle < b), "content")

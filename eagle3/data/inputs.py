@@ -6,11 +6,13 @@ import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from eagle3.data.chat import CATEGORIES
 from eagle3.errors import InputError
 
 
@@ -19,6 +21,56 @@ class Record:
     line: int                  # 1-based line number in the input file
     input_ids: np.ndarray      # int32 [n]
     loss_mask: np.ndarray      # uint8 [n]
+    part: int = 0              # the sequence's index among its line's (a chat line may give several)
+
+
+@dataclass
+class ChatStats:
+    """What the chat lines trained, and what they cost (docs/data.md); `unrendered` and `ignored` count lines."""
+    lines: int = 0
+    replies: int = 0
+    sequences: int = 0
+    split_lines: int = 0       # lines given as more than one sequence: the template rewrites their history
+    repeated_tokens: int = 0   # context tokens rendered again in a later sequence of the same line
+    trained: Counter = field(default_factory=Counter)      # loss tokens: reasoning / content / tool_calls
+    unrendered: Counter = field(default_factory=Counter)   # field -> lines whose field the template leaves out
+    ignored: Counter = field(default_factory=Counter)      # key -> lines carrying a key no engine reads
+    first_line: dict = field(default_factory=dict)         # field or key -> the first line carrying it
+
+    def add(self, line: int, encoded) -> None:
+        self.lines += 1
+        self.replies += encoded.replies
+        self.sequences += len(encoded.sequences)
+        self.split_lines += len(encoded.sequences) > 1
+        self.repeated_tokens += encoded.repeated
+        self.trained.update(encoded.trained)
+        for counter, fields in ((self.unrendered, encoded.unrendered), (self.ignored, encoded.ignored)):
+            counter.update(fields)
+            for name in fields:
+                self.first_line.setdefault(name, line)
+
+    def summary(self) -> dict:
+        return {"lines": self.lines, "replies": self.replies, "sequences": self.sequences, "split_lines": self.split_lines,
+                "repeated_tokens": self.repeated_tokens, "trained_tokens": {k: self.trained[k] for k in CATEGORIES},
+                "fields_not_rendered": dict(self.unrendered), "keys_ignored": dict(self.ignored)}
+
+    def describe(self) -> str:
+        """One line: the trained tokens by category, and the cost of the lines split into several sequences."""
+        trained = ", ".join(f"{k.replace('_', ' ')} {self.trained[k]:,}" for k in CATEGORIES)
+        return (f"{self.lines:,} chat lines, {self.replies:,} replies trained: {trained} tokens; "
+                f"{self.split_lines:,} lines in {self.sequences - self.lines + self.split_lines:,} sequences "
+                f"(their template rewrites earlier turns), {self.repeated_tokens:,} context tokens rendered again")
+
+    def warnings(self, path: Path) -> list[str]:
+        """One line per field of the data that is not trained or not read, with the lines it affects."""
+        def lines(name: str, n: int) -> str:
+            verb = "carries" if n == 1 else "carry"
+            return f"{path}: {n} chat line{'s' * (n != 1)} {verb} {name}"
+        first = {name: f"(first: {path}:{line})" for name, line in self.first_line.items()}
+        return ([f"{lines(name, n)} that the chat template does not render {first[name]}: not in the training text"
+                 for name, n in sorted(self.unrendered.items())] +
+                [f"{lines(repr(name), n)}, which neither vLLM nor SGLang passes to the template {first[name]}: ignored"
+                 for name, n in sorted(self.ignored.items())])
 
 
 @dataclass
@@ -28,6 +80,7 @@ class InputStats:
     skipped: int = 0
     truncated: int = 0
     skipped_lines: list[int] = field(default_factory=list)
+    chat: ChatStats = field(default_factory=ChatStats)
 
 
 CHAT_KEYS = ("messages", "conversations")
@@ -38,15 +91,16 @@ def is_chat(obj: object) -> bool:
     return isinstance(obj, dict) and "input_ids" not in obj and any(key in obj for key in CHAT_KEYS)
 
 
-def chat_encoder(target_dir: str | Path | None) -> Callable:
-    """A function giving the target's ChatEncoder, loaded at its first call (its optional packages only for chat)."""
+def chat_encoder(target_dir: str | Path | None, template_kwargs: dict | None = None) -> Callable:
+    """A function giving the target's ChatEncoder, loaded at its first call (its optional packages only for chat);
+    `template_kwargs`: `data.chat_template_kwargs`, what a line's own `chat_template_kwargs` add to."""
     @functools.cache
     def encoder():
         if target_dir is None:
             raise InputError("chat lines need the target's tokenizer and chat template; no target "
                              "directory was given")
         from eagle3.data.chat import ChatEncoder
-        return ChatEncoder(target_dir)
+        return ChatEncoder(target_dir, template_kwargs)
     return encoder
 
 
@@ -73,19 +127,31 @@ def _parse_tokens(obj: object, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
+def _sequences(obj: object, vocab_size: int, chat: Callable, stats: InputStats, line: int,
+               regenerating: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One line's sequences: a pre-tokenized line's one, or a chat line's (counted in `stats.chat`)."""
+    if not is_chat(obj):
+        return [_parse_tokens(obj, vocab_size)]
+    encoded = chat().encode(obj, regenerating)
+    for ids, _ in encoded.sequences:
+        if len(ids) < 2:
+            raise ValueError(f"conversation of {len(ids)} tokens; at least 2 are needed")
+        check_chat_ids(ids, vocab_size)
+    stats.chat.add(line, encoded)
+    return encoded.sequences
+
+
 def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: str = "fatal",
-                 target_dir: str | Path | None = None) -> tuple[list[Record], InputStats]:
-    """`target_dir` holds the tokenizer and chat template; only chat lines need it."""
+                 target_dir: str | Path | None = None, template_kwargs: dict | None = None,
+                 regenerating: bool = False) -> tuple[list[Record], InputStats]:
+    """`target_dir` holds the tokenizer and chat template, `template_kwargs` the default `chat_template_kwargs`;
+    only chat lines need them. `regenerating`: the replies are to be regenerated (ChatEncoder.encode)."""
     path = Path(path)
-    records, stats, chat = [], InputStats(), chat_encoder(target_dir)
+    records, stats, chat = [], InputStats(), chat_encoder(target_dir, template_kwargs)
     for number, raw in json_lines(path, "data.path"):
         stats.lines += 1
         try:
-            obj = json.loads(utf8(raw))
-            ids, mask = chat().encode(obj) if is_chat(obj) else _parse_tokens(obj, vocab_size)
-            if len(ids) < 2:   # a chat line's (_parse_tokens checks a pre-tokenized one's)
-                raise ValueError(f"conversation of {len(ids)} tokens; at least 2 are needed")
-            check_chat_ids(ids, vocab_size)
+            sequences = _sequences(json.loads(utf8(raw)), vocab_size, chat, stats, number, regenerating)
         except InputError as e:  # the tokenizer or template is unusable: every chat line would fail
             raise InputError(f"{path}:{number}: {e}") from None
         except Exception as e:   # noqa: BLE001 - any failure of one line (JSON, bytes, template) is that line's
@@ -96,13 +162,16 @@ def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: 
             stats.skipped += 1
             stats.skipped_lines.append(number)
             continue
-        if len(ids) > max_seq_len:
-            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-            stats.truncated += 1
-        records.append(Record(number, ids, mask))
+        for part, (ids, mask) in enumerate(sequences):
+            if len(ids) > max_seq_len:
+                ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+                stats.truncated += 1
+            records.append(Record(number, ids, mask, part))
     stats.sequences = len(records)
     if not records:
         raise InputError(f"{path}: no usable sequences")
+    for warning in stats.chat.warnings(path):
+        print(f"warning: {warning}", file=sys.stderr)
     return records, stats
 
 

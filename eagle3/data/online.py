@@ -35,7 +35,7 @@ class OnlineReader:
     def __init__(self, cfg: Config, ckpt: Checkpoint, aux_layer_ids: list[int], device: torch.device):
         d = cfg.data
         self.records, stats = read_records(d.path, ckpt.config.vocab_size, d.max_seq_len, d.on_error,
-                                           target_dir=ckpt.dir)
+                                           target_dir=ckpt.dir, template_kwargs=d.chat_template_kwargs)
         self.sequences = [SeqRef(0, 0, len(r.input_ids), i) for i, r in enumerate(self.records)]
         self.aux_dtype = cfg.extract.aux_dtype
         mode, dtype = cfg.train.online_target, TORCH_DTYPES[cfg.extract.dtype]

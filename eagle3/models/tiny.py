@@ -1,8 +1,11 @@
 """Miniature random-weight targets with the real config layouts and tensor names, for the demo and the
-tests: Kimi-K2.5 (`make_kimi`: nested config, int4 experts) and synthetic token data."""
+tests: Kimi-K2.5 (`make_kimi`: nested config, int4 experts, `write_kimi_chat` its tokenizer files and chat
+template) and synthetic token data."""
 from __future__ import annotations
 
+import base64
 import json
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -65,6 +68,45 @@ def make_token_data(out: str | Path, vocab: int, sequences: int = 64, min_len: i
                 ids.append(int(follow[ids[-1], int(torch.randint(0, 4, (1,), generator=g))]))
             user = int(torch.randint(2, max(3, n // 3), (1,), generator=g))
             f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * user + [1] * (n - user)}) + "\n")
+    return out
+
+
+WORDS = ("the a plan city rain sun wind cold warm day week map road train time price list step check "
+         "answer result number sum add two four six ten more less first next last because so then").split()
+
+
+def make_chat_data(out: str | Path, conversations: int = 256, seed: int = 0) -> Path:
+    """Chat lines as a thinking, tool-calling model is served: reasoning beside every reply, a tool-call loop
+    (tools, a call, its result, the answer) in every fourth line, a second user turn in every fourth other. Words
+    follow a fixed random chain, so that a draft can learn the text."""
+    g = torch.Generator().manual_seed(seed)
+    follow = torch.randint(0, len(WORDS), (len(WORDS), 3), generator=g)
+
+    def text(n: int) -> str:
+        word = [int(torch.randint(0, len(WORDS), (1,), generator=g))]
+        for _ in range(n - 1):
+            word.append(int(follow[word[-1], int(torch.randint(0, 3, (1,), generator=g))]))
+        return " ".join(WORDS[w] for w in word)
+
+    def reply(n: int) -> dict:
+        return {"role": "assistant", "reasoning_content": text(2 * n), "content": text(n)}
+
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
+                                               "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for i in range(conversations):
+            line = {"messages": [{"role": "user", "content": text(4)}, reply(5)]}
+            if i % 4 == 1:
+                call = {"id": f"functions.lookup:{i}", "type": "function",
+                        "function": {"name": "lookup", "arguments": json.dumps({"word": text(1)})}}
+                line = {"tools": tools, "messages": [
+                    line["messages"][0], {**reply(3), "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": text(3)}, reply(5)]}
+            elif i % 4 == 3:
+                line["messages"] += [{"role": "user", "content": text(3)}, reply(4)]
+            f.write(json.dumps(line) + "\n")
     return out
 
 
@@ -166,3 +208,35 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
             mlp(f"{p}mlp.experts.{e}.", hidden, moe_intermediate, quant=quantized)
     save_sharded(t, out, shards)
     return out
+
+
+# Kimi-K2.5's special tokens by offset from its first special id (163584 in the real vocabulary)
+KIMI_SPECIAL = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
+                6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
+                11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>",
+                14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>", 17: "<|im_middle|>", 18: "<|media_begin|>",
+                19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>", 22: "<think>", 23: "</think>",
+                254: "[UNK]", 255: "[PAD]"}
+
+
+def kimi_chat_template() -> str:
+    """Kimi-K2.5's chat template (docs/data.md names its sources) with K2-Thinking's default system turn."""
+    return resources.files("eagle3.models").joinpath("kimi_k25_chat_template.jinja").read_text()
+
+
+def write_kimi_chat(root: str | Path, vocab: int, merges: tuple[bytes, ...] = ()) -> Path:
+    """Kimi-K2.5's tokenizer files for a vocabulary of `vocab`: tiktoken.model with the 256 bytes (ids 0-255), then
+    `merges` (each the join of two earlier tokens), its 256 special tokens at the top of the vocabulary with their
+    real offsets, tokenizer_config.json, generation_config.json (stop at <|im_end|>) and chat_template.jinja."""
+    root, base = Path(root), vocab - 256
+    if 256 + len(merges) > base:
+        raise ValueError(f"{len(merges)} merges do not fit below the special tokens of a {vocab}-token vocabulary")
+    ranks = [bytes([i]) for i in range(256)] + list(merges)
+    (root / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+    special = {base + i: KIMI_SPECIAL.get(i, f"<|reserved_token_{i}|>") for i in range(256)}
+    config = {"added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in special.items()},
+              "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]"}
+    (root / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": base + 2}))
+    (root / "chat_template.jinja").write_text(kimi_chat_template())
+    return root
