@@ -587,6 +587,41 @@ def test_generate_refuses_changed_settings_and_skips_a_finished_run(tmp_path, ll
     assert out.read_bytes() == finished
 
 
+def test_generate_owns_its_output_and_checks_a_finished_one(tmp_path, llama_target, token_data, monkeypatch,
+                                                            capsys):
+    """Issue 46, row 1: a second generate on the same output stops naming the holder (the first one
+    finishes whole), and a finished output is called complete only with one line per input conversation."""
+    from eagle3 import generate
+    out = tmp_path / "regen.jsonl"
+    cfg = make_config(tmp_path, llama_target, token_data, **{
+        "generate.output_path": out, "generate.max_new_tokens": 3, "debug.generate_batch_size": 8,
+        "debug.generate_dtype": "float32", "debug.generate_device": "cpu"})
+    first, seconds = generate.regenerate, []
+
+    def racing(*args, **kwargs):   # a second run starts while the first writes its first line
+        lines = first(*args, **kwargs)
+        yield next(lines)
+        with pytest.raises(generate.GenerateError) as e:
+            generate.run(cfg)
+        seconds.append(str(e.value))
+        yield from lines
+    monkeypatch.setattr(generate, "regenerate", racing)
+    generate.run(cfg)
+    monkeypatch.undo()
+    assert seconds and re.match(rf"{out}: in use by another run \(generate on host .*, pid {os.getpid()}, since .*\); "
+                                "wait for it to end, or choose another generate.output_path", seconds[0]), seconds
+    sources = [json.loads(x)["source_line"] for x in out.read_text().splitlines()]
+    assert sources == list(range(1, 49)), sources   # one line per conversation, in order
+    lines = out.read_text().splitlines(keepends=True)
+    for damaged, named in ((lines[:30] + lines[29:], "line 31 has source_line 30, expected 31"),
+                           (lines[:-1], "line 48 has source_line none (missing), expected 48")):
+        out.write_text("".join(damaged))
+        with pytest.raises(generate.GenerateError) as e:
+            generate.run(cfg)
+        assert str(e.value).startswith(f"{out}: {len(damaged)} lines for the 48 conversations of data.path; {named}")
+        assert "already complete" not in capsys.readouterr().out
+
+
 # --- command lines -------------------------------------------------------------------------------
 
 def test_unknown_flags_are_usage_errors_before_anything_runs(capsys, llama_target, monkeypatch):
