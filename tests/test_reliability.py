@@ -106,6 +106,26 @@ def test_resume_mismatch_points_at_another_output_dir(llama_target, token_data, 
     assert "choose another train.output_dir" in str(e.value) and "never" not in str(e.value)
 
 
+def test_a_resume_on_shards_extracted_again_at_the_same_path_stops(tmp_path, llama_target, token_data):
+    """Issue 46, row 2: the shards at train.data_dir replaced by another extraction (other data at the same
+    paths) are not resumed on: the checkpoint recorded the manifest's plan_key."""
+    data = tmp_path / "data.jsonl"
+    lines = token_data.read_text().splitlines(keepends=True)
+    data.write_text("".join(lines))
+    settings = {"train.max_steps": 3, "debug.kernels": "torch"}
+    extraction.run(make_config(tmp_path, llama_target, data))
+    training.run(make_config(tmp_path, llama_target, data, **settings))
+    shutil.rmtree(tmp_path / "hidden")                       # extract's own advice: delete the whole directory
+    data.write_text("".join(lines[:40]))
+    extraction.run(make_config(tmp_path, llama_target, data))
+    with pytest.raises(training.TrainError) as e:
+        training.run(make_config(tmp_path, llama_target, data, **{**settings, "train.max_steps": 6}))
+    checkpoint = tmp_path / "train" / "checkpoints" / "step-00000003"
+    assert str(e.value).startswith(f"{checkpoint}/state.json: the checkpoint trained on other shards than "
+                                   f"{tmp_path / 'hidden'} holds now (manifest plan_key "), str(e.value)
+    assert train_state.latest(tmp_path / "train") == checkpoint
+
+
 def test_a_larger_max_steps_extends_a_finished_run_at_the_final_lr(tmp_path, llama_target, token_data, hidden,
                                                                     trained):
     run_tmp, _ = trained

@@ -260,6 +260,7 @@ class Trainer:
         """What a checkpoint of this run records besides the weights (state.json)."""
         return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
                 "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
+                "data_plan_key": self.reader.manifest.get("plan_key"),   # which extraction: none online
                 "world_size": self.dist.world, "schedule_total": self.schedule.total, "float8_used": self.float8,
                 "float8_head_used": self.float8_head, "cuda_graphs_used": self.graphed is not None}   # "auto"s resolved
 
