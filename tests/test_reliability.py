@@ -211,6 +211,49 @@ def test_truncated_target_safetensors_names_the_file(tmp_path, llama_target, tok
         Checkpoint(single)
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity"])
+def test_a_non_finite_number_in_the_target_config_is_refused_naming_the_field(tmp_path, llama_target, capsys,
+                                                                             constant):
+    """Issue 46, row 3: Python's JSON reads NaN and Infinity; a target config holding one is refused at read
+    time (inspect, extract, train), naming the field."""
+    from eagle3.__main__ import main
+    target = tmp_path / "target"
+    shutil.copytree(llama_target, target)
+    text = (target / "config.json").read_text()
+    (target / "config.json").write_text(re.sub(r'"rms_norm_eps": [^,]+', f'"rms_norm_eps": {constant}', text))
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", str(target)])
+    assert e.value.code == f"error: {target / 'config.json'}: field 'rms_norm_eps' = {constant}; expected a finite " \
+                           "number (NaN and Infinity are not numbers a model config can use)"
+    assert capsys.readouterr().out == ""
+
+
+def test_extraction_stops_at_a_shard_with_non_finite_states_naming_it_and_the_layer(tmp_path, llama_target,
+                                                                                  token_data, monkeypatch):
+    """Issue 46, row 3: states that are NaN or inf are never written as a shard; the finished shards stay."""
+    from eagle3.models.streaming import TargetRunner
+
+    class Broken(TargetRunner):   # the second shard's layer-2 states come out NaN
+        calls = 0
+
+        def run(self, *args):
+            states, Broken.calls = super().run(*args), Broken.calls + 1
+            if Broken.calls == 2:
+                states["aux_hidden"][3, 32 + 5] = float("nan")
+            return states
+    monkeypatch.setattr(extraction, "TargetRunner", Broken)
+    cfg = make_config(tmp_path, llama_target, token_data, **{"target.aux_layer_ids": "[1, 2, 3]"})
+    out = tmp_path / "hidden"
+    with pytest.raises(DataError) as e:
+        extraction.run(cfg)
+    assert str(e.value).startswith(f"{out / 'shard-00001.safetensors'}: the target's output of layer 2 (aux_hidden) "
+                                   "holds 1 of "), str(e.value)
+    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00000.safetensors"]
+    monkeypatch.undo()
+    extraction.run(cfg)                                  # resumes with the shard that stopped it
+    assert read_manifest(out)["complete"]
+
+
 def test_truncated_shard_is_named_in_training_and_redone_by_extract(tmp_path, llama_target, token_data, hidden,
                                                                     capsys):
     copy = tmp_path / "hidden"
