@@ -60,7 +60,9 @@ def evaluate_command(args, overrides: list[str]) -> None:
     cfg = checkpoint_config(args, overrides) if ours else config_mod.load(args.config or "config.toml", overrides)
     report, out = run(cfg, args.checkpoint, args.out)
     print(strict_json({k: report[k] for k in SUMMARY_KEYS if k in report}))
-    print(f"wrote {out}")
+    inside = " (inside the checkpoint: deleted with it by checkpoint rotation, train.keep_checkpoints; --out FILE " \
+             "keeps it elsewhere)" if ours and args.out is None else ""
+    print(f"wrote {out}{inside}")
 
 
 def export_command(args, overrides: list[str]) -> None:

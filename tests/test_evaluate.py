@@ -467,7 +467,8 @@ def test_cli_evaluate_end_to_end(llama_run, tmp_path, capsys):
     main(["evaluate", str(checkpoint), "--config", str(toml), "--prompts", cfg.evaluate.prompts, "--k", "3"])
     out = capsys.readouterr().out.splitlines()
     summary, saved = json.loads(out[0]), json.loads((checkpoint / "eval.json").read_text())
-    assert out[1] == f"wrote {checkpoint / 'eval.json'}"
+    assert out[1] == f"wrote {checkpoint / 'eval.json'} (inside the checkpoint: deleted with it by checkpoint " \
+                     "rotation, train.keep_checkpoints; --out FILE keeps it elsewhere)"   # issue 46, row 5
     accepted = decode_directly(cfg, checkpoint, 3)
     assert summary["real_accept_len"] == saved["real_accept_len"] == sum(accepted) / len(accepted)
     assert summary["mismatches"] == 0 and summary["k"] == 3

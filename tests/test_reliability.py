@@ -824,6 +824,39 @@ def test_export_onto_a_full_disk_names_it_and_leaves_nothing(tmp_path, trained, 
     assert list((tmp_path / "x").iterdir()) == []                         # no stray vllm.tmp/
 
 
+def test_export_never_deletes_what_it_did_not_write(tmp_path, trained):
+    """Issue 46, row 4: an export replaces `OUT/<format>` whole, so a folder holding other files is refused
+    (nothing written, nothing deleted); an earlier export of ours is replaced."""
+    from eagle3.__main__ import main
+    run_tmp, _ = trained
+    checkpoint = run_tmp / "train" / "checkpoints" / "step-00000006"
+    main(["export", str(checkpoint), str(tmp_path / "out")])
+    main(["export", str(checkpoint), str(tmp_path / "out")])               # an earlier export: replaced
+    notes = tmp_path / "out" / "vllm" / "notes.txt"
+    notes.write_text("mine")
+    before = snapshot(tmp_path / "out")
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(checkpoint), str(tmp_path / "out")])
+    assert e.value.code == (f"error: {notes.parent}: holds notes.txt, which no export writes, and an export replaces "
+                            "the folder whole; move them away or choose another out_dir (nothing was written)")
+    assert snapshot(tmp_path / "out") == before
+
+
+def test_export_refuses_a_folder_that_checkpoint_rotation_deletes(tmp_path, trained):
+    """Issue 46, row 5: `export CK CK` (or anywhere under checkpoints/) would be deleted with the checkpoint."""
+    from eagle3.__main__ import main
+    run_tmp, _ = trained
+    checkpoints = run_tmp / "train" / "checkpoints"
+    before = snapshot(checkpoints)
+    for out in (checkpoints / "step-00000006", checkpoints / "exports"):
+        with pytest.raises(SystemExit) as e:
+            main(["export", str(checkpoints / "step-00000006"), str(out)])
+        assert e.value.code == (f"error: {out}: inside {checkpoints.resolve()}, whose checkpoints are deleted by "
+                                "checkpoint rotation (train.keep_checkpoints), the export with them; choose an "
+                                "out_dir outside it")
+    assert snapshot(checkpoints) == before
+
+
 def test_a_run_owns_its_output_folder(tmp_path, llama_target, token_data, hidden, capsys):
     """A second run on the same train.output_dir or extract.output_dir stops naming the run that holds
     it; a lock left by a process that died is taken over with a note."""

@@ -67,5 +67,6 @@ class MetricsLog:
             lines.append(f"  tensorboard: {out / 'tensorboard'}")
         if saved is not None:   # training draws no plot: evaluate does, with real decoding when given prompts
             lines.append(f"  plot and real decoding: python -m eagle3 evaluate {saved} --prompts PROMPTS.jsonl "
-                         "(writes eval.json and eval.png there; the checkpoint's own settings)")
+                         "(the checkpoint's own settings; writes eval.json and eval.png into the checkpoint, deleted "
+                         "with it by checkpoint rotation: --out FILE keeps them elsewhere)")
         return "\n".join(lines)
