@@ -528,6 +528,32 @@ def test_full_disk_while_checkpointing_keeps_the_last_good_one(tmp_path, monkeyp
     assert set(load_file(good / train_state.MODEL)) == {"weight", "bias"}
 
 
+def test_a_full_disk_while_logging_stops_in_one_line_and_the_same_command_resumes(tmp_path, llama_target,
+                                                                                   token_data, hidden, monkeypatch):
+    """Issue 46, row 6: metrics.jsonl cannot be written: one line naming the file, the free space and the
+    newest checkpoint; the same command resumes."""
+    from pathlib import Path
+    from test_training import cli_args
+    out, real_open = tmp_path / "train", Path.open
+    args = ["--config", str(ROOT / "config.toml"), *cli_args(tmp_path, llama_target, token_data, hidden)]
+
+    def full(self, mode="r", *rest, **kwargs):   # the disk fills after the first checkpoint
+        if self.name == "metrics.jsonl" and "a" in mode and train_state.latest(out) is not None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(self, mode, *rest, **kwargs)
+    monkeypatch.setattr(Path, "open", full)
+    with pytest.raises(SystemExit) as e:
+        training.main(args)
+    message = e.value.code
+    assert message.startswith(f"error: {out / 'metrics.jsonl'}: writing the training log failed (No space left on "
+                              "device); ") and " bytes (" in message and " GiB) free there" in message, message
+    assert message.endswith(f"training stopped, newest complete checkpoint {out / 'checkpoints' / 'step-00000002'}: "
+                            "free space, then the same command resumes"), message
+    monkeypatch.undo()
+    training.main(args)
+    assert train_state.latest(out).name == "step-00000006"
+
+
 def test_free_space_is_checked_before_a_checkpoint_or_a_shard_is_written(tmp_path, llama_target, token_data,
                                                                         monkeypatch):
     model = torch.nn.Linear(64, 64)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3.files import strict_json
+from eagle3.errors import TrainError
+from eagle3.files import atomic_write_text, free_bytes, strict_json
+from eagle3.training import run_dir
 
 
 def _logged_step(line: str) -> float:
@@ -27,18 +29,31 @@ class MetricsLog:
             return
         if self.path.exists():  # a resumed run drops what the killed run logged after its checkpoint
             kept = [ln for ln in self.path.read_text().splitlines() if _logged_step(ln) <= start_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            try:   # through a temporary name: a full disk keeps the old log whole
+                atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
+            except OSError as e:
+                raise self.failed(e) from None
         try:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(output_dir / "tensorboard"))
         except ImportError:
             pass
 
+    def failed(self, e: OSError) -> TrainError:
+        """The one line for a log that cannot be written (a full disk): the free space, what the run leaves."""
+        free = free_bytes(self.output_dir)
+        return TrainError(f"{self.path}: writing the training log failed ({e.strerror or e}); {free} bytes "
+                          f"({free / 2**30:.2f} GiB) free there; training stopped, {run_dir.newest(self.output_dir)}: "
+                          "free space, then the same command resumes")
+
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(strict_json(record) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(strict_json(record) + "\n")
+        except OSError as e:
+            raise self.failed(e) from None
         if self.tb is not None:
             prefix = record.get("split", "train")
             for key, value in record.items():
