@@ -86,7 +86,9 @@ def config_command(args, overrides: list[str]) -> None:
 
 def generate_command(args, overrides: list[str]) -> None:
     from eagle3.generate import run
-    run(config_mod.load(args.config, overrides))
+    cfg = config_mod.load(args.config, overrides)
+    config_mod.require_inputs(cfg, "generate")
+    run(cfg)
 
 
 COMMANDS = {"inspect": lambda args, _: print(json.dumps(inspect(args.target), indent=2)), "export": export_command,

@@ -86,11 +86,12 @@ def first_word(line: str) -> str | int:
     return line if _spoken is None or _spoken.acquire(blocking=False) else 1
 
 
-def main(run: Callable, kept: Callable, description: str, argv: list[str] | None, prog: str | None) -> None:
-    """train.py's and extract.py's entry: `run(cfg)` of the command line's config; an error, Ctrl-C or SIGTERM ends it
-    in one line naming what is `kept(cfg)`."""
+def main(run: Callable, kept: Callable, description: str, argv: list[str] | None, prog: str | None,
+         command: str) -> None:
+    """train.py's and extract.py's entry (`command`): `run(cfg)` of the command line's config; an error, Ctrl-C or
+    SIGTERM ends it in one line naming what is `kept(cfg)`."""
     from eagle3.config import cli, interrupted
-    cfg = cli(argv, description, prog)
+    cfg = cli(argv, description, prog, command)
     stop_on_sigterm(lambda: kept(cfg))
     try:
         run(cfg)

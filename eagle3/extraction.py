@@ -167,4 +167,4 @@ def _write_manifest(out: Path, header: dict, plan: list, stats: InputStats, tota
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    distributed.main(run, kept, "Extract target hidden states into shards.", argv, prog)
+    distributed.main(run, kept, "Extract target hidden states into shards.", argv, prog, "extract")

@@ -729,6 +729,33 @@ def test_unknown_flags_are_usage_errors_before_anything_runs(capsys, llama_targe
 
 # --- the SGLang export ---------------------------------------------------------------------------
 
+def test_a_config_that_sets_no_target_or_data_is_refused_naming_the_file(tmp_path, monkeypatch):
+    """Issue 46, row 7: an empty config.toml (or one without [target]) does not train, extract or generate on
+    the built-in demo defaults: one line names the file and what it did not set."""
+    from eagle3 import __main__ as cli
+    for module in (training.loop, extraction):
+        monkeypatch.setattr(module, "run", lambda cfg: pytest.fail("ran on the defaults"))
+    path = tmp_path / "my.toml"
+    demo = 'target.path = "demo/target"'
+    cases = (("", training.main, "sets nothing, so train would run on the built-in demo defaults "
+              f'({demo}, data.path = "demo/data.jsonl"); set target.path and data.path there'),
+             ("[train]\nlr = 1e-4\n", training.main, "sets no target.path and no data.path or train.data_dir or "
+              f'extract.output_dir, so train would run on the built-in demo defaults ({demo}, data.path = '),
+             ('[target]\npath = "t"\n', extraction.main, "sets no data.path, so extract would run on the built-in "
+              'demo defaults (data.path = "demo/data.jsonl"); set data.path there or on the command line'),
+             ("", lambda argv: cli.main(["generate", *argv]), "sets nothing, so generate would run on the built-in"))
+    for text, main, said in cases:
+        path.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            main(["--config", str(path)])
+        assert str(e.value.code).startswith(f"error: {path}: {said}"), (text, e.value.code)
+        assert str(e.value.code).endswith("or run the demo: python -m eagle3 demo")
+    # what the command line sets counts: the data there, the target from the file
+    path.write_text('[target]\npath = "t"\n')
+    with pytest.raises(pytest.fail.Exception, match="ran on the defaults"):
+        training.main(["--config", str(path), "--train.data_dir", str(tmp_path)])
+
+
 def test_sglang_config_carries_only_the_ids_sglang_reads():
     """SGLang (sgl-project/sglang, commit 0005834c) reads the draft's aux layers in one place:
     python/sglang/srt/model_executor/model_runner.py, ModelRunner.__init__, the

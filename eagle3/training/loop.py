@@ -416,4 +416,4 @@ def run(cfg: Config) -> Path:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    distributed.main(run, run_dir.kept, "Train an EAGLE-3 draft with training-time test.", argv, prog)
+    distributed.main(run, run_dir.kept, "Train an EAGLE-3 draft with training-time test.", argv, prog, "train")
