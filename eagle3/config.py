@@ -230,7 +230,8 @@ class Config:
 POSITIVE = ("data.max_seq_len draft.num_layers train.batch_tokens train.grad_accum train.ttt_steps train.eval_every "
             "train.checkpoint_every train.keep_checkpoints export.speculative_tokens generate.max_new_tokens "
             "evaluate.max_new_tokens evaluate.k evaluate.seeds debug.shard_tokens debug.chunk_tokens debug.log_every "
-            "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch train.epochs").split()
+            "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch train.epochs "
+            "vocab.draft_vocab_size").split()
 
 # keys that moved or went: an old config names the new key (or why it went) instead of "unknown key"
 MOVED = {"debug": "train.kernels train.skip_dead_rows train.compile_ops train.prefetch train.collective_timeout_s "
