@@ -38,8 +38,29 @@ def demo(args, overrides: list[str]) -> None:
     if not Path(cfg.data.path).exists():
         tiny.make_token_data(cfg.data.path, vocab=Checkpoint(cfg.target.path).config.vocab_size, sequences=256)
         print(f"demo: wrote synthetic training data to {cfg.data.path}")
+    cfg.evaluate.prompts = str(demo_prompts(cfg))   # the summary's evaluate command then runs as printed
     extraction.run(cfg)
     training.run(cfg)
+
+
+def demo_prompts(cfg: config_mod.Config, count: int = 8) -> Path:
+    """`prompts.jsonl` beside the demo data (kept if there): `count` of its conversations that training holds out."""
+    from eagle3.data.inputs import read_records
+    from eagle3.data.loader import split_holdout
+    from eagle3.data.shards import SeqRef
+    from eagle3.files import atomic_write_text
+    path = Path(cfg.data.path).with_name("prompts.jsonl")
+    if path.exists():
+        return path
+    target = Checkpoint(cfg.target.path)
+    records, _ = read_records(cfg.data.path, target.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
+                              target_dir=target.dir)
+    _, held = split_holdout([SeqRef(0, 0, 0, i) for i in range(len(records))], cfg.train.eval_fraction)
+    lines = [json.dumps({"input_ids": records[r.index].input_ids.tolist(),
+                         "loss_mask": records[r.index].loss_mask.tolist()}) + "\n" for r in held[:count]]
+    atomic_write_text(path, "".join(lines))
+    print(f"demo: wrote {len(lines)} held-out conversations of {cfg.data.path} as prompts to {path}")
+    return path
 
 
 SUMMARY_KEYS = ("step", "accept_len", "accept_len_decoding", "acc", "cond_acc", "alpha", "alpha_greedy",

@@ -858,6 +858,22 @@ def test_the_demo_rerun_with_other_settings_trains_anew(tmp_path, capsys):
     assert len(aside) == 1 and (aside[0] / "checkpoints" / "step-00000004").is_dir()
 
 
+def test_the_demo_prints_a_next_step_that_runs_as_printed(tmp_path, monkeypatch, capsys):
+    """Issue 46: after `python -m eagle3 demo` in a fresh clone, the evaluate command it prints runs as
+    printed, on held-out prompts of its own data that the demo wrote."""
+    from eagle3.__main__ import main
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(ROOT / "config.toml", tmp_path / "config.toml")
+    main(["demo", "--train.max_steps", "2"])
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if "plot and real decoding:" in x)
+    command = line.split("python -m eagle3 ")[1].split(" (")[0].split()
+    assert command == ["evaluate", "runs/demo/train/checkpoints/step-00000002", "--prompts", "demo/prompts.jsonl"]
+    main(command)
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert summary["prompts"] == 8 and summary["mismatches"] == 0 and summary["new_tokens"] > 8
+
+
 def test_export_onto_a_full_disk_names_it_and_leaves_nothing(tmp_path, trained, monkeypatch, capsys):
     from eagle3 import export, files
     from eagle3.__main__ import main

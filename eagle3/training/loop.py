@@ -395,7 +395,7 @@ class Trainer:
             if saved is not None:
                 for fmt, path in export_all(saved, self.output_dir / "export", self.cfg).items():
                     print(f"exported {fmt} draft: {path}")
-            print(self.log.summary(self.plan.total, saved, self.cfg.export.formats))
+            print(self.log.summary(self.plan.total, saved, self.cfg.export.formats, self.cfg.evaluate.prompts))
         self.dist.barrier()
         return self.output_dir
 

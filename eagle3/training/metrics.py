@@ -63,8 +63,9 @@ class MetricsLog:
                     for k, v in enumerate(value):
                         self.tb.add_scalar(f"{prefix}/{key}_{k}", v, record["step"])
 
-    def summary(self, total: int, saved: Path | None, formats) -> str:
-        """Where the run ended and where its files are, read back from metrics.jsonl (a rerun says the same)."""
+    def summary(self, total: int, saved: Path | None, formats, prompts: str | None = None) -> str:
+        """Where the run ended and where its files are, read back from metrics.jsonl (a rerun says the same);
+        `prompts`: the file the evaluate command names (evaluate.prompts)."""
         out = self.output_dir
         records = [json.loads(ln) for ln in self.path.read_text().splitlines()] if self.path.exists() else []
         last = {r["split"]: r for r in records}
@@ -81,7 +82,7 @@ class MetricsLog:
         if self.tb is not None:
             lines.append(f"  tensorboard: {out / 'tensorboard'}")
         if saved is not None:   # training draws no plot: evaluate does, with real decoding when given prompts
-            lines.append(f"  plot and real decoding: python -m eagle3 evaluate {saved} --prompts PROMPTS.jsonl "
+            lines.append(f"  plot and real decoding: python -m eagle3 evaluate {saved} --prompts {prompts or 'PROMPTS.jsonl'} "
                          "(the checkpoint's own settings; writes eval.json and eval.png into the checkpoint, deleted "
                          "with it by checkpoint rotation: --out FILE keeps them elsewhere)")
         return "\n".join(lines)
