@@ -82,7 +82,8 @@ class MetricsLog:
         if self.tb is not None:
             lines.append(f"  tensorboard: {out / 'tensorboard'}")
         if saved is not None:   # training draws no plot: evaluate does, with real decoding when given prompts
-            lines.append(f"  plot and real decoding: python -m eagle3 evaluate {saved} --prompts {prompts or 'PROMPTS.jsonl'} "
+            lines.append(f"  plot and real decoding: python -m eagle3 evaluate {saved} "
+                         f"--prompts {prompts or 'PROMPTS.jsonl'} "
                          "(the checkpoint's own settings; writes eval.json and eval.png into the checkpoint, deleted "
                          "with it by checkpoint rotation: --out FILE keeps them elsewhere)")
         return "\n".join(lines)
