@@ -55,8 +55,30 @@ def demo(args, overrides: list[str]) -> None:
         else:
             tiny.make_token_data(cfg.data.path, vocab=Checkpoint(target).config.vocab_size, sequences=256)
         print(f"demo: wrote synthetic training data to {cfg.data.path}")
+    prompts = "thinking-prompts.jsonl" if args.thinking else "prompts.jsonl"
+    cfg.evaluate.prompts = str(demo_prompts(cfg, prompts))   # the summary's evaluate command then runs as printed
     extraction.run(cfg)
     training.run(cfg)
+
+
+def demo_prompts(cfg: config_mod.Config, name: str, count: int = 8) -> Path:
+    """`name` beside the demo data (kept if there): `count` of its sequences that training holds out."""
+    from eagle3.data.inputs import read_records
+    from eagle3.data.loader import split_holdout
+    from eagle3.data.shards import SeqRef
+    from eagle3.files import atomic_write_text
+    path = Path(cfg.data.path).with_name(name)
+    if path.exists():
+        return path
+    target = Checkpoint(cfg.target.path)
+    records, _ = read_records(cfg.data.path, target.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
+                              target_dir=target.dir, template_kwargs=cfg.data.chat_template_kwargs)
+    _, held = split_holdout([SeqRef(0, 0, 0, i) for i in range(len(records))], cfg.train.eval_fraction)
+    lines = [json.dumps({"input_ids": records[r.index].input_ids.tolist(),
+                         "loss_mask": records[r.index].loss_mask.tolist()}) + "\n" for r in held[:count]]
+    atomic_write_text(path, "".join(lines))
+    print(f"demo: wrote {len(lines)} held-out conversations of {cfg.data.path} as prompts to {path}")
+    return path
 
 
 SUMMARY_KEYS = ("step", "accept_len", "accept_len_decoding", "acc", "cond_acc", "alpha", "alpha_greedy",
@@ -77,7 +99,9 @@ def evaluate_command(args, overrides: list[str]) -> None:
     cfg = checkpoint_config(args, overrides) if ours else config_mod.load(args.config or "config.toml", overrides)
     report, out = run(cfg, args.checkpoint, args.out)
     print(strict_json({k: report[k] for k in SUMMARY_KEYS if k in report}))
-    print(f"wrote {out}")
+    inside = " (inside the checkpoint: deleted with it by checkpoint rotation, train.keep_checkpoints; --out FILE " \
+             "keeps it elsewhere)" if ours and args.out is None else ""
+    print(f"wrote {out}{inside}")
 
 
 def export_command(args, overrides: list[str]) -> None:
@@ -101,7 +125,9 @@ def config_command(args, overrides: list[str]) -> None:
 
 def generate_command(args, overrides: list[str]) -> None:
     from eagle3.generate import run
-    run(config_mod.load(args.config, overrides))
+    cfg = config_mod.load(args.config, overrides)
+    config_mod.require_inputs(cfg, "generate")
+    run(cfg)
 
 
 COMMANDS = {"inspect": lambda args, _: print(json.dumps(inspect(args.target), indent=2)), "export": export_command,

@@ -233,7 +233,8 @@ class Config:
 POSITIVE = ("data.max_seq_len draft.num_layers train.batch_tokens train.grad_accum train.ttt_steps train.eval_every "
             "train.checkpoint_every train.keep_checkpoints export.speculative_tokens generate.max_new_tokens "
             "evaluate.max_new_tokens evaluate.k evaluate.seeds debug.shard_tokens debug.chunk_tokens debug.log_every "
-            "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch train.epochs").split()
+            "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch train.epochs "
+            "vocab.draft_vocab_size").split()
 
 # keys that moved or went: an old config names the new key (or why it went) instead of "unknown key"
 MOVED = {"debug": "train.kernels train.skip_dead_rows train.compile_ops train.prefetch train.collective_timeout_s "
@@ -356,6 +357,26 @@ def validate(cfg: Config) -> None:
                           "exactly 3 layers")
 
 
+# what a command reads: groups of keys of which a file or flag must set one (the defaults are the demo's)
+INPUTS = {"extract": (("target.path",), ("data.path",)),
+          "train": (("target.path",), ("data.path", "train.data_dir", "extract.output_dir")),
+          "generate": (("target.path",), ("data.path",))}
+
+
+def require_inputs(cfg: Config, command: str) -> None:
+    """Refuse to run `command` on the built-in demo target or data when nothing set them (an empty config file)."""
+    unset = [group for group in INPUTS[command] if not any(key in cfg.origins for key in group)]
+    if not unset:
+        return
+    said = "sets no " + " and no ".join(" or ".join(group) for group in unset)
+    if cfg.source not in cfg.origins.values():
+        said = "sets nothing" if cfg.source != "<defaults>" else "no config file was read"
+    defaults = ", ".join(f"{group[0]} = {json.dumps(cfg.value(group[0]))}" for group in unset)
+    raise ConfigError(f"{cfg.source}: {said}, so {command} would run on the built-in demo defaults ({defaults}); "
+                      f"set {' and '.join(group[0] for group in unset)} there or on the command line "
+                      f"(--{unset[0][0]} ...), or run the demo: python -m eagle3 demo")
+
+
 def from_dict(data: dict, origin: str) -> Config:
     cfg = Config(source=origin)
     for section, values in data.items():
@@ -446,15 +467,20 @@ def interrupted(what: str, resumes: bool = True) -> None:
     raise SystemExit(130)
 
 
-def cli(argv: list[str] | None = None, description: str = "", prog: str | None = None) -> Config:
-    """Entry-point helper: `--config FILE` plus overrides; exits with the error message on failure."""
+def cli(argv: list[str] | None = None, description: str = "", prog: str | None = None,
+        command: str | None = None) -> Config:
+    """Entry-point helper: `--config FILE` plus overrides (for `command`, its INPUTS set); exits with the error
+    message on failure."""
     import argparse
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=OVERRIDES_HELP)
     parser.add_argument("--config", default="config.toml", help="TOML config file (default: config.toml)")
     overrides, argv = split_overrides(sys.argv[1:] if argv is None else argv)
     args, rest = parser.parse_known_args(argv)
     try:
-        return load(args.config, check_overrides(parser, rest + overrides))
+        cfg = load(args.config, check_overrides(parser, rest + overrides))
+        if command:
+            require_inputs(cfg, command)
+        return cfg
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -86,11 +86,13 @@ def first_word(line: str) -> str | int:
     return line if _spoken is None or _spoken.acquire(blocking=False) else 1
 
 
-def main(run: Callable, kept: Callable, description: str, argv: list[str] | None, prog: str | None) -> None:
-    """train.py's and extract.py's entry: `run(cfg)` of the command line's config; an error, Ctrl-C or SIGTERM ends it
-    in one line naming what is `kept(cfg)`."""
+def main(run: Callable, kept: Callable, description: str, argv: list[str] | None, prog: str | None,
+         command: str) -> None:
+    """train.py's and extract.py's entry (`command`): `run(cfg)` of the command line's config; an error, Ctrl-C or
+    SIGTERM ends it in one line naming what is `kept(cfg)`."""
     from eagle3.config import cli, interrupted
-    cfg = cli(argv, description, prog)
+    cfg = cli(argv, description, prog, command)
+    previous = signal.getsignal(signal.SIGTERM)
     stop_on_sigterm(lambda: kept(cfg))
     try:
         run(cfg)
@@ -98,13 +100,29 @@ def main(run: Callable, kept: Callable, description: str, argv: list[str] | None
         raise SystemExit(first_word(f"error: {e}")) from None
     except KeyboardInterrupt:
         interrupted(kept(cfg))
+    except Terminated:
+        print(f"stopped by SIGTERM; {kept(cfg)}; the same command resumes", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM) from None
+    finally:   # a run inside a longer process (a test) leaves its SIGTERM handling as it found it
+        if signal.getsignal(signal.SIGTERM) is _terminate:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM in a run of one process: it unwinds as Ctrl-C does (locks released, files closed), then one line."""
+
+
+def _terminate(*_) -> None:
+    raise Terminated
 
 
 def stop_on_sigterm(kept: Callable[[], str]) -> None:
     """Under a launcher, SIGTERM ends the rank with status 143 and one line naming what is `kept()`, by a thread woken
-    by the signal's wakeup byte (a handler would not run in a stuck collective). Call from the main thread."""
+    by the signal's wakeup byte (a handler would not run in a stuck collective); in one process, `main` says the
+    line once the handler's Terminated has unwound the run. Call from the main thread."""
     global _spoken
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        signal.signal(signal.SIGTERM, _terminate)
         return
     _spoken = threading.Lock()
     read, write = os.pipe()

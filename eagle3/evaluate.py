@@ -156,15 +156,20 @@ def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
 
 
 def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path,
-                 template_kwargs: dict | None = None) -> list[Prompt]:
+                 room: tuple[int, int, str] | None = None, template_kwargs: dict | None = None) -> list[Prompt]:
     """The prompts of a JSON-lines file (chat lines rendered with `template_kwargs`, as training data); errors name the
-    file and line."""
+    file and line. `room`: (the target's positions, tokens to decode after each prompt, where the positions are set):
+    a prompt with no room to decode is refused."""
     path, chat, prompts = Path(path), chat_encoder(target_dir, template_kwargs), []
     for number, line in json_lines(path, "evaluate.prompts"):
         try:
             prompts.append(Prompt(number, prompt_ids(json.loads(utf8(line)), vocab_size, chat)))
         except ValueError as e:   # JSONDecodeError, ChatError and InputError are ValueErrors
             raise InputError(f"{path}:{number}: {e}") from None
+        if room and len(prompts[-1].ids) + room[1] > room[0]:   # decoded past them, RoPE positions mean nothing
+            raise InputError(f"{path}:{number}: a prompt of {len(prompts[-1].ids)} tokens + evaluate.max_new_tokens "
+                             f"{room[1]} exceeds the target's max_position_embeddings {room[0]} ({room[2]}); shorten "
+                             "the prompt or lower evaluate.max_new_tokens")
     if not prompts:
         raise InputError(f"{path}: no prompts")
     return prompts
@@ -215,7 +220,10 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     ckpt = Checkpoint(cfg.target.path)
     draft, aux_ids, trained = load_any_draft(draft_dir, ckpt)
     k = e.k or trained or advertised_tokens(draft_dir) or 7
-    prompts = read_prompts(prompts_path, ckpt.config.vocab_size, ckpt.dir, cfg.data.chat_template_kwargs)
+    n = e.max_new_tokens
+    text = ckpt.config
+    prompts = read_prompts(prompts_path, text.vocab_size, ckpt.dir, (text.max_position_embeddings, n, text.source),
+                           cfg.data.chat_template_kwargs)
     dbg = cfg.debug
     device, dtype = resolve_device(dbg.evaluate_device), TORCH_DTYPES[dbg.evaluate_dtype]
     target, stop = IncrementalTarget(ckpt, aux_ids, device, dtype), stop_tokens(cfg, ckpt)
@@ -223,7 +231,7 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     draft = draft.to(device, dtype)
     draft.inv_freq = inv_freq.to(device)
     drafter = Drafter(draft, target.embed)
-    loaded, n, size = time.perf_counter(), e.max_new_tokens, dbg.evaluate_batch_size
+    loaded, size = time.perf_counter(), dbg.evaluate_batch_size
     groups = [([p.ids for p in prompts[i:i + size]], prompts[i:i + size]) for i in range(0, len(prompts), size)]
     if sampling.greedy:
         references = [d for ids, _ in groups for d in greedy_decode_many(target, ids, n, stop)]

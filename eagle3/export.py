@@ -103,6 +103,24 @@ def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Pat
     return out_dir
 
 
+EXPORT_FILES = {"config.json", "model.safetensors"}   # what `_write` puts in `<out_dir>/<format>`
+
+
+def check_out_dir(checkpoint_dir: Path, out_dir: Path, formats) -> None:
+    """Refuse an out_dir that checkpoint rotation would delete, or a `<format>` folder holding what no export wrote
+    (the export replaces the folder whole)."""
+    rotated = checkpoint_dir.resolve().parent
+    if rotated.name == "checkpoints" and out_dir.resolve().is_relative_to(rotated):
+        raise ExportError(f"{out_dir}: inside {rotated}, whose checkpoints are deleted by checkpoint rotation "
+                          "(train.keep_checkpoints), the export with them; choose an out_dir outside it")
+    for folder in (out_dir / fmt for fmt in formats):
+        others = sorted({p.name for p in folder.iterdir()} - EXPORT_FILES) if folder.is_dir() else [folder.name]
+        if folder.exists() and others:
+            raise ExportError(f"{folder}: holds {', '.join(others[:5])}, which no export writes, and an export "
+                              "replaces the folder whole; move them away or choose another out_dir (nothing was "
+                              "written)")
+
+
 def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | None = None) -> dict[str, Path]:
     """Write `out_dir/vllm` and/or `out_dir/sglang` from a training checkpoint directory."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
@@ -111,6 +129,7 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
     weights = train_state.load_weights(checkpoint_dir)
     check_vocab(weights["d2t"], weights["t2d"], str(checkpoint_dir / train_state.MODEL))
     spec, dtype, written = state["resolved"]["draft_spec"], TORCH_DTYPES[cfg.debug.export_dtype], {}
+    check_out_dir(checkpoint_dir, out_dir, cfg.export.formats)
     for fmt in cfg.export.formats:   # "vllm" or "sglang", as the config's type says
         if fmt == "vllm":
             tensors = export_weights(weights, spec, lambda i: f"layers.{i}", spec["num_layers"], dtype)

@@ -87,6 +87,19 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
                        **({"chat": stats.chat.summary()} if stats.chat.lines else {})}}
 
 
+def check_finite(states: dict[str, torch.Tensor], aux_ids: list[int], shard: Path, dtype: str) -> None:
+    """Stop before writing a shard whose states hold NaN or inf: a draft cannot learn from them, and training would
+    blame its own settings at step 1."""
+    aux = states["aux_hidden"].chunk(len(aux_ids), dim=-1)
+    parts = [(f"layer {i} (aux_hidden)", x) for i, x in zip(aux_ids, aux)] + [
+        ("the last layer after the final norm (final_hidden)", states["final_hidden"])]
+    for name, x in parts:
+        if bad := int((~torch.isfinite(x)).sum()):
+            raise DataError(f"{shard}: the target's output of {name} holds {bad} of {x.numel()} values NaN or "
+                            f"infinite; nothing of this shard was written (the finished ones are kept): check the "
+                            f"target's weights and config.json, or extract.dtype = \"float32\" if {dtype} overflows")
+
+
 def kept(cfg: Config) -> str:
     """What an extraction stopped midway leaves, as its last line says it."""
     return f"the finished shards in {cfg.extract.output_dir} are kept"
@@ -135,6 +148,7 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
             a, b = plan[i]
             ids = torch.from_numpy(np.concatenate([r.input_ids for r in records[a:b]]))
             states = runner.run(ids, [c - cu[a] for c in cu[a:b + 1]])
+            check_finite(states, aux_ids, out / shard_name(i), cfg.extract.dtype)
             tensors = shard_tensors(records[a:b], states, cfg.extract.aux_dtype)
             entry = write_shard(out, i, tensors) | {"plan_key": header["plan_key"]}
             atomic_write_text(out / JOURNAL / (shard_name(i) + ".json"), json.dumps(entry))
@@ -158,4 +172,4 @@ def _write_manifest(out: Path, header: dict, plan: list, stats: InputStats, tota
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    distributed.main(run, kept, "Extract target hidden states into shards.", argv, prog)
+    distributed.main(run, kept, "Extract target hidden states into shards.", argv, prog, "extract")

@@ -117,15 +117,17 @@ def _release(f) -> None:
 
 
 @contextlib.contextmanager
-def run_lock(directory: Path, key: str, what: str, error: type[Exception], held: bool = True):
+def run_lock(directory: Path, key: str, what: str, error: type[Exception], held: bool = True,
+             of: Path | None = None):
     """Own `directory` while the block runs (unless not `held`) by an advisory lock on `directory/.lock`, which the
-    kernel releases however the process ends: a second run meets `error` naming the holder."""
+    kernel releases however the process ends: a second run meets `error` naming the holder. `of`: own only that
+    file of `directory` (the lock `.<name>.lock` beside it)."""
     if not held:
         yield
         return
-    path = Path(directory).absolute() / ".lock"
+    path = Path(directory).absolute() / (f".{of.name}.lock" if of else ".lock")
     made = not path.parent.exists()
-    _take(path, directory, key, what, error)
+    _take(path, of or directory, key, what, error)
     try:
         yield
     finally:
@@ -144,23 +146,24 @@ def relock(directory: Path, key: str, what: str, error: type[Exception]) -> None
         _take(path, directory, key, what, error)
 
 
-def _take(path: Path, directory: Path, key: str, what: str, error: type[Exception]) -> None:
+def _take(path: Path, owned: Path, key: str, what: str, error: type[Exception]) -> None:
+    """Lock `path` for the run that owns `owned` (what the messages name)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "a+")
     except OSError as e:
-        raise error(f"{directory}: cannot write there ({e.strerror}); choose another {key}") from None
+        raise error(f"{owned}: cannot write there ({e.strerror}); choose another {key}") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         holder = f.read().strip() or "a process that has not written its name yet"
         f.close()
-        raise error(f"{directory}: in use by another run ({holder}); wait for it to end, or choose another "
+        raise error(f"{owned}: in use by another run ({holder}); wait for it to end, or choose another "
                     f"{key}") from None
     f.seek(0)
     if before := f.read().strip():
-        print(f"note: {directory}: taking over the lock of a run that ended without releasing it ({before})")
+        print(f"note: {owned}: taking over the lock of a run that ended without releasing it ({before})")
     f.seek(0)
     f.truncate()
     f.write(f"{what} on host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")

@@ -13,7 +13,7 @@ from eagle3.config import Config
 from eagle3.data.tokenizer import TOKENIZER_FILES, stop_token_ids
 from eagle3.data.inputs import Record, read_records
 from eagle3.resolve import resolve_device
-from eagle3.files import atomic_write_text, read_json, sha256_file, strict_json
+from eagle3.files import atomic_write_text, read_json, run_lock, sha256_file, strict_json
 from eagle3.ops import TORCH_DTYPES
 from eagle3.sampling import Sampling, sample
 from eagle3.models.weights import Checkpoint
@@ -143,6 +143,28 @@ def _check_same(path: Path, current: dict) -> None:
                             f"generate.output_path, or remove {remove} to start over")
 
 
+def _source(line: str) -> object:
+    """(source line, part) of an output line; None for one that is not an object."""
+    try:
+        row = json.loads(line)
+        return row.get("source_line"), row.get("source_part", 0)
+    except (json.JSONDecodeError, AttributeError):   # not JSON, or not an object
+        return None
+
+
+def check_complete(path: Path, records: list[Record]) -> None:
+    """Refuse to call `path` finished unless it holds one line per input sequence, in input order."""
+    found = [_source(line) for line in path.read_text().split("\n") if line]
+    expected = [(r.line, r.part) for r in records]
+    if found == expected:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(found, expected)) if a != b), min(len(found), len(expected)))
+    raise GenerateError(f"{path}: {len(found)} lines for the {len(expected)} sequences of data.path; line {i + 1} "
+                        f"has (source_line, source_part) {found[i] if i < len(found) else 'none (missing)'}, expected "
+                        f"{expected[i] if i < len(expected) else 'no line'}: not one line per sequence in input "
+                        f"order; remove {path} and {_sidecar(path).name} to generate it again")
+
+
 def _finish(partial: Path, out: Path) -> None:
     """Rename the partial file and its settings so that a kill between the steps never mixes two runs' settings."""
     atomic_write_text(_sidecar(out), _sidecar(partial).read_text())
@@ -151,23 +173,30 @@ def _finish(partial: Path, out: Path) -> None:
 
 
 def run(cfg: Config) -> Path:
+    """Regenerate into generate.output_path, which this run owns meanwhile (a second run on it stops at once)."""
+    out = Path(cfg.generate.output_path)
+    with run_lock(out.parent, "generate.output_path", "generate", GenerateError, of=out):
+        return _run(cfg, out)
+
+
+def _run(cfg: Config, out: Path) -> Path:
     g = cfg.generate
     ckpt = Checkpoint(cfg.target.path)
-    out = Path(g.output_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     current = settings(cfg, ckpt)
+    records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
+                                  target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs, regenerating=True)
     if partial.exists() and partial.stat().st_size:
         _check_same(partial, current)
     elif out.exists():
         _check_same(out, current)
+        check_complete(out, records)
         _sidecar(partial).unlink(missing_ok=True)   # left by a kill inside _finish
         print(f"generate: {out} is already complete with these settings; nothing to do")
         return out
     else:
         atomic_write_text(_sidecar(partial), strict_json(current, indent=1) + "\n")
-    records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
-                                  target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs, regenerating=True)
     done = _done_lines(partial)
     todo = [r for r in records if (r.line, r.part) not in done]
     device, dtype = resolve_device(cfg.debug.generate_device), TORCH_DTYPES[cfg.debug.generate_dtype]
@@ -179,6 +208,7 @@ def run(cfg: Config) -> Path:
             f.write(json.dumps(line) + "\n")
             f.flush()
             bar.update(1)
+    check_complete(partial, records)
     _finish(partial, out)
     print(f"generate: {len(records)} sequences of {stats.lines - stats.skipped} input lines ({stats.skipped} skipped) -> {out}")
     return out

@@ -108,15 +108,18 @@ def save(output_dir, step: int, model: torch.nn.Module, optimizer, scheduler, st
     return final
 
 
-def checkpoint_bytes(model, optimizer) -> int:
-    """About what a checkpoint takes on disk: the weights, the optimizer state, 1 MiB for the rest."""
-    return tensor_bytes(model.state_dict()) + tensor_bytes(optimizer.state_dict()["state"]) + (1 << 20)
+SIDE_BYTES = 1 << 16   # state.json, and each rank's RNG file (about 16 KB; CUDA's states more), generously
+
+
+def checkpoint_bytes(model, optimizer, world: int = 1) -> int:
+    """About what a checkpoint takes on disk: the weights, the optimizer state, state.json and `world` RNG files."""
+    return tensor_bytes(model.state_dict()) + tensor_bytes(optimizer.state_dict()["state"]) + SIDE_BYTES * (1 + world)
 
 
 def _check_space(output_dir, step: int, model, optimizer, dist) -> None:
     """Fail before anything is written if the checkpoint does not fit; rank 0 measures for every rank."""
     directory = checkpoints_dir(output_dir)
-    need = checkpoint_bytes(model, optimizer)
+    need = checkpoint_bytes(model, optimizer, getattr(dist, "world", 1))
     free = free_bytes(directory) if dist.main else 0
     if getattr(dist, "world", 1) > 1:
         free = int(dist.all_reduce(torch.tensor([float(free)], dtype=torch.float64, device=dist.device)).item())

@@ -287,3 +287,4 @@ max_steps = 2\neval_every = 2\n""")
     assert (f"reasoning {trained['reasoning']:,}, content {trained['content']:,}, tool calls {trained['tool_calls']:,}"
             in out)
     assert (tmp_path / "train-thinking" / "export" / "vllm").is_dir() and not (tmp_path / "train").exists()
+    assert (tmp_path / "thinking-prompts.jsonl").exists() and not (tmp_path / "prompts.jsonl").exists()

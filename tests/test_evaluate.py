@@ -440,6 +440,25 @@ def test_read_prompts(tmp_path, llama_target):
             read_prompts(bad, 256, target)
 
 
+def test_a_prompt_without_room_to_decode_and_a_zero_draft_vocab_are_refused(llama_run, tmp_path):
+    """Issue 46, row 8: a prompt that, with evaluate.max_new_tokens, runs past the target's
+    max_position_embeddings is refused naming its line; vocab.draft_vocab_size = 0 is refused like -5."""
+    from eagle3 import config as config_mod
+    cfg = llama_run
+    checkpoint, _ = checkpoint_and_export(cfg)
+    long = write_lines(tmp_path / "long.jsonl", [{"input_ids": [5, 6, 7]}, {"input_ids": [5] * 4090}])
+    with pytest.raises(InputError) as e:
+        real_decoding(cfg, checkpoint, long)
+    assert str(e.value) == (f"{long}:2: a prompt of 4090 tokens + evaluate.max_new_tokens 20 exceeds the target's "
+                            f"max_position_embeddings 4096 ({Path(cfg.target.path) / 'config.json'}); shorten the "
+                            "prompt or lower evaluate.max_new_tokens")
+    for size in ("0", "-5"):
+        with pytest.raises(config_mod.ConfigError) as e:
+            config_mod.load(None, ["--vocab.draft_vocab_size", size])
+        assert str(e.value) == (f"command line --vocab.draft_vocab_size: vocab.draft_vocab_size = {size}; expected a "
+                                "positive integer")
+
+
 def test_real_decoding_on_chat_prompts(llama_run, tmp_path):
     """Chat prompts through the target's own template (a copy of the target with a tokenizer)."""
     cfg = copy.deepcopy(llama_run)
@@ -467,7 +486,8 @@ def test_cli_evaluate_end_to_end(llama_run, tmp_path, capsys):
     main(["evaluate", str(checkpoint), "--config", str(toml), "--prompts", cfg.evaluate.prompts, "--k", "3"])
     out = capsys.readouterr().out.splitlines()
     summary, saved = json.loads(out[0]), json.loads((checkpoint / "eval.json").read_text())
-    assert out[1] == f"wrote {checkpoint / 'eval.json'}"
+    assert out[1] == f"wrote {checkpoint / 'eval.json'} (inside the checkpoint: deleted with it by checkpoint " \
+                     "rotation, train.keep_checkpoints; --out FILE keeps it elsewhere)"   # issue 46, row 5
     accepted = decode_directly(cfg, checkpoint, 3)
     assert summary["real_accept_len"] == saved["real_accept_len"] == sum(accepted) / len(accepted)
     assert summary["mismatches"] == 0 and summary["k"] == 3

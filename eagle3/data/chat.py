@@ -229,9 +229,17 @@ class ChatEncoder:
         context = [_without(m, REASONING) for m in chat.messages[:k]]
         prompt = render(context, True)
 
-        def reply(m: dict) -> str | None:
+        def after_prompt(m: dict) -> str | None:
             whole = render([*context, m], False)
-            return whole[len(prompt):].rstrip() if whole.startswith(prompt) else None
+            return whole[len(prompt):] if whole.startswith(prompt) else None
+
+        # the whitespace the template writes after any reply (ChatML's newline) belongs to the next context
+        probe = after_prompt({"role": "assistant", "content": PROBE}) or ""
+        separator = probe[len(probe.rstrip()):]
+
+        def reply(m: dict) -> str | None:
+            text = after_prompt(m)
+            return None if text is None else text.removesuffix(separator)
 
         bare = reply(_without(message, (*REASONING, "tool_calls")))
         if bare is None:

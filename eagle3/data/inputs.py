@@ -2,6 +2,7 @@
 or skipped (`data.on_error`) and counted in the manifest, never dropped silently (docs/data.md)."""
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import sys
@@ -184,7 +185,11 @@ def json_lines(path: Path, key: str) -> Iterator[tuple[int, bytes]]:
         kind = "a directory" if path.is_dir() else "not a regular file"
         raise InputError(f"{path}: {kind}; {key} must name a JSON-lines file")
     with path.open("rb") as f:
-        yield from ((number, raw) for number, raw in enumerate(f, start=1) if raw.strip())
+        for number, raw in enumerate(f, start=1):
+            if number == 1:   # a UTF-8 byte order mark, as some editors write one, is no part of the first line
+                raw = raw.removeprefix(codecs.BOM_UTF8)
+            if raw.strip():
+                yield number, raw
 
 
 def utf8(raw: bytes) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,18 @@ def _describe_quant(q: dict | None) -> dict | None:
     return out
 
 
+def _non_finite(value, where: str = "") -> tuple[str, float] | None:
+    """(the path of the first NaN or infinite number in parsed JSON, e.g. "text_config.rope_theta", it), or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (where, value)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := _non_finite(item, f"{where}[{key}]" if isinstance(key, int) else
+                                 f"{where}.{key}" if where else key)) is not None:
+            return found
+    return None
+
+
 def read_config(path: Path) -> TextConfig:
     """Resolve a (possibly nested) config.json into the text model's fields."""
     try:
@@ -122,6 +135,9 @@ def read_config(path: Path) -> TextConfig:
         raise TargetError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(outer, dict):
         raise TargetError(f"{path}: expected a JSON object")
+    if (field := _non_finite(outer)) is not None:   # Python's JSON reads NaN and Infinity: a forward of NaNs
+        raise TargetError(f"{path}: field '{field[0]}' = {json.dumps(field[1])}; expected a finite number (NaN and "
+                          "Infinity are not numbers a model config can use)")
     text, where = outer, str(path)
     if "text_config" in outer:
         text, where = outer["text_config"], f"{path}:text_config"

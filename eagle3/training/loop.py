@@ -9,6 +9,7 @@ import inspect
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,6 +71,12 @@ class TTTModel(nn.Module):
         u = unroll
         return ttt_forward(self.draft, batch, u.embed, u.head_rows, u.steps, u.attention, u.loss_steps, u.decay,
                            scale, u.skip_dead_rows, u.objective, u.static)
+
+
+# the draft's buffers (vocab maps, RoPE frequencies) are alike on every rank: no broadcast before each forward
+# (torch 2.13 names it forward_sync_buffers and warns on the older broadcast_buffers)
+UNSYNCED_BUFFERS = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                    inspect.signature(nn.parallel.DistributedDataParallel).parameters else {"broadcast_buffers": False})
 
 
 def masked_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
@@ -190,8 +197,8 @@ def data_plan(cfg: Config, reader, world: int, data_dir: str) -> tuple[Plan, lis
     t = cfg.train
     train_refs, eval_refs = split_holdout(reader.sequences, t.eval_fraction)
     if (longest := max(r.length for r in reader.sequences)) > t.batch_tokens:
-        raise TrainError(f"{cfg.source}: train.batch_tokens = {t.batch_tokens} is smaller than the "
-                         f"longest sequence ({longest} tokens); raise it or lower data.max_seq_len")
+        raise TrainError(f"{cfg.origin('train.batch_tokens')}: train.batch_tokens = {t.batch_tokens} is smaller "
+                         f"than the longest sequence ({longest} tokens); raise it or lower data.max_seq_len")
     source = reader.manifest.get("source", {}).get("path", "?")   # as an error names the data
     data = (f"data.path {source} (online)" if t.source == "online" else
             f"train.data_dir {Path(data_dir)} (extracted from data.path {source})")
@@ -248,7 +255,7 @@ class Trainer:
         self.start_step = self._resume()
         # device_ids=None: DDP moving the inputs would move the host-side boundaries to the device
         self.ddp = self.model if self.dist.world == 1 else nn.parallel.DistributedDataParallel(
-            self.model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
+            self.model, device_ids=None, gradient_as_bucket_view=True, **UNSYNCED_BUFFERS)
         self.log = MetricsLog(self.output_dir, self.start_step, self.dist.main)
         self.nonfinite = NonFinite(self.dist, self.device)
 
@@ -260,6 +267,7 @@ class Trainer:
         """What a checkpoint of this run records besides the weights (state.json)."""
         return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
                 "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
+                "data_plan_key": self.reader.manifest.get("plan_key"),   # which extraction: none online
                 "world_size": self.dist.world, "schedule_total": self.schedule.total, "float8_used": self.float8,
                 "float8_head_used": self.float8_head, "cuda_graphs_used": self.graphed is not None}   # "auto"s resolved
 
@@ -311,7 +319,9 @@ class Trainer:
         grad_norm = nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
         bad = self.nonfinite.track(loss_bad, grad_norm, step)
         masked_step(self.optimizer, bad)
-        self.scheduler.step()   # the schedule follows the step number, skipped or not
+        with warnings.catch_warnings():   # the schedule follows the step number, skipped or not: no stray warning
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")   # (a regex)
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=self.graphed is None)   # a graph adds to the .grad it captured
         return StepResult(torch.where(bad, 0.0, metrics), grad_norm, bad)
 
@@ -340,20 +350,20 @@ class Trainer:
         saved = None
         # staged online reads run here, after the queued draft work: finish it first, or it is timed as theirs
         settle = torch.cuda.synchronize if self.cuda and self.reader.lockstep else lambda: None
-        for step in range(self.start_step, total):
-            settle()
-            wait = time.perf_counter()
-            micro = [next(batches) for _ in range(t.grad_accum)]
-            window.waited += time.perf_counter() - wait
-            if step == self.start_step and self.dist.world > 1:
-                self.settle_buckets(micro[0])
-            window.tokens += sum(b.rows for b in micro)
-            result = self.train_step(micro, step + 1)
-            window.metrics += result.metrics
-            del micro   # before the next step's micro-batches come: one step's on the device at a time
-            saved = self._after_step(step + 1, result, window, bar) or saved
-            bar.update(1)
-        bar.close()
+        with bar:   # closed however the loop ends, so that a last line printed after it stays last
+            for step in range(self.start_step, total):
+                settle()
+                wait = time.perf_counter()
+                micro = [next(batches) for _ in range(t.grad_accum)]
+                window.waited += time.perf_counter() - wait
+                if step == self.start_step and self.dist.world > 1:
+                    self.settle_buckets(micro[0])
+                window.tokens += sum(b.rows for b in micro)
+                result = self.train_step(micro, step + 1)
+                window.metrics += result.metrics
+                del micro   # before the next step's micro-batches come: one step's on the device at a time
+                saved = self._after_step(step + 1, result, window, bar) or saved
+                bar.update(1)
         return self._finish(saved)
 
     def _after_step(self, done: int, result: StepResult, window: Window, bar: tqdm) -> Path | None:
@@ -394,7 +404,7 @@ class Trainer:
             if saved is not None:
                 for fmt, path in export_all(saved, self.output_dir / "export", self.cfg).items():
                     print(f"exported {fmt} draft: {path}")
-            print(self.log.summary(self.plan.total, saved, self.cfg.export.formats))
+            print(self.log.summary(self.plan.total, saved, self.cfg.export.formats, self.cfg.evaluate.prompts))
         self.dist.barrier()
         return self.output_dir
 
@@ -415,4 +425,4 @@ def run(cfg: Config) -> Path:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    distributed.main(run, run_dir.kept, "Train an EAGLE-3 draft with training-time test.", argv, prog)
+    distributed.main(run, run_dir.kept, "Train an EAGLE-3 draft with training-time test.", argv, prog, "train")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3.files import strict_json
+from eagle3.errors import TrainError
+from eagle3.files import atomic_write_text, free_bytes, strict_json
+from eagle3.training import run_dir
 
 
 def _logged_step(line: str) -> float:
@@ -27,18 +29,31 @@ class MetricsLog:
             return
         if self.path.exists():  # a resumed run drops what the killed run logged after its checkpoint
             kept = [ln for ln in self.path.read_text().splitlines() if _logged_step(ln) <= start_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            try:   # through a temporary name: a full disk keeps the old log whole
+                atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
+            except OSError as e:
+                raise self.failed(e) from None
         try:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(output_dir / "tensorboard"))
         except ImportError:
             pass
 
+    def failed(self, e: OSError) -> TrainError:
+        """The one line for a log that cannot be written (a full disk): the free space, what the run leaves."""
+        free = free_bytes(self.output_dir)
+        return TrainError(f"{self.path}: writing the training log failed ({e.strerror or e}); {free} bytes "
+                          f"({free / 2**30:.2f} GiB) free there; training stopped, {run_dir.newest(self.output_dir)}: "
+                          "free space, then the same command resumes")
+
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(strict_json(record) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(strict_json(record) + "\n")
+        except OSError as e:
+            raise self.failed(e) from None
         if self.tb is not None:
             prefix = record.get("split", "train")
             for key, value in record.items():
@@ -48,8 +63,9 @@ class MetricsLog:
                     for k, v in enumerate(value):
                         self.tb.add_scalar(f"{prefix}/{key}_{k}", v, record["step"])
 
-    def summary(self, total: int, saved: Path | None, formats) -> str:
-        """Where the run ended and where its files are, read back from metrics.jsonl (a rerun says the same)."""
+    def summary(self, total: int, saved: Path | None, formats, prompts: str | None = None) -> str:
+        """Where the run ended and where its files are, read back from metrics.jsonl (a rerun says the same);
+        `prompts`: the file the evaluate command names (evaluate.prompts)."""
         out = self.output_dir
         records = [json.loads(ln) for ln in self.path.read_text().splitlines()] if self.path.exists() else []
         last = {r["split"]: r for r in records}
@@ -66,6 +82,8 @@ class MetricsLog:
         if self.tb is not None:
             lines.append(f"  tensorboard: {out / 'tensorboard'}")
         if saved is not None:   # training draws no plot: evaluate does, with real decoding when given prompts
-            lines.append(f"  plot and real decoding: python -m eagle3 evaluate {saved} --prompts PROMPTS.jsonl "
-                         "(writes eval.json and eval.png there; the checkpoint's own settings)")
+            lines.append(f"  plot and real decoding: python -m eagle3 evaluate {saved} "
+                         f"--prompts {prompts or 'PROMPTS.jsonl'} "
+                         "(the checkpoint's own settings; writes eval.json and eval.png into the checkpoint, deleted "
+                         "with it by checkpoint rotation: --out FILE keeps them elsewhere)")
         return "\n".join(lines)

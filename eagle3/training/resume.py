@@ -38,6 +38,7 @@ def check(path: Path, was: dict, now: dict, total: int) -> None:
     for key, value in {**now["resolved"], "target": now["target"]}.items():
         if key != "verifier_name" and before[key] != value:   # the verifier is only a name in the export
             raise TrainError(f"{path}/state.json: {key} differs from this run's ({before[key]} vs {value}); {NEW_RUN}")
+    check_data(path, was, now)
     check_global_batch(path, was, now["world_size"], now["config"]["train"]["grad_accum"])
     for section, key in [("experimental", key) for key in HEAD_FIXED] + [("train", key) for key in RESUME_FIXED]:
         before, after = was["config"][section][key], now["config"][section][key]
@@ -48,6 +49,17 @@ def check(path: Path, was: dict, now: dict, total: int) -> None:
                              f"{json.dumps(after)}; a resumed run must keep it (set --{section}.{key} "
                              f"{json.dumps(before)} to resume it, or {NEW_RUN})")
     check_end(path, was, total, now["config"]["train"]["max_steps"])
+
+
+def check_data(path: Path, was: dict, now: dict) -> None:
+    """The shards at train.data_dir must be the extraction the checkpoint trained on, not a new one at the same path
+    (a checkpoint that recorded none is not compared)."""
+    if "data_plan_key" not in was or was["data_plan_key"] == now.get("data_plan_key"):
+        return
+    raise TrainError(f"{path}/state.json: the checkpoint trained on other shards than {now['resolved']['data_dir']} "
+                     f"holds now (manifest plan_key {str(was['data_plan_key'])[:12]}..., now "
+                     f"{str(now.get('data_plan_key'))[:12]}...: extracted again from other data, target or settings); "
+                     f"put back the shards it trained on to resume it, or {NEW_RUN}")
 
 
 def check_global_batch(path: Path, was: dict, world: int, accum: int) -> None:

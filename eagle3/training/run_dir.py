@@ -68,5 +68,10 @@ def lock(output_dir: Path, held: bool):
 
 
 def kept(cfg: Config) -> str:
-    newest = train_state.latest(cfg.train.output_dir)
-    return f"newest complete checkpoint {newest}" if newest else "no checkpoint written yet"
+    return newest(cfg.train.output_dir)
+
+
+def newest(output_dir: Path) -> str:
+    """What a stopped run leaves in `output_dir`, as its last line names it."""
+    path = train_state.latest(output_dir)
+    return f"newest complete checkpoint {path}" if path else "no checkpoint written yet"
