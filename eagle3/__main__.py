@@ -27,7 +27,8 @@ def forward(command: str, argv: list[str]) -> None:
 
 
 THINKING = {"data.path": lambda p: str(Path(p).with_name("thinking.jsonl")),   # the demo's own paths, not set
-            "extract.output_dir": lambda p: p + "-thinking", "train.output_dir": lambda p: p + "-thinking"}
+            "target.path": lambda p: p + "-thinking", "extract.output_dir": lambda p: p + "-thinking",
+            "train.output_dir": lambda p: p + "-thinking"}
 
 
 def demo(args, overrides: list[str]) -> None:
@@ -72,7 +73,7 @@ def demo_prompts(cfg: config_mod.Config, name: str, count: int = 8) -> Path:
         return path
     target = Checkpoint(cfg.target.path)
     records, _ = read_records(cfg.data.path, target.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
-                              target_dir=target.dir, template_kwargs=cfg.data.chat_template_kwargs)
+                              target_dir=target.dir, template_kwargs=cfg.data.chat_template_kwargs, report=False)
     _, held = split_holdout([SeqRef(0, 0, 0, i) for i in range(len(records))], cfg.train.eval_fraction)
     lines = [json.dumps({"input_ids": records[r.index].input_ids.tolist(),
                          "loss_mask": records[r.index].loss_mask.tolist()}) + "\n" for r in held[:count]]

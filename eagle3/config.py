@@ -182,6 +182,9 @@ class DebugConfig:
     evaluate_dtype: Dtype = setting("float32", "compute dtype in `evaluate` (bf16 near-ties would be mismatches)")
     generate_batch_size: int = setting(16, "conversations decoded together by `generate`")
     evaluate_batch_size: int = setting(32, "prompts decoded together by `evaluate` (same tokens at any size)")
+    data_workers: int | None = setting(
+        None, "processes rendering the chat lines of a data file over 4 MB; auto: the CPUs / the ranks on this node, "
+        "at most 32")
     shard_tokens: int = setting(65536, "tokens per shard file (a shard ends on a sequence boundary)")
     chunk_tokens: int = setting(65536, "tokens run through one target layer at a time")
     kernels: Literal["auto", "triton", "torch"] = setting(
@@ -234,7 +237,7 @@ POSITIVE = ("data.max_seq_len draft.num_layers train.batch_tokens train.grad_acc
             "train.checkpoint_every train.keep_checkpoints export.speculative_tokens generate.max_new_tokens "
             "evaluate.max_new_tokens evaluate.k evaluate.seeds debug.shard_tokens debug.chunk_tokens debug.log_every "
             "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch train.epochs "
-            "vocab.draft_vocab_size").split()
+            "vocab.draft_vocab_size debug.data_workers").split()
 
 # keys that moved or went: an old config names the new key (or why it went) instead of "unknown key"
 MOVED = {"debug": "train.kernels train.skip_dead_rows train.compile_ops train.prefetch train.collective_timeout_s "

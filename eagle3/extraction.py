@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from eagle3 import distributed
 from eagle3.config import Config
-from eagle3.resolve import resolve, resolve_device
+from eagle3.resolve import data_workers, resolve, resolve_device
 from eagle3.data.chat import RENDERING
 from eagle3.data.tokenizer import TOKENIZER_FILES
 from eagle3.data.inputs import InputStats, read_records
@@ -78,7 +78,7 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
     tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
     plan = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len, cfg.data.on_error,
                        cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype, FORMAT_VERSION,
-                       *([cfg.data.chat_template_kwargs, RENDERING] if stats.chat.lines else [])])
+                       *([json.dumps(cfg.data.chat_template_kwargs, sort_keys=True), RENDERING] if stats.chat.lines else [])])
     return {"format_version": FORMAT_VERSION, "target": ckpt.config.identity(), "aux_layer_ids": aux_ids,
             "dtypes": dtypes, "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
             "source": {"path": str(cfg.data.path), "sha256": data_sha, "max_seq_len": cfg.data.max_seq_len,
@@ -124,8 +124,9 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
     ckpt = Checkpoint(cfg.target.path)
     aux_ids = resolve(cfg, ckpt).aux_layer_ids   # the whole record: a draft that cannot be built fails now
     check_tensors(ckpt, build_model(ckpt, torch.device("cpu"), torch.float32))   # headers only, before any work
-    records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len,
-                                  cfg.data.on_error, target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs)
+    records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
+                                  target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs,
+                                  workers=data_workers(cfg), report=dist.main)
     if dist.main and stats.chat.lines:
         print(f"extract: {stats.chat.describe()}")
     out = writable_dir(cfg.extract.output_dir, DataError, "extract.output_dir")

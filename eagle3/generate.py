@@ -11,8 +11,9 @@ from tqdm import tqdm
 
 from eagle3.config import Config
 from eagle3.data.tokenizer import TOKENIZER_FILES, stop_token_ids
+from eagle3.data.chat import RENDERING
 from eagle3.data.inputs import Record, read_records
-from eagle3.resolve import resolve_device
+from eagle3.resolve import data_workers, resolve_device
 from eagle3.files import atomic_write_text, read_json, run_lock, sha256_file, strict_json
 from eagle3.ops import TORCH_DTYPES
 from eagle3.sampling import Sampling, sample
@@ -119,7 +120,8 @@ def settings(cfg: Config, ckpt: Checkpoint) -> dict:
             "debug.generate_dtype").split()
     return {"target.path": str(ckpt.dir.resolve()), "target config.json sha256": ckpt.config.config_sha256,
             "target tokenizer sha256": tokenizer, "data.path sha256": sha256_file(Path(cfg.data.path)),
-            **{key: cfg.value(key) for key in keys}, "stop tokens": sorted(stop_tokens(cfg, ckpt))}
+            **{key: cfg.value(key) for key in keys}, "stop tokens": sorted(stop_tokens(cfg, ckpt)),
+            "chat rendering": RENDERING}
 
 
 def _sidecar(path: Path) -> Path:
@@ -186,7 +188,8 @@ def _run(cfg: Config, out: Path) -> Path:
     partial = out.with_name(out.name + ".partial")
     current = settings(cfg, ckpt)
     records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
-                                  target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs, regenerating=True)
+                                  target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs, regenerating=True,
+                                  workers=data_workers(cfg))
     if partial.exists() and partial.stat().st_size:
         _check_same(partial, current)
     elif out.exists():

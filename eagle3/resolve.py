@@ -2,6 +2,7 @@
 which checkpoints carry so that resume, evaluate and export read what training used."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -76,3 +77,10 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
 
 def resolve_device(name: str) -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+
+
+def data_workers(cfg: Config) -> int:
+    """`debug.data_workers`, or this node's CPUs shared among its ranks (at most 32)."""
+    if cfg.debug.data_workers is not None:
+        return cfg.debug.data_workers
+    return max(1, min(32, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))

@@ -39,6 +39,9 @@ LINES = {
                                 {"role": "assistant", "reasoning_content": "greet twice", "content": "hello hello"}]},
     "inline": {"messages": [{"role": "user", "content": "hi"},
                             {"role": "assistant", "content": "<think>greet</think>hello"}]},
+    # what a server without a reasoning parser returns after a generation prompt that opened <think>
+    "inline_open": {"messages": [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "greet</think>hello"}]},
     "reasoning_name": {"messages": [{"role": "user", "content": "2+2?"},
                                     {"role": "assistant", "reasoning": "add them", "content": "It is 4."}]},
 }
@@ -51,6 +54,7 @@ REPLIES = {
              "tools": [(f"call the tool</think>{SECTION}<|im_end|>", 0), ("report it</think>It is sunny.<|im_end|>", 0)],
              "multi_turn": [("greet</think>hello<|im_end|>", 0), ("greet twice</think>hello hello<|im_end|>", 1)],
              "inline": [("greet</think>hello<|im_end|>", 0)],
+             "inline_open": [("greet</think>hello<|im_end|>", 0)],
              "reasoning_name": [("add them</think>It is 4.<|im_end|>", 0)]},
     "qwen3": {"reasoning": [("<think>\nadd them\n</think>\n\nIt is 4.<|im_end|>", 0)],
               "tools": [(f"<think>\ncall the tool\n</think>\n\n{QWEN_CALL}<|im_end|>", 0),
@@ -58,6 +62,7 @@ REPLIES = {
               "multi_turn": [("<think>\ngreet\n</think>\n\nhello<|im_end|>", 0),
                              ("<think>\ngreet twice\n</think>\n\nhello hello<|im_end|>", 1)],
               "inline": [("<think>\ngreet\n</think>\n\nhello<|im_end|>", 0)],
+              "inline_open": [("<think>\ngreet\n</think>\n\nhello<|im_end|>", 0)],
               "reasoning_name": [("<think>\nadd them\n</think>\n\nIt is 4.<|im_end|>", 0)]},
 }
 
@@ -91,8 +96,8 @@ def engine_messages(line: dict) -> list[dict]:
     out = []
     for m in line["messages"]:
         m = dict(m, content=m.get("content") or "")
-        if m["role"] == "assistant" and m["content"].startswith("<think>"):
-            reasoning, _, m["content"] = m["content"][len("<think>"):].partition("</think>")
+        if m["role"] == "assistant" and "</think>" in m["content"]:
+            reasoning, _, m["content"] = m["content"].removeprefix("<think>").partition("</think>")
             m["reasoning_content"] = reasoning
         if (r := m.get("reasoning_content", m.get("reasoning"))) is not None:
             m.update(reasoning_content=r, reasoning=r)
@@ -260,7 +265,7 @@ def test_extraction_counts_what_it_trained_by_category(tmp_path, capsys):
     encoded = [encoder.encode(line) for line in LINES.values()]
     trained = {k: sum(e.trained[k] for e in encoded) for k in ("reasoning", "content", "tool_calls")}
     assert chat["trained_tokens"] == trained and all(trained.values())
-    assert chat["lines"] == len(LINES) and chat["replies"] == 7 and chat["split_lines"] == 1
+    assert chat["lines"] == len(LINES) and chat["replies"] == len(LINES) + 2 and chat["split_lines"] == 1
     assert chat["sequences"] == len(LINES) + 1 and chat["repeated_tokens"] == encoded[2].repeated > 0
     assert read_manifest(out)["source"]["sequences"] == chat["sequences"]
     printed = capsys.readouterr().out
@@ -280,7 +285,8 @@ max_steps = 2\neval_every = 2\n""")
     tiny.make_chat_data(tmp_path / "thinking.jsonl", conversations=12)   # the demo's own data, smaller
     main(["demo", "--thinking", "--config", str(config), "--debug.train_device", "cpu", "--debug.extract_device", "cpu"])
     out = capsys.readouterr().out
-    assert "Kimi-K2.5's tokenizer files and chat template" in out and (tmp_path / "target" / "tiktoken.model").exists()
+    assert "Kimi-K2.5's tokenizer files and chat template" in out
+    assert (tmp_path / "target-thinking" / "tiktoken.model").exists() and not (tmp_path / "target").exists()
     chat = read_manifest(tmp_path / "hidden-thinking")["source"]["chat"]
     assert chat["lines"] == 12 and chat["split_lines"] == 3 and all(chat["trained_tokens"].values())
     trained = chat["trained_tokens"]
@@ -288,3 +294,67 @@ max_steps = 2\neval_every = 2\n""")
             in out)
     assert (tmp_path / "train-thinking" / "export" / "vllm").is_dir() and not (tmp_path / "train").exists()
     assert (tmp_path / "thinking-prompts.jsonl").exists() and not (tmp_path / "prompts.jsonl").exists()
+
+
+def test_a_reply_is_trained_with_its_tool_arguments_as_emitted_and_without_its_name(targets):
+    """The model wrote the arguments' text: its own turn trains that text (the history gets the parsed object, as the
+    engines pass it); a `name` on the turn is the engine's business, not in the generation prompt's header."""
+    encoder = ChatEncoder(targets["kimi"][0])
+    raw = '{"city":"Paris","n":1.50}'
+    call = dict(CALL, function={"name": "get_weather", "arguments": raw})
+    line = {"messages": [{"role": "user", "content": "Weather?"},
+                         {"role": "assistant", "name": "kimi", "reasoning_content": "call", "content": "",
+                          "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": CALL["id"], "content": "sunny"},
+                         {"role": "assistant", "reasoning_content": "report", "content": "Sunny."}]}
+    encoded = encoder.encode(line)
+    decode = encoder.tokenizer.encode.decode
+    (s, a, b), _ = replies_of(encoded.sequences)
+    ids = encoded.sequences[s][0]
+    assert decode(ids[:a].tolist()).endswith("<|im_assistant|>assistant<|im_middle|><think>")
+    assert decode(ids[a:b].tolist()) == "call</think>" + SECTION.replace('{"city": "Paris"}', raw) + "<|im_end|>"
+    # the history shows the name as its role and the parsed arguments: a context of its own for the next reply
+    assert len(encoded.sequences) == 2 and '<|im_assistant|>kimi<|im_middle|>' in decode(encoded.sequences[1][0].tolist())
+    assert encoded.trained["tool_calls"] == len(encoder.tokenizer.encode(SECTION.replace('{"city": "Paris"}', raw)))
+
+
+def test_a_truncated_split_line_keeps_only_parts_with_something_to_train(tmp_path, targets, capsys):
+    """Each later part of a split line carries the whole context before its reply: cut at data.max_seq_len, a part
+    left with no reply token is not extracted, and the counts are of what is left."""
+    turns = [{"role": "system", "content": "Be brief."}]
+    for i in range(4):
+        turns += [{"role": "user", "content": f"question {i} " * 4},
+                  {"role": "assistant", "reasoning_content": "think " * 12, "content": "answer " * 6}]
+    data = write_lines(tmp_path / "chat.jsonl", [{"messages": turns}])
+    full, _ = read_records(data, 600, 100_000, target_dir=targets["kimi"][0])
+    lengths = [len(r.input_ids) for r in full]
+    assert len(full) == 4 and lengths == sorted(lengths)
+    cut = lengths[1] + 10     # parts 3 and 4 lose their replies
+    records, stats = read_records(data, 600, cut, target_dir=targets["kimi"][0])
+    assert [r.part for r in records] == [0, 1, 2] and all(r.loss_mask.any() for r in records[:2])
+    assert stats.truncated == 2 and stats.chat.dropped_parts == 1 and stats.chat.sequences == 3
+    assert sum(stats.chat.trained.values()) == sum(int(r.loss_mask.sum()) for r in records)
+    assert "1 sequences of chat lines split by their template kept nothing to train" in capsys.readouterr().err
+
+
+def test_replies_without_reasoning_under_a_thinking_prompt_are_counted(tmp_path, targets, capsys):
+    line = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    data = write_lines(tmp_path / "chat.jsonl", [line, line, LINES["reasoning"]])
+    _, stats = read_records(data, 600, 4096, target_dir=targets["kimi"][0])
+    assert stats.chat.empty_thoughts == 2
+    assert "2 replies have no reasoning where the chat template opens one" in capsys.readouterr().err
+    _, stats = read_records(data, 600, 4096, target_dir=targets["kimi"][0], template_kwargs={"thinking": False})
+    assert stats.chat.empty_thoughts == 0
+
+
+def test_chat_lines_rendered_by_a_pool_of_processes_are_the_same(tmp_path, targets, monkeypatch):
+    from eagle3.data import inputs
+    data = write_lines(tmp_path / "chat.jsonl", [*LINES.values(), "{bad", LINES["tools"]] * 3)
+    serial = read_records(data, 600, 4096, "skip", target_dir=targets["kimi"][0])
+    monkeypatch.setattr(inputs, "POOL_BYTES", 0)
+    pooled = read_records(data, 600, 4096, "skip", target_dir=targets["kimi"][0], workers=2)
+    assert [(r.line, r.part, r.input_ids.tolist(), r.loss_mask.tolist()) for r in serial[0]] == \
+        [(r.line, r.part, r.input_ids.tolist(), r.loss_mask.tolist()) for r in pooled[0]]
+    assert serial[1] == pooled[1] and serial[1].skipped_lines == [len(LINES) + 1, 2 * len(LINES) + 3, 3 * len(LINES) + 5]
+    with pytest.raises(InputError, match=r"chat.jsonl:1: .*no target directory"):
+        read_records(data, 600, 4096, "skip", workers=2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle3.data.tokenizer import ChatError, TargetTokenizer
+from eagle3.errors import InputError
 
 ROLES = {"messages": ("role", "content", {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}),
          "conversations": ("from", "value", {"system": "system", "human": "user", "gpt": "assistant"})}
@@ -35,17 +35,25 @@ class Chat:
     tools: list | None
     kwargs: dict                 # chat_template_kwargs: the config's default, then the line's
     ignored: set[str]            # keys of the line no engine reads, e.g. "messages[].weight"
+    emitted: dict = field(default_factory=dict)   # message index -> its tool calls with arguments as emitted
 
 
 @dataclass
 class Encoded:
-    """A chat line as training sequences: (int32 ids, uint8 loss mask) each, and what was trained."""
+    """A chat line as training sequences, (int32 ids, uint8 loss mask) each, and per sequence each token's kind: 0 for
+    context, else 1 + its category's index in CATEGORIES."""
     sequences: list[tuple[np.ndarray, np.ndarray]]
+    kinds: list[np.ndarray] = field(default_factory=list)
     replies: int = 0
-    trained: Counter = field(default_factory=Counter)    # loss tokens by category (CATEGORIES)
     repeated: int = 0            # tokens a sequence shares with the line's previous one (rendered again)
     unrendered: set[str] = field(default_factory=set)    # fields of the line the template leaves out of the text
     ignored: set[str] = field(default_factory=set)
+    empty_thoughts: int = 0      # replies without reasoning where the template opens one: trained as an empty thought
+
+    @property
+    def trained(self) -> dict[str, int]:
+        """Loss tokens by category."""
+        return {c: sum(int((k == i + 1).sum()) for k in self.kinds) for i, c in enumerate(CATEGORIES)}
 
 
 @dataclass
@@ -53,6 +61,7 @@ class Reply:
     text: str                    # after the generation prompt, through the end-of-turn marker
     spans: dict                  # category -> [start, end) in text (content: everything else)
     unrendered: set[str]
+    empty_thought: bool = False  # no reasoning, where the reply holds `</think>`
 
 
 def _text(content: object, where: str) -> str:
@@ -69,18 +78,21 @@ def _text(content: object, where: str) -> str:
 
 
 def _split_think(content: str) -> tuple[str | None, str]:
-    """(reasoning, content) of a reply written with its thinking inline, `<think>R</think>C`; (None, content) else."""
+    """(reasoning, content) of a reply written with its thinking inline: `<think>R</think>C`, or `R</think>C` as a
+    server without a reasoning parser returns it after a generation prompt that opened `<think>`; (None, content)
+    without `</think>`."""
     head, end, rest = content.partition(THINK_END)
-    if not end or not head.lstrip().startswith(THINK_START):
+    if not end:
         return None, content
-    return head.lstrip()[len(THINK_START):], rest
+    return head.lstrip().removeprefix(THINK_START), rest
 
 
-def _tool_calls(calls: object, where: str) -> list[dict]:
-    """OpenAI tool calls with `arguments` parsed to an object, as both engines hand them to templates."""
+def _tool_calls(calls: object, where: str) -> tuple[list[dict], list[dict]]:
+    """OpenAI tool calls with `arguments` parsed to an object, as both engines hand them to templates (the turn in
+    history), and with `arguments` as given (the text the model emitted: its own reply is trained with it)."""
     if not isinstance(calls, list):
         raise ChatError(f"{where}: tool_calls must be a list")
-    out = []
+    out, emitted = [], []
     for i, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -95,11 +107,13 @@ def _tool_calls(calls: object, where: str) -> list[dict]:
         if not isinstance(arguments, dict):
             raise ChatError(f"{where}: tool_calls[{i}].function.arguments must be a JSON object")
         out.append({**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}})
-    return out
+        emitted.append({**out[-1], "function": {**function, "arguments": function.get("arguments") or arguments}})
+    return out, emitted
 
 
-def _message(turn: object, number: int, total: int, key: str) -> tuple[dict, set[str]]:
-    """One turn as the engines pass it to the template, and the keys of it they do not read."""
+def _message(turn: object, number: int, total: int, key: str) -> tuple[dict, set[str], list | None]:
+    """One turn as the engines pass it to the template, the keys of it they do not read, and its tool calls with
+    their arguments as emitted."""
     role_key, text_key, roles = ROLES[key]
     where = f"message {number} of {total}"
     role = turn.get(role_key) if isinstance(turn, dict) else None
@@ -116,10 +130,11 @@ def _message(turn: object, number: int, total: int, key: str) -> tuple[dict, set
         if message["role"] != "assistant" or not isinstance(reasoning, str):
             raise ChatError(f"{where}: reasoning must be a string on an assistant turn")
         message.update(reasoning_content=reasoning, reasoning=reasoning)   # vLLM passes both names
+    emitted = None
     if turn.get("tool_calls"):   # an empty list is no tool call (vLLM drops it)
         if message["role"] != "assistant":
             raise ChatError(f"{where}: tool_calls on a {message['role']} turn")
-        message["tool_calls"] = _tool_calls(turn["tool_calls"], where)
+        message["tool_calls"], emitted = _tool_calls(turn["tool_calls"], where)
     for k in ("tool_call_id", "name"):
         if turn.get(k) is not None:
             if not isinstance(turn[k], str):
@@ -130,7 +145,7 @@ def _message(turn: object, number: int, total: int, key: str) -> tuple[dict, set
     if message["role"] != "assistant" and not message["content"].strip() and message["role"] != "tool":
         raise ChatError(f"{where}: empty content")
     ignored = {f"{key}[].{k}" for k in turn if k not in (role_key, text_key, *MESSAGE_FIELDS)}
-    return message, ignored
+    return message, ignored, emitted
 
 
 def conversation(obj: dict, default_kwargs: dict, require_reply: bool = True) -> Chat:
@@ -140,7 +155,7 @@ def conversation(obj: dict, default_kwargs: dict, require_reply: bool = True) ->
     if not isinstance(turns, list) or not turns:
         raise ChatError(f"'{key}' must be a non-empty list of turns")
     parsed = [_message(turn, n, len(turns), key) for n, turn in enumerate(turns, start=1)]
-    messages = [m for m, _ in parsed]
+    messages = [m for m, _, _ in parsed]
     if require_reply and not any(m["role"] == "assistant" for m in messages):
         raise ChatError(f"no assistant turn in '{key}': nothing to learn from")
     tools = obj.get("tools")
@@ -151,8 +166,9 @@ def conversation(obj: dict, default_kwargs: dict, require_reply: bool = True) ->
         raise ChatError("chat_template_kwargs must be an object")
     if reserved := sorted(RESERVED_KWARGS & set(kwargs)):
         raise ChatError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-    ignored = set().union(*(i for _, i in parsed)) | {k for k in obj if k not in (key, *LINE_FIELDS)}
-    return Chat(messages, tools or None, {**default_kwargs, **kwargs}, ignored)
+    ignored = set().union(*(i for _, i, _ in parsed)) | {k for k in obj if k not in (key, *LINE_FIELDS)}
+    emitted = {k: calls for k, (_, _, calls) in enumerate(parsed) if calls}
+    return Chat(messages, tools or None, {**default_kwargs, **kwargs}, ignored, emitted)
 
 
 def _without(message: dict, keys: tuple[str, ...]) -> dict:
@@ -172,6 +188,8 @@ class ChatEncoder:
     def __init__(self, target_dir: str | Path, template_kwargs: dict | None = None):
         self.tokenizer = TargetTokenizer(target_dir)
         self.default_kwargs = dict(template_kwargs or {})
+        if reserved := sorted(RESERVED_KWARGS & set(self.default_kwargs)):
+            raise InputError(f"data.chat_template_kwargs may not set {', '.join(reserved)}: the engines set them")
 
     def encode(self, obj: dict, regenerating: bool = False) -> Encoded:
         """The sequences of a {"messages"} or {"conversations"} line: replies share one sequence while the template
@@ -180,13 +198,18 @@ class ChatEncoder:
         render = self._renderer(chat)
         out = Encoded([], ignored=set(chat.ignored))
         groups: list[tuple[str, list[int], list[Reply]]] = []   # (text, reply bounds, replies)
+        separator = None
         for k, message in enumerate(chat.messages):
             if message["role"] != "assistant":
                 continue
-            prompt, reply = render(chat.messages[:k], True), self._reply(chat, k)
+            prompt = render(chat.messages[:k], True)
+            if separator is None:
+                separator = self._separator(chat, k)
+            reply = self._reply(chat, k, prompt, separator)
             if not reply.text:
                 raise ChatError(f"message {k + 1} of {len(chat.messages)} (assistant) renders to no tokens")
             out.replies += 1
+            out.empty_thoughts += reply.empty_thought
             out.unrendered |= reply.unrendered
             if groups and prompt.startswith(groups[-1][0]) and (not regenerating or self._keeps_reasoning(chat, k)):
                 text, bounds, replies = groups.pop()
@@ -196,15 +219,14 @@ class ChatEncoder:
                            [*replies, reply]))
         for text, bounds, replies in groups:
             ids, cuts, starts = self._token_cuts(text, bounds)
-            mask = np.zeros(len(ids), dtype=np.uint8)
+            kinds = np.zeros(len(ids), dtype=np.uint8)
             for reply, start, end, token_starts in zip(replies, cuts[0::2], cuts[1::2], starts):
-                mask[start:end] = 1
-                ends = [*token_starts[1:], len(reply.text)]
-                out.trained.update(_category(reply.spans, (a + b - 1) / 2) for a, b in zip(token_starts, ends))
+                kinds[start:end] = _kinds(reply, token_starts, end - start)
             if out.sequences:
                 previous = out.sequences[-1][0]
                 out.repeated += len(os.path.commonprefix([previous[:len(ids)].tolist(), ids[:len(previous)]]))
-            out.sequences.append((np.asarray(ids, dtype=np.int32), mask))
+            out.sequences.append((np.asarray(ids, dtype=np.int32), (kinds > 0).astype(np.uint8)))
+            out.kinds.append(kinds)
         out.unrendered |= self._unrendered_context(chat, render)
         return out
 
@@ -220,26 +242,32 @@ class ChatEncoder:
         return lambda messages, add_generation_prompt: self.tokenizer.render(
             messages, add_generation_prompt, chat.tools, chat.kwargs)
 
-    def _reply(self, chat: Chat, k: int) -> Reply:
-        """Turn k as the model emitted it after the generation prompt, rendered after the earlier turns without
-        their reasoning (it is context, never reply: templates that drop it from history then agree with the
-        prompt). Where the template drops the turn's own reasoning (Kimi's final turns: it renders them as
+    def _separator(self, chat: Chat, k: int) -> str:
+        """The whitespace the template writes after any reply (ChatML's newline): it belongs to the next context.
+        Found once per line, from a placeholder reply after the turns before turn k."""
+        render = self._renderer(chat)
+        prompt = render(chat.messages[:k], True)
+        whole = render([*chat.messages[:k], {"role": "assistant", "content": PROBE}], False)
+        text = whole[len(prompt):] if whole.startswith(prompt) else ""
+        return text[len(text.rstrip()):]
+
+    def _reply(self, chat: Chat, k: int, prompt: str, separator: str) -> Reply:
+        """Turn k as the model emitted it after the generation prompt (its tool calls' arguments as given, no `name`:
+        the engine's header is the generation prompt's), rendered after the earlier turns without their reasoning
+        (context, never reply: templates that drop it from history then agree with the prompt; `prompt` where
+        there is none). Where the template drops the turn's own reasoning (Kimi's final turns: it renders them as
         history), the reasoning goes before `</think>`, where the model wrote it."""
-        render, message = self._renderer(chat), chat.messages[k]
+        render = self._renderer(chat)
+        message = _without(chat.messages[k], ("name",))
+        if k in chat.emitted:
+            message["tool_calls"] = chat.emitted[k]
         context = [_without(m, REASONING) for m in chat.messages[:k]]
-        prompt = render(context, True)
-
-        def after_prompt(m: dict) -> str | None:
-            whole = render([*context, m], False)
-            return whole[len(prompt):] if whole.startswith(prompt) else None
-
-        # the whitespace the template writes after any reply (ChatML's newline) belongs to the next context
-        probe = after_prompt({"role": "assistant", "content": PROBE}) or ""
-        separator = probe[len(probe.rstrip()):]
+        if any(m.keys() & set(REASONING) for m in chat.messages[:k]):
+            prompt = render(context, True)
 
         def reply(m: dict) -> str | None:
-            text = after_prompt(m)
-            return None if text is None else text.removesuffix(separator)
+            whole = render([*context, m], False)
+            return whole[len(prompt):].removesuffix(separator) if whole.startswith(prompt) else None
 
         bare = reply(_without(message, (*REASONING, "tool_calls")))
         if bare is None:
@@ -253,7 +281,7 @@ class ChatEncoder:
             else:
                 text, spans = tools, {"tool_calls": _diff(tools, bare)}
         if not (reasoning := message.get("reasoning")):
-            return Reply(text, spans, unrendered)
+            return Reply(text, spans, unrendered, empty_thought=THINK_END in text)
         full = reply(message)
         if full is not None and full != text:
             start, end = _diff(full, text)
@@ -269,10 +297,11 @@ class ChatEncoder:
         would carry reasoning in this template's format."""
         j = max(i for i in range(k) if chat.messages[i]["role"] == "assistant")
         probed = Chat([dict(m, reasoning_content=PROBE, reasoning=PROBE) if i == j else m
-                       for i, m in enumerate(chat.messages)], chat.tools, chat.kwargs, chat.ignored)
-        if "reasoning" not in self._reply(probed, j).spans:
+                       for i, m in enumerate(chat.messages)], chat.tools, chat.kwargs, chat.ignored, chat.emitted)
+        render = self._renderer(probed)
+        if "reasoning" not in self._reply(probed, j, render(probed.messages[:j], True), "").spans:
             return True
-        return PROBE in self._renderer(chat)(probed.messages[:k], True)
+        return PROBE in render(probed.messages[:k], True)
 
     def _unrendered_context(self, chat: Chat, render) -> set[str]:
         """The line's tools, template kwargs, and the tool-turn fields before its last reply the template never reads."""
@@ -306,6 +335,14 @@ class ChatEncoder:
 def _shift(spans: dict, at: int, by: int) -> dict:
     """`spans` with every span at or after `at` moved `by` characters (text was inserted at `at`)."""
     return {k: (a + by, b + by) if a >= at else (a, b) for k, (a, b) in spans.items()}
+
+
+def _kinds(reply: Reply, starts: list[int], n: int) -> list[int]:
+    """The kind of each of the `n` tokens of a reply tokenized alone from character offsets `starts` (a prefix cut
+    may give the reply a token more or less than that: content)."""
+    ends = [*starts[1:], len(reply.text)]
+    kinds = [1 + CATEGORIES.index(_category(reply.spans, (a + b - 1) / 2)) for a, b in zip(starts, ends)]
+    return (kinds + [1 + CATEGORIES.index("content")] * n)[:n]
 
 
 def _category(spans: dict, middle: float) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import multiprocessing
 import sys
 from collections.abc import Callable, Iterator
 from collections import Counter
@@ -33,18 +34,22 @@ class ChatStats:
     sequences: int = 0
     split_lines: int = 0       # lines given as more than one sequence: the template rewrites their history
     repeated_tokens: int = 0   # context tokens rendered again in a later sequence of the same line
+    empty_thoughts: int = 0    # replies without reasoning where the template opens one
+    dropped_parts: int = 0     # sequences left with nothing to train by data.max_seq_len
     trained: Counter = field(default_factory=Counter)      # loss tokens: reasoning / content / tool_calls
     unrendered: Counter = field(default_factory=Counter)   # field -> lines whose field the template leaves out
     ignored: Counter = field(default_factory=Counter)      # key -> lines carrying a key no engine reads
     first_line: dict = field(default_factory=dict)         # field or key -> the first line carrying it
 
-    def add(self, line: int, encoded) -> None:
+    def add(self, line: int, encoded, kinds: list[np.ndarray]) -> None:
+        """A chat line's `encoded` sequences, whose `kinds` are what is left of them to train (after truncation)."""
         self.lines += 1
         self.replies += encoded.replies
-        self.sequences += len(encoded.sequences)
-        self.split_lines += len(encoded.sequences) > 1
+        self.empty_thoughts += encoded.empty_thoughts
+        self.sequences += len(kinds)
+        self.split_lines += len(kinds) > 1
         self.repeated_tokens += encoded.repeated
-        self.trained.update(encoded.trained)
+        self.trained.update({c: sum(int((k == i + 1).sum()) for k in kinds) for i, c in enumerate(CATEGORIES)})
         for counter, fields in ((self.unrendered, encoded.unrendered), (self.ignored, encoded.ignored)):
             counter.update(fields)
             for name in fields:
@@ -53,6 +58,7 @@ class ChatStats:
     def summary(self) -> dict:
         return {"lines": self.lines, "replies": self.replies, "sequences": self.sequences, "split_lines": self.split_lines,
                 "repeated_tokens": self.repeated_tokens, "trained_tokens": {k: self.trained[k] for k in CATEGORIES},
+                "empty_thoughts": self.empty_thoughts, "dropped_parts": self.dropped_parts,
                 "fields_not_rendered": dict(self.unrendered), "keys_ignored": dict(self.ignored)}
 
     def describe(self) -> str:
@@ -71,7 +77,11 @@ class ChatStats:
         return ([f"{lines(name, n)} that the chat template does not render {first[name]}: not in the training text"
                  for name, n in sorted(self.unrendered.items())] +
                 [f"{lines(repr(name), n)}, which neither vLLM nor SGLang passes to the template {first[name]}: ignored"
-                 for name, n in sorted(self.ignored.items())])
+                 for name, n in sorted(self.ignored.items())] +
+                [f"{path}: {self.empty_thoughts} replies have no reasoning where the chat template opens one: trained "
+                 "as an empty thought (`</think>` at once), not as the model thinks when served"] * bool(self.empty_thoughts) +
+                [f"{path}: {self.dropped_parts} sequences of chat lines split by their template kept nothing to train "
+                 "within data.max_seq_len: not extracted"] * bool(self.dropped_parts))
 
 
 @dataclass
@@ -128,50 +138,86 @@ def _parse_tokens(obj: object, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
-def _sequences(obj: object, vocab_size: int, chat: Callable, stats: InputStats, line: int,
-               regenerating: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-    """One line's sequences: a pre-tokenized line's one, or a chat line's (counted in `stats.chat`)."""
-    if not is_chat(obj):
-        return [_parse_tokens(obj, vocab_size)]
-    encoded = chat().encode(obj, regenerating)
-    for ids, _ in encoded.sequences:
-        if len(ids) < 2:
-            raise ValueError(f"conversation of {len(ids)} tokens; at least 2 are needed")
-        check_chat_ids(ids, vocab_size)
-    stats.chat.add(line, encoded)
-    return encoded.sequences
+def _line(number: int, raw: bytes, vocab_size: int, chat: Callable, regenerating: bool) -> tuple:
+    """One line: ("ok", [(ids, mask, kinds or None)], the chat line's Encoded or None), ("bad", why) for a line that
+    cannot be used, or ("fatal", why) for a tokenizer or template that cannot be (every chat line would fail)."""
+    try:
+        obj = json.loads(utf8(raw))
+        if not is_chat(obj):
+            return "ok", [(*_parse_tokens(obj, vocab_size), None)], None
+        encoded = chat().encode(obj, regenerating)
+        for ids, _ in encoded.sequences:
+            if len(ids) < 2:
+                raise ValueError(f"conversation of {len(ids)} tokens; at least 2 are needed")
+            check_chat_ids(ids, vocab_size)
+        return "ok", [(ids, mask, kinds) for (ids, mask), kinds in zip(encoded.sequences, encoded.kinds)], encoded
+    except InputError as e:
+        return "fatal", str(e)
+    except Exception as e:   # noqa: BLE001 - any failure of one line (JSON, bytes, template) is that line's
+        return "bad", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+
+
+_POOL_JOB: tuple = ()   # (vocab_size, chat, regenerating) of the pool being forked: its workers read it
+
+
+def _pool_line(job: tuple[int, bytes]) -> tuple:
+    return _line(*job, *_POOL_JOB)
+
+
+def _parsed(path: Path, vocab_size: int, chat: Callable, regenerating: bool, workers: int):
+    """(number, _line's answer) of each line, in order; chat lines rendered by `workers` forked processes when the
+    file is long enough to pay for them (rendering is Python: one core per process)."""
+    global _POOL_JOB
+    jobs = json_lines(path, "data.path")
+    if workers <= 1 or sys.platform != "linux" or path.stat().st_size < POOL_BYTES:
+        yield from ((number, _line(number, raw, vocab_size, chat, regenerating)) for number, raw in jobs)
+        return
+    _POOL_JOB = (vocab_size, chat, regenerating)
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        numbered = list(jobs)
+        yield from zip((n for n, _ in numbered), pool.imap(_pool_line, numbered, chunksize=16))
+
+
+POOL_BYTES = 4 << 20   # smaller data files are read in the calling process
 
 
 def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: str = "fatal",
                  target_dir: str | Path | None = None, template_kwargs: dict | None = None,
-                 regenerating: bool = False) -> tuple[list[Record], InputStats]:
+                 regenerating: bool = False, workers: int = 1, report: bool = True) -> tuple[list[Record], InputStats]:
     """`target_dir` holds the tokenizer and chat template, `template_kwargs` the default `chat_template_kwargs`;
-    only chat lines need them. `regenerating`: the replies are to be regenerated (ChatEncoder.encode)."""
+    only chat lines need them. `regenerating`: the replies are to be regenerated (ChatEncoder.encode). `workers`:
+    processes rendering chat lines. `report`: print the warnings about the data's fields (one rank of several)."""
     path = Path(path)
     records, stats, chat = [], InputStats(), chat_encoder(target_dir, template_kwargs)
-    for number, raw in json_lines(path, "data.path"):
+    for number, (status, *answer) in _parsed(path, vocab_size, chat, regenerating, workers):
         stats.lines += 1
-        try:
-            sequences = _sequences(json.loads(utf8(raw)), vocab_size, chat, stats, number, regenerating)
-        except InputError as e:  # the tokenizer or template is unusable: every chat line would fail
-            raise InputError(f"{path}:{number}: {e}") from None
-        except Exception as e:   # noqa: BLE001 - any failure of one line (JSON, bytes, template) is that line's
-            message = f"{path}:{number}: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}"
+        if status == "fatal":
+            raise InputError(f"{path}:{number}: {answer[0]}")
+        if status == "bad":
+            message = f"{path}:{number}: {answer[0]}"
             if on_error == "fatal":
-                raise InputError(message + " (set data.on_error = \"skip\" to skip such lines)") from None
+                raise InputError(message + " (set data.on_error = \"skip\" to skip such lines)")
             print(f"warning: skipped {message}", file=sys.stderr)
             stats.skipped += 1
             stats.skipped_lines.append(number)
             continue
-        for part, (ids, mask) in enumerate(sequences):
+        sequences, encoded = answer
+        kept = []
+        for ids, mask, kinds in sequences:
             if len(ids) > max_seq_len:
-                ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+                ids, mask, kinds = ids[:max_seq_len], mask[:max_seq_len], kinds if kinds is None else kinds[:max_seq_len]
                 stats.truncated += 1
-            records.append(Record(number, ids, mask, part))
+                if encoded is not None and not mask.any():   # a later part of a split line: its context alone
+                    stats.chat.dropped_parts += 1
+                    continue
+            kept.append((ids, mask, kinds))
+        if encoded is not None:
+            stats.chat.add(number, encoded, [k for _, _, k in kept])
+        records += [Record(number, ids, mask, part) for part, (ids, mask, _) in enumerate(kept)]
     stats.sequences = len(records)
     if not records:
         raise InputError(f"{path}: no usable sequences")
-    for warning in stats.chat.warnings(path):
+    for warning in stats.chat.warnings(path) if report else []:
         print(f"warning: {warning}", file=sys.stderr)
     return records, stats
 

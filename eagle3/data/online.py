@@ -17,6 +17,7 @@ from eagle3.data.batch import Batch
 from eagle3.data.inputs import read_records
 from eagle3.data.shards import SeqRef, shard_tensors
 from eagle3.models.weights import Checkpoint
+from eagle3.resolve import data_workers
 from eagle3.models.staged import StagedTarget
 from eagle3.models.streaming import TargetRunner
 from eagle3.ops import TORCH_DTYPES
@@ -35,7 +36,9 @@ class OnlineReader:
     def __init__(self, cfg: Config, ckpt: Checkpoint, aux_layer_ids: list[int], device: torch.device):
         d = cfg.data
         self.records, stats = read_records(d.path, ckpt.config.vocab_size, d.max_seq_len, d.on_error,
-                                           target_dir=ckpt.dir, template_kwargs=d.chat_template_kwargs)
+                                           target_dir=ckpt.dir, template_kwargs=d.chat_template_kwargs,
+                                           workers=data_workers(cfg),
+                                           report=not dist.is_initialized() or dist.get_rank() == 0)
         self.sequences = [SeqRef(0, 0, len(r.input_ids), i) for i, r in enumerate(self.records)]
         self.aux_dtype = cfg.extract.aux_dtype
         mode, dtype = cfg.train.online_target, TORCH_DTYPES[cfg.extract.dtype]

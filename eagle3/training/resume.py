@@ -54,7 +54,7 @@ def check(path: Path, was: dict, now: dict, total: int) -> None:
 def check_data(path: Path, was: dict, now: dict) -> None:
     """The shards at train.data_dir must be the extraction the checkpoint trained on, not a new one at the same path
     (a checkpoint that recorded none is not compared)."""
-    if "data_plan_key" not in was or was["data_plan_key"] == now.get("data_plan_key"):
+    if was.get("data_plan_key") is None or was["data_plan_key"] == now.get("data_plan_key"):
         return
     raise TrainError(f"{path}/state.json: the checkpoint trained on other shards than {now['resolved']['data_dir']} "
                      f"holds now (manifest plan_key {str(was['data_plan_key'])[:12]}..., now "
