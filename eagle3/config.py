@@ -133,11 +133,17 @@ class ExportConfig:
 class GenerateConfig:
     output_path: str = setting("runs/demo/regenerated.jsonl", "pre-tokenized JSON lines (point `data.path` at it)")
     max_new_tokens: int = setting(512, "per assistant reply")
-    temperature: float = setting(0.0, "0 = greedy (what the acceptance estimate assumes); > 0 samples")
-    top_p: float = setting(1.0, "nucleus sampling threshold, in (0, 1]")
+    temperature: float = setting(
+        1.0, "the serving temperature (Kimi-K2.5's 1.0: replies sampled there gave +7.8% accepted length at T = 1, "
+        "-3% at T = 0); 0 = greedy, for a target served greedily")
+    top_p: float = setting(0.95, "nucleus sampling threshold, in (0, 1]: the serving top_p (Kimi-K2.5's 0.95)")
     seed: int = setting(0, "sampling seed")
     stop_token_ids: list[int] | None = setting(
         None, "auto: as vLLM: eos_token_id of generation_config.json (else config.json) and the tokenizer's eos_token")
+    servers: list[str] = setting(
+        [], "base URLs of running vLLM / SGLang / OpenAI-compatible servers of the target (`http://host:8000`), which "
+        "write the replies; empty: the target runs here, on one device (debug.generate_device)")
+    served_model: str | None = setting(None, "the model name the servers serve; auto: the only one they list")
 
 
 @dataclass
@@ -181,6 +187,12 @@ class DebugConfig:
     generate_dtype: Dtype = setting("bfloat16", "compute dtype of the target in `generate`")
     evaluate_dtype: Dtype = setting("float32", "compute dtype in `evaluate` (bf16 near-ties would be mismatches)")
     generate_batch_size: int = setting(16, "conversations decoded together by `generate`")
+    generate_requests: int = setting(64, "`generate` with servers: requests in flight on each server")
+    generate_timeout_s: float = setting(3600.0, "`generate` with servers: seconds one reply may take")
+    generate_retries: int = setting(
+        5, "`generate` with servers: retries of a request that meets no server, a timeout or a 5xx answer; a server "
+        "still failing then is dropped and the others go on")
+    generate_retry_wait_s: float = setting(1.0, "`generate` with servers: the first wait before a retry; it doubles")
     evaluate_batch_size: int = setting(32, "prompts decoded together by `evaluate` (same tokens at any size)")
     data_workers: int | None = setting(
         None, "processes rendering the chat lines of a data file over 4 MB; auto: the CPUs / the ranks on this node, "
@@ -237,7 +249,7 @@ POSITIVE = ("data.max_seq_len draft.num_layers train.batch_tokens train.grad_acc
             "train.checkpoint_every train.keep_checkpoints export.speculative_tokens generate.max_new_tokens "
             "evaluate.max_new_tokens evaluate.k evaluate.seeds debug.shard_tokens debug.chunk_tokens debug.log_every "
             "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch train.epochs "
-            "vocab.draft_vocab_size debug.data_workers").split()
+            "vocab.draft_vocab_size debug.data_workers debug.generate_requests").split()
 
 # keys that moved or went: an old config names the new key (or why it went) instead of "unknown key"
 MOVED = {"debug": "train.kernels train.skip_dead_rows train.compile_ops train.prefetch train.collective_timeout_s "
@@ -344,6 +356,9 @@ def validate(cfg: Config) -> None:
               "generate.temperature": (g.temperature >= 0, "a number >= 0 (0 = greedy)"),
               "generate.top_p": (0 < g.top_p <= 1, "a number in (0, 1]"),
               "experimental.lk_eta": (x.lk_eta >= 0, "a number >= 0"),
+              "debug.generate_timeout_s": (cfg.debug.generate_timeout_s > 0, "> 0"),
+              "debug.generate_retries": (cfg.debug.generate_retries >= 0, "an integer >= 0"),
+              "debug.generate_retry_wait_s": (cfg.debug.generate_retry_wait_s >= 0, "a number >= 0"),
               "debug.collective_timeout_s": (cfg.debug.collective_timeout_s > 0, "> 0")}
     for name, (ok, expected) in ranges.items():
         if not ok:
@@ -355,6 +370,10 @@ def validate(cfg: Config) -> None:
     if t.resume not in ("auto", "never", "overwrite") and not Path(t.resume).is_dir():
         raise ConfigError(f"{cfg.origin('train.resume')}: train.resume = {t.resume!r}; expected 'auto', 'never', "
                           "'overwrite' or an existing checkpoint directory")
+    for i, url in enumerate(g.servers):
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{cfg.origin('generate.servers')}: generate.servers[{i}] = {url!r}; expected a base "
+                              "URL such as \"http://127.0.0.1:8000\"")
     if (ids := cfg.target.aux_layer_ids) is not None and len(ids) != 3:
         raise ConfigError(f"{cfg.origin('target.aux_layer_ids')}: target.aux_layer_ids = {ids}; EAGLE-3 needs "
                           "exactly 3 layers")

@@ -1,6 +1,7 @@
-"""The engine client (eagle3/engines.py) against fake servers in this process that answer with the shapes vLLM's
-/v1/completions and SGLang's /generate document (docs/generate.md): the request fields, the reply ids and stop
-tokens, retries, dropped servers, one-line errors."""
+"""The engine client (eagle3/engines.py) and `generate` through servers, against fake servers in this process that
+answer with the shapes vLLM's /v1/completions and SGLang's /generate document (docs/generate.md): the request
+fields, the reply ids and stop tokens, retries, dropped servers, one-line errors, resume. The real engine
+(llama-cpp-python's server) is in tests/test_real_model.py."""
 from __future__ import annotations
 
 import http.server
@@ -9,8 +10,14 @@ import socket
 import threading
 
 import pytest
+import torch
 
+from conftest import ROOT, make_config
+from eagle3 import generate
 from eagle3.engines import Decoding, EngineError, Pool, Retry, Server, TextCodec
+from eagle3.models.incremental import IncrementalTarget
+from eagle3.models.weights import Checkpoint
+from eagle3.speculative import greedy_decode_many
 
 FAST = Retry(attempts=2, wait_s=0.01, timeout_s=10)
 
@@ -244,3 +251,117 @@ def test_servers_of_different_engines_are_refused(fakes):
     a, b = fakes(lambda *_: (200, {})), fakes(lambda *_: (200, {}), owned_by="sglang")
     with pytest.raises(EngineError, match="the servers run different engines .*regenerate with one kind at a time"):
         Pool([a.url, b.url], None, 1, FAST)
+
+
+# --- generate through servers ----------------------------------------------------------------------------------
+
+STOPS = list(range(3, 256, 9))   # stops often enough that replies end both ways
+
+
+@pytest.fixture(scope="module")
+def turns(tmp_path_factory):
+    """Pre-tokenized conversations of two replies each."""
+    path = tmp_path_factory.mktemp("turns") / "data.jsonl"
+    g = torch.Generator().manual_seed(5)
+    with path.open("w") as f:
+        for i in range(9):
+            lens = [3 + i, 6, 4, 6]
+            ids = torch.randint(3, 256, (sum(lens),), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * lens[0] + [1] * 6 + [0] * 4 + [1] * 6}) + "\n")
+    return path
+
+
+def engine_of(target, kind):
+    """A fake vLLM or SGLang whose replies are the target's greedy decoding, through the stop token."""
+    lock = threading.Lock()
+
+    def answer(path, body):
+        prompt, params = (body["prompt"], body) if kind == "vllm" else (body["input_ids"], body["sampling_params"])
+        limit = params.get("max_tokens", params.get("max_new_tokens"))
+        with lock:
+            ids = greedy_decode_many(target, [prompt], limit, set(params["stop_token_ids"]))[0].tokens
+        stopped = ids[-1] in params["stop_token_ids"]
+        if kind == "vllm":
+            return 200, vllm_answer(ids, "stop" if stopped else "length")
+        return 200, sglang_answer(ids, {"type": "stop", "matched": ids[-1]} if stopped else {"type": "length"})
+    return answer
+
+
+def config(tmp_path, llama_target, turns, **overrides):
+    return make_config(tmp_path, llama_target, turns, **{
+        "generate.output_path": tmp_path / "regen.jsonl", "generate.max_new_tokens": 5, "generate.temperature": 0.0,
+        "generate.stop_token_ids": json.dumps(STOPS), "debug.generate_dtype": "float32", "debug.generate_device": "cpu",
+        "debug.generate_retries": 1, "debug.generate_retry_wait_s": 0.01, "debug.generate_requests": 3, **overrides})
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_generate_through_servers_writes_the_engines_ids(tmp_path, llama_target, turns, fakes, kind, capsys):
+    """Greedy replies from an engine that runs the target are the ones our own loop writes, cut replies marked."""
+    target = IncrementalTarget(Checkpoint(llama_target), [0, 0, 0], torch.device("cpu"), torch.float32)
+    generate.run(config(tmp_path / "local", llama_target, turns))
+    own = (tmp_path / "local" / "regen.jsonl").read_text()
+    a, b = fakes(engine_of(target, kind), owned_by=kind), fakes(engine_of(target, kind), owned_by=kind)
+    cfg = config(tmp_path, llama_target, turns, **{"generate.servers": json.dumps([a.url, b.url])})
+    generate.run(cfg)
+    assert (tmp_path / "regen.jsonl").read_text() == own
+    lines = [json.loads(x) for x in own.splitlines()]
+    cut = sum(len(x["cut_replies"]) for x in lines)
+    assert 0 < cut < 2 * len(lines), "the data should end replies both at a stop token and at the limit"
+    for line in lines:
+        for k, (start, end) in enumerate(generate.reply_spans(line["loss_mask"])):
+            assert (line["input_ids"][end - 1] in STOPS) == (k not in line["cut_replies"])
+    assert a.requests and b.requests   # both servers took requests
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert f"this run: {2 * len(lines)} replies in {len(lines)} sequences" in summary
+    assert f"({cut} cut at generate.max_new_tokens)" in summary and "0 retries" in summary
+
+
+def test_generate_resumes_after_the_servers_die(tmp_path, llama_target, turns, fakes, capsys):
+    target = IncrementalTarget(Checkpoint(llama_target), [0, 0, 0], torch.device("cpu"), torch.float32)
+    healthy = engine_of(target, "vllm")
+    served = []
+
+    def dies(path, body):
+        served.append(1)
+        return healthy(path, body) if len(served) <= 7 else (502, {"error": {"message": "gone"}})
+    sick = fakes(dies)
+    cfg = config(tmp_path, llama_target, turns, **{"generate.servers": json.dumps([sick.url]),
+                                                   "debug.generate_requests": 1})
+    with pytest.raises(EngineError) as e:
+        generate.run(cfg)
+    partial = tmp_path / "regen.jsonl.partial"
+    assert str(e.value) == (f"every server is down (the last: HTTP 502 from {sick.url}/v1/completions: gone); the "
+                            f"replies so far are kept in {partial}: the same command resumes")
+    kept = partial.read_text().splitlines()
+    assert len(kept) == 3   # 7 replies answered: 3 whole conversations written in order, the 4th's first reply lost
+    fresh = fakes(healthy)
+    cfg.generate.servers = [fresh.url]   # another server list: the settings recorded are the same
+    generate.run(cfg)
+    whole = (tmp_path / "regen.jsonl").read_text().splitlines()
+    assert whole[:3] == kept and [json.loads(x)["source_line"] for x in whole] == list(range(1, 10))
+    assert len(fresh.requests) == 2 * 6   # nothing asked twice
+    generate.run(config(tmp_path / "local", llama_target, turns))
+    assert whole == (tmp_path / "local" / "regen.jsonl").read_text().splitlines()
+
+
+def test_generate_with_bad_servers_stops_in_one_line(tmp_path, llama_target, turns, fakes, capsys):
+    from eagle3.__main__ import main
+    wrong = fakes(lambda *_: (200, {}), models=("other",))
+    old = fakes(lambda path, body: (200, vllm_answer([1], token_ids=None)))
+    text = fakes(lambda path, body: (200, b"Internal Server Error, not JSON"))
+    cases = [(refusing_url(), "no server answers (the last: "),
+             (wrong.url, f"{wrong.url} serves other, not 'target' (generate.served_model)"),
+             (old.url, f"{old.url}: vLLM answered without choices[0].token_ids"),
+             (text.url, f"{text.url}/v1/completions answered with something that is not JSON")]
+    for url, message in cases:
+        out = tmp_path / url.split(":")[-1] / "regen.jsonl"
+        args = ["generate", "--config", str(ROOT / "config.toml")]
+        for key, value in {"target.path": llama_target, "data.path": turns, "generate.output_path": out,
+                           "generate.servers": json.dumps([url]), "generate.served_model": "target",
+                           "debug.generate_retries": 1, "debug.generate_retry_wait_s": 0.01}.items():
+            args += [f"--{key}", str(value)]
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert str(e.value.code).startswith(f"error: {message}") and "\n" not in str(e.value.code), e.value.code
+        assert not out.exists() and (not out.with_name("regen.jsonl.partial").exists()
+                                     or not out.with_name("regen.jsonl.partial").read_text())

@@ -133,7 +133,8 @@ def regenerated_run(request, tmp_path_factory, llama_target, token_data):
     tmp = tmp_path_factory.mktemp("regen")
     path = llama_target if request.param == "llama" else tiny.make_kimi(tmp / "kimi", vocab=256)
     cfg = make_config(tmp, path, token_data, **{
-        "generate.output_path": tmp / "regen.jsonl", "generate.max_new_tokens": 24, "debug.generate_dtype": "float32",
+        "generate.output_path": tmp / "regen.jsonl", "generate.max_new_tokens": 24, "generate.temperature": 0.0,
+        "debug.generate_dtype": "float32",
         "debug.generate_device": "cpu", "train.max_steps": 60 if request.param == "llama" else 200, "train.batch_tokens": 400, "train.ttt_steps": 3,
         "train.eval_fraction": 0.25, "train.eval_every": 60, "train.checkpoint_every": 60, "debug.log_every": 20,
         "train.lr": 1e-2})
@@ -252,7 +253,8 @@ def llama_run(tmp_path_factory, llama_target, token_data):
     layout in float32 (so the export holds exactly the checkpoint's weights); prompts = those lines."""
     tmp = tmp_path_factory.mktemp("real")
     cfg = make_config(tmp, llama_target, token_data, **{
-        "generate.output_path": tmp / "regen.jsonl", "generate.max_new_tokens": 24, "debug.generate_dtype": "float32",
+        "generate.output_path": tmp / "regen.jsonl", "generate.max_new_tokens": 24, "generate.temperature": 0.0,
+        "debug.generate_dtype": "float32",
         "debug.generate_device": "cpu", "train.max_steps": 60, "train.batch_tokens": 400, "train.ttt_steps": 3,
         "train.eval_fraction": 0.25, "train.eval_every": 60, "train.checkpoint_every": 60, "debug.log_every": 20,
         "train.lr": 1e-2, "export.formats": '["vllm"]', "debug.export_dtype": "float32",

@@ -662,7 +662,7 @@ def test_generate_refuses_changed_settings_and_skips_a_finished_run(tmp_path, ll
                                                                      monkeypatch, capsys):
     from eagle3 import generate
     out = tmp_path / "regen.jsonl"
-    base = {"generate.output_path": out, "generate.max_new_tokens": 6, "debug.generate_batch_size": 8,
+    base = {"generate.output_path": out, "generate.max_new_tokens": 6, "generate.temperature": 0.0, "debug.generate_batch_size": 8,
             "debug.generate_dtype": "float32", "debug.generate_device": "cpu"}
     cfg = make_config(tmp_path, llama_target, token_data, **base)
     generate.run(cfg)
