@@ -111,19 +111,19 @@ class Server:
     def call(self, path: str, body: dict | None = None, read: Callable[[object], object] = lambda a: a) -> object:
         """read(the answer to one request), retried with backoff (`read` may ask for it: Retryable); ServerDown once
         the retries are spent."""
-        for attempt in range(self.retry.attempts + 1):
-            if self.dropped:
-                raise ServerDown(self.error)
+        attempt = 0
+        while not self.dropped:   # another request found it down: this one goes elsewhere at once
             try:
                 return read(http_json(self.url + path, body, self.retry.timeout_s))
             except Retryable as e:
                 self.error = str(e)
                 if attempt == self.retry.attempts:
-                    raise ServerDown(self.error) from None
-                with self.lock:
-                    self.retries += 1
-                time.sleep(self.retry.wait_s * 2 ** attempt)
-        raise AssertionError("unreachable")
+                    break
+            with self.lock:
+                self.retries += 1
+            time.sleep(self.retry.wait_s * 2 ** attempt)
+            attempt += 1
+        raise ServerDown(self.error)
 
     def connect(self, wanted: str | None) -> None:
         """Find the engine and check the served model (`wanted`; None: the only one listed)."""

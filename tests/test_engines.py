@@ -271,14 +271,15 @@ def turns(tmp_path_factory):
     return path
 
 
+TARGET = threading.Lock()   # the fakes of one test share a target, whose cache pool takes one pass at a time
+
+
 def engine_of(target, kind):
     """A fake vLLM or SGLang whose replies are the target's greedy decoding, through the stop token."""
-    lock = threading.Lock()
-
     def answer(path, body):
         prompt, params = (body["prompt"], body) if kind == "vllm" else (body["input_ids"], body["sampling_params"])
         limit = params.get("max_tokens", params.get("max_new_tokens"))
-        with lock:
+        with TARGET:
             ids = greedy_decode_many(target, [prompt], limit, set(params["stop_token_ids"]))[0].tokens
         stopped = ids[-1] in params["stop_token_ids"]
         if kind == "vllm":
