@@ -40,7 +40,7 @@ def stop_tokens(cfg: Config, ckpt: Checkpoint) -> set[int]:
 
 
 class Conversation:
-    """One conversation being regenerated: its tokens so far, the target's cache (our own loop), the reply it
+    """One sequence being regenerated: its tokens so far, the target's cache (our own loop), the reply it
     replaces. Every target pass ends where a reply's next token follows, so each pass is followed by one sample."""
 
     def __init__(self, record: Record, target: IncrementalTarget | None, seed: int):
