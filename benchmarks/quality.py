@@ -327,7 +327,7 @@ def build_data(r: Recipe, work: Path, device: str) -> dict:
             "data.path": work / "seed.jsonl", "generate.output_path": work / DATA[kind],
             "generate.max_new_tokens": r.reply_len, "debug.generate_batch_size": r.generate_batch,
             "generate.temperature": temperature, "generate.top_p": top_p,
-            "debug.generate_device": device, "debug.generate_dtype": "float32", "generate.stop_token_ids": "[]"})
+            "debug.generate_device": device, "debug.generate_dtype": "float32", "debug.stop_token_ids": "[]"})
         out[f"generate_s/{kind}"] = wall_s(lambda: generate.run(cfg))[0]
     _write_jsonl(work / THINKING, thinking_lines(work))
     return out

@@ -134,12 +134,9 @@ class GenerateConfig:
     output_path: str = setting("runs/demo/regenerated.jsonl", "pre-tokenized JSON lines (point `data.path` at it)")
     max_new_tokens: int = setting(512, "per assistant reply")
     temperature: float = setting(
-        1.0, "the serving temperature (Kimi-K2.5's 1.0: replies sampled there gave +7.8% accepted length at T = 1, "
-        "-3% at T = 0); 0 = greedy, for a target served greedily")
+        1.0, "the temperature the target is served at (Kimi-K2.5: 1.0), where its replies are sampled; 0 = greedy, "
+        "for a target served greedily")
     top_p: float = setting(0.95, "nucleus sampling threshold, in (0, 1]: the serving top_p (Kimi-K2.5's 0.95)")
-    seed: int = setting(0, "sampling seed")
-    stop_token_ids: list[int] | None = setting(
-        None, "auto: as vLLM: eos_token_id of generation_config.json (else config.json) and the tokenizer's eos_token")
     servers: list[str] = setting(
         [], "base URLs of running vLLM / SGLang / OpenAI-compatible servers of the target (`http://host:8000`), which "
         "write the replies; empty: the target runs here, on one device (debug.generate_device)")
@@ -185,6 +182,10 @@ class DebugConfig:
     evaluate_device: str = setting("auto", "where `evaluate` runs target and draft (same choices)")
     export_dtype: Dtype = setting("bfloat16", "dtype of the exported draft's weights")
     generate_dtype: Dtype = setting("bfloat16", "compute dtype of the target in `generate`")
+    generate_seed: int = setting(0, "`generate`'s sampling seed (each sequence's and reply's seed derives from it)")
+    stop_token_ids: list[int] | None = setting(
+        None, "where `generate` and `evaluate` stop a reply; auto: as vLLM: eos_token_id of generation_config.json "
+        "(else config.json) and the tokenizer's eos_token")
     evaluate_dtype: Dtype = setting("float32", "compute dtype in `evaluate` (bf16 near-ties would be mismatches)")
     generate_batch_size: int = setting(16, "conversations decoded together by `generate`")
     generate_requests: int = setting(64, "`generate` with servers: requests in flight on each server")
@@ -259,7 +260,8 @@ MOVED = {"debug": "train.kernels train.skip_dead_rows train.compile_ops train.pr
 RENAMED = {old: f"now {new}.{old.split('.')[1]}" for new, olds in MOVED.items() for old in olds.split()}
 RENAMED |= {f"{s}.device": f"now debug.{s}_device" for s in ("train", "extract", "generate", "evaluate")}
 RENAMED |= {f"{s}.{k}": f"now debug.{s}_{k}" for s in ("generate", "evaluate") for k in ("batch_size", "dtype")}
-RENAMED |= {"export.dtype": "now debug.export_dtype"}
+RENAMED |= {"export.dtype": "now debug.export_dtype", "generate.seed": "now debug.generate_seed",
+            "generate.stop_token_ids": "now debug.stop_token_ids"}
 RENAMED |= {f"draft.{k}": "the draft's is always the target's" for k in (
     "hidden_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")}
 RENAMED |= {f"train.{k}": "measured without gain (benchmarks/RESULTS.md)" for k in (

@@ -207,7 +207,7 @@ class Server:
     def _text(self, prompt: list[int], decoding: Decoding, limit: int, sampling: dict, text: TextCodec | None) -> Reply:
         if text is None or len(decoding.stop) != 1:
             raise EngineError(f"{self.url} returns text only: its replies are re-tokenized, which needs the target's "
-                              "tokenizer and exactly one stop token to end them with (generate.stop_token_ids = "
+                              "tokenizer and exactly one stop token to end them with (debug.stop_token_ids = "
                               f"{list(decoding.stop)})")
         # no token ids in or out: the prompt as text, and the knobs llama.cpp-style servers default on turned off
         body = {"model": self.model, "prompt": text.decode(prompt), "max_tokens": limit, **sampling, "top_k": 0,

@@ -35,7 +35,7 @@ def reply_spans(mask) -> list[tuple[int, int]]:
 
 
 def stop_tokens(cfg: Config, ckpt: Checkpoint) -> set[int]:
-    ids = cfg.generate.stop_token_ids
+    ids = cfg.debug.stop_token_ids
     return set(ids) if ids is not None else stop_token_ids(ckpt.dir, ckpt.config.raw.get("eos_token_id"))
 
 
@@ -144,7 +144,7 @@ def settings(cfg: Config, ckpt: Checkpoint) -> dict:
     """Everything that changes the replies (not batch size or device), keyed by the config key to change."""
     tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
     keys = ("data.max_seq_len data.on_error data.chat_template_kwargs generate.max_new_tokens generate.temperature "
-            "generate.top_p generate.seed")
+            "generate.top_p debug.generate_seed")
     # which servers may change between runs; whether the target ran here (in which dtype) or on servers may not
     engine = "servers (generate.servers)" if cfg.generate.servers else f"this machine in {cfg.debug.generate_dtype}"
     return {"target.path": str(ckpt.dir.resolve()), "target config.json sha256": ckpt.config.config_sha256,
@@ -208,7 +208,7 @@ def local(cfg: Config, ckpt: Checkpoint, records: list[Record], stop: set[int]) 
     g, device = cfg.generate, resolve_device(cfg.debug.generate_device)
     target = IncrementalTarget(ckpt, [0, 0, 0], device, TORCH_DTYPES[cfg.debug.generate_dtype])
     return regenerate(target, records, Sampling(g.temperature, g.top_p), g.max_new_tokens, stop,
-                      cfg.debug.generate_batch_size, g.seed)
+                      cfg.debug.generate_batch_size, cfg.debug.generate_seed)
 
 
 def connect(cfg: Config) -> Pool:
@@ -237,7 +237,7 @@ def served(cfg: Config, ckpt: Checkpoint, pool: Pool, records: list[Record], sto
                                   f"({vocab} tokens): is the server serving another model?")
             conv.add_reply(reply.ids, reply.cut)
         return conv.output()
-    return pool.run([Conversation(r, None, conversation_seed(g.seed, r)) for r in records], work)
+    return pool.run([Conversation(r, None, conversation_seed(cfg.debug.generate_seed, r)) for r in records], work)
 
 
 @dataclass

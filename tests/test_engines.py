@@ -291,7 +291,7 @@ def engine_of(target, kind):
 def config(tmp_path, llama_target, turns, **overrides):
     return make_config(tmp_path, llama_target, turns, **{
         "generate.output_path": tmp_path / "regen.jsonl", "generate.max_new_tokens": 5, "generate.temperature": 0.0,
-        "generate.stop_token_ids": json.dumps(STOPS), "debug.generate_dtype": "float32", "debug.generate_device": "cpu",
+        "debug.stop_token_ids": json.dumps(STOPS), "debug.generate_dtype": "float32", "debug.generate_device": "cpu",
         "debug.generate_retries": 1, "debug.generate_retry_wait_s": 0.01, "debug.generate_requests": 3, **overrides})
 
 

@@ -151,7 +151,7 @@ def test_generate_does_not_depend_on_the_batch(tmp_path, llama_target, two_turn_
         cfg = make_config(tmp_path, llama_target, two_turn_data, **{
             "generate.output_path": out, "generate.max_new_tokens": 12, "debug.generate_batch_size": batch,
             "generate.temperature": temperature, "debug.generate_dtype": "float32", "debug.generate_device": "cpu",
-            "generate.stop_token_ids": "[]"})
+            "debug.stop_token_ids": "[]"})
         generate.run(cfg)
         outputs.append(out.read_text())
     assert outputs[0] == outputs[1]

@@ -688,9 +688,9 @@ def test_generate_refuses_changed_settings_and_skips_a_finished_run(tmp_path, ll
     other_data.write_text(token_data.read_text().replace("\n", "\n\n", 1))   # same lines, other bytes
     before = partial.read_bytes()
     for changed, named in (({"generate.max_new_tokens": 8}, "generate.max_new_tokens 6 -> 8"),
-                           ({"generate.temperature": 0.7, "generate.seed": 3},
-                            "generate.temperature 0.0 -> 0.7, generate.seed 0 -> 3"),
-                           ({"generate.stop_token_ids": "[5]"}, "stop tokens "),
+                           ({"generate.temperature": 0.7, "debug.generate_seed": 3},
+                            "generate.temperature 0.0 -> 0.7, debug.generate_seed 0 -> 3"),
+                           ({"debug.stop_token_ids": "[5]"}, "stop tokens "),
                            ({"data.path": other_data}, "data.path sha256 ")):
         with pytest.raises(generate.GenerateError) as e:
             generate.run(make_config(tmp_path, llama_target, token_data, **{**base, **changed}))
