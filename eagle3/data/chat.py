@@ -53,7 +53,12 @@ class Encoded:
     @property
     def trained(self) -> dict[str, int]:
         """Loss tokens by category."""
-        return {c: sum(int((k == i + 1).sum()) for k in self.kinds) for i, c in enumerate(CATEGORIES)}
+        return count_kinds(self.kinds)
+
+
+def count_kinds(kinds: list[np.ndarray]) -> dict[str, int]:
+    """Loss tokens by category, over sequences' kinds."""
+    return {c: sum(int((k == i + 1).sum()) for k in kinds) for i, c in enumerate(CATEGORIES)}
 
 
 @dataclass
@@ -321,7 +326,9 @@ class ChatEncoder:
         (within its reply) of each reply token. The pieces between bounds are tokenized apart, as an engine sees
         prompt and reply (docs/data.md)."""
         edges = [0, *bounds, len(text)]
-        pieces = [self.tokenizer.encode.with_starts(text[a:b]) for a, b in zip(edges, edges[1:])]
+        encode = self.tokenizer.encode   # the odd pieces are replies: their tokens' offsets give their categories
+        pieces = [encode.with_starts(text[a:b]) if i % 2 else (encode(text[a:b]), None)
+                  for i, (a, b) in enumerate(zip(edges, edges[1:]))]
         joined = list(chain.from_iterable(ids for ids, _ in pieces))
         starts = [s for _, s in pieces[1::2]]
         ids = self.tokenizer.encode(text)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.data.chat import CATEGORIES
+from eagle3.data.chat import CATEGORIES, count_kinds
 from eagle3.errors import InputError
 
 
@@ -49,7 +49,7 @@ class ChatStats:
         self.sequences += len(kinds)
         self.split_lines += len(kinds) > 1
         self.repeated_tokens += encoded.repeated
-        self.trained.update({c: sum(int((k == i + 1).sum()) for k in kinds) for i, c in enumerate(CATEGORIES)})
+        self.trained.update(count_kinds(kinds))
         for counter, fields in ((self.unrendered, encoded.unrendered), (self.ignored, encoded.ignored)):
             counter.update(fields)
             for name in fields:

@@ -89,7 +89,9 @@ class Encoder:
                              "tokenizer_config.json (Kimi) or tokenizer.json in the target directory")
 
     def __call__(self, text: str) -> list[int]:
-        return self.with_starts(text)[0]
+        if self._hf is not None:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        return [t for _, piece in self._pieces(text) for t in self._tiktoken.encode(piece, allowed_special="all")]
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens included."""
@@ -102,14 +104,21 @@ class Encoder:
         if self._hf is not None:
             encoding = self._hf.encode(text, add_special_tokens=False)
             return encoding.ids, [start for start, _ in encoding.offsets]
-        ids, starts, offset = [], [], 0
+        ids, starts = [], []
+        for offset, piece in self._pieces(text):
+            piece_ids = self._tiktoken.encode(piece, allowed_special="all")
+            ids += piece_ids
+            starts += [offset + s for s in self._tiktoken.decode_with_offsets(piece_ids)[1]]
+        return ids, starts
+
+    @staticmethod
+    def _pieces(text: str):
+        """(offset, piece) of `text` cut as Kimi cuts it before tiktoken."""
+        offset = 0
         for chunk in _cut(text, KIMI_MAX_TEXT, r"(?s).+"):
             for piece in _cut(chunk, KIMI_MAX_RUN, r"\s+|\S+"):
-                piece_ids = self._tiktoken.encode(piece, allowed_special="all")
-                ids += piece_ids
-                starts += [offset + s for s in self._tiktoken.decode_with_offsets(piece_ids)[1]]
+                yield offset, piece
                 offset += len(piece)
-        return ids, starts
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
