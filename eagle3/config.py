@@ -68,7 +68,7 @@ class VocabConfig:
 
 @dataclass
 class DraftConfig:
-    """The draft's shape; its hidden size, RoPE and norm epsilon are always the target's."""
+    """The draft's shape; its hidden size, RoPE theta and norm epsilon are always the target's."""
     num_layers: int = setting(1, "decoder layers of the draft (SGLang's export takes 1)")
     num_attention_heads: int | None = setting(None, "auto: the target's")
     num_key_value_heads: int | None = setting(None, "auto: the target's (fewer for a GQA draft)")
@@ -171,6 +171,11 @@ class ExperimentalConfig:
         "target", "the draft's `lm_head` starts as the target's rows of the draft vocab, or `random`")
     freeze_lm_head: bool = setting(True, "the draft's `lm_head` keeps its initial weights (not trained)")
     lk_eta: float = setting(3.0, "`train.loss = lk_hybrid`: η of λ = exp(-η·α)")
+    draft_rope: Literal["target", "plain"] = setting(
+        "target", "the draft's rotary: the target's rope scaling (YaRN, llama3, linear; docs/training.md), or `plain` "
+        "RoPE at the target's theta (the comparison)")
+    sliding_window: int = setting(
+        0, "the draft attends to the last N positions (vLLM's `sliding_window`; not for SGLang); 0 = all")
 
 
 @dataclass
@@ -358,6 +363,8 @@ def validate(cfg: Config) -> None:
               "generate.temperature": (g.temperature >= 0, "a number >= 0 (0 = greedy)"),
               "generate.top_p": (0 < g.top_p <= 1, "a number in (0, 1]"),
               "experimental.lk_eta": (x.lk_eta >= 0, "a number >= 0"),
+              "experimental.sliding_window": (x.sliding_window == 0 or x.sliding_window >= t.ttt_steps,
+                                              f"0 (all positions) or at least train.ttt_steps = {t.ttt_steps}"),
               "debug.generate_timeout_s": (cfg.debug.generate_timeout_s > 0, "> 0"),
               "debug.generate_retries": (cfg.debug.generate_retries >= 0, "an integer >= 0"),
               "debug.generate_retry_wait_s": (cfg.debug.generate_retry_wait_s >= 0, "a number >= 0"),
@@ -365,9 +372,10 @@ def validate(cfg: Config) -> None:
     for name, (ok, expected) in ranges.items():
         if not ok:
             raise ConfigError(f"{cfg.origin(name)}: {name} = {cfg.value(name)}; expected {expected}")
-    norms = [k for k in ("aux_norm", "norm_before_residual", "norm_output") if getattr(x, k) not in ("none", False)]
-    if norms and "sglang" in cfg.export.formats:   # found now, not at the end of training
-        raise ConfigError(f"{cfg.origin('experimental.' + norms[0])}: experimental.{norms[0]} cannot be exported for "
+    unread = [k for k in ("aux_norm", "norm_before_residual", "norm_output", "sliding_window")
+              if getattr(x, k) not in ("none", False, 0)]
+    if unread and "sglang" in cfg.export.formats:   # found now, not at the end of training
+        raise ConfigError(f"{cfg.origin('experimental.' + unread[0])}: experimental.{unread[0]} cannot be exported for "
                           "SGLang (its LlamaForCausalLMEagle3 does not read it); set export.formats = [\"vllm\"]")
     if t.resume not in ("auto", "never", "overwrite") and not Path(t.resume).is_dir():
         raise ConfigError(f"{cfg.origin('train.resume')}: train.resume = {t.resume!r}; expected 'auto', 'never', "

@@ -11,7 +11,7 @@ import torch.nn as nn
 from eagle3.float8 import linears as float8_linears
 from eagle3.linear import dense_linears
 from eagle3.resolve import DraftSpec
-from eagle3.ops import (apply_rope, compiled, fused_rms_norm, gather_rows, llama_inv_freq, rms_norm, rope_cos_sin,
+from eagle3.ops import (apply_rope, compiled, draft_rope, fused_rms_norm, gather_rows, rms_norm, rope_cos_sin,
                         scatter_rows, silu_mul)
 
 
@@ -133,7 +133,8 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(spec.target_vocab_size, dtype=torch.bool))
-        self.register_buffer("inv_freq", llama_inv_freq(spec.head_dim, spec.rope_theta, None), persistent=False)
+        inv_freq, self.rope_mscale = draft_rope(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.linears = dense_linears
         for m in self.modules():
             if isinstance(m, nn.Linear):
@@ -157,7 +158,7 @@ class Eagle3Draft(nn.Module):
              attention, cu_seqlens, rows: Rows | None = None) -> torch.Tensor:
         """One TTT step: h, token embeddings [C, H], positions [C] of the computed rows -> [N, H] of the kept."""
         rows = rows or Rows(h.shape[0])
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_mscale)
         every = Rows(rows.total, rows.computed)   # only the last layer drops rows: the others feed its keys
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, emb, cos, sin, cache, attention, cu_seqlens, rows if i == len(self.layers) - 1 else every)

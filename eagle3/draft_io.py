@@ -14,7 +14,7 @@ from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.errors import Eagle3Error
 from eagle3.files import read_json
 from eagle3.models.weights import Checkpoint, rope_settings
-from eagle3.ops import llama_inv_freq
+from eagle3.ops import draft_rope, yarn_mscale
 from eagle3.resolve import NORM_FLAGS
 from eagle3.vocab import VocabError, check_vocab
 
@@ -53,12 +53,23 @@ def read_draft_config(path: Path) -> dict:
     problems = {"model_type": layer.get("model_type", "llama") != "llama",
                 "hidden_act": layer.get("hidden_act", "silu") != "silu",
                 "attention_bias": bool(layer.get("attention_bias")), "mlp_bias": bool(layer.get("mlp_bias")),
-                "layer_types": "sliding_attention" in (layer.get("layer_types") or [])}
+                "layer_types": len(set(layer.get("layer_types") or [])) > 1}
     for key, bad in problems.items():
         if bad:
             raise DraftLoadError(f"{file}: transformer_layer_config.{key} = {layer[key]!r}; our draft is a "
-                                 "Llama layer (silu, no biases, full attention)")
+                                 "Llama layer (silu, no biases, one attention kind for all layers)")
     return config
+
+
+def sliding_window(layer: dict, where: str) -> int:
+    """The window of a layer config whose layer_types are "sliding_attention" (what vLLM reads), else 0."""
+    if "sliding_attention" not in (layer.get("layer_types") or []):
+        return 0
+    window = layer.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise DraftLoadError(f"{where}: transformer_layer_config.sliding_window = {window!r} with sliding_attention "
+                             "layers; expected a positive integer")
+    return window
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -102,7 +113,9 @@ def _draft_spec(config: dict, files: dict[str, Path], where: str) -> DraftSpec:
     heads = layer.get("num_attention_heads") or 32
     head_dim = layer.get("head_dim") or q[0] // heads
     layers = {int(n.split(".")[1]) for n in files if n.startswith("layers.") and n.split(".")[1].isdigit()}
-    theta, _ = rope_settings(layer)
+    config_file = str(Path(where).with_name("config.json"))
+    theta, scaling = rope_settings(layer)
+    _check_rope(head_dim, theta, scaling, config_file)
     return DraftSpec(
         hidden_size=layer.get("hidden_size") or fc[0], num_attention_heads=heads,
         num_key_value_heads=layer.get("num_key_value_heads") or max(1, k[0] // max(1, head_dim)),
@@ -112,9 +125,22 @@ def _draft_spec(config: dict, files: dict[str, Path], where: str) -> DraftSpec:
         max_position_embeddings=layer.get("max_position_embeddings") or 2048,
         draft_vocab_size=config.get("draft_vocab_size") or head[0],
         target_vocab_size=layer.get("vocab_size") or (t2d[0] if t2d else 32000),
-        target_hidden_size=config.get("target_hidden_size") or fc[1] // 3,
+        target_hidden_size=config.get("target_hidden_size") or fc[1] // 3, rope_scaling=scaling,
+        sliding_window=sliding_window(layer, config_file),
         # absent norm_before_residual: what vLLM's speculators config reader then serves, true
         **{key: bool(config.get(key, key == "norm_before_residual")) for key in NORM_FLAGS})
+
+
+def _check_rope(head_dim: int, theta: float, scaling: dict | None, where: str) -> None:
+    """Refuse a rope scaling our draft does not compute; note a YaRN magnitude that engine versions disagree on."""
+    try:
+        _, factor = draft_rope(head_dim, theta, scaling)
+    except (ValueError, KeyError) as e:
+        raise DraftLoadError(f"{where}: transformer_layer_config rope scaling: {e!s}") from None
+    if scaling and scaling["rope_type"] == "yarn" and factor != (default := yarn_mscale(float(scaling["factor"]))):
+        print(f"note: {where}: its YaRN cos/sin factor is {factor:.4f} by vLLM's current rule (mscale, "
+              f"mscale_all_dim or attention_factor), but {default:.4f} in SGLang and older vLLM; decoding uses "
+              f"{factor:.4f}", file=sys.stderr)
 
 
 def _draft_tensors(files: dict[str, Path], draft: Eagle3Draft, where: str) -> dict[str, torch.Tensor]:
@@ -191,12 +217,6 @@ def load_vllm_draft(path: str | Path, target: Checkpoint | None = None) -> tuple
     where = str(path / "model.safetensors")
     draft = Eagle3Draft(_draft_spec(config, files, where))
     draft.load_state_dict(_draft_tensors(files, draft, where))
-    _, scaling = rope_settings(config["transformer_layer_config"])
-    if scaling:  # our draft's buffer is plain RoPE; the layer config asks for scaled frequencies
-        try:
-            draft.inv_freq.copy_(llama_inv_freq(draft.spec.head_dim, draft.spec.rope_theta, scaling))
-        except ValueError as e:
-            raise DraftLoadError(f"{path / 'config.json'}: transformer_layer_config: {e}") from None
     if target is not None:
         _check_target(draft, files, target, where)
     aux = vllm_aux_layer_ids(config, target.config.num_hidden_layers if target else None, str(path / "config.json"))

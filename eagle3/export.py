@@ -29,7 +29,22 @@ def _llama_layer_config(spec: dict, dtype: str) -> dict:
             "rms_norm_eps", "rope_theta", "max_position_embeddings")
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **{k: spec[k] for k in same},
             "vocab_size": spec["target_vocab_size"], "num_hidden_layers": spec["num_layers"],
-            "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": dtype}
+            "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": dtype, **_rope_fields(spec)}
+
+
+def _rope_fields(spec: dict) -> dict:
+    """The rotary training used, in the legacy keys (rope_scaling + rope_theta: SGLang, vLLM with transformers 4)
+    and in transformers 5's rope_parameters (newer vLLM), the same values (docs/export.md)."""
+    scaling = spec.get("rope_scaling")
+    return {"rope_scaling": scaling,
+            "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": spec["rope_theta"]}}
+
+
+def _window_fields(spec: dict) -> dict:
+    """A sliding window as vLLM's llama.py reads a draft's: every layer "sliding_attention", `sliding_window`."""
+    if not spec.get("sliding_window"):
+        return {}
+    return {"layer_types": ["sliding_attention"] * spec["num_layers"], "sliding_window": spec["sliding_window"]}
 
 
 def vllm_config(state: dict, cfg: Config) -> dict:
@@ -43,7 +58,7 @@ def vllm_config(state: dict, cfg: Config) -> dict:
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": cfg.export.verifier_name or resolved["verifier_name"],
                          "architectures": state["target_architectures"]}},
-        "transformer_layer_config": _llama_layer_config(spec, cfg.debug.export_dtype),
+        "transformer_layer_config": {**_llama_layer_config(spec, cfg.debug.export_dtype), **_window_fields(spec)},
         "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
         **{key: spec.get(key, False) for key in NORM_FLAGS},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in resolved["aux_layer_ids"]],
@@ -138,7 +153,7 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
             if spec["num_layers"] != 1:
                 raise ExportError(f"{checkpoint_dir}: SGLang's EAGLE-3 draft has one layer (midlayer); "
                                   f"this draft has {spec['num_layers']}; export vllm only")
-            if on := [key for key in NORM_FLAGS if spec.get(key)]:
+            if on := [key for key in (*NORM_FLAGS, "sliding_window") if spec.get(key)]:
                 raise ExportError(f"{checkpoint_dir}: the draft's {on[0]} is on (experimental), which SGLang's "
                                   "LlamaForCausalLMEagle3 does not read (it would decode with another draft); "
                                   "export vllm only")

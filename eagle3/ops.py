@@ -59,32 +59,102 @@ def compiled(fn):
     return rows_dynamic
 
 
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Plain RoPE's inverse frequencies [head_dim/2], in fp32 as vLLM, SGLang and transformers compute them."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
 def llama_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies of rotate-half RoPE with the config's scaling (none, linear, llama3)."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    """Inverse frequencies of rotate-half RoPE with the config's scaling (none, linear, llama3), in fp32 in the
+    engines' order of operations (vLLM's llama3_rope.py, SGLang's Llama3RotaryEmbedding)."""
+    inv = default_inv_freq(head_dim, theta)
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
-        return inv.float()
+        return inv
     if kind == "linear":
-        return (inv / scaling["factor"]).float()
+        return inv / scaling["factor"]
     if kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
-        smooth = ((old / wavelen - low) / (high - low)).clamp(0, 1)
-        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low) if low != high else 0
         mid = (1 - smooth) * inv / factor + smooth * inv
-        is_mid = (wavelen <= old / low) & (wavelen >= old / high)
-        return torch.where(is_mid, mid, scaled).float()
+        return torch.where(wavelen < old / high, inv, torch.where(wavelen > old / low, inv / factor, mid))
     raise ValueError(f"rope_type '{kind}' is not supported for Llama-family RoPE "
                      "(supported: default, linear, llama3)")
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, D] (rotate-half layout: the D/2 frequencies repeated twice)."""
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_bounds(dim: int, base: float, original: int, beta_fast: float, beta_slow: float) -> tuple[int, int]:
+    """The first and last rotary pair index of the ramp between extrapolated and interpolated."""
+    def pair(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    return max(math.floor(pair(beta_fast)), 0), min(math.ceil(pair(beta_slow)), dim - 1)
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """The cos/sin multiplier of YaRN as vLLM's YaRNScalingRotaryEmbedding takes it: attention_factor, else the
+    mscale / mscale_all_dim ratio, else 0.1 ln(factor) + 1 (the only rule older vLLM and SGLang apply)."""
+    f = float(scaling["factor"])
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return yarn_mscale(f, float(scaling["mscale"])) / yarn_mscale(f, float(scaling["mscale_all_dim"]))
+    return yarn_mscale(f)
+
+
+def yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN's rotate-half inverse frequencies, in fp32 in vLLM's and SGLang's order of operations."""
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (scaling["factor"] * pos_freqs)
+    low, high = yarn_bounds(head_dim, theta, scaling["original_max_position_embeddings"],
+                            scaling.get("beta_fast", 32), scaling.get("beta_slow", 1))
+    high += 0.001 if low == high else 0
+    keep = 1 - ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)   # extrapolated share
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+# what the draft's rotary keeps of the target's scaling: the keys every engine version reads alike (docs/training.md)
+DRAFT_ROPE_KEYS = {"linear": ("factor",),
+                   "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                   "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")}
+YARN_BETAS = {"beta_fast": 32, "beta_slow": 1}
+
+
+def draft_rope_scaling(target: dict | None) -> dict | None:
+    """The draft layer's rope scaling for a target's (`rope_settings`' dict): its type and frequency keys; YaRN's
+    magnitude keys (mscale, mscale_all_dim, attention_factor) are dropped, so every engine applies 0.1 ln(f) + 1."""
+    if target is None:
+        return None
+    kind = "yarn" if target["rope_type"] == "deepseek_yarn" else target["rope_type"]
+    if kind not in DRAFT_ROPE_KEYS:
+        raise ValueError(f"rope_type '{kind}' has no rule for the draft's rotary (supported: none, "
+                         f"{', '.join(DRAFT_ROPE_KEYS)})")
+    given = {**YARN_BETAS, **target} if kind == "yarn" else target
+    if missing := [k for k in DRAFT_ROPE_KEYS[kind] if k not in given]:
+        raise ValueError(f"rope_type '{kind}' needs {missing[0]}")
+    return {"rope_type": kind, **{k: given[k] for k in DRAFT_ROPE_KEYS[kind]}}
+
+
+def draft_rope(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] fp32, cos/sin multiplier) of a Llama-style layer with `scaling` (none, linear, llama3,
+    yarn), as vLLM's and SGLang's get_rope compute them."""
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling), yarn_attention_factor(scaling)
+    return llama_inv_freq(head_dim, theta, scaling), 1.0
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, D] (rotate-half layout: the D/2 frequencies repeated twice), times `scale` (YaRN's)."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

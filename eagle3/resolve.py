@@ -10,6 +10,7 @@ import torch
 
 from eagle3.config import Config, ConfigError
 from eagle3.models.weights import Checkpoint, TargetError
+from eagle3.ops import draft_rope_scaling
 
 
 @dataclass
@@ -30,6 +31,8 @@ class DraftSpec:
     norm_before_fc: bool = False         # one RMSNorm over the concatenated aux states before fc
     fc_norm: bool = False                # an RMSNorm per aux state before fc
     norm_output: bool = False            # norm(h) is the head's input and the next step's state
+    rope_scaling: dict | None = None     # the draft layer's rope scaling (`ops.draft_rope_scaling`), as exported
+    sliding_window: int = 0              # step-0 keys seen: the last N positions (0: all)
 
 
 # the norm settings under the keys speculators and vLLM use (SGLang reads none)
@@ -63,6 +66,10 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
         raise ConfigError(f"{cfg.source}: draft.num_attention_heads {heads} is not a multiple of "
                           f"draft.num_key_value_heads {kv}")
     hidden = text.hidden_size   # the draft's is the target's: the frozen target embedding feeds it
+    try:
+        scaling = draft_rope_scaling(text.rope_scaling) if x.draft_rope == "target" else None
+    except ValueError as e:
+        raise TargetError(f"{text.source}: rope_scaling: {e}; set experimental.draft_rope = \"plain\"") from None
     spec = DraftSpec(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, num_layers=d.num_layers,
         head_dim=d.head_dim or text.raw.get("head_dim") or hidden // heads, rope_theta=text.rope_theta,
@@ -70,7 +77,8 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
         max_position_embeddings=text.max_position_embeddings,
         draft_vocab_size=cfg.vocab.draft_vocab_size or min(32000, text.vocab_size), target_vocab_size=text.vocab_size,
         target_hidden_size=hidden, norm_before_residual=x.norm_before_residual, norm_before_fc=x.aux_norm == "concat",
-        fc_norm=x.aux_norm == "per_layer", norm_output=x.norm_output)
+        fc_norm=x.aux_norm == "per_layer", norm_output=x.norm_output, rope_scaling=scaling,
+        sliding_window=x.sliding_window)
     data = cfg.data.path if cfg.train.source == "online" else cfg.resolved_train_data_dir()
     return Resolved(list(ids), spec, str(Path(data)), cfg.export.verifier_name or cfg.target.path)   # "./x" is "x"
 

@@ -3,13 +3,12 @@ sigmoid noaux_tc router; int4 experts stay packed, those that received tokens de
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from eagle3.ops import compiled, rms_norm, silu_mul, swiglu
+from eagle3.ops import compiled, rms_norm, silu_mul, swiglu, yarn_bounds, yarn_mscale
 from eagle3.models import quant
 from eagle3.models.weights import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import causal_attention_packed
@@ -70,17 +69,6 @@ class DeepseekSpec:
 
     def is_moe(self, i: int) -> bool:
         return bool(self.n_routed_experts) and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
-
-
-def yarn_mscale(factor: float, mscale: float) -> float:
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
-def yarn_bounds(dim: int, base: float, original: int, beta_fast: float, beta_slow: float) -> tuple[int, int]:
-    """The first and last rotary pair index of the ramp between extrapolated and interpolated."""
-    def pair(rotations):
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-    return max(math.floor(pair(beta_fast)), 0), min(math.ceil(pair(beta_slow)), dim - 1)
 
 
 def rope_tables(c: TextConfig, spec: DeepseekSpec) -> tuple[torch.Tensor, float, float]:
