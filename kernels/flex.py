@@ -16,8 +16,9 @@ def _compiled_flex():
 
 
 @functools.lru_cache(maxsize=64)
-def _block_mask(T: int, S: int, bounds: tuple[int, ...], device: str):
-    """Keys of all steps side by side ([S*T]): step 0 causal within the sequence, later steps the diagonal only."""
+def _block_mask(T: int, S: int, bounds: tuple[int, ...], device: str, window: int):
+    """Keys of all steps side by side ([S*T]): step 0 causal within the sequence (and the window), later steps the
+    diagonal only."""
     from torch.nn.attention.flex_attention import create_block_mask
     lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=device)
     seq_id = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
@@ -25,16 +26,18 @@ def _block_mask(T: int, S: int, bounds: tuple[int, ...], device: str):
     def ttt_mask(b, h, q_idx, kv_idx):
         step, pos = kv_idx // T, kv_idx % T
         causal = (step == 0) & (pos <= q_idx) & (seq_id[pos] == seq_id[q_idx])
+        if window:
+            causal = causal & (q_idx - pos < window)
         return causal | ((step > 0) & (pos == q_idx))
 
     return create_block_mask(ttt_mask, B=None, H=None, Q_LEN=T, KV_LEN=S * T, device=device)
 
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None, window: int = 0) -> torch.Tensor:
     S, T, Hkv, D = k.shape
     bounds = tuple(cu_seqlens.tolist()) if cu_seqlens is not None else (0, T)   # host copy: no sync
-    mask = _block_mask(T, S, bounds, str(q.device))
+    mask = _block_mask(T, S, bounds, str(q.device), window)
     k, v = (x.reshape(S * T, Hkv, D).transpose(0, 1)[None] for x in (k, v))   # [1, Hkv, S*T, D]
     out = _compiled_flex()(q.transpose(0, 1)[None], k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != Hkv)
     return out[0].transpose(0, 1)

@@ -11,11 +11,13 @@ def spread_rows(src: torch.Tensor, index: torch.Tensor, total: int, fill=0) -> t
     return src.new_full((total, *src.shape[1:]), fill).index_copy(0, index, src)
 
 
-def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     """q [n, Hq, D]; k, v [S, n, Hq, D] (heads already expanded), fp32 -> [n, Hq, D]."""
     n = q.shape[0]
     causal = torch.einsum("thd,shd->hts", q, k[0]) * scale                  # [Hq, n, n]
     visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if window:   # key j visible to query i when i - j < window
+        visible = visible.triu(1 - window)
     causal = causal.masked_fill(~visible, float("-inf"))
     diag = torch.einsum("thd,jthd->htj", q, k[1:]) * scale                 # [Hq, n, S-1]
     probs = torch.cat([causal, diag], dim=-1).softmax(-1)
@@ -23,10 +25,11 @@ def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out + torch.einsum("htj,jthd->thd", probs[..., n:], v[1:])
 
 
-def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                  scale: float | None = None, window: int = 0) -> torch.Tensor:
     """Attention of TTT step S-1: q [T, Hq, D] sees the step-0 keys of k, v [S, T, Hkv, D] causally
-    within its sequence (cu_seqlens [n+1] or None) and, at each later step j, only k[j, t] -> [T, Hq, D]."""
+    within its sequence (cu_seqlens [n+1] or None; with `window` > 0 only keys j with i - j < window) and, at each
+    later step j, only k[j, t] -> [T, Hq, D]."""
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv:
@@ -40,7 +43,7 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qs = q.float().split(lengths, dim=0)
     ks = k.float().repeat_interleave(group, dim=2).split(lengths, dim=1)
     vs = v.float().repeat_interleave(group, dim=2).split(lengths, dim=1)
-    out = torch.cat([_one_sequence(*parts, scale) for parts in zip(qs, ks, vs)])
+    out = torch.cat([_one_sequence(*parts, scale, window) for parts in zip(qs, ks, vs)])
     return out.to(q.dtype)
 
 

@@ -18,6 +18,7 @@ except ImportError:
     TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30   # the window of full causal attention: no row of a sequence is this far back
 # Interpreter tilings (tests swap them): fwd/dq need BLOCK_M % BLOCK_N == 0, dkdv BLOCK_N % BLOCK_M == 0.
 INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16), "rows": 16}
 ROWS_BLOCK_GPU = 32  # rows per program of the two elementwise backward kernels
@@ -77,28 +78,48 @@ def _load_key_tile(K0, V0, Kd, Vd, row0, col, stride_kt, offs_n, offs_d, seqlen,
 
 
 @triton.jit
+def _visible(offs_m, offs_n, window):
+    """[M, N] whether step-0 key offs_n is visible to query offs_m: causal, and within the window."""
+    return (offs_m[:, None] >= offs_n[None, :]) & (offs_m[:, None] - offs_n[None, :] < window)
+
+
+@triton.jit
 def _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d, seqlen,
-                     qk_scale, TMA: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                     qk_scale, window, TMA: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                      UPCAST: tl.constexpr):
-    """The online-softmax update of one step-0 key tile; MASK only on tiles that straddle the diagonal."""
+    """The online-softmax update of one step-0 key tile; MASK only on tiles that straddle the diagonal or the
+    window's edge."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k, v = _load_key_tile(K0, V0, Kd, Vd, start + n0, col, stride_kt, offs_n, offs_d, seqlen, TMA, MASK, UPCAST)
     s = tl.dot(q, tl.trans(k))
     if MASK:
-        s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+        s = tl.where(_visible(offs_m, offs_n, window), s, float("-inf"))
     # scaled inside the max and the exponent: one FMA per score, no separate pass
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * qk_scale - m_new[:, None])
+    if MASK:   # a row that sees no key yet (below its window) keeps m = -inf: subtract 0, not -inf
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s * qk_scale - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l_i
 
 
 @triton.jit
+def _key_tiles(m0, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(first key tile, first tile wholly inside every row's window) of query tile m0, BLOCK_N-aligned: the tiles
+    between them straddle the window's edge."""
+    lo = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    inside = tl.cdiv(tl.maximum(m0 + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N
+    return lo, tl.minimum(inside, m0)
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
                 stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_ot, stride_oh,
-                T, S, qk_scale, seqlen_bucket, Qd, Kd, Vd,
+                T, S, qk_scale, seqlen_bucket, window, Qd, Kd, Vd,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
                 UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     head, kv_head, start, seqlen, m0 = _query_tile(CU_SEQLENS, T, GROUP, VARLEN, BLOCK_M)
@@ -131,12 +152,16 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
         l_i = l_i * alpha + p
         acc = acc * alpha[:, None] + p[:, None] * vj.to(tl.float32)
         m_i = m_new
-    for n0 in range(0, m0, BLOCK_N):
+    lo, inside = _key_tiles(m0, window, BLOCK_M, BLOCK_N)
+    for n0 in range(lo, inside, BLOCK_N):
         acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m,
-                                         offs_d, seqlen, qk_scale, TMA, BLOCK_N, False, UPCAST)
+                                         offs_d, seqlen, qk_scale, window, TMA, BLOCK_N, True, UPCAST)
+    for n0 in range(inside, m0, BLOCK_N):
+        acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m,
+                                         offs_d, seqlen, qk_scale, window, TMA, BLOCK_N, False, UPCAST)
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N):
         acc, m_i, l_i = _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m,
-                                         offs_d, seqlen, qk_scale, TMA, BLOCK_N, True, UPCAST)
+                                         offs_d, seqlen, qk_scale, window, TMA, BLOCK_N, True, UPCAST)
     o = acc / l_i[:, None]
     o_ptrs = O + (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_mask[:, None])
@@ -194,7 +219,7 @@ def _bwd_diag_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
 
 @triton.jit
 def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, row0, col, LSEh, DELTAh, stride_qt, stride_dot, m0,
-                   offs_n, offs_d, seqlen, qk_scale, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                   offs_n, offs_d, seqlen, qk_scale, window, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                    MASK: tl.constexpr, UPCAST: tl.constexpr):
     """dk, dv += one query tile's part (batch rows row0..), transposed: keys are rows."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -206,7 +231,7 @@ def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, row0, col, LSEh, DELTAh, stri
     delta = tl.load(DELTAh + offs_m, mask=row_mask, other=0.0)
     p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
     if MASK:
-        p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        p_t = tl.where((offs_m[None, :] >= offs_n[:, None]) & (offs_m[None, :] - offs_n[:, None] < window), p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)
     ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk)
@@ -216,7 +241,7 @@ def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, row0, col, LSEh, DELTAh, stri
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
                      stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
-                     T, qk_scale, sm_scale, seqlen_bucket, Qd, Kd, Vd, DOd,
+                     T, qk_scale, sm_scale, seqlen_bucket, window, Qd, Kd, Vd, DOd,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk_0, dv_0 of key tiles i and n_tiles-1-i of one kv head, summed over its q heads (pairing each tile with its
@@ -237,6 +262,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
         dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         diag_end = tl.minimum(n0 + BLOCK_N, seqlen)
+        # the window's query rows: unmasked up to `edge` (its first tile with a row past a key's window), then masked
+        last = tl.minimum(n0 + BLOCK_N - 1 + window, seqlen)
+        edge = tl.minimum(tl.maximum(tl.cdiv(n0 + window - BLOCK_M + 1, BLOCK_M) * BLOCK_M, n0 + BLOCK_N), last)
         for g in range(GROUP):
             head = kv_head * GROUP + g
             Qh = Q + start * stride_qt + head * stride_qh
@@ -247,11 +275,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
             for m0 in range(n0, diag_end, BLOCK_M):
                 dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
                                         DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
-                                        TMA, BLOCK_M, True, UPCAST)
-            for m0 in range(n0 + BLOCK_N, seqlen, BLOCK_M):
+                                        window, TMA, BLOCK_M, True, UPCAST)
+            for m0 in range(n0 + BLOCK_N, edge, BLOCK_M):
                 dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
                                         DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
-                                        TMA, BLOCK_M, False, UPCAST)
+                                        window, TMA, BLOCK_M, False, UPCAST)
+            for m0 in range(edge, last, BLOCK_M):
+                dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, start + m0, head * HEAD_DIM, LSEh,
+                                        DELTAh, stride_qt, stride_dot, m0, offs_n, offs_d, seqlen, qk_scale,
+                                        window, TMA, BLOCK_M, True, UPCAST)
         out = kv_base + offs_n[:, None] * stride_kt + offs_d[None, :]
         tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
         tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_mask[:, None])
@@ -259,13 +291,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
 
 @triton.jit
 def _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d, seqlen,
-                 qk_scale, TMA: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+                 qk_scale, window, TMA: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """dq += dS k for one step-0 key tile, the scores recomputed from the saved log-sum-exp."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k, v = _load_key_tile(K0, V0, Kd, Vd, start + n0, col, stride_kt, offs_n, offs_d, seqlen, TMA, MASK, UPCAST)
     p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
     if MASK:
-        p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+        p = tl.where(_visible(offs_m, offs_n, window), p, 0.0)
     ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq)
 
@@ -273,7 +306,7 @@ def _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, Kd, Vd, start, col, stride_kt, n
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
                    stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_dot, stride_doh,
-                   stride_dqt, stride_dqh, T, S, H_Q, qk_scale, sm_scale, seqlen_bucket, Qd, Kd, Vd, DOd,
+                   stride_dqt, stride_dqh, T, S, H_Q, qk_scale, sm_scale, seqlen_bucket, window, Qd, Kd, Vd, DOd,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq for one query tile of one q head: the diagonal terms, then the causal step-0 tiles (rows
@@ -300,12 +333,16 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
         ds = tl.load(DS + ((j - 1) * H_Q + head) * T + start + offs_m, mask=row_mask, other=0.0)
         dq += ds[:, None] * kj
     col = kv_head * HEAD_DIM
-    for n0 in range(0, m0, BLOCK_N):
+    lo, inside = _key_tiles(m0, window, BLOCK_M, BLOCK_N)
+    for n0 in range(lo, inside, BLOCK_N):
         dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d,
-                          seqlen, qk_scale, TMA, BLOCK_N, False, UPCAST)
+                          seqlen, qk_scale, window, TMA, BLOCK_N, True, UPCAST)
+    for n0 in range(inside, m0, BLOCK_N):
+        dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d,
+                          seqlen, qk_scale, window, TMA, BLOCK_N, False, UPCAST)
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N):
         dq = _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, Kd, Vd, start, col, stride_kt, n0, offs_m, offs_d,
-                          seqlen, qk_scale, TMA, BLOCK_N, True, UPCAST)
+                          seqlen, qk_scale, window, TMA, BLOCK_N, True, UPCAST)
     dq_ptrs = DQ + (start + offs_m)[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask[:, None])
 
@@ -429,7 +466,7 @@ def _seqlen_info(cu_seqlens, T, device, max_seqlen=None):
     return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True).contiguous(), len(bounds) - 1, max_len
 
 
-def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma):
+def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma, window):
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     group = Hq // Hkv
@@ -448,17 +485,17 @@ def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma):
     descriptors = _descriptors(tma, Qd=q, Kd=k[0], Vd=v[0], DOd=do)
     consts = dict(GROUP=group, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
     grid_kv = lambda meta: (triton.cdiv(triton.cdiv(max_len, meta["BLOCK_N"]), 2), Hkv, n_seq)
-    _launch("dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu, *strides, T, qk_scale, scale, bucket, **descriptors,
-            **consts)
+    _launch("dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu, *strides, T, qk_scale, scale, bucket, window,
+            **descriptors, **consts)
     grid_q = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
     _launch("dq", grid_q, q, k, v, do, lse, delta, ds, dq, cu, *strides, dq.stride(0), dq.stride(1), T, S, Hq, qk_scale,
-            scale, bucket, **descriptors, **consts)
+            scale, bucket, window, **descriptors, **consts)
     return dq, dk, dv
 
 
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale, max_seqlen):
+    def forward(ctx, q, k, v, cu_seqlens, scale, max_seqlen, window):
         q, k, v = (x.contiguous() for x in (q, k, v))
         S, T, Hkv, D = k.shape
         Hq = q.shape[1]
@@ -469,26 +506,28 @@ class _TTTAttention(torch.autograd.Function):
         grid = lambda meta: (triton.cdiv(max_len, meta["BLOCK_M"]), Hq, n_seq)
         _launch("fwd", grid, q, k, v, o, lse, cu,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), o.stride(0), o.stride(1),
-                T, S, scale * LOG2E, triton.next_power_of_2(max_len), **_descriptors(tma, Qd=q, Kd=k[0], Vd=v[0]),
+                T, S, scale * LOG2E, triton.next_power_of_2(max_len), window,
+                **_descriptors(tma, Qd=q, Kd=k[0], Vd=v[0]),
                 GROUP=Hq // Hkv, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
         ctx.save_for_backward(q, k, v, o, lse, cu)
-        ctx.meta = (n_seq, max_len, scale, tma)
+        ctx.meta = (n_seq, max_len, scale, tma, window)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, cu = ctx.saved_tensors
-        n_seq, max_len, scale, tma = ctx.meta
+        n_seq, max_len, scale, tma, window = ctx.meta
         do = do.contiguous()
         if tma and not _aligned(do):
             do = do.clone()   # a fresh allocation is aligned
-        return (*_backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma), None, None, None)
+        return (*_backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma, window), None, None, None, None)
 
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                  scale: float | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+                  scale: float | None = None, max_seqlen: int | None = None, window: int = 0) -> torch.Tensor:
     """`kernels.reference.ttt_attention` fused: q [T, Hq, D], k, v [S, T, Hkv, D], D 64 or 128 -> [T, Hq, D];
-    `max_seqlen` bounds the lengths of boundaries on the device that the launch must not read (CUDA graphs)."""
+    `max_seqlen` bounds the lengths of boundaries on the device that the launch must not read (CUDA graphs);
+    `window` > 0: query i sees the step-0 keys j with i - j < window."""
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv or S < 1:
@@ -500,4 +539,4 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     scale = D ** -0.5 if scale is None else float(scale)
     if T == 0:
         return q.new_empty(q.shape)
-    return _TTTAttention.apply(q, k, v, cu_seqlens, scale, max_seqlen)
+    return _TTTAttention.apply(q, k, v, cu_seqlens, scale, max_seqlen, window or NO_WINDOW)

@@ -35,11 +35,15 @@ MATCH_CASES = {
     "packed_many_tiles_gqa": (120, 4, 2, 64, 4, [70, 33, 1, 16], TILES_A),
     "fallback_tiles": (120, 4, 2, 128, 3, [70, 33, 1, 16], TILES_FALLBACK),  # the config every GPU can run
 }
+# a sliding window over the step-0 keys (key j seen by query i when i - j < window): name -> (match case, window);
+# inside one key tile, straddling several, with only step 0 (rows whose first tiles are all masked), TMA
+WINDOW_CASES = {"window_5": ("gqa_odd_length", 5), "window_20_packed": ("packed_many_tiles_gqa", 20),
+                "window_3_step0_only": ("step0_only", 3), "tma_window_20_packed_small_tiles": ("packed_many_tiles_d128", 20)}
 # the same cases with tiles loaded through TMA descriptors (what Hopper and datacenter Blackwell
 # run): past a packed sequence's end those load the next sequence's rows, which the kernels' masks
 # must drop
 TMA_CASES = [f"tma_{name}" for name in MATCH_CASES]
-OTHER_CASES = ["custom_scale", "bf16_upcast", "sequences_isolated", "tma_sequences_isolated",
+OTHER_CASES = [*WINDOW_CASES, "custom_scale", "bf16_upcast", "sequences_isolated", "tma_sequences_isolated",
                "tma_misaligned_views", "rejects_bad_arguments"]
 
 
@@ -71,6 +75,12 @@ def test_forward_and_gradients_match_reference(results, name):
     assert set(errors) == {"out", "dq", "dk", "dv"} | ({"dk_diagonal", "dv_diagonal"} if steps > 1 else set())
     bad = {k: e for k, e in errors.items() if not e < TOLERANCE}
     assert not bad, f"relative errors over {TOLERANCE}: {bad}"
+
+
+@pytest.mark.parametrize("name", WINDOW_CASES)
+def test_a_sliding_window_matches_the_reference(results, name):
+    errors = _result(results, name)["errors"]
+    assert max(errors.values()) < TOLERANCE, errors
 
 
 def test_custom_scale(results):
@@ -150,7 +160,7 @@ def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def _errors(T, hq, hkv, d, steps, lengths=None, scale=None, dtype=None):
+def _errors(T, hq, hkv, d, steps, lengths=None, scale=None, dtype=None, window=0):
     """Relative errors of the output and every gradient against the fp32 reference."""
     import torch
     from kernels.reference import ttt_attention as reference
@@ -158,11 +168,11 @@ def _errors(T, hq, hkv, d, steps, lengths=None, scale=None, dtype=None):
 
     cu = None if lengths is None else _cu(lengths)
     q, k, v, do = _inputs(T, hq, hkv, d, steps, dtype)
-    out = ttt_attention(q, k, v, cu_seqlens=cu, scale=scale)
+    out = ttt_attention(q, k, v, cu_seqlens=cu, scale=scale, window=window)
     assert out.dtype == q.dtype and out.shape == q.shape
     grads = torch.autograd.grad(out, (q, k, v), do.to(q.dtype))
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = reference(qf, kf, vf, cu_seqlens=cu, scale=scale)
+    ref = reference(qf, kf, vf, cu_seqlens=cu, scale=scale, window=window)
     ref_grads = torch.autograd.grad(ref, (qf, kf, vf), do)
     rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item() if torch.isfinite(a).all() else float("inf")
     errors = {name: rel(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads))}
@@ -203,6 +213,11 @@ def _other_case(name):
     import kernels.ttt_attention as tta
     from kernels.ttt_attention import ttt_attention
 
+    if name in WINDOW_CASES:
+        T, hq, hkv, d, steps, lengths, tiles = MATCH_CASES[WINDOW_CASES[name][0]]
+        tta.INTERPRET_BLOCKS = dict(tiles)
+        with tta.tma_loads(name.startswith("tma_")):
+            return {"errors": _errors(T, hq, hkv, d, steps, lengths, window=WINDOW_CASES[name][1])}
     if name.startswith("tma_") and name != "tma_misaligned_views":
         with tta.tma_loads(True):
             return _other_case(name.removeprefix("tma_"))
