@@ -46,6 +46,7 @@ class Attention(nn.Module):
     def __init__(self, spec: DraftSpec, in_dim: int):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        self.window = spec.sliding_window
         self.q_proj = nn.Linear(in_dim, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
@@ -71,9 +72,11 @@ class Attention(nn.Module):
             cache.append((scatter_rows(k, rows.computed, rows.total), scatter_rows(v, rows.computed, rows.total)))
             keys, values = (torch.stack(kvs) for kvs in zip(*cache))   # [S, T, Hkv, D] each
             kept = rows.kept_global()
-            out = gather_rows(attention(scatter_rows(q, kept, rows.total), keys, values, cu_seqlens), kept)
+            # step k's queries sit k positions past their row: an engine's window of W positions leaves W - k rows
+            window = {"window": self.window - len(cache) + 1} if self.window else {}
+            out = gather_rows(attention(scatter_rows(q, kept, rows.total), keys, values, cu_seqlens, **window), kept)
         else:
-            out = cache.attend(q, k, v)
+            out = cache.attend(q, k, v, window=self.window)
         return self.linears(out.flatten(1), self.o_proj.weight)[0]
 
 

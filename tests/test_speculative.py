@@ -20,6 +20,7 @@ VARIANTS = {
     "one-layer": {},
     "two-layers-gqa-fc-norm": {"layers": 2, "kv_heads": 2, "fc_norm": True},
     "norms": {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True},
+    "sliding-window": {"sliding_window": 5},   # the engine's positional window: W - k rows back at chain step k
 }
 
 
@@ -58,13 +59,15 @@ def make_drafter(target: IncrementalTarget, seed: int, layers: int = 1, kv_heads
     return Drafter(draft.to(target.embed.dtype), target.embed)
 
 
-def dense_ttt_attention(q, k, v, cu_seqlens):
+def dense_ttt_attention(q, k, v, cu_seqlens, window=0):
     """ttt_attention's semantics in q's own dtype (kernels.reference computes in fp32): query t of
-    step S-1 sees the step-0 keys of rows <= t of its sequence and its own keys of steps 1..S-1."""
+    step S-1 sees the step-0 keys of rows <= t of its sequence (and > t - window) and its own keys of steps 1..S-1."""
     S, T, Hkv, D = k.shape
     seq = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens.diff().long())   # [T]
     t = torch.arange(T)
     causal = (seq[:, None] == seq[None]) & (t[None] <= t[:, None])                               # [T, T]
+    if window:
+        causal &= t[:, None] - t[None] < window
     visible = torch.cat([causal] + [torch.eye(T, dtype=torch.bool)] * (S - 1), 1)                # [T, S*T]
     group = q.shape[1] // Hkv
     keys, values = (x.repeat_interleave(group, 2).flatten(0, 1) for x in (k, v))                 # [S*T, Hq, D]
@@ -78,6 +81,8 @@ def test_dense_reference_is_ttt_attention():
     q, k, v = torch.randn(9, 4, 8, generator=g), torch.randn(3, 9, 2, 8, generator=g), torch.randn(3, 9, 2, 8, generator=g)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     torch.testing.assert_close(dense_ttt_attention(q, k, v, cu), ttt_attention(q, k, v, cu))
+    torch.testing.assert_close(dense_ttt_attention(q, k, v, cu, 2), ttt_attention(q, k, v, cu, window=2))
+    assert not torch.allclose(ttt_attention(q, k, v, cu, window=2), ttt_attention(q, k, v, cu))
 
 
 def unrolled(drafter: Drafter, auxes, tokens, k):

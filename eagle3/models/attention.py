@@ -39,10 +39,12 @@ def cudnn_takes(q, k, v) -> bool:
     return torch.backends.cuda.can_use_cudnn_attention(params)
 
 
-def cached_attention(q, k, v, scale=None):
-    """The last q.shape[0] positions of a sequence attending to all its k/v [n, Hkv, D], causally."""
+def cached_attention(q, k, v, scale=None, window: int = 0):
+    """The last q.shape[0] positions of a sequence attending to all its k/v [n, Hkv, D], causally (with `window`
+    > 0: the keys less than `window` positions back)."""
     T, n = q.shape[0], k.shape[0]
-    visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - T, n, device=q.device)[:, None]
+    back = torch.arange(n - T, n, device=q.device)[:, None] - torch.arange(n, device=q.device)[None, :]   # [T, n]
+    visible = (back >= 0) & (back < window) if window else back >= 0
     return sdpa(q, k, v, attn_mask=visible, scale=scale)
 
 

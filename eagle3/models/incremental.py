@@ -88,16 +88,19 @@ class _Group:
         self.keys = int(ends[members].max())                                    # L
         self._masks = {}
 
-    def mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+    def mask(self, group: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
         """Additive mask [R, 1, n * group, L] for padded_cached_attention's folded queries, kept for the
-        pass (a boolean one is converted by every layer); rows padded to 16 keys, as fused kernels want."""
-        if (group, dtype) not in self._masks:
+        pass (a boolean one is converted by every layer); rows padded to 16 keys, as fused kernels want.
+        With `window` > 0 a query sees the keys less than `window` positions back."""
+        if (group, dtype, window) not in self._masks:
             device, width = self.start_row.device, -(-self.keys // 16) * 16
             last = (self.start_row[:, None] + torch.arange(self.n, device=device)).repeat_interleave(group, 1)
-            hidden = torch.arange(width, device=device) > last[:, None, :, None]   # [R, 1, n * group, width]
+            back = last[:, None, :, None] - torch.arange(width, device=device)   # [R, 1, n * group, width]
+            hidden = (back < 0) | (back >= window) if window else back < 0
+            hidden[..., 0] &= ~hidden[..., :self.keys].all(-1)   # a padding row past its window sees key 0: finite
             bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-            self._masks[(group, dtype)] = bias[..., :self.keys]
-        return self._masks[(group, dtype)]
+            self._masks[(group, dtype, window)] = bias[..., :self.keys]
+        return self._masks[(group, dtype, window)]
 
 
 class PassLayout:
@@ -136,14 +139,16 @@ class LayerPass:
     def __init__(self, pool: KVPool, layer: int, layout: PassLayout):
         self.pool, self.layer, self.layout = pool, layer, layout
 
-    def attend(self, q, k, v, scale=None) -> torch.Tensor:
-        """q [T, Hq, D], this pass's k/v [T, Hkv, D|Dv] -> [T, Hq, Dv]."""
+    def attend(self, q, k, v, scale=None, window: int = 0) -> torch.Tensor:
+        """q [T, Hq, D], this pass's k/v [T, Hkv, D|Dv] -> [T, Hq, Dv]; `window` > 0: each query sees the keys
+        less than `window` positions back (a sliding-window draft)."""
         lay = self.layout
         k_cache, v_cache = self.pool.write(self.layer, lay.write_index, k, v)
         group = q.shape[1] // k.shape[1]                            # query heads per kv head
 
         def batched(g, q):
-            return padded_cached_attention(q, k_cache, v_cache, g.rows, g.pad_index, g.mask(group, q.dtype), scale)
+            return padded_cached_attention(q, k_cache, v_cache, g.rows, g.pad_index, g.mask(group, q.dtype, window),
+                                           scale)
 
         if len(lay.groups) == 1 and lay.groups[0].tokens is None:   # decode / verify: all in one call
             return batched(lay.groups[0], q)
@@ -152,8 +157,8 @@ class LayerPass:
             out.index_copy_(0, g.tokens, batched(g, q.index_select(0, g.tokens)))
         for a, b, slot, start in lay.long:   # nothing cached before: plain causal, no mask for the fused kernels
             ks, vs = k_cache[slot, :start + b - a], v_cache[slot, :start + b - a]
-            out[a:b] = sdpa(q[a:b], ks, vs, is_causal=True, scale=scale) if start == 0 else cached_attention(
-                q[a:b], ks, vs, scale)
+            out[a:b] = sdpa(q[a:b], ks, vs, is_causal=True, scale=scale) if start == 0 and not window else (
+                cached_attention(q[a:b], ks, vs, scale, window))
         return out
 
 
