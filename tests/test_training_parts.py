@@ -166,6 +166,16 @@ def test_a_resume_of_the_same_run_passes_and_one_changed_setting_is_named():
         resume.check(CKPT, was, state(target={"config_sha256": "def"}), total=10)
 
 
+def test_a_checkpoint_from_before_a_spec_field_resumes_with_its_default():
+    """Checkpoints older than the draft's rope_scaling / sliding_window trained plain RoPE over all keys."""
+    was = state()
+    resume.check(CKPT, was, state(**{"resolved.draft_spec": {"hidden_size": 32, "rope_scaling": None,
+                                                               "sliding_window": 0}}), total=10)
+    yarn = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096}
+    with pytest.raises(TrainError, match="draft_spec differs"):
+        resume.check(CKPT, was, state(**{"resolved.draft_spec": {"hidden_size": 32, "rope_scaling": yarn}}), total=10)
+
+
 def test_decay_fraction_is_fixed_only_where_the_schedule_reads_it():
     cosine = state(**{"train.schedule": "cosine"})
     resume.check(CKPT, cosine, state(**{"train.schedule": "cosine", "train.decay_fraction": 0.5}), total=10)

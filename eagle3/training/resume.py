@@ -2,12 +2,14 @@
 it, checked on the checkpoint's state.json (`was`) and this run's (`now`, `Trainer._state`)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from eagle3 import train_state
 from eagle3.errors import TrainError
+from eagle3.resolve import DraftSpec
 
 # what a resumed run keeps: data order and LR schedule (grad_accum x world size and max_steps: checked apart)
 RESUME_FIXED = ("seed", "batch_tokens", "eval_fraction", "epochs", "ttt_steps", "loss_decay", "lr", "min_lr_ratio",
@@ -32,10 +34,16 @@ def checkpoint(choice: str, output_dir: Path, say: bool = True) -> Path | None:
     return path
 
 
+def _spec_defaults(resolved: dict) -> dict:
+    """A recorded resolve with the draft spec's fields added since at their defaults (what that run trained)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(DraftSpec) if f.default is not dataclasses.MISSING}
+    return {**resolved, "draft_spec": {**defaults, **resolved["draft_spec"]}}
+
+
 def check(path: Path, was: dict, now: dict, total: int) -> None:
     """Refuse to resume from `path` unless this run continues its run (ending at step `total`)."""
-    before = {**was["resolved"], "target": was["target"]}
-    for key, value in {**now["resolved"], "target": now["target"]}.items():
+    before = {**_spec_defaults(was["resolved"]), "target": was["target"]}
+    for key, value in {**_spec_defaults(now["resolved"]), "target": now["target"]}.items():
         if key != "verifier_name" and before[key] != value:   # the verifier is only a name in the export
             raise TrainError(f"{path}/state.json: {key} differs from this run's ({before[key]} vs {value}); {NEW_RUN}")
     check_data(path, was, now)
