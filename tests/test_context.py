@@ -106,3 +106,45 @@ def test_a_split_keeps_the_rows_each_rank_reads():
     assert torch.equal(parts[1].input_ids, batch.input_ids[16:36]) and torch.equal(parts[1].aux_hidden,
                                                                                    batch.aux_hidden[16:32])
     assert torch.equal(parts[3].final_hidden[:14], batch.final_hidden[48:]) and not parts[3].final_hidden[14:].any()
+
+
+@pytest.mark.slow
+def test_four_ranks_in_two_context_parallel_groups_train_as_one_process(tmp_path, llama_target, token_data, hidden):
+    """world 4 = 2 data-parallel groups x 2 context-parallel ranks, train.batch_tokens 24 below the longest sequence
+    (40 tokens): the same training as one process reading micro-batches of 48 tokens, two per step."""
+    from test_training import cli_args, final_weights, run_train, train_losses
+    run = {"train.max_steps": 4, "train.checkpoint_every": 4, "train.eval_every": 2}
+    one, four = tmp_path / "one", tmp_path / "four"
+    run_train(cli_args(one, llama_target, token_data, hidden, **run, **{"train.batch_tokens": 48,
+                                                                        "train.grad_accum": 2}))
+    run_train(cli_args(four, llama_target, token_data, hidden, **run, **{"train.batch_tokens": 24,
+                                                                         "debug.context_parallel": 2}), nproc=4)
+    a, b = final_weights(one / "train"), final_weights(four / "train")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    la, lb = train_losses(one / "train"), train_losses(four / "train")
+    assert la.keys() == lb.keys() == {1, 2, 3, 4}
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-4)
+
+
+def test_what_cannot_be_split_is_refused_naming_the_keys(tmp_path, llama_target, token_data):
+    """A group that does not divide the ranks or the draft's heads; sequences longer than a group's micro-batch."""
+    from types import SimpleNamespace
+
+    from conftest import make_config
+    from eagle3 import training
+    from eagle3.training.context import Layout
+    from eagle3.training.loop import data_plan
+    cfg = make_config(tmp_path, llama_target, token_data, **{"debug.context_parallel": 3})
+    with pytest.raises(training.TrainError, match=r"debug.context_parallel = 3 needs a divisor of the world size \(1\); "
+                                                  r"a divisor of draft.num_key_value_heads \(2\)"):
+        training.Trainer(cfg)
+    cfg = make_config(tmp_path, llama_target, token_data, **{"train.batch_tokens": 16, "debug.context_parallel": 2})
+    reader = SimpleNamespace(sequences=[SimpleNamespace(index=i, length=n) for i, n in enumerate([30, 40, 8])],
+                             manifest={})
+    with pytest.raises(training.TrainError, match=r"^command line --train.batch_tokens: train.batch_tokens = 16 x "
+                                                  r"debug.context_parallel = 2 \(32 tokens\) is smaller than the "
+                                                  r"longest sequence \(40 tokens\)"):
+        data_plan(cfg, reader, Layout(2, 0, 0, 1), "data")
+    assert data_plan(cfg, reader, Layout(4, 0, 0, 1), "data")[0].budget == 64   # a group of 4 holds it

@@ -225,10 +225,10 @@ class Trainer:
         self.target = Checkpoint(cfg.target.path)
         self.resolved = resolve(cfg, self.target)
         self.online = t.source == "online"
-        self.reader = open_reader(cfg, self.target, self.resolved, self.device, say=self.dist.main)
         spec = self.resolved.draft_spec
         self.layout = context.layout(cfg.debug.context_parallel, self.dist, spec.num_key_value_heads,
                                      spec.num_attention_heads, cfg.source, self.online)
+        self.reader = open_reader(cfg, self.target, self.resolved, self.device, say=self.dist.main)
         self.plan, self.eval_refs = data_plan(cfg, self.reader, self.layout, self.resolved.data_dir)
         draft, self.float8, target_rows = build_draft(cfg, self.target, spec, self.reader, self.device,
                                                       self.dist.main, self.agree)
@@ -361,7 +361,7 @@ class Trainer:
             for step in range(self.start_step, total):
                 settle()
                 wait = time.perf_counter()
-                micro = [next(batches) for _ in range(t.grad_accum)]
+                micro = [self.feed.prepared(next(batches)) for _ in range(t.grad_accum)]   # (rows: this rank's)
                 window.waited += time.perf_counter() - wait
                 if step == self.start_step and self.dist.world > 1:
                     self.settle_buckets(micro[0])
