@@ -218,6 +218,9 @@ class DebugConfig:
     skip_nonfinite: bool = setting(
         False, "a step whose loss or gradient is NaN/inf: `true` skips and counts it, `false` stops the run naming it")
     collective_timeout_s: float = setting(600.0, "seconds a rank waits in a collective before the run stops")
+    context_parallel: int = setting(
+        1, "ranks that train one micro-batch of this many x `train.batch_tokens` tokens together, its rows split among "
+        "them (sequences longer than a rank holds); divides the world size and the draft's heads (docs/training.md)")
 
 
 @dataclass
@@ -254,7 +257,7 @@ class Config:
 POSITIVE = ("data.max_seq_len draft.num_layers train.batch_tokens train.grad_accum train.ttt_steps train.eval_every "
             "train.checkpoint_every train.keep_checkpoints export.speculative_tokens generate.max_new_tokens "
             "evaluate.max_new_tokens evaluate.k evaluate.seeds debug.shard_tokens debug.chunk_tokens debug.log_every "
-            "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch train.epochs "
+            "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch train.epochs debug.context_parallel "
             "vocab.draft_vocab_size debug.data_workers debug.generate_requests").split()
 
 # keys that moved or went: an old config names the new key (or why it went) instead of "unknown key"
@@ -409,6 +412,16 @@ def require_inputs(cfg: Config, command: str) -> None:
                       f"(--{unset[0][0]} ...), or run the demo: python -m eagle3 demo")
 
 
+def require_trainable(cfg: Config) -> None:
+    """Refuse, before extracting, sequences (up to data.max_seq_len) longer than a micro-batch trains."""
+    n, tokens, ranks = cfg.data.max_seq_len, cfg.train.batch_tokens, cfg.debug.context_parallel
+    if n > tokens * ranks:
+        raise ConfigError(f"{cfg.origin('data.max_seq_len')}: data.max_seq_len = {n} is longer than one micro-batch "
+                          f"trains (train.batch_tokens = {tokens} x debug.context_parallel = {ranks}: {tokens * ranks} "
+                          "tokens); lower data.max_seq_len, raise train.batch_tokens, or split each micro-batch over "
+                          "more ranks (debug.context_parallel)")
+
+
 def from_dict(data: dict, origin: str) -> Config:
     cfg = Config(source=origin)
     for section, values in data.items():
@@ -512,6 +525,8 @@ def cli(argv: list[str] | None = None, description: str = "", prog: str | None =
         cfg = load(args.config, check_overrides(parser, rest + overrides))
         if command:
             require_inputs(cfg, command)
+        if command == "extract":   # train checks the sequences it reads (`eagle3.training.loop.data_plan`)
+            require_trainable(cfg)
         return cfg
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None

@@ -69,12 +69,16 @@ class Attention(nn.Module):
         v = v.view(C, self.kv_heads, self.head_dim)
         q = self.rope(q.view(q.shape[0], self.heads, self.head_dim), cos_q, sin_q)
         if isinstance(cache, list):   # keys, values and queries laid out over all rows, zero elsewhere
-            cache.append((scatter_rows(k, rows.computed, rows.total), scatter_rows(v, rows.computed, rows.total)))
-            keys, values = (torch.stack(kvs) for kvs in zip(*cache))   # [S, T, Hkv, D] each
             kept = rows.kept_global()
+            q, k, v = scatter_rows(q, kept, rows.total), *(scatter_rows(x, rows.computed, rows.total) for x in (k, v))
+            if split := getattr(attention, "to_heads", None):   # context parallel: all rows of some heads here
+                q, k, v = split(q, k, v)
+            cache.append((k, v))
+            keys, values = (torch.stack(kvs) for kvs in zip(*cache))   # [S, T, Hkv, D] each
             # step k's queries sit k positions past their row: an engine's window of W positions leaves W - k rows
             window = {"window": self.window - len(cache) + 1} if self.window else {}
-            out = gather_rows(attention(scatter_rows(q, kept, rows.total), keys, values, cu_seqlens, **window), kept)
+            out = attention(q, keys, values, cu_seqlens, **window)
+            out = gather_rows(attention.to_rows(out) if split else out, kept)
         else:
             out = cache.attend(q, k, v, window=self.window)
         return self.linears(out.flatten(1), self.o_proj.weight)[0]

@@ -39,22 +39,32 @@ def row_layout(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Te
     return positions_from_cu_seqlens(cu_seqlens, T), torch.repeat_interleave(lengths, lengths, output_size=T)
 
 
+def batch_layout(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`row_layout` of the rows the batch computes (of a `split` batch: its slice of the whole one's)."""
+    if batch.part is None:
+        return row_layout(batch.cu_seqlens, batch.rows)
+    start = batch.part.start
+    return tuple(x[start:start + batch.rows] for x in row_layout(batch.cu_seqlens, batch.part.total))
+
+
 def label_rows(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor,
                prompt: bool = False) -> torch.Tensor:
-    """[T] bool: at step k, row t's label x[t+2+k] is inside its sequence and (unless `prompt`) an assistant token."""
+    """[T] bool: at step k, row t's label x[t+2+k] is inside its sequence and (unless `prompt`) an assistant token;
+    loss_mask may run past the T rows (a `split` batch's)."""
     T = positions.shape[0]
     inside = positions + 2 + k < seq_len
     if prompt:
         return inside
-    label_row = (torch.arange(T, device=positions.device) + 2 + k).clamp(max=T - 1)
+    label_row = (torch.arange(T, device=positions.device) + 2 + k).clamp(max=loss_mask.shape[0] - 1)
     return inside & loss_mask[label_row].bool()
 
 
 def step_targets(k: int, positions: torch.Tensor, seq_len: torch.Tensor, loss_mask: torch.Tensor,
                  greedy: torch.Tensor, t2d: torch.Tensor, rule: RowRule = RowRule()) -> StepTargets:
-    """Step k's label rows; rows whose greedy token is outside the draft vocab are not trained and count as misses."""
+    """Step k's label rows; rows whose greedy token is outside the draft vocab are not trained and count as misses.
+    greedy and loss_mask may run past the T rows (a `split` batch's)."""
     T = positions.shape[0]
-    index = (torch.arange(T, device=positions.device) + 1 + k).clamp(max=T - 1)
+    index = (torch.arange(T, device=positions.device) + 1 + k).clamp(max=greedy.shape[0] - 1)
     acc_rows = label_rows(k, positions, seq_len, loss_mask)
     trained = label_rows(k, positions, seq_len, loss_mask, prompt=True) if rule.prompt else acc_rows
     in_vocab = t2d[greedy[index].long()]
@@ -74,12 +84,12 @@ def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int
 
 def loss_denominator(batch: Batch, rule: RowRule = RowRule()) -> torch.Tensor:
     """The loss's normaliser: rows whose step-0 label x[t+2] is an assistant token (any with `rule.prompt`)."""
-    positions, seq_len = row_layout(batch.cu_seqlens, batch.rows)
+    positions, seq_len = batch_layout(batch)
     return label_rows(0, positions, seq_len, batch.loss_mask, rule.prompt).sum()
 
 
 def all_step_targets(batch: Batch, steps: int, t2d: torch.Tensor, rule: RowRule = RowRule()) -> list[StepTargets]:
-    positions, seq_len = row_layout(batch.cu_seqlens, batch.rows)
+    positions, seq_len = batch_layout(batch)
     return [step_targets(k, positions, seq_len, batch.loss_mask, batch.target_argmax.long(), t2d, rule)
             for k in range(steps)]
 
@@ -106,7 +116,7 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     ids, greedy = batch.input_ids.long(), batch.target_argmax.long()
     T = batch.rows
     targets = all_step_targets(batch, steps, draft.t2d, objective.rows)
-    positions = row_layout(batch.cu_seqlens, T)[0]
+    positions = batch_layout(batch)[0]
     plan = batch.plan
     if not static and (plan is None or not plan.fits(steps, skip_dead_rows, objective.rows)):
         plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.rows, targets)
@@ -118,8 +128,10 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
                     if batch.cu_seqlens_host is not None else batch.cu_seqlens.to(torch.int32))
 
     def next_inputs(k: int, h: torch.Tensor):
-        if k == steps or (k > 0 and live[k] is not None and live[k].numel() == 0):
-            return None   # nothing reaches the loss any more (step 0 always runs: DDP wants every parameter used)
+        # nothing reaches the loss any more (step 0 always runs: DDP wants every parameter used); a `split`
+        # batch runs every step: its attention is an exchange all of its group's ranks take part in
+        if k == steps or (k > 0 and live[k] is not None and live[k].numel() == 0 and batch.part is None):
+            return None
         rows = Rows(T) if live[k] is None else Rows(T, kept=live[0]) if k == 0 else Rows(T, computed=live[k])
         computed = rows.computed if rows.computed is not None else slice(None)
         if k > 0 and rows.computed is not None:
@@ -151,8 +163,8 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
 def step_metrics(targets: list[StepTargets], losses, argmaxes, alphas, probs, greedy, d2t) -> tuple[torch.Tensor, dict]:
     """Per-step sums of the METRICS columns on the device (no host sync), and the per-row detail."""
     metrics = torch.zeros(len(targets), len(METRICS), device=greedy.device)
-    run = torch.ones_like(greedy, dtype=torch.bool)
-    accepted = torch.zeros_like(greedy)
+    run = torch.ones_like(targets[0].valid)   # [T] (greedy may run past the rows: a `split` batch's)
+    accepted = torch.zeros_like(run, dtype=greedy.dtype)
     corrects = []
     for k, (tg, loss, argmax, alpha) in enumerate(zip(targets, losses, argmaxes, alphas)):
         counted = tg.valid & tg.acc_rows & tg.in_vocab

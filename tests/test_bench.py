@@ -65,6 +65,21 @@ def test_train_step_bench_under_torchrun_ends_with_the_same_weights_on_both_rank
     check_step_timing(result, 2, 1, elapsed)   # per GPU: each rank's own micro-batch
 
 
+@pytest.mark.slow
+def test_the_step_bench_splits_a_long_sequence_over_the_ranks(tmp_path):
+    """--seq-lens: one sequence per micro-batch, its rows split over both ranks (context parallel)."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+                          "eagle3.bench", "--tiny", "--seq-lens", "512", "--kernels", "torch", "--layouts",
+                          "a", "--steps", "1", "--warmup", "1", "--dir", str(tmp_path), "--json",
+                          str(tmp_path / "r.jsonl")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (r,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert (r["seq_len"], r["tokens_per_batch"], r["context_parallel"], r["world"]) == (512, 512, 2, 2)
+    assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(256)   # each rank's half of the rows
+    assert r["same_weights_on_all_ranks"] is True and r["first_step_loss"][0] > 0
+    assert f"| {r['first_step_loss'][0]:.4f} | 512 | 2 |" in out.stdout
+
+
 def test_references_evaluation_and_decoding_import_without_triton():
     code = ("import sys; sys.modules['triton'] = None; import kernels, kernels.reference, eagle3.evaluate, "
             "eagle3.speculative; print(kernels.ttt_attention_reference.__module__)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import re
 import shutil
@@ -34,9 +35,18 @@ SIZES = {   # draft shapes (the target's hidden, heads, intermediate) and one mi
                     seqs=4, seq_len=4096, user=512, layers=16),
     "small": dict(hidden=256, vocab=2048, heads=4, kv_heads=2, head_dim=64, inter=768, draft_vocab=256,
                   seqs=32, seq_len=512, user=128, layers=8),   # the quality bench's draft and batch
-    "tiny": dict(hidden=64, vocab=2048, heads=1, kv_heads=1, head_dim=64, inter=128, draft_vocab=512,
-                 seqs=4, seq_len=128, user=16, layers=61),
+    "tiny": dict(hidden=64, vocab=2048, heads=2, kv_heads=2, head_dim=32, inter=128, draft_vocab=512,
+                 seqs=4, seq_len=128, user=16, layers=61),   # 2 heads: a sequence splits over 2 ranks
 }
+
+
+def shape(size: str, seq_len: int | None = None) -> dict:
+    """SIZES[size], or with `seq_len` one sequence of that many tokens per micro-batch (a long thinking trace)."""
+    return SIZES[size] if seq_len is None else {**SIZES[size], "seqs": 1, "seq_len": seq_len}
+
+
+def data_dir(root: Path, size: str, layout: str, seq_len: int | None = None) -> Path:
+    return root / size / (f"data-{layout}" if seq_len is None else f"data-{layout}-{seq_len}")
 
 
 def write_target(out: Path, s: dict) -> None:
@@ -197,12 +207,15 @@ def kernel_args(kernels: str) -> list[str]:
 
 
 def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warmup: int, tflops: float,
-              overrides: list[str] = (), report=None) -> dict:
-    """One size, layout and kernel choice; `overrides`: more config arguments, `report`: see gpu_busy_fraction."""
-    s = SIZES[size]
-    args = ["--target.path", str(root / size / "target"), "--train.data_dir", str(root / size / f"data-{layout}"),
+              overrides: list[str] = (), report=None, seq_len: int | None = None, context: int = 1) -> dict:
+    """One size, layout and kernel choice; `overrides`: more config arguments, `report`: see gpu_busy_fraction;
+    `seq_len`: one sequence per micro-batch (`shape`), its rows split over `context` ranks (debug.context_parallel)."""
+    s = shape(size, seq_len)
+    tokens = s["seqs"] * s["seq_len"]
+    args = ["--target.path", str(root / size / "target"), "--train.data_dir", str(data_dir(root, size, layout, seq_len)),
             "--train.output_dir", str(root / size / f"out-{layout}-{kernels}"), *kernel_args(kernels),
-            "--train.batch_tokens", str(s["seqs"] * s["seq_len"]), "--train.eval_fraction", "0",
+            "--train.batch_tokens", str(tokens // context), "--debug.context_parallel", str(context),
+            "--train.eval_fraction", "0",
             "--train.max_steps", str(steps + warmup + 4), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
             "--draft.num_key_value_heads", str(s["kv_heads"]), "--draft.head_dim", str(s["head_dim"]),
@@ -221,7 +234,7 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
 
     def loop():   # back to back, as in training: a sync between steps would hide the next copy
         for _ in range(steps):
-            batch = next(batches)
+            batch = trainer.feed.prepared(next(batches))   # this rank's rows of the micro-batch
             rows.append(batch.rows)
             trainer.train_step([batch])
             del batch
@@ -232,7 +245,8 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
     busy = gpu_busy_fraction(trainer, batches, label, report) if cuda else float("nan")
     syncs = host_syncs(trainer, next(batches)) if cuda else []
     flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens, not trainer.cfg.experimental.freeze_lm_head)
-    return {"size": size, "layout": layout, "kernels": kernels, "float8": trainer.float8,
+    return {"size": size, "layout": layout, "kernels": kernels, "seq_len": s["seq_len"], "tokens_per_batch": tokens,
+            "context_parallel": context, "float8": trainer.float8,
             "float8_head": trainer.float8_head, "world": trainer.dist.world, "step_s": step,
             "tokens_per_s_per_gpu": tokens / step, "mfu": flops / step / 1e12 / tflops if cuda else float("nan"),
             "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
@@ -247,27 +261,28 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
 
 def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path, overrides: list[str] = (),
              report=None) -> tuple[list[dict], float]:
-    """Our step at each size, layout and kernel choice asked for -> (rows, printed and --json'd; the bf16 rate)."""
+    """Our step at each size, layout, kernel choice and sequence length asked for -> (rows, printed and --json'd; the
+    bf16 rate). A sequence length splits each sequence over all ranks (context parallel); else each rank trains its own
+    micro-batch of the size's sequences."""
+    cases = [(size, layout, seq_len) for size in args.sizes for layout in args.layouts for seq_len in args.seq_lens]
+    groups = lambda seq_len: 1 if seq_len is None else dist.world   # noqa: E731 (ranks per micro-batch)
     if dist.main:
-        for size in args.sizes:
+        for size, layout, seq_len in cases:
             write_target(root / size / "target", SIZES[size])
-            for layout in args.layouts:
-                write_shards(root / size / f"data-{layout}", root / size / "target", layout, SIZES[size],
-                             dist.world * (args.steps + args.warmup + 4))
+            write_shards(data_dir(root, size, layout, seq_len), root / size / "target", layout, shape(size, seq_len),
+                         dist.world // groups(seq_len) * (args.steps + args.warmup + 4))
     dist.barrier()
     tflops = matmul_tflops() if dist.device.type == "cuda" else float("nan")
     results = []
-    for size in args.sizes:
-        for layout in args.layouts:
-            for kernels in args.kernels:
-                results.append(bench_one(root, size, layout, kernels, args.steps, args.warmup, tflops,
-                                         overrides, report))
-                if dist.main:
-                    print(json.dumps(results[-1]), flush=True)
-                    append_json(args.json, [{**results[-1], "tflops": tflops}])
-                free_memory()
-                if dist.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
+    for (size, layout, seq_len), kernels in itertools.product(cases, args.kernels):
+        results.append(bench_one(root, size, layout, kernels, args.steps, args.warmup, tflops, overrides, report,
+                                 seq_len, groups(seq_len)))
+        if dist.main:
+            print(json.dumps(results[-1]), flush=True)
+            append_json(args.json, [{**results[-1], "tflops": tflops}])
+        free_memory()
+        if dist.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
     return results, tflops
 
 
@@ -278,6 +293,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kernels", default="torch,triton",
                         help="comma list of torch, triton, auto (the defaults); a -fp8 suffix adds train.float8 "
                              "(e.g. triton-fp8), -fp8-head also train.float8_head; -graph debug.cuda_graphs")
+    parser.add_argument("--seq-lens", default="", help="comma list of tokens per sequence (e.g. 16384,32768,65536,"
+                        "131072): each micro-batch one sequence, split over all ranks (debug.context_parallel = the "
+                        "world size), instead of the size's batch of sequences")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="--sizes tiny (CPU smoke test)")
@@ -287,6 +305,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.sizes = ["tiny"] if args.tiny else args.sizes.split(",")
     args.layouts, args.kernels = args.layouts.split(","), args.kernels.split(",")
+    args.seq_lens = [int(n) for n in args.seq_lens.split(",")] if args.seq_lens else [None]
     if unknown := [x for x in args.sizes if x not in SIZES]:
         parser.error(f"--sizes: unknown {', '.join(unknown)}; one of {', '.join(SIZES)}")
     kinds = r"auto|torch(-fp8(-head)?)?|triton(-fp8(-head)?)?(-graph)?"
@@ -317,17 +336,18 @@ def print_table(results: list[dict], tflops: float, dist: distributed.Dist) -> N
     name = torch.cuda.get_device_name() if dist.device.type == "cuda" else "cpu"
     print(f"\n{name}, torch {torch.__version__}, bf16 matmul {tflops:.0f} TFLOP/s (8192^3), {dist.world} rank(s)")
     print("| size | tokens/batch | layout | kernels | step ms | tokens/s/GPU | MFU (bf16 peak) | peak GiB | GPU idle "
-          "| host syncs/step | same weights on all ranks | first step loss0 |")
-    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+          "| host syncs/step | same weights on all ranks | first step loss0 | tokens/sequence | ranks/sequence |")
+    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for r in results:
-        s = SIZES[r["size"]]
-        print(f"| {r['size']} | {s['seqs'] * s['seq_len']} | {r['layout']} | {r['kernels']} | {r['step_s'] * 1e3:.0f} "
+        print(f"| {r['size']} | {r['tokens_per_batch']} | {r['layout']} | {r['kernels']} | {r['step_s'] * 1e3:.0f} "
               f"| {r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['gpu_idle']:.1%} "
-              f"| {r['host_syncs']} | {r['same_weights_on_all_ranks']} | {r['first_step_loss'][0]:.4f} |")
-    by = {(r["size"], r["layout"], r["kernels"]): r["tokens_per_s_per_gpu"] for r in results}
-    for (size, layout, kernels), ours in by.items():
-        if kernels == "triton" and (size, layout, "torch") in by:
-            print(f"{size} {layout}: triton / torch tokens/s = {ours / by[(size, layout, 'torch')]:.2f}x")
+              f"| {r['host_syncs']} | {r['same_weights_on_all_ranks']} | {r['first_step_loss'][0]:.4f} "
+              f"| {r['seq_len']} | {r['context_parallel']} |")
+    by = {(r["size"], r["layout"], r["seq_len"], r["kernels"]): r["tokens_per_s_per_gpu"] for r in results}
+    for (size, layout, seq_len, kernels), ours in by.items():
+        if kernels == "triton" and (size, layout, seq_len, "torch") in by:
+            print(f"{size} {layout} {seq_len}: triton / torch tokens/s = "
+                  f"{ours / by[(size, layout, seq_len, 'torch')]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,13 @@ class RowPlan:
                                    loss=list(map(fn, self.loss)))
 
 
+@dataclass(frozen=True)
+class Part:
+    """A context-parallel rank's share of a packed batch of `total` rows (`split`): its rows start at `start`."""
+    start: int
+    total: int
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor             # [T] int32: x
@@ -49,10 +56,12 @@ class Batch:
     ready: object = None                # a CUDA event: the batch's copy to the device, still in flight
     cu_attention: torch.Tensor | None = None   # [m+1] int32: the kernels' boundaries of a `pad`ded batch
     padding: int = 0                    # `pad`: filler rows after these, which cu_seqlens counts
+    part: Part | None = None            # `split`: this rank's rows of a longer batch (cu_seqlens: the whole one)
 
     @property
     def rows(self) -> int:
-        return self.input_ids.shape[0]
+        """The rows this batch computes (a `split` batch's per-token fields run a few rows further)."""
+        return self.aux_hidden.shape[0]
 
     def to(self, device: torch.device, float_dtype: torch.dtype) -> "Batch":
         """The batch on the device, floats in `float_dtype`, fp8 aux states decoded there; the host
@@ -65,7 +74,7 @@ class Batch:
                      cu_seqlens_host=self.cu_seqlens_host,
                      plan=self.plan and self.plan.map(lambda r: r.to(device, non_blocking=True)),
                      cu_attention=None if self.cu_attention is None else move(self.cu_attention),
-                     padding=self.padding)
+                     padding=self.padding, part=self.part)
 
     def row_tensors(self) -> dict[str, torch.Tensor]:
         """The fields with a row per token."""
@@ -100,3 +109,23 @@ def pad(batch: Batch, rows: int, longest: int) -> Batch:
     cu_attention = torch.cat([bounds, cu.new_full((count + 1 - bounds.numel(),), rows)]).to(torch.int32)
     return dataclasses.replace(batch, cu_seqlens=cu_rows, cu_seqlens_host=None, cu_attention=cu_attention,
                                padding=rows - n)
+
+
+def split(batch: Batch, parts: int, index: int, halo: int) -> Batch:
+    """Part `index` of the batch's rows cut into `parts` equal slices, the rows padded first to a multiple of `parts`
+    with one-token filler sequences (never trained); its aux states, and `halo` rows more of the per-token fields
+    (the TTT shift reads past a slice's end), read here rather than exchanged; cu_seqlens stays the whole batch's."""
+    T = batch.rows
+    rows = -(-T // parts)
+    total, start = rows * parts, index * rows
+    cu = torch.cat([batch.cu_seqlens, torch.arange(T + 1, total + 1, dtype=batch.cu_seqlens.dtype)])
+
+    def window(t: torch.Tensor, end: int) -> torch.Tensor:   # rows start..end of t, zeros past its last
+        piece = t[start:min(end, T)]
+        return torch.cat([piece, piece.new_zeros(end - start - piece.shape[0], *t.shape[1:])])
+
+    end = min(start + rows + halo, total)
+    fields = {name: window(t, start + rows if name in ("aux_hidden", "aux_scale") else end)
+              for name, t in batch.row_tensors().items()}
+    return dataclasses.replace(batch, **fields, cu_seqlens=cu, cu_seqlens_host=None, plan=None,
+                               part=Part(start, total))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -13,11 +13,13 @@ from eagle3.ttt import loss_denominator, plan_rows
 
 class Feed:
     """`t2d`: the draft vocabulary's map, on the host; `depth`: debug.prefetch; `overlap`: copy on a side stream;
-    `pad_to`: training batches `pad`ded to (rows, longest sequence), for CUDA graphs."""
+    `pad_to`: training batches `pad`ded to (rows, longest sequence), for CUDA graphs; `split`: this rank's share of
+    each batch (context parallel, `eagle3.training.context`); `rank`: the data-parallel rank."""
 
     def __init__(self, reader, plan, rank: int, device: torch.device, dtype: torch.dtype, t2d: torch.Tensor,
-                 unroll, eval_unroll, depth: int, overlap: bool, pad_to: tuple[int, int] | None = None):
-        self.reader, self.plan, self.rank = reader, plan, rank
+                 unroll, eval_unroll, depth: int, overlap: bool, pad_to: tuple[int, int] | None = None,
+                 split: Callable[[Batch], Batch] | None = None):
+        self.reader, self.plan, self.rank, self.split = reader, plan, rank, split
         self.device, self.dtype, self.cuda = device, dtype, device.type == "cuda"
         self.t2d, self.unroll, self.eval_unroll = t2d, unroll, eval_unroll
         self.depth, self.overlap, self.pad_to = depth, overlap, pad_to
@@ -25,6 +27,8 @@ class Feed:
     def prepare(self, batch: Batch, training: bool = True) -> Batch:
         """Host-side work the step would otherwise sync for: the row plan and the host sequence boundaries."""
         u = self.unroll if training else self.eval_unroll
+        if self.split is not None:
+            batch = self.split(batch)
         if training and self.pad_to:   # a graph's step takes only the loss's denominator from the plan
             plan = RowPlan(u.steps, u.objective.rows, None, [], int(loss_denominator(batch, u.objective.rows)))
             return pad(dataclasses.replace(batch, plan=plan), *self.pad_to)

@@ -28,7 +28,7 @@ from eagle3.errors import TrainError
 from eagle3.export import export_all
 from eagle3.models.weights import Checkpoint
 from eagle3.resolve import resolve
-from eagle3.training import graph, kernel_choice, resume, run_dir
+from eagle3.training import context, graph, kernel_choice, resume, run_dir
 from eagle3.training.feed import Feed
 from eagle3.training.graph import GraphedStep
 from eagle3.training.metrics import MetricsLog
@@ -192,17 +192,21 @@ def build_draft(cfg: Config, target: Checkpoint, spec, reader, device: torch.dev
     return draft, fp8, target_rows
 
 
-def data_plan(cfg: Config, reader, world: int, data_dir: str) -> tuple[Plan, list]:
-    """(the plan over the training split, the held-out sequences)."""
-    t = cfg.train
+def data_plan(cfg: Config, reader, layout: context.Layout, data_dir: str) -> tuple[Plan, list]:
+    """(the plan over the training split, the held-out sequences); micro-batches of train.batch_tokens tokens per
+    rank of a context-parallel group, one per group."""
+    t, ranks = cfg.train, layout.size
     train_refs, eval_refs = split_holdout(reader.sequences, t.eval_fraction)
-    if (longest := max(r.length for r in reader.sequences)) > t.batch_tokens:
-        raise TrainError(f"{cfg.origin('train.batch_tokens')}: train.batch_tokens = {t.batch_tokens} is smaller "
-                         f"than the longest sequence ({longest} tokens); raise it or lower data.max_seq_len")
+    if (longest := max(r.length for r in reader.sequences)) > t.batch_tokens * ranks:
+        split = (f" x debug.context_parallel = {ranks} ({t.batch_tokens * ranks} tokens)" if ranks > 1 else "")
+        raise TrainError(f"{cfg.origin('train.batch_tokens')}: train.batch_tokens = {t.batch_tokens}{split} is smaller "
+                         f"than the longest sequence ({longest} tokens); raise it, split each micro-batch over more "
+                         "ranks (debug.context_parallel), or lower data.max_seq_len")
     source = reader.manifest.get("source", {}).get("path", "?")   # as an error names the data
     data = (f"data.path {source} (online)" if t.source == "online" else
             f"train.data_dir {Path(data_dir)} (extracted from data.path {source})")
-    return Plan(train_refs, t.batch_tokens, t.seed, world, t.grad_accum, t.max_steps, t.epochs, data), eval_refs
+    return Plan(train_refs, t.batch_tokens * ranks, t.seed, layout.data_world, t.grad_accum, t.max_steps, t.epochs,
+                data), eval_refs
 
 
 class Trainer:
@@ -221,12 +225,14 @@ class Trainer:
         self.target = Checkpoint(cfg.target.path)
         self.resolved = resolve(cfg, self.target)
         self.online = t.source == "online"
-        self.reader = open_reader(cfg, self.target, self.resolved, self.device, say=self.dist.main)
         spec = self.resolved.draft_spec
+        self.layout = context.layout(cfg.debug.context_parallel, self.dist, spec.num_key_value_heads,
+                                     spec.num_attention_heads, cfg.source, self.online)
+        self.reader = open_reader(cfg, self.target, self.resolved, self.device, say=self.dist.main)
+        self.plan, self.eval_refs = data_plan(cfg, self.reader, self.layout, self.resolved.data_dir)
         draft, self.float8, target_rows = build_draft(cfg, self.target, spec, self.reader, self.device,
                                                       self.dist.main, self.agree)
         self.model = TTTModel(draft).to(self.device)
-        self.plan, self.eval_refs = data_plan(cfg, self.reader, self.dist.world, self.resolved.data_dir)
         # a frozen lm_head is in neither the optimizer, gradient clipping nor DDP's buckets
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
@@ -240,7 +246,8 @@ class Trainer:
         objective = Objective(RowRule(t.prompt_rows), loss=t.loss, temperature=t.loss_temperature,
                               eta=cfg.experimental.lk_eta)
         self.unroll = Unroll(self.target.get("embed_tokens.weight").to(self.device, self.float_dtype),
-                             target_rows.to(self.device, self.float_dtype), t.ttt_steps, kernels.attention,
+                             target_rows.to(self.device, self.float_dtype), t.ttt_steps,
+                             self.layout.attention(kernels.attention),
                              kernels.loss_steps, t.loss_decay, cfg.debug.skip_dead_rows, objective)
         self.eval_unroll = self.unroll.evaluating()
         self.graphed = pad_to = None
@@ -249,9 +256,9 @@ class Trainer:
             longest = max(r.length for r in self.reader.sequences)
             self.unroll, pad_to = self.unroll.graphed(longest), (t.batch_tokens, longest)
             self.graphed = GraphedStep(functools.partial(self._forward, self.model, training=True), self.device)
-        self.feed = Feed(self.reader, self.plan, self.dist.rank, self.device, self.float_dtype,
+        self.feed = Feed(self.reader, self.plan, self.layout.data_rank, self.device, self.float_dtype,
                          self.model.draft.t2d.cpu(), self.unroll, self.eval_unroll, cfg.debug.prefetch,
-                         overlap=self.cuda and not self.online, pad_to=pad_to)
+                         overlap=self.cuda and not self.online, pad_to=pad_to, split=self.layout.splitter(t.ttt_steps))
         self.start_step = self._resume()
         # device_ids=None: DDP moving the inputs would move the host-side boundaries to the device
         self.ddp = self.model if self.dist.world == 1 else nn.parallel.DistributedDataParallel(
@@ -327,12 +334,12 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
-        """The metrics on the held-out sequences (None without any), rank r reading batches r, r + world, ..."""
+        """The metrics on the held-out sequences (None without any), data rank r reading batches r, r + world, ..."""
         if not self.eval_refs:
             return None
-        batches = pack(self.eval_refs, self.cfg.train.batch_tokens)
+        batches = pack(self.eval_refs, self.cfg.train.batch_tokens * self.layout.size)
         metrics = torch.zeros(self.cfg.train.ttt_steps, len(METRICS), device=self.device)
-        reader, world, rank = self.reader, self.dist.world, self.dist.rank
+        reader, world, rank = self.reader, self.layout.data_world, self.layout.data_rank
         for first in range(0, len(batches), world):
             refs = batches[first + rank] if first + rank < len(batches) else []
             if not refs and not reader.lockstep:
@@ -354,7 +361,7 @@ class Trainer:
             for step in range(self.start_step, total):
                 settle()
                 wait = time.perf_counter()
-                micro = [next(batches) for _ in range(t.grad_accum)]
+                micro = [self.feed.prepared(next(batches)) for _ in range(t.grad_accum)]   # (rows: this rank's)
                 window.waited += time.perf_counter() - wait
                 if step == self.start_step and self.dist.world > 1:
                     self.settle_buckets(micro[0])

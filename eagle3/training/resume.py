@@ -48,6 +48,7 @@ def check(path: Path, was: dict, now: dict, total: int) -> None:
             raise TrainError(f"{path}/state.json: {key} differs from this run's ({before[key]} vs {value}); {NEW_RUN}")
     check_data(path, was, now)
     check_global_batch(path, was, now["world_size"], now["config"]["train"]["grad_accum"])
+    check_context_parallel(path, was, now)
     for section, key in [("experimental", key) for key in HEAD_FIXED] + [("train", key) for key in RESUME_FIXED]:
         before, after = was["config"][section][key], now["config"][section][key]
         if key == "decay_fraction" and now["config"]["train"]["schedule"] == "cosine":
@@ -80,6 +81,15 @@ def check_global_batch(path: Path, was: dict, world: int, accum: int) -> None:
     raise TrainError(f"{path}/state.json: the checkpoint's global batch is world size {was_world} x train.grad_accum "
                      f"{was_accum} = {product} micro-batches per step, this run's is world size {world} x "
                      f"train.grad_accum {accum} = {world * accum}; a resumed run must keep it: {keep} (or {NEW_RUN})")
+
+
+def check_context_parallel(path: Path, was: dict, now: dict) -> None:
+    """debug.context_parallel sets the micro-batches' size (x train.batch_tokens): the data order (a checkpoint that
+    recorded none had 1)."""
+    before, after = was["config"]["debug"].get("context_parallel", 1), now["config"]["debug"]["context_parallel"]
+    if before != after:
+        raise TrainError(f"{path}/state.json: debug.context_parallel was {before}, this run has {after}; a resumed "
+                         f"run must keep it (set --debug.context_parallel {before} to resume it, or {NEW_RUN})")
 
 
 def check_end(path: Path, was: dict, total: int, max_steps: int) -> None:

@@ -1,0 +1,150 @@
+"""Context parallelism: one packed micro-batch split by rows over gloo ranks trains exactly as in one process."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from eagle3.data.batch import Batch, split
+from eagle3.draft import DraftSpec, Eagle3Draft
+from eagle3.training.context import SplitAttention
+from eagle3.ttt import plan_rows, ttt_forward
+from kernels.reference import ttt_attention, ttt_loss_steps
+
+STEPS = 3
+LENGTHS = [37, 5, 20]   # 62 rows: padded to 64 for 4 ranks; the first sequence spans several slices
+
+
+def draft_and_inputs():
+    """A 2-layer GQA draft (8 q heads, 4 kv heads), the frozen embedding and head rows, and a batch whose last
+    sequence trains nothing (a rank whose rows are all dead at every step still takes part in each exchange)."""
+    torch.manual_seed(0)
+    spec = DraftSpec(hidden_size=16, num_attention_heads=8, num_key_value_heads=4, head_dim=8, intermediate_size=32,
+                     num_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
+                     draft_vocab_size=24, target_vocab_size=40, target_hidden_size=16)
+    draft = Eagle3Draft(spec)
+    t2d = torch.zeros(40, dtype=torch.bool)
+    t2d[torch.randperm(40)[:24]] = True
+    draft.t2d.copy_(t2d)
+    draft.d2t.copy_(t2d.nonzero().flatten() - torch.arange(24))
+    g = torch.Generator().manual_seed(1)
+    T = sum(LENGTHS)
+    mask = (torch.rand(T, generator=g) > 0.3).to(torch.uint8)
+    mask[T - LENGTHS[-1]:] = 0
+    greedy = torch.where(torch.rand(T, generator=g) < 0.5, t2d.nonzero().flatten()[torch.randint(0, 24, (T,), generator=g)],
+                         torch.randint(0, 40, (T,), generator=g))
+    batch = Batch(input_ids=torch.randint(0, 40, (T,), generator=g, dtype=torch.int32), loss_mask=mask,
+                  target_argmax=greedy.to(torch.int32), aux_hidden=torch.randn(T, 48, generator=g),
+                  final_hidden=torch.randn(T, 16, generator=g),
+                  cu_seqlens=torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist()))
+    return draft, torch.randn(40, 16, generator=g), torch.randn(24, 16, generator=g), batch
+
+
+def run(draft, batch, embed, head, attention):
+    """Loss, metric sums and the parameters' gradients of one micro-batch, dead rows skipped as in training."""
+    batch = dataclasses.replace(batch, plan=plan_rows(batch, STEPS, draft.t2d))
+    loss, metrics, _ = ttt_forward(draft, batch, embed, head, STEPS, attention, ttt_loss_steps)
+    loss.backward()
+    return loss.detach(), metrics, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+
+def rank_main(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        draft, embed, head, batch = draft_and_inputs()
+        part = split(batch, world, rank, halo=STEPS + 1)
+        torch.save(run(draft, part, embed, head, SplitAttention(ttt_attention, world, dist.group.WORLD)),
+                   f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(worlds: list[int], out: str) -> None:
+    """Forks the ranks of each world size in turn: one process imports torch for all (a fork from a process that has
+    run no torch work yet is safe; pytest's has)."""
+    for world in worlds:
+        Path(out, str(world)).mkdir()
+        mp.start_processes(rank_main, args=(world, f"file://{out}/{world}/init", f"{out}/{world}"), nprocs=world,
+                           start_method="fork")
+
+
+@pytest.fixture(scope="module")
+def ranks_out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks")
+    launcher = mp.get_context("spawn").Process(target=launch, args=([2, 4], str(out)))
+    launcher.start()
+    launcher.join(timeout=240)
+    assert launcher.exitcode == 0, "a rank failed (its traceback is above)"
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradients_of_a_sequence_split_over_ranks_equal_one_process(ranks_out, world):
+    """Each rank trains its slice of the packed row (the TTT shift's halo read from the data, attention by all-to-all
+    over heads): the ranks' losses, metric sums and gradients add up to the single-process ones on the whole row."""
+    draft, embed, head, batch = draft_and_inputs()
+    loss, metrics, grads = run(draft, batch, embed, head, ttt_attention)
+    parts = [torch.load(ranks_out / str(world) / f"rank{r}.pt") for r in range(world)]
+    torch.testing.assert_close(sum(p[0] for p in parts), loss)
+    torch.testing.assert_close(sum(p[1] for p in parts), metrics)
+    assert metrics[:, 1].min() > 0   # every step trains rows
+    assert grads.keys() == parts[0][2].keys() and len(grads) == 22
+    for name, grad in grads.items():
+        torch.testing.assert_close(sum(p[2][name] for p in parts), grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_split_keeps_the_rows_each_rank_reads():
+    """Slices of equal length (filler one-token sequences pad the row), the per-token fields `halo` rows further
+    (zeros past the end), aux states only the slice's own rows, the boundaries the whole row's."""
+    *_, batch = draft_and_inputs()
+    parts = [split(batch, 4, r, halo=4) for r in range(4)]
+    assert [(p.part.start, p.part.total, p.rows, p.input_ids.shape[0]) for p in parts] == \
+        [(0, 64, 16, 20), (16, 64, 16, 20), (32, 64, 16, 20), (48, 64, 16, 16)]
+    assert parts[0].cu_seqlens.tolist() == [0, 37, 42, 62, 63, 64]
+    assert torch.equal(parts[1].input_ids, batch.input_ids[16:36]) and torch.equal(parts[1].aux_hidden,
+                                                                                   batch.aux_hidden[16:32])
+    assert torch.equal(parts[3].final_hidden[:14], batch.final_hidden[48:]) and not parts[3].final_hidden[14:].any()
+
+
+@pytest.mark.slow
+def test_four_ranks_in_two_context_parallel_groups_train_as_one_process(tmp_path, llama_target, token_data, hidden):
+    """world 4 = 2 data-parallel groups x 2 context-parallel ranks, train.batch_tokens 24 below the longest sequence
+    (40 tokens): the same training as one process reading micro-batches of 48 tokens, two per step."""
+    from test_training import cli_args, final_weights, run_train, train_losses
+    run = {"train.max_steps": 4, "train.checkpoint_every": 4, "train.eval_every": 2}
+    one, four = tmp_path / "one", tmp_path / "four"
+    run_train(cli_args(one, llama_target, token_data, hidden, **run, **{"train.batch_tokens": 48,
+                                                                        "train.grad_accum": 2}))
+    run_train(cli_args(four, llama_target, token_data, hidden, **run, **{"train.batch_tokens": 24,
+                                                                         "debug.context_parallel": 2}), nproc=4)
+    a, b = final_weights(one / "train"), final_weights(four / "train")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    la, lb = train_losses(one / "train"), train_losses(four / "train")
+    assert la.keys() == lb.keys() == {1, 2, 3, 4}
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-4)
+
+
+def test_what_cannot_be_split_is_refused_naming_the_keys(tmp_path, llama_target, token_data):
+    """A group that does not divide the ranks or the draft's heads; sequences longer than a group's micro-batch."""
+    from types import SimpleNamespace
+
+    from conftest import make_config
+    from eagle3 import training
+    from eagle3.training.context import Layout
+    from eagle3.training.loop import data_plan
+    cfg = make_config(tmp_path, llama_target, token_data, **{"debug.context_parallel": 3})
+    with pytest.raises(training.TrainError, match=r"debug.context_parallel = 3 needs a divisor of the world size \(1\); "
+                                                  r"a divisor of draft.num_key_value_heads \(2\)"):
+        training.Trainer(cfg)
+    cfg = make_config(tmp_path, llama_target, token_data, **{"train.batch_tokens": 16, "debug.context_parallel": 2})
+    reader = SimpleNamespace(sequences=[SimpleNamespace(index=i, length=n) for i, n in enumerate([30, 40, 8])],
+                             manifest={})
+    with pytest.raises(training.TrainError, match=r"^command line --train.batch_tokens: train.batch_tokens = 16 x "
+                                                  r"debug.context_parallel = 2 \(32 tokens\) is smaller than the "
+                                                  r"longest sequence \(40 tokens\)"):
+        data_plan(cfg, reader, Layout(2, 0, 0, 1), "data")
+    assert data_plan(cfg, reader, Layout(4, 0, 0, 1), "data")[0].budget == 64   # a group of 4 holds it
