@@ -4,6 +4,7 @@ offline and online, and no intermediate as large as the whole sequence's attenti
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from eagle3 import extraction
 from eagle3.data.online import OnlineReader
 from eagle3.data.shards import read_manifest
 from eagle3.models import tiny
-from eagle3.models.streaming import TargetRunner, build_model, run_layers
+from eagle3.models.streaming import TargetRunner, build_model, past_positions, run_layers
 from eagle3.models.weights import Checkpoint
 
 CPU = torch.device("cpu")
@@ -101,3 +102,16 @@ def test_long_sequences_extract_and_feed_online_as_whole_ones(setting, tmp_path,
         for key, value in whole.items():
             if isinstance(value, torch.Tensor):
                 torch.testing.assert_close(chunked[key], value, msg=key)
+
+
+def test_sequences_past_the_targets_positions_are_extracted_whole_and_named(tmp_path, llama_target, long_data,
+                                                                            capsys):
+    target = Path(shutil.copytree(llama_target, tmp_path / "target"))
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 100}))
+    lengths = [len(json.loads(line)["input_ids"]) for line in long_data.read_text().splitlines()]
+    out = extraction.run(make_config(tmp_path, target, long_data, **{"debug.chunk_tokens": 32}))
+    over = [n for n in lengths if n > 100]
+    assert over and f"{len(over)} sequences are longer than max_position_embeddings 100" in capsys.readouterr().err
+    assert f"the longest {max(over)} tokens" in past_positions(lengths, Checkpoint(target))
+    assert sum(s["tokens"] for s in read_manifest(out)["shards"]) == sum(lengths)

@@ -44,6 +44,17 @@ def split_chunks(cu_seqlens: list[int], chunk_tokens: int) -> list[tuple[int, in
     return chunks
 
 
+def past_positions(lengths: list[int], ckpt: Checkpoint) -> str | None:
+    """A note on sequences longer than the target's max_position_embeddings: run whole, but past what it knows."""
+    limit = ckpt.config.max_position_embeddings
+    over = [n for n in lengths if n > limit]
+    if not over:
+        return None
+    return (f"note: {len(over)} sequences are longer than max_position_embeddings {limit} ({ckpt.config.source}), "
+            f"the longest {max(over)} tokens: the target's states past position {limit} are extrapolated; "
+            "a lower data.max_seq_len cuts them")
+
+
 class TargetRunner:
     """Packed token ids -> aux hidden states, post-norm final hidden state and greedy next token."""
 
