@@ -204,7 +204,8 @@ class DebugConfig:
         None, "processes rendering the chat lines of a data file over 4 MB; auto: the CPUs / the ranks on this node, "
         "at most 32")
     shard_tokens: int = setting(65536, "tokens per shard file (a shard ends on a sequence boundary)")
-    chunk_tokens: int = setting(65536, "tokens run through one target layer at a time")
+    chunk_tokens: int = setting(65536, "tokens run through one target layer at a time; a longer sequence runs in "
+                                "chunks of this many against its earlier chunks' keys (docs/deepseek.md)")
     kernels: Literal["auto", "triton", "torch"] = setting(
         "auto", "`auto`: Triton on CUDA (flex_attention where the head dim is not 64/128), the torch reference on "
         "CPU; `torch`: compiled flex_attention + compiled loss on CUDA")

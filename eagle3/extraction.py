@@ -22,7 +22,7 @@ from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, DataError, shar
 from eagle3.files import atomic_write_text, read_json, run_lock, sha256_file, writable_dir
 from eagle3.ops import TORCH_DTYPES
 from eagle3.models.weights import Checkpoint
-from eagle3.models.streaming import TargetRunner, build_model, check_tensors, split_chunks
+from eagle3.models.streaming import TargetRunner, build_model, check_tensors, past_positions, split_chunks
 
 JOURNAL = ".entries"   # one entry per finished shard, written after the shard: what a resumed run trusts
 
@@ -129,6 +129,8 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
                                   workers=data_workers(cfg), report=dist.main)
     if dist.main and stats.chat.lines:
         print(f"extract: {stats.chat.describe()}")
+    if dist.main and (note := past_positions([len(r.input_ids) for r in records], ckpt)):
+        print(f"extract: {note}", file=sys.stderr)
     out = writable_dir(cfg.extract.output_dir, DataError, "extract.output_dir")
     (out / JOURNAL).mkdir(parents=True, exist_ok=True)
     header = _header(cfg, ckpt, aux_ids, stats)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -19,7 +20,7 @@ from eagle3.data.shards import SeqRef, shard_tensors
 from eagle3.models.weights import Checkpoint
 from eagle3.resolve import data_workers
 from eagle3.models.staged import StagedTarget
-from eagle3.models.streaming import TargetRunner
+from eagle3.models.streaming import TargetRunner, past_positions
 from eagle3.ops import TORCH_DTYPES
 
 
@@ -35,10 +36,12 @@ def stream_note(ckpt: Checkpoint, device: torch.device) -> str:
 class OnlineReader:
     def __init__(self, cfg: Config, ckpt: Checkpoint, aux_layer_ids: list[int], device: torch.device):
         d = cfg.data
+        main = not dist.is_initialized() or dist.get_rank() == 0
         self.records, stats = read_records(d.path, ckpt.config.vocab_size, d.max_seq_len, d.on_error,
                                            target_dir=ckpt.dir, template_kwargs=d.chat_template_kwargs,
-                                           workers=data_workers(cfg),
-                                           report=not dist.is_initialized() or dist.get_rank() == 0)
+                                           workers=data_workers(cfg), report=main)
+        if main and (note := past_positions([len(r.input_ids) for r in self.records], ckpt)):
+            print(f"train: {note}", file=sys.stderr)
         self.sequences = [SeqRef(0, 0, len(r.input_ids), i) for i, r in enumerate(self.records)]
         self.aux_dtype = cfg.extract.aux_dtype
         mode, dtype = cfg.train.online_target, TORCH_DTYPES[cfg.extract.dtype]

@@ -1,10 +1,14 @@
-"""Attention of packed sequences for the target forwards: causal over each sequence for extraction,
-against a KV cache for decoding (`incremental.LayerPass`)."""
+"""Attention of packed sequences for the target forwards: causal over each sequence for extraction, a long
+sequence's chunks against the keys of the chunks before them (`Prefix`), against a KV cache for decoding
+(`incremental.LayerPass`)."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 
 def sdpa(q, k, v, **kw) -> torch.Tensor:
@@ -41,11 +45,53 @@ def cudnn_takes(q, k, v) -> bool:
 
 def cached_attention(q, k, v, scale=None, window: int = 0):
     """The last q.shape[0] positions of a sequence attending to all its k/v [n, Hkv, D], causally (with `window`
-    > 0: the keys less than `window` positions back)."""
+    > 0: the keys less than `window` positions back); without a window the causal bias aligned to the last key runs
+    in flash / memory-efficient attention on CUDA without a [T, n] mask."""
+    if not window:
+        return sdpa(q, k, v, attn_mask=causal_lower_right(q.shape[0], k.shape[0]), scale=scale)
     T, n = q.shape[0], k.shape[0]
     back = torch.arange(n - T, n, device=q.device)[:, None] - torch.arange(n, device=q.device)[None, :]   # [T, n]
-    visible = (back >= 0) & (back < window) if window else back >= 0
-    return sdpa(q, k, v, attn_mask=visible, scale=scale)
+    return sdpa(q, k, v, attn_mask=(back >= 0) & (back < window), scale=scale)
+
+
+class Prefix:
+    """One layer's keys of one sequence run a chunk of tokens at a time, in order (`streaming.run_layers`): each
+    chunk appends what its tokens leave for the later ones (MLA: the normed latent and the roped k_pe; GQA: k, v)
+    and its queries attend to everything appended so far, causally. Nothing is [T, T] or [T, heads, head_dim]."""
+
+    def __init__(self, length: int):
+        self.length, self.filled, self.parts = length, 0, None
+
+    def extend(self, *parts: torch.Tensor) -> list[torch.Tensor]:
+        """This chunk's rows [n, ...] of each part -> each part's rows of every token so far [filled, ...]."""
+        if self.parts is None:
+            self.parts = [p.new_empty(self.length, *p.shape[1:]) for p in parts]
+        n = parts[0].shape[0]
+        for buf, p in zip(self.parts, parts):
+            buf[self.filled:self.filled + n] = p
+        self.filled += n
+        return [buf[:self.filled] for buf in self.parts]
+
+    def attend(self, q, k, v, scale=None) -> torch.Tensor:
+        """`LayerPass.attend`'s interface (GQA): this chunk's q [n, Hq, D], k/v [n, Hkv, D|Dv] -> [n, Hq, Dv]."""
+        keys, values = self.extend(k, v)
+        group = q.shape[1] // k.shape[1]
+        return self.attend_heads(q, lambda a, b: tuple(x[:, a // group:b // group].repeat_interleave(group, 1)
+                                                       for x in (keys, values)), scale, group)
+
+    def attend_heads(self, q, expand: Callable, scale=None, step: int = 1) -> torch.Tensor:
+        """q [n, Hq, D] of the last n tokens -> [n, Hq, Dv]; expand(a, b) gives the keys and values of query heads
+        a..b over all `filled` tokens ([filled, b - a, D], [filled, b - a, Dv]). Heads run in slices (multiples of
+        `step`) whose keys hold no more elements than q: peak memory follows the chunk, not the sequence, and
+        softmax being per head, the slices need no merging (splitting the keys would, by log-sum-exp)."""
+        n, heads = q.shape[:2]
+        width = max(step, heads * n // self.filled // step * step)
+        outs = []
+        for a in range(0, heads, width):
+            k, v = expand(a, min(a + width, heads))
+            dv, pad = v.shape[-1], max(0, q.shape[-1] - v.shape[-1])   # flash wants v as wide as q/k
+            outs.append(cached_attention(q[:, a:a + width], k, F.pad(v, (0, pad)) if pad else v, scale)[..., :dv])
+        return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
 
 
 def padded_cached_attention(q, k_cache, v_cache, rows, pad_index, mask, scale=None):

@@ -2,6 +2,7 @@
 sigmoid noaux_tc router; int4 experts stay packed, those that received tokens dequantized a block at a time."""
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from eagle3.ops import compiled, rms_norm, silu_mul, swiglu, yarn_bounds, yarn_mscale
 from eagle3.models import quant
 from eagle3.models.weights import Checkpoint, TargetError, TextConfig, require
-from eagle3.models.attention import causal_attention_packed
+from eagle3.models.attention import Prefix, causal_attention_packed
 
 # experts dequantized into one buffer at a time: 32 Kimi experts, 2.8 GB of bf16, small next to a chunk's activations
 EXPERT_BLOCK = 32
@@ -275,20 +276,31 @@ class DeepseekTarget:
             q = F.linear(x, w["self_attn.q_proj"])
         q_nope, q_pe = q.view(T, nh, s.qk_head_dim).split([s.qk_nope_head_dim, s.qk_rope_head_dim], -1)
         c, k_pe = F.linear(x, w["self_attn.kv_a_proj_with_mqa"]).split([s.kv_lora_rank, s.qk_rope_head_dim], -1)
-        kv = F.linear(self.norm(c, w["self_attn.kv_a_layernorm"], eps), w["self_attn.kv_b_proj"])
-        k_nope, v = kv.view(T, nh, s.qk_nope_head_dim + s.v_head_dim).split([s.qk_nope_head_dim, s.v_head_dim], -1)
+        c = self.norm(c, w["self_attn.kv_a_layernorm"], eps)                          # the latent [T, kv_lora_rank]
         freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None]
         cos, sin = freqs.cos() * self.rope_mscale, freqs.sin() * self.rope_mscale
         q = torch.cat([q_nope, apply_rope_interleaved(q_pe, cos, sin)], -1)
-        k_pe = apply_rope_interleaved(k_pe[:, None], cos, sin).expand(T, nh, s.qk_rope_head_dim)
-        k = torch.cat([k_nope, k_pe], -1)
-        if cache is None:
-            out = causal_attention_packed(q, k, v, cu_seqlens, self.softmax_scale)       # [T, nh, v_head_dim]
+        k_pe = apply_rope_interleaved(k_pe[:, None], cos, sin)[:, 0]                 # [T, rope], shared by all heads
+        if isinstance(cache, Prefix):   # a chunk of a long sequence: the earlier chunks left their latents
+            c, k_pe = cache.extend(c, k_pe)
+            out = cache.attend_heads(q, functools.partial(self._expand, w, c, k_pe), self.softmax_scale)
+        elif cache is None:
+            out = causal_attention_packed(q, *self._expand(w, c, k_pe, 0, nh), cu_seqlens, self.softmax_scale)
         else:
+            k, v = self._expand(w, c, k_pe, 0, nh)
             # the cache keeps v padded to the q/k head dim: the fused kernels want equal head dims
             v = F.pad(v, (0, s.qk_head_dim - s.v_head_dim)) if s.v_head_dim < s.qk_head_dim else v
             out = cache.attend(q, k, v, self.softmax_scale)[..., :s.v_head_dim]
-        return F.linear(out.reshape(T, nh * s.v_head_dim), w["self_attn.o_proj"])
+        return F.linear(out.reshape(T, nh * s.v_head_dim), w["self_attn.o_proj"])          # out [T, nh, v_head_dim]
+
+    def _expand(self, w, c, k_pe, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Heads a..b's keys [L, b - a, dqk] = [k_nope | k_pe] and values [L, b - a, dv] from the latent
+        c [L, kv_lora_rank] and the roped k_pe [L, rope]: kv_b's rows of those heads only."""
+        s, L = self.spec, c.shape[0]
+        kv_b = w["self_attn.kv_b_proj"].view(self.heads, -1, s.kv_lora_rank)[a:b].flatten(0, 1)
+        k_nope, v = F.linear(c, kv_b).view(L, b - a, s.qk_nope_head_dim + s.v_head_dim).split(
+            [s.qk_nope_head_dim, s.v_head_dim], -1)
+        return torch.cat([k_nope, k_pe[:, None].expand(L, b - a, s.qk_rope_head_dim)], -1), v
 
     def _moe(self, w, x):
         idx, weights = route(F.linear(x.float(), w["mlp.gate"]), w.get("mlp.gate.bias"), self.spec)

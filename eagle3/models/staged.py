@@ -61,7 +61,8 @@ class StagedTarget:
         outs, aux = [], {}
         for first, last in split_chunks(cu, self.chunk_tokens):
             x, captured = run_layers(self.model, self.layers.items(), h[cu[first]:cu[last]],
-                                     [c - cu[first] for c in cu[first:last + 1]], self.aux_layer_ids)
+                                     [c - cu[first] for c in cu[first:last + 1]], self.aux_layer_ids,
+                                     self.chunk_tokens)
             outs.append(x)
             for i, y in captured.items():
                 aux.setdefault(i, []).append(y)

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from eagle3.ops import positions_from_cu_seqlens, rms_norm
+from eagle3.models.attention import Prefix
 from eagle3.models.weights import Checkpoint, TargetError
 from eagle3.models.llama import LlamaTarget
 
@@ -43,6 +44,17 @@ def split_chunks(cu_seqlens: list[int], chunk_tokens: int) -> list[tuple[int, in
     return chunks
 
 
+def past_positions(lengths: list[int], ckpt: Checkpoint) -> str | None:
+    """A note on sequences longer than the target's max_position_embeddings: run whole, but past what it knows."""
+    limit = ckpt.config.max_position_embeddings
+    over = [n for n in lengths if n > limit]
+    if not over:
+        return None
+    return (f"note: {len(over)} sequences are longer than max_position_embeddings {limit} ({ckpt.config.source}), "
+            f"the longest {max(over)} tokens: the target's states past position {limit} are extrapolated; "
+            "a lower data.max_seq_len cuts them")
+
+
 class TargetRunner:
     """Packed token ids -> aux hidden states, post-norm final hidden state and greedy next token."""
 
@@ -69,7 +81,7 @@ class TargetRunner:
 
     def _run_chunk(self, ids: torch.Tensor, cu: list[int]) -> dict[str, torch.Tensor]:
         h, captured = run_layers(self.model, enumerate(self._layers()), self.embed[ids.to(self.device, torch.long)],
-                                 cu, self.aux_layer_ids)
+                                 cu, self.aux_layer_ids, self.chunk_tokens)
         final = rms_norm(h, self.norm, self.model.cfg.rms_norm_eps)
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         return {"aux_hidden": aux.cpu(), "final_hidden": final.cpu(),
@@ -93,16 +105,29 @@ class TargetRunner:
             self.resident = loaded
 
 
-def run_layers(model, layers, h: torch.Tensor, cu: list[int], aux_layer_ids: list[int]):
-    """h [T, H] of packed sequences `cu` through `layers` ((i, weights) pairs) -> (h, {aux layer i: h})."""
+def run_layers(model, layers, h: torch.Tensor, cu: list[int], aux_layer_ids: list[int], chunk_tokens: int):
+    """h [T, H] of packed sequences `cu` through `layers` ((i, weights) pairs) -> (h, {aux layer i: h}); one
+    sequence longer than chunk_tokens (`split_chunks` puts it alone) runs chunk_tokens tokens at a time per layer."""
     cu_t = torch.tensor(cu).to(h.device, non_blocking=True)   # no wait for the queued work
     positions = positions_from_cu_seqlens(cu_t, h.shape[0])
+    long = len(cu) == 2 and h.shape[0] > chunk_tokens
     captured = {}
     for i, weights in layers:
-        h = model.layer_forward(weights, h, positions, cu_t)
+        h = (chunked_layer(model, weights, h, positions, chunk_tokens) if long
+             else model.layer_forward(weights, h, positions, cu_t))
         if i in aux_layer_ids:
             captured[i] = h
     return h, captured
+
+
+def chunked_layer(model, weights, h: torch.Tensor, positions: torch.Tensor, chunk: int) -> torch.Tensor:
+    """One sequence h [T, H] through one layer `chunk` tokens at a time: each chunk's queries attend to what the
+    earlier chunks left in the layer's `Prefix` (MLA: the latent), so no activation grows with T but h itself."""
+    prefix, out = Prefix(h.shape[0]), torch.empty_like(h)
+    for a in range(0, h.shape[0], chunk):
+        b = min(a + chunk, h.shape[0])
+        out[a:b] = model.layer_forward(weights, h[a:b], positions[a:b], None, cache=prefix)
+    return out
 
 
 def greedy_argmax(final: torch.Tensor, head: torch.Tensor, rows: int = 4096, vocab_chunk: int = 32768) -> torch.Tensor:
