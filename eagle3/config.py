@@ -41,6 +41,11 @@ class TargetConfig:
         None, "the 3 decoder layers whose output is captured (0-based; vLLM's ids are +1); auto: `[1, L//2-1, L-4]`")
 
 
+# template kwargs the engines set themselves: neither data.chat_template_kwargs nor a chat line may set them
+RESERVED_KWARGS = {"messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+                   "bos_token", "eos_token"}
+
+
 @dataclass
 class DataConfig:
     path: str = setting("demo/data.jsonl", 'JSON lines, one conversation each: pre-tokenized `{"input_ids", '
@@ -388,6 +393,9 @@ def validate(cfg: Config) -> None:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"{cfg.origin('generate.servers')}: generate.servers[{i}] = {url!r}; expected a base "
                               "URL such as \"http://127.0.0.1:8000\"")
+    if reserved := sorted(RESERVED_KWARGS & set(cfg.data.chat_template_kwargs)):
+        raise ConfigError(f"{cfg.origin('data.chat_template_kwargs')}: data.chat_template_kwargs may not set "
+                          f"{', '.join(reserved)}: the engines set them")
     if (ids := cfg.target.aux_layer_ids) is not None and len(ids) != 3:
         raise ConfigError(f"{cfg.origin('target.aux_layer_ids')}: target.aux_layer_ids = {ids}; EAGLE-3 needs "
                           "exactly 3 layers")

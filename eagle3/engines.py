@@ -8,6 +8,7 @@ import collections
 import http.client
 import json
 import queue
+import re
 import sys
 import threading
 import time
@@ -67,7 +68,7 @@ def http_json(url: str, body: dict | None, timeout: float) -> object:
             raw = answer.read()
     except urllib.error.HTTPError as e:
         message = f"HTTP {e.code} from {url}: {_error_text(e)}"
-        if e.code >= 500 or e.code == 429:
+        if e.code == 429 or e.code >= 500 and e.code != 501:   # busy or failing; 501: it has no such API, an answer
             raise Retryable(message) from None
         raise EngineError(message) from None
     except (urllib.error.URLError, http.client.HTTPException, OSError) as e:   # refused, reset, timed out
@@ -79,17 +80,21 @@ def http_json(url: str, body: dict | None, timeout: float) -> object:
 
 
 def _error_text(e: urllib.error.HTTPError) -> str:
-    """The message of an error answer: vLLM's {"error": {"message"}}, the flat {"message"}, or the text."""
+    """The message of an error answer, on one line: vLLM's {"error": {"message"}}, the flat {"message"}; for one that
+    is not JSON (a web page), its title and what was expected instead of its body."""
     try:
         raw = e.read()
     except OSError:
-        return e.reason
+        return str(e.reason)
     try:
         body = json.loads(raw)
-        inner = body.get("error", body) if isinstance(body, dict) else body
-        return str(inner.get("message", inner) if isinstance(inner, dict) else inner)[:300]
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return raw[:300].decode(errors="replace")
+        title = re.search(rb"<title>(.*?)</title>", raw, re.S | re.I)
+        page = f"a web page ({' '.join(title[1].decode(errors='replace').split())[:80]!r})" if title else \
+            f"{len(raw)} bytes that are not JSON"
+        return f"{page}; expected the JSON of an LLM server (vLLM, SGLang or another OpenAI-compatible one)"
+    inner = body.get("error", body) if isinstance(body, dict) else body
+    return " ".join(str(inner.get("message", inner) if isinstance(inner, dict) else inner).split())[:300]
 
 
 def base_url(url: str) -> str:

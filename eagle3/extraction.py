@@ -82,9 +82,7 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
     return {"format_version": FORMAT_VERSION, "target": ckpt.config.identity(), "aux_layer_ids": aux_ids,
             "dtypes": dtypes, "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
             "source": {"path": str(cfg.data.path), "sha256": data_sha, "max_seq_len": cfg.data.max_seq_len,
-                       "lines": stats.lines, "sequences": stats.sequences, "skipped_lines": stats.skipped,
-                       "skipped_line_numbers": stats.skipped_lines[:1000], "truncated": stats.truncated,
-                       **({"chat": stats.chat.summary()} if stats.chat.lines else {})}}
+                       **stats.summary()}}
 
 
 def check_finite(states: dict[str, torch.Tensor], aux_ids: list[int], shard: Path, dtype: str) -> None:
@@ -127,10 +125,12 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
     records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
                                   target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs,
                                   workers=data_workers(cfg), report=dist.main)
-    if dist.main and stats.chat.lines:
-        print(f"extract: {stats.chat.describe()}")
-    if dist.main and (note := past_positions([len(r.input_ids) for r in records], ckpt)):
-        print(f"extract: {note}", file=sys.stderr)
+    if dist.main:
+        for line in (stats.describe(), stats.chat.lines and stats.chat.describe(), stats.describe_lost()):
+            if line:
+                print(f"extract: {line}")
+        if note := past_positions([len(r.input_ids) for r in records], ckpt):
+            print(f"extract: {note}", file=sys.stderr)
     out = writable_dir(cfg.extract.output_dir, DataError, "extract.output_dir")
     (out / JOURNAL).mkdir(parents=True, exist_ok=True)
     header = _header(cfg, ckpt, aux_ids, stats)
@@ -170,8 +170,9 @@ def _write_manifest(out: Path, header: dict, plan: list, stats: InputStats, tota
     manifest = {**header, "shards": shards, "complete": len(shards) == len(plan),
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
-    print(f"extract: {len(plan)} shards, {total} tokens, {stats.sequences} sequences "
-          f"({stats.skipped} lines skipped, {stats.truncated} truncated) in {out}")
+    print(f"extract: {len(plan)} shards, {total} tokens, {stats.sequences} sequences of {stats.used} lines "
+          f"({stats.skipped} skipped, {sum(stats.dropped.values())} dropped; {stats.truncated} sequences cut at "
+          f"data.max_seq_len) in {out}")
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:

@@ -283,6 +283,9 @@ def append(partial: Path, lines: Iterator[dict], bar: tqdm, pool: Pool | None) -
 def run(cfg: Config) -> Path:
     """Regenerate into generate.output_path, which this run owns meanwhile (a second run on it stops at once)."""
     out = Path(cfg.generate.output_path)
+    if out.is_dir():
+        raise GenerateError(f"{out}: a directory; generate.output_path names the JSON-lines file to write, e.g. "
+                            f"{out / 'regenerated.jsonl'}")
     with run_lock(out.parent, "generate.output_path", "generate", GenerateError, of=out):
         return _run(cfg, out)
 
@@ -292,10 +295,10 @@ def _run(cfg: Config, out: Path) -> Path:
     ckpt = Checkpoint(cfg.target.path)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
-    current = settings(cfg, ckpt)
     records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
                                   target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs, regenerating=True,
                                   workers=data_workers(cfg))
+    current = settings(cfg, ckpt)   # after the data is read: a data.path that is no file stops there, in one line
     if partial.exists() and partial.stat().st_size:
         _check_same(partial, current)
     elif out.exists():
@@ -317,6 +320,5 @@ def _run(cfg: Config, out: Path) -> Path:
             raise EngineError(f"{e}; the replies so far are kept in {partial}: the same command resumes") from None
     check_complete(partial, records)
     _finish(partial, out)
-    print(f"generate: {len(records)} sequences of {stats.lines - stats.skipped} input lines ({stats.skipped} skipped) "
-          f"-> {out}; this run: {tally.describe(time.monotonic() - started, pool)}")
+    print(f"generate: {stats.describe()} -> {out}; this run: {tally.describe(time.monotonic() - started, pool)}")
     return out

@@ -269,8 +269,8 @@ def test_extraction_counts_what_it_trained_by_category(tmp_path, capsys):
     assert chat["sequences"] == len(LINES) + 1 and chat["repeated_tokens"] == encoded[2].repeated > 0
     assert read_manifest(out)["source"]["sequences"] == chat["sequences"]
     printed = capsys.readouterr().out
-    assert (f"reasoning {trained['reasoning']:,}, content {trained['content']:,}, tool calls {trained['tool_calls']:,} "
-            "tokens") in printed
+    assert (f"trained tokens: reasoning {trained['reasoning']:,}, content {trained['content']:,}, tool calls "
+            f"{trained['tool_calls']:,};") in printed
 
 
 def test_the_thinking_demo_trains_reasoning_and_tool_calls_beside_the_plain_demo(tmp_path, capsys):
@@ -332,7 +332,8 @@ def test_a_truncated_split_line_keeps_only_parts_with_something_to_train(tmp_pat
     cut = lengths[1] + 10     # parts 3 and 4 lose their replies
     records, stats = read_records(data, 600, cut, target_dir=targets["kimi"][0])
     assert [r.part for r in records] == [0, 1, 2] and all(r.loss_mask.any() for r in records[:2])
-    assert stats.truncated == 2 and stats.chat.dropped_parts == 1 and stats.chat.sequences == 3
+    assert stats.truncated == 1 and stats.chat.dropped_parts == 1 and stats.chat.sequences == 3
+    assert (stats.chat.replies, stats.chat.replies_trained, stats.chat.replies_cut) == (4, 3, 1)
     assert sum(stats.chat.trained.values()) == sum(int(r.loss_mask.sum()) for r in records)
     assert "1 sequences of chat lines split by their template kept nothing to train" in capsys.readouterr().err
 

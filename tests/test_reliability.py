@@ -21,6 +21,7 @@ from conftest import ROOT, make_config
 from eagle3 import train_state
 from eagle3 import evaluate, extraction, training
 from eagle3.config import Config, ConfigError
+from eagle3.data.inputs import InputError
 from eagle3.data.shards import DataError, ShardReader, read_manifest
 from eagle3.files import sha256_file
 from eagle3.files import FILE_MODE, strict_json
@@ -306,9 +307,16 @@ def test_all_zero_loss_masks_are_refused_before_training(tmp_path, llama_target,
     data = tmp_path / "no_assistant.jsonl"
     data.write_text("".join(json.dumps({**x, "loss_mask": [0] * len(x["loss_mask"])}) + "\n" for x in lines))
     cfg = make_config(tmp_path, llama_target, data)
-    extraction.run(cfg)
+    with pytest.raises(InputError, match=rf"{data}: no usable sequences: .*{len(lines)} because their loss_mask is all 0"):
+        extraction.run(cfg)
+    # shards written otherwise (another tool, a manifest edited): training refuses them too
+    extraction.run(make_config(tmp_path, llama_target, token_data))
+    manifest = read_manifest(tmp_path / "hidden")
+    for shard in manifest["shards"]:
+        shard["loss_tokens"] = 0
+    (tmp_path / "hidden" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=rf"{tmp_path / 'hidden' / 'manifest.json'}: no assistant tokens.*"
-                                        rf"{data.name}"):
+                                        rf"{token_data.name}"):
         training.Trainer(cfg)
     assert not (tmp_path / "train" / "metrics.jsonl").exists()
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle3.config import RESERVED_KWARGS
 from eagle3.data.tokenizer import ChatError, TargetTokenizer
-from eagle3.errors import InputError
 
 ROLES = {"messages": ("role", "content", {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}),
          "conversations": ("from", "value", {"system": "system", "human": "user", "gpt": "assistant"})}
@@ -20,9 +20,6 @@ ROLES = {"messages": ("role", "content", {"system": "system", "user": "user", "a
 MESSAGE_FIELDS = ("reasoning_content", "reasoning", "tool_calls", "tool_call_id", "name")
 REASONING = ("reasoning_content", "reasoning")
 LINE_FIELDS = ("tools", "chat_template_kwargs")
-# kwargs the engines set themselves: a line may not override them
-RESERVED_KWARGS = {"messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
-                   "bos_token", "eos_token"}
 THINK_START, THINK_END = "<think>", "</think>"
 CATEGORIES = ("reasoning", "content", "tool_calls")
 PROBE = "\u2063probe\u2063"   # a reasoning no data holds: shows whether the template keeps a turn's reasoning
@@ -49,6 +46,7 @@ class Encoded:
     unrendered: set[str] = field(default_factory=set)    # fields of the line the template leaves out of the text
     ignored: set[str] = field(default_factory=set)
     empty_thoughts: int = 0      # replies without reasoning where the template opens one: trained as an empty thought
+    missing: set[str] = field(default_factory=set)       # ids the line lacks where the template renders one
 
     @property
     def trained(self) -> dict[str, int]:
@@ -82,11 +80,16 @@ def _text(content: object, where: str) -> str:
     return content
 
 
-def _split_think(content: str) -> tuple[str | None, str]:
+def _split_think(content: str, where: str) -> tuple[str | None, str]:
     """(reasoning, content) of a reply written with its thinking inline: `<think>R</think>C`, or `R</think>C` as a
     server without a reasoning parser returns it after a generation prompt that opened `<think>`; (None, content)
-    without `</think>`."""
+    without `</think>`. A reply that opens `<think>` and never closes it is refused: a trace cut off mid-thought,
+    whose reasoning the template would close and end as the model did not."""
     head, end, rest = content.partition(THINK_END)
+    if not end and content.lstrip().startswith(THINK_START):
+        raise ChatError(f"{where}: the reply opens {THINK_START} and never closes it with {THINK_END} (a trace cut "
+                        "off mid-thought): its thought cannot be told from its reply; close it, give the thought as "
+                        "reasoning_content, or leave the line out")
     if not end:
         return None, content
     return head.lstrip().removeprefix(THINK_START), rest
@@ -130,10 +133,13 @@ def _message(turn: object, number: int, total: int, key: str) -> tuple[dict, set
         raise ChatError(f"{where}: reasoning_content and reasoning differ; give one")
     reasoning = next(iter(given.values()), None)
     if reasoning is None and message["role"] == "assistant":
-        reasoning, message["content"] = _split_think(message["content"])
+        reasoning, message["content"] = _split_think(message["content"], where)
     if reasoning is not None:
-        if message["role"] != "assistant" or not isinstance(reasoning, str):
-            raise ChatError(f"{where}: reasoning must be a string on an assistant turn")
+        if message["role"] != "assistant":
+            name = next(iter(given), "reasoning")
+            raise ChatError(f"{where}: {name} on a {message['role']} turn; only assistant turns carry reasoning")
+        if not isinstance(reasoning, str):
+            raise ChatError(f"{where}: {next(iter(given))} must be a string, not {type(reasoning).__name__}")
         message.update(reasoning_content=reasoning, reasoning=reasoning)   # vLLM passes both names
     emitted = None
     if turn.get("tool_calls"):   # an empty list is no tool call (vLLM drops it)
@@ -192,9 +198,7 @@ class ChatEncoder:
 
     def __init__(self, target_dir: str | Path, template_kwargs: dict | None = None):
         self.tokenizer = TargetTokenizer(target_dir)
-        self.default_kwargs = dict(template_kwargs or {})
-        if reserved := sorted(RESERVED_KWARGS & set(self.default_kwargs)):
-            raise InputError(f"data.chat_template_kwargs may not set {', '.join(reserved)}: the engines set them")
+        self.default_kwargs = dict(template_kwargs or {})   # checked by the config (RESERVED_KWARGS)
 
     def encode(self, obj: dict, regenerating: bool = False) -> Encoded:
         """The sequences of a {"messages"} or {"conversations"} line: replies share one sequence while the template
@@ -233,6 +237,8 @@ class ChatEncoder:
             out.sequences.append((np.asarray(ids, dtype=np.int32), (kinds > 0).astype(np.uint8)))
             out.kinds.append(kinds)
         out.unrendered |= self._unrendered_context(chat, render)
+        out.missing = {name for name in ID_FIELDS if any(_lacks(m, name) for m in chat.messages) and PROBE in
+                       render([_probe_id(m, name) if _lacks(m, name) else m for m in chat.messages], False)}
         return out
 
     def encode_prompt(self, obj: dict) -> np.ndarray:
@@ -337,6 +343,22 @@ class ChatEncoder:
             if all(h == ids[:len(h)] for h in heads):   # each prefix tokenizes as the start of the whole
                 return ids, [len(h) for h in heads], starts
         return joined, list(accumulate(len(piece) for piece, _ in pieces[:-1])), starts
+
+
+ID_FIELDS = ("tool_calls[].id", "tool_call_id")   # what ties a tool result to its call
+
+
+def _lacks(message: dict, name: str) -> bool:
+    if name == "tool_call_id":
+        return message["role"] == "tool" and not message.get("tool_call_id")
+    return any(not call.get("id") for call in message.get("tool_calls") or ())
+
+
+def _probe_id(message: dict, name: str) -> dict:
+    """`message` with PROBE as its missing id field `name`."""
+    if name == "tool_call_id":
+        return {**message, "tool_call_id": PROBE}
+    return {**message, "tool_calls": [c if c.get("id") else {**c, "id": PROBE} for c in message["tool_calls"]]}
 
 
 def _shift(spans: dict, at: int, by: int) -> dict:

@@ -26,50 +26,78 @@ class Record:
     part: int = 0              # the sequence's index among its line's (a chat line may give several)
 
 
+LOST_SHARE = 0.05   # a larger share of the trained tokens cut off by data.max_seq_len is warned about loudly
+
+
+def reply_runs(mask: np.ndarray) -> int:
+    """The runs of loss tokens in a mask: a sequence's replies."""
+    return int(np.count_nonzero(np.diff(np.r_[0, mask.astype(np.int8)]) == 1))
+
+
 @dataclass
 class ChatStats:
-    """What the chat lines trained, and what they cost (docs/data.md); `unrendered` and `ignored` count lines."""
+    """What the chat lines trained, and what they cost (docs/data.md); `unrendered`, `ignored` and `missing` count
+    lines. Every chat line read counts, those dropped by data.max_seq_len too: replies = trained + lost."""
     lines: int = 0
     replies: int = 0
-    sequences: int = 0
+    replies_trained: int = 0   # replies with tokens left to train within data.max_seq_len
+    replies_cut: int = 0       # of those, the ones cut short by it
+    sequences: int = 0         # sequences extracted
     split_lines: int = 0       # lines given as more than one sequence: the template rewrites their history
+    split_sequences: int = 0   # the sequences of those lines, before data.max_seq_len
     repeated_tokens: int = 0   # context tokens rendered again in a later sequence of the same line
     empty_thoughts: int = 0    # replies without reasoning where the template opens one
-    dropped_parts: int = 0     # sequences left with nothing to train by data.max_seq_len
+    dropped_parts: int = 0     # sequences of lines otherwise kept, left with nothing to train by data.max_seq_len
     trained: Counter = field(default_factory=Counter)      # loss tokens: reasoning / content / tool_calls
+    lost: Counter = field(default_factory=Counter)         # loss tokens cut off by data.max_seq_len, by category
     unrendered: Counter = field(default_factory=Counter)   # field -> lines whose field the template leaves out
     ignored: Counter = field(default_factory=Counter)      # key -> lines carrying a key no engine reads
+    missing: Counter = field(default_factory=Counter)      # field -> lines lacking a field the template renders
     first_line: dict = field(default_factory=dict)         # field or key -> the first line carrying it
 
-    def add(self, line: int, encoded, kinds: list[np.ndarray]) -> None:
-        """A chat line's `encoded` sequences, whose `kinds` are what is left of them to train (after truncation)."""
+    def add(self, line: int, encoded, kept: list[np.ndarray], cut: int) -> None:
+        """A chat line's `encoded` sequences; `kept`: the kinds of those extracted (cut at data.max_seq_len, the ones
+        left with nothing to train left out); `cut`: the replies cut short."""
         self.lines += 1
         self.replies += encoded.replies
+        self.replies_trained += sum(reply_runs(k > 0) for k in kept)
+        self.replies_cut += cut
         self.empty_thoughts += encoded.empty_thoughts
-        self.sequences += len(kinds)
-        self.split_lines += len(kinds) > 1
+        self.sequences += len(kept)
+        self.dropped_parts += (len(encoded.sequences) - len(kept)) * bool(kept)
+        self.split_lines += len(encoded.sequences) > 1
+        self.split_sequences += len(encoded.sequences) * (len(encoded.sequences) > 1)
         self.repeated_tokens += encoded.repeated
-        self.trained.update(count_kinds(kinds))
-        for counter, fields in ((self.unrendered, encoded.unrendered), (self.ignored, encoded.ignored)):
+        trained = count_kinds(kept)
+        self.trained.update(trained)
+        self.lost.update({k: n - trained[k] for k, n in encoded.trained.items()})
+        for counter, fields in ((self.unrendered, encoded.unrendered), (self.ignored, encoded.ignored),
+                                (self.missing, encoded.missing)):
             counter.update(fields)
             for name in fields:
                 self.first_line.setdefault(name, line)
 
     def summary(self) -> dict:
-        return {"lines": self.lines, "replies": self.replies, "sequences": self.sequences, "split_lines": self.split_lines,
+        return {"lines": self.lines, "replies": self.replies, "replies_trained": self.replies_trained,
+                "replies_cut": self.replies_cut, "replies_lost": self.replies - self.replies_trained,
+                "sequences": self.sequences, "split_lines": self.split_lines, "split_sequences": self.split_sequences,
                 "repeated_tokens": self.repeated_tokens, "trained_tokens": {k: self.trained[k] for k in CATEGORIES},
-                "empty_thoughts": self.empty_thoughts, "dropped_parts": self.dropped_parts,
-                "fields_not_rendered": dict(self.unrendered), "keys_ignored": dict(self.ignored)}
+                "lost_tokens": {k: self.lost[k] for k in CATEGORIES}, "empty_thoughts": self.empty_thoughts,
+                "dropped_parts": self.dropped_parts, "fields_not_rendered": dict(self.unrendered),
+                "keys_ignored": dict(self.ignored), "fields_missing": dict(self.missing)}
 
     def describe(self) -> str:
-        """One line: the trained tokens by category, and the cost of the lines split into several sequences."""
+        """One line: the replies and the trained tokens by category, and the cost of the lines split into several
+        sequences."""
         trained = ", ".join(f"{k.replace('_', ' ')} {self.trained[k]:,}" for k in CATEGORIES)
-        return (f"{self.lines:,} chat lines, {self.replies:,} replies trained: {trained} tokens; "
-                f"{self.split_lines:,} lines in {self.sequences - self.lines + self.split_lines:,} sequences "
-                f"(their template rewrites earlier turns), {self.repeated_tokens:,} context tokens rendered again")
+        return (f"{self.lines:,} chat lines, {self.replies:,} replies: {self.replies_trained:,} trained "
+                f"({self.replies_cut:,} cut short by data.max_seq_len), {self.replies - self.replies_trained:,} lost "
+                f"to it; trained tokens: {trained}; {self.split_lines:,} lines in {self.split_sequences:,} "
+                f"sequences (their template rewrites earlier turns), {self.repeated_tokens:,} context tokens "
+                "rendered again")
 
     def warnings(self, path: Path) -> list[str]:
-        """One line per field of the data that is not trained or not read, with the lines it affects."""
+        """One line per field of the data that is not trained, not read or missing, with the lines it affects."""
         def lines(name: str, n: int) -> str:
             verb = "carries" if n == 1 else "carry"
             return f"{path}: {n} chat line{'s' * (n != 1)} {verb} {name}"
@@ -78,20 +106,90 @@ class ChatStats:
                  for name, n in sorted(self.unrendered.items())] +
                 [f"{lines(repr(name), n)}, which neither vLLM nor SGLang passes to the template {first[name]}: ignored"
                  for name, n in sorted(self.ignored.items())] +
+                [f"{path}: {n} chat line{'s' * (n != 1)} lack {name}, which the chat template renders {first[name]}: "
+                 "trained with it empty, where the model writes one" for name, n in sorted(self.missing.items())] +
                 [f"{path}: {self.empty_thoughts} replies have no reasoning where the chat template opens one: trained "
                  "as an empty thought (`</think>` at once), not as the model thinks when served"] * bool(self.empty_thoughts) +
                 [f"{path}: {self.dropped_parts} sequences of chat lines split by their template kept nothing to train "
                  "within data.max_seq_len: not extracted"] * bool(self.dropped_parts))
 
 
+DROPPED = {"prompt": "the prompt before their first reply is longer than data.max_seq_len",
+           "no_loss": "their loss_mask is all 0"}
+
+
 @dataclass
 class InputStats:
+    """What the lines of data.path gave: lines = used + skipped + dropped; the loss tokens trained and those lost to
+    data.max_seq_len by category (pre-tokenized lines: `pre_tokenized`)."""
+    max_seq_len: int = 0
     lines: int = 0
     sequences: int = 0
-    skipped: int = 0
-    truncated: int = 0
+    skipped: int = 0           # lines that cannot be used (data.on_error = "skip")
+    truncated: int = 0         # sequences extracted cut at data.max_seq_len
     skipped_lines: list[int] = field(default_factory=list)
+    dropped: Counter = field(default_factory=Counter)      # reason (DROPPED) -> lines with nothing to train
+    dropped_lines: list[int] = field(default_factory=list)
+    first_dropped: dict = field(default_factory=dict)      # reason -> the first line dropped for it
+    prompts: list[int] = field(default_factory=list)       # [shortest, longest] prompt of the lines dropped for it
+    masked: Counter = field(default_factory=Counter)       # pre-tokenized loss tokens: trained / lost
     chat: ChatStats = field(default_factory=ChatStats)
+
+    @property
+    def used(self) -> int:
+        return self.lines - self.skipped - sum(self.dropped.values())
+
+    def tokens(self, which: str) -> dict[str, int]:
+        """Loss tokens by category, `which` "trained" or "lost" (to data.max_seq_len)."""
+        chat = getattr(self.chat, which)
+        return {**{k: chat[k] for k in CATEGORIES}, "pre_tokenized": self.masked[which]}
+
+    def drop(self, line: int, reason: str, prompt: int | None) -> None:
+        self.dropped[reason] += 1
+        self.dropped_lines.append(line)
+        self.first_dropped.setdefault(reason, line)
+        if prompt is not None:
+            self.prompts = [min(self.prompts[0], prompt), max(self.prompts[1], prompt)] if self.prompts else [prompt] * 2
+
+    def summary(self) -> dict:
+        """The manifest's counts of the data."""
+        return {"lines": self.lines, "sequences": self.sequences, "skipped_lines": self.skipped,
+                "skipped_line_numbers": self.skipped_lines[:1000], "dropped_lines": dict(self.dropped),
+                "dropped_line_numbers": self.dropped_lines[:1000], "truncated": self.truncated,
+                "trained_tokens": self.tokens("trained"), "lost_tokens": self.tokens("lost"),
+                **({"chat": self.chat.summary()} if self.chat.lines else {})}
+
+    def describe(self) -> str:
+        """One line: where each line went."""
+        text = (f"{self.lines:,} lines: {self.used:,} used as {self.sequences:,} sequences ({self.truncated:,} cut at "
+                f"data.max_seq_len {self.max_seq_len:,}), {self.skipped:,} skipped, "
+                f"{sum(self.dropped.values()):,} dropped with nothing to train")
+        return text + "".join(f"; {n:,} because {self._reason(why)}" for why, n in sorted(self.dropped.items()))
+
+    def _reason(self, why: str) -> str:
+        """Why lines were dropped; the prompts' sizes against data.max_seq_len."""
+        return DROPPED[why] + (f" ({self.prompts[0]:,}-{self.prompts[1]:,} tokens)" if why == "prompt" else "")
+
+    def describe_lost(self) -> str | None:
+        """One line: the trained tokens data.max_seq_len cuts off, by category; None when it cuts none."""
+        lost, trained = self.tokens("lost"), self.tokens("trained")
+        if not (total := sum(lost.values())):
+            return None
+        share = total / (total + sum(trained.values()))
+        parts = ", ".join(f"{k.replace('_', ' ').replace('pre ', 'pre-')} {n:,}" for k, n in lost.items() if n)
+        return f"data.max_seq_len {self.max_seq_len:,} cuts off {total:,} trained tokens ({share:.1%}: {parts})"
+
+    def warnings(self, path: Path) -> list[str]:
+        """The dropped lines by reason, and a large share of the trained tokens lost to data.max_seq_len."""
+        out = []
+        for why, n in sorted(self.dropped.items()):
+            out.append(f"{path}: {n} line{'s' * (n != 1)} dropped because {self._reason(why)} "
+                       f"(first: {path}:{self.first_dropped[why]}): nothing to train, not used")
+        lost, trained = sum(self.tokens("lost").values()), sum(self.tokens("trained").values())
+        if lost > LOST_SHARE * (lost + trained):
+            out.append(f"{path}: {self.describe_lost()}, more than {LOST_SHARE:.0%} of them: the draft does not "
+                       "learn the end of long replies; raise data.max_seq_len")
+        return out + self.chat.warnings(path)
 
 
 CHAT_KEYS = ("messages", "conversations")
@@ -188,7 +286,7 @@ def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: 
     only chat lines need them. `regenerating`: the replies are to be regenerated (ChatEncoder.encode). `workers`:
     processes rendering chat lines. `report`: print the warnings about the data's fields (one rank of several)."""
     path = Path(path)
-    records, stats, chat = [], InputStats(), chat_encoder(target_dir, template_kwargs)
+    records, stats, chat = [], InputStats(max_seq_len), chat_encoder(target_dir, template_kwargs)
     for number, (status, *answer) in _parsed(path, vocab_size, chat, regenerating, workers):
         stats.lines += 1
         if status == "fatal":
@@ -202,34 +300,49 @@ def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: 
             stats.skipped_lines.append(number)
             continue
         sequences, encoded = answer
-        kept = []
-        for ids, mask, kinds in sequences:
-            if len(ids) > max_seq_len:
-                ids, mask, kinds = ids[:max_seq_len], mask[:max_seq_len], kinds if kinds is None else kinds[:max_seq_len]
-                stats.truncated += 1
-                if encoded is not None and not mask.any():   # a later part of a split line: its context alone
-                    stats.chat.dropped_parts += 1
-                    continue
-            kept.append((ids, mask, kinds))
-        if encoded is not None:
-            stats.chat.add(number, encoded, [k for _, _, k in kept])
-        records += [Record(number, ids, mask, part) for part, (ids, mask, _) in enumerate(kept)]
+        _add(stats, number, sequences, encoded, records)
     stats.sequences = len(records)
     if not records:
-        raise InputError(f"{path}: no usable sequences")
-    for warning in stats.chat.warnings(path) if report else []:
+        fix = f"; raise data.max_seq_len above {stats.prompts[0]:,}" if stats.dropped["prompt"] else ""
+        raise InputError(f"{path}: no usable sequences: {stats.describe()}{fix}")
+    for warning in stats.warnings(path) if report else []:
         print(f"warning: {warning}", file=sys.stderr)
     return records, stats
 
 
+def _add(stats: InputStats, number: int, sequences: list[tuple], encoded, records: list[Record]) -> None:
+    """A line's sequences cut at data.max_seq_len into `records`, those left with nothing to train left out (the
+    whole line when none is left), and counted in `stats`."""
+    n = stats.max_seq_len
+    cut = [(ids[:n], mask[:n], mask[:n] if kinds is None else kinds[:n]) for ids, mask, kinds in sequences]
+    kept = [c for c in cut if c[1].any()]
+    if encoded is not None:
+        # a reply cut short: its run of loss tokens goes on past the cut
+        stats.chat.add(number, encoded, [k for _, _, k in kept],
+                       sum(len(mask) > n and bool(mask[n - 1] and mask[n]) for _, mask, _ in sequences))
+    else:
+        stats.masked.update(trained=sum(int(m.sum()) for _, m, _ in kept),
+                            lost=sum(int(m.sum()) for _, m, _ in sequences) - sum(int(m.sum()) for _, m, _ in kept))
+    if not kept:
+        starts = [int(np.argmax(mask)) for _, mask, _ in sequences if mask.any()]
+        stats.drop(number, "prompt" if starts else "no_loss", min(starts) if starts else None)
+        return
+    stats.truncated += sum(len(c[0]) < len(full[0]) for c, full in zip(cut, sequences) if c[1].any())
+    records += [Record(number, ids, mask, part) for part, (ids, mask, _) in enumerate(kept)]
+
+
 def json_lines(path: Path, key: str) -> Iterator[tuple[int, bytes]]:
-    """(number, bytes) of each non-blank line of the JSON-lines file config key `key` names; a clear error
-    for one that is missing or no regular file (a directory, a FIFO)."""
+    """(number, bytes) of each non-blank line of the JSON-lines file config key `key` names; a clear error, at the
+    call and not at the first line read, for one that is missing or no regular file (a directory, a FIFO)."""
     if not path.exists():
         raise InputError(f"{path}: file not found ({key})")
     if not path.is_file():
         kind = "a directory" if path.is_dir() else "not a regular file"
         raise InputError(f"{path}: {kind}; {key} must name a JSON-lines file")
+    return _numbered_lines(path)
+
+
+def _numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             if number == 1:   # a UTF-8 byte order mark, as some editors write one, is no part of the first line

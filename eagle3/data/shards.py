@@ -71,6 +71,9 @@ def write_shard(directory: Path, index: int, tensors: dict[str, torch.Tensor]) -
 
 def read_manifest(directory: Path) -> dict:
     path = Path(directory) / MANIFEST
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise DataError(f"{directory}: a file, not a directory of shards (run extract.py first, or set train.data_dir "
+                        "to its extract.output_dir)")
     manifest = read_json(path, DataError, "run extract.py first, or set train.data_dir")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path}: format_version {manifest.get('format_version')!r}; "

@@ -195,6 +195,9 @@ class Checkpoint:
         self.path = Path(path)
         if not self.path.exists():
             raise TargetError(f"{self.path}: target directory not found (target.path)")
+        if not self.path.is_dir() and self.path.suffix != ".json":   # a weights file, an archive: not its config
+            raise TargetError(f"{self.path}: a file, not a directory; target.path names the target's directory "
+                              "(config.json, tokenizer and safetensors) or its config.json")
         cfg_path = self.path / "config.json" if self.path.is_dir() else self.path
         self.config = read_config(cfg_path)
         self.dir = cfg_path.parent
