@@ -61,7 +61,7 @@ def read_draft_config(path: Path) -> dict:
     return config
 
 
-def sliding_window(layer: dict, where: str) -> int:
+def _sliding_window(layer: dict, where: str) -> int:
     """The window of a layer config whose layer_types are "sliding_attention" (what vLLM reads), else 0."""
     if "sliding_attention" not in (layer.get("layer_types") or []):
         return 0
@@ -126,7 +126,7 @@ def _draft_spec(config: dict, files: dict[str, Path], where: str) -> DraftSpec:
         draft_vocab_size=config.get("draft_vocab_size") or head[0],
         target_vocab_size=layer.get("vocab_size") or (t2d[0] if t2d else 32000),
         target_hidden_size=config.get("target_hidden_size") or fc[1] // 3, rope_scaling=scaling,
-        sliding_window=sliding_window(layer, config_file),
+        sliding_window=_sliding_window(layer, config_file),
         # absent norm_before_residual: what vLLM's speculators config reader then serves, true
         **{key: bool(config.get(key, key == "norm_before_residual")) for key in NORM_FLAGS})
 

@@ -113,7 +113,8 @@ def yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     low, high = yarn_bounds(head_dim, theta, scaling["original_max_position_embeddings"],
                             scaling.get("beta_fast", 32), scaling.get("beta_slow", 1))
     high += 0.001 if low == high else 0
-    keep = 1 - ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)   # extrapolated share
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp   # each pair's extrapolated share, rounded as the engines round it
     return interpolated * (1 - keep) + extrapolated * keep
 
 

@@ -84,7 +84,7 @@ def _cache(inv_freq, positions, mscale=1.0):
 
 
 def _rope(head_dim, base, scaling, positions, yarn_mscale):
-    """(cos, sin) [positions, head_dim/2] of get_rope's rotate-half embedding; yarn_mscale(scaling) the engine's rule."""
+    """(cos, sin) [positions, head_dim/2] of get_rope's rotate-half embedding; yarn_mscale: the engine's factor rule."""
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return _cache(_default_inv_freq(base, head_dim), positions)
@@ -99,8 +99,9 @@ def _rope(head_dim, base, scaling, positions, yarn_mscale):
 
 
 def vllm_new(layer, positions):
-    """vllm-project/vllm, llama.py's LlamaAttention._init_rotary_emb: get_rope(head_dim, rope_parameters=config.rope_parameters)
-    (rotary_embedding/__init__.py: base = rope_parameters["rope_theta"]); YaRNScalingRotaryEmbedding @0cd5784:
+    """vllm-project/vllm, llama.py's LlamaAttention._init_rotary_emb: get_rope(head_dim,
+    rope_parameters=config.rope_parameters) (rotary_embedding/__init__.py: base = rope_parameters["rope_theta"]);
+    YaRNScalingRotaryEmbedding @0cd5784:
     mscale = attention_factor, else yarn_get_mscale(f, mscale) / yarn_get_mscale(f, mscale_all_dim) when both are
     set, else yarn_get_mscale(f)."""
     params = layer["rope_parameters"]
@@ -109,7 +110,8 @@ def vllm_new(layer, positions):
         if s.get("attention_factor") is not None:
             return float(s["attention_factor"])
         if s.get("mscale") and s.get("mscale_all_dim"):
-            return float(_yarn_get_mscale(s["factor"], s["mscale"]) / _yarn_get_mscale(s["factor"], s["mscale_all_dim"]))
+            f = s["factor"]
+            return float(_yarn_get_mscale(f, s["mscale"]) / _yarn_get_mscale(f, s["mscale_all_dim"]))
         return float(_yarn_get_mscale(s["factor"]))
     return _rope(layer["head_dim"], params["rope_theta"], params, positions, mscale)
 

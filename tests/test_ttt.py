@@ -273,6 +273,8 @@ def test_flex_block_mask_matches_reference(monkeypatch):
         warnings.simplefilter("ignore")
         torch.testing.assert_close(flex.ttt_attention(q, k, v, cu), ttt_attention(q, k, v, cu), rtol=1e-5,
                                    atol=1e-5)
+        torch.testing.assert_close(flex.ttt_attention(q, k, v, cu, window=5), ttt_attention(q, k, v, cu, window=5),
+                                   rtol=1e-5, atol=1e-5)   # a sliding window
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,

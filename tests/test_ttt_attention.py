@@ -38,7 +38,8 @@ MATCH_CASES = {
 # a sliding window over the step-0 keys (key j seen by query i when i - j < window): name -> (match case, window);
 # inside one key tile, straddling several, with only step 0 (rows whose first tiles are all masked), TMA
 WINDOW_CASES = {"window_5": ("gqa_odd_length", 5), "window_20_packed": ("packed_many_tiles_gqa", 20),
-                "window_3_step0_only": ("step0_only", 3), "tma_window_20_packed_small_tiles": ("packed_many_tiles_d128", 20)}
+                "window_3_step0_only": ("step0_only", 3),
+                "tma_window_20_packed_small_tiles": ("packed_many_tiles_d128", 20)}
 # the same cases with tiles loaded through TMA descriptors (what Hopper and datacenter Blackwell
 # run): past a packed sequence's end those load the next sequence's rows, which the kernels' masks
 # must drop
