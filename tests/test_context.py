@@ -112,20 +112,14 @@ def test_a_split_keeps_the_rows_each_rank_reads():
 def test_four_ranks_in_two_context_parallel_groups_train_as_one_process(tmp_path, llama_target, token_data, hidden):
     """world 4 = 2 data-parallel groups x 2 context-parallel ranks, train.batch_tokens 24 below the longest sequence
     (40 tokens): the same training as one process reading micro-batches of 48 tokens, two per step."""
-    from test_training import cli_args, final_weights, run_train, train_losses
+    from test_training import cli_args, run_train, trained_alike
     run = {"train.max_steps": 4, "train.checkpoint_every": 4, "train.eval_every": 2}
     one, four = tmp_path / "one", tmp_path / "four"
     run_train(cli_args(one, llama_target, token_data, hidden, **run, **{"train.batch_tokens": 48,
                                                                         "train.grad_accum": 2}))
     run_train(cli_args(four, llama_target, token_data, hidden, **run, **{"train.batch_tokens": 24,
                                                                          "debug.context_parallel": 2}), nproc=4)
-    a, b = final_weights(one / "train"), final_weights(four / "train")
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
-    la, lb = train_losses(one / "train"), train_losses(four / "train")
-    assert la.keys() == lb.keys() == {1, 2, 3, 4}
-    for step in la:
-        assert la[step] == pytest.approx(lb[step], rel=1e-4)
+    assert trained_alike(one, four) == {1, 2, 3, 4}
 
 
 def test_what_cannot_be_split_is_refused_naming_the_keys(tmp_path, llama_target, token_data):
@@ -148,3 +142,25 @@ def test_what_cannot_be_split_is_refused_naming_the_keys(tmp_path, llama_target,
                                                   r"longest sequence \(40 tokens\)"):
         data_plan(cfg, reader, Layout(2, 0, 0, 1), "data")
     assert data_plan(cfg, reader, Layout(4, 0, 0, 1), "data")[0].budget == 64   # a group of 4 holds it
+
+
+def test_a_rank_reads_only_the_rows_of_its_share(tmp_path):
+    """Shards read for one part (`window`) then split equal the whole micro-batch read then split, across shards."""
+    import functools
+
+    from eagle3.bench import step
+    from eagle3.data.batch import window
+    from eagle3.data.shards import ShardReader
+    s = step.SIZES["tiny"]
+    step.write_target(tmp_path / "target", s)
+    step.write_shards(tmp_path / "data", tmp_path / "target", "b", s, 2)
+    reader = ShardReader(tmp_path / "data")
+    refs = reader.sequences[3:6]   # 3 x 128 rows, the first from another shard than the others
+    whole = reader.read(refs)
+    for index in range(4):
+        read = reader.read(refs, rows=functools.partial(window, parts=4, index=index, halo=4))
+        assert read.rows == min(100, 384 - 96 * index) and torch.equal(read.cu_seqlens, whole.cu_seqlens)
+        a, b = split(whole, 4, index, 4), split(read, 4, index, 4)
+        assert a.part == b.part and torch.equal(a.cu_seqlens, b.cu_seqlens)
+        for name, t in a.row_tensors().items():
+            assert torch.equal(t, b.row_tensors()[name]), name

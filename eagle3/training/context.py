@@ -5,13 +5,11 @@ heads / c) and back, so the attention kernel runs unchanged over the whole packe
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from eagle3.data.batch import Batch, split
 from eagle3.distributed import Dist
 from eagle3.errors import TrainError
 
@@ -78,9 +76,10 @@ class Layout:
     def attention(self, attention: Callable) -> Callable:
         return attention if self.size == 1 else SplitAttention(attention, self.size, self.group)
 
-    def splitter(self, steps: int) -> Callable[[Batch], Batch] | None:
-        """This rank's share of a micro-batch, with the K + 1 rows past its slice the TTT shift reads (None: whole)."""
-        return None if self.size == 1 else functools.partial(split, parts=self.size, index=self.index, halo=steps + 1)
+    def share(self, steps: int) -> tuple[int, int, int] | None:
+        """(ranks, index, halo) of this rank's `eagle3.data.batch.split` of a micro-batch, the halo the K + 1 rows past
+        its slice that the TTT shift reads (None: the whole micro-batch)."""
+        return None if self.size == 1 else (self.size, self.index, steps + 1)
 
 
 def layout(size: int, d: Dist, kv_heads: int, heads: int, source: str, online: bool) -> Layout:

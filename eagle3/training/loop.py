@@ -258,7 +258,7 @@ class Trainer:
             self.graphed = GraphedStep(functools.partial(self._forward, self.model, training=True), self.device)
         self.feed = Feed(self.reader, self.plan, self.layout.data_rank, self.device, self.float_dtype,
                          self.model.draft.t2d.cpu(), self.unroll, self.eval_unroll, cfg.debug.prefetch,
-                         overlap=self.cuda and not self.online, pad_to=pad_to, split=self.layout.splitter(t.ttt_steps))
+                         overlap=self.cuda and not self.online, pad_to=pad_to, share=self.layout.share(t.ttt_steps))
         self.start_step = self._resume()
         # device_ids=None: DDP moving the inputs would move the host-side boundaries to the device
         self.ddp = self.model if self.dist.world == 1 else nn.parallel.DistributedDataParallel(
