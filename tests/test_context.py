@@ -1,6 +1,6 @@
 """Context parallelism: one packed micro-batch split by rows over gloo ranks trains exactly as in one process."""
 import dataclasses
-from pathlib import Path
+import time
 
 import pytest
 import torch
@@ -51,6 +51,7 @@ def run(draft, batch, embed, head, attention):
 
 
 def rank_main(rank: int, world: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)   # a forked process must not use its parent's OpenMP pool (as DataLoader's workers)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         draft, embed, head, batch = draft_and_inputs()
@@ -61,22 +62,20 @@ def rank_main(rank: int, world: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def launch(worlds: list[int], out: str) -> None:
-    """Forks the ranks of each world size in turn: one process imports torch for all (a fork from a process that has
-    run no torch work yet is safe; pytest's has)."""
-    for world in worlds:
-        Path(out, str(world)).mkdir()
-        mp.start_processes(rank_main, args=(world, f"file://{out}/{world}/init", f"{out}/{world}"), nprocs=world,
-                           start_method="fork")
-
-
 @pytest.fixture(scope="module")
 def ranks_out(tmp_path_factory):
+    """Each world size's ranks, forked (torch is imported already) and given two minutes."""
     out = tmp_path_factory.mktemp("ranks")
-    launcher = mp.get_context("spawn").Process(target=launch, args=([2, 4], str(out)))
-    launcher.start()
-    launcher.join(timeout=240)
-    assert launcher.exitcode == 0, "a rank failed (its traceback is above)"
+    for world in (2, 4):
+        (out / str(world)).mkdir()
+        ranks = mp.start_processes(rank_main, args=(world, f"file://{out}/{world}/init", f"{out}/{world}"),
+                                   nprocs=world, join=False, start_method="fork")
+        deadline = time.monotonic() + 120
+        while not ranks.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ranks.processes:
+                    p.kill()
+                raise AssertionError(f"{world} ranks did not finish in 120 s")
     return out
 
 

@@ -21,6 +21,7 @@ class Feed:
                  unroll, eval_unroll, depth: int, overlap: bool, pad_to: tuple[int, int] | None = None,
                  share: tuple[int, int, int] | None = None):
         self.reader, self.plan, self.rank, self.share = reader, plan, rank, share
+        self.rows = None if share is None else functools.partial(window, **dict(zip(("parts", "index", "halo"), share)))
         self.device, self.dtype, self.cuda = device, dtype, device.type == "cuda"
         self.t2d, self.unroll, self.eval_unroll = t2d, unroll, eval_unroll
         self.depth, self.overlap, self.pad_to = depth, overlap, pad_to
@@ -36,16 +37,18 @@ class Feed:
         plan = plan_rows(batch, u.steps, self.t2d, u.skip_dead_rows, u.objective.rows)
         return dataclasses.replace(batch, plan=plan, cu_seqlens_host=batch.cu_seqlens.to(torch.int32))
 
+    def read(self, refs) -> Batch | None:
+        """One micro-batch as this rank reads it (context parallel: its share's rows only)."""
+        return self.reader.read(refs) if self.rows is None else self.reader.read(refs, rows=self.rows)
+
     def prepared(self, batch: Batch) -> Batch:
         return batch if batch.plan is not None else self.prepare(batch)
 
     def batches(self, start: int) -> Iterator[Batch]:
         """This rank's micro-batches from step `start` on, read ahead; with `overlap` each copied to the device one
         ahead on a stream of its own (`on_device` waits for it), else as they come (online)."""
-        rows = None if self.share is None else functools.partial(window, **dict(zip(("parts", "index", "halo"),
-                                                                                    self.share)))
         batches = Prefetcher(self.reader, self.plan.rank_batches(start, self.rank), self.depth, pin=self.cuda,
-                             prepare=self.prepare if self.cuda else None, together=self.plan.accum, rows=rows)
+                             prepare=self.prepare if self.cuda else None, together=self.plan.accum, rows=self.rows)
         if not self.overlap:
             return batches
         stream = torch.cuda.Stream(self.device)

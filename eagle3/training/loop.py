@@ -344,7 +344,7 @@ class Trainer:
             refs = batches[first + rank] if first + rank < len(batches) else []
             if not refs and not reader.lockstep:
                 continue
-            batch = reader.read(refs)   # staged online: a collective, so every rank reads, even nothing
+            batch = self.feed.read(refs)   # staged online: a collective, so every rank reads, even nothing
             if batch is not None:
                 metrics += self._forward(self.model, self.feed.on_device(self.feed.prepare(batch, training=False)))[1]
         return summarize(self.dist.all_reduce(metrics))
