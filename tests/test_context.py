@@ -33,8 +33,8 @@ def draft_and_inputs():
     T = sum(LENGTHS)
     mask = (torch.rand(T, generator=g) > 0.3).to(torch.uint8)
     mask[T - LENGTHS[-1]:] = 0
-    greedy = torch.where(torch.rand(T, generator=g) < 0.5, t2d.nonzero().flatten()[torch.randint(0, 24, (T,), generator=g)],
-                         torch.randint(0, 40, (T,), generator=g))
+    in_vocab = t2d.nonzero().flatten()[torch.randint(0, 24, (T,), generator=g)]
+    greedy = torch.where(torch.rand(T, generator=g) < 0.5, in_vocab, torch.randint(0, 40, (T,), generator=g))
     batch = Batch(input_ids=torch.randint(0, 40, (T,), generator=g, dtype=torch.int32), loss_mask=mask,
                   target_argmax=greedy.to(torch.int32), aux_hidden=torch.randn(T, 48, generator=g),
                   final_hidden=torch.randn(T, 16, generator=g),
@@ -130,8 +130,8 @@ def test_what_cannot_be_split_is_refused_naming_the_keys(tmp_path, llama_target,
     from eagle3.training.context import Layout
     from eagle3.training.loop import data_plan
     cfg = make_config(tmp_path, llama_target, token_data, **{"debug.context_parallel": 3})
-    with pytest.raises(training.TrainError, match=r"debug.context_parallel = 3 needs a divisor of the world size \(1\); "
-                                                  r"a divisor of draft.num_key_value_heads \(2\)"):
+    with pytest.raises(training.TrainError, match=r"debug.context_parallel = 3 needs a divisor of the world size "
+                                                  r"\(1\); a divisor of draft.num_key_value_heads \(2\)"):
         training.Trainer(cfg)
     cfg = make_config(tmp_path, llama_target, token_data, **{"train.batch_tokens": 16, "debug.context_parallel": 2})
     reader = SimpleNamespace(sequences=[SimpleNamespace(index=i, length=n) for i, n in enumerate([30, 40, 8])],

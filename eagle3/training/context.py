@@ -39,13 +39,13 @@ class _AllToAll(torch.autograd.Function):
 class SplitAttention:
     """The run's TTT attention (the signature of kernels.reference.ttt_attention) for a draft whose rows are split over
     a group of `size` ranks: the draft hands it its rows' q, k, v through `to_heads` and takes the output back through
-    `to_rows` (`eagle3.draft.Attention`). Heads go to ranks in contiguous blocks, so GQA's q-to-kv map holds per rank."""
+    `to_rows` (`eagle3.draft.Attention`). Heads go to ranks in contiguous blocks: GQA's q-to-kv map holds per rank."""
     attention: Callable
     size: int
     group: object
 
-    def __call__(self, q, k, v, cu_seqlens=None, scale=None):
-        return self.attention(q, k, v, cu_seqlens, scale)
+    def __call__(self, *args, **kwargs):   # over all rows of this rank's heads, as in one process
+        return self.attention(*args, **kwargs)
 
     def to_heads(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[L, H_i, D_i] each (this rank's rows, all heads) -> [c·L, H_i / c, D_i] (all rows, this rank's heads)."""

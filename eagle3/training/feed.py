@@ -15,7 +15,7 @@ from eagle3.ttt import loss_denominator, plan_rows
 class Feed:
     """`t2d`: the draft vocabulary's map, on the host; `depth`: debug.prefetch; `overlap`: copy on a side stream;
     `pad_to`: training batches `pad`ded to (rows, longest sequence), for CUDA graphs; `share`: (ranks, this rank's
-    index, halo) of a context-parallel `split` of each batch, only whose rows are read; `rank`: the data-parallel one."""
+    index, halo) of a context-parallel `split` of each batch, only whose rows are read; `rank`: the data-parallel."""
 
     def __init__(self, reader, plan, rank: int, device: torch.device, dtype: torch.dtype, t2d: torch.Tensor,
                  unroll, eval_unroll, depth: int, overlap: bool, pad_to: tuple[int, int] | None = None,
