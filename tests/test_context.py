@@ -163,3 +163,19 @@ def test_a_rank_reads_only_the_rows_of_its_share(tmp_path):
         assert a.part == b.part and torch.equal(a.cu_seqlens, b.cu_seqlens)
         for name, t in a.row_tensors().items():
             assert torch.equal(t, b.row_tensors()[name]), name
+
+
+def test_extract_refuses_sequences_longer_than_a_micro_batch_trains():
+    """Issue 51: data.max_seq_len above train.batch_tokens x debug.context_parallel stops extract before any work;
+    the shipped config.toml is a pair that trains."""
+    from conftest import ROOT
+    from eagle3.config import cli, load, require_trainable
+    args = ["--config", str(ROOT / "config.toml"), "--target.path", "t", "--data.path", "d.jsonl",
+            "--data.max_seq_len", "4096", "--train.batch_tokens", "2048"]
+    with pytest.raises(SystemExit, match=r"^error: command line --data.max_seq_len: data.max_seq_len = 4096 is longer "
+                                         r"than one micro-batch trains \(train.batch_tokens = 2048 x "
+                                         r"debug.context_parallel = 1: 2048 tokens\)"):
+        cli(args, command="extract")
+    assert cli([*args, "--debug.context_parallel", "2"], command="extract").debug.context_parallel == 2
+    assert cli(args, command="train").data.max_seq_len == 4096   # train checks the sequences it reads
+    require_trainable(load(ROOT / "config.toml"))
