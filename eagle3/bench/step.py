@@ -212,11 +212,11 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
     """One size, layout and kernel choice; `overrides`: more config arguments, `report`: see gpu_busy_fraction;
     `seq_len`: one sequence per micro-batch (`shape`), its rows split over `context` ranks (debug.context_parallel)."""
     s = shape(size, seq_len)
-    tokens = s["seqs"] * s["seq_len"]
+    per_batch = s["seqs"] * s["seq_len"]   # tokens of a micro-batch (of all ranks sharing it)
     args = ["--target.path", str(root / size / "target"),
             "--train.data_dir", str(folder(root, size, f"data-{layout}", seq_len)),
             "--train.output_dir", str(folder(root, size, f"out-{layout}-{kernels}", seq_len)), *kernel_args(kernels),
-            "--train.batch_tokens", str(tokens // context), "--debug.context_parallel", str(context),
+            "--train.batch_tokens", str(per_batch // context), "--debug.context_parallel", str(context),
             "--train.eval_fraction", "0",
             "--train.max_steps", str(steps + warmup + 4), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
@@ -247,7 +247,7 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
     busy = gpu_busy_fraction(trainer, batches, label, report) if cuda else float("nan")
     syncs = host_syncs(trainer, next(batches)) if cuda else []
     flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens, not trainer.cfg.experimental.freeze_lm_head)
-    return {"size": size, "layout": layout, "kernels": kernels, "seq_len": s["seq_len"], "tokens_per_batch": tokens,
+    return {"size": size, "layout": layout, "kernels": kernels, "seq_len": s["seq_len"], "tokens_per_batch": per_batch,
             "context_parallel": context, "float8": trainer.float8,
             "float8_head": trainer.float8_head, "world": trainer.dist.world, "step_s": step,
             "tokens_per_s_per_gpu": tokens / step, "mfu": flops / step / 1e12 / tflops if cuda else float("nan"),
