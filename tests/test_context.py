@@ -130,7 +130,8 @@ def test_what_cannot_be_split_is_refused_naming_the_keys(tmp_path, llama_target,
     from eagle3.training.context import Layout
     from eagle3.training.loop import data_plan
     cfg = make_config(tmp_path, llama_target, token_data, **{"debug.context_parallel": 3})
-    with pytest.raises(training.TrainError, match=r"debug.context_parallel = 3 needs a divisor of the world size "
+    with pytest.raises(training.TrainError, match=r"^command line --debug.context_parallel: "
+                                                  r"debug.context_parallel = 3 needs a divisor of the world size "
                                                   r"\(1\); a divisor of draft.num_key_value_heads \(2\)"):
         training.Trainer(cfg)
     cfg = make_config(tmp_path, llama_target, token_data, **{"train.batch_tokens": 16, "debug.context_parallel": 2})

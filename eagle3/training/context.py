@@ -83,8 +83,8 @@ class Layout:
 
 
 def layout(size: int, d: Dist, kv_heads: int, heads: int, source: str, online: bool) -> Layout:
-    """The run's `Layout` for debug.context_parallel = `size`, refusing what it cannot split; every rank makes every
-    group (torch.distributed's rule), in the same order."""
+    """The run's `Layout` for debug.context_parallel = `size` (set in `source`), refusing what it cannot split; every
+    rank makes every group (torch.distributed's rule), in the same order."""
     needs = [why for why, bad in ((f"a divisor of the world size ({d.world})", d.world % size),
                                   (f"a divisor of draft.num_key_value_heads ({kv_heads}) and "
                                    f"draft.num_attention_heads ({heads}): each rank attends with whole heads",

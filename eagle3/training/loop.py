@@ -227,7 +227,7 @@ class Trainer:
         self.online = t.source == "online"
         spec = self.resolved.draft_spec
         self.layout = context.layout(cfg.debug.context_parallel, self.dist, spec.num_key_value_heads,
-                                     spec.num_attention_heads, cfg.source, self.online)
+                                     spec.num_attention_heads, cfg.origin("debug.context_parallel"), self.online)
         self.reader = open_reader(cfg, self.target, self.resolved, self.device, say=self.dist.main)
         self.plan, self.eval_refs = data_plan(cfg, self.reader, self.layout, self.resolved.data_dir)
         draft, self.float8, target_rows = build_draft(cfg, self.target, spec, self.reader, self.device,
