@@ -101,6 +101,8 @@ def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool 
     live = None
     if skip_dead_rows:   # row t is live at step k when valid at some step >= k: nested, [N_k] each
         alive = torch.stack([tg.valid for tg in targets]).flip(0).cummax(0).values.flip(0)
+        if batch.part is not None:   # a `split` batch's rank runs every step (its group's exchange), no kernel empty
+            alive[:, 0] = True
         live = [a.nonzero().flatten() for a in alive]
     # per step, the valid rows as indices into the rows the step keeps (all T, or live[k])
     loss = [(tg.valid if r is None else tg.valid[r]).nonzero().flatten()
@@ -128,10 +130,8 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
                     if batch.cu_seqlens_host is not None else batch.cu_seqlens.to(torch.int32))
 
     def next_inputs(k: int, h: torch.Tensor):
-        # nothing reaches the loss any more (step 0 always runs: DDP wants every parameter used); a `split`
-        # batch runs every step: its attention is an exchange all of its group's ranks take part in
-        if k == steps or (k > 0 and live[k] is not None and live[k].numel() == 0 and batch.part is None):
-            return None
+        if k == steps or (k > 0 and live[k] is not None and live[k].numel() == 0):
+            return None   # nothing reaches the loss any more (step 0 always runs: DDP wants every parameter used)
         rows = Rows(T) if live[k] is None else Rows(T, kept=live[0]) if k == 0 else Rows(T, computed=live[k])
         computed = rows.computed if rows.computed is not None else slice(None)
         if k > 0 and rows.computed is not None:

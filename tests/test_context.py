@@ -1,6 +1,6 @@
 """Context parallelism: one packed micro-batch split by rows over gloo ranks trains exactly as in one process."""
 import dataclasses
-from pathlib import Path
+import time
 
 import pytest
 import torch
@@ -33,8 +33,8 @@ def draft_and_inputs():
     T = sum(LENGTHS)
     mask = (torch.rand(T, generator=g) > 0.3).to(torch.uint8)
     mask[T - LENGTHS[-1]:] = 0
-    greedy = torch.where(torch.rand(T, generator=g) < 0.5, t2d.nonzero().flatten()[torch.randint(0, 24, (T,), generator=g)],
-                         torch.randint(0, 40, (T,), generator=g))
+    in_vocab = t2d.nonzero().flatten()[torch.randint(0, 24, (T,), generator=g)]
+    greedy = torch.where(torch.rand(T, generator=g) < 0.5, in_vocab, torch.randint(0, 40, (T,), generator=g))
     batch = Batch(input_ids=torch.randint(0, 40, (T,), generator=g, dtype=torch.int32), loss_mask=mask,
                   target_argmax=greedy.to(torch.int32), aux_hidden=torch.randn(T, 48, generator=g),
                   final_hidden=torch.randn(T, 16, generator=g),
@@ -51,6 +51,7 @@ def run(draft, batch, embed, head, attention):
 
 
 def rank_main(rank: int, world: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)   # a forked process must not use its parent's OpenMP pool (as DataLoader's workers)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         draft, embed, head, batch = draft_and_inputs()
@@ -61,22 +62,20 @@ def rank_main(rank: int, world: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def launch(worlds: list[int], out: str) -> None:
-    """Forks the ranks of each world size in turn: one process imports torch for all (a fork from a process that has
-    run no torch work yet is safe; pytest's has)."""
-    for world in worlds:
-        Path(out, str(world)).mkdir()
-        mp.start_processes(rank_main, args=(world, f"file://{out}/{world}/init", f"{out}/{world}"), nprocs=world,
-                           start_method="fork")
-
-
 @pytest.fixture(scope="module")
 def ranks_out(tmp_path_factory):
+    """Each world size's ranks, forked (torch is imported already) and given two minutes."""
     out = tmp_path_factory.mktemp("ranks")
-    launcher = mp.get_context("spawn").Process(target=launch, args=([2, 4], str(out)))
-    launcher.start()
-    launcher.join(timeout=240)
-    assert launcher.exitcode == 0, "a rank failed (its traceback is above)"
+    for world in (2, 4):
+        (out / str(world)).mkdir()
+        ranks = mp.start_processes(rank_main, args=(world, f"file://{out}/{world}/init", f"{out}/{world}"),
+                                   nprocs=world, join=False, start_method="fork")
+        deadline = time.monotonic() + 120
+        while not ranks.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ranks.processes:
+                    p.kill()
+                raise AssertionError(f"{world} ranks did not finish in 120 s")
     return out
 
 
@@ -112,20 +111,14 @@ def test_a_split_keeps_the_rows_each_rank_reads():
 def test_four_ranks_in_two_context_parallel_groups_train_as_one_process(tmp_path, llama_target, token_data, hidden):
     """world 4 = 2 data-parallel groups x 2 context-parallel ranks, train.batch_tokens 24 below the longest sequence
     (40 tokens): the same training as one process reading micro-batches of 48 tokens, two per step."""
-    from test_training import cli_args, final_weights, run_train, train_losses
+    from test_training import cli_args, run_train, trained_alike
     run = {"train.max_steps": 4, "train.checkpoint_every": 4, "train.eval_every": 2}
     one, four = tmp_path / "one", tmp_path / "four"
     run_train(cli_args(one, llama_target, token_data, hidden, **run, **{"train.batch_tokens": 48,
                                                                         "train.grad_accum": 2}))
     run_train(cli_args(four, llama_target, token_data, hidden, **run, **{"train.batch_tokens": 24,
                                                                          "debug.context_parallel": 2}), nproc=4)
-    a, b = final_weights(one / "train"), final_weights(four / "train")
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
-    la, lb = train_losses(one / "train"), train_losses(four / "train")
-    assert la.keys() == lb.keys() == {1, 2, 3, 4}
-    for step in la:
-        assert la[step] == pytest.approx(lb[step], rel=1e-4)
+    assert trained_alike(one, four) == {1, 2, 3, 4}
 
 
 def test_what_cannot_be_split_is_refused_naming_the_keys(tmp_path, llama_target, token_data):
@@ -137,8 +130,9 @@ def test_what_cannot_be_split_is_refused_naming_the_keys(tmp_path, llama_target,
     from eagle3.training.context import Layout
     from eagle3.training.loop import data_plan
     cfg = make_config(tmp_path, llama_target, token_data, **{"debug.context_parallel": 3})
-    with pytest.raises(training.TrainError, match=r"debug.context_parallel = 3 needs a divisor of the world size \(1\); "
-                                                  r"a divisor of draft.num_key_value_heads \(2\)"):
+    with pytest.raises(training.TrainError, match=r"^command line --debug.context_parallel: "
+                                                  r"debug.context_parallel = 3 needs a divisor of the world size "
+                                                  r"\(1\); a divisor of draft.num_key_value_heads \(2\)"):
         training.Trainer(cfg)
     cfg = make_config(tmp_path, llama_target, token_data, **{"train.batch_tokens": 16, "debug.context_parallel": 2})
     reader = SimpleNamespace(sequences=[SimpleNamespace(index=i, length=n) for i, n in enumerate([30, 40, 8])],
@@ -148,3 +142,41 @@ def test_what_cannot_be_split_is_refused_naming_the_keys(tmp_path, llama_target,
                                                   r"longest sequence \(40 tokens\)"):
         data_plan(cfg, reader, Layout(2, 0, 0, 1), "data")
     assert data_plan(cfg, reader, Layout(4, 0, 0, 1), "data")[0].budget == 64   # a group of 4 holds it
+
+
+def test_a_rank_reads_only_the_rows_of_its_share(tmp_path):
+    """Shards read for one part (`window`) then split equal the whole micro-batch read then split, across shards."""
+    import functools
+
+    from eagle3.bench import step
+    from eagle3.data.batch import window
+    from eagle3.data.shards import ShardReader
+    s = step.SIZES["tiny"]
+    step.write_target(tmp_path / "target", s)
+    step.write_shards(tmp_path / "data", tmp_path / "target", "b", s, 2)
+    reader = ShardReader(tmp_path / "data")
+    refs = reader.sequences[3:6]   # 3 x 128 rows, the first from another shard than the others
+    whole = reader.read(refs)
+    for index in range(4):
+        read = reader.read(refs, rows=functools.partial(window, parts=4, index=index, halo=4))
+        assert read.rows == min(100, 384 - 96 * index) and torch.equal(read.cu_seqlens, whole.cu_seqlens)
+        a, b = split(whole, 4, index, 4), split(read, 4, index, 4)
+        assert a.part == b.part and torch.equal(a.cu_seqlens, b.cu_seqlens)
+        for name, t in a.row_tensors().items():
+            assert torch.equal(t, b.row_tensors()[name]), name
+
+
+def test_extract_refuses_sequences_longer_than_a_micro_batch_trains():
+    """Issue 51: data.max_seq_len above train.batch_tokens x debug.context_parallel stops extract before any work;
+    the shipped config.toml is a pair that trains."""
+    from conftest import ROOT
+    from eagle3.config import cli, load, require_trainable
+    args = ["--config", str(ROOT / "config.toml"), "--target.path", "t", "--data.path", "d.jsonl",
+            "--data.max_seq_len", "4096", "--train.batch_tokens", "2048"]
+    with pytest.raises(SystemExit, match=r"^error: command line --data.max_seq_len: data.max_seq_len = 4096 is longer "
+                                         r"than one micro-batch trains \(train.batch_tokens = 2048 x "
+                                         r"debug.context_parallel = 1: 2048 tokens\)"):
+        cli(args, command="extract")
+    assert cli([*args, "--debug.context_parallel", "2"], command="extract").debug.context_parallel == 2
+    assert cli(args, command="train").data.max_seq_len == 4096   # train checks the sequences it reads
+    require_trainable(load(ROOT / "config.toml"))

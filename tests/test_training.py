@@ -51,6 +51,18 @@ def train_losses(output_dir):
     return {r["step"]: r["loss"] for r in lines if r["split"] == "train"}
 
 
+def trained_alike(one, other) -> set[int]:
+    """Two runs' final weights and logged losses agree (fp tolerance): the steps logged."""
+    a, b = final_weights(one / "train"), final_weights(other / "train")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    la, lb = train_losses(one / "train"), train_losses(other / "train")
+    assert la.keys() == lb.keys()
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-4)
+    return set(la)
+
+
 def test_train_in_process_logs_checkpoints_and_exports(tmp_path, llama_target, token_data, hidden):
     cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden,
                                                              "train.max_steps": 6})
@@ -101,13 +113,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path, llama_target, token_data,
     runs.append(run_train(cli_args(two, llama_target, token_data, hidden), nproc=2))
     for run in runs:   # no stray torch warnings in a normal run (DDP's deprecated broadcast_buffers: issue 46)
         assert "Warning" not in run.stderr, run.stderr
-    a, b = final_weights(one / "train"), final_weights(two / "train")
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
-    la, lb = train_losses(one / "train"), train_losses(two / "train")
-    assert la.keys() == lb.keys()
-    for step in la:
-        assert la[step] == pytest.approx(lb[step], rel=1e-4)
+    trained_alike(one, two)
 
 
 @pytest.mark.slow
@@ -118,13 +124,7 @@ def test_n_processes_equal_one_process_with_n_micro_batches(tmp_path, llama_targ
     one, many = tmp_path / "one", tmp_path / "many"
     run_train(cli_args(one, llama_target, token_data, hidden, **small, **{"train.grad_accum": ranks}))
     run_train(cli_args(many, llama_target, token_data, hidden, **small), nproc=ranks)
-    a, b = final_weights(one / "train"), final_weights(many / "train")
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
-    la, lb = train_losses(one / "train"), train_losses(many / "train")
-    assert la.keys() == lb.keys() == {1, 2, 3, 4}
-    for step in la:
-        assert la[step] == pytest.approx(lb[step], rel=1e-4)
+    assert trained_alike(one, many) == {1, 2, 3, 4}
 
 
 @pytest.mark.slow

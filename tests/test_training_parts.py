@@ -175,6 +175,15 @@ def test_a_checkpoint_from_before_a_spec_field_resumes_with_its_default():
     with pytest.raises(TrainError, match="draft_spec differs"):
         resume.check(CKPT, was, state(**{"resolved.draft_spec": {"hidden_size": 32, "rope_scaling": yarn}}), total=10)
 
+def test_a_resume_keeps_the_context_parallel_group():
+    """debug.context_parallel sets the micro-batches; a checkpoint from before the key had 1."""
+    older = state()
+    del older["config"]["debug"]["context_parallel"]
+    resume.check(CKPT, older, state(), total=10)
+    with pytest.raises(TrainError, match="debug.context_parallel was 1, this run has 2; a resumed run must keep it "
+                                         r"\(set --debug.context_parallel 1"):
+        resume.check(CKPT, older, state(**{"debug.context_parallel": 2}), total=10)
+
 
 def test_decay_fraction_is_fixed_only_where_the_schedule_reads_it():
     cosine = state(**{"train.schedule": "cosine"})

@@ -45,8 +45,9 @@ def shape(size: str, seq_len: int | None = None) -> dict:
     return SIZES[size] if seq_len is None else {**SIZES[size], "seqs": 1, "seq_len": seq_len}
 
 
-def data_dir(root: Path, size: str, layout: str, seq_len: int | None = None) -> Path:
-    return root / size / (f"data-{layout}" if seq_len is None else f"data-{layout}-{seq_len}")
+def folder(root: Path, size: str, name: str, seq_len: int | None = None) -> Path:
+    """Where a size's shards (name "data-<layout>") or run ("out-...") go; long sequences have their own."""
+    return root / size / (name if seq_len is None else f"{name}-{seq_len}")
 
 
 def write_target(out: Path, s: dict) -> None:
@@ -211,10 +212,11 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
     """One size, layout and kernel choice; `overrides`: more config arguments, `report`: see gpu_busy_fraction;
     `seq_len`: one sequence per micro-batch (`shape`), its rows split over `context` ranks (debug.context_parallel)."""
     s = shape(size, seq_len)
-    tokens = s["seqs"] * s["seq_len"]
-    args = ["--target.path", str(root / size / "target"), "--train.data_dir", str(data_dir(root, size, layout, seq_len)),
-            "--train.output_dir", str(root / size / f"out-{layout}-{kernels}"), *kernel_args(kernels),
-            "--train.batch_tokens", str(tokens // context), "--debug.context_parallel", str(context),
+    per_batch = s["seqs"] * s["seq_len"]   # tokens of a micro-batch (of all ranks sharing it)
+    args = ["--target.path", str(root / size / "target"),
+            "--train.data_dir", str(folder(root, size, f"data-{layout}", seq_len)),
+            "--train.output_dir", str(folder(root, size, f"out-{layout}-{kernels}", seq_len)), *kernel_args(kernels),
+            "--train.batch_tokens", str(per_batch // context), "--debug.context_parallel", str(context),
             "--train.eval_fraction", "0",
             "--train.max_steps", str(steps + warmup + 4), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
@@ -245,7 +247,7 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
     busy = gpu_busy_fraction(trainer, batches, label, report) if cuda else float("nan")
     syncs = host_syncs(trainer, next(batches)) if cuda else []
     flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens, not trainer.cfg.experimental.freeze_lm_head)
-    return {"size": size, "layout": layout, "kernels": kernels, "seq_len": s["seq_len"], "tokens_per_batch": tokens,
+    return {"size": size, "layout": layout, "kernels": kernels, "seq_len": s["seq_len"], "tokens_per_batch": per_batch,
             "context_parallel": context, "float8": trainer.float8,
             "float8_head": trainer.float8_head, "world": trainer.dist.world, "step_s": step,
             "tokens_per_s_per_gpu": tokens / step, "mfu": flops / step / 1e12 / tflops if cuda else float("nan"),
@@ -269,8 +271,8 @@ def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path, overr
     if dist.main:
         for size, layout, seq_len in cases:
             write_target(root / size / "target", SIZES[size])
-            write_shards(data_dir(root, size, layout, seq_len), root / size / "target", layout, shape(size, seq_len),
-                         dist.world // groups(seq_len) * (args.steps + args.warmup + 4))
+            write_shards(folder(root, size, f"data-{layout}", seq_len), root / size / "target", layout,
+                         shape(size, seq_len), dist.world // groups(seq_len) * (args.steps + args.warmup + 4))
     dist.barrier()
     tflops = matmul_tflops() if dist.device.type == "cuda" else float("nan")
     results = []

@@ -37,7 +37,8 @@ class RowPlan:
 
 @dataclass(frozen=True)
 class Part:
-    """A context-parallel rank's share of a packed batch of `total` rows (`split`): its rows start at `start`."""
+    """The batch's rows are those of a packed row of `total` rows from `start` on (its cu_seqlens the whole row's):
+    a context-parallel rank's share (`split`), or the rows read for it (`window`)."""
     start: int
     total: int
 
@@ -111,21 +112,28 @@ def pad(batch: Batch, rows: int, longest: int) -> Batch:
                                padding=rows - n)
 
 
+def window(total: int, parts: int, index: int, halo: int) -> tuple[int, int]:
+    """The rows [start, end) of a packed row of `total` rows that `split` part `index` of `parts` reads."""
+    rows = -(-total // parts)
+    return index * rows, min((index + 1) * rows + halo, total)
+
+
 def split(batch: Batch, parts: int, index: int, halo: int) -> Batch:
     """Part `index` of the batch's rows cut into `parts` equal slices, the rows padded first to a multiple of `parts`
     with one-token filler sequences (never trained); its aux states, and `halo` rows more of the per-token fields
-    (the TTT shift reads past a slice's end), read here rather than exchanged; cu_seqlens stays the whole batch's."""
-    T = batch.rows
+    (the TTT shift reads past a slice's end), read here rather than exchanged; cu_seqlens stays the whole batch's.
+    The batch may hold only the rows the part reads (`window`)."""
+    offset, T = (batch.part.start, batch.part.total) if batch.part else (0, batch.rows)
     rows = -(-T // parts)
     total, start = rows * parts, index * rows
     cu = torch.cat([batch.cu_seqlens, torch.arange(T + 1, total + 1, dtype=batch.cu_seqlens.dtype)])
 
-    def window(t: torch.Tensor, end: int) -> torch.Tensor:   # rows start..end of t, zeros past its last
-        piece = t[start:min(end, T)]
+    def take(t: torch.Tensor, end: int) -> torch.Tensor:   # rows start..end of the packed row, zeros past its last
+        piece = t[start - offset:min(end, T) - offset]
         return torch.cat([piece, piece.new_zeros(end - start - piece.shape[0], *t.shape[1:])])
 
     end = min(start + rows + halo, total)
-    fields = {name: window(t, start + rows if name in ("aux_hidden", "aux_scale") else end)
+    fields = {name: take(t, start + rows if name in ("aux_hidden", "aux_scale") else end)
               for name, t in batch.row_tensors().items()}
     return dataclasses.replace(batch, **fields, cu_seqlens=cu, cu_seqlens_host=None, plan=None,
                                part=Part(start, total))

@@ -2,6 +2,7 @@
 epoch, read ahead in a background thread."""
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -40,29 +41,31 @@ def pack(refs: list[SeqRef], budget: int, seed: int | None = None, epoch: int = 
 
 class Prefetcher:
     """Reads micro-batches in order in a background thread, `prepare`d and pinned on CUDA; a `lockstep` reader in
-    the caller's thread (two NCCL communicators driven from two threads can wait on each other across ranks)."""
+    the caller's thread (two NCCL communicators driven from two threads can wait on each other across ranks);
+    `rows`: the rows of each packed micro-batch to read (`ShardReader.read`; context parallel, shards only)."""
 
     def __init__(self, reader: ShardReader, batches: list[list[SeqRef]], depth: int, pin: bool,
-                 prepare: Callable[[Batch], Batch] | None = None, together: int = 1):
+                 prepare: Callable[[Batch], Batch] | None = None, together: int = 1, rows=None):
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        # the reader online takes no `rows` (context parallel is refused there)
+        self._read = reader.read_many if rows is None else functools.partial(reader.read_many, rows=rows)
         # inline, a step's `together` micro-batches are read in one collective and used at once: no pinning
-        self._inline = self._produce(reader, batches, False, prepare, together) if reader.lockstep else None
+        self._inline = self._produce(batches, False, prepare, together) if reader.lockstep else None
         if self._inline is None:
-            self._thread = threading.Thread(target=self._work, args=(reader, batches, pin, prepare), daemon=True)
+            self._thread = threading.Thread(target=self._work, args=(batches, pin, prepare), daemon=True)
             self._thread.start()
 
-    @staticmethod
-    def _produce(reader, batches, pin, prepare, together: int = 1):
+    def _produce(self, batches, pin, prepare, together: int = 1):
         batches = iter(batches)
         while chunk := list(itertools.islice(batches, together)):
-            for batch in reader.read_many(chunk, pin):
+            for batch in self._read(chunk, pin):
                 if prepare is not None:
                     batch = prepare(batch)
                 yield batch.pin_memory() if pin else batch   # what the reader did not pin already
 
-    def _work(self, reader, batches, pin, prepare):
+    def _work(self, batches, pin, prepare):
         try:
-            for batch in self._produce(reader, batches, pin, prepare):
+            for batch in self._produce(batches, pin, prepare):
                 self._queue.put(batch)
             self._queue.put(StopIteration())   # the end, for a consumer that asks once more (one_ahead)
         except Exception as e:  # surfaced in the consumer

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from eagle3.data.batch import Batch
+from eagle3.data.batch import Batch, Part
 from eagle3.data.aux_fp8 import encode_aux_fp8
 from eagle3.data.inputs import Record
 from eagle3.files import make_readable, open_safetensors, read_json, sha256_file, short_of_space, tensor_bytes
@@ -129,20 +129,25 @@ class ShardReader:
             self._handles[shard] = open_safetensors(self.files[shard], DataError, REDO)
         return self._handles[shard]
 
-    def read_many(self, batches: list[list[SeqRef]], pin: bool = False) -> list[Batch]:
-        return [self.read(refs, pin) for refs in batches]
+    def read_many(self, batches: list[list[SeqRef]], pin: bool = False, rows=None) -> list[Batch]:
+        return [self.read(refs, pin, rows) for refs in batches]
 
-    def read(self, refs: list[SeqRef], pin: bool = False) -> Batch:
+    def read(self, refs: list[SeqRef], pin: bool = False, rows=None) -> Batch:
         """`refs` packed into one batch with its own cu_seqlens (fp8 shards add `aux_scale`: `Batch.to` decodes);
-        `pin`: gathered straight from the mapped files into pinned memory, one copy instead of two."""
+        `pin`: gathered straight from the mapped files into pinned memory, one copy instead of two; `rows(T)`: only
+        the packed rows [start, end) it gives are read (a context-parallel rank's, `eagle3.data.batch.window`)."""
         keys = [k for k in self._handle(0).keys() if k != "cu_seqlens"]
+        cu = torch.tensor([0] + [r.length for r in refs], dtype=torch.int64).cumsum(0)
+        T = int(cu[-1])
+        start, end = (0, T) if rows is None else rows(T)
+        pieces = [(r, max(start - o, 0), min(end - o, r.length)) for r, o in zip(refs, cu.tolist())]
+        pieces = [(r, a, b) for r, a, b in pieces if a < b]
         batch = {}
-        for k in keys:
-            parts = [self._handle(r.shard).get_slice(k)[r.start:r.end] for r in refs]   # views of the mapped file
+        for k in keys:   # views of the mapped files
+            parts = [self._handle(r.shard).get_slice(k)[r.start + a:r.start + b] for r, a, b in pieces]
             out = torch.empty(sum(len(p) for p in parts), *parts[0].shape[1:], dtype=parts[0].dtype, pin_memory=pin)
             batch[k] = torch.cat(parts, out=out)
-        batch["cu_seqlens"] = torch.tensor([0] + [r.length for r in refs], dtype=torch.int64).cumsum(0)
-        return Batch(**batch)
+        return Batch(**batch, cu_seqlens=cu, part=None if rows is None else Part(start, T))
 
 
 def check_manifest(manifest: dict, target: TextConfig, aux_ids: list[int], where: Path) -> None:

@@ -5,13 +5,11 @@ heads / c) and back, so the attention kernel runs unchanged over the whole packe
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from eagle3.data.batch import Batch, split
 from eagle3.distributed import Dist
 from eagle3.errors import TrainError
 
@@ -41,13 +39,13 @@ class _AllToAll(torch.autograd.Function):
 class SplitAttention:
     """The run's TTT attention (the signature of kernels.reference.ttt_attention) for a draft whose rows are split over
     a group of `size` ranks: the draft hands it its rows' q, k, v through `to_heads` and takes the output back through
-    `to_rows` (`eagle3.draft.Attention`). Heads go to ranks in contiguous blocks, so GQA's q-to-kv map holds per rank."""
+    `to_rows` (`eagle3.draft.Attention`). Heads go to ranks in contiguous blocks: GQA's q-to-kv map holds per rank."""
     attention: Callable
     size: int
     group: object
 
-    def __call__(self, q, k, v, cu_seqlens=None, **options):   # scale, window
-        return self.attention(q, k, v, cu_seqlens, **options)
+    def __call__(self, *args, **kwargs):   # over all rows of this rank's heads, as in one process
+        return self.attention(*args, **kwargs)
 
     def to_heads(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[L, H_i, D_i] each (this rank's rows, all heads) -> [c·L, H_i / c, D_i] (all rows, this rank's heads)."""
@@ -78,14 +76,15 @@ class Layout:
     def attention(self, attention: Callable) -> Callable:
         return attention if self.size == 1 else SplitAttention(attention, self.size, self.group)
 
-    def splitter(self, steps: int) -> Callable[[Batch], Batch] | None:
-        """This rank's share of a micro-batch, with the K + 1 rows past its slice the TTT shift reads (None: whole)."""
-        return None if self.size == 1 else functools.partial(split, parts=self.size, index=self.index, halo=steps + 1)
+    def share(self, steps: int) -> tuple[int, int, int] | None:
+        """(ranks, index, halo) of this rank's `eagle3.data.batch.split` of a micro-batch, the halo the K + 1 rows past
+        its slice that the TTT shift reads (None: the whole micro-batch)."""
+        return None if self.size == 1 else (self.size, self.index, steps + 1)
 
 
 def layout(size: int, d: Dist, kv_heads: int, heads: int, source: str, online: bool) -> Layout:
-    """The run's `Layout` for debug.context_parallel = `size`, refusing what it cannot split; every rank makes every
-    group (torch.distributed's rule), in the same order."""
+    """The run's `Layout` for debug.context_parallel = `size` (set in `source`), refusing what it cannot split; every
+    rank makes every group (torch.distributed's rule), in the same order."""
     needs = [why for why, bad in ((f"a divisor of the world size ({d.world})", d.world % size),
                                   (f"a divisor of draft.num_key_value_heads ({kv_heads}) and "
                                    f"draft.num_attention_heads ({heads}): each rank attends with whole heads",

@@ -227,7 +227,7 @@ class Trainer:
         self.online = t.source == "online"
         spec = self.resolved.draft_spec
         self.layout = context.layout(cfg.debug.context_parallel, self.dist, spec.num_key_value_heads,
-                                     spec.num_attention_heads, cfg.source, self.online)
+                                     spec.num_attention_heads, cfg.origin("debug.context_parallel"), self.online)
         self.reader = open_reader(cfg, self.target, self.resolved, self.device, say=self.dist.main)
         self.plan, self.eval_refs = data_plan(cfg, self.reader, self.layout, self.resolved.data_dir)
         draft, self.float8, target_rows = build_draft(cfg, self.target, spec, self.reader, self.device,
@@ -258,7 +258,7 @@ class Trainer:
             self.graphed = GraphedStep(functools.partial(self._forward, self.model, training=True), self.device)
         self.feed = Feed(self.reader, self.plan, self.layout.data_rank, self.device, self.float_dtype,
                          self.model.draft.t2d.cpu(), self.unroll, self.eval_unroll, cfg.debug.prefetch,
-                         overlap=self.cuda and not self.online, pad_to=pad_to, split=self.layout.splitter(t.ttt_steps))
+                         overlap=self.cuda and not self.online, pad_to=pad_to, share=self.layout.share(t.ttt_steps))
         self.start_step = self._resume()
         # device_ids=None: DDP moving the inputs would move the host-side boundaries to the device
         self.ddp = self.model if self.dist.world == 1 else nn.parallel.DistributedDataParallel(
@@ -344,7 +344,7 @@ class Trainer:
             refs = batches[first + rank] if first + rank < len(batches) else []
             if not refs and not reader.lockstep:
                 continue
-            batch = reader.read(refs)   # staged online: a collective, so every rank reads, even nothing
+            batch = self.feed.read(refs)   # staged online: a collective, so every rank reads, even nothing
             if batch is not None:
                 metrics += self._forward(self.model, self.feed.on_device(self.feed.prepare(batch, training=False)))[1]
         return summarize(self.dist.all_reduce(metrics))
