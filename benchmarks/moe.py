@@ -1,6 +1,7 @@
 """`python -m benchmarks.moe`: Kimi-K2.5 extraction on one GPU: one real-size MoE layer's
-throughput, and the peak memory of a 4-layer real-width streamed extraction (`--tiny`: the same
-code at toy size on the CPU).
+throughput, the peak memory of a 4-layer real-width streamed extraction, and (`--parts long`) one long
+sequence through those 4 layers at several `debug.chunk_tokens` (`--tiny`: the same code at toy size on
+the CPU).
 
 Weights are random, generated on the device in the layout `DeepseekTarget.load_layer` produces from
 the real checkpoint format (int4 pack-quantized routed experts stacked per layer, bf16 rest, fp32
@@ -26,11 +27,12 @@ from eagle3.ops import rms_norm
 KIMI_MODEL = dict(hidden=7168, heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128,
                   intermediate=18432, moe_intermediate=2048, experts=384, top_k=8, n_group=1, topk_group=1,
                   first_dense=1, vocab=163840, yarn_original=4096, yarn_factor=64.0)
-KIMI = dict(model=KIMI_MODEL, seqs=16, seq_len=4096)
+# `long`: one sequence of that many tokens, run at each of `long_chunks` (debug.chunk_tokens; 0: whole)
+KIMI = dict(model=KIMI_MODEL, seqs=16, seq_len=4096, long=131072, long_chunks=[16384, 65536, 0])
 TINY = dict(model=dict(KIMI_MODEL, hidden=64, heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope=16, qk_rope=8,
                        v_head=16, intermediate=128, moe_intermediate=32, experts=8, top_k=2, vocab=512,
                        yarn_original=128),
-            seqs=2, seq_len=64)
+            seqs=2, seq_len=64, long=256, long_chunks=[64, 0])
 
 
 def kimi_config(s: dict, layers: int):
@@ -179,29 +181,58 @@ def time_layer(model, w: dict, s: dict, device: torch.device, peak: float) -> di
 
 
 def bench_streamed(s: dict, device: torch.device) -> dict:
+    tokens = s["seqs"] * s["seq_len"]
+    ids = torch.randint(0, kimi_config(s, layers=4).vocab_size, (tokens,))
+    elapsed, out, allocated, reserved = streamed_run(s, device, ids, list(range(0, tokens + 1, s["seq_len"])), tokens)
+    assert all(torch.isfinite(out[k].float()).all() for k in ("aux_hidden", "final_hidden"))
+    return {"layers": "1 dense + 3 MoE", "tokens": tokens, "wall_s": elapsed,
+            "peak_allocated_gib": allocated, "peak_reserved_gib": reserved}
+
+
+def streamed_run(s: dict, device: torch.device, ids: torch.Tensor, cu: list[int], chunk_tokens: int):
+    """The 4-layer generated Kimi over ids (sequences `cu`) in chunks of chunk_tokens -> (wall s, the runner's
+    outputs, peak allocated / reserved GiB). Layers are drawn from a fixed seed: every call runs the same ones."""
     cuda = device.type == "cuda"
     ckpt = GeneratedCheckpoint(kimi_config(s, layers=4), device)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    runner = streaming.TargetRunner(ckpt, [1, 2, 3], device, torch.bfloat16, chunk_tokens=s["seqs"] * s["seq_len"])
+    torch.manual_seed(0)   # embedding, head, then the layers as the loader draws them: the same for every call
+    runner = streaming.TargetRunner(ckpt, [1, 2, 3], device, torch.bfloat16, chunk_tokens=chunk_tokens)
     # the runner's model reads layers from its checkpoint; this one makes each layer when the runner loads it
     runner.model = GeneratedKimi(ckpt, device, torch.bfloat16)
-    ids = torch.randint(0, ckpt.config.vocab_size, (s["seqs"] * s["seq_len"],))
-    cu = list(range(0, s["seqs"] * s["seq_len"] + 1, s["seq_len"]))
     elapsed, out = wall_s(lambda: runner.run(ids, cu))
-    assert all(torch.isfinite(out[k].float()).all() for k in ("aux_hidden", "final_hidden"))
     allocated, reserved = (torch.cuda.max_memory_allocated() / 2 ** 30, torch.cuda.max_memory_reserved() / 2 ** 30) \
         if cuda else (float("nan"), float("nan"))
-    return {"layers": "1 dense + 3 MoE", "tokens": s["seqs"] * s["seq_len"], "wall_s": elapsed,
-            "peak_allocated_gib": allocated, "peak_reserved_gib": reserved}
+    return elapsed, out, allocated, reserved
+
+
+def bench_long(s: dict, device: torch.device, tokens: int, chunks: list[int]) -> dict:
+    """One sequence of `tokens` through the 4 layers at each chunk size (0: whole): time, peak memory, and the
+    states against the first size's (bf16: equal up to rounding, the greedy tokens nearly all)."""
+    ids = torch.randint(0, kimi_config(s, layers=4).vocab_size, (tokens,))
+    rows, first = {}, None
+    for chunk in chunks:
+        elapsed, out, allocated, reserved = streamed_run(s, device, ids, [0, tokens], chunk or tokens)
+        first = first or out
+        final, ref = out["final_hidden"].float(), first["final_hidden"].float()
+        rows[str(chunk or "whole")] = {
+            "wall_s": elapsed, "tokens_per_s": tokens / elapsed, "peak_allocated_gib": allocated,
+            "peak_reserved_gib": reserved, "final_rel_err": float((final - ref).norm() / ref.norm()),
+            "argmax_agree": float((out["target_argmax"] == first["target_argmax"]).float().mean())}
+    return {"layers": "1 dense + 3 MoE", "tokens": tokens, "chunk_tokens": rows}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe", description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (smoke test)")
     parser.add_argument("--parts", default="layer,streamed",
-                        help="comma list: layer (one MoE layer's time), streamed (4-layer memory)")
+                        help="comma list: layer (one MoE layer's time), streamed (4-layer memory), long (one long "
+                             "sequence at several chunk sizes)")
+    parser.add_argument("--long-tokens", type=int, default=None, help="the long sequence (default 131072; --tiny 256)")
+    parser.add_argument("--long-chunks", default=None,
+                        help="comma list of debug.chunk_tokens for `long`, 0: the whole sequence at once "
+                             "(default 16384,65536,0; --tiny 64,0)")
     parser.add_argument("--expert-block", type=int, default=deepseek.EXPERT_BLOCK,
                         help="experts dequantized together (eagle3.models.deepseek.EXPERT_BLOCK)")
     args = parser.parse_args(argv)
@@ -211,8 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.tiny:
         require_cuda("benchmarks.moe", "; --tiny runs it at toy size on the CPU")
     parts = args.parts.split(",")
-    if not set(parts) <= {"layer", "streamed"}:
-        parser.error(f"--parts {args.parts}: expected a comma list of layer, streamed")
+    if not set(parts) <= {"layer", "streamed", "long"}:
+        parser.error(f"--parts {args.parts}: expected a comma list of layer, streamed, long")
     s, device = (TINY, torch.device("cpu")) if args.tiny else (KIMI, torch.device("cuda"))
     print(describe_device(), f"expert block {deepseek.EXPERT_BLOCK}")
     with torch.no_grad():
@@ -222,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(bench_layer(s, device, peak), indent=1))
         if "streamed" in parts:
             print(json.dumps(bench_streamed(s, device), indent=1))
+        if "long" in parts:
+            chunks = [int(c) for c in args.long_chunks.split(",")] if args.long_chunks else s["long_chunks"]
+            print(json.dumps(bench_long(s, device, args.long_tokens or s["long"], chunks), indent=1))
 
 
 if __name__ == "__main__":

@@ -65,12 +65,13 @@ class LargestOutput(TorchFunctionMode):
 
 
 def test_a_chunked_sequence_allocates_nothing_larger_than_its_hidden_states(kimi):
-    """1,024 tokens in 128-token chunks: no torch call of the layers returns more than h [T, H] itself (the latent
-    cache is [T, 16 + 8], a chunk's causal mask on the CPU [128, <= T]); the whole-sequence forward does ([T, 128]
-    dense MLP, [T * 2, H] MoE pairs, [T, heads, 24] keys), and one head's [T, T] scores alone would be 16x h."""
+    """768 tokens in 128-token chunks: no torch call of the layers returns more than h [T, H] itself (the latent
+    cache is [T, 16 + 8], a chunk's causal mask on the CPU [128, <= T], the weights of a block of experts 2/3 of h);
+    the whole-sequence forward does ([T, 128] dense MLP, [T * 2, H] MoE pairs, [T, heads, 24] keys), and one head's
+    [T, T] scores alone would be 12x h."""
     model = build_model(Checkpoint(kimi), CPU, torch.float32)
     layers = [(i, model.load_layer(i)) for i in range(model.cfg.num_hidden_layers)]
-    T = 1024
+    T = 768
     h = torch.randn(T, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     peaks = {}
     for chunk in (128, T):
@@ -78,7 +79,7 @@ def test_a_chunked_sequence_allocates_nothing_larger_than_its_hidden_states(kimi
             run_layers(model, layers, h, [0, T], [1, 2, 3], chunk)
         peaks[chunk] = seen.bytes
     assert peaks[128] <= h.nbytes < peaks[T], (peaks, h.nbytes)
-    assert T * T * 4 >= 16 * h.nbytes
+    assert T * T * 4 >= 12 * h.nbytes
 
 
 @pytest.mark.parametrize("setting", ["offline", "stream", "staged"])

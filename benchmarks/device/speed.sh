@@ -23,6 +23,7 @@
 #   fp8    the casts and GEMMs of train.float8 at the step's shapes (python -m benchmarks.float8)
 #   rows   the row spread and RMSNorm kernels against torch's (python -m benchmarks.rows)
 #   moe    the Kimi MoE layer alone
+#   moe-long  one 131,072-token sequence through 4 real-width Kimi layers, chunks of 16,384 / 65,536 / whole
 #   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer
 #   here:  the peer's wheels in .whl/ (see benchmarks/peer/)    there: bash benchmarks/device/speed.sh PART...
 # Compiled graphs travel between calls: every part runs with torch's inductor and Triton caches in
@@ -67,12 +68,13 @@ for part in "$@"; do
     fp8) python3 -m benchmarks.float8 2>&1 | quiet | tee "$out/fp8.txt" ;;
     rows) python3 -m benchmarks.rows 2>&1 | quiet | tee "$out/rows.txt" ;;
     moe) python3 -m benchmarks.moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
+    moe-long) python3 -m benchmarks.moe --parts long 2>&1 | quiet | tee "$out/moe-long.txt" ;;
     sweep) python3 -m benchmarks.attention_sweep --seconds 330 2>&1 | quiet | tee "$out/sweep.txt" ;;
     attention) python3 -m eagle3.bench attention --shapes a,c 2>&1 | quiet | tee "$out/attention.txt" ;;
     kernels)
       { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m benchmarks.moe --parts layer; } \
         2>&1 | quiet | tee "$out/kernels.txt" ;;
-    *) echo "unknown part $part: expected peer, cache, step, step-a, step-b, fp8, rows, moe, sweep, attention or kernels"; exit 2 ;;
+    *) echo "unknown part $part: expected peer, cache, step, step-a, step-b, fp8, rows, moe, moe-long, sweep, attention or kernels"; exit 2 ;;
   esac
 done
 echo "== done $(date +%T)"

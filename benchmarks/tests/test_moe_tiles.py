@@ -61,3 +61,12 @@ def test_each_lab_bench_runs_as_a_module(module):
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith(f"usage: python -m {module}"), out.stderr[-500:]
+
+
+def test_the_long_sequence_bench_runs_chunked_and_whole_on_a_tiny_shape():
+    with torch.no_grad():
+        out = moe.bench_long(moe.TINY, torch.device("cpu"), 64, [16, 0])
+    assert out["tokens"] == 64 and list(out["chunk_tokens"]) == ["16", "whole"]
+    whole = out["chunk_tokens"]["whole"]
+    assert whole["final_rel_err"] < 1e-2 and whole["argmax_agree"] > 0.95   # bf16: the same states, up to rounding
+    assert whole["tokens_per_s"] == pytest.approx(64 / whole["wall_s"])

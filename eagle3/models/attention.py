@@ -57,7 +57,8 @@ def cached_attention(q, k, v, scale=None, window: int = 0):
 class Prefix:
     """One layer's keys of one sequence run a chunk of tokens at a time, in order (`streaming.run_layers`): each
     chunk appends what its tokens leave for the later ones (MLA: the normed latent and the roped k_pe; GQA: k, v)
-    and its queries attend to everything appended so far, causally. Nothing is [T, T] or [T, heads, head_dim]."""
+    and its queries attend to everything appended so far, causally: nothing is [T, T], nor keys of every query
+    head over all T tokens."""
 
     def __init__(self, length: int):
         self.length, self.filled, self.parts = length, 0, None
