@@ -6,8 +6,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3.models.weights import Checkpoint
-from eagle3.models.streaming import build_model, check_tensors, greedy_argmax, run_layers, split_chunks
-from eagle3.ops import rms_norm
+from eagle3.models.streaming import build_model, check_tensors, final_norm, greedy_argmax, run_layers, split_chunks
 
 
 class StagedTarget:
@@ -69,7 +68,7 @@ class StagedTarget:
         h = _join(outs)
         kept.update({("aux", b, i): _join(parts) for i, parts in aux.items()})
         if self.rank == self.world - 1:
-            kept[("final", b, None)] = rms_norm(h, self.norm, self.eps)
+            kept[("final", b, None)] = final_norm(h, self.norm, self.eps, self.chunk_tokens)
             kept[("argmax", b, None)] = greedy_argmax(kept[("final", b, None)], self.head)
         return h
 

@@ -81,11 +81,10 @@ class TargetRunner:
 
     def _run_chunk(self, ids: torch.Tensor, cu: list[int]) -> dict[str, torch.Tensor]:
         h, captured = run_layers(self.model, enumerate(self._layers()), self.embed[ids.to(self.device, torch.long)],
-                                 cu, self.aux_layer_ids, self.chunk_tokens)
-        final = rms_norm(h, self.norm, self.model.cfg.rms_norm_eps)
+                                 cu, self.aux_layer_ids, self.chunk_tokens, to_host=True)
+        final = final_norm(h, self.norm, self.model.cfg.rms_norm_eps, self.chunk_tokens)
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
-        return {"aux_hidden": aux.cpu(), "final_hidden": final.cpu(),
-                "target_argmax": greedy_argmax(final, self.head).cpu()}
+        return {"aux_hidden": aux, "final_hidden": final.cpu(), "target_argmax": greedy_argmax(final, self.head).cpu()}
 
     def _layers(self):
         """Each layer's weights: streamed (the next one loads meanwhile), or the resident ones."""
@@ -105,9 +104,11 @@ class TargetRunner:
             self.resident = loaded
 
 
-def run_layers(model, layers, h: torch.Tensor, cu: list[int], aux_layer_ids: list[int], chunk_tokens: int):
-    """h [T, H] of packed sequences `cu` through `layers` ((i, weights) pairs) -> (h, {aux layer i: h}); one
-    sequence longer than chunk_tokens (`split_chunks` puts it alone) runs chunk_tokens tokens at a time per layer."""
+def run_layers(model, layers, h: torch.Tensor, cu: list[int], aux_layer_ids: list[int], chunk_tokens: int,
+               to_host: bool = False):
+    """h [T, H] of packed sequences `cu` through `layers` ((i, weights) pairs) -> (h, {aux layer i: h}), the aux
+    states copied to the host as they come if `to_host`; one sequence longer than chunk_tokens (`split_chunks`
+    puts it alone) runs chunk_tokens tokens at a time per layer."""
     cu_t = torch.tensor(cu).to(h.device, non_blocking=True)   # no wait for the queued work
     positions = positions_from_cu_seqlens(cu_t, h.shape[0])
     long = len(cu) == 2 and h.shape[0] > chunk_tokens
@@ -116,7 +117,7 @@ def run_layers(model, layers, h: torch.Tensor, cu: list[int], aux_layer_ids: lis
         h = (chunked_layer(model, weights, h, positions, chunk_tokens) if long
              else model.layer_forward(weights, h, positions, cu_t))
         if i in aux_layer_ids:
-            captured[i] = h
+            captured[i] = h.cpu() if to_host else h
     return h, captured
 
 
@@ -127,6 +128,14 @@ def chunked_layer(model, weights, h: torch.Tensor, positions: torch.Tensor, chun
     for a in range(0, h.shape[0], chunk):
         b = min(a + chunk, h.shape[0])
         out[a:b] = model.layer_forward(weights, h[a:b], positions[a:b], None, cache=prefix)
+    return out
+
+
+def final_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, rows: int) -> torch.Tensor:
+    """rms_norm of h [T, H], `rows` tokens at a time: its fp32 temporaries stay chunk-sized."""
+    out = torch.empty_like(h)
+    for a in range(0, h.shape[0], rows):
+        out[a:a + rows] = rms_norm(h[a:a + rows], weight, eps)
     return out
 
 
