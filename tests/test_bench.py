@@ -67,17 +67,20 @@ def test_train_step_bench_under_torchrun_ends_with_the_same_weights_on_both_rank
 
 @pytest.mark.slow
 def test_the_step_bench_splits_a_long_sequence_over_the_ranks(tmp_path):
-    """--seq-lens: one sequence per micro-batch, its rows split over both ranks (context parallel)."""
+    """--seq-lens: one sequence per micro-batch, split over length / --tokens-per-rank ranks (context parallel):
+    256 tokens on each rank alone, 512 over both."""
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
-                          "eagle3.bench", "--tiny", "--seq-lens", "512", "--kernels", "torch", "--layouts",
-                          "a", "--steps", "1", "--warmup", "1", "--dir", str(tmp_path), "--json",
+                          "eagle3.bench", "--tiny", "--seq-lens", "256,512", "--tokens-per-rank", "256", "--kernels",
+                          "torch", "--layouts", "a", "--steps", "1", "--warmup", "1", "--dir", str(tmp_path), "--json",
                           str(tmp_path / "r.jsonl")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    (r,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
-    assert (r["seq_len"], r["tokens_per_batch"], r["context_parallel"], r["world"]) == (512, 512, 2, 2)
-    assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(256)   # each rank's half of the rows
-    assert r["same_weights_on_all_ranks"] is True and r["first_step_loss"][0] > 0
-    assert f"| {r['first_step_loss'][0]:.4f} | 512 | 2 |" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [(r["seq_len"], r["tokens_per_batch"], r["context_parallel"], r["world"]) for r in rows] == \
+        [(256, 256, 1, 2), (512, 512, 2, 2)]
+    for r in rows:   # each rank's share of the rows, 256 either way
+        assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(256)
+        assert r["same_weights_on_all_ranks"] is True and r["first_step_loss"][0] > 0
+        assert f"| {r['first_step_loss'][0]:.4f} | {r['seq_len']} | {r['context_parallel']} |" in out.stdout
 
 
 def test_references_evaluation_and_decoding_import_without_triton():

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from eagle3.data.batch import Batch, split
+from eagle3.data.batch import Batch, RowRule, split
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.training.context import SplitAttention
-from eagle3.ttt import plan_rows, ttt_forward
+from eagle3.ttt import Objective, plan_rows, ttt_forward
 from kernels.reference import ttt_attention, ttt_loss_steps
 
 STEPS = 3
@@ -42,10 +42,22 @@ def draft_and_inputs():
     return draft, torch.randn(40, 16, generator=g), torch.randn(24, 16, generator=g), batch
 
 
-def run(draft, batch, embed, head, attention):
-    """Loss, metric sums and the parameters' gradients of one micro-batch, dead rows skipped as in training."""
-    batch = dataclasses.replace(batch, plan=plan_rows(batch, STEPS, draft.t2d))
-    loss, metrics, _ = ttt_forward(draft, batch, embed, head, STEPS, attention, ttt_loss_steps)
+# (skip_dead_rows, the objective): the defaults' dead rows skipped, or every row computed and prompt rows trained
+VARIANTS = {"skip": (True, Objective()), "every-row": (False, Objective(RowRule(prompt=True), loss="kl"))}
+
+
+def run(variant, split_over=None):
+    """Loss, metric sums and the parameters' gradients of the micro-batch (or of this rank's part of it, split over
+    the default group of `split_over` ranks), with the row plan as training makes it."""
+    draft, embed, head, batch = draft_and_inputs()
+    attention = ttt_attention
+    if split_over:
+        batch = split(batch, split_over, dist.get_rank(), halo=STEPS + 1)
+        attention = SplitAttention(ttt_attention, split_over, dist.group.WORLD)
+    skip, objective = VARIANTS[variant]
+    batch = dataclasses.replace(batch, plan=plan_rows(batch, STEPS, draft.t2d, skip, objective.rows))
+    loss, metrics, _ = ttt_forward(draft, batch, embed, head, STEPS, attention, ttt_loss_steps,
+                                   skip_dead_rows=skip, objective=objective)
     loss.backward()
     return loss.detach(), metrics, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
@@ -54,10 +66,8 @@ def rank_main(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)   # a forked process must not use its parent's OpenMP pool (as DataLoader's workers)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        draft, embed, head, batch = draft_and_inputs()
-        part = split(batch, world, rank, halo=STEPS + 1)
-        torch.save(run(draft, part, embed, head, SplitAttention(ttt_attention, world, dist.group.WORLD)),
-                   f"{out}/rank{rank}.pt")
+        for variant in VARIANTS:
+            torch.save(run(variant, world), f"{out}/{variant}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -79,13 +89,13 @@ def ranks_out(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("world", [2, 4])
-def test_gradients_of_a_sequence_split_over_ranks_equal_one_process(ranks_out, world):
+def test_gradients_of_a_sequence_split_over_ranks_equal_one_process(ranks_out, world, variant):
     """Each rank trains its slice of the packed row (the TTT shift's halo read from the data, attention by all-to-all
     over heads): the ranks' losses, metric sums and gradients add up to the single-process ones on the whole row."""
-    draft, embed, head, batch = draft_and_inputs()
-    loss, metrics, grads = run(draft, batch, embed, head, ttt_attention)
-    parts = [torch.load(ranks_out / str(world) / f"rank{r}.pt") for r in range(world)]
+    loss, metrics, grads = run(variant)
+    parts = [torch.load(ranks_out / str(world) / f"{variant}-{r}.pt") for r in range(world)]
     torch.testing.assert_close(sum(p[0] for p in parts), loss)
     torch.testing.assert_close(sum(p[1] for p in parts), metrics)
     assert metrics[:, 1].min() > 0   # every step trains rows

@@ -714,8 +714,8 @@ def test_generate_refuses_changed_settings_and_skips_a_finished_run(tmp_path, ll
 
     # a finished output is not overwritten by other settings either; on the command line: one line
     cmd = [sys.executable, "-m", "eagle3", "generate", "--config", str(ROOT / "config.toml")]
-    for key, value in {**base, "target.path": llama_target, "data.path": token_data,
-                       "generate.max_new_tokens": 7}.items():
+    for key, value in {**base, "target.path": llama_target, "data.path": token_data, "generate.max_new_tokens": 7,
+                       "data.max_seq_len": 4096}.items():   # make_config's default (config.toml's: 2048)
         cmd += [f"--{key}", str(value)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr

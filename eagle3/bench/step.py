@@ -264,10 +264,18 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
 def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path, overrides: list[str] = (),
              report=None) -> tuple[list[dict], float]:
     """Our step at each size, layout, kernel choice and sequence length asked for -> (rows, printed and --json'd; the
-    bf16 rate). A sequence length splits each sequence over all ranks (context parallel); else each rank trains its own
-    micro-batch of the size's sequences."""
+    bf16 rate). A sequence length splits each sequence over all ranks, or over length / --tokens-per-rank of them
+    (context parallel); else each rank trains its own micro-batch of the size's sequences."""
     cases = [(size, layout, seq_len) for size in args.sizes for layout in args.layouts for seq_len in args.seq_lens]
-    groups = lambda seq_len: 1 if seq_len is None else dist.world   # noqa: E731 (ranks per micro-batch)
+
+    def groups(seq_len: int | None) -> int:   # ranks per micro-batch
+        per_rank = args.tokens_per_rank or (seq_len or 0) // dist.world
+        ranks = 1 if seq_len is None else max(1, seq_len // max(per_rank, 1))
+        if dist.world % ranks or (seq_len or 0) % ranks:
+            raise SystemExit(f"error: --seq-lens {seq_len}: {ranks} ranks per sequence must divide the world size "
+                             f"({dist.world}) and the sequence")
+        return ranks
+
     if dist.main:
         for size, layout, seq_len in cases:
             write_target(root / size / "target", SIZES[size])
@@ -298,6 +306,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-lens", default="", help="comma list of tokens per sequence (e.g. 16384,32768,65536,"
                         "131072): each micro-batch one sequence, split over all ranks (debug.context_parallel = the "
                         "world size), instead of the size's batch of sequences")
+    parser.add_argument("--tokens-per-rank", type=int, default=None,
+                        help="with --seq-lens: each sequence over length / this many ranks (e.g. 16384: 16k on "
+                             "1 rank, 128k on 8), the others training other sequences; default: all ranks")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="--sizes tiny (CPU smoke test)")

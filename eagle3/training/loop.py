@@ -43,7 +43,7 @@ class Unroll:
     embed: torch.Tensor        # the target's frozen embedding [V_t, H], in the compute dtype
     head_rows: torch.Tensor    # the target's lm_head rows of the draft vocab [V_d, H]
     steps: int                 # train.ttt_steps, K
-    attention: Callable        # kernel_choice.Kernels
+    attention: Callable        # kernel_choice.Kernels' (context parallel: in a context.SplitAttention)
     loss_steps: Callable
     decay: float               # train.loss_decay
     skip_dead_rows: bool       # debug.skip_dead_rows
