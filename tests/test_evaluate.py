@@ -601,9 +601,14 @@ def test_real_decoding_at_a_serving_temperature(llama_run, mode):
     ours, theirs = real_decoding(cfg, checkpoint), real_decoding(cfg, export)
     assert (ours["temperature"], ours["top_p"], ours["draft_sampling"], ours["seeds"]) == (1.0, 0.95, mode, [0, 1, 2])
     assert "mismatches" not in ours                        # no token-for-token reference when sampling
-    for key in ("real_accept_len", "accept_len_per_request", "per_position_acceptance", "rounds", "per_seed"):
+    for key in ("real_accept_len", "accept_len_per_request", "per_position_acceptance", "rounds", "per_seed", "by_depth"):
         assert ours[key] == theirs[key], key
     per_seed = ours["per_seed"]
+    for s in per_seed:   # by depth at T > 0: each seed's rounds all in the buckets, the mean beside its spread
+        assert sum(b["rounds"] for b in s["by_depth"]) == s["rounds"]
+    near = ours["by_depth"][0]
+    assert near["real_accept_len"] == pytest.approx(sum(s["by_depth"][0]["real_accept_len"] for s in per_seed) / 3)
+    assert near["real_accept_len_sd"] > 0 and len(near["per_position_acceptance_sd"]) == 3
     assert len({s["real_accept_len"] for s in per_seed}) == 3 and ours["real_accept_len_sd"] > 0
     values = torch.tensor([s["real_accept_len"] for s in per_seed], dtype=torch.float64)
     assert ours["real_accept_len"] == pytest.approx(values.mean().item())
