@@ -119,7 +119,7 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
 
 
 def write_report(report: dict, out: Path, checkpoint_dir: str | Path | None = None) -> list[Path]:
-    """`out` as JSON and its plot beside it (an estimate's with the checkpoint's training curves) -> the files written."""
+    """`out` as JSON and its plot beside it (an estimate's with the checkpoint's training curves) -> files written."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(strict_json(report, indent=1))
     metrics = None
@@ -206,7 +206,8 @@ def by_depth(decoded: list[Decoded], buckets: list[tuple[int, int | None]], k: i
     for lo, hi in buckets:
         inside = [(a, n) for depth, a, n in rounds if lo <= depth and (hi is None or depth < hi)]
         gained, drafts = [a for a, _ in inside], [n for _, n in inside]
-        out.append({"depth": [lo, hi], "label": depth_label(lo, hi), **pooled(gained, drafts, k), "tokens": sum(gained)})
+        out.append({"depth": [lo, hi], "label": depth_label(lo, hi), **pooled(gained, drafts, k),
+                    "tokens": sum(gained)})
     return out
 
 

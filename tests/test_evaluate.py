@@ -572,7 +572,7 @@ def test_cli_evaluate_end_to_end(llama_run, tmp_path, capsys):
     png = importlib.util.find_spec("matplotlib") is not None             # the plot too, named (issue 51)
     written = f"{checkpoint / 'eval.json'}" + (f" and {checkpoint / 'eval.png'}" if png else "")
     assert out[1] == f"wrote {written} (inside the checkpoint: deleted with it by checkpoint rotation, " \
-                     f"train.keep_checkpoints; --out FILE keeps {'them' if png else 'it'} elsewhere)"   # issue 46, row 5
+                     f"train.keep_checkpoints; --out FILE keeps {'them' if png else 'it'} elsewhere)"   # issue 46 row 5
     assert summary["accept_len_by_depth"] == {b["label"]: b["real_accept_len"] for b in saved["by_depth"]}
     assert list(summary["rounds_by_depth"]) == ["<2k", "2k-8k"] and summary["rounds_by_depth"]["<2k"] == saved["rounds"]
     accepted = decode_directly(cfg, checkpoint, 3)
@@ -601,7 +601,8 @@ def test_real_decoding_at_a_serving_temperature(llama_run, mode):
     ours, theirs = real_decoding(cfg, checkpoint), real_decoding(cfg, export)
     assert (ours["temperature"], ours["top_p"], ours["draft_sampling"], ours["seeds"]) == (1.0, 0.95, mode, [0, 1, 2])
     assert "mismatches" not in ours                        # no token-for-token reference when sampling
-    for key in ("real_accept_len", "accept_len_per_request", "per_position_acceptance", "rounds", "per_seed", "by_depth"):
+    for key in ("real_accept_len", "accept_len_per_request", "per_position_acceptance", "rounds", "per_seed",
+                "by_depth"):
         assert ours[key] == theirs[key], key
     per_seed = ours["per_seed"]
     for s in per_seed:   # by depth at T > 0: each seed's rounds all in the buckets, the mean beside its spread

@@ -171,12 +171,14 @@ def test_the_long_variant_trains_whole_and_windowed_drafts_on_the_same_tokens(lo
              for kind, name in quality.LONG_DATA.items()}
     assert len(lines["whole"]) == r.train_prompts and {len(x["input_ids"]) for x in lines["whole"]} == {r.long_len}
     assert max(len(x["input_ids"]) for x in lines["short"]) == r.window + 1     # the window and the token before it
-    trained = {kind: [t for x in rows for t, m in zip(x["input_ids"], x["loss_mask"]) if m] for kind, rows in lines.items()}
+    trained = {kind: [t for x in rows for t, m in zip(x["input_ids"], x["loss_mask"]) if m]
+               for kind, rows in lines.items()}
     assert trained["whole"] == trained["short"]                                 # the same tokens, in the same order
     for name, hidden in (("whole", "hidden"), ("short", "hidden-short")):
         manifest = json.loads((long_work / hidden / "manifest.json").read_text())
         assert manifest["source"]["path"].endswith(quality.LONG_DATA[name]), manifest["source"]
-    prompts = [len(json.loads(line)["input_ids"]) for line in (long_work / quality.LONG_PROMPTS).read_text().splitlines()]
+    prompts = [len(json.loads(line)["input_ids"])
+               for line in (long_work / quality.LONG_PROMPTS).read_text().splitlines()]
     assert prompts == [r.prompt_len] * 3 + [2 * r.window, (2 * r.window + r.seq_len - r.eval_new_tokens) // 2,
                                             r.seq_len - r.eval_new_tokens]
 
