@@ -409,8 +409,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def our_config(r: Recipe, work: Path, run_dir: Path, overrides: dict | None = None):
     """The recipe as our config: same epochs, K, decay, lr, batch tokens, draft vocab as the peer."""
     from eagle3 import config as config_mod
-    base = {"target.path": work / "target", "data.path": work / (LONG_DATA["whole"] if r.long_len else DATA["greedy"]),
-            "data.max_seq_len": max(4096, r.long_len),
+    long = {"data.path": work / LONG_DATA["whole"], "data.max_seq_len": r.long_len} if r.long_len else {}
+    base = {"target.path": work / "target", "data.path": work / DATA["greedy"], **long,
             "extract.output_dir": work / "hidden", "vocab.draft_vocab_size": r.draft_vocab,
             "train.output_dir": run_dir, "train.max_steps": 0, "train.epochs": r.epochs,
             "train.ttt_steps": r.ttt_steps, "train.loss_decay": r.loss_decay, "train.lr": r.lr,
