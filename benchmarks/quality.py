@@ -22,9 +22,15 @@ and its data are built once and carried to the calls that train and measure):
   sampling at the serving temperature and top_p with greedy and with probabilistic draft proposals,
   over `eval_seeds` seeds (mean and standard deviation).
 
+`--long` runs the long-context variant in a work directory of its own: the target trained at 8k positions
+(`seq_len`), draft data of corpus windows of `long_len` tokens trained whole (`whole`) or as the same tokens
+cut into `window`-token pieces (`short`; the peer takes either with `--data whole|short`), judged by depth
+(`depth_edges`) on short prompts and on deep ones spread over the target's context.
+
     python -m benchmarks.quality --work runs/quality --stages target,data
     python -m benchmarks.quality --work runs/quality --stages ours,peer,measure --peer-script benchmarks/peer/speculators_quality.py
     python -m benchmarks.quality --tiny --work /tmp/q      # the same code at toy size on the CPU
+    python -m benchmarks.quality --long --work runs/quality-long --stages target,data,ours,measure
 """
 from __future__ import annotations
 
@@ -90,12 +96,19 @@ class Recipe:
     lr: float = 3e-3                  # the peer's best of 1e-3, 3e-3, 1e-2 (ours: 6e-3 > 3e-3 > 1e-3)
     batch_tokens: int = 16384
     eval_fraction: float = 0.02       # the peer trains on 98% of the sequences
+    long_len: int = 0                 # > 0: the long-context variant, draft data of whole sequences this long
+    window: int = 512                 # the long variant's short windows (the same tokens as the whole sequences)
 
 
 TINY = Recipe(max_files=40, vocab=384, hidden=64, layers=8, heads=1, kv_heads=1, intermediate=128, seq_len=64,
               batch_seqs=8, target_steps=20, prompt_len=24, reply_len=16, train_prompts=40, eval_prompts=4,
               eval_new_tokens=12, eval_seeds=2, generate_batch=16, draft_vocab=128, epochs=1, batch_tokens=512,
               lr=3e-4, holdout_every=5)
+# the long-context variant (`--long`): a target trained at 8k positions, 240 corpus windows of 8k tokens (1.97M, as
+# the base's draft data) trained whole or as 512-token windows, judged on short and deep prompts
+LONG = dataclasses.replace(Recipe(), seq_len=8192, batch_seqs=8, long_len=8192, train_prompts=240, eval_prompts=64)
+TINY_LONG = dataclasses.replace(TINY, seq_len=128, batch_seqs=4, long_len=128, window=16, train_prompts=8,
+                                prompt_len=6, eval_prompts=6, eval_new_tokens=8)
 
 
 # --- corpus and tokenizer ----------------------------------------------------------------------
@@ -218,7 +231,7 @@ def hf_config(r: Recipe, eos: int) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": r.hidden,
             "intermediate_size": r.intermediate, "num_hidden_layers": r.layers, "num_attention_heads": r.heads,
             "num_key_value_heads": r.kv_heads, "head_dim": r.hidden // r.heads, "vocab_size": r.vocab,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": max(2048, r.seq_len),
             "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
             "bos_token_id": eos, "eos_token_id": eos, "attention_bias": False, "mlp_bias": False}
 
@@ -312,6 +325,8 @@ DATA = {"greedy": "regen.jsonl", "sampled": "regen-sampled.jsonl"}   # the repli
 def build_data(r: Recipe, work: Path, device: str) -> dict:
     """Prompts, and their replies decoded by the target twice: greedily and at the serving temperature."""
     from eagle3 import generate
+    if r.long_len:
+        return build_long_data(r, work)
     ids = torch.load(work / "corpus_ids.pt")
     draft_files, judge_files = split_files(r, ids)
     g = random.Random(r.seed)
@@ -334,6 +349,40 @@ def build_data(r: Recipe, work: Path, device: str) -> dict:
 
 
 THINKING = "thinking.jsonl"   # the greedy replies as chat lines with reasoning
+LONG_DATA = {"whole": "long.jsonl", "short": "short.jsonl"}   # the long variant's draft data, by how it is cut
+LONG_PROMPTS = "prompts-long.jsonl"
+
+
+def data_files(r: Recipe) -> list[str]:
+    """What the data stage writes."""
+    return [*LONG_DATA.values(), LONG_PROMPTS] if r.long_len else [*DATA.values(), THINKING]
+
+
+def build_long_data(r: Recipe, work: Path) -> dict:
+    """The long variant's data, corpus text (a target's own replies thousands of tokens long would be a tiny model
+    repeating itself; the draft learns the target's distribution on any text): `train_prompts` windows of `long_len`
+    tokens trained whole, the same windows cut into pieces of `window` trained tokens (each piece also holds the token
+    before its first, unmasked, so both train exactly the same tokens), and judging prompts from the held-out files,
+    half short (`prompt_len`), half deep (spread up to the target's context less the tokens decoded)."""
+    ids = torch.load(work / "corpus_ids.pt")
+    draft_files, judge_files = split_files(r, ids)
+    g = random.Random(r.seed)
+    whole = windows(draft_files, r.train_prompts, r.long_len, g)
+    _write_jsonl(work / LONG_DATA["whole"], [{"input_ids": w, "loss_mask": [0] + [1] * (len(w) - 1)} for w in whole])
+    pieces = [w[max(0, a - 1):a + r.window] for w in whole for a in range(0, len(w), r.window)]
+    _write_jsonl(work / LONG_DATA["short"], [{"input_ids": p, "loss_mask": [0] + [1] * (len(p) - 1)} for p in pieces])
+    short, deep = r.eval_prompts // 2, r.eval_prompts - r.eval_prompts // 2
+    lo, hi = 2 * r.window, r.seq_len - r.eval_new_tokens
+    depths = [r.prompt_len] * short + [lo + (hi - lo) * i // max(1, deep - 1) for i in range(deep)]
+    prompts = [w for n in depths for w in windows(judge_files, 1, n, g)]
+    _write_jsonl(work / LONG_PROMPTS, [{"input_ids": w} for w in prompts])
+    return {"sequences": len(whole), "short_pieces": len(pieces), "tokens": len(whole) * r.long_len,
+            "judging_prompts": len(prompts), "prompt_depths": depths}
+
+
+def depth_edges(r: Recipe) -> list[int]:
+    """The long variant's depth buckets: within the short drafts' window, past it, the target's last half."""
+    return sorted({r.window, r.seq_len // 4, r.seq_len // 2})
 
 
 def thinking_lines(work: Path) -> list[dict]:
@@ -360,7 +409,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def our_config(r: Recipe, work: Path, run_dir: Path, overrides: dict | None = None):
     """The recipe as our config: same epochs, K, decay, lr, batch tokens, draft vocab as the peer."""
     from eagle3 import config as config_mod
-    base = {"target.path": work / "target", "data.path": work / "regen.jsonl",
+    long = {"data.path": work / LONG_DATA["whole"], "data.max_seq_len": r.long_len} if r.long_len else {}
+    base = {"target.path": work / "target", "data.path": work / DATA["greedy"], **long,
             "extract.output_dir": work / "hidden", "vocab.draft_vocab_size": r.draft_vocab,
             "train.output_dir": run_dir, "train.max_steps": 0, "train.epochs": r.epochs,
             "train.ttt_steps": r.ttt_steps, "train.loss_decay": r.loss_decay, "train.lr": r.lr,
@@ -384,6 +434,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
         raise SystemExit(f"error: --variant {text!r}: expected name:section.key=value,...")
     return name, dict(pairs)
 
+
+# the long variant's drafts: whole sequences (the base data), the same tokens in short windows; a window-attention
+# arm is one more, once the draft has the key: "window:draft.sliding_window=512"
+LONG_VARIANTS = ["whole", f"short:data.path={{work}}/{LONG_DATA['short']}"]
 
 # a variant that changes one of these changes the hidden states: it gets shards of its own
 EXTRACTION_KEYS = ("target.", "data.", "extract.")
@@ -442,21 +496,23 @@ def run_ours(r: Recipe, work: Path, variants: list[str], device: str) -> dict:
 def run_peer(r: Recipe, work: Path, script: Path, variant: str | None = None) -> dict:
     """The peer on the recipe, into `peer/`; a variant "name:--flag ..." passes its flags to the peer's
     script and trains into `peer-name/` (e.g. `lkh:--loss-fn lk_hybrid`, `eagle31:--eagle31`), but
-    `--data sampled` (or `greedy`, the default), which picks the replies it trains on."""
+    `--data sampled` (or `greedy`, the default), which picks the replies it trains on (the long variant:
+    `whole`, the default, or `short`)."""
     name, _, flags = (variant or "").partition(":")
     if flags and not name:
         raise SystemExit(f"error: --peer-variant {variant!r}: flags need a name (name:--flag ...)")
     label = f"peer-{name}" if name else "peer"
     if (work / label / "config.json").exists():
         return {}
-    flags, data = flags.split(), "greedy"
+    choices = LONG_DATA if r.long_len else DATA
+    flags, data = flags.split(), next(iter(choices))
     if "--data" in flags:
         at = flags.index("--data")
         data = flags[at + 1] if at + 1 < len(flags) else ""
-        if data not in DATA:
-            raise SystemExit(f"error: --peer-variant {variant!r}: --data takes one of {', '.join(DATA)}")
+        if data not in choices:
+            raise SystemExit(f"error: --peer-variant {variant!r}: --data takes one of {', '.join(choices)}")
         del flags[at:at + 2]
-    cmd = [sys.executable, str(script), str(work / "target"), str(work / DATA[data]), str(work / label),
+    cmd = [sys.executable, str(script), str(work / "target"), str(work / choices[data]), str(work / label),
            "--epochs", str(r.epochs), "--ttt-steps", str(r.ttt_steps), "--draft-vocab", str(r.draft_vocab),
            "--lr", str(r.lr), "--decay", str(r.loss_decay), "--batch-tokens", str(r.batch_tokens),
            "--work", str(work / f"{label}_run"), *flags]
@@ -491,12 +547,15 @@ SETTINGS = {  # how each draft is judged: name -> the [evaluate] sampling keys
                                 "evaluate.draft_sampling": "probabilistic", "evaluate.seeds": r.eval_seeds},
 }
 KEPT = ("real_accept_len", "real_accept_len_sd", "accept_len_per_request", "accept_len_per_request_sd",
-        "per_position_acceptance", "rounds", "mismatches", "prompts", "new_tokens", "seeds")
+        "per_position_acceptance", "rounds", "mismatches", "prompts", "new_tokens", "seeds", "by_depth")
 
 
 def measure(r: Recipe, work: Path, device: str, settings: list[str]) -> dict:
-    """Real decoding of every draft under each judging setting, into eval-<draft>-<setting>.json."""
+    """Real decoding of every draft under each judging setting, into eval-<draft>-<setting>.json; the long
+    variant's on its short and deep prompts, by depth (`depth_edges`)."""
     from eagle3.evaluate import real_decoding
+    prompts = work / (LONG_PROMPTS if r.long_len else "prompts.jsonl")
+    edges = {"debug.evaluate_depth_edges": json.dumps(depth_edges(r))} if r.long_len else {}
     results = {}
     for name, path in drafts(work).items():
         bench = path / "bench.json" if name.startswith("peer") else path.parent.parent / "bench.json"
@@ -505,8 +564,8 @@ def measure(r: Recipe, work: Path, device: str, settings: list[str]) -> dict:
             cfg = our_config(r, work, work / "unused", {"debug.evaluate_device": device, "debug.evaluate_dtype": "float32",
                                                         "evaluate.max_new_tokens": r.eval_new_tokens,
                                                         "evaluate.k": r.ttt_steps, "debug.evaluate_batch_size": r.eval_prompts,
-                                                        **SETTINGS[setting](r)})
-            report = real_decoding(cfg, path, work / "prompts.jsonl", out=work / f"eval-{name}-{setting}.json")
+                                                        **edges, **SETTINGS[setting](r)})
+            report = real_decoding(cfg, path, prompts, out=work / f"eval-{name}-{setting}.json")
             results[name][setting] = {k: report[k] for k in KEPT if k in report}
     return results
 
@@ -532,10 +591,26 @@ def table(results: dict) -> str:
             cells += [f"{x['real_accept_len']:.3f}{sd}{lossless}",
                       f"{x['real_accept_len'] / best[s]:.3f}" if best[s] else "-"]
         first = m.get(settings[0], {}) if settings else {}
-        positions = " ".join(f"{a:.2f}" for a in first.get("per_position_acceptance", []))
+        positions = " ".join(f"{a:.2f}" for a in first.get("per_position_acceptance") or [])
         train = m.get("train_s") or m.get("peer_train_s")
         seconds = (f"{train:.0f}" + (" (resumed)" if m.get("resumed_from") else "")) if train else "-"
         lines.append(f"| {name} | {' | '.join(cells)} | {positions} | {seconds} |")
+    return "\n".join(lines)
+
+
+def depth_table(results: dict) -> str:
+    """Real tau per draft, judging setting and depth bucket (mean ± sd over seeds when sampled), with the rounds."""
+    settings = [s for s in SETTINGS if any(s in m and m[s].get("by_depth") for m in results.values())]
+    if not settings:
+        return ""
+    labels = [b["label"] for b in next(m[s] for m in results.values() for s in settings if s in m)["by_depth"]]
+    lines = [f"| draft | setting | {' | '.join(labels)} |", "|---|---|" + "---:|" * len(labels)]
+    for name, m in results.items():
+        for s in (s for s in settings if s in m):
+            cells = [("-" if b["real_accept_len"] is None else f"{b['real_accept_len']:.3f}"
+                      + (f" ± {b['real_accept_len_sd']:.3f}" if b.get("real_accept_len_sd") else "")
+                      + f" ({b['rounds']:.0f})") for b in m[s]["by_depth"]]
+            lines.append(f"| {name} | {s} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -578,6 +653,10 @@ def main(argv: list[str] | None = None) -> None:
                              "then speculative sampling at the serving temperature with each proposal kind)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
+    parser.add_argument("--long", action="store_true",
+                        help="the long-context variant: a target trained at 8k positions, drafts trained on whole 8k "
+                             "sequences (variant whole) or the same tokens as 512-token windows (short), judged by "
+                             "depth on short and deep prompts (use a --work of its own)")
     parser.add_argument("--recipe", action="append", default=[],
                         help="change one Recipe field, key=value (e.g. train_prompts=3072); repeatable")
     args = parser.parse_args(argv)
@@ -587,7 +666,8 @@ def main(argv: list[str] | None = None) -> None:
     judge = [s for s in args.judge.split(",") if s]
     if unknown := set(judge) - set(SETTINGS):
         parser.error(f"unknown judging settings {sorted(unknown)}; expected {', '.join(SETTINGS)}")
-    r = with_changes(TINY if args.tiny else Recipe(), args.recipe)
+    r = with_changes({(False, False): Recipe(), (True, False): TINY, (False, True): LONG,
+                      (True, True): TINY_LONG}[args.tiny, args.long], args.recipe)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
@@ -601,15 +681,17 @@ def main(argv: list[str] | None = None) -> None:
     new: dict = {"recipe": dataclasses.asdict(r)}
     if "target" in stages and not (work / "target" / "config.json").exists():
         new["target"] = build_target(r, work, torch.device(device))
-    if "data" in stages and not all((work / f).exists() for f in [*DATA.values(), THINKING]):
+    if "data" in stages and not all((work / f).exists() for f in data_files(r)):
         new["data"] = build_data(r, work, device)
     if "ours" in stages:
-        new["ours"] = run_ours(r, work, args.variant or ["base"], device)
+        named = {v.partition(":")[0]: v for v in LONG_VARIANTS} if r.long_len else {}   # `--variant short` alone
+        new["ours"] = run_ours(r, work, [named.get(v, v) for v in args.variant or named] or ["base"], device)
     if "peer" in stages:
         new["peer"] = run_peer(r, work, Path(args.peer_script), args.peer_variant)
     if "measure" in stages:
         new["results"] = measure(r, work, device, judge)
         print(table(new["results"]))
+        print(depth_table(new["results"]))
     with locked(work):   # merged into what processes beside this one wrote meanwhile
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         for key, value in new.items():

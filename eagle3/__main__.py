@@ -98,11 +98,15 @@ def evaluate_command(args, overrides: list[str]) -> None:
                              for x in (f"--evaluate.{key}", value)]
     ours = (Path(args.checkpoint) / STATE).exists()
     cfg = checkpoint_config(args, overrides) if ours else config_mod.load(args.config or "config.toml", overrides)
-    report, out = run(cfg, args.checkpoint, args.out)
-    print(strict_json({k: report[k] for k in SUMMARY_KEYS if k in report}))
+    report, written = run(cfg, args.checkpoint, args.out)
+    summary = {k: report[k] for k in SUMMARY_KEYS if k in report}
+    for key, figure in (("accept_len_by_depth", "real_accept_len"), ("rounds_by_depth", "rounds")):
+        if "by_depth" in report:
+            summary[key] = {b["label"]: b[figure] for b in report["by_depth"]}
+    print(strict_json(summary))
     inside = " (inside the checkpoint: deleted with it by checkpoint rotation, train.keep_checkpoints; --out FILE " \
-             "keeps it elsewhere)" if ours and args.out is None else ""
-    print(f"wrote {out}{inside}")
+             f"keeps {'them' if len(written) > 1 else 'it'} elsewhere)" if ours and args.out is None else ""
+    print(f"wrote {' and '.join(map(str, written))}{inside}")
 
 
 def export_command(args, overrides: list[str]) -> None:

@@ -205,12 +205,16 @@ class DebugConfig:
         "still failing then is dropped and the others go on")
     generate_retry_wait_s: float = setting(1.0, "`generate` with servers: the first wait before a retry; it doubles")
     evaluate_batch_size: int = setting(32, "prompts decoded together by `evaluate` (same tokens at any size)")
+    evaluate_depth_edges: list[int] = setting(
+        [2048, 8192, 32768], "context depths splitting `evaluate`'s acceptance by depth into buckets (< 2k, 2k-8k, "
+        "8k-32k, >= 32k); those starting at or past the target's max_position_embeddings are left out")
     data_workers: int | None = setting(
         None, "processes rendering the chat lines of a data file over 4 MB; auto: the CPUs / the ranks on this node, "
         "at most 32")
     shard_tokens: int = setting(65536, "tokens per shard file (a shard ends on a sequence boundary)")
     chunk_tokens: int = setting(65536, "tokens run through one target layer at a time; a longer sequence runs in "
-                                "chunks of this many against its earlier chunks' keys (docs/deepseek.md)")
+                                "chunks of this many against its earlier chunks' keys (docs/deepseek.md); `evaluate` "
+                                "batches deep prompts within it")
     kernels: Literal["auto", "triton", "torch"] = setting(
         "auto", "`auto`: Triton on CUDA (flex_attention where the head dim is not 64/128), the torch reference on "
         "CPU; `torch`: compiled flex_attention + compiled loss on CUDA")
@@ -358,6 +362,7 @@ def validate(cfg: Config) -> None:
         if (value := cfg.value(name)) is not None and value <= 0:
             raise ConfigError(f"{cfg.origin(name)}: {name} = {value}; expected a positive integer")
     t, e, g, x = cfg.train, cfg.evaluate, cfg.generate, cfg.experimental
+    edges = cfg.debug.evaluate_depth_edges
     ranges = {"train.max_steps": (t.max_steps >= 0, "an integer >= 0 (0: train.epochs epochs)"),
               "train.lr": (t.lr > 0, "> 0"), "train.grad_clip": (t.grad_clip > 0, "> 0"),
               "train.loss_decay": (t.loss_decay > 0, "> 0"), "train.loss_temperature": (t.loss_temperature > 0, "> 0"),
@@ -377,7 +382,9 @@ def validate(cfg: Config) -> None:
               "debug.generate_timeout_s": (cfg.debug.generate_timeout_s > 0, "> 0"),
               "debug.generate_retries": (cfg.debug.generate_retries >= 0, "an integer >= 0"),
               "debug.generate_retry_wait_s": (cfg.debug.generate_retry_wait_s >= 0, "a number >= 0"),
-              "debug.collective_timeout_s": (cfg.debug.collective_timeout_s > 0, "> 0")}
+              "debug.collective_timeout_s": (cfg.debug.collective_timeout_s > 0, "> 0"),
+              "debug.evaluate_depth_edges": (all(a < b for a, b in zip([0, *edges], edges)),
+                                             "increasing positive integers")}
     for name, (ok, expected) in ranges.items():
         if not ok:
             raise ConfigError(f"{cfg.origin(name)}: {name} = {cfg.value(name)}; expected {expected}")

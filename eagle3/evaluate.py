@@ -118,13 +118,14 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
             **result.report()}
 
 
-def write_report(report: dict, out: Path, checkpoint_dir: str | Path | None = None) -> None:
-    """`out` as JSON and, for an estimate, its plot beside it with the checkpoint's training curves."""
+def write_report(report: dict, out: Path, checkpoint_dir: str | Path | None = None) -> list[Path]:
+    """`out` as JSON and its plot beside it (an estimate's with the checkpoint's training curves) -> files written."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(strict_json(report, indent=1))
+    metrics = None
     if "acc" in report:
-        train = train_state.read_state(Path(checkpoint_dir))["config"]["train"]
-        plot(report, Path(train["output_dir"]) / "metrics.jsonl", out.with_suffix(".png"))
+        metrics = Path(train_state.read_state(Path(checkpoint_dir))["config"]["train"]["output_dir"]) / "metrics.jsonl"
+    return [out, out.with_suffix(".png")] if plot(report, metrics, out.with_suffix(".png")) else [out]
 
 
 @dataclass
@@ -175,35 +176,97 @@ def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path,
     return prompts
 
 
-def decoding_report(decoded: list[Decoded], references: list[Decoded] | None, prompts: list[Prompt], k: int) -> dict:
-    """Totals over all rounds of all prompts (the prefill in new_tokens, not in rounds); `mismatches`
+def pooled(accepted: list[int], drafts: list[int], k: int) -> dict:
+    """Figures pooled over rounds: tokens gained per round (`accepted`) and, for j = 1..k, the share of rounds
+    whose j-th draft the target accepted (`drafts`: leading accepted drafts per round)."""
+    rounds = len(accepted)
+    if not rounds:
+        return {"real_accept_len": None, "rounds": 0, "per_position_acceptance": None}
+    return {"real_accept_len": sum(accepted) / rounds, "rounds": rounds,
+            "per_position_acceptance": [sum(a >= j for a in drafts) / rounds for j in range(1, k + 1)]}
+
+
+def depth_buckets(edges: list[int], max_positions: int) -> list[tuple[int, int | None]]:
+    """[0, e1), [e1, e2), ..., [en, end): those starting below the target's max_positions (a round can start there)."""
+    return [(lo, hi) for lo, hi in zip([0, *edges], [*edges, None]) if lo < max_positions]
+
+
+def depth_label(lo: int, hi: int | None) -> str:
+    size = lambda n: f"{n // 1024}k" if n % 1024 == 0 else str(n)  # noqa: E731
+    if hi is None:
+        return f">={size(lo)}" if lo else "all"
+    return f"<{size(hi)}" if lo == 0 else f"{size(lo)}-{size(hi)}"
+
+
+def by_depth(decoded: list[Decoded], buckets: list[tuple[int, int | None]], k: int) -> list[dict]:
+    """The pooled figures of the rounds that started in each bucket of context depth (prompt + tokens generated
+    when the round's draft proposes), and the tokens those rounds gained."""
+    rounds = [r for d in decoded for r in zip(d.depths, d.accepted, d.drafts_accepted)]
+    out = []
+    for lo, hi in buckets:
+        inside = [(a, n) for depth, a, n in rounds if lo <= depth and (hi is None or depth < hi)]
+        gained, drafts = [a for a, _ in inside], [n for _, n in inside]
+        out.append({"depth": [lo, hi], "label": depth_label(lo, hi), **pooled(gained, drafts, k),
+                    "tokens": sum(gained)})
+    return out
+
+
+def decoding_report(decoded: list[Decoded], references: list[Decoded] | None, prompts: list[Prompt], k: int,
+                    buckets: list[tuple[int, int | None]]) -> dict:
+    """Totals over all rounds of all prompts (the prefill in new_tokens, not in rounds), and by depth; `mismatches`
     against the greedy references (T = 0). The figures: docs/evaluate.md."""
     accepted = [a for d in decoded for a in d.accepted]
-    drafts = [a for d in decoded for a in d.drafts_accepted]
-    rounds = len(accepted)
-    share = lambda n: n / rounds if rounds else float("nan")  # noqa: E731
     per_request = [d.mean_accepted for d in decoded if d.accepted]
-    report = {"real_accept_len": share(sum(accepted)),
+    report = {**pooled(accepted, [a for d in decoded for a in d.drafts_accepted], k),
               "accept_len_per_request": sum(per_request) / len(per_request) if per_request else float("nan"),
-              "per_position_acceptance": [share(sum(a >= j for a in drafts)) for j in range(1, k + 1)],
-              "rounds": rounds, "prompts": len(prompts), "new_tokens": sum(len(d.tokens) for d in decoded), "k": k}
+              "prompts": len(prompts), "new_tokens": sum(len(d.tokens) for d in decoded), "k": k,
+              "by_depth": by_depth(decoded, buckets, k)}
     if references is not None:
         mismatched = [p.line for p, d, r in zip(prompts, decoded, references) if d.tokens != r.tokens]
         report |= {"mismatches": len(mismatched), "mismatch_lines": mismatched[:20]}
     return report
 
 
+def batches(prompts: list[Prompt], size: int, tokens: int, max_new: int) -> list[list[int]]:
+    """Indices of the prompts decoded together: by length, at most `size` a batch and, past one prompt, at most
+    `tokens` positions (prompt + max_new each), so that deep prompts decode in batches that fit."""
+    order, out = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids)), []
+    for i in order:
+        need = len(prompts[i].ids) + max_new
+        if out and len(out[-1]) < size and used + need <= tokens:
+            out[-1].append(i)
+            used += need
+        else:
+            out.append([i])
+            used = need
+    return out
+
+
 SEEDED = ("real_accept_len", "accept_len_per_request", "per_position_acceptance", "rounds", "new_tokens")
+SEEDED_BY_DEPTH = ("real_accept_len", "per_position_acceptance", "rounds", "tokens")
+
+
+def mean_sd(reports: list[dict], keys: tuple[str, ...]) -> dict:
+    """Each key's mean over the reports that have it (not None: no rounds) and its sample deviation (`<key>_sd`, 0 for
+    one report)."""
+    out = {}
+    for key in keys:
+        known = [r[key] for r in reports if r[key] is not None]
+        if not known:
+            out[key] = out[f"{key}_sd"] = None
+            continue
+        t = torch.tensor(known, dtype=torch.float64)                      # [seeds] or [seeds, k]
+        sd = t.std(0) if len(known) > 1 else torch.zeros_like(t[0])
+        out[key], out[f"{key}_sd"] = t.mean(0).tolist(), sd.tolist()
+    return out
 
 
 def over_seeds(reports: list[dict], seeds: list[int]) -> dict:
-    """One report per seed -> each figure's mean, sample deviation (`<key>_sd`, 0 for one seed), per-seed figures."""
-    out = {k: v for k, v in reports[0].items() if k not in SEEDED}
-    for key in SEEDED:
-        t = torch.tensor([r[key] for r in reports], dtype=torch.float64)   # [seeds] or [seeds, k]
-        sd = t.std(0) if len(reports) > 1 else torch.zeros_like(t[0])
-        out[key], out[f"{key}_sd"] = t.mean(0).tolist(), sd.tolist()
-    per_seed = [{"seed": s, **{k: r[k] for k in SEEDED}} for s, r in zip(seeds, reports)]
+    """One report per seed -> each figure's mean, sample deviation (`<key>_sd`), per-seed figures; by depth too."""
+    out = {k: v for k, v in reports[0].items() if k not in SEEDED} | mean_sd(reports, SEEDED)
+    out["by_depth"] = [{"depth": b[0]["depth"], "label": b[0]["label"], **mean_sd(list(b), SEEDED_BY_DEPTH)}
+                       for b in zip(*(r["by_depth"] for r in reports))]          # b: one bucket, each seed's
+    per_seed = [{"seed": s, **{k: r[k] for k in (*SEEDED, "by_depth")}} for s, r in zip(seeds, reports)]
     return out | {"seeds": seeds, "per_seed": per_seed}
 
 
@@ -226,23 +289,32 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
                            cfg.data.chat_template_kwargs)
     dbg = cfg.debug
     device, dtype = resolve_device(dbg.evaluate_device), TORCH_DTYPES[dbg.evaluate_dtype]
-    target, stop = IncrementalTarget(ckpt, aux_ids, device, dtype), stop_tokens(cfg, ckpt)
+    target = IncrementalTarget(ckpt, aux_ids, device, dtype, dbg.chunk_tokens)
+    stop, buckets = stop_tokens(cfg, ckpt), depth_buckets(dbg.evaluate_depth_edges, text.max_position_embeddings)
     inv_freq = draft.inv_freq.float().clone()          # RoPE frequencies lose their precision in bf16
     draft = draft.to(device, dtype)
     draft.inv_freq = inv_freq.to(device)
-    drafter = Drafter(draft, target.embed)
-    loaded, size = time.perf_counter(), dbg.evaluate_batch_size
-    groups = [([p.ids for p in prompts[i:i + size]], prompts[i:i + size]) for i in range(0, len(prompts), size)]
+    loaded, groups = time.perf_counter(), batches(prompts, dbg.evaluate_batch_size, dbg.chunk_tokens, n)
+
+    def each_batch(decode) -> list[Decoded]:
+        """decode(drafter, ids, batch's prompts) over the batches (each with fresh KV pools) -> in prompts' order."""
+        out = {}
+        for group in groups:
+            target.fresh_pool()
+            batch = [prompts[i] for i in group]
+            out |= dict(zip(group, decode(Drafter(draft, target.embed), [p.ids for p in batch], batch)))
+        return [out[i] for i in range(len(prompts))]
+
     if sampling.greedy:
-        references = [d for ids, _ in groups for d in greedy_decode_many(target, ids, n, stop)]
+        references = each_batch(lambda drafter, ids, _: greedy_decode_many(target, ids, n, stop))
         timing = {"greedy_seconds": time.perf_counter() - loaded}
-        decoded = [d for ids, _ in groups for d in speculative_decode_many(target, drafter, ids, n, k, stop)]
-        report = decoding_report(decoded, references, prompts, k)
+        decoded = each_batch(lambda drafter, ids, _: speculative_decode_many(target, drafter, ids, n, k, stop))
+        report = decoding_report(decoded, references, prompts, k, buckets)
     else:
         seeds = list(range(e.seeds))
-        runs = [decoding_report([d for ids, group in groups for d in sampled_decode_many(
-            target, drafter, ids, n, k, stop, sampling, [s * 1_000_003 + p.line for p in group])], None, prompts, k)
-            for s in seeds]
+        runs = [decoding_report(each_batch(lambda drafter, ids, batch: sampled_decode_many(
+            target, drafter, ids, n, k, stop, sampling, [s * 1_000_003 + p.line for p in batch])), None, prompts, k,
+            buckets) for s in seeds]
         report, timing = over_seeds(runs, seeds), {}
     end = time.perf_counter()
     report = {"draft": str(draft_dir), "draft_format": "ours" if trained else "vllm", "target": str(cfg.target.path),
@@ -260,8 +332,9 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
     return report
 
 
-def run(cfg: Config, draft_dir: str | Path, out: str | Path | None = None) -> tuple[dict, Path]:
-    """The TTT estimate (our checkpoints) and real decoding (`evaluate.prompts`) in one eval.json -> (report, path)."""
+def run(cfg: Config, draft_dir: str | Path, out: str | Path | None = None) -> tuple[dict, list[Path]]:
+    """The TTT estimate (our checkpoints) and real decoding (`evaluate.prompts`) in one eval.json and its plot ->
+    (report, the files written)."""
     draft_dir = Path(draft_dir)
     ours = (draft_dir / train_state.STATE).exists()
     out = Path(out) if out else draft_dir / "eval.json"
@@ -276,34 +349,61 @@ def run(cfg: Config, draft_dir: str | Path, out: str | Path | None = None) -> tu
         report.update(real_decoding(cfg, draft_dir))
     elif not ours:
         raise InputError(f"{draft_dir}: a vLLM-layout draft is judged by real decoding: give --prompts FILE")
-    write_report(report, out, draft_dir)
-    return report, out
+    return report, write_report(report, out, draft_dir)
 
 
-def plot(report: dict, metrics_path: Path, out: Path) -> bool:
-    """Acceptance by step and training curves; skipped (False) without matplotlib."""
+def plot(report: dict, metrics_path: Path | None, out: Path) -> bool:
+    """The estimate by TTT step and the training curves, real acceptance by depth: those the report has; skipped
+    (False) without matplotlib or without any."""
+    panels = [p for p, there in ((plot_estimate, "acc" in report), (plot_training, "acc" in report),
+                                 (plot_depth, bool(report.get("by_depth")))) if there]
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    steps = range(len(report["acc"]))
-    left.plot(steps, report["acc"], "o-", label="accuracy")
-    left.plot(steps, report["cond_acc"], "s--", label="accuracy given earlier steps right")
-    left.set(xlabel="TTT step", ylabel="held-out", title=f"accept_len ≈ {report['accept_len']:.2f}")
-    left.legend()
-    if metrics_path.exists():
-        records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-        train, evals = ([r for r in records if r["split"] == split] for split in ("train", "eval"))
-        right.plot([r["step"] for r in train], [r["loss"][0] for r in train], label="train loss (step 0)")
-        twin = right.twinx()
-        twin.plot([r["step"] for r in evals], [r["accept_len"] for r in evals], "r.-", label="eval accept_len")
-        right.set(xlabel="optimizer step")
-        right.legend(loc="upper left")
-        twin.legend(loc="upper right")
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for panel, ax in zip(panels, axes[0]):
+        panel(ax, report, metrics_path)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return True
+
+
+def plot_estimate(ax, report: dict, _) -> None:
+    steps = range(len(report["acc"]))
+    ax.plot(steps, report["acc"], "o-", label="accuracy")
+    ax.plot(steps, report["cond_acc"], "s--", label="accuracy given earlier steps right")
+    ax.set(xlabel="TTT step", ylabel="held-out", title=f"accept_len ≈ {report['accept_len']:.2f}")
+    ax.legend()
+
+
+def plot_training(ax, _, metrics_path: Path) -> None:
+    if not metrics_path.exists():
+        return
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    train, evals = ([r for r in records if r["split"] == split] for split in ("train", "eval"))
+    ax.plot([r["step"] for r in train], [r["loss"][0] for r in train], label="train loss (step 0)")
+    twin = ax.twinx()
+    twin.plot([r["step"] for r in evals], [r["accept_len"] for r in evals], "r.-", label="eval accept_len")
+    ax.set(xlabel="optimizer step")
+    ax.legend(loc="upper left")
+    twin.legend(loc="upper right")
+
+
+def plot_depth(ax, report: dict, _) -> None:
+    """Real tokens per round pooled by where the rounds started (± the deviation over seeds at T > 0)."""
+    buckets = report["by_depth"]
+    at = range(len(buckets))
+    tau = [float("nan") if b["real_accept_len"] is None else b["real_accept_len"] for b in buckets]   # no rounds
+    ax.errorbar(at, tau, yerr=[b.get("real_accept_len_sd") or 0.0 for b in buckets], fmt="o-", capsize=4)
+    for x, y, b in zip(at, tau, buckets):
+        if b["rounds"]:
+            ax.annotate(f"{b['rounds']:.0f} rounds", (x, y), textcoords="offset points", xytext=(0, 8), ha="center")
+    ax.set_xticks(list(at), [b["label"] for b in buckets])
+    ax.set(xlabel="context depth at the round's start (tokens)", ylabel="real accept_len (pooled)",
+           title=f"by depth: T = {report['temperature']}, k = {report['k']}")

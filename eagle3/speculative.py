@@ -84,6 +84,7 @@ class Decoded:
     tokens: list[int]                                      # generated tokens (after the prompt)
     accepted: list[int] = field(default_factory=list)      # tokens gained per target forward
     drafts_accepted: list[int] = field(default_factory=list)  # leading draft tokens the target agreed with, per round
+    depths: list[int] = field(default_factory=list)        # tokens in the context as each round's draft proposes
 
     @property
     def mean_accepted(self) -> float:
@@ -129,6 +130,7 @@ class _Chain:
     def take(self, drafts: list[int], a: int, token: int, new_aux: torch.Tensor) -> None:
         """Keep the first `a` drafts and the target's `token` after them."""
         gained = drafts[:a] + [token]
+        self.result.depths.append(len(self.tokens))      # prompt + generated: where the round started
         self.cache.length = min(self.cache.length, len(self.tokens) + a)   # x_0..x_m and the accepted drafts
         self.aux = torch.cat([self.aux, new_aux[:a + 1]])
         self.tokens += gained

@@ -2,6 +2,7 @@
 target regenerated greedily; real decoding of our checkpoints and of vLLM-layout drafts on prompts;
 evaluate and generate commands."""
 import copy
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -18,9 +19,10 @@ from eagle3.data.shards import ShardReader
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.__main__ import main
 from eagle3.data.inputs import InputError
-from eagle3.evaluate import read_prompts, real_decoding, reply_positions, run
+from eagle3.evaluate import (Prompt, batches, decoding_report, depth_buckets, depth_label, over_seeds, read_prompts,
+                             real_decoding, reply_positions, run)
 from eagle3.draft_io import DraftLoadError, load_vllm_draft
-from eagle3.speculative import Drafter, greedy_decode_many, speculative_decode_many
+from eagle3.speculative import Decoded, Drafter, greedy_decode_many, speculative_decode_many
 from eagle3.models import tiny
 from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
@@ -120,6 +122,62 @@ def test_batched_decoding_equals_one_prompt_at_a_time(request, family):
     assert [b.tokens for b in batched] == [g.tokens for g in greedy] and len(batched[1].tokens) == 7
     # the prefill's token alone reaches the limit: no round at all
     assert speculative_decode(target, drafter, prompts[0], 1, 3).accepted == []
+
+
+class DepthDrafter(OracleDrafter):
+    """Proposes the target's greedy continuation of the prompts (`prompts`, decoded once), its first token wrong from
+    context depth `wrong_from` on."""
+
+    def __init__(self, target, prompts: list[list[int]], wrong_from: int, max_new: int):
+        super().__init__(target)
+        self.wrong_from = wrong_from
+        self.greedy = [p + d.tokens for p, d in zip(prompts, greedy_decode_many(target, prompts, max_new))]
+
+    def propose(self, aux, tokens, k):
+        tokens = tokens.tolist()
+        full = next(g for g in self.greedy if g[:len(tokens)] == tokens)
+        out = full[len(tokens):len(tokens) + k]
+        if len(tokens) >= self.wrong_from:
+            out[0] = (out[0] + 1) % 256
+        return out
+
+
+def test_acceptance_by_depth_equals_a_hand_count(target):
+    """Rounds start at depth prompt + generated; k = 3 drafts all accepted below depth 40, none from 40 on, 20 new
+    tokens. Prompt of 30: the prefill's token, rounds at 31 (<32), 35 and 39 (32-40) gain 4 each (13 tokens), then 7
+    rounds at 43..49 gain 1. Prompt of 36: a round at 37 (32-40) gains 4 (5 tokens), then 15 at 41..55 gain 1."""
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 36)]
+    decoded = speculative_decode_many(target, DepthDrafter(target, prompts, 40, 20 + 3), prompts, 20, 3)
+    assert [d.depths[:4] for d in decoded] == [[31, 35, 39, 43], [37, 41, 42, 43]]
+    buckets = depth_buckets([32, 40, 4096], 4096)                       # the last one starts at the target's end
+    assert buckets == [(0, 32), (32, 40), (40, 4096)]
+    report = decoding_report(decoded, None, [Prompt(i + 1, p) for i, p in enumerate(prompts)], 3, buckets)
+    assert [(b["label"], b["rounds"], b["tokens"], b["real_accept_len"], b["per_position_acceptance"])
+            for b in report["by_depth"]] == [("<32", 1, 4, 4.0, [1.0, 1.0, 1.0]), ("32-40", 3, 12, 4.0, [1.0] * 3),
+                                             ("40-4k", 22, 22, 1.0, [0.0, 0.0, 0.0])]
+    # pooled, as the whole-set figure: 38 tokens in 26 rounds (per request it would be (19/10 + 19/16) / 2)
+    assert (report["rounds"], report["real_accept_len"]) == (26, 38 / 26)
+    assert report["accept_len_per_request"] == pytest.approx((19 / 10 + 19 / 16) / 2)
+    assert depth_buckets([2048, 8192, 32768], 4096) == [(0, 2048), (2048, 8192)]
+    assert [depth_label(*b) for b in depth_buckets([2048, 8192, 32768], 131072)] == ["<2k", "2k-8k", "8k-32k",
+                                                                                     ">=32k"]
+
+
+def test_acceptance_by_depth_over_seeds():
+    """At T > 0 each bucket's figure is the mean over the seeds whose rounds reach it, its deviation beside it."""
+    def seed(rounds):   # (depth, tokens gained, drafts accepted) per round of one prompt
+        return Decoded([0] * (1 + sum(a for _, a, _ in rounds)), [a for _, a, _ in rounds], [n for _, _, n in rounds],
+                       [d for d, _, _ in rounds])
+    seeds = [[(5, 3, 2), (8, 1, 0), (20, 2, 1)], [(5, 1, 0), (6, 2, 1)]]
+    reports = [decoding_report([seed(r)], None, [Prompt(1, [1] * 5)], 2, [(0, 10), (10, None)]) for r in seeds]
+    report = over_seeds(reports, [0, 1])
+    near, deep = report["by_depth"]
+    assert (near["label"], deep["label"]) == ("<10", ">=10")
+    assert near["real_accept_len"] == pytest.approx(1.75) and near["rounds"] == 2.0
+    assert near["real_accept_len_sd"] == pytest.approx(torch.tensor([2.0, 1.5]).std().item())
+    assert near["per_position_acceptance"] == pytest.approx([0.5, 0.25])
+    assert (deep["real_accept_len"], deep["real_accept_len_sd"], deep["tokens"]) == (2.0, 0.0, 1.0)
+    assert report["per_seed"][1]["by_depth"][1]["real_accept_len"] is None    # seed 1 never got that deep
 
 
 def test_reply_positions():
@@ -461,6 +519,29 @@ def test_a_prompt_without_room_to_decode_and_a_zero_draft_vocab_are_refused(llam
                                 "positive integer")
 
 
+def test_deep_prompts_decode_whole_in_batches_that_fit(llama_run, tmp_path):
+    """Deep prompts: batches by length within debug.chunk_tokens positions, a prompt longer than that prefilled in
+    pieces, the same decoding as in one pass, its rounds in the deep bucket."""
+    lengths = [10, 3000, 20, 2900, 15]
+    prompts = [Prompt(i + 1, [5] * n) for i, n in enumerate(lengths)]
+    assert batches(prompts, 3, 4000, 20) == [[0, 4, 2], [3], [1]]      # 30 + 35 + 40; 2920; 3020 (2920 + 3020 > 4000)
+    cfg = copy.deepcopy(llama_run)
+    g = torch.Generator().manual_seed(0)
+    cfg.evaluate.prompts = str(write_lines(tmp_path / "deep.jsonl", [
+        {"input_ids": torch.randint(0, 256, (n,), generator=g).tolist()} for n in (12, 2100, 9)]))
+    checkpoint = checkpoint_and_export(cfg)[0]
+    whole = real_decoding(cfg, checkpoint)
+    cfg.debug.chunk_tokens, cfg.debug.evaluate_depth_edges = 800, [64, 2048, 8192]   # the deep one in 3 pieces
+    pieces = real_decoding(cfg, checkpoint)
+    assert pieces["mismatches"] == 0 and pieces["new_tokens"] == 3 * 20
+    for key in ("real_accept_len", "rounds", "per_position_acceptance"):
+        assert pieces[key] == whole[key], key
+    near, _, deep = pieces["by_depth"]                                   # 8k-: past the target's 4096 positions
+    assert [b["label"] for b in pieces["by_depth"]] == ["<64", "64-2k", "2k-8k"]
+    assert deep["rounds"] > 0 and near["rounds"] + deep["rounds"] == pieces["rounds"]
+    assert [b["rounds"] for b in whole["by_depth"]] == [near["rounds"], deep["rounds"]]   # <2k, 2k-8k by default
+
+
 def test_real_decoding_on_chat_prompts(llama_run, tmp_path):
     """Chat prompts through the target's own template (a copy of the target with a tokenizer)."""
     cfg = copy.deepcopy(llama_run)
@@ -488,8 +569,12 @@ def test_cli_evaluate_end_to_end(llama_run, tmp_path, capsys):
     main(["evaluate", str(checkpoint), "--config", str(toml), "--prompts", cfg.evaluate.prompts, "--k", "3"])
     out = capsys.readouterr().out.splitlines()
     summary, saved = json.loads(out[0]), json.loads((checkpoint / "eval.json").read_text())
-    assert out[1] == f"wrote {checkpoint / 'eval.json'} (inside the checkpoint: deleted with it by checkpoint " \
-                     "rotation, train.keep_checkpoints; --out FILE keeps it elsewhere)"   # issue 46, row 5
+    png = importlib.util.find_spec("matplotlib") is not None             # the plot too, named (issue 51)
+    written = f"{checkpoint / 'eval.json'}" + (f" and {checkpoint / 'eval.png'}" if png else "")
+    assert out[1] == f"wrote {written} (inside the checkpoint: deleted with it by checkpoint rotation, " \
+                     f"train.keep_checkpoints; --out FILE keeps {'them' if png else 'it'} elsewhere)"   # issue 46 row 5
+    assert summary["accept_len_by_depth"] == {b["label"]: b["real_accept_len"] for b in saved["by_depth"]}
+    assert list(summary["rounds_by_depth"]) == ["<2k", "2k-8k"] and summary["rounds_by_depth"]["<2k"] == saved["rounds"]
     accepted = decode_directly(cfg, checkpoint, 3)
     assert summary["real_accept_len"] == saved["real_accept_len"] == sum(accepted) / len(accepted)
     assert summary["mismatches"] == 0 and summary["k"] == 3
@@ -501,6 +586,7 @@ def test_cli_evaluate_end_to_end(llama_run, tmp_path, capsys):
           "--evaluate.max_new_tokens", "30", "--out", str(tmp_path / "v.json")])
     saved = json.loads((tmp_path / "v.json").read_text())
     assert saved["prompts"] == 4 and saved["max_new_tokens"] == 8 and "accept_len" not in saved
+    assert (tmp_path / "v.png").exists() == png             # real decoding alone plots its acceptance by depth
     with pytest.raises(SystemExit, match="give --prompts"):
         main(["evaluate", str(export), "--config", str(toml)])
 
@@ -515,9 +601,15 @@ def test_real_decoding_at_a_serving_temperature(llama_run, mode):
     ours, theirs = real_decoding(cfg, checkpoint), real_decoding(cfg, export)
     assert (ours["temperature"], ours["top_p"], ours["draft_sampling"], ours["seeds"]) == (1.0, 0.95, mode, [0, 1, 2])
     assert "mismatches" not in ours                        # no token-for-token reference when sampling
-    for key in ("real_accept_len", "accept_len_per_request", "per_position_acceptance", "rounds", "per_seed"):
+    for key in ("real_accept_len", "accept_len_per_request", "per_position_acceptance", "rounds", "per_seed",
+                "by_depth"):
         assert ours[key] == theirs[key], key
     per_seed = ours["per_seed"]
+    for s in per_seed:   # by depth at T > 0: each seed's rounds all in the buckets, the mean beside its spread
+        assert sum(b["rounds"] for b in s["by_depth"]) == s["rounds"]
+    near = ours["by_depth"][0]
+    assert near["real_accept_len"] == pytest.approx(sum(s["by_depth"][0]["real_accept_len"] for s in per_seed) / 3)
+    assert near["real_accept_len_sd"] > 0 and len(near["per_position_acceptance_sd"]) == 3
     assert len({s["real_accept_len"] for s in per_seed}) == 3 and ours["real_accept_len_sd"] > 0
     values = torch.tensor([s["real_accept_len"] for s in per_seed], dtype=torch.float64)
     assert ours["real_accept_len"] == pytest.approx(values.mean().item())

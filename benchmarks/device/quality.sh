@@ -7,7 +7,8 @@
 # a STAGE is target, data, peer, measure, ours@VARIANT (VARIANT as --variant takes it: name[:key=value,...])
 # or peer@NAME:FLAGS (--peer-variant); a STAGE prefixed "bg:" runs in the background beside the next ones
 # (quality screening on one GPU: its training times then do not count), "wait" waits for them;
-# QUALITY_ARGS="--recipe train_prompts=3072 ..." passes more options to every stage
+# QUALITY_ARGS="--recipe train_prompts=3072 ..." passes more options to every stage; the long-context variant:
+# WORK=.quality-long QUALITY_ARGS=--long bash benchmarks/device/quality.sh target data ours@whole ours@short measure
 set -uo pipefail
 out=${OUT:-/tmp/quality-out}; work=${WORK:-.quality}
 mkdir -p "$out" "$work"
@@ -21,7 +22,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 # still returns what finished
 pack() {
   (flock 9
-   (cd "$work" && tar czf - --ignore-failed-read $(ls -d regen*.jsonl thinking.jsonl prompts.jsonl quality.json peer*/*.json hidden*/manifest.json \
+   (cd "$work" && tar czf - --ignore-failed-read $(ls -d regen*.jsonl thinking.jsonl prompts*.jsonl quality.json peer*/*.json hidden*/manifest.json \
       peer*/*.safetensors peer*.log eval-*.json ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null) \
       | split -b 15m -d - "$out/.parts.") && rm -f "$out"/results.tgz.* && for f in "$out"/.parts.*; do
         mv "$f" "$out/results.tgz.${f##*.parts.}"; done) 9>/tmp/quality-pack.lock

@@ -153,3 +153,49 @@ def test_variant_syntax():
 def test_a_work_directory_built_with_another_recipe_is_refused(work):
     with pytest.raises(SystemExit, match=r"another recipe \(lr: 0.01 there, 0.001 asked\)"):
         quality.main(["--tiny", "--work", str(work), "--stages", "measure", *RECIPE, "--recipe", "lr=1e-3"])
+
+
+@pytest.fixture(scope="module")
+def long_work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("quality-long")
+    quality.main(["--tiny", "--long", "--work", str(work), "--device", "cpu", "--stages", "target,data,ours,measure",
+                  "--judge", "t0,greedy", "--recipe", "lr=1e-2"])
+    return work
+
+
+@pytest.mark.slow
+def test_the_long_variant_trains_whole_and_windowed_drafts_on_the_same_tokens(long_work):
+    r = quality.TINY_LONG
+    assert quality.hf_config(quality.LONG, 0)["max_position_embeddings"] == quality.LONG.seq_len == 8192
+    lines = {kind: [json.loads(line) for line in (long_work / name).read_text().splitlines()]
+             for kind, name in quality.LONG_DATA.items()}
+    assert len(lines["whole"]) == r.train_prompts and {len(x["input_ids"]) for x in lines["whole"]} == {r.long_len}
+    assert max(len(x["input_ids"]) for x in lines["short"]) == r.window + 1     # the window and the token before it
+    trained = {kind: [t for x in rows for t, m in zip(x["input_ids"], x["loss_mask"]) if m]
+               for kind, rows in lines.items()}
+    assert trained["whole"] == trained["short"]                                 # the same tokens, in the same order
+    for name, hidden in (("whole", "hidden"), ("short", "hidden-short")):
+        manifest = json.loads((long_work / hidden / "manifest.json").read_text())
+        assert manifest["source"]["path"].endswith(quality.LONG_DATA[name]), manifest["source"]
+    prompts = [len(json.loads(line)["input_ids"])
+               for line in (long_work / quality.LONG_PROMPTS).read_text().splitlines()]
+    assert prompts == [r.prompt_len] * 3 + [2 * r.window, (2 * r.window + r.seq_len - r.eval_new_tokens) // 2,
+                                            r.seq_len - r.eval_new_tokens]
+
+
+@pytest.mark.slow
+def test_the_long_variant_judges_by_depth_on_short_and_deep_prompts(long_work):
+    results = json.loads((long_work / "quality.json").read_text())["results"]
+    assert set(results) == {"whole", "short"}
+    for m in results.values():
+        assert m["t0"]["mismatches"] == 0 and m["t0"]["prompts"] == quality.TINY_LONG.eval_prompts
+        for setting in ("t0", "greedy"):
+            buckets = {b["label"]: b for b in m[setting]["by_depth"]}
+            assert list(buckets) == ["<16", "16-32", "32-64", ">=64"]             # depth_edges: 16, 32, 64
+            assert sum(b["rounds"] for b in buckets.values()) == pytest.approx(m[setting]["rounds"])
+            # short prompts (6 + 8 tokens) start their rounds below 16, deep ones (32, 76, 120) from 32 on
+            assert buckets["<16"]["rounds"] > 0 and buckets["16-32"]["rounds"] == 0
+            assert buckets["32-64"]["rounds"] > 0 and buckets[">=64"]["rounds"] > 0
+        assert "real_accept_len_sd" in m["greedy"]["by_depth"][0]
+    table = quality.depth_table(results).splitlines()
+    assert table[0] == "| draft | setting | <16 | 16-32 | 32-64 | >=64 |" and len(table) == 2 + 4

@@ -163,9 +163,11 @@ class LayerPass:
 
 
 class IncrementalTarget:
+    """`chunk_tokens`: a pass over more tokens (a long prompt's prefill) runs as several, bounding its activations."""
+
     def __init__(self, ckpt: Checkpoint, aux_layer_ids: list[int], device: torch.device,
-                 dtype: torch.dtype = torch.float32):
-        self.aux_layer_ids, self.device = aux_layer_ids, device
+                 dtype: torch.dtype = torch.float32, chunk_tokens: int | None = None):
+        self.aux_layer_ids, self.device, self.chunk_tokens = aux_layer_ids, device, chunk_tokens
         self.model = build_model(ckpt, device, dtype)
         self.layers = [self.model.load_layer(i) for i in range(ckpt.config.num_hidden_layers)]
         self.embed = ckpt.get("embed_tokens.weight").to(device, dtype)
@@ -177,9 +179,22 @@ class IncrementalTarget:
     def new_cache(self) -> SequenceCache:
         return SequenceCache(self.pool)
 
+    def fresh_pool(self) -> None:
+        """A new, empty KV pool: the next batch sizes it (slots x capacity) on its own, not on earlier batches'
+        (many short prompts, then a few long ones, would otherwise allocate the product)."""
+        self.pool = KVPool(len(self.layers))
+
     @torch.no_grad()
     def forward_many(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> list[tuple]:
-        """The next tokens of several sequences in one batched pass -> [(aux, final)] per sequence."""
+        """The next tokens of several sequences in one batched pass -> [(aux, final)] per sequence; over
+        `chunk_tokens` tokens, one sequence at a time in pieces of `chunk_tokens`."""
+        if self.chunk_tokens is None or sum(c.numel() for c in chunks) <= self.chunk_tokens:
+            return self._pass(chunks, caches)
+        pieces = ([self._pass([piece], [cache])[0] for piece in chunk.split(self.chunk_tokens)]
+                  for chunk, cache in zip(chunks, caches))
+        return [tuple(torch.cat(part) for part in zip(*parts)) for parts in pieces]
+
+    def _pass(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> list[tuple]:
         lengths = [c.numel() for c in chunks]
         layout = PassLayout(self.pool, caches, lengths, self.device)
         h = self.embed[torch.cat(chunks).to(self.device)]
