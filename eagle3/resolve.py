@@ -3,7 +3,7 @@ which checkpoints carry so that resume, evaluate and export read what training u
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,20 @@ class DraftSpec:
     norm_before_fc: bool = False         # one RMSNorm over the concatenated aux states before fc
     fc_norm: bool = False                # an RMSNorm per aux state before fc
     norm_output: bool = False            # norm(h) is the head's input and the next step's state
+    attention: str = "gqa"               # "gqa": a Llama layer; "mla": DeepSeek-V3's latent attention (the dims below)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_scaling: dict | None = None     # mla: the target's (DeepSeek YaRN or None)
+
+    def kernel_head_dim(self) -> int:
+        """The head dim the attention kernels see: MLA's q/k (nope + rope) and v heads are zero-padded to one
+        power of two of at least 64 (Kimi: 192 and 128 -> 256), as the Triton kernel takes one D for q, k, v."""
+        if self.attention != "mla":
+            return self.head_dim
+        return max(64, 1 << (max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim) - 1).bit_length())
 
 
 # the norm settings under the keys speculators and vLLM use (SGLang reads none)
@@ -59,7 +73,7 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
         raise TargetError(f"{cfg.source}: target.aux_layer_ids = {ids}; the target has layers 0..{n - 1}")
     heads = d.num_attention_heads or text.num_attention_heads
     kv = d.num_key_value_heads or text.num_key_value_heads
-    if heads % kv:
+    if heads % kv and d.attention != "mla":
         raise ConfigError(f"{cfg.source}: draft.num_attention_heads {heads} is not a multiple of "
                           f"draft.num_key_value_heads {kv}")
     hidden = text.hidden_size   # the draft's is the target's: the frozen target embedding feeds it
@@ -71,8 +85,29 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
         draft_vocab_size=cfg.vocab.draft_vocab_size or min(32000, text.vocab_size), target_vocab_size=text.vocab_size,
         target_hidden_size=hidden, norm_before_residual=x.norm_before_residual, norm_before_fc=x.aux_norm == "concat",
         fc_norm=x.aux_norm == "per_layer", norm_output=x.norm_output)
+    if d.attention == "mla":
+        spec = replace(spec, **mla_fields(cfg, text, heads))
     data = cfg.data.path if cfg.train.source == "online" else cfg.resolved_train_data_dir()
     return Resolved(list(ids), spec, str(Path(data)), cfg.export.verifier_name or cfg.target.path)   # "./x" is "x"
+
+
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_fields(cfg: Config, text, heads: int) -> dict:
+    """The MLA draft's DraftSpec fields: experimental.mla_dims, else the target's; checked."""
+    dims = cfg.experimental.mla_dims or [text.raw.get(k) for k in MLA_DIMS]
+    where = "experimental.mla_dims" if cfg.experimental.mla_dims else f"the target's config {text.source}"
+    if len(dims) != len(MLA_DIMS) or not all(isinstance(n, int) and n > 0 for n in dims) or dims[3] % 2:
+        raise ConfigError(f"{cfg.source}: draft.attention = \"mla\" needs {', '.join(MLA_DIMS)} as positive "
+                          f"integers (an even rope dim); {where} gives {dims} (set experimental.mla_dims)")
+    named = dict(zip(MLA_DIMS, dims))
+    scaling = text.rope_scaling
+    if scaling is not None and scaling["rope_type"] != "yarn":
+        raise ConfigError(f"{cfg.source}: draft.attention = \"mla\" rotates as DeepSeek (YaRN or none); the "
+                          f"target's rope_scaling is '{scaling['rope_type']}'")
+    return {"attention": "mla", "num_key_value_heads": heads, "rope_scaling": scaling,
+            "head_dim": named["qk_nope_head_dim"] + named["qk_rope_head_dim"], **named}
 
 
 def resolve_device(name: str) -> torch.device:

@@ -85,14 +85,22 @@ def yarn_bounds(dim: int, base: float, original: int, beta_fast: float, beta_slo
 
 def rope_tables(c: TextConfig, spec: DeepseekSpec) -> tuple[torch.Tensor, float, float]:
     """(inv_freq [d/2] fp32, cos/sin multiplier, softmax scale) for rope dim d = qk_rope_head_dim."""
-    d, base, s = spec.qk_rope_head_dim, c.rope_theta, c.rope_scaling
+    try:
+        return yarn_rope(spec.qk_rope_head_dim, spec.qk_head_dim, c.rope_theta, c.rope_scaling)
+    except ValueError as e:
+        raise TargetError(f"{c.source}: {e}") from None
+
+
+def yarn_rope(d: int, qk_head_dim: int, base: float, s: dict | None) -> tuple[torch.Tensor, float, float]:
+    """DeepSeek's rotary for rope dim d and query/key head dim `qk_head_dim` under rope scaling `s` (YaRN or
+    None; `rope_type` normalized): (inv_freq [d/2] fp32, cos/sin multiplier, softmax scale)."""
     inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    scale = spec.qk_head_dim ** -0.5
+    scale = qk_head_dim ** -0.5
     if s is None:
         return inv.float(), 1.0, scale
     if s["rope_type"] != "yarn":
-        raise TargetError(f"{c.source}: rope_scaling type '{s['rope_type']}' is not supported for the "
-                          "DeepSeek-V3 layout (supported: yarn or none)")
+        raise ValueError(f"rope_scaling type '{s['rope_type']}' is not supported for the DeepSeek-V3 layout "
+                         "(supported: yarn or none)")
     f = float(s["factor"])
     low, high = yarn_bounds(d, base, int(s["original_max_position_embeddings"]),
                             float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1)))
@@ -100,6 +108,12 @@ def rope_tables(c: TextConfig, spec: DeepseekSpec) -> tuple[torch.Tensor, float,
     inv = inv / f * ramp + inv * (1 - ramp)
     all_dim = yarn_mscale(f, float(s.get("mscale_all_dim", 0)))
     return inv.float(), yarn_mscale(f, float(s.get("mscale", 1))) / all_dim, scale * all_dim ** 2
+
+
+def interleaved_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float):
+    """cos/sin [T, d/2] of positions [T] for `apply_rope_interleaved`, times YaRN's multiplier."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None]
+    return freqs.cos() * mscale, freqs.sin() * mscale
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -289,8 +303,7 @@ class DeepseekTarget:
         c, k_pe = F.linear(x, w["self_attn.kv_a_proj_with_mqa"]).split([s.kv_lora_rank, s.qk_rope_head_dim], -1)
         kv = F.linear(self.norm(c, w["self_attn.kv_a_layernorm"], eps), w["self_attn.kv_b_proj"])
         k_nope, v = kv.view(T, nh, s.qk_nope_head_dim + s.v_head_dim).split([s.qk_nope_head_dim, s.v_head_dim], -1)
-        freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None]
-        cos, sin = freqs.cos() * self.rope_mscale, freqs.sin() * self.rope_mscale
+        cos, sin = interleaved_cos_sin(positions, self.inv_freq, self.rope_mscale)
         q = torch.cat([q_nope, apply_rope_interleaved(q_pe, cos, sin)], -1)
         k_pe = apply_rope_interleaved(k_pe[:, None], cos, sin).expand(T, nh, s.qk_rope_head_dim)
         k = torch.cat([k_nope, k_pe], -1)
