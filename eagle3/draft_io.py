@@ -13,6 +13,7 @@ from eagle3 import train_state
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.errors import Eagle3Error
 from eagle3.files import read_json
+from eagle3.models.deepseek import yarn_settings
 from eagle3.models.weights import Checkpoint, rope_settings
 from eagle3.ops import llama_inv_freq
 from eagle3.resolve import MLA_DIMS, NORM_FLAGS
@@ -156,7 +157,8 @@ def _mla_draft_spec(c: dict, files: Files, where: str) -> DraftSpec:
         draft_vocab_size=c.get("draft_vocab_size") or head[0], target_vocab_size=c.get("vocab_size") or t2d[0],
         target_hidden_size=c.get("target_hidden_size") or fc[1] // 3,
         norm_before_residual=bool(c.get("norm_before_residual")), fc_norm=bool(c.get("fc_norm")),
-        norm_output=bool(c.get("norm_output")), attention="mla", rope_scaling=scaling, **{k: c[k] for k in MLA_DIMS})
+        norm_output=bool(c.get("norm_output")), attention="mla", **{k: c[k] for k in MLA_DIMS},
+        rope_scaling=yarn_settings(scaling))
 
 
 def _draft_spec(config: dict, files: Files, where: str) -> DraftSpec:

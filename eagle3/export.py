@@ -71,7 +71,9 @@ def mla_config(state: dict, cfg: Config) -> dict:
     spec = resolved["draft_spec"]
     same = ("hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps", "rope_theta",
             "max_position_embeddings", "draft_vocab_size", "target_hidden_size", *MLA_DIMS)
-    scaling = spec["rope_scaling"] and {**spec["rope_scaling"], "type": spec["rope_scaling"]["rope_type"]}
+    # rope_theta inside too: deepseek_eagle3.py hands get_rope a copy of rope_scaling alone, whose base defaults to 1e4
+    scaling = spec["rope_scaling"] and {**spec["rope_scaling"], "type": spec["rope_scaling"]["rope_type"],
+                                        "rope_theta": spec["rope_theta"]}
     ours = list(resolved["aux_layer_ids"])
     return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3",
             **{k: spec[k] for k in same}, "num_key_value_heads": spec["num_attention_heads"],

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import Config, ConfigError
+from eagle3.models.deepseek import yarn_settings
 from eagle3.models.weights import Checkpoint, TargetError
 
 
@@ -106,7 +107,7 @@ def mla_fields(cfg: Config, text, heads: int) -> dict:
     if scaling is not None and scaling["rope_type"] != "yarn":
         raise ConfigError(f"{cfg.source}: draft.attention = \"mla\" rotates as DeepSeek (YaRN or none); the "
                           f"target's rope_scaling is '{scaling['rope_type']}'")
-    return {"attention": "mla", "num_key_value_heads": heads, "rope_scaling": scaling,
+    return {"attention": "mla", "num_key_value_heads": heads, "rope_scaling": yarn_settings(scaling),
             "head_dim": named["qk_nope_head_dim"] + named["qk_rope_head_dim"], **named}
 
 

@@ -18,22 +18,22 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-def mla_draft(seed=0, hidden=16, heads=2, dims=(12, 8, 16, 8, 16), **extra):
+def mla_draft(seed=0, vocab=24, dims=(12, 8, 16, 8, 16)):
     """A tiny MLA draft: [q_lora, kv_lora, nope, rope, v] = dims (kernel head dim 64), YaRN x4, vocab maps set."""
     torch.manual_seed(seed)
     q_lora, kv_lora, nope, rope, v = dims
-    spec = DraftSpec(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads, head_dim=nope + rope,
+    spec = DraftSpec(hidden_size=16, num_attention_heads=2, num_key_value_heads=2, head_dim=nope + rope,
                      intermediate_size=32, num_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0,
-                     max_position_embeddings=128, draft_vocab_size=24, target_vocab_size=40, target_hidden_size=hidden,
+                     max_position_embeddings=128, draft_vocab_size=vocab, target_vocab_size=40, target_hidden_size=16,
                      attention="mla", q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope,
-                     qk_rope_head_dim=rope, v_head_dim=v, rope_scaling=YARN, **extra)
+                     qk_rope_head_dim=rope, v_head_dim=v, rope_scaling=YARN)
     draft = Eagle3Draft(spec)
     for p in draft.parameters():   # unit-scale linears (peaked attention) and norms away from 1
         p.data = torch.randn(p.shape) * p.shape[1] ** -0.5 if p.dim() == 2 else p.data + 0.2 * torch.randn(p.shape)
     t2d = torch.zeros(40, dtype=torch.bool)
-    t2d[torch.randperm(40)[:24]] = True
+    t2d[torch.randperm(40)[:vocab]] = True
     draft.t2d.copy_(t2d)
-    draft.d2t.copy_(t2d.nonzero().flatten() - torch.arange(24))
+    draft.d2t.copy_(t2d.nonzero().flatten() - torch.arange(vocab))
     return draft
 
 
@@ -192,6 +192,34 @@ def test_kimi_dims_build_and_export_on_meta(tmp_path):
     assert read["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]
     assert read["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]
     assert read["rope_scaling"]["type"] == "yarn" and read["rope_scaling"]["factor"] == 64
+    assert read["rope_scaling"]["rope_theta"] == read["rope_theta"] == 50000   # what vLLM's get_rope reads
+
+
+def test_a_published_layout_loads(tmp_path):
+    """A peer's MLA draft: midlayer.* names, the full vocabulary without d2t / t2d, an embedding copy, aux ids in
+    eagle_config only (vLLM then reads them as its own, inputs of layers)."""
+    from safetensors.torch import save_file
+    from eagle3.draft_io import load_vllm_draft
+    from kernels.reference import ttt_attention
+    draft = mla_draft(4, vocab=40)
+    s = draft.spec
+    config = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 16,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 32, "num_hidden_layers": 1,
+              "q_lora_rank": 12, "kv_lora_rank": 8, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128, "vocab_size": 40,
+              "draft_vocab_size": 40, "rope_scaling": {**{k: v for k, v in YARN.items() if k != "rope_type"},
+                                                       "type": "yarn"},
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 5, 7], "use_aux_hidden_state": True}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {k.replace("layers.0.", "midlayer."): v for k, v in draft.state_dict().items() if k not in ("d2t", "t2d")}
+    save_file({**tensors, "embed_tokens.weight": torch.randn(40, 16)}, tmp_path / "model.safetensors")
+    theirs, aux = load_vllm_draft(tmp_path)
+    assert aux == [1, 4, 6] and theirs.spec == s
+    assert torch.equal(theirs.d2t, torch.zeros(40, dtype=torch.int64)) and bool(theirs.t2d.all())
+    h, emb = torch.randn(9, 16), torch.randn(9, 16)
+    with torch.no_grad():
+        a, b = (d.step(h, emb, torch.arange(9), [[]], ttt_attention, torch.tensor([0, 9])) for d in (draft, theirs))
+    assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -91,6 +91,13 @@ def rope_tables(c: TextConfig, spec: DeepseekSpec) -> tuple[torch.Tensor, float,
         raise TargetError(f"{c.source}: {e}") from None
 
 
+def yarn_settings(scaling: dict | None) -> dict | None:
+    """The keys of a (normalized) rope_scaling that DeepSeek's YaRN reads (`yarn_rope`), None without scaling."""
+    keys = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+            "mscale_all_dim")
+    return scaling and {k: scaling[k] for k in keys if k in scaling}
+
+
 def yarn_rope(d: int, qk_head_dim: int, base: float, s: dict | None) -> tuple[torch.Tensor, float, float]:
     """DeepSeek's rotary for rope dim d and query/key head dim `qk_head_dim` under rope scaling `s` (YaRN or
     None; `rope_type` normalized): (inv_freq [d/2] fp32, cos/sin multiplier, softmax scale)."""
