@@ -284,6 +284,19 @@ def test_exports_the_engines_would_misread_are_refused():
     check_servable({"attention": "mla", "num_layers": 1, "fc_norm": True, "norm_output": True}, "sglang", "ckpt")
 
 
+def test_the_step_bench_puts_the_mla_draft_beside_each_size():
+    from eagle3.bench import step
+    assert step.parse(["--tiny", "--mla"]).sizes == ["tiny", "tiny-mla"]
+    kimi, mla = kimi_spec(), step.SIZES["kimi-mla"]
+    assert mla["base"] == "kimi" and mla["attention"] == "mla"
+    # per row and step: the MLA layer's GEMMs and attention at heads of 192 (q, k) and 128 (v), no padding
+    linears = 2 * (1536 * 2 * 7168 + 64 * 192 * 1536 + 576 * 2 * 7168 + 64 * 256 * 512 + 7168 * 64 * 128
+                   + 3 * 7168 * 18432)
+    attention = 2 * (192 + 128) * 64 * (mla["seq_len"] / 2 + 1)
+    head, fc = 2 * 7168 * 32000 * 2, 2 * 7168 * 3 * 7168
+    assert step.step_flops(mla, kimi, 1, 1, False) == pytest.approx(3 * (fc + linears + attention) + head + head / 2)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
     interpreted_cases()

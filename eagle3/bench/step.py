@@ -21,6 +21,7 @@ from eagle3.bench.timing import append_json, free_memory, matmul_tflops, require
 from eagle3.data.batch import Batch
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, write_shard
 from eagle3.files import atomic_write_text
+from eagle3.float8 import layer_shapes
 from eagle3.models.weights import read_config
 from eagle3.training import Trainer
 from eagle3.ttt import summarize
@@ -37,6 +38,10 @@ SIZES = {   # draft shapes (the target's hidden, heads, intermediate) and one mi
     "tiny": dict(hidden=64, vocab=2048, heads=1, kv_heads=1, head_dim=64, inter=128, draft_vocab=512,
                  seqs=4, seq_len=128, user=16, layers=61),
 }
+# the MLA draft (draft.attention = "mla") beside each: Kimi's own attention dims (q_lora 1536, kv_lora 512, heads of
+# 128 + 64 and 128), read from the stand-in target's config; the tiny one's set smaller (experimental.mla_dims)
+SIZES |= {"kimi-mla": {**SIZES["kimi"], "attention": "mla", "base": "kimi"},   # base: whose target and shards
+          "tiny-mla": {**SIZES["tiny"], "attention": "mla", "mla_dims": [32, 16, 32, 16, 32], "base": "tiny"}}
 
 
 def write_target(out: Path, s: dict) -> None:
@@ -116,14 +121,16 @@ def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int, bo
     atomic_write_text(out / MANIFEST, json.dumps(manifest))
 
 
-def step_flops(s: dict, steps: int, tokens: int, head_trained: bool) -> float:
+def step_flops(s: dict, spec, steps: int, tokens: int, head_trained: bool) -> float:
     """Matmul FLOPs of one optimizer step computing every row at every TTT step, fwd + bwd (x3; a
-    frozen lm_head needs no weight gradient: x2)."""
-    H, Hq, Hkv, D, I, V = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["inter"], s["draft_vocab"]
-    per_row_step = 2 * (2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I)
+    frozen lm_head needs no weight gradient: x2); the attention's at its useful head dims (no padding)."""
+    H, V, shapes = s["hidden"], s["draft_vocab"], layer_shapes(spec)
+    per_row_step = 2 * sum(n * k for name, (n, k) in shapes.items() if name != "fc")
     head = 2 * H * V * (3 if head_trained else 2)
-    attention = 4 * D * Hq * (s["seq_len"] / 2 + steps)   # QK^T and PV, mean causal keys + diagonal
-    fc = 2 * 3 * H * H
+    qk, v = ((spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim) if spec.attention == "mla"
+             else (spec.head_dim, spec.head_dim))
+    attention = 2 * (qk + v) * spec.num_attention_heads * (s["seq_len"] / 2 + steps)   # QK^T and PV, mean keys
+    fc = 2 * shapes["fc"][0] * shapes["fc"][1]
     target_probs = 2 * H * V                               # no backward
     return tokens * (3 * (fc + steps * (per_row_step + attention)) + steps * head + target_probs)
 
@@ -200,13 +207,15 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
               overrides: list[str] = (), report=None) -> dict:
     """One size, layout and kernel choice; `overrides`: more config arguments, `report`: see gpu_busy_fraction."""
     s = SIZES[size]
-    args = ["--target.path", str(root / size / "target"), "--train.data_dir", str(root / size / f"data-{layout}"),
+    home = root / s.get("base", size)
+    args = ["--target.path", str(home / "target"), "--train.data_dir", str(home / f"data-{layout}"),
             "--train.output_dir", str(root / size / f"out-{layout}-{kernels}"), *kernel_args(kernels),
             "--train.batch_tokens", str(s["seqs"] * s["seq_len"]), "--train.eval_fraction", "0",
             "--train.max_steps", str(steps + warmup + 4), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
             "--draft.num_key_value_heads", str(s["kv_heads"]), "--draft.head_dim", str(s["head_dim"]),
-            "--draft.intermediate_size", str(s["inter"]),
+            "--draft.intermediate_size", str(s["inter"]), "--draft.attention", s.get("attention", "gqa"),
+            "--experimental.mla_dims", json.dumps(s.get("mla_dims", [])),
             "--train.prompt_rows", "false", *overrides]   # assistant rows only: the peer's workload
     started = time.perf_counter()
     trainer = Trainer(config_mod.load(None, args))
@@ -231,7 +240,8 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
     label = f"{size}-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}"
     busy = gpu_busy_fraction(trainer, batches, label, report) if cuda else float("nan")
     syncs = host_syncs(trainer, next(batches)) if cuda else []
-    flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens, not trainer.cfg.experimental.freeze_lm_head)
+    flops = step_flops(s, trainer.resolved.draft_spec, trainer.cfg.train.ttt_steps, tokens,
+                       not trainer.cfg.experimental.freeze_lm_head)
     return {"size": size, "layout": layout, "kernels": kernels, "float8": trainer.float8,
             "float8_head": trainer.float8_head, "world": trainer.dist.world, "step_s": step,
             "tokens_per_s_per_gpu": tokens / step, "mfu": flops / step / 1e12 / tflops if cuda else float("nan"),
@@ -249,10 +259,10 @@ def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path, overr
              report=None) -> tuple[list[dict], float]:
     """Our step at each size, layout and kernel choice asked for -> (rows, printed and --json'd; the bf16 rate)."""
     if dist.main:
-        for size in args.sizes:
-            write_target(root / size / "target", SIZES[size])
+        for home in dict.fromkeys(SIZES[size].get("base", size) for size in args.sizes):
+            write_target(root / home / "target", SIZES[home])
             for layout in args.layouts:
-                write_shards(root / size / f"data-{layout}", root / size / "target", layout, SIZES[size],
+                write_shards(root / home / f"data-{layout}", root / home / "target", layout, SIZES[home],
                              dist.world * (args.steps + args.warmup + 4))
     dist.barrier()
     tflops = matmul_tflops() if dist.device.type == "cuda" else float("nan")
@@ -280,12 +290,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              "(e.g. triton-fp8), -fp8-head also train.float8_head; -graph debug.cuda_graphs")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true", help="--sizes tiny (CPU smoke test)")
+    parser.add_argument("--tiny", action="store_true", help="--sizes tiny (CPU smoke test; with --mla tiny-mla too)")
+    parser.add_argument("--mla", action="store_true", help="each size's MLA draft beside it (kimi: kimi,kimi-mla)")
     parser.add_argument("--dir", default=None, help="where to write the synthetic targets and shards "
                         "(kept, and reused by the next bench with the same --dir)")
     parser.add_argument("--json", default=None, help="append the results here as JSON lines")
     args = parser.parse_args(argv)
     args.sizes = ["tiny"] if args.tiny else args.sizes.split(",")
+    if args.mla:
+        args.sizes = [x for size in args.sizes for x in (size, f"{size}-mla") if x in SIZES]
     args.layouts, args.kernels = args.layouts.split(","), args.kernels.split(",")
     if unknown := [x for x in args.sizes if x not in SIZES]:
         parser.error(f"--sizes: unknown {', '.join(unknown)}; one of {', '.join(SIZES)}")
