@@ -130,8 +130,9 @@ def _tensor_files(path: Path, mla: bool = False) -> Files:
             raise DraftLoadError(f"{single}: not found (nor model.safetensors.index.json)")
         with safe_open(single, "pt") as f:
             stored = {name: single for name in f.keys()}
-    rename = (lambda n: "layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n) if mla else str
-    return Files({rename(name): (file, name) for name, file in stored.items()})
+    def ours(name: str) -> str:
+        return "layers.0." + name.removeprefix("midlayer.") if mla and name.startswith("midlayer.") else name
+    return Files({ours(name): (file, name) for name, file in stored.items()})
 
 
 def _fc_shape(files: Files, where: str) -> list[int]:

@@ -141,6 +141,21 @@ def test_triton_ttt_attention_gives_the_eager_gradients(interpreted, case):
     assert_interpreted_case(interpreted, case, case)
 
 
+def test_fp8_gemms_give_the_mla_draft_the_dense_gradients_to_fp8_precision():
+    """train.float8 swaps every linear of the MLA layer too (its widths here multiples of 16, as fp8 GEMMs want)."""
+    from eagle3 import float8
+    from kernels.reference import ttt_attention
+    dense = mla_draft(2, dims=(16, 16, 16, 16, 16))
+    fp8 = mla_draft(2, dims=(16, 16, 16, 16, 16))
+    fp8.use_float8()
+    assert fp8.layers[0].self_attn.linears is float8.linears
+    (loss_d, grads_d), (loss_f, grads_f) = _grads(dense, ttt_attention), _grads(fp8, ttt_attention)
+    assert abs(loss_f - loss_d) < 0.05 * abs(loss_d)
+    for name in ("layers.0.self_attn.q_a_proj.weight", "layers.0.self_attn.kv_b_proj.weight", "fc.weight"):
+        cos = torch.nn.functional.cosine_similarity(grads_f[name].flatten(), grads_d[name].flatten(), dim=0)
+        assert cos > 0.95, (name, cos)
+
+
 def test_the_gemms_and_the_kernel_width_are_the_mla_layers():
     from eagle3.float8 import gemm_widths, layer_shapes
     spec = mla_draft().spec
