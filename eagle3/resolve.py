@@ -88,6 +88,9 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
         fc_norm=x.aux_norm == "per_layer", norm_output=x.norm_output)
     if d.attention == "mla":
         spec = replace(spec, **mla_fields(cfg, text, heads))
+    elif x.mla_dims:
+        raise ConfigError(f"{cfg.source}: experimental.mla_dims is set but draft.attention is "
+                          f"\"{d.attention}\"; the dims shape an MLA draft only (draft.attention = \"mla\")")
     data = cfg.data.path if cfg.train.source == "online" else cfg.resolved_train_data_dir()
     return Resolved(list(ids), spec, str(Path(data)), cfg.export.verifier_name or cfg.target.path)   # "./x" is "x"
 

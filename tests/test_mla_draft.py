@@ -172,16 +172,34 @@ def test_the_gemms_and_the_kernel_width_are_the_mla_layers():
 # ---------------------------------------------------------------------------------------------
 # Kimi-K2.5's real dims build and export
 
-def kimi_spec() -> DraftSpec:
+def kimi_spec(config_file: Path | None = None, **overrides) -> DraftSpec:
+    """The draft `resolve` makes for a target config (Kimi-K2.5's real one by default) with draft.attention mla."""
     from eagle3.models.weights import read_config
     from eagle3.resolve import resolve
     from conftest import KIMI_FIXTURE, make_config
-    cfg = make_config(Path("/nonexistent"), KIMI_FIXTURE.parent, Path("/nonexistent/data.jsonl"),
-                      **{"draft.attention": "mla"})
+    file = config_file or KIMI_FIXTURE
+    cfg = make_config(Path("/nonexistent"), file.parent, Path("/nonexistent/data.jsonl"),
+                      **{"draft.attention": "mla", **overrides})
 
     class Ckpt:   # resolve reads the config only
-        config = read_config(KIMI_FIXTURE)
+        config = read_config(file)
     return resolve(cfg, Ckpt()).draft_spec
+
+
+def test_the_mla_dims_come_from_the_target_or_are_set(tmp_path):
+    from eagle3.config import ConfigError
+    llama = tmp_path / "config.json"
+    llama.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                 "vocab_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "intermediate_size": 128, "rms_norm_eps": 1e-5}))
+    with pytest.raises(ConfigError, match="needs q_lora_rank, .* the target's config .* gives \\[None"):
+        kimi_spec(llama)   # a GQA target has no MLA dims
+    spec = kimi_spec(llama, **{"experimental.mla_dims": "[64, 32, 64, 32, 64]"})
+    assert (spec.q_lora_rank, spec.qk_rope_head_dim, spec.rope_scaling, spec.kernel_head_dim()) == (64, 32, None, 128)
+    with pytest.raises(ConfigError, match="an even rope dim"):
+        kimi_spec(llama, **{"experimental.mla_dims": "[64, 32, 64, 31, 64]"})
+    with pytest.raises(ConfigError, match="mla_dims is set but draft.attention is \"gqa\""):
+        kimi_spec(**{"draft.attention": "gqa", "experimental.mla_dims": "[64, 32, 64, 32, 64]"})
 
 
 def test_kimi_dims_build_and_export_on_meta(tmp_path):
