@@ -155,8 +155,9 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
     spec, dtype, written = state["resolved"]["draft_spec"], TORCH_DTYPES[cfg.debug.export_dtype], {}
     check_out_dir(checkpoint_dir, out_dir, cfg.export.formats)
     mla = spec.get("attention") == "mla"
-    for fmt in cfg.export.formats:   # "vllm" or "sglang", as the config's type says
+    for fmt in cfg.export.formats:   # every format checked before any is written
         check_servable(spec, fmt, str(checkpoint_dir))
+    for fmt in cfg.export.formats:   # "vllm" or "sglang", as the config's type says
         if fmt == "vllm":
             tensors = export_weights(weights, spec, lambda i: f"layers.{i}", spec["num_layers"], dtype)
             written[fmt] = _write(out_dir / "vllm", (mla_config if mla else vllm_config)(state, cfg), tensors)
