@@ -307,6 +307,19 @@ def test_real_decoding_with_the_mla_draft_is_lossless(mla_run):
     assert report["mismatches"] == 0 and report["prompts"] > 0 and report["rounds"] > 0
 
 
+@pytest.mark.slow
+def test_ddp_two_processes_train_the_mla_draft_as_one(tmp_path, llama_target, token_data, hidden):
+    """An MLA draft (dims set: a Llama target has none) under DDP on 2 gloo ranks = 1 process accumulating 2."""
+    from test_training import cli_args, final_weights, run_train
+    mla = {"draft.attention": "mla", "experimental.mla_dims": "[32,16,16,16,16]"}
+    run_train(cli_args(tmp_path / "one", llama_target, token_data, hidden, **mla, **{"train.grad_accum": 2}))
+    run_train(cli_args(tmp_path / "two", llama_target, token_data, hidden, **mla), nproc=2)
+    a, b = final_weights(tmp_path / "one" / "train"), final_weights(tmp_path / "two" / "train")
+    assert "layers.0.self_attn.kv_b_proj.weight" in a
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+
 def test_exports_the_engines_would_misread_are_refused():
     from eagle3.export import ExportError, check_servable
     spec = {"attention": "mla", "num_layers": 1, "norm_before_fc": True}
