@@ -402,7 +402,7 @@ def uses_tma(device: torch.device) -> bool:
 
 
 def _aligned(*tensors) -> bool:
-    """TMA needs each base 16-byte aligned (row strides H * D * 2 bytes always are, at D = 64 or 128)."""
+    """TMA needs each base 16-byte aligned (row strides H * D * 2 bytes always are, at D = 64, 128 or 256)."""
     return all(x.data_ptr() % 16 == 0 for x in tensors)
 
 
