@@ -31,6 +31,11 @@ cut into `window`-token pieces (`short`; the peer takes either with `--data whol
     python -m benchmarks.quality --work runs/quality --stages ours,peer,measure --peer-script benchmarks/peer/speculators_quality.py
     python -m benchmarks.quality --tiny --work /tmp/q      # the same code at toy size on the CPU
     python -m benchmarks.quality --long --work runs/quality-long --stages target,data,ours,measure
+
+`--recipe target_kind=deepseek` trains a DeepSeek-V3-shaped target instead (MLA attention with YaRN, MoE layers
+after a dense first one, sigmoid routing balanced by DeepSeek-V3's aux-loss-free bias) and, unless `--variant`
+says otherwise, two drafts on it: the MLA draft (`draft.attention = "mla"`, the target's dims) and a GQA draft of
+the same parameter count (`equal_size_variants`); the peer trains Llama-style drafts on Llama targets only.
 """
 from __future__ import annotations
 
@@ -98,12 +103,24 @@ class Recipe:
     eval_fraction: float = 0.02       # the peer trains on 98% of the sequences
     long_len: int = 0                 # > 0: the long-context variant, draft data of whole sequences this long
     window: int = 512                 # the long variant's short windows (the same tokens as the whole sequences)
+    # the target's kind: "llama", or "deepseek" (DeepSeek-V3-shaped: MLA attention with YaRN, MoE layers after the
+    # first, sigmoid routing with an aux-loss-free balancing bias), which trains an MLA and a GQA draft of equal size
+    target_kind: str = "llama"
+    q_lora: int = 96
+    kv_lora: int = 64
+    qk_nope: int = 32
+    qk_rope: int = 16
+    v_head: int = 32
+    experts: int = 8
+    top_k: int = 2
+    moe_intermediate: int = 192
 
 
 TINY = Recipe(max_files=40, vocab=384, hidden=64, layers=8, heads=1, kv_heads=1, intermediate=128, seq_len=64,
               batch_seqs=8, target_steps=20, prompt_len=24, reply_len=16, train_prompts=40, eval_prompts=4,
               eval_new_tokens=12, eval_seeds=2, generate_batch=16, draft_vocab=128, epochs=1, batch_tokens=512,
-              lr=3e-4, holdout_every=5)
+              lr=3e-4, holdout_every=5, q_lora=32, kv_lora=16, qk_nope=16, qk_rope=8, v_head=16, experts=4,
+              moe_intermediate=32)
 # the long-context variant (`--long`): a target trained at 8k positions, 240 corpus windows of 8k tokens (1.97M, as
 # the base's draft data) trained whole or as 512-token windows, judged on short and deep prompts
 LONG = dataclasses.replace(Recipe(), seq_len=8192, batch_seqs=8, long_len=8192, train_prompts=240, eval_prompts=64)
@@ -227,6 +244,146 @@ class Llama(nn.Module):
         return self.lm_head(self.model.norm(h))
 
 
+# --- or a DeepSeek-V3-shaped target: MLA attention, MoE layers (the hidden states an MLA draft reads) -----------
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V3's attention under its tensor names, YaRN-rotated as our target forward reads it."""
+
+    def __init__(self, r: Recipe):
+        super().__init__()
+        H, n, self.r = r.hidden, r.heads, r
+        self.q_a_proj, self.q_a_layernorm = nn.Linear(H, r.q_lora, bias=False), Norm(r.q_lora)
+        self.q_b_proj = nn.Linear(r.q_lora, n * (r.qk_nope + r.qk_rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, r.kv_lora + r.qk_rope, bias=False)
+        self.kv_a_layernorm = Norm(r.kv_lora)
+        self.kv_b_proj = nn.Linear(r.kv_lora, n * (r.qk_nope + r.v_head), bias=False)
+        self.o_proj = nn.Linear(n * r.v_head, H, bias=False)
+
+    def forward(self, x, cos, sin, scale):
+        from eagle3.models.deepseek import apply_rope_interleaved as rope
+        r, (B, T, _) = self.r, x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, r.heads, -1)
+        q_nope, q_pe = q.split([r.qk_nope, r.qk_rope], -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([r.kv_lora, r.qk_rope], -1)
+        k_nope, v = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, r.heads, -1).split([r.qk_nope, r.v_head], -1)
+        q = torch.cat([q_nope, rope(q_pe, cos, sin)], -1)
+        k = torch.cat([k_nope, rope(k_pe[:, :, None], cos, sin).expand(B, T, r.heads, r.qk_rope)], -1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, scale=scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class Gate(nn.Module):
+    def __init__(self, r: Recipe):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(r.experts, r.hidden) * 0.02)
+        self.register_buffer("e_score_correction_bias", torch.zeros(r.experts))   # saved: the target's router reads it
+
+
+class MoE(nn.Module):
+    """Routed experts (sigmoid scores, top-k by the biased score, our target forward's `route`) + a shared expert;
+    `load` counts each expert's tokens for the balancing bias."""
+
+    def __init__(self, r: Recipe):
+        super().__init__()
+        from eagle3.models.deepseek import DeepseekSpec
+        self.gate = Gate(r)
+        small = dataclasses.replace(r, intermediate=r.moe_intermediate)
+        self.experts = nn.ModuleList(MLP(small) for _ in range(r.experts))
+        self.shared_experts = MLP(small)
+        self.spec = DeepseekSpec(  # what `route` reads: top_k of the biased sigmoid scores, weights renormalized
+            q_lora_rank=r.q_lora, kv_lora_rank=r.kv_lora, qk_nope_head_dim=r.qk_nope, qk_rope_head_dim=r.qk_rope,
+            v_head_dim=r.v_head, first_k_dense_replace=1, moe_layer_freq=1, n_routed_experts=r.experts,
+            n_shared_experts=1, num_experts_per_tok=r.top_k, moe_intermediate_size=r.moe_intermediate, n_group=1,
+            topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, topk_method="noaux_tc")
+        self.load = torch.zeros(r.experts)
+
+    def forward(self, x):
+        from eagle3.models.deepseek import route
+        flat = x.flatten(0, 1)
+        idx, w = route(F.linear(flat.float(), self.gate.weight.float()), self.gate.e_score_correction_bias, self.spec)
+        self.load = torch.bincount(idx.flatten(), minlength=len(self.experts)).float()
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            out = out.index_add(0, rows, expert(flat[rows]) * w[rows, slot, None].to(flat.dtype))
+        return out.view_as(x) + self.shared_experts(x)
+
+    def balance(self, rate: float = 1e-3) -> None:
+        """DeepSeek-V3's aux-loss-free balancing: the bias of an overloaded expert down, of an idle one up."""
+        self.gate.e_score_correction_bias += rate * torch.sign(self.load.mean() - self.load).to(
+            self.gate.e_score_correction_bias.device)
+
+
+class DeepseekBlock(nn.Module):
+    def __init__(self, r: Recipe, moe: bool):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = Norm(r.hidden), Norm(r.hidden)
+        self.self_attn, self.mlp = MLAttention(r), MoE(r) if moe else MLP(r)
+
+    def forward(self, h, cos, sin, scale):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, scale)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Deepseek(nn.Module):
+    """A DeepSeek-V3-shaped target under the Hugging Face names; layer 0 dense, the others MoE."""
+
+    def __init__(self, r: Recipe):
+        super().__init__()
+        from eagle3.models.deepseek import yarn_rope
+        self.model = Body(r)
+        self.model.layers = nn.ModuleList(DeepseekBlock(r, i > 0) for i in range(r.layers))
+        self.lm_head = nn.Linear(r.hidden, r.vocab, bias=False)
+        inv_freq, self.mscale, self.scale = yarn_rope(r.qk_rope, r.qk_nope + r.qk_rope, 10000.0,
+                                                      {**YARN, "rope_type": "yarn"})
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * r.layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from eagle3.models.deepseek import interleaved_cos_sin
+        cos, sin = interleaved_cos_sin(torch.arange(ids.shape[1], device=ids.device), self.inv_freq, self.mscale)
+        h = self.model.embed_tokens(ids)
+        for block in self.model.layers:
+            h = block(h, cos, sin, self.scale)
+        return self.lm_head(self.model.norm(h))
+
+    def balance(self) -> None:
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.balance()
+
+
+def deepseek_config(r: Recipe, eos: int) -> dict:
+    llama = {k: v for k, v in hf_config(r, eos).items() if k != "head_dim"}
+    return {**llama, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "num_key_value_heads": r.heads, "q_lora_rank": r.q_lora, "kv_lora_rank": r.kv_lora,
+            "qk_nope_head_dim": r.qk_nope, "qk_rope_head_dim": r.qk_rope, "v_head_dim": r.v_head,
+            "n_routed_experts": r.experts, "num_experts_per_tok": r.top_k, "moe_intermediate_size": r.moe_intermediate,
+            "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+            "norm_topk_prob": True, "routed_scaling_factor": 1.0, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+            "rope_scaling": YARN}
+
+
+def equal_size_variants(r: Recipe) -> list[str]:
+    """The MLA draft (the target's dims) and a GQA draft of as many parameters: 2 KV heads (1 with 1 head) of
+    hidden / heads, its MLP narrowed or widened by what its attention weighs more or less (one layer, 2H input)."""
+    H, n, d, kv = r.hidden, r.heads, r.hidden // r.heads, math.gcd(2, r.heads)
+    mla = (2 * H * (r.q_lora + r.kv_lora + r.qk_rope) + r.q_lora * n * (r.qk_nope + r.qk_rope)
+           + r.kv_lora * n * (r.qk_nope + r.v_head) + n * r.v_head * H + r.q_lora + r.kv_lora)
+    gqa = 2 * H * (n + 2 * kv) * d + n * d * H
+    inter = r.intermediate + round((mla - gqa) / (3 * H))
+    return ["mla:draft.attention=mla", f"gqa:draft.attention=gqa,draft.num_key_value_heads={kv},draft.head_dim={d},"
+                                       f"draft.intermediate_size={inter}"]
+
+
 def hf_config(r: Recipe, eos: int) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": r.hidden,
             "intermediate_size": r.intermediate, "num_hidden_layers": r.layers, "num_attention_heads": r.heads,
@@ -243,11 +400,11 @@ def lm_batches(stream: torch.Tensor, r: Recipe, g: torch.Generator):
         yield torch.stack([stream[s:s + r.seq_len + 1] for s in starts.tolist()]).long()
 
 
-def train_target(r: Recipe, stream: torch.Tensor, judging: torch.Tensor, device: torch.device) -> tuple[Llama, dict]:
+def train_target(r: Recipe, stream: torch.Tensor, judging: torch.Tensor, device: torch.device) -> tuple[nn.Module, dict]:
     """The target learns from every file (a pretrained model has seen its prompts' sources too); its
     loss on a window of the judging files says how well it knows them, not how it generalises."""
     torch.manual_seed(r.seed)
-    model = Llama(r).to(device)
+    model = (Deepseek if r.target_kind == "deepseek" else Llama)(r).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=r.target_lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
     warmup = max(1, r.target_steps // 20)
@@ -266,6 +423,8 @@ def train_target(r: Recipe, stream: torch.Tensor, judging: torch.Tensor, device:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if isinstance(model, Deepseek):
+            model.balance()
         bar.set_postfix(loss=f"{loss.item():.3f}")
     with torch.no_grad(), autocast:
         x = next(lm_batches(judging, r, torch.Generator().manual_seed(r.seed + 1))).to(device)
@@ -281,6 +440,16 @@ def split_files(r: Recipe, ids: list[torch.Tensor]) -> tuple[list[torch.Tensor],
     return rest, judge
 
 
+def write_target(model: nn.Module, r: Recipe, eos: int, out: Path) -> None:
+    """The trained target in the Hugging Face layout (its tokenizer.json is written beside it)."""
+    config = deepseek_config(r, eos) if r.target_kind == "deepseek" else hf_config(r, eos)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "chat_template": THINKING_TEMPLATE}))
+    weights = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+
+
 def build_target(r: Recipe, work: Path, device: torch.device) -> dict:
     out = work / "target"
     tmp = work / "target.tmp"
@@ -293,12 +462,7 @@ def build_target(r: Recipe, work: Path, device: torch.device) -> dict:
     # the target learns from every file; held-out loss on a window of the judging files
     _, judge = split_files(r, ids)
     model, stats = train_target(r, torch.cat(ids), torch.cat(judge), device)
-    eos = tok.token_to_id(EOS)
-    (tmp / "config.json").write_text(json.dumps(hf_config(r, eos), indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}))
-    (tmp / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "chat_template": THINKING_TEMPLATE}))
-    weights = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+    write_target(model, r, tok.token_to_id(EOS), tmp)
     tmp.rename(out)
     torch.save(ids, work / "corpus_ids.pt")   # for the data stage; large, so not part of the target
     return {**stats, "files": len(ids), "corpus_tokens": sum(t.numel() for t in ids),
@@ -634,7 +798,7 @@ def with_changes(r: Recipe, changes: list[str]) -> Recipe:
         key, eq, value = change.partition("=")
         if not eq or key not in fields:
             raise SystemExit(f"error: --recipe {change!r}: expected key=value with key one of {', '.join(fields)}")
-        values[key] = {"int": int, "float": float}[fields[key]](value)
+        values[key] = {"int": int, "float": float, "str": str}[fields[key]](value)
     return dataclasses.replace(r, **values)
 
 
@@ -685,7 +849,8 @@ def main(argv: list[str] | None = None) -> None:
         new["data"] = build_data(r, work, device)
     if "ours" in stages:
         named = {v.partition(":")[0]: v for v in LONG_VARIANTS} if r.long_len else {}   # `--variant short` alone
-        new["ours"] = run_ours(r, work, [named.get(v, v) for v in args.variant or named] or ["base"], device)
+        default = list(named) or (equal_size_variants(r) if r.target_kind == "deepseek" else ["base"])
+        new["ours"] = run_ours(r, work, [named.get(v, v) for v in args.variant or default], device)
     if "peer" in stages:
         new["peer"] = run_peer(r, work, Path(args.peer_script), args.peer_variant)
     if "measure" in stages:

@@ -79,6 +79,9 @@ class DraftConfig:
     num_key_value_heads: int | None = setting(None, "auto: the target's (fewer for a GQA draft)")
     head_dim: int | None = setting(None, "auto: the target's head_dim, else `hidden_size // num_attention_heads`")
     intermediate_size: int | None = setting(None, "auto: the target's dense intermediate size")
+    attention: Literal["auto", "gqa", "mla"] = setting(
+        "auto", "the draft layer's attention: `gqa` (Llama layer) or `mla` (DeepSeek-V3 latent attention, its dims "
+        "the target's; vLLM's Eagle3DeepseekV2ForCausalLM); auto: gqa until measured (docs/ttt.md)")
 
 
 @dataclass
@@ -181,6 +184,10 @@ class ExperimentalConfig:
         "RoPE at the target's theta (the comparison)")
     sliding_window: int = setting(
         0, "the draft attends to the last N positions (vLLM's `sliding_window`; not for SGLang); 0 = all")
+
+    mla_dims: list[int] = setting(
+        [], "draft.attention = mla: [q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim]; "
+        "empty: the target's")
 
 
 @dataclass

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from eagle3.float8 import linears as float8_linears
 from eagle3.linear import dense_linears
+from eagle3.models.deepseek import apply_rope_interleaved, interleaved_cos_sin, yarn_rope
 from eagle3.resolve import DraftSpec
 from eagle3.ops import (apply_rope, compiled, draft_rope, fused_rms_norm, gather_rows, rms_norm, rope_cos_sin,
                         scatter_rows, silu_mul)
@@ -42,6 +44,27 @@ class Rows:
         return gather_rows(x, self.kept)
 
 
+def attend(q, k, v, cache, attention, cu_seqlens, rows: Rows, scale: float | None = None,
+           window: int = 0) -> torch.Tensor:
+    """q [N, Hq, D] of the kept rows, k, v [C, Hkv, D] of the computed ones -> [N, Hq, D], over the steps in `cache`
+    (a list this step's keys and values join, or in decoding a KV pool's `incremental.LayerPass`); `window` > 0: the
+    step-0 keys less than `window` positions back (a sliding-window draft)."""
+    if not isinstance(cache, list):
+        return cache.attend(q, k, v, scale, window=window)
+    # keys, values and queries laid out over all rows, zero elsewhere
+    kept = rows.kept_global()
+    q, k, v = scatter_rows(q, kept, rows.total), *(scatter_rows(x, rows.computed, rows.total) for x in (k, v))
+    if split := getattr(attention, "to_heads", None):   # context parallel: all rows of some heads here
+        q, k, v = split(q, k, v)
+    cache.append((k, v))
+    keys, values = (torch.stack(kvs) for kvs in zip(*cache))   # [S, T, Hkv, D] each
+    options = {} if scale is None else {"scale": scale}         # None: the kernels' D^-0.5
+    if window:   # step k's queries sit k positions past their row: an engine's window of W positions leaves W - k rows
+        options["window"] = window - len(cache) + 1
+    out = attention(q, keys, values, cu_seqlens, **options)
+    return gather_rows(attention.to_rows(out) if split else out, kept)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: DraftSpec, in_dim: int):
         super().__init__()
@@ -55,8 +78,7 @@ class Attention(nn.Module):
         self.linears = dense_linears
 
     def forward(self, x, cos, sin, cache, attention, cu_seqlens, rows: Rows):
-        """x [C, in_dim] of the computed rows -> [N, H] of the kept ones, attending over the steps in `cache`
-        (a list this step's keys and values join, or in decoding a KV pool's `incremental.LayerPass`)."""
+        """x [C, in_dim] of the computed rows -> [N, H] of the kept ones (`attend` says over what)."""
         C = x.shape[0]
         if rows.kept is None:   # every computed row is kept: q, k, v read one input
             q, k, v = self.linears(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
@@ -68,20 +90,53 @@ class Attention(nn.Module):
         k = self.rope(k.view(C, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(C, self.kv_heads, self.head_dim)
         q = self.rope(q.view(q.shape[0], self.heads, self.head_dim), cos_q, sin_q)
-        if isinstance(cache, list):   # keys, values and queries laid out over all rows, zero elsewhere
-            kept = rows.kept_global()
-            q, k, v = scatter_rows(q, kept, rows.total), *(scatter_rows(x, rows.computed, rows.total) for x in (k, v))
-            if split := getattr(attention, "to_heads", None):   # context parallel: all rows of some heads here
-                q, k, v = split(q, k, v)
-            cache.append((k, v))
-            keys, values = (torch.stack(kvs) for kvs in zip(*cache))   # [S, T, Hkv, D] each
-            # step k's queries sit k positions past their row: an engine's window of W positions leaves W - k rows
-            window = {"window": self.window - len(cache) + 1} if self.window else {}
-            out = attention(q, keys, values, cu_seqlens, **window)
-            out = gather_rows(attention.to_rows(out) if split else out, kept)
-        else:
-            out = cache.attend(q, k, v, window=self.window)
+        out = attend(q, k, v, cache, attention, cu_seqlens, rows, window=self.window)
         return self.linears(out.flatten(1), self.o_proj.weight)[0]
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V3's multi-head latent attention in its expanded form, as vLLM's Eagle3DeepseekV2ForCausalLM and our
+    target forward compute it: q = q_b(norm(q_a(x))) [heads, nope | rope]; kv_a(x) = [latent | k_pe], the latent
+    normed and expanded by kv_b to [k_nope | v] per head; k_pe one rotary key for all heads (interleaved YaRN)."""
+
+    def __init__(self, spec: DraftSpec, in_dim: int):
+        super().__init__()
+        self.heads, self.nope, self.rope_dim = spec.num_attention_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim
+        self.kv_lora, self.v_dim, self.width = spec.kv_lora_rank, spec.v_head_dim, spec.kernel_head_dim()
+        qk = self.nope + self.rope_dim
+        self.q_a_proj = nn.Linear(in_dim, spec.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.rms_norm_eps)
+        self.q_b_proj = nn.Linear(spec.q_lora_rank, self.heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(in_dim, self.kv_lora + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, spec.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, spec.hidden_size, bias=False)
+        self.scale = yarn_rope(self.rope_dim, qk, spec.rope_theta, spec.rope_scaling)[2]   # YaRN's mscale² in it
+        self.rope = apply_rope_interleaved
+        self.linears = dense_linears
+
+    def forward(self, x, cos, sin, cache, attention, cu_seqlens, rows: Rows):
+        """x [C, in_dim] of the computed rows, cos/sin [C, rope/2] -> [N, H] of the kept ones."""
+        C = x.shape[0]
+        if rows.kept is None:   # both down-projections read one input
+            q_a, kv_a = self.linears(x, self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight)
+            cos_q, sin_q = cos, sin
+        else:
+            (kv_a,) = self.linears(x, self.kv_a_proj_with_mqa.weight)
+            (q_a,) = self.linears(rows.keep(x), self.q_a_proj.weight)
+            cos_q, sin_q = rows.keep(cos), rows.keep(sin)
+        N = q_a.shape[0]
+        q = self.linears(self.q_a_layernorm(q_a), self.q_b_proj.weight)[0].view(N, self.heads, -1)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
+        latent, k_pe = kv_a.split([self.kv_lora, self.rope_dim], -1)
+        kv = self.linears(self.kv_a_layernorm(latent), self.kv_b_proj.weight)[0].view(C, self.heads, -1)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        q = torch.cat([q_nope, self.rope(q_pe, cos_q, sin_q)], -1)                        # [N, heads, qk]
+        k = torch.cat([k_nope, self.rope(k_pe[:, None], cos, sin).expand(C, self.heads, self.rope_dim)], -1)
+        # one zero-padded head dim for q, k, v (the kernels'); zeros add nothing to q·k, the padded output is cut
+        q, k, v = (F.pad(t, (0, self.width - t.shape[-1])) for t in (q, k, v))
+        out = attend(q, k, v, cache, attention, cu_seqlens, rows, self.scale)[..., :self.v_dim]
+        return self.linears(out.reshape(N, -1), self.o_proj.weight)[0]
 
 
 class MLP(nn.Module):
@@ -109,7 +164,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, spec.rms_norm_eps)
         if first:
             self.hidden_norm = RMSNorm(H, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, 2 * H if first else H)
+        self.self_attn = (MLAttention if spec.attention == "mla" else Attention)(spec, 2 * H if first else H)
         self.post_attention_layernorm = RMSNorm(H, spec.rms_norm_eps)
         self.mlp = MLP(H, spec.intermediate_size)
 
@@ -140,7 +195,11 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(spec.target_vocab_size, dtype=torch.bool))
-        inv_freq, self.rope_mscale = draft_rope(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        if spec.attention == "mla":   # DeepSeek's interleaved rotary on the rope dims, YaRN from the target
+            inv_freq, self.rope_mscale, _ = yarn_rope(spec.qk_rope_head_dim, spec.head_dim, spec.rope_theta,
+                                                      spec.rope_scaling)
+        else:
+            inv_freq, self.rope_mscale = draft_rope(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.linears = dense_linears
         for m in self.modules():
@@ -165,7 +224,8 @@ class Eagle3Draft(nn.Module):
              attention, cu_seqlens, rows: Rows | None = None) -> torch.Tensor:
         """One TTT step: h, token embeddings [C, H], positions [C] of the computed rows -> [N, H] of the kept."""
         rows = rows or Rows(h.shape[0])
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_mscale)
+        cos, sin = (interleaved_cos_sin if self.spec.attention == "mla" else rope_cos_sin)(
+            positions, self.inv_freq, self.rope_mscale)
         every = Rows(rows.total, rows.computed)   # only the last layer drops rows: the others feed its keys
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, emb, cos, sin, cache, attention, cu_seqlens, rows if i == len(self.layers) - 1 else every)

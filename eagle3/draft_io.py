@@ -13,14 +13,24 @@ from eagle3 import train_state
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.errors import Eagle3Error
 from eagle3.files import read_json
+from eagle3.models.deepseek import yarn_settings
 from eagle3.models.weights import Checkpoint, rope_settings
 from eagle3.ops import draft_rope, yarn_mscale
-from eagle3.resolve import NORM_FLAGS
+from eagle3.resolve import MLA_DIMS, NORM_FLAGS
 from eagle3.vocab import VocabError, check_vocab
 
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
               "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")
+# the MLA layer's attention (DeepSeek-V3's names); the MLP and norms as the Llama layer's
+MLA_ATTENTION_KEYS = tuple(f"self_attn.{n}.weight" for n in (
+    "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"))
+
+
+def layer_keys(spec: dict, first: bool = True) -> list[str]:
+    """A layer's tensor names (without `layers.i.`); only the first has hidden_norm."""
+    keys = (MLA_ATTENTION_KEYS + LAYER_KEYS[4:]) if spec.get("attention") == "mla" else LAYER_KEYS
+    return [k for k in keys if first or k != "hidden_norm.weight"]
 
 
 def top_keys(spec: dict) -> list[str]:
@@ -37,10 +47,38 @@ class DraftLoadError(Eagle3Error):
 DRAFT_PARTS = ("fc", "layers.", "norm.", "lm_head.", "input_norm.", "hidden_norm.", "midlayer.", "fc_norm.")
 
 
+# vLLM's and SGLang's MLA draft (a flat DeepSeek-V3 config; vllm/model_executor/models/deepseek_eagle3.py)
+MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
+
+
+def is_mla(config: dict) -> bool:
+    return isinstance(config, dict) and bool(set(config.get("architectures") or []) & set(MLA_ARCHITECTURES))
+
+
+def _check_mla_config(config: dict, file: Path) -> dict:
+    """An Eagle3DeepseekV2ForCausalLM config: DeepSeek MLA dims present, nothing our draft does not compute."""
+    if missing := [k for k in ("num_attention_heads", *MLA_DIMS) if not isinstance(config.get(k), int)]:
+        raise DraftLoadError(f"{file}: {missing[0]} = {config.get(missing[0])!r}; an MLA draft needs "
+                             f"{', '.join(MLA_DIMS)} as integers (q_lora_rank: SGLang requires it, so do we)")
+    _, scaling = rope_settings(config)
+    problems = {"model_type": config.get("model_type") not in ("deepseek_v3", "deepseek_v2"),
+                "hidden_act": config.get("hidden_act", "silu") != "silu",
+                "attention_bias": bool(config.get("attention_bias")), "norm_before_fc": bool(config.get("norm_before_fc")),
+                "rope_scaling": scaling is not None and scaling["rope_type"] != "yarn"}
+    for key, bad in problems.items():
+        if bad:
+            raise DraftLoadError(f"{file}: {key} = {config.get(key)!r}; an MLA draft is a DeepSeek-V3 layer (silu, no "
+                                 "biases, no norm before fc, YaRN or no rope scaling) as vLLM's deepseek_eagle3 runs it")
+    return config
+
+
 def read_draft_config(path: Path) -> dict:
-    """config.json of a speculators/vLLM EAGLE-3 draft, refusing what our draft cannot compute."""
+    """config.json of a speculators/vLLM EAGLE-3 draft (Llama layer) or of an Eagle3DeepseekV2ForCausalLM one (MLA
+    layer), refusing what our draft cannot compute."""
     file = path / "config.json"
     config = read_json(file, DraftLoadError, "a draft directory needs config.json")
+    if is_mla(config):
+        return _check_mla_config(config, file)
     if not isinstance(config, dict) or config.get("speculators_model_type") != "eagle3":
         found = config.get("speculators_model_type") if isinstance(config, dict) else None
         raise DraftLoadError(f"{file}: speculators_model_type is {found!r}; expected 'eagle3' (a "
@@ -72,44 +110,77 @@ def _sliding_window(layer: dict, where: str) -> int:
     return window
 
 
-def _tensor_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from model.safetensors or a sharded index."""
+class Files(dict):
+    """Tensor name (ours) -> (safetensors file, the name stored there)."""
+
+    def shape(self, name: str) -> list[int] | None:
+        if name not in self:
+            return None
+        file, stored = self[name]
+        with safe_open(file, "pt") as f:
+            return list(f.get_slice(stored).get_shape())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        file, stored = self[name]
+        with safe_open(file, "pt") as f:
+            return f.get_tensor(stored)
+
+
+def _tensor_files(path: Path, mla: bool = False) -> Files:
+    """Tensor name -> file, from model.safetensors or a sharded index; an MLA draft's `midlayer.*` is `layers.0.*`,
+    as vLLM's deepseek_eagle3 loader maps it."""
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
-            return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+            stored = {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
         except (json.JSONDecodeError, KeyError, AttributeError) as e:
             raise DraftLoadError(f"{index}: expected a JSON object with 'weight_map' ({e})") from None
-    single = path / "model.safetensors"
-    if not single.exists():
-        raise DraftLoadError(f"{single}: not found (nor model.safetensors.index.json)")
-    with safe_open(single, "pt") as f:
-        return {name: single for name in f.keys()}
+    else:
+        single = path / "model.safetensors"
+        if not single.exists():
+            raise DraftLoadError(f"{single}: not found (nor model.safetensors.index.json)")
+        with safe_open(single, "pt") as f:
+            stored = {name: single for name in f.keys()}
+    def ours(name: str) -> str:
+        return "layers.0." + name.removeprefix("midlayer.") if mla and name.startswith("midlayer.") else name
+    return Files({ours(name): (file, name) for name, file in stored.items()})
 
 
-def _shape(files: dict[str, Path], name: str) -> list[int] | None:
-    if name not in files:
-        return None
-    with safe_open(files[name], "pt") as f:
-        return list(f.get_slice(name).get_shape())
-
-
-def _get(files: dict[str, Path], name: str) -> torch.Tensor:
-    with safe_open(files[name], "pt") as f:
-        return f.get_tensor(name)
-
-
-def _draft_spec(config: dict, files: dict[str, Path], where: str) -> DraftSpec:
-    """Sizes from transformer_layer_config; where it leaves one out (transformers writes only the
-    values that differ from its defaults) from the tensors' shapes, else Llama's defaults."""
-    layer = config["transformer_layer_config"]
-    fc = _shape(files, "fc.weight")
+def _fc_shape(files: Files, where: str) -> list[int]:
+    fc = files.shape("fc.weight")
     if fc is None or len(fc) != 2 or fc[1] % 3:
         raise DraftLoadError(f"{where}: fc.weight is {'missing' if fc is None else f'of shape {fc}'}; "
                              "expected [hidden, 3 * target_hidden]")
-    q, k, gate, head = (_shape(files, name) or [0] for name in ("layers.0.self_attn.q_proj.weight",
+    return fc
+
+
+def _mla_draft_spec(c: dict, files: Files, where: str) -> DraftSpec:
+    """An Eagle3DeepseekV2ForCausalLM config's draft: sizes from the config, else from the tensors' shapes."""
+    fc = _fc_shape(files, where)
+    gate, head, t2d = (files.shape(n) or [0] for n in ("layers.0.mlp.gate_proj.weight", "lm_head.weight", "t2d"))
+    theta, scaling = rope_settings(c)
+    layers = {int(n.split(".")[1]) for n in files if n.startswith("layers.") and n.split(".")[1].isdigit()}
+    return DraftSpec(
+        hidden_size=c.get("hidden_size") or fc[0], num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_attention_heads"], head_dim=c["qk_nope_head_dim"] + c["qk_rope_head_dim"],
+        intermediate_size=c.get("intermediate_size") or gate[0], num_layers=c.get("num_hidden_layers") or len(layers),
+        rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6), rope_theta=theta,
+        max_position_embeddings=c.get("max_position_embeddings") or 2048,
+        draft_vocab_size=c.get("draft_vocab_size") or head[0], target_vocab_size=c.get("vocab_size") or t2d[0],
+        target_hidden_size=c.get("target_hidden_size") or fc[1] // 3,
+        norm_before_residual=bool(c.get("norm_before_residual")), fc_norm=bool(c.get("fc_norm")),
+        norm_output=bool(c.get("norm_output")), attention="mla", **{k: c[k] for k in MLA_DIMS},
+        rope_scaling=yarn_settings(scaling))
+
+
+def _draft_spec(config: dict, files: Files, where: str) -> DraftSpec:
+    """Sizes from transformer_layer_config; where it leaves one out (transformers writes only the
+    values that differ from its defaults) from the tensors' shapes, else Llama's defaults."""
+    layer = config["transformer_layer_config"]
+    fc = _fc_shape(files, where)
+    q, k, gate, head = (files.shape(name) or [0] for name in ("layers.0.self_attn.q_proj.weight",
                         "layers.0.self_attn.k_proj.weight", "layers.0.mlp.gate_proj.weight", "lm_head.weight"))
-    t2d = _shape(files, "t2d")
+    t2d = files.shape("t2d")
     heads = layer.get("num_attention_heads") or 32
     head_dim = layer.get("head_dim") or q[0] // heads
     layers = {int(n.split(".")[1]) for n in files if n.startswith("layers.") and n.split(".")[1].isdigit()}
@@ -143,7 +214,7 @@ def _check_rope(head_dim: int, theta: float, scaling: dict | None, where: str) -
               f"{factor:.4f}", file=sys.stderr)
 
 
-def _draft_tensors(files: dict[str, Path], draft: Eagle3Draft, where: str) -> dict[str, torch.Tensor]:
+def _draft_tensors(files: Files, draft: Eagle3Draft, where: str) -> dict[str, torch.Tensor]:
     """Every tensor the draft needs, shape-checked; d2t/t2d the identity when the draft keeps the target's
     whole vocabulary (speculators then writes neither)."""
     expected = {name: list(t.shape) for name, t in draft.state_dict().items()}
@@ -154,12 +225,12 @@ def _draft_tensors(files: dict[str, Path], draft: Eagle3Draft, where: str) -> di
             out[name] = (torch.zeros(shape, dtype=torch.int64) if name == "d2t"
                          else torch.ones(shape, dtype=torch.bool))
             continue
-        found = _shape(files, name)
+        found = files.shape(name)
         if found is None:
             raise DraftLoadError(f"{where}: tensor {name} is missing (the draft needs it)")
         if found != shape:
             raise DraftLoadError(f"{where}: tensor {name} has shape {found}; config.json implies {shape}")
-        out[name] = _get(files, name)
+        out[name] = files.tensor(name)
     out["d2t"], out["t2d"] = out["d2t"].to(torch.int64), out["t2d"].to(torch.bool)
     try:
         check_vocab(out["d2t"], out["t2d"], where)
@@ -178,7 +249,9 @@ def _draft_tensors(files: dict[str, Path], draft: Eagle3Draft, where: str) -> di
 
 def vllm_aux_layer_ids(config: dict, target_layers: int | None, where: str) -> list[int]:
     """Our aux layer ids (vLLM's minus 1); absent or null: vLLM's default [2, L//2, L-3]."""
-    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    # vLLM reads the top-level ids first, then eagle_config's (vllm/v1/worker/gpu_model_runner.py), as inputs of layers
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
     if ids is None:
         if target_layers is None:
             raise DraftLoadError(f"{where}: no eagle_aux_hidden_state_layer_ids; the default needs the target")
@@ -192,7 +265,7 @@ def vllm_aux_layer_ids(config: dict, target_layers: int | None, where: str) -> l
     return ours
 
 
-def _check_target(draft: Eagle3Draft, files: dict[str, Path], target: Checkpoint, where: str) -> None:
+def _check_target(draft: Eagle3Draft, files: Files, target: Checkpoint, where: str) -> None:
     """Sizes must agree with the target's; a stored embedding copy that differs gets a note (still measurable)."""
     s, c = draft.spec, target.config
     for name, mine, theirs in (("hidden_size", s.hidden_size, c.hidden_size),
@@ -202,7 +275,7 @@ def _check_target(draft: Eagle3Draft, files: dict[str, Path], target: Checkpoint
             raise DraftLoadError(f"{where}: the draft's {name} is {mine} but the target {target.dir} has "
                                  f"{theirs}: trained for another target")
     if "embed_tokens.weight" in files:
-        copy = _get(files, "embed_tokens.weight")
+        copy = files.tensor("embed_tokens.weight")
         if not torch.equal(copy, target.get("embed_tokens.weight").to(copy.dtype)):
             print(f"note: {where}: its embed_tokens.weight differs from the target's {target.dir}: was the "
                   "draft trained against another target?", file=sys.stderr)
@@ -213,9 +286,9 @@ def load_vllm_draft(path: str | Path, target: Checkpoint | None = None) -> tuple
     the target, sizes are checked against it and absent aux ids take vLLM's default for its layer count."""
     path = Path(path)
     config = read_draft_config(path)
-    files = _tensor_files(path)
+    files = _tensor_files(path, is_mla(config))
     where = str(path / "model.safetensors")
-    draft = Eagle3Draft(_draft_spec(config, files, where))
+    draft = Eagle3Draft((_mla_draft_spec if is_mla(config) else _draft_spec)(config, files, where))
     draft.load_state_dict(_draft_tensors(files, draft, where))
     if target is not None:
         _check_target(draft, files, target, where)

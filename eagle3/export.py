@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from eagle3 import train_state
 from eagle3.config import Config, from_dict
-from eagle3.draft_io import LAYER_KEYS, top_keys
-from eagle3.resolve import NORM_FLAGS
+from eagle3.draft_io import layer_keys, top_keys
+from eagle3.resolve import MLA_DIMS, NORM_FLAGS
 from eagle3.files import make_readable, short_of_space, tensor_bytes
 from eagle3.ops import TORCH_DTYPES
 from eagle3.vocab import check_vocab
@@ -79,6 +79,29 @@ def sglang_config(state: dict, cfg: Config) -> dict:
     return config
 
 
+def mla_config(state: dict, cfg: Config) -> dict:
+    """An MLA draft's config for vLLM's and SGLang's Eagle3DeepseekV2ForCausalLM: a flat DeepSeek-V3 config of the
+    draft layer (vllm/model_executor/models/deepseek_eagle3.py; sglang/srt/models/kimi_k25_eagle3.py)."""
+    resolved = state["resolved"]
+    spec = resolved["draft_spec"]
+    same = ("hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps", "rope_theta",
+            "max_position_embeddings", "draft_vocab_size", "target_hidden_size", *MLA_DIMS)
+    # rope_theta inside too: deepseek_eagle3.py hands get_rope a copy of rope_scaling alone, whose base defaults to 1e4
+    scaling = spec["rope_scaling"] and {**spec["rope_scaling"], "type": spec["rope_scaling"]["rope_type"],
+                                        "rope_theta": spec["rope_theta"]}
+    ours = list(resolved["aux_layer_ids"])
+    return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3",
+            **{k: spec[k] for k in same}, "num_key_value_heads": spec["num_attention_heads"],
+            "num_hidden_layers": spec["num_layers"], "vocab_size": spec["target_vocab_size"], "hidden_act": "silu",
+            "attention_bias": False, "tie_word_embeddings": False, "rope_scaling": scaling,
+            "norm_before_residual": spec["norm_before_residual"], "fc_norm": spec["fc_norm"],
+            "norm_output": spec["norm_output"],
+            # vLLM reads the top-level ids first, as inputs of layers (ours + 1); SGLang eagle_config's, as outputs
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ours],
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ours, "use_aux_hidden_state": True},
+            "torch_dtype": cfg.debug.export_dtype}
+
+
 def export_weights(weights: dict[str, torch.Tensor], spec: dict, layer_prefix, num_layers: int,
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Map trained names onto the serving names; float weights cast to `dtype`, vocab maps kept."""
@@ -87,12 +110,13 @@ def export_weights(weights: dict[str, torch.Tensor], spec: dict, layer_prefix, n
         raise ExportError(f"checkpoint weights lack {missing[0]} (the draft's settings ask for {missing})")
     out = {k: weights[k] for k in top}
     for i in range(num_layers):
-        for key in LAYER_KEYS if i == 0 else [k for k in LAYER_KEYS if k != "hidden_norm.weight"]:
+        for key in layer_keys(spec, i == 0):
             src = f"layers.{i}.{key}"
             if src not in weights:   # an engine would silently keep a random tensor for it
                 raise ExportError(f"checkpoint weights lack {src}")
             out[f"{layer_prefix(i)}.{key}"] = weights[src]
-    if left := set(weights) - {"d2t", "t2d", *top} - {f"layers.{i}.{k}" for i in range(num_layers) for k in LAYER_KEYS}:
+    layers = {f"layers.{i}.{k}" for i in range(num_layers) for k in layer_keys(spec)}
+    if left := set(weights) - {"d2t", "t2d", *top} - layers:
         raise ExportError(f"checkpoint weights not exported: {sorted(left)[:5]}")
     return {**{k: v.to(dtype).contiguous() for k, v in out.items()},
             "d2t": weights["d2t"].to(torch.int64), "t2d": weights["t2d"].to(torch.bool)}
@@ -145,18 +169,33 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
     check_vocab(weights["d2t"], weights["t2d"], str(checkpoint_dir / train_state.MODEL))
     spec, dtype, written = state["resolved"]["draft_spec"], TORCH_DTYPES[cfg.debug.export_dtype], {}
     check_out_dir(checkpoint_dir, out_dir, cfg.export.formats)
+    mla = spec.get("attention") == "mla"
+    for fmt in cfg.export.formats:   # every format checked before any is written
+        check_servable(spec, fmt, str(checkpoint_dir))
     for fmt in cfg.export.formats:   # "vllm" or "sglang", as the config's type says
         if fmt == "vllm":
             tensors = export_weights(weights, spec, lambda i: f"layers.{i}", spec["num_layers"], dtype)
-            written[fmt] = _write(out_dir / "vllm", vllm_config(state, cfg), tensors)
+            written[fmt] = _write(out_dir / "vllm", (mla_config if mla else vllm_config)(state, cfg), tensors)
         else:
-            if spec["num_layers"] != 1:
-                raise ExportError(f"{checkpoint_dir}: SGLang's EAGLE-3 draft has one layer (midlayer); "
-                                  f"this draft has {spec['num_layers']}; export vllm only")
-            if on := [key for key in (*NORM_FLAGS, "sliding_window") if spec.get(key)]:
-                raise ExportError(f"{checkpoint_dir}: the draft's {on[0]} is on (experimental), which SGLang's "
-                                  "LlamaForCausalLMEagle3 does not read (it would decode with another draft); "
-                                  "export vllm only")
             tensors = export_weights(weights, spec, lambda i: "midlayer", 1, dtype)
-            written[fmt] = _write(out_dir / "sglang", sglang_config(state, cfg), tensors)
+            written[fmt] = _write(out_dir / "sglang", (mla_config if mla else sglang_config)(state, cfg), tensors)
     return written
+
+
+# what each engine's draft class does not read: it would decode with another draft than the one trained
+UNREAD = {("vllm", "gqa"): (), ("vllm", "mla"): ("norm_before_fc",),   # deepseek_eagle3.py has no input_norm
+          ("sglang", "gqa"): (*NORM_FLAGS, "sliding_window"),           # SGLang's Llama draft layer has no window
+          ("sglang", "mla"): ("norm_before_residual", "norm_before_fc")}
+
+
+def check_servable(spec: dict, fmt: str, where: str) -> None:
+    """Refuse an export the engine would serve differently from what was trained (nothing is written)."""
+    kind = spec.get("attention", "gqa")
+    engine = {("vllm", "gqa"): "vLLM", ("sglang", "gqa"): "SGLang's LlamaForCausalLMEagle3"}.get(
+        (fmt, kind), f"{'vLLM' if fmt == 'vllm' else 'SGLang'}'s Eagle3DeepseekV2ForCausalLM")
+    if fmt == "sglang" and spec["num_layers"] != 1:
+        raise ExportError(f"{where}: {engine} has one draft layer (midlayer); this draft has {spec['num_layers']}; "
+                          "export vllm only")
+    if on := [key for key in UNREAD[fmt, kind] if spec.get(key)]:
+        raise ExportError(f"{where}: the draft's {on[0]} is on (experimental), which {engine} does not read (it "
+                          f"would decode with another draft); {'export vllm only' if fmt == 'sglang' else 'retrain'}")

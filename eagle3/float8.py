@@ -65,14 +65,44 @@ class _Float8Linear(torch.autograd.Function):
         return dx, dw, *[None] * 7
 
 
+def layer_shapes(spec) -> dict[str, tuple[int, int]]:
+    """[out, in] of a draft's first layer's linears (its attention reads 2H) and fc, by name: its GEMMs."""
+    H, I, heads = spec.hidden_size, spec.intermediate_size, spec.num_attention_heads
+    if getattr(spec, "attention", "gqa") == "mla":
+        qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        attn = {"q_a_proj": (spec.q_lora_rank, 2 * H), "q_b_proj": (heads * qk, spec.q_lora_rank),
+                "kv_a_proj_with_mqa": (spec.kv_lora_rank + spec.qk_rope_head_dim, 2 * H),
+                "kv_b_proj": (heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank),
+                "o_proj": (H, heads * spec.v_head_dim)}
+    else:
+        q, kv = heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+        attn = {"q_proj": (q, 2 * H), "k_proj": (kv, 2 * H), "v_proj": (kv, 2 * H), "o_proj": (H, q)}
+    return {**{f"self_attn.{n}": s for n, s in attn.items()},
+            **{f"mlp.{n}": s for n, s in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))},
+            "fc": (H, 3 * spec.target_hidden_size)}
+
+
+def gemm_widths(spec) -> dict[str, int]:
+    """The widths of a draft's GEMMs by the settings that give them (fp8 GEMMs want multiples of 16)."""
+    widths = {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+              "3 x target_hidden_size": 3 * spec.target_hidden_size}
+    heads = spec.num_attention_heads
+    if getattr(spec, "attention", "gqa") != "mla":
+        return {**widths, "num_attention_heads x head_dim": heads * spec.head_dim,
+                "num_key_value_heads x head_dim": spec.num_key_value_heads * spec.head_dim}
+    return {**widths, "q_lora_rank": spec.q_lora_rank, "kv_lora_rank": spec.kv_lora_rank,
+            "kv_lora_rank + qk_rope_head_dim": spec.kv_lora_rank + spec.qk_rope_head_dim,
+            "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim)":
+                heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim),
+            "num_attention_heads x (qk_nope_head_dim + v_head_dim)": heads * (spec.qk_nope_head_dim + spec.v_head_dim),
+            "num_attention_heads x v_head_dim": heads * spec.v_head_dim}
+
+
 def choose(setting: bool | None, device: torch.device, spec, where: str, say: bool = True, tokens: int = 16384,
            agree=bool) -> bool:
     """train.float8: `true` checked, `false`, or auto: on where the device and widths allow and one draft
     layer's fp8 GEMMs time faster than bf16 at `tokens` rows (`agree`: every rank's vote), said when `say`."""
-    dims = {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,   # the GEMMs' widths
-            "num_attention_heads x head_dim": spec.num_attention_heads * spec.head_dim,
-            "num_key_value_heads x head_dim": spec.num_key_value_heads * spec.head_dim,
-            "3 x target_hidden_size": 3 * spec.target_hidden_size}
+    dims = gemm_widths(spec)
     if setting is not None:
         if setting:
             check_device(device, where)
@@ -139,9 +169,7 @@ def timings(spec, tokens: int, device: torch.device, part: str) -> dict[str, flo
     """{"bf16_ms", "fp8_ms"}: forward and backward of `part` ("layer": one draft layer's linears and fc;
     "head": the fused loss's lm_head GEMMs), read from the cache or timed on `device` and cached."""
     import triton
-    shape = ((spec.hidden_size, spec.intermediate_size, spec.num_attention_heads * spec.head_dim,
-              spec.num_key_value_heads * spec.head_dim, spec.target_hidden_size) if part == "layer"
-             else (spec.hidden_size, spec.draft_vocab_size))
+    shape = tuple(layer_shapes(spec).values()) if part == "layer" else (spec.hidden_size, spec.draft_vocab_size)
     key = (f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|triton {triton.__version__}"
            f"|{part} {shape}|{tokens}")
     path = cache_path()
@@ -173,11 +201,10 @@ def _workload(part: str, spec, tokens: int, device: torch.device, fp8: bool):
         w, h = (randn(V, H) * H ** -0.5).bfloat16(), randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
         p = torch.softmax(randn(tokens, V), -1).bfloat16()
         return lambda: ttt_loss_steps([h], w, [p], float8=fp8)[0].backward()
-    H, I = spec.hidden_size, spec.intermediate_size
-    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
-    shapes = [(q, H), (kv, H), (kv, H), (H, q), (I, H), (I, H), (H, I), (H, 3 * spec.target_hidden_size)]
+    layer = layer_shapes(spec)
+    shapes = list(layer.values())
     ws = [randn(n, k, requires_grad=True) for n, k in shapes]
-    xs = [randn(tokens, k, dtype=torch.bfloat16, requires_grad=i < 7) for i, (_, k) in enumerate(shapes)]   # fc's: none
+    xs = [randn(tokens, k, dtype=torch.bfloat16, requires_grad=name != "fc") for name, (_, k) in layer.items()]
     gs = [randn(tokens, n, dtype=torch.bfloat16) for n, _ in shapes]
     fn = linear if fp8 else dense_linear
 

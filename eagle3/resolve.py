@@ -3,12 +3,13 @@ which checkpoints carry so that resume, evaluate and export read what training u
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from eagle3.config import Config, ConfigError
+from eagle3.models.deepseek import yarn_settings
 from eagle3.models.weights import Checkpoint, TargetError
 from eagle3.ops import draft_rope_scaling
 
@@ -31,8 +32,21 @@ class DraftSpec:
     norm_before_fc: bool = False         # one RMSNorm over the concatenated aux states before fc
     fc_norm: bool = False                # an RMSNorm per aux state before fc
     norm_output: bool = False            # norm(h) is the head's input and the next step's state
-    rope_scaling: dict | None = None     # the draft layer's rope scaling (`ops.draft_rope_scaling`), as exported
+    rope_scaling: dict | None = None     # as exported: gqa `ops.draft_rope_scaling`, mla the target's DeepSeek YaRN
     sliding_window: int = 0              # step-0 keys seen: the last N positions (0: all)
+    attention: str = "gqa"               # "gqa": a Llama layer; "mla": DeepSeek-V3's latent attention (the dims below)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def kernel_head_dim(self) -> int:
+        """The head dim the attention kernels see: MLA's q/k (nope + rope) and v heads are zero-padded to one
+        power of two of at least 64 (Kimi: 192 and 128 -> 256), as the Triton kernel takes one D for q, k, v."""
+        if self.attention != "mla":
+            return self.head_dim
+        return max(64, 1 << (max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim) - 1).bit_length())
 
 
 # the norm settings under the keys speculators and vLLM use (SGLang reads none)
@@ -62,7 +76,7 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
         raise TargetError(f"{cfg.source}: target.aux_layer_ids = {ids}; the target has layers 0..{n - 1}")
     heads = d.num_attention_heads or text.num_attention_heads
     kv = d.num_key_value_heads or text.num_key_value_heads
-    if heads % kv:
+    if heads % kv and d.attention != "mla":
         raise ConfigError(f"{cfg.source}: draft.num_attention_heads {heads} is not a multiple of "
                           f"draft.num_key_value_heads {kv}")
     hidden = text.hidden_size   # the draft's is the target's: the frozen target embedding feeds it
@@ -79,8 +93,35 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
         target_hidden_size=hidden, norm_before_residual=x.norm_before_residual, norm_before_fc=x.aux_norm == "concat",
         fc_norm=x.aux_norm == "per_layer", norm_output=x.norm_output, rope_scaling=scaling,
         sliding_window=x.sliding_window)
+    if d.attention == "mla":
+        if x.sliding_window:
+            raise ConfigError(f"{cfg.source}: experimental.sliding_window = {x.sliding_window} with draft.attention = "
+                              "\"mla\": vLLM's and SGLang's MLA drafts attend over every key (use a gqa draft)")
+        spec = replace(spec, **mla_fields(cfg, text, heads))
+    elif x.mla_dims:
+        raise ConfigError(f"{cfg.source}: experimental.mla_dims is set but draft.attention is "
+                          f"\"{d.attention}\"; the dims shape an MLA draft only (draft.attention = \"mla\")")
     data = cfg.data.path if cfg.train.source == "online" else cfg.resolved_train_data_dir()
     return Resolved(list(ids), spec, str(Path(data)), cfg.export.verifier_name or cfg.target.path)   # "./x" is "x"
+
+
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_fields(cfg: Config, text, heads: int) -> dict:
+    """The MLA draft's DraftSpec fields: experimental.mla_dims, else the target's; checked."""
+    dims = cfg.experimental.mla_dims or [text.raw.get(k) for k in MLA_DIMS]
+    where = "experimental.mla_dims" if cfg.experimental.mla_dims else f"the target's config {text.source}"
+    if len(dims) != len(MLA_DIMS) or not all(isinstance(n, int) and n > 0 for n in dims) or dims[3] % 2:
+        raise ConfigError(f"{cfg.source}: draft.attention = \"mla\" needs {', '.join(MLA_DIMS)} as positive "
+                          f"integers (an even rope dim); {where} gives {dims} (set experimental.mla_dims)")
+    named = dict(zip(MLA_DIMS, dims))
+    scaling = text.rope_scaling
+    if scaling is not None and scaling["rope_type"] != "yarn":
+        raise ConfigError(f"{cfg.source}: draft.attention = \"mla\" rotates as DeepSeek (YaRN or none); the "
+                          f"target's rope_scaling is '{scaling['rope_type']}'")
+    return {"attention": "mla", "num_key_value_heads": heads, "rope_scaling": yarn_settings(scaling),
+            "head_dim": named["qk_nope_head_dim"] + named["qk_rope_head_dim"], **named}
 
 
 def resolve_device(name: str) -> torch.device:

@@ -439,7 +439,7 @@ def uses_tma(device: torch.device) -> bool:
 
 
 def _aligned(*tensors) -> bool:
-    """TMA needs each base 16-byte aligned (row strides H * D * 2 bytes always are, at D = 64 or 128)."""
+    """TMA needs each base 16-byte aligned (row strides H * D * 2 bytes always are, at D = 64, 128 or 256)."""
     return all(x.data_ptr() % 16 == 0 for x in tensors)
 
 
@@ -525,15 +525,15 @@ class _TTTAttention(torch.autograd.Function):
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                   scale: float | None = None, max_seqlen: int | None = None, window: int = 0) -> torch.Tensor:
-    """`kernels.reference.ttt_attention` fused: q [T, Hq, D], k, v [S, T, Hkv, D], D 64 or 128 -> [T, Hq, D];
+    """`kernels.reference.ttt_attention` fused: q [T, Hq, D], k, v [S, T, Hkv, D], D 64, 128 or 256 -> [T, Hq, D];
     `max_seqlen` bounds the lengths of boundaries on the device that the launch must not read (CUDA graphs);
     `window` > 0: query i sees the step-0 keys j with i - j < window."""
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv or S < 1:
         raise ValueError(f"ttt_attention: bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
-    if D not in (64, 128):  # the head dims tested and tuned
-        raise ValueError(f"ttt_attention: head dim {D} not supported (64 or 128)")
+    if D not in (64, 128, 256):  # the head dims tested (256: an MLA draft's 192-wide q/k heads zero-padded)
+        raise ValueError(f"ttt_attention: head dim {D} not supported (64, 128 or 256)")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"ttt_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     scale = D ** -0.5 if scale is None else float(scale)

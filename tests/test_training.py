@@ -191,7 +191,7 @@ def test_bad_inputs_fail_with_clear_messages(tmp_path, llama_target, token_data,
         training.run(cfg)
     cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden,
                                                              "debug.kernels": "triton"})
-    with pytest.raises(training.TrainError, match=r"needs draft.head_dim in \(64, 128\), got 8"):
+    with pytest.raises(training.TrainError, match=r"needs draft.head_dim in \(64, 128, 256\), got 8"):
         training.run(cfg)
     out = subprocess.run([sys.executable, "train.py", "--train.bogus", "1"], cwd=ROOT, capture_output=True,
                          text=True)

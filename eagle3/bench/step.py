@@ -22,6 +22,7 @@ from eagle3.bench.timing import append_json, free_memory, matmul_tflops, require
 from eagle3.data.batch import Batch
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, write_shard
 from eagle3.files import atomic_write_text
+from eagle3.float8 import layer_shapes
 from eagle3.models.weights import read_config
 from eagle3.training import Trainer
 from eagle3.ttt import summarize
@@ -38,6 +39,10 @@ SIZES = {   # draft shapes (the target's hidden, heads, intermediate) and one mi
     "tiny": dict(hidden=64, vocab=2048, heads=2, kv_heads=2, head_dim=32, inter=128, draft_vocab=512,
                  seqs=4, seq_len=128, user=16, layers=61),   # 2 heads: a sequence splits over 2 ranks
 }
+# the MLA draft (draft.attention = "mla") beside each: Kimi's own attention dims (q_lora 1536, kv_lora 512, heads of
+# 128 + 64 and 128), read from the stand-in target's config; the tiny one's set smaller (experimental.mla_dims)
+SIZES |= {"kimi-mla": {**SIZES["kimi"], "attention": "mla", "base": "kimi"},   # base: whose target and shards
+          "tiny-mla": {**SIZES["tiny"], "attention": "mla", "mla_dims": [32, 16, 32, 16, 32], "base": "tiny"}}
 
 
 def shape(size: str, seq_len: int | None = None) -> dict:
@@ -127,14 +132,16 @@ def write_shards(out: Path, target: Path, layout: str, s: dict, batches: int, bo
     atomic_write_text(out / MANIFEST, json.dumps(manifest))
 
 
-def step_flops(s: dict, steps: int, tokens: int, head_trained: bool) -> float:
+def step_flops(s: dict, spec, steps: int, tokens: int, head_trained: bool) -> float:
     """Matmul FLOPs of one optimizer step computing every row at every TTT step, fwd + bwd (x3; a
-    frozen lm_head needs no weight gradient: x2)."""
-    H, Hq, Hkv, D, I, V = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["inter"], s["draft_vocab"]
-    per_row_step = 2 * (2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I)
+    frozen lm_head needs no weight gradient: x2); the attention's at its useful head dims (no padding)."""
+    H, V, shapes = s["hidden"], s["draft_vocab"], layer_shapes(spec)
+    per_row_step = 2 * sum(n * k for name, (n, k) in shapes.items() if name != "fc")
     head = 2 * H * V * (3 if head_trained else 2)
-    attention = 4 * D * Hq * (s["seq_len"] / 2 + steps)   # QK^T and PV, mean causal keys + diagonal
-    fc = 2 * 3 * H * H
+    qk, v = ((spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim) if spec.attention == "mla"
+             else (spec.head_dim, spec.head_dim))
+    attention = 2 * (qk + v) * spec.num_attention_heads * (s["seq_len"] / 2 + steps)   # QK^T and PV, mean keys
+    fc = 2 * shapes["fc"][0] * shapes["fc"][1]
     target_probs = 2 * H * V                               # no backward
     return tokens * (3 * (fc + steps * (per_row_step + attention)) + steps * head + target_probs)
 
@@ -212,16 +219,18 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
     """One size, layout and kernel choice; `overrides`: more config arguments, `report`: see gpu_busy_fraction;
     `seq_len`: one sequence per micro-batch (`shape`), its rows split over `context` ranks (debug.context_parallel)."""
     s = shape(size, seq_len)
-    per_batch = s["seqs"] * s["seq_len"]   # tokens of a micro-batch (of all ranks sharing it)
-    args = ["--target.path", str(root / size / "target"),
-            "--train.data_dir", str(folder(root, size, f"data-{layout}", seq_len)),
+    home = s.get("base", size)               # whose target and shards
+    per_batch = s["seqs"] * s["seq_len"]     # tokens of a micro-batch (of all ranks sharing it)
+    args = ["--target.path", str(root / home / "target"),
+            "--train.data_dir", str(folder(root, home, f"data-{layout}", seq_len)),
             "--train.output_dir", str(folder(root, size, f"out-{layout}-{kernels}", seq_len)), *kernel_args(kernels),
             "--train.batch_tokens", str(per_batch // context), "--debug.context_parallel", str(context),
             "--train.eval_fraction", "0",
             "--train.max_steps", str(steps + warmup + 4), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
             "--draft.num_key_value_heads", str(s["kv_heads"]), "--draft.head_dim", str(s["head_dim"]),
-            "--draft.intermediate_size", str(s["inter"]),
+            "--draft.intermediate_size", str(s["inter"]), "--draft.attention", s.get("attention", "gqa"),
+            "--experimental.mla_dims", json.dumps(s.get("mla_dims", [])),
             "--train.prompt_rows", "false", *overrides]   # assistant rows only: the peer's workload
     started = time.perf_counter()
     trainer = Trainer(config_mod.load(None, args))
@@ -246,7 +255,8 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
     label = f"{size}-{layout}-{kernels}-world{trainer.dist.world}-rank{trainer.dist.rank}"
     busy = gpu_busy_fraction(trainer, batches, label, report) if cuda else float("nan")
     syncs = host_syncs(trainer, next(batches)) if cuda else []
-    flops = step_flops(s, trainer.cfg.train.ttt_steps, tokens, not trainer.cfg.experimental.freeze_lm_head)
+    flops = step_flops(s, trainer.resolved.draft_spec, trainer.cfg.train.ttt_steps, tokens,
+                       not trainer.cfg.experimental.freeze_lm_head)
     return {"size": size, "layout": layout, "kernels": kernels, "seq_len": s["seq_len"], "tokens_per_batch": per_batch,
             "context_parallel": context, "float8": trainer.float8,
             "float8_head": trainer.float8_head, "world": trainer.dist.world, "step_s": step,
@@ -277,10 +287,11 @@ def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path, overr
         return ranks
 
     if dist.main:
-        for size, layout, seq_len in cases:
-            write_target(root / size / "target", SIZES[size])
-            write_shards(folder(root, size, f"data-{layout}", seq_len), root / size / "target", layout,
-                         shape(size, seq_len), dist.world // groups(seq_len) * (args.steps + args.warmup + 4))
+        homes = dict.fromkeys((SIZES[size].get("base", size), layout, seq_len) for size, layout, seq_len in cases)
+        for home, layout, seq_len in homes:   # an MLA size trains on its base size's target and shards
+            write_target(root / home / "target", SIZES[home])
+            write_shards(folder(root, home, f"data-{layout}", seq_len), root / home / "target", layout,
+                         shape(home, seq_len), dist.world // groups(seq_len) * (args.steps + args.warmup + 4))
     dist.barrier()
     tflops = matmul_tflops() if dist.device.type == "cuda" else float("nan")
     results = []
@@ -311,12 +322,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              "1 rank, 128k on 8), the others training other sequences; default: all ranks")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true", help="--sizes tiny (CPU smoke test)")
+    parser.add_argument("--tiny", action="store_true", help="--sizes tiny (CPU smoke test; with --mla tiny-mla too)")
+    parser.add_argument("--mla", action="store_true", help="each size's MLA draft beside it (kimi: kimi,kimi-mla)")
     parser.add_argument("--dir", default=None, help="where to write the synthetic targets and shards "
                         "(kept, and reused by the next bench with the same --dir)")
     parser.add_argument("--json", default=None, help="append the results here as JSON lines")
     args = parser.parse_args(argv)
     args.sizes = ["tiny"] if args.tiny else args.sizes.split(",")
+    if args.mla:
+        args.sizes = [x for size in args.sizes for x in (size, f"{size}-mla") if x in SIZES]
     args.layouts, args.kernels = args.layouts.split(","), args.kernels.split(",")
     args.seq_lens = [int(n) for n in args.seq_lens.split(",")] if args.seq_lens else [None]
     if unknown := [x for x in args.sizes if x not in SIZES]:

@@ -74,14 +74,29 @@ class DeepseekSpec:
 
 def rope_tables(c: TextConfig, spec: DeepseekSpec) -> tuple[torch.Tensor, float, float]:
     """(inv_freq [d/2] fp32, cos/sin multiplier, softmax scale) for rope dim d = qk_rope_head_dim."""
-    d, base, s = spec.qk_rope_head_dim, c.rope_theta, c.rope_scaling
+    try:
+        return yarn_rope(spec.qk_rope_head_dim, spec.qk_head_dim, c.rope_theta, c.rope_scaling)
+    except ValueError as e:
+        raise TargetError(f"{c.source}: {e}") from None
+
+
+def yarn_settings(scaling: dict | None) -> dict | None:
+    """The keys of a (normalized) rope_scaling that DeepSeek's YaRN reads (`yarn_rope`), None without scaling."""
+    keys = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+            "mscale_all_dim")
+    return scaling and {k: scaling[k] for k in keys if k in scaling}
+
+
+def yarn_rope(d: int, qk_head_dim: int, base: float, s: dict | None) -> tuple[torch.Tensor, float, float]:
+    """DeepSeek's rotary for rope dim d and query/key head dim `qk_head_dim` under rope scaling `s` (YaRN or
+    None; `rope_type` normalized): (inv_freq [d/2] fp32, cos/sin multiplier, softmax scale)."""
     inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    scale = spec.qk_head_dim ** -0.5
+    scale = qk_head_dim ** -0.5
     if s is None:
         return inv.float(), 1.0, scale
     if s["rope_type"] != "yarn":
-        raise TargetError(f"{c.source}: rope_scaling type '{s['rope_type']}' is not supported for the "
-                          "DeepSeek-V3 layout (supported: yarn or none)")
+        raise ValueError(f"rope_scaling type '{s['rope_type']}' is not supported for the DeepSeek-V3 layout "
+                         "(supported: yarn or none)")
     f = float(s["factor"])
     low, high = yarn_bounds(d, base, int(s["original_max_position_embeddings"]),
                             float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1)))
@@ -89,6 +104,12 @@ def rope_tables(c: TextConfig, spec: DeepseekSpec) -> tuple[torch.Tensor, float,
     inv = inv / f * ramp + inv * (1 - ramp)
     all_dim = yarn_mscale(f, float(s.get("mscale_all_dim", 0)))
     return inv.float(), yarn_mscale(f, float(s.get("mscale", 1))) / all_dim, scale * all_dim ** 2
+
+
+def interleaved_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float):
+    """cos/sin [T, d/2] of positions [T] for `apply_rope_interleaved`, times YaRN's multiplier."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None]
+    return freqs.cos() * mscale, freqs.sin() * mscale
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -277,8 +298,7 @@ class DeepseekTarget:
         q_nope, q_pe = q.view(T, nh, s.qk_head_dim).split([s.qk_nope_head_dim, s.qk_rope_head_dim], -1)
         c, k_pe = F.linear(x, w["self_attn.kv_a_proj_with_mqa"]).split([s.kv_lora_rank, s.qk_rope_head_dim], -1)
         c = self.norm(c, w["self_attn.kv_a_layernorm"], eps)                          # the latent [T, kv_lora_rank]
-        freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None]
-        cos, sin = freqs.cos() * self.rope_mscale, freqs.sin() * self.rope_mscale
+        cos, sin = interleaved_cos_sin(positions, self.inv_freq, self.rope_mscale)
         q = torch.cat([q_nope, apply_rope_interleaved(q_pe, cos, sin)], -1)
         k_pe = apply_rope_interleaved(k_pe[:, None], cos, sin)[:, 0]                 # [T, rope], shared by all heads
         if isinstance(cache, Prefix):   # a chunk of a long sequence: the earlier chunks left their latents

@@ -11,7 +11,7 @@ from eagle3 import float8
 from eagle3.config import Config
 from eagle3.errors import TrainError
 
-TRITON_HEAD_DIMS = (64, 128)
+TRITON_HEAD_DIMS = (64, 128, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +24,7 @@ class Kernels:
 def choose(cfg: Config, device: torch.device, spec, draft_float8: bool, say: bool = True, agree=bool) -> Kernels:
     """debug.kernels: Triton ("auto" on CUDA; a head dim outside TRITON_HEAD_DIMS keeps flex attention) or
     torch (`kernels.flex` on CUDA, the reference on the CPU); then train.float8_head. `say`: rank 0."""
-    choice, head_dim = cfg.debug.kernels, spec.head_dim
+    choice, head_dim = cfg.debug.kernels, spec.kernel_head_dim()
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         from kernels import ttt_loss_steps as plain
         if head_dim in TRITON_HEAD_DIMS:
