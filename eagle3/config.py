@@ -82,6 +82,9 @@ class DraftConfig:
     attention: Literal["auto", "gqa", "mla"] = setting(
         "auto", "the draft layer's attention: `gqa` (Llama layer) or `mla` (DeepSeek-V3 latent attention, its dims "
         "the target's; vLLM's Eagle3DeepseekV2ForCausalLM); auto: gqa until measured (docs/ttt.md)")
+    sliding_window: int = setting(
+        0, "the draft attends to the last N positions (vLLM's `sliding_window`; not for SGLang); 0 = all "
+        "(docs/training.md)")
 
 
 @dataclass
@@ -98,6 +101,9 @@ class TrainConfig:
     seed: int = setting(0, "init and data order")
     batch_tokens: int = setting(16384, "tokens in one micro-batch of packed sequences, per rank")
     grad_accum: int = setting(1, "micro-batches per rank per optimizer step")
+    context_parallel: int = setting(
+        1, "ranks that train one micro-batch of this many x `train.batch_tokens` tokens together, its rows split among "
+        "them (sequences longer than a rank holds); divides the world size and the draft's heads (docs/training.md)")
     ttt_steps: int = setting(7, "training-time-test unroll K")
     loss_decay: float = setting(0.8, "the loss of TTT step k is weighted `loss_decay**k`")
     lr: float = setting(1e-4, "AdamW peak learning rate: linear warmup, then `train.schedule`")
@@ -182,9 +188,6 @@ class ExperimentalConfig:
     draft_rope: Literal["target", "plain"] = setting(
         "target", "the draft's rotary: the target's rope scaling (YaRN, llama3, linear; docs/training.md), or `plain` "
         "RoPE at the target's theta (the comparison)")
-    sliding_window: int = setting(
-        0, "the draft attends to the last N positions (vLLM's `sliding_window`; not for SGLang); 0 = all")
-
     mla_dims: list[int] = setting(
         [], "draft.attention = mla: [q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim]; "
         "empty: the target's")
@@ -235,9 +238,6 @@ class DebugConfig:
     skip_nonfinite: bool = setting(
         False, "a step whose loss or gradient is NaN/inf: `true` skips and counts it, `false` stops the run naming it")
     collective_timeout_s: float = setting(600.0, "seconds a rank waits in a collective before the run stops")
-    context_parallel: int = setting(
-        1, "ranks that train one micro-batch of this many x `train.batch_tokens` tokens together, its rows split among "
-        "them (sequences longer than a rank holds); divides the world size and the draft's heads (docs/training.md)")
 
 
 @dataclass
@@ -274,7 +274,7 @@ class Config:
 POSITIVE = ("data.max_seq_len draft.num_layers train.batch_tokens train.grad_accum train.ttt_steps train.eval_every "
             "train.checkpoint_every train.keep_checkpoints export.speculative_tokens generate.max_new_tokens "
             "evaluate.max_new_tokens evaluate.k evaluate.seeds debug.shard_tokens debug.chunk_tokens debug.log_every "
-            "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch train.epochs debug.context_parallel "
+            "debug.generate_batch_size debug.evaluate_batch_size debug.prefetch train.epochs train.context_parallel "
             "vocab.draft_vocab_size debug.data_workers debug.generate_requests").split()
 
 # keys that moved or went: an old config names the new key (or why it went) instead of "unknown key"
@@ -384,7 +384,7 @@ def validate(cfg: Config) -> None:
               "generate.temperature": (g.temperature >= 0, "a number >= 0 (0 = greedy)"),
               "generate.top_p": (0 < g.top_p <= 1, "a number in (0, 1]"),
               "experimental.lk_eta": (x.lk_eta >= 0, "a number >= 0"),
-              "experimental.sliding_window": (x.sliding_window == 0 or x.sliding_window >= t.ttt_steps,
+              "draft.sliding_window": (cfg.draft.sliding_window == 0 or cfg.draft.sliding_window >= t.ttt_steps,
                                               f"0 (all positions) or at least train.ttt_steps = {t.ttt_steps}"),
               "debug.generate_timeout_s": (cfg.debug.generate_timeout_s > 0, "> 0"),
               "debug.generate_retries": (cfg.debug.generate_retries >= 0, "an integer >= 0"),
@@ -395,11 +395,11 @@ def validate(cfg: Config) -> None:
     for name, (ok, expected) in ranges.items():
         if not ok:
             raise ConfigError(f"{cfg.origin(name)}: {name} = {cfg.value(name)}; expected {expected}")
-    unread = [k for k in ("aux_norm", "norm_before_residual", "norm_output", "sliding_window")
-              if getattr(x, k) not in ("none", False, 0)]
-    if unread and "sglang" in cfg.export.formats:   # found now, not at the end of training
-        raise ConfigError(f"{cfg.origin('experimental.' + unread[0])}: experimental.{unread[0]} cannot be exported for "
-                          "SGLang (its LlamaForCausalLMEagle3 does not read it); set export.formats = [\"vllm\"]")
+    unread = [name for name in ("experimental.aux_norm", "experimental.norm_before_residual", "experimental.norm_output",
+                                "draft.sliding_window") if cfg.value(name) not in ("none", False, 0)]
+    if unread and "sglang" in cfg.export.formats and cfg.draft.attention != "mla":   # found now, not after training
+        raise ConfigError(f"{cfg.origin(unread[0])}: {unread[0]} cannot be exported for SGLang (its "
+                          "LlamaForCausalLMEagle3 does not read it); set export.formats = [\"vllm\"]")
     if t.resume not in ("auto", "never", "overwrite") and not Path(t.resume).is_dir():
         raise ConfigError(f"{cfg.origin('train.resume')}: train.resume = {t.resume!r}; expected 'auto', 'never', "
                           "'overwrite' or an existing checkpoint directory")
@@ -437,12 +437,12 @@ def require_inputs(cfg: Config, command: str) -> None:
 
 def require_trainable(cfg: Config) -> None:
     """Refuse, before extracting, sequences (up to data.max_seq_len) longer than a micro-batch trains."""
-    n, tokens, ranks = cfg.data.max_seq_len, cfg.train.batch_tokens, cfg.debug.context_parallel
+    n, tokens, ranks = cfg.data.max_seq_len, cfg.train.batch_tokens, cfg.train.context_parallel
     if n > tokens * ranks:
         raise ConfigError(f"{cfg.origin('data.max_seq_len')}: data.max_seq_len = {n} is longer than one micro-batch "
-                          f"trains (train.batch_tokens = {tokens} x debug.context_parallel = {ranks}: {tokens * ranks} "
+                          f"trains (train.batch_tokens = {tokens} x train.context_parallel = {ranks}: {tokens * ranks} "
                           "tokens); lower data.max_seq_len, raise train.batch_tokens, or split each micro-batch over "
-                          "more ranks (debug.context_parallel)")
+                          "more ranks (train.context_parallel)")
 
 
 def from_dict(data: dict, origin: str) -> Config:

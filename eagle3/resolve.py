@@ -92,10 +92,10 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
         draft_vocab_size=cfg.vocab.draft_vocab_size or min(32000, text.vocab_size), target_vocab_size=text.vocab_size,
         target_hidden_size=hidden, norm_before_residual=x.norm_before_residual, norm_before_fc=x.aux_norm == "concat",
         fc_norm=x.aux_norm == "per_layer", norm_output=x.norm_output, rope_scaling=scaling,
-        sliding_window=x.sliding_window)
+        sliding_window=d.sliding_window)
     if d.attention == "mla":
-        if x.sliding_window:
-            raise ConfigError(f"{cfg.source}: experimental.sliding_window = {x.sliding_window} with draft.attention = "
+        if d.sliding_window:
+            raise ConfigError(f"{cfg.source}: draft.sliding_window = {d.sliding_window} with draft.attention = "
                               "\"mla\": vLLM's and SGLang's MLA drafts attend over every key (use a gqa draft)")
         spec = replace(spec, **mla_fields(cfg, text, heads))
     elif x.mla_dims:

@@ -127,7 +127,7 @@ def test_four_ranks_in_two_context_parallel_groups_train_as_one_process(tmp_path
     run_train(cli_args(one, llama_target, token_data, hidden, **run, **{"train.batch_tokens": 48,
                                                                         "train.grad_accum": 2}))
     run_train(cli_args(four, llama_target, token_data, hidden, **run, **{"train.batch_tokens": 24,
-                                                                         "debug.context_parallel": 2}), nproc=4)
+                                                                         "train.context_parallel": 2}), nproc=4)
     assert trained_alike(one, four) == {1, 2, 3, 4}
 
 
@@ -139,16 +139,16 @@ def test_what_cannot_be_split_is_refused_naming_the_keys(tmp_path, llama_target,
     from eagle3 import training
     from eagle3.training.context import Layout
     from eagle3.training.loop import data_plan
-    cfg = make_config(tmp_path, llama_target, token_data, **{"debug.context_parallel": 3})
-    with pytest.raises(training.TrainError, match=r"^command line --debug.context_parallel: "
-                                                  r"debug.context_parallel = 3 needs a divisor of the world size "
+    cfg = make_config(tmp_path, llama_target, token_data, **{"train.context_parallel": 3})
+    with pytest.raises(training.TrainError, match=r"^command line --train.context_parallel: "
+                                                  r"train.context_parallel = 3 needs a divisor of the world size "
                                                   r"\(1\); a divisor of draft.num_key_value_heads \(2\)"):
         training.Trainer(cfg)
-    cfg = make_config(tmp_path, llama_target, token_data, **{"train.batch_tokens": 16, "debug.context_parallel": 2})
+    cfg = make_config(tmp_path, llama_target, token_data, **{"train.batch_tokens": 16, "train.context_parallel": 2})
     reader = SimpleNamespace(sequences=[SimpleNamespace(index=i, length=n) for i, n in enumerate([30, 40, 8])],
                              manifest={})
     with pytest.raises(training.TrainError, match=r"^command line --train.batch_tokens: train.batch_tokens = 16 x "
-                                                  r"debug.context_parallel = 2 \(32 tokens\) is smaller than the "
+                                                  r"train.context_parallel = 2 \(32 tokens\) is smaller than the "
                                                   r"longest sequence \(40 tokens\)"):
         data_plan(cfg, reader, Layout(2, 0, 0, 1), "data")
     assert data_plan(cfg, reader, Layout(4, 0, 0, 1), "data")[0].budget == 64   # a group of 4 holds it
@@ -177,7 +177,7 @@ def test_a_rank_reads_only_the_rows_of_its_share(tmp_path):
 
 
 def test_extract_refuses_sequences_longer_than_a_micro_batch_trains():
-    """Issue 51: data.max_seq_len above train.batch_tokens x debug.context_parallel stops extract before any work;
+    """Issue 51: data.max_seq_len above train.batch_tokens x train.context_parallel stops extract before any work;
     the shipped config.toml is a pair that trains."""
     from conftest import ROOT
     from eagle3.config import cli, load, require_trainable
@@ -185,8 +185,8 @@ def test_extract_refuses_sequences_longer_than_a_micro_batch_trains():
             "--data.max_seq_len", "4096", "--train.batch_tokens", "2048"]
     with pytest.raises(SystemExit, match=r"^error: command line --data.max_seq_len: data.max_seq_len = 4096 is longer "
                                          r"than one micro-batch trains \(train.batch_tokens = 2048 x "
-                                         r"debug.context_parallel = 1: 2048 tokens\)"):
+                                         r"train.context_parallel = 1: 2048 tokens\)"):
         cli(args, command="extract")
-    assert cli([*args, "--debug.context_parallel", "2"], command="extract").debug.context_parallel == 2
+    assert cli([*args, "--train.context_parallel", "2"], command="extract").train.context_parallel == 2
     assert cli(args, command="train").data.max_seq_len == 4096   # train checks the sequences it reads
     require_trainable(load(ROOT / "config.toml"))

@@ -222,15 +222,15 @@ def vllm_draft_window(layer, target_layers, draft_layer):
 def test_a_sliding_window_is_exported_as_vllm_reads_it_and_refused_for_sglang(tmp_path):
     text = target_config("none", tmp_path)
     with pytest.raises(ExportError, match="sliding_window is on .* SGLang"):
-        exported(tmp_path, text, **{"experimental.sliding_window": 2048})
-    spec, configs, written = exported(tmp_path, text, **{"experimental.sliding_window": 2048,
+        exported(tmp_path, text, **{"draft.sliding_window": 2048})
+    spec, configs, written = exported(tmp_path, text, **{"draft.sliding_window": 2048,
                                                          "export.formats": ["vllm"]})
     assert vllm_draft_window(configs["vllm"]["transformer_layer_config"], text.num_hidden_layers, 0) == 2048
     assert load_vllm_draft(written["vllm"])[0].spec.sliding_window == 2048
     cfg = Config()
-    cfg.experimental.sliding_window = 2048
-    with pytest.raises(ConfigError, match="experimental.sliding_window cannot be exported for SGLang"):
+    cfg.draft.sliding_window = 2048
+    with pytest.raises(ConfigError, match="draft.sliding_window cannot be exported for SGLang"):
         validate(cfg)
-    cfg.export.formats, cfg.experimental.sliding_window = ["vllm"], 4
-    with pytest.raises(ConfigError, match="experimental.sliding_window = 4; expected 0 .* at least train.ttt_steps"):
+    cfg.export.formats, cfg.draft.sliding_window = ["vllm"], 4
+    with pytest.raises(ConfigError, match="draft.sliding_window = 4; expected 0 .* at least train.ttt_steps"):
         validate(cfg)

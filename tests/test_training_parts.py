@@ -176,13 +176,13 @@ def test_a_checkpoint_from_before_a_spec_field_resumes_with_its_default():
         resume.check(CKPT, was, state(**{"resolved.draft_spec": {"hidden_size": 32, "rope_scaling": yarn}}), total=10)
 
 def test_a_resume_keeps_the_context_parallel_group():
-    """debug.context_parallel sets the micro-batches; a checkpoint from before the key had 1."""
+    """train.context_parallel sets the micro-batches; a checkpoint from before the key had 1."""
     older = state()
-    del older["config"]["debug"]["context_parallel"]
+    del older["config"]["train"]["context_parallel"]
     resume.check(CKPT, older, state(), total=10)
-    with pytest.raises(TrainError, match="debug.context_parallel was 1, this run has 2; a resumed run must keep it "
-                                         r"\(set --debug.context_parallel 1"):
-        resume.check(CKPT, older, state(**{"debug.context_parallel": 2}), total=10)
+    with pytest.raises(TrainError, match="train.context_parallel was 1, this run has 2; a resumed run must keep it "
+                                         r"\(set --train.context_parallel 1"):
+        resume.check(CKPT, older, state(**{"train.context_parallel": 2}), total=10)
 
 
 def test_decay_fraction_is_fixed_only_where_the_schedule_reads_it():
@@ -265,7 +265,7 @@ def test_the_resume_line_names_the_step_and_what_differs():
 def test_on_the_cpu_the_kernels_are_the_reference_and_the_fp8_head_is_refused():
     from kernels import reference
     cpu = torch.device("cpu")
-    spec = SimpleNamespace(head_dim=8, hidden_size=32, draft_vocab_size=128)
+    spec = SimpleNamespace(head_dim=8, hidden_size=32, draft_vocab_size=128, kernel_head_dim=lambda: 8)
     for choice in ("auto", "torch"):
         cfg = SimpleNamespace(debug=SimpleNamespace(kernels=choice),
                               train=SimpleNamespace(float8_head=None, batch_tokens=64), source="c.toml")

@@ -217,14 +217,14 @@ def kernel_args(kernels: str) -> list[str]:
 def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warmup: int, tflops: float,
               overrides: list[str] = (), report=None, seq_len: int | None = None, context: int = 1) -> dict:
     """One size, layout and kernel choice; `overrides`: more config arguments, `report`: see gpu_busy_fraction;
-    `seq_len`: one sequence per micro-batch (`shape`), its rows split over `context` ranks (debug.context_parallel)."""
+    `seq_len`: one sequence per micro-batch (`shape`), its rows split over `context` ranks (train.context_parallel)."""
     s = shape(size, seq_len)
     home = s.get("base", size)               # whose target and shards
     per_batch = s["seqs"] * s["seq_len"]     # tokens of a micro-batch (of all ranks sharing it)
     args = ["--target.path", str(root / home / "target"),
             "--train.data_dir", str(folder(root, home, f"data-{layout}", seq_len)),
             "--train.output_dir", str(folder(root, size, f"out-{layout}-{kernels}", seq_len)), *kernel_args(kernels),
-            "--train.batch_tokens", str(per_batch // context), "--debug.context_parallel", str(context),
+            "--train.batch_tokens", str(per_batch // context), "--train.context_parallel", str(context),
             "--train.eval_fraction", "0",
             "--train.max_steps", str(steps + warmup + 4), "--train.resume", "never",
             "--vocab.draft_vocab_size", str(s["draft_vocab"]), "--draft.num_attention_heads", str(s["heads"]),
@@ -315,7 +315,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="comma list of torch, triton, auto (the defaults); a -fp8 suffix adds train.float8 "
                              "(e.g. triton-fp8), -fp8-head also train.float8_head; -graph debug.cuda_graphs")
     parser.add_argument("--seq-lens", default="", help="comma list of tokens per sequence (e.g. 16384,32768,65536,"
-                        "131072): each micro-batch one sequence, split over all ranks (debug.context_parallel = the "
+                        "131072): each micro-batch one sequence, split over all ranks (train.context_parallel = the "
                         "world size), instead of the size's batch of sequences")
     parser.add_argument("--tokens-per-rank", type=int, default=None,
                         help="with --seq-lens: each sequence over length / this many ranks (e.g. 16384: 16k on "

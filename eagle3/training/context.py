@@ -67,7 +67,7 @@ class SplitAttention:
 class Layout:
     """How the ranks share the work: groups of `size` consecutive ranks (one node's GPUs) each train one micro-batch
     split by rows; the data-parallel rank and world count groups."""
-    size: int          # c, debug.context_parallel
+    size: int          # c, train.context_parallel
     index: int         # this rank's place in its group: its slice of the micro-batch's rows
     data_rank: int     # which group
     data_world: int    # how many groups
@@ -83,7 +83,7 @@ class Layout:
 
 
 def layout(size: int, d: Dist, kv_heads: int, heads: int, source: str, online: bool) -> Layout:
-    """The run's `Layout` for debug.context_parallel = `size` (set in `source`), refusing what it cannot split; every
+    """The run's `Layout` for train.context_parallel = `size` (set in `source`), refusing what it cannot split; every
     rank makes every group (torch.distributed's rule), in the same order."""
     needs = [why for why, bad in ((f"a divisor of the world size ({d.world})", d.world % size),
                                   (f"a divisor of draft.num_key_value_heads ({kv_heads}) and "
@@ -92,7 +92,7 @@ def layout(size: int, d: Dist, kv_heads: int, heads: int, source: str, online: b
                                   ('train.source = "shards" (online, each rank would run the target over its group\'s '
                                    'whole micro-batch)', online)) if bad]
     if size > 1 and needs:
-        raise TrainError(f"{source}: debug.context_parallel = {size} needs {'; '.join(needs)}")
+        raise TrainError(f"{source}: train.context_parallel = {size} needs {'; '.join(needs)}")
     if size == 1:
         return Layout(1, 0, d.rank, d.world)
     groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(d.world // size)]

@@ -198,10 +198,10 @@ def data_plan(cfg: Config, reader, layout: context.Layout, data_dir: str) -> tup
     t, ranks = cfg.train, layout.size
     train_refs, eval_refs = split_holdout(reader.sequences, t.eval_fraction)
     if (longest := max(r.length for r in reader.sequences)) > t.batch_tokens * ranks:
-        split = (f" x debug.context_parallel = {ranks} ({t.batch_tokens * ranks} tokens)" if ranks > 1 else "")
+        split = (f" x train.context_parallel = {ranks} ({t.batch_tokens * ranks} tokens)" if ranks > 1 else "")
         raise TrainError(f"{cfg.origin('train.batch_tokens')}: train.batch_tokens = {t.batch_tokens}{split} is smaller "
                          f"than the longest sequence ({longest} tokens); raise it, split each micro-batch over more "
-                         "ranks (debug.context_parallel), or lower data.max_seq_len")
+                         "ranks (train.context_parallel), or lower data.max_seq_len")
     source = reader.manifest.get("source", {}).get("path", "?")   # as an error names the data
     data = (f"data.path {source} (online)" if t.source == "online" else
             f"train.data_dir {Path(data_dir)} (extracted from data.path {source})")
@@ -226,8 +226,8 @@ class Trainer:
         self.resolved = resolve(cfg, self.target)
         self.online = t.source == "online"
         spec = self.resolved.draft_spec
-        self.layout = context.layout(cfg.debug.context_parallel, self.dist, spec.num_key_value_heads,
-                                     spec.num_attention_heads, cfg.origin("debug.context_parallel"), self.online)
+        self.layout = context.layout(cfg.train.context_parallel, self.dist, spec.num_key_value_heads,
+                                     spec.num_attention_heads, cfg.origin("train.context_parallel"), self.online)
         self.reader = open_reader(cfg, self.target, self.resolved, self.device, say=self.dist.main)
         self.plan, self.eval_refs = data_plan(cfg, self.reader, self.layout, self.resolved.data_dir)
         draft, self.float8, target_rows = build_draft(cfg, self.target, spec, self.reader, self.device,

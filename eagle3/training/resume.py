@@ -84,12 +84,12 @@ def check_global_batch(path: Path, was: dict, world: int, accum: int) -> None:
 
 
 def check_context_parallel(path: Path, was: dict, now: dict) -> None:
-    """debug.context_parallel sets the micro-batches' size (x train.batch_tokens): the data order (a checkpoint that
+    """train.context_parallel sets the micro-batches' size (x train.batch_tokens): the data order (a checkpoint that
     recorded none had 1)."""
-    before, after = was["config"]["debug"].get("context_parallel", 1), now["config"]["debug"]["context_parallel"]
+    before, after = was["config"]["train"].get("context_parallel", 1), now["config"]["train"]["context_parallel"]
     if before != after:
-        raise TrainError(f"{path}/state.json: debug.context_parallel was {before}, this run has {after}; a resumed "
-                         f"run must keep it (set --debug.context_parallel {before} to resume it, or {NEW_RUN})")
+        raise TrainError(f"{path}/state.json: train.context_parallel was {before}, this run has {after}; a resumed "
+                         f"run must keep it (set --train.context_parallel {before} to resume it, or {NEW_RUN})")
 
 
 def check_end(path: Path, was: dict, total: int, max_steps: int) -> None:
