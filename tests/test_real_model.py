@@ -248,8 +248,9 @@ def test_our_gguf_conversion_equals_transformers_and_llama_cpp(smollm, converted
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
     config, reference = (json.loads((d / "config.json").read_text()) for d in (converted, root))
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "vocab_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id")
+            "vocab_size", "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id")
     assert {k: config[k] for k in keys} == {k: reference[k] for k in keys}
+    assert config["rope_theta"] == reference["rope_parameters"]["rope_theta"]   # transformers 5 nests it
     engine = Llama(str(gguf_path()), vocab_only=True, verbose=False)
     encode = tokenizers.Tokenizer.from_file(str(converted / "tokenizer.json")).encode
     for text in ("It's 3.14159 o'clock, 12345 apples!\n\n  def f(x):\n\treturn x**2  ", "Ünïcödé — 日本語 🙂",
