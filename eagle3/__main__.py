@@ -9,7 +9,6 @@ from pathlib import Path
 
 from eagle3 import config as config_mod
 from eagle3.errors import Eagle3Error
-from eagle3.models.weights import Checkpoint
 from eagle3.models.inspect import inspect
 
 # the commands with a parser of their own, given the rest of the command line as it is
@@ -26,60 +25,9 @@ def forward(command: str, argv: list[str]) -> None:
     (training.main if command == "train" else extraction.main)(argv, prog=f"python -m eagle3 {command}")
 
 
-THINKING = {"data.path": lambda p: str(Path(p).with_name("thinking.jsonl")),   # the demo's own paths, not set
-            "target.path": lambda p: p + "-thinking", "extract.output_dir": lambda p: p + "-thinking",
-            "train.output_dir": lambda p: p + "-thinking"}
-
-
 def demo(args, overrides: list[str]) -> None:
-    """Make the tiny demo target and data if absent, then extract, train and export. `--thinking`: chat lines with
-    reasoning and tool calls, rendered by the target's Kimi-K2.5 template, in paths of their own."""
-    from eagle3 import extraction, training
-    from eagle3.models import tiny
-    # a demo always trains anew (the run there moved aside), so that a rerun with other settings is no resume
-    cfg = config_mod.load(args.config, ["--train.resume", "overwrite", *overrides])
-    if args.thinking:
-        for name, derive in THINKING.items():
-            if not cfg.origin(name).startswith("command line"):
-                section, key = name.split(".")
-                setattr(getattr(cfg, section), key, derive(cfg.value(name)))
-    target = Path(cfg.target.path)
-    if not (target / "config.json").exists():
-        tiny.make_kimi(target, layers=8)
-        print(f"demo: wrote a tiny random target to {target}")
-    if args.thinking and not (target / "chat_template.jinja").exists():
-        tiny.write_kimi_chat(target, Checkpoint(target).config.vocab_size)
-        print(f"demo: wrote Kimi-K2.5's tokenizer files and chat template (tiny vocabulary) to {target}")
-    if not Path(cfg.data.path).exists():
-        if args.thinking:
-            tiny.make_chat_data(cfg.data.path, conversations=160)
-        else:
-            tiny.make_token_data(cfg.data.path, vocab=Checkpoint(target).config.vocab_size, sequences=256)
-        print(f"demo: wrote synthetic training data to {cfg.data.path}")
-    prompts = "thinking-prompts.jsonl" if args.thinking else "prompts.jsonl"
-    cfg.evaluate.prompts = str(demo_prompts(cfg, prompts))   # the summary's evaluate command then runs as printed
-    extraction.run(cfg)
-    training.run(cfg)
-
-
-def demo_prompts(cfg: config_mod.Config, name: str, count: int = 8) -> Path:
-    """`name` beside the demo data (kept if there): `count` of its sequences that training holds out."""
-    from eagle3.data.inputs import read_records
-    from eagle3.data.loader import split_holdout
-    from eagle3.data.shards import SeqRef
-    from eagle3.files import atomic_write_text
-    path = Path(cfg.data.path).with_name(name)
-    if path.exists():
-        return path
-    target = Checkpoint(cfg.target.path)
-    records, _ = read_records(cfg.data.path, target.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
-                              target_dir=target.dir, template_kwargs=cfg.data.chat_template_kwargs, report=False)
-    _, held = split_holdout([SeqRef(0, 0, 0, i) for i in range(len(records))], cfg.train.eval_fraction)
-    lines = [json.dumps({"input_ids": records[r.index].input_ids.tolist(),
-                         "loss_mask": records[r.index].loss_mask.tolist()}) + "\n" for r in held[:count]]
-    atomic_write_text(path, "".join(lines))
-    print(f"demo: wrote {len(lines)} held-out conversations of {cfg.data.path} as prompts to {path}")
-    return path
+    from eagle3.demo import run
+    run(args, overrides)
 
 
 SUMMARY_KEYS = ("step", "accept_len", "accept_len_decoding", "acc", "cond_acc", "alpha", "alpha_greedy",
@@ -175,9 +123,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         p.add_argument(flag, help=f"{text} (evaluate.{flag[2:].replace('-', '_')})")
     p.add_argument("--out", help="where to write the report (default: eval.json in the draft directory)")
     add("generate", "regenerate the training replies with the target itself ([generate] keys)")
-    p = add("demo", "tiny target -> extract -> train -> export, on the CPU")
-    p.add_argument("--thinking", action="store_true", help="chat lines with reasoning and tool calls (Kimi-K2.5's "
-                   "template) instead of token lines; data and runs beside the plain demo's, with -thinking")
+    p = add("demo", "tiny target -> generate -> extract -> train -> export -> evaluate, on the CPU")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--thinking", action="store_true", help="chat lines with reasoning (some long) and tool calls "
+                      "(Kimi-K2.5's template) trained as written; data and runs beside the plain demo's, with -thinking")
+    kind.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct (the `real` extra's GGUF), served by "
+                      "llama.cpp's server, end to end with each stage timed; in demo/smollm2* and runs/demo-real")
     p = add("config", "the config keys with their type, default and meaning",
             "a TOML config file: its values are shown where they are not the defaults", None)
     p.add_argument("--all", action="store_true", help="also the [experimental] and [debug] keys")

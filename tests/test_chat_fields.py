@@ -275,15 +275,17 @@ def test_extraction_counts_what_it_trained_by_category(tmp_path, capsys):
 
 def test_the_thinking_demo_trains_reasoning_and_tool_calls_beside_the_plain_demo(tmp_path, capsys):
     """`python -m eagle3 demo --thinking`: the tiny target gets Kimi-K2.5's tokenizer files and template, its data
-    is chat lines with reasoning and tool calls, and its runs sit beside the plain demo's; extraction says what it
-    trained by category, so a regression in what is trained shows as a number."""
+    is chat lines with reasoning (one trace long) and tool calls, and its runs sit beside the plain demo's;
+    extraction says what it trained by category, so a regression in what is trained shows as a number; the last
+    lines put real decoding beside the estimate and say why they differ (the text is not the target's own)."""
     from eagle3.__main__ import main
     config = tmp_path / "config.toml"
     config.write_text(f"""[target]\npath = "{tmp_path / 'target'}"\n[data]\npath = "{tmp_path / 'data.jsonl'}"
 [extract]\noutput_dir = "{tmp_path / 'hidden'}"\n[train]\noutput_dir = "{tmp_path / 'train'}"
-max_steps = 2\neval_every = 2\n""")
+max_steps = 2\neval_every = 2\neval_fraction = 0.25\n[evaluate]\nmax_new_tokens = 16\n""")
     tiny.make_chat_data(tmp_path / "thinking.jsonl", conversations=12)   # the demo's own data, smaller
-    main(["demo", "--thinking", "--config", str(config), "--debug.train_device", "cpu", "--debug.extract_device", "cpu"])
+    main(["demo", "--thinking", "--config", str(config), "--debug.train_device", "cpu", "--debug.extract_device", "cpu",
+          "--debug.evaluate_device", "cpu"])
     out = capsys.readouterr().out
     assert "Kimi-K2.5's tokenizer files and chat template" in out
     assert (tmp_path / "target-thinking" / "tiktoken.model").exists() and not (tmp_path / "target").exists()
@@ -294,6 +296,10 @@ max_steps = 2\neval_every = 2\n""")
             in out)
     assert (tmp_path / "train-thinking" / "export" / "vllm").is_dir() and not (tmp_path / "train").exists()
     assert (tmp_path / "thinking-prompts.jsonl").exists() and not (tmp_path / "prompts.jsonl").exists()
+    assert trained["reasoning"] > 1_350    # line 7's long trace alone has ~1,350 reasoning tokens
+    report = json.loads(next((tmp_path / "train-thinking" / "checkpoints").glob("*/eval.json")).read_text())
+    assert f"demo: real decoding {report['real_accept_len']:.2f} tokens per target forward" in out
+    assert "they differ because the replies trained and held out are the data's text as written" in out
 
 
 def test_a_reply_is_trained_with_its_tool_arguments_as_emitted_and_without_its_name(targets):

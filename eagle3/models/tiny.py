@@ -75,10 +75,13 @@ WORDS = ("the a plan city rain sun wind cold warm day week map road train time p
          "answer result number sum add two four six ten more less first next last because so then").split()
 
 
-def make_chat_data(out: str | Path, conversations: int = 256, seed: int = 0) -> Path:
+def make_chat_data(out: str | Path, conversations: int = 256, seed: int = 0, long_every: int = 8,
+                   long_words: int = 280) -> Path:
     """Chat lines as a thinking, tool-calling model is served: reasoning beside every reply, a tool-call loop
-    (tools, a call, its result, the answer) in every fourth line, a second user turn in every fourth other. Words
-    follow a fixed random chain, so that a draft can learn the text."""
+    (tools, a call, its result, the answer) in every fourth line, a second user turn in every fourth other, and in
+    every `long_every`-th line a long trace of `long_words` words of reasoning (~1,350 tokens with the tiny
+    byte-level vocabulary, where a short one has ~50). Words follow a fixed random chain, so that a draft can learn
+    the text."""
     g = torch.Generator().manual_seed(seed)
     follow = torch.randint(0, len(WORDS), (len(WORDS), 3), generator=g)
 
@@ -88,8 +91,8 @@ def make_chat_data(out: str | Path, conversations: int = 256, seed: int = 0) -> 
             word.append(int(follow[word[-1], int(torch.randint(0, 3, (1,), generator=g))]))
         return " ".join(WORDS[w] for w in word)
 
-    def reply(n: int) -> dict:
-        return {"role": "assistant", "reasoning_content": text(2 * n), "content": text(n)}
+    def reply(n: int, reasoning: int | None = None) -> dict:
+        return {"role": "assistant", "reasoning_content": text(reasoning or 2 * n), "content": text(n)}
 
     tools = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
                                                "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}]
@@ -97,7 +100,8 @@ def make_chat_data(out: str | Path, conversations: int = 256, seed: int = 0) -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
         for i in range(conversations):
-            line = {"messages": [{"role": "user", "content": text(4)}, reply(5)]}
+            long = i % long_every == long_every - 2   # a line without tools or a second turn
+            line = {"messages": [{"role": "user", "content": text(4)}, reply(5, long_words if long else None)]}
             if i % 4 == 1:
                 call = {"id": f"functions.lookup:{i}", "type": "function",
                         "function": {"name": "lookup", "arguments": json.dumps({"word": text(1)})}}
