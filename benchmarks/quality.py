@@ -614,9 +614,11 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, dict(pairs)
 
 
-# the long variant's drafts: whole sequences (the base data), the same tokens in short windows; a window-attention
-# arm is one more, once the draft has the key: "window:draft.sliding_window=512"
-LONG_VARIANTS = ["whole", f"short:data.path={{work}}/{LONG_DATA['short']}"]
+def long_variants(r: Recipe) -> list[str]:
+    """The long variant's drafts: whole sequences (the base data), the same tokens in short windows, and full sequences
+    trained with a sliding window of the short drafts' length (draft.sliding_window, at least K)."""
+    return ["whole", f"short:data.path={{work}}/{LONG_DATA['short']}",
+            f"window:draft.sliding_window={max(r.window, r.ttt_steps)}"]
 
 # a variant that changes one of these changes the hidden states: it gets shards of its own
 EXTRACTION_KEYS = ("target.", "data.", "extract.")
@@ -863,7 +865,7 @@ def main(argv: list[str] | None = None) -> None:
     if "data" in stages and not all((work / f).exists() for f in data_files(r)):
         new["data"] = build_data(r, work, device)
     if "ours" in stages:
-        named = {v.partition(":")[0]: v for v in LONG_VARIANTS} if r.long_len else {}   # `--variant short` alone
+        named = {v.partition(":")[0]: v for v in long_variants(r)} if r.long_len else {}   # `--variant short` alone
         default = list(named) or (equal_size_variants(r) if r.target_kind == "deepseek" else ["base"])
         new["ours"] = run_ours(r, work, [named.get(v, v) for v in args.variant or default], device)
     if "peer" in stages:

@@ -363,6 +363,30 @@ def _apply(cfg: Config, section: str, key: str, value: object, origin: str, comm
     cfg.origins[name] = origin
 
 
+# the draft settings each engine's draft class does not read, by (format, draft.attention): an export with one on
+# would decode with another draft than the one trained (export.py refuses it too; here it is found before training)
+UNREAD = {("vllm", "gqa"): (), ("vllm", "mla"): ("norm_before_fc",),   # deepseek_eagle3.py has no input_norm
+          ("sglang", "gqa"): ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "sliding_window"),
+          ("sglang", "mla"): ("norm_before_residual", "norm_before_fc")}
+
+
+def check_servable_settings(cfg: Config) -> None:
+    """Refuse, at start-up, draft settings that an engine in export.formats would not read."""
+    x = cfg.experimental
+    on = {"norm_before_residual": ("experimental.norm_before_residual", x.norm_before_residual),
+          "norm_before_fc": ("experimental.aux_norm", x.aux_norm == "concat"),
+          "fc_norm": ("experimental.aux_norm", x.aux_norm == "per_layer"),
+          "norm_output": ("experimental.norm_output", x.norm_output),
+          "sliding_window": ("draft.sliding_window", bool(cfg.draft.sliding_window))}
+    kind = "mla" if cfg.draft.attention == "mla" else "gqa"
+    for fmt in cfg.export.formats:
+        if keys := [on[flag][0] for flag in UNREAD[fmt, kind] if on[flag][1]]:
+            engine = "SGLang" if fmt == "sglang" else "vLLM"
+            fix = 'set export.formats = ["vllm"]' if fmt == "sglang" else f"turn {keys[0]} off"
+            raise ConfigError(f"{cfg.origin(keys[0])}: {keys[0]} cannot be exported for {engine} (its {kind} draft "
+                              f"does not read it); {fix}")
+
+
 def validate(cfg: Config) -> None:
     """The checks a type cannot express: ranges, paths, combinations."""
     for name in POSITIVE:
@@ -395,11 +419,7 @@ def validate(cfg: Config) -> None:
     for name, (ok, expected) in ranges.items():
         if not ok:
             raise ConfigError(f"{cfg.origin(name)}: {name} = {cfg.value(name)}; expected {expected}")
-    unread = [name for name in ("experimental.aux_norm", "experimental.norm_before_residual", "experimental.norm_output",
-                                "draft.sliding_window") if cfg.value(name) not in ("none", False, 0)]
-    if unread and "sglang" in cfg.export.formats and cfg.draft.attention != "mla":   # found now, not after training
-        raise ConfigError(f"{cfg.origin(unread[0])}: {unread[0]} cannot be exported for SGLang (its "
-                          "LlamaForCausalLMEagle3 does not read it); set export.formats = [\"vllm\"]")
+    check_servable_settings(cfg)
     if t.resume not in ("auto", "never", "overwrite") and not Path(t.resume).is_dir():
         raise ConfigError(f"{cfg.origin('train.resume')}: train.resume = {t.resume!r}; expected 'auto', 'never', "
                           "'overwrite' or an existing checkpoint directory")

@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from eagle3 import train_state
-from eagle3.config import Config, from_dict
+from eagle3.config import UNREAD, Config, from_dict
 from eagle3.draft_io import layer_keys, top_keys
 from eagle3.resolve import MLA_DIMS, NORM_FLAGS
 from eagle3.files import make_readable, short_of_space, tensor_bytes
@@ -182,12 +182,6 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
     return written
 
 
-# what each engine's draft class does not read: it would decode with another draft than the one trained
-UNREAD = {("vllm", "gqa"): (), ("vllm", "mla"): ("norm_before_fc",),   # deepseek_eagle3.py has no input_norm
-          ("sglang", "gqa"): (*NORM_FLAGS, "sliding_window"),           # SGLang's Llama draft layer has no window
-          ("sglang", "mla"): ("norm_before_residual", "norm_before_fc")}
-
-
 def check_servable(spec: dict, fmt: str, where: str) -> None:
     """Refuse an export the engine would serve differently from what was trained (nothing is written)."""
     kind = spec.get("attention", "gqa")
@@ -197,5 +191,5 @@ def check_servable(spec: dict, fmt: str, where: str) -> None:
         raise ExportError(f"{where}: {engine} has one draft layer (midlayer); this draft has {spec['num_layers']}; "
                           "export vllm only")
     if on := [key for key in UNREAD[fmt, kind] if spec.get(key)]:
-        raise ExportError(f"{where}: the draft's {on[0]} is on (experimental), which {engine} does not read (it "
+        raise ExportError(f"{where}: the draft's {on[0]} is on, which {engine} does not read (it "
                           f"would decode with another draft); {'export vllm only' if fmt == 'sglang' else 'retrain'}")

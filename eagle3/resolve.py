@@ -81,7 +81,7 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
                           f"draft.num_key_value_heads {kv}")
     hidden = text.hidden_size   # the draft's is the target's: the frozen target embedding feeds it
     try:
-        scaling = draft_rope_scaling(text.rope_scaling) if x.draft_rope == "target" else None
+        scaling = draft_rope_scaling(text.rope_scaling) if x.draft_rope == "target" and d.attention != "mla" else None
     except ValueError as e:
         raise TargetError(f"{text.source}: rope_scaling: {e}; set experimental.draft_rope = \"plain\"") from None
     spec = DraftSpec(
@@ -120,7 +120,8 @@ def mla_fields(cfg: Config, text, heads: int) -> dict:
     if scaling is not None and scaling["rope_type"] != "yarn":
         raise ConfigError(f"{cfg.source}: draft.attention = \"mla\" rotates as DeepSeek (YaRN or none); the "
                           f"target's rope_scaling is '{scaling['rope_type']}'")
-    return {"attention": "mla", "num_key_value_heads": heads, "rope_scaling": yarn_settings(scaling),
+    scaling = yarn_settings(scaling) if cfg.experimental.draft_rope == "target" else None   # "plain": the comparison
+    return {"attention": "mla", "num_key_value_heads": heads, "rope_scaling": scaling,
             "head_dim": named["qk_nope_head_dim"] + named["qk_rope_head_dim"], **named}
 
 

@@ -190,7 +190,7 @@ def test_the_long_variant_trains_whole_and_windowed_drafts_on_the_same_tokens(lo
 @pytest.mark.slow
 def test_the_long_variant_judges_by_depth_on_short_and_deep_prompts(long_work):
     results = json.loads((long_work / "quality.json").read_text())["results"]
-    assert set(results) == {"whole", "short"}
+    assert set(results) == {"whole", "short", "window"}
     for m in results.values():
         assert m["t0"]["mismatches"] == 0 and m["t0"]["prompts"] == quality.TINY_LONG.eval_prompts
         for setting in ("t0", "greedy"):
