@@ -207,6 +207,7 @@ def config_args(root: Path, s: dict, data: Path, placement: str, steps: int, cpu
     cfg = {"target.path": root / "target", "data.path": data, "target.aux_layer_ids": "[1, 2, 3]",
            "extract.output_dir": out / "hidden", "debug.shard_tokens": s["shard_tokens"],
            "train.output_dir": out / "train", "train.batch_tokens": d["seqs"] * d["seq_len"],
+           "data.max_seq_len": d["seqs"] * d["seq_len"],   # what one micro-batch trains (checked at start-up)
            "train.max_steps": steps, "train.checkpoint_every": steps, "debug.log_every": 1,
            "train.eval_fraction": 0, "train.resume": "never", "export.formats": "[]",
            "vocab.draft_vocab_size": d["draft_vocab"], "draft.num_attention_heads": d["heads"],

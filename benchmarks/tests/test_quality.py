@@ -100,7 +100,7 @@ def test_the_thinking_variant_trains_every_reply_token_through_the_chat_path(wor
     trained = chat["trained_tokens"]
     assert trained["tool_calls"] == 0 and 0.3 < trained["reasoning"] / sum(trained.values()) < 0.7, trained
     tok = Tokenizer.from_file(str(work / "target" / "tokenizer.json"))
-    greedy = [json.loads(line) for name in ("regen.jsonl", quality.LONG)
+    greedy = [json.loads(line) for name in ("regen.jsonl", quality.LONG_REPLIES)
               for line in (work / name).read_text().splitlines()]
     assert [sum(row["loss_mask"]) for row in greedy[-r.long_prompts:]] == [r.long_reply_len] * r.long_prompts
     lines = [json.loads(line) for line in (work / "thinking.jsonl").read_text().splitlines()]
