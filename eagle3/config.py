@@ -368,19 +368,20 @@ def _apply(cfg: Config, section: str, key: str, value: object, origin: str, comm
 UNREAD = {("vllm", "gqa"): (), ("vllm", "mla"): ("norm_before_fc",),   # deepseek_eagle3.py has no input_norm
           ("sglang", "gqa"): ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "sliding_window"),
           ("sglang", "mla"): ("norm_before_residual", "norm_before_fc")}
+# the config setting behind each draft-spec flag
+SETTING_KEYS = {"norm_before_residual": "experimental.norm_before_residual",
+                "norm_before_fc": 'experimental.aux_norm = "concat"', "fc_norm": 'experimental.aux_norm = "per_layer"',
+                "norm_output": "experimental.norm_output", "sliding_window": "draft.sliding_window"}
 
 
 def check_servable_settings(cfg: Config) -> None:
     """Refuse, at start-up, draft settings that an engine in export.formats would not read."""
     x = cfg.experimental
-    on = {"norm_before_residual": ("experimental.norm_before_residual", x.norm_before_residual),
-          "norm_before_fc": ("experimental.aux_norm", x.aux_norm == "concat"),
-          "fc_norm": ("experimental.aux_norm", x.aux_norm == "per_layer"),
-          "norm_output": ("experimental.norm_output", x.norm_output),
-          "sliding_window": ("draft.sliding_window", bool(cfg.draft.sliding_window))}
+    on = {"norm_before_residual": x.norm_before_residual, "norm_before_fc": x.aux_norm == "concat",
+          "fc_norm": x.aux_norm == "per_layer", "norm_output": x.norm_output, "sliding_window": cfg.draft.sliding_window}
     kind = "mla" if cfg.draft.attention == "mla" else "gqa"
     for fmt in cfg.export.formats:
-        if keys := [on[flag][0] for flag in UNREAD[fmt, kind] if on[flag][1]]:
+        if keys := [SETTING_KEYS[flag].split(" ")[0] for flag in UNREAD[fmt, kind] if on[flag]]:
             engine = "SGLang" if fmt == "sglang" else "vLLM"
             fix = 'set export.formats = ["vllm"]' if fmt == "sglang" else f"turn {keys[0]} off"
             raise ConfigError(f"{cfg.origin(keys[0])}: {keys[0]} cannot be exported for {engine} (its {kind} draft "

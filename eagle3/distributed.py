@@ -7,6 +7,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -74,7 +75,10 @@ def lost_peer(error: BaseException, timeout: str) -> str | None:
             else "is gone")
     # gloo's text: "[path/pair.cc:553] Connection closed by peer [ip]:port. This is typically ..."
     cause = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().split("\n")[0]).split(". ")[0] or type(error).__name__
-    return f"rank {rank}: {other} {what} (a collective failed: {cause})"
+    return f"rank {rank}: {other} {what} {COLLECTIVE_FAILED}{cause})"
+
+
+COLLECTIVE_FAILED = "(a collective failed: "   # in every lost-peer line
 
 
 # with stop_on_sigterm: the error path (`first_word`) or the SIGTERM thread, whichever takes it, says the line
@@ -97,7 +101,11 @@ def main(run: Callable, kept: Callable, description: str, argv: list[str] | None
     try:
         run(cfg)
     except Eagle3Error as e:
-        raise SystemExit(first_word(f"error: {e}")) from None
+        line = first_word(f"error: {e}")
+        if COLLECTIVE_FAILED in str(e) and isinstance(line, str):   # the exit's teardown can wait on the lost rank
+            print(line, file=sys.stderr, flush=True)
+            os._exit(1)
+        raise SystemExit(line) from None
     except KeyboardInterrupt:
         interrupted(kept(cfg))
     except Terminated:
@@ -138,8 +146,9 @@ def stop_on_sigterm(kept: Callable[[], str]) -> None:
 def _on_sigterm(read: int, kept: Callable[[], str]) -> None:
     while os.read(read, 1) != bytes([signal.SIGTERM]):
         pass   # another signal's byte (Ctrl-C): its Python handler runs in the main thread
-    if not _spoken.acquire(blocking=False):
-        return   # the main thread has said this rank's line and is exiting
+    if not _spoken.acquire(blocking=False):   # the main thread has said this rank's line and is exiting: it gets
+        time.sleep(2)                          # a moment, but SIGTERM ends the rank even if the exit hangs
+        os._exit(1)
     try:
         line = (f"rank {os.environ.get('RANK', '0')}: stopped by SIGTERM (torchrun sends it when another rank "
                 f"fails, naming that rank in its report, or when it is stopped itself); {kept()}; the same command "

@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from eagle3 import train_state
-from eagle3.config import UNREAD, Config, from_dict
+from eagle3.config import SETTING_KEYS, UNREAD, Config, from_dict
 from eagle3.draft_io import layer_keys, top_keys
 from eagle3.resolve import MLA_DIMS, NORM_FLAGS
 from eagle3.files import make_readable, short_of_space, tensor_bytes
@@ -191,5 +191,6 @@ def check_servable(spec: dict, fmt: str, where: str) -> None:
         raise ExportError(f"{where}: {engine} has one draft layer (midlayer); this draft has {spec['num_layers']}; "
                           "export vllm only")
     if on := [key for key in UNREAD[fmt, kind] if spec.get(key)]:
-        raise ExportError(f"{where}: the draft's {on[0]} is on, which {engine} does not read (it "
-                          f"would decode with another draft); {'export vllm only' if fmt == 'sglang' else 'retrain'}")
+        raise ExportError(f"{where}: the draft's {on[0]} is on ({SETTING_KEYS[on[0]]}), which {engine} does not "
+                          f"read (it would decode with another draft); "
+                          f"{'export vllm only' if fmt == 'sglang' else 'retrain'}")
