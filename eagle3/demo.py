@@ -82,8 +82,8 @@ def judge(cfg: config_mod.Config, why: str) -> None:
         print(f"demo: no sequence of {cfg.data.path} is held out (train.eval_fraction {cfg.train.eval_fraction}): "
               "nothing to judge")
         return
-    report, out = evaluate.run(cfg, train_state.latest(cfg.train.output_dir))
-    print(verdict(report, out, why))
+    report, written = evaluate.run(cfg, train_state.latest(cfg.train.output_dir))
+    print(verdict(report, written[0], why))   # eval.json
 
 
 def regenerate(cfg: config_mod.Config) -> None:
