@@ -233,7 +233,7 @@ class Llama(nn.Module):
         super().__init__()
         self.model = Body(r)
         self.lm_head = nn.Linear(r.hidden, r.vocab, bias=False)
-        self.register_buffer("inv_freq", llama_inv_freq(r.hidden // r.heads, 10000.0, None), persistent=False)
+        self.register_buffer("inv_freq", llama_inv_freq(r.hidden // r.heads, 10000.0, long_rope(r)), persistent=False)
         for name, p in self.named_parameters():
             if p.dim() == 2:   # GPT-2 style: residual projections scaled down with depth
                 std = 0.02 / math.sqrt(2 * r.layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
@@ -388,8 +388,16 @@ def equal_size_variants(r: Recipe) -> list[str]:
                                        f"draft.intermediate_size={inter}"]
 
 
+def long_rope(r: Recipe) -> dict | None:
+    """The long variant's target scales its rotary as Llama 3.1 does (llama3, factor 4 over a quarter of its
+    context), so that a draft's rotary rule (the target's scaling, or plain RoPE) is a real choice there."""
+    return {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": r.seq_len // 4} if r.long_len else None
+
+
 def hf_config(r: Recipe, eos: int) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": r.hidden,
+    scaling = {"rope_scaling": long_rope(r)} if r.long_len else {}
+    return {**scaling, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": r.hidden,
             "intermediate_size": r.intermediate, "num_hidden_layers": r.layers, "num_attention_heads": r.heads,
             "num_key_value_heads": r.kv_heads, "head_dim": r.hidden // r.heads, "vocab_size": r.vocab,
             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": max(2048, r.seq_len),
@@ -615,10 +623,11 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def long_variants(r: Recipe) -> list[str]:
-    """The long variant's drafts: whole sequences (the base data), the same tokens in short windows, and full sequences
-    trained with a sliding window of the short drafts' length (draft.sliding_window, at least K)."""
+    """The long variant's drafts: whole sequences (the base data), the same tokens in short windows, full sequences
+    trained with a sliding window of the short drafts' length (draft.sliding_window, at least K), and whole sequences
+    with plain RoPE instead of the target's scaling (the rotary rule's comparison)."""
     return ["whole", f"short:data.path={{work}}/{LONG_DATA['short']}",
-            f"window:draft.sliding_window={max(r.window, r.ttt_steps)}"]
+            f"window:draft.sliding_window={max(r.window, r.ttt_steps)}", "plain:experimental.draft_rope=plain"]
 
 # a variant that changes one of these changes the hidden states: it gets shards of its own
 EXTRACTION_KEYS = ("target.", "data.", "extract.")
@@ -732,8 +741,9 @@ KEPT = ("real_accept_len", "real_accept_len_sd", "accept_len_per_request", "acce
 
 
 def measure(r: Recipe, work: Path, device: str, settings: list[str]) -> dict:
-    """Real decoding of every draft under each judging setting, into eval-<draft>-<setting>.json; the long
-    variant's on its short and deep prompts, by depth (`depth_edges`)."""
+    """Real decoding of every draft under each judging setting, into eval-<draft>-<setting>.json (kept: a later
+    measure stage judges only the drafts that came since); the long variant's on its short and deep prompts, by
+    depth (`depth_edges`)."""
     from eagle3.evaluate import real_decoding
     prompts = work / (LONG_PROMPTS if r.long_len else "prompts.jsonl")
     edges = {"debug.evaluate_depth_edges": json.dumps(depth_edges(r))} if r.long_len else {}
@@ -746,7 +756,8 @@ def measure(r: Recipe, work: Path, device: str, settings: list[str]) -> dict:
                                                         "evaluate.max_new_tokens": r.eval_new_tokens,
                                                         "evaluate.k": r.ttt_steps, "debug.evaluate_batch_size": r.eval_prompts,
                                                         **edges, **SETTINGS[setting](r)})
-            report = real_decoding(cfg, path, prompts, out=work / f"eval-{name}-{setting}.json")
+            done = work / f"eval-{name}-{setting}.json"   # judged by an earlier measure stage: a draft is never retrained
+            report = json.loads(done.read_text()) if done.exists() else real_decoding(cfg, path, prompts, out=done)
             results[name][setting] = {k: report[k] for k in KEPT if k in report}
     return results
 
@@ -865,8 +876,9 @@ def main(argv: list[str] | None = None) -> None:
     if "data" in stages and not all((work / f).exists() for f in data_files(r)):
         new["data"] = build_data(r, work, device)
     if "ours" in stages:
-        named = {v.partition(":")[0]: v for v in long_variants(r)} if r.long_len else {}   # `--variant short` alone
-        default = list(named) or (equal_size_variants(r) if r.target_kind == "deepseek" else ["base"])
+        recipe_drafts = long_variants(r) if r.long_len else equal_size_variants(r) if r.target_kind == "deepseek" else []
+        named = {v.partition(":")[0]: v for v in recipe_drafts}   # `--variant short` or `--variant mla` alone
+        default = list(named) or ["base"]
         new["ours"] = run_ours(r, work, [named.get(v, v) for v in args.variant or default], device)
     if "peer" in stages:
         new["peer"] = run_peer(r, work, Path(args.peer_script), args.peer_variant)

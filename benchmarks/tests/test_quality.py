@@ -190,7 +190,14 @@ def test_the_long_variant_trains_whole_and_windowed_drafts_on_the_same_tokens(lo
 @pytest.mark.slow
 def test_the_long_variant_judges_by_depth_on_short_and_deep_prompts(long_work):
     results = json.loads((long_work / "quality.json").read_text())["results"]
-    assert set(results) == {"whole", "short", "window"}
+    assert set(results) == {"whole", "short", "window", "plain"}
+    # the target scales its rotary (llama3); the drafts carry that scaling to the engines, but the plain-RoPE arm
+    target = json.loads((long_work / "target" / "config.json").read_text())["rope_scaling"]
+    exported = {name: json.loads((long_work / f"ours-{name}" / "export" / "vllm" / "config.json").read_text())
+                ["transformer_layer_config"] for name in results}
+    assert target == quality.long_rope(quality.TINY_LONG) and target["rope_type"] == "llama3"
+    assert exported["whole"]["rope_scaling"] == exported["window"]["rope_scaling"] == target
+    assert exported["plain"].get("rope_scaling") is None
     for m in results.values():
         assert m["t0"]["mismatches"] == 0 and m["t0"]["prompts"] == quality.TINY_LONG.eval_prompts
         for setting in ("t0", "greedy"):
@@ -231,3 +238,14 @@ def test_the_deepseek_target_is_one_our_mla_forward_reads_as_trained(tmp_path):
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     variants = [quality.parse_variant(v)[1] for v in quality.equal_size_variants(quality.Recipe(target_kind="deepseek"))]
     assert variants[0] == {"draft.attention": "mla"} and variants[1]["draft.intermediate_size"] == "547"
+
+
+@pytest.mark.slow
+def test_a_second_measure_judges_only_drafts_not_yet_judged(long_work, monkeypatch):
+    """`measure` after a `wait` (the peer trained beside ours) must not judge ours again: its files are kept."""
+    import eagle3.evaluate
+    before = json.loads((long_work / "quality.json").read_text())["results"]
+    monkeypatch.setattr(eagle3.evaluate, "real_decoding", lambda *a, **k: pytest.fail("judged again"))
+    again = quality.measure(quality.TINY_LONG, long_work, "cpu", ["t0", "greedy"])
+    assert {n: m["t0"]["real_accept_len"] for n, m in again.items()} == \
+           {n: m["t0"]["real_accept_len"] for n, m in before.items()}
