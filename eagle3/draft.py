@@ -57,7 +57,7 @@ def attend(q, k, v, cache, attention, cu_seqlens, rows: Rows, scale: float | Non
     if split := getattr(attention, "to_heads", None):   # context parallel: all rows of some heads here
         q, k, v = split(q, k, v)
     cache.append((k, v))
-    keys, values = (torch.stack(kvs) for kvs in zip(*cache))   # [S, T, Hkv, D] each
+    keys, values = (list(kvs) for kvs in zip(*cache))   # S x [T, Hkv, D] each: the kernel saves no stacked copy
     options = {} if scale is None else {"scale": scale}         # None: the kernels' D^-0.5
     if window:   # step k's queries sit k positions past their row: an engine's window of W positions leaves W - k rows
         options["window"] = window - len(cache) + 1

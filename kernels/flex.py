@@ -33,8 +33,9 @@ def _block_mask(T: int, S: int, bounds: tuple[int, ...], device: str, window: in
     return create_block_mask(ttt_mask, B=None, H=None, Q_LEN=T, KV_LEN=S * T, device=device)
 
 
-def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def ttt_attention(q: torch.Tensor, k: torch.Tensor | list, v: torch.Tensor | list,
                   cu_seqlens: torch.Tensor | None = None, scale: float | None = None, window: int = 0) -> torch.Tensor:
+    k, v = reference.steps_tensor(k), reference.steps_tensor(v)
     S, T, Hkv, D = k.shape
     bounds = tuple(cu_seqlens.tolist()) if cu_seqlens is not None else (0, T)   # host copy: no sync
     mask = _block_mask(T, S, bounds, str(q.device), window)

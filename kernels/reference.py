@@ -25,11 +25,26 @@ def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out + torch.einsum("htj,jthd->thd", probs[..., n:], v[1:])
 
 
-def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                  scale: float | None = None, window: int = 0) -> torch.Tensor:
-    """Attention of TTT step S-1: q [T, Hq, D] sees the step-0 keys of k, v [S, T, Hkv, D] causally
-    within its sequence (cu_seqlens [n+1] or None; with `window` > 0 only keys j with i - j < window) and, at each
-    later step j, only k[j, t] -> [T, Hq, D]."""
+def steps_shape(x: torch.Tensor | list) -> tuple[int, ...]:
+    """(S, T, Hkv, D) of keys or values given as one [S, T, Hkv, D] tensor or as S per-step [T, Hkv, D] tensors."""
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape)
+    shapes = {tuple(t.shape) for t in x}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 3:
+        raise ValueError(f"ttt_attention: per-step keys and values must share one [T, Hkv, D] shape, got {shapes}")
+    return (len(x), *shapes.pop())
+
+
+def steps_tensor(x: torch.Tensor | list) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.stack(list(x))
+
+
+def ttt_attention(q: torch.Tensor, k: torch.Tensor | list, v: torch.Tensor | list,
+                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None, window: int = 0) -> torch.Tensor:
+    """Attention of TTT step S-1: q [T, Hq, D] sees the step-0 keys of k, v [S, T, Hkv, D] (or lists of S per-step
+    [T, Hkv, D]) causally within its sequence (cu_seqlens [n+1] or None; with `window` > 0 only keys j with
+    i - j < window) and, at each later step j, only k[j, t] -> [T, Hq, D]."""
+    k, v = steps_tensor(k), steps_tensor(v)
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv:

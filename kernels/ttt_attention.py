@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels import tiles
+from kernels.reference import steps_shape
 from kernels.interpreter import INTERPRET
 
 try:   # host-side TMA descriptors, in recent Triton releases; without them, pointer loads only
@@ -495,8 +496,12 @@ def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma, window):
 
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale, max_seqlen, window):
-        q, k, v = (x.contiguous() for x in (q, k, v))
+    def forward(ctx, q, cu_seqlens, scale, max_seqlen, window, per_step, *kv):
+        """kv: the keys, then the values: one [S, T, Hkv, D] tensor each, or (per_step) S [T, Hkv, D] tensors each.
+        Per-step tensors are saved as given and stacked again in the backward: a TTT unroll then keeps each step's
+        keys once, not a stacked copy per step (S(S+1)/2 copies over S steps)."""
+        q, n = q.contiguous(), len(kv) // 2
+        k, v = (torch.stack(kv[:n]), torch.stack(kv[n:])) if per_step else (kv[0].contiguous(), kv[1].contiguous())
         S, T, Hkv, D = k.shape
         Hq = q.shape[1]
         cu, n_seq, max_len = _seqlen_info(cu_seqlens, T, q.device, max_seqlen)
@@ -509,34 +514,43 @@ class _TTTAttention(torch.autograd.Function):
                 T, S, scale * LOG2E, triton.next_power_of_2(max_len), window,
                 **_descriptors(tma, Qd=q, Kd=k[0], Vd=v[0]),
                 GROUP=Hq // Hkv, HEAD_DIM=D, VARLEN=cu is not None, TMA=tma, UPCAST=INTERPRET)
-        ctx.save_for_backward(q, k, v, o, lse, cu)
-        ctx.meta = (n_seq, max_len, scale, tma, window)
+        ctx.save_for_backward(q, o, lse, cu, *(kv if per_step else (k, v)))
+        ctx.meta = (n_seq, max_len, scale, tma, window, per_step)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, cu = ctx.saved_tensors
-        n_seq, max_len, scale, tma, window = ctx.meta
+        q, o, lse, cu, *kv = ctx.saved_tensors
+        n_seq, max_len, scale, tma, window, per_step = ctx.meta
+        n = len(kv) // 2
+        k, v = (torch.stack(kv[:n]), torch.stack(kv[n:])) if per_step else kv
         do = do.contiguous()
         if tma and not _aligned(do):
             do = do.clone()   # a fresh allocation is aligned
-        return (*_backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma, window), None, None, None, None)
+        dq, dk, dv = _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma, window)
+        return dq, None, None, None, None, None, *((*dk.unbind(0), *dv.unbind(0)) if per_step else (dk, dv))
 
 
-def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                  scale: float | None = None, max_seqlen: int | None = None, window: int = 0) -> torch.Tensor:
-    """`kernels.reference.ttt_attention` fused: q [T, Hq, D], k, v [S, T, Hkv, D], D 64, 128 or 256 -> [T, Hq, D];
-    `max_seqlen` bounds the lengths of boundaries on the device that the launch must not read (CUDA graphs);
-    `window` > 0: query i sees the step-0 keys j with i - j < window."""
-    S, T, Hkv, D = k.shape
+def ttt_attention(q: torch.Tensor, k: torch.Tensor | list, v: torch.Tensor | list,
+                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None, max_seqlen: int | None = None,
+                  window: int = 0) -> torch.Tensor:
+    """`kernels.reference.ttt_attention` fused: q [T, Hq, D], k, v [S, T, Hkv, D] (or lists of S per-step [T, Hkv, D]:
+    what a TTT unroll keeps, saved without a stacked copy), D 64, 128 or 256 -> [T, Hq, D]; `max_seqlen` bounds the
+    lengths of boundaries on the device that the launch must not read (CUDA graphs); `window` > 0: query i sees the
+    step-0 keys j with i - j < window."""
+    per_step = not isinstance(k, torch.Tensor)
+    if per_step == isinstance(v, torch.Tensor):
+        raise ValueError("ttt_attention: k and v must both be tensors or both lists of per-step tensors")
+    keys, values = (tuple(x) if per_step else (x,) for x in (k, v))
+    (S, T, Hkv, D), v_shape = steps_shape(k), steps_shape(v)
     Hq = q.shape[1]
-    if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv or S < 1:
-        raise ValueError(f"ttt_attention: bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
+    if q.shape != (T, Hq, D) or v_shape != (S, T, Hkv, D) or Hq % Hkv or S < 1:
+        raise ValueError(f"ttt_attention: bad shapes q {tuple(q.shape)} k {(S, T, Hkv, D)} v {v_shape}")
     if D not in (64, 128, 256):  # the head dims tested (256: an MLA draft's 192-wide q/k heads zero-padded)
         raise ValueError(f"ttt_attention: head dim {D} not supported (64, 128 or 256)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"ttt_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if len({q.dtype, *(x.dtype for x in keys + values)}) > 1:
+        raise ValueError(f"ttt_attention: q, k, v dtypes differ ({q.dtype}, {keys[0].dtype}, {values[0].dtype})")
     scale = D ** -0.5 if scale is None else float(scale)
     if T == 0:
         return q.new_empty(q.shape)
-    return _TTTAttention.apply(q, k, v, cu_seqlens, scale, max_seqlen, window or NO_WINDOW)
+    return _TTTAttention.apply(q, cu_seqlens, scale, max_seqlen, window or NO_WINDOW, per_step, *keys, *values)

@@ -13,6 +13,7 @@ from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import SHORT_MAX, IncrementalTarget
 from eagle3.ops import positions_from_cu_seqlens
 from eagle3.sampling import Sampling
+from kernels.reference import steps_tensor
 from eagle3.speculative import Drafter, greedy_decode_many, sampled_decode_many, speculative_decode_many
 from kernels.reference import ttt_attention
 
@@ -64,6 +65,7 @@ def make_drafter(target: IncrementalTarget, seed: int, layers: int = 1, kv_heads
 def dense_ttt_attention(q, k, v, cu_seqlens, window=0):
     """ttt_attention's semantics in q's own dtype (kernels.reference computes in fp32): query t of
     step S-1 sees the step-0 keys of rows <= t of its sequence (and > t - window) and its own keys of steps 1..S-1."""
+    k, v = steps_tensor(k), steps_tensor(v)   # the unroll hands its steps' keys as lists
     S, T, Hkv, D = k.shape
     seq = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens.diff().long())   # [T]
     t = torch.arange(T)

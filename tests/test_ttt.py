@@ -9,11 +9,12 @@ from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.ops import compiled, rms_norm
 from eagle3.ttt import (METRICS, Objective, loss_denominator, row_layout, step_targets, summarize, target_probs,
                         ttt_forward)
-from kernels.reference import ttt_attention, ttt_loss, ttt_loss_steps
+from kernels.reference import steps_tensor, ttt_attention, ttt_loss, ttt_loss_steps
 
 
 def brute_force_attention(q, k, v, cu_seqlens):
     """Every (step, row) key of every step in one list, with an explicit [T, S*T] boolean mask."""
+    k, v = steps_tensor(k), steps_tensor(v)   # the unroll hands its steps' keys as lists
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
     seq = torch.searchsorted(cu_seqlens.long(), torch.arange(T), right=True)

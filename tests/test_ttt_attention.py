@@ -45,7 +45,7 @@ WINDOW_CASES = {"window_5": ("gqa_odd_length", 5), "window_20_packed": ("packed_
 # must drop
 TMA_CASES = [f"tma_{name}" for name in MATCH_CASES]
 OTHER_CASES = [*WINDOW_CASES, "custom_scale", "bf16_upcast", "sequences_isolated", "tma_sequences_isolated",
-               "tma_misaligned_views", "rejects_bad_arguments"]
+               "tma_misaligned_views", "rejects_bad_arguments", "per_step_lists"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +139,16 @@ def test_views_tma_cannot_take_load_through_pointers(results):
     res = _result(results, "tma_misaligned_views")
     assert res["misaligned_inputs"] == [False] * 3 and res["misaligned_do"] == [True] * 3, res
     assert max(res["errors"].values()) < TOLERANCE, res["errors"]
+
+
+def test_per_step_lists_equal_the_stacked_call_and_an_unroll_saves_each_steps_keys_once(results):
+    """A TTT unroll hands the kernel its steps' keys and values as lists: the same output and gradients as one
+    stacked tensor, and over 4 steps the backward keeps each step's keys and values once (stacked calls keep
+    1 + 2 + 3 + 4 copies: at the Kimi-size MLA draft, 28 GiB of 16,384 tokens x 64 heads x 256)."""
+    res = _result(results, "per_step_lists")
+    assert res["equal"], res
+    assert res["own_tensors_saved"], res
+    assert res["stacked_bytes"] - res["list_bytes"] == 2 * (1 + 2 + 3 + 4 - 4) * res["step_bytes"], res
 
 
 def test_rejects_bad_arguments(results):
@@ -272,6 +282,37 @@ def _other_case(name):
                              and all(torch.equal(g[:, other], b[:, other]) for g, b in zip(got[2:], base[2:])))
             changed.append(not torch.allclose(got[0][own], base[0][own]))
         return {"other_sequence_unchanged": all(unchanged), "own_sequence_changed": all(changed)}
+    if name == "per_step_lists":
+        q, k, v, do = _inputs(30, 4, 2, 64, 4)
+        cu = _cu([14, 16])
+        out = ttt_attention(q, k, v, cu_seqlens=cu)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        ks, vs = ([x.detach().clone().requires_grad_() for x in t] for t in (k, v))
+        out2 = ttt_attention(q, ks, vs, cu_seqlens=cu)
+        got = torch.autograd.grad(out2, (q, *ks, *vs), do)
+        equal = (torch.equal(out, out2) and torch.equal(grads[0], got[0]) and torch.equal(grads[1], torch.stack(got[1:5]))
+                 and torch.equal(grads[2], torch.stack(got[5:])))
+
+        def unroll(as_list):   # 4 TTT steps, the cache growing: the bytes autograd keeps, and whose storages
+            saved = {}
+
+            def pack(t):
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+            cache = []
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                for step in range(4):
+                    cache.append((k[step].detach().clone().requires_grad_(), v[step].detach().clone().requires_grad_()))
+                    keys, values = ([c[i] for c in cache] for i in (0, 1))
+                    out = ttt_attention(q, *((keys, values) if as_list else (torch.stack(keys), torch.stack(values))),
+                                        cu_seqlens=cu)
+            out.sum().backward()   # a one-step list's gradient has its key's shape
+            own = {x.untyped_storage().data_ptr() for c in cache for x in c}
+            return sum(saved.values()), own <= set(saved)
+
+        (list_bytes, own_saved), (stacked_bytes, _) = unroll(True), unroll(False)
+        return {"equal": equal, "own_tensors_saved": own_saved, "list_bytes": list_bytes,
+                "stacked_bytes": stacked_bytes, "step_bytes": k[0].numel() * k.element_size()}
     if name == "rejects_bad_arguments":
         q, k, v, _ = _inputs(8, 4, 2, 64, 2)
         calls = {
