@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         peers[args.sizes[0]] = finish_peer(beside, args.sizes[0])
     step.print_table(results, tflops, dist)
     for r in results:
-        if r["layout"] == "a" and peers.get(r["size"]):
+        if r["layout"] == "a" and peers.get(r["size"]) and not r.get("out_of_memory"):
             ours, peer = r["tokens_per_s_per_gpu"], peers[r["size"]]
             print(f"{r['size']} a: ours ({r['kernels']}) / speculators 0.9.0 tokens/s = {ours / peer:.2f}x "
                   f"({ours:,.0f} / {peer:,.0f}, same call)")

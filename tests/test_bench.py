@@ -186,3 +186,37 @@ def test_the_step_bench_kernel_choices_set_the_config_they_name():
     assert args["--debug.cuda_graphs"] == "true" and args["--debug.skip_dead_rows"] == "true"
     assert dict(zip(*[iter(step.kernel_args("torch"))] * 2))["--debug.cuda_graphs"] == "false"
     assert step.parse(["--tiny", "--kernels", "auto,triton-graph,triton-fp8-graph"]).kernels[1] == "triton-graph"
+
+
+def test_a_case_out_of_memory_is_a_row_and_the_next_case_runs(tmp_path, monkeypatch, capsys):
+    """The Kimi-size MLA draft ran out of an H100's memory at 16,384 tokens and took the bench down with the
+    cases after it: such a case is now a row that says so."""
+    from eagle3 import distributed
+    from eagle3.bench import step
+    ran = []
+
+    def bench_one(root, size, layout, kernels, *args):
+        ran.append(size)
+        if size == "tiny":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.50 GiB.\nmore")
+        return {"size": size, "layout": layout, "kernels": kernels, "seq_len": 128, "tokens_per_batch": 512,
+                "context_parallel": 1, "step_s": 0.5, "tokens_per_s_per_gpu": 1024.0, "mfu": float("nan"),
+                "peak_gib": float("nan"), "gpu_idle": float("nan"), "host_syncs": 0,
+                "same_weights_on_all_ranks": True, "first_step_loss": [0.7]}
+
+    monkeypatch.setattr(step, "bench_one", bench_one)
+    monkeypatch.setattr(step, "write_target", lambda *a: None)
+    monkeypatch.setattr(step, "write_shards", lambda *a: None)
+    args = step.parse(["--tiny", "--mla", "--layouts", "a", "--kernels", "auto", "--json",
+                       str(tmp_path / "r.jsonl")])
+    dist = distributed.setup()
+    results, tflops = step.run_ours(args, dist, tmp_path)
+    assert ran == ["tiny", "tiny-mla"]
+    assert results[0]["out_of_memory"] and results[0]["error"] == "CUDA out of memory. Tried to allocate 3.50 GiB."
+    assert results[0]["tokens_per_batch"] == step.SIZES["tiny"]["seqs"] * step.SIZES["tiny"]["seq_len"]
+    assert [json.loads(x).get("out_of_memory", False) for x in (tmp_path / "r.jsonl").read_text().splitlines()] \
+        == [True, False]
+    step.print_table(results, tflops, dist)
+    table = capsys.readouterr().out
+    assert "| tiny | 512 | a | auto | out of memory (the device's) |" in table
+    assert "| tiny-mla | 512 | a | auto | 500 | 1,024 |" in table

@@ -271,6 +271,15 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
             "bench_s": round(time.perf_counter() - started)}
 
 
+def out_of_memory_row(size: str, layout: str, kernels: str, seq_len: int | None, context: int,
+                      dist: distributed.Dist, error: Exception) -> dict:
+    s = shape(size, seq_len)
+    gpu = torch.cuda.get_device_properties(dist.device).total_memory / 2 ** 30 if dist.device.type == "cuda" else None
+    return {"size": size, "layout": layout, "kernels": kernels, "seq_len": s["seq_len"],
+            "tokens_per_batch": s["seqs"] * s["seq_len"], "context_parallel": context, "world": dist.world,
+            "out_of_memory": True, "gpu_gib": gpu, "error": str(error).split("\n")[0][:300]}
+
+
 def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path, overrides: list[str] = (),
              report=None) -> tuple[list[dict], float]:
     """Our step at each size, layout, kernel choice and sequence length asked for -> (rows, printed and --json'd; the
@@ -296,8 +305,11 @@ def run_ours(args: argparse.Namespace, dist: distributed.Dist, root: Path, overr
     tflops = matmul_tflops() if dist.device.type == "cuda" else float("nan")
     results = []
     for (size, layout, seq_len), kernels in itertools.product(cases, args.kernels):
-        results.append(bench_one(root, size, layout, kernels, args.steps, args.warmup, tflops, overrides, report,
-                                 seq_len, groups(seq_len)))
+        try:
+            results.append(bench_one(root, size, layout, kernels, args.steps, args.warmup, tflops, overrides, report,
+                                     seq_len, groups(seq_len)))
+        except torch.OutOfMemoryError as e:   # too large for this GPU: a row that says so, and the next case runs
+            results.append(out_of_memory_row(size, layout, kernels, seq_len, groups(seq_len), dist, e))
         if dist.main:
             print(json.dumps(results[-1]), flush=True)
             append_json(args.json, [{**results[-1], "tflops": tflops}])
@@ -366,11 +378,17 @@ def print_table(results: list[dict], tflops: float, dist: distributed.Dist) -> N
           "| host syncs/step | same weights on all ranks | first step loss0 | tokens/sequence | ranks/sequence |")
     print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for r in results:
+        if r.get("out_of_memory"):
+            gpu = f"{r['gpu_gib']:.0f} GiB" if r["gpu_gib"] else "the device's"
+            print(f"| {r['size']} | {r['tokens_per_batch']} | {r['layout']} | {r['kernels']} | out of memory "
+                  f"({gpu}) | - | - | - | - | - | - | - | {r['seq_len']} | {r['context_parallel']} |")
+            continue
         print(f"| {r['size']} | {r['tokens_per_batch']} | {r['layout']} | {r['kernels']} | {r['step_s'] * 1e3:.0f} "
               f"| {r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['gpu_idle']:.1%} "
               f"| {r['host_syncs']} | {r['same_weights_on_all_ranks']} | {r['first_step_loss'][0]:.4f} "
               f"| {r['seq_len']} | {r['context_parallel']} |")
-    by = {(r["size"], r["layout"], r["seq_len"], r["kernels"]): r["tokens_per_s_per_gpu"] for r in results}
+    by = {(r["size"], r["layout"], r["seq_len"], r["kernels"]): r["tokens_per_s_per_gpu"] for r in results
+          if not r.get("out_of_memory")}
     for (size, layout, seq_len, kernels), ours in by.items():
         if kernels == "triton" and (size, layout, seq_len, "torch") in by:
             print(f"{size} {layout} {seq_len}: triton / torch tokens/s = "
