@@ -189,38 +189,43 @@ def bench_streamed(s: dict, device: torch.device) -> dict:
             "peak_allocated_gib": allocated, "peak_reserved_gib": reserved}
 
 
-def streamed_run(s: dict, device: torch.device, ids: torch.Tensor, cu: list[int], chunk_tokens: int):
-    """The 4-layer generated Kimi over ids (sequences `cu`) in chunks of chunk_tokens -> (wall s, the runner's
-    outputs, peak allocated / reserved GiB). Layers are drawn from a fixed seed: every call runs the same ones."""
+def streamed_run(s: dict, device: torch.device, ids: torch.Tensor, cu: list[int], chunk_tokens: int,
+                 dtype: torch.dtype = torch.bfloat16):
+    """The 4-layer generated Kimi over ids (sequences `cu`) in chunks of chunk_tokens, computing in `dtype` -> (wall s,
+    the runner's outputs, peak allocated / reserved GiB). Layers are drawn from a fixed seed: every call runs the
+    same ones."""
     cuda = device.type == "cuda"
     ckpt = GeneratedCheckpoint(kimi_config(s, layers=4), device)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)   # embedding, head, then the layers as the loader draws them: the same for every call
-    runner = streaming.TargetRunner(ckpt, [1, 2, 3], device, torch.bfloat16, chunk_tokens=chunk_tokens)
+    runner = streaming.TargetRunner(ckpt, [1, 2, 3], device, dtype, chunk_tokens=chunk_tokens)
     # the runner's model reads layers from its checkpoint; this one makes each layer when the runner loads it
-    runner.model = GeneratedKimi(ckpt, device, torch.bfloat16)
+    runner.model = GeneratedKimi(ckpt, device, dtype)
     elapsed, out = wall_s(lambda: runner.run(ids, cu))
     allocated, reserved = (torch.cuda.max_memory_allocated() / 2 ** 30, torch.cuda.max_memory_reserved() / 2 ** 30) \
         if cuda else (float("nan"), float("nan"))
     return elapsed, out, allocated, reserved
 
 
-def bench_long(s: dict, device: torch.device, tokens: int, chunks: list[int]) -> dict:
+def bench_long(s: dict, device: torch.device, tokens: int, chunks: list[int],
+               dtype: torch.dtype = torch.bfloat16) -> dict:
     """One sequence of `tokens` through the 4 layers at each chunk size (0: whole): time, peak memory, and the
-    states against the first size's (bf16: equal up to rounding, the greedy tokens nearly all)."""
+    states against the first size's. In bf16 they differ by rounding, which random-weight routing amplifies (a
+    flipped expert choice changes a token's state: 0.45 and 86.5% greedy agreement at 128k); in float32 the sizes
+    must agree to rounding of float32."""
     ids = torch.randint(0, kimi_config(s, layers=4).vocab_size, (tokens,))
     rows, first = {}, None
     for chunk in chunks:
-        elapsed, out, allocated, reserved = streamed_run(s, device, ids, [0, tokens], chunk or tokens)
+        elapsed, out, allocated, reserved = streamed_run(s, device, ids, [0, tokens], chunk or tokens, dtype)
         first = first or out
         final, ref = out["final_hidden"].float(), first["final_hidden"].float()
         rows[str(chunk or "whole")] = {
             "wall_s": elapsed, "tokens_per_s": tokens / elapsed, "peak_allocated_gib": allocated,
             "peak_reserved_gib": reserved, "final_rel_err": float((final - ref).norm() / ref.norm()),
             "argmax_agree": float((out["target_argmax"] == first["target_argmax"]).float().mean())}
-    return {"layers": "1 dense + 3 MoE", "tokens": tokens, "chunk_tokens": rows}
+    return {"layers": "1 dense + 3 MoE", "tokens": tokens, "dtype": str(dtype).removeprefix("torch."), "chunk_tokens": rows}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-chunks", default=None,
                         help="comma list of debug.chunk_tokens for `long`, 0: the whole sequence at once "
                              "(default 16384,65536,0; --tiny 64,0)")
+    parser.add_argument("--long-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="`long` computes in this dtype; float32 checks that the chunk sizes agree beyond bf16 "
+                             "rounding (e.g. --long-tokens 32768 --long-chunks 8192,0)")
     parser.add_argument("--expert-block", type=int, default=deepseek.EXPERT_BLOCK,
                         help="experts dequantized together (eagle3.models.deepseek.EXPERT_BLOCK)")
     args = parser.parse_args(argv)
@@ -255,7 +263,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(bench_streamed(s, device), indent=1))
         if "long" in parts:
             chunks = [int(c) for c in args.long_chunks.split(",")] if args.long_chunks else s["long_chunks"]
-            print(json.dumps(bench_long(s, device, args.long_tokens or s["long"], chunks), indent=1))
+            print(json.dumps(bench_long(s, device, args.long_tokens or s["long"], chunks,
+                                        getattr(torch, args.long_dtype)), indent=1))
 
 
 if __name__ == "__main__":
