@@ -81,7 +81,7 @@ class DraftConfig:
     intermediate_size: int | None = setting(None, "auto: the target's dense intermediate size")
     attention: Literal["auto", "gqa", "mla"] = setting(
         "auto", "the draft layer's attention: `gqa` (Llama layer) or `mla` (DeepSeek-V3 latent attention, its dims "
-        "the target's; vLLM's Eagle3DeepseekV2ForCausalLM); auto: gqa until measured (docs/ttt.md)")
+        "the target's; vLLM's Eagle3DeepseekV2ForCausalLM); auto: gqa, for MLA targets too (measured: docs/ttt.md)")
     sliding_window: int = setting(
         0, "the draft attends to the last N positions (vLLM's `sliding_window`; not for SGLang); 0 = all "
         "(docs/training.md)")
