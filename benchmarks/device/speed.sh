@@ -24,6 +24,11 @@
 #   rows   the row spread and RMSNorm kernels against torch's (python -m benchmarks.rows)
 #   moe    the Kimi MoE layer alone
 #   moe-long  one 131,072-token sequence through 4 real-width Kimi layers, chunks of 16,384 / 65,536 / whole
+#   moe-long-fp32  the same layers in float32 over 32,768 tokens, chunks of 8,192 / whole: they must agree (bf16
+#          differences are amplified by random routing); about a minute
+#   step-mla  the Kimi-size step with the GQA and the MLA draft, `auto` kernels, one call (about 4 minutes)
+#   step-long the Kimi-size step with one 16,384- then one 32,768-token sequence per micro-batch on one GPU
+#          (about 4 minutes; longer sequences need train.context_parallel over several GPUs: node.sh)
 #   kernels  the TTT attention (shapes a, c) and loss benches, then the MoE layer
 #   here:  the peer's wheels in .whl/ (see benchmarks/peer/)    there: bash benchmarks/device/speed.sh PART...
 # Compiled graphs travel between calls: every part runs with torch's inductor and Triton caches in
@@ -69,12 +74,20 @@ for part in "$@"; do
     rows) python3 -m benchmarks.rows 2>&1 | quiet | tee "$out/rows.txt" ;;
     moe) python3 -m benchmarks.moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
     moe-long) python3 -m benchmarks.moe --parts long 2>&1 | quiet | tee "$out/moe-long.txt" ;;
+    moe-long-fp32) python3 -m benchmarks.moe --parts long --long-dtype float32 --long-tokens 32768 --long-chunks 8192,0 \
+      2>&1 | quiet | tee "$out/moe-long-fp32.txt" ;;
+    step-mla)
+      python3 -m eagle3.bench --sizes kimi --mla --layouts a --kernels auto --steps 3 --warmup 2 --dir /tmp/bd \
+        --json "$out/step-mla.jsonl" 2>&1 | quiet | tee "$out/step-mla.txt" ;;
+    step-long)
+      python3 -m eagle3.bench --sizes kimi --seq-lens 16384,32768 --layouts a --kernels auto --steps 3 --warmup 2 \
+        --dir /tmp/bd --json "$out/step-long.jsonl" 2>&1 | quiet | tee "$out/step-long.txt" ;;
     sweep) python3 -m benchmarks.attention_sweep --seconds 330 2>&1 | quiet | tee "$out/sweep.txt" ;;
     attention) python3 -m eagle3.bench attention --shapes a,c 2>&1 | quiet | tee "$out/attention.txt" ;;
     kernels)
       { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m benchmarks.moe --parts layer; } \
         2>&1 | quiet | tee "$out/kernels.txt" ;;
-    *) echo "unknown part $part: expected peer, cache, step, step-a, step-b, fp8, rows, moe, moe-long, sweep, attention or kernels"; exit 2 ;;
+    *) echo "unknown part $part: expected peer, cache, step, step-a, step-b, step-mla, step-long, fp8, rows, moe, moe-long, moe-long-fp32, sweep, attention or kernels"; exit 2 ;;
   esac
 done
 echo "== done $(date +%T)"
