@@ -740,15 +740,21 @@ KEPT = ("real_accept_len", "real_accept_len_sd", "accept_len_per_request", "acce
         "per_position_acceptance", "rounds", "mismatches", "prompts", "new_tokens", "seeds", "by_depth")
 
 
-def measure(r: Recipe, work: Path, device: str, settings: list[str]) -> dict:
+def measure(r: Recipe, work: Path, device: str, settings: list[str], only: list[str] | None = None) -> dict:
     """Real decoding of every draft under each judging setting, into eval-<draft>-<setting>.json (kept: a later
     measure stage judges only the drafts that came since); the long variant's on its short and deep prompts, by
-    depth (`depth_edges`)."""
+    depth (`depth_edges`); `only`: these drafts alone."""
     from eagle3.evaluate import real_decoding
     prompts = work / (LONG_PROMPTS if r.long_len else "prompts.jsonl")
     edges = {"debug.evaluate_depth_edges": json.dumps(depth_edges(r))} if r.long_len else {}
     results = {}
-    for name, path in drafts(work).items():
+    found = drafts(work)
+    if missing := set(only or ()) - set(found):
+        raise SystemExit(f"error: --drafts {','.join(only)}: no trained draft named {', '.join(sorted(missing))} in "
+                         f"{work} (there: {', '.join(found) or 'none'})")
+    for name, path in found.items():
+        if only and name not in only:
+            continue
         bench = path / "bench.json" if name.startswith("peer") else path.parent.parent / "bench.json"
         results[name] = json.loads(bench.read_text()) if bench.exists() else {}
         for setting in settings:
@@ -843,6 +849,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--judge", default=",".join(SETTINGS),
                         help=f"measure: comma list of judging settings ({', '.join(SETTINGS)}: greedy decoding, "
                              "then speculative sampling at the serving temperature with each proposal kind)")
+    parser.add_argument("--drafts", default="",
+                        help="measure: comma list of the drafts to judge (default: every draft in --work); measure "
+                             "stages side by side each judging some are faster on one GPU than one judging all")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
     parser.add_argument("--long", action="store_true",
@@ -883,13 +892,13 @@ def main(argv: list[str] | None = None) -> None:
     if "peer" in stages:
         new["peer"] = run_peer(r, work, Path(args.peer_script), args.peer_variant)
     if "measure" in stages:
-        new["results"] = measure(r, work, device, judge)
+        new["results"] = measure(r, work, device, judge, [d for d in args.drafts.split(",") if d])
         print(table(new["results"]))
         print(depth_table(new["results"]))
     with locked(work):   # merged into what processes beside this one wrote meanwhile
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         for key, value in new.items():
-            if key in ("ours", "peer"):
+            if key in ("ours", "peer", "results"):   # by draft: stages side by side each add their own
                 summary.setdefault(key, {}).update(value)
             else:
                 summary[key] = value

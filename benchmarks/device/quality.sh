@@ -5,7 +5,8 @@
 #   here:  the peer's wheels (speculators 0.9.0 and what it needs) in .whl/, its scripts in benchmarks/peer/
 #   there: bash benchmarks/device/quality.sh STAGE...     (carry .whl and the work dir)
 # a STAGE is target, data, peer, measure, ours@VARIANT (VARIANT as --variant takes it: name[:key=value,...])
-# or peer@NAME:FLAGS (--peer-variant); a STAGE prefixed "bg:" runs in the background beside the next ones
+# or peer@NAME:FLAGS (--peer-variant) or measure@DRAFT,... (--drafts: judge these alone; side by side with bg:, then
+# a plain measure prints the whole table from their files); a STAGE prefixed "bg:" runs in the background beside the next ones
 # (quality screening on one GPU: its training times then do not count), "wait" waits for them;
 # QUALITY_ARGS="--recipe train_prompts=3072 ..." passes more options to every stage; the long-context variant:
 # WORK=.quality-long QUALITY_ARGS=--long bash benchmarks/device/quality.sh target data ours@whole ours@short measure
@@ -34,6 +35,7 @@ run_stage() {
   args=(--stages "${stage%%@*}")
   [[ $stage == ours@* ]] && args+=(--variant "${stage#ours@}")
   [[ $stage == peer@* ]] && args+=(--peer-variant "${stage#peer@}")
+  [[ $stage == measure@* ]] && args+=(--drafts "${stage#measure@}")
   python3 -m benchmarks.quality --work "$work" "${args[@]}" --peer-script benchmarks/peer/speculators_quality.py ${QUALITY_ARGS:-} \
     2>&1 | grep -v "it/s]\|s/it]\|conv/s]\|step/s]\|s/step]" | sed "s|^|[${stage%%:*}] |" | tee -a "$out/log.txt"
 }

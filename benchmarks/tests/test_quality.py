@@ -249,3 +249,30 @@ def test_a_second_measure_judges_only_drafts_not_yet_judged(long_work, monkeypat
     again = quality.measure(quality.TINY_LONG, long_work, "cpu", ["t0", "greedy"])
     assert {n: m["t0"]["real_accept_len"] for n, m in again.items()} == \
            {n: m["t0"]["real_accept_len"] for n, m in before.items()}
+
+
+@pytest.mark.slow
+def test_measure_stages_side_by_side_each_judge_their_drafts_into_one_summary(long_work, tmp_path, monkeypatch):
+    """`--drafts` judges the named drafts alone (measure@NAME stages run side by side on one GPU) and adds them to
+    quality.json's results beside the others; an unknown name is refused with what is there."""
+    import shutil
+    import eagle3.evaluate
+    work = tmp_path / "w"
+    shutil.copytree(long_work, work, ignore=shutil.ignore_patterns("hidden*"))
+    for name in ("whole", "short"):
+        (work / f"eval-{name}-t0.json").unlink()
+    judged, real = [], eagle3.evaluate.real_decoding
+
+    def spy(cfg, path, prompts, out):
+        judged.append(path.parent.parent.name)
+        return real(cfg, path, prompts, out=out)
+    monkeypatch.setattr(eagle3.evaluate, "real_decoding", spy)
+    args = ["--tiny", "--long", "--work", str(work), "--device", "cpu", "--stages", "measure", "--judge", "t0,greedy",
+            "--recipe", "lr=1e-2"]
+    quality.main([*args, "--drafts", "whole"])
+    assert judged == ["ours-whole"]
+    results = json.loads((work / "quality.json").read_text())["results"]
+    assert set(results) == {"whole", "short", "window", "plain"} and "t0" in results["whole"]
+    with pytest.raises(SystemExit, match="no trained draft named wide"):
+        quality.main([*args, "--drafts", "short,wide"])
+    assert judged == ["ours-whole"]
