@@ -68,6 +68,8 @@ def rank_main(rank: int, world: int, init: str, out: str) -> None:
     try:
         for variant in VARIANTS:
             torch.save(run(variant, world), f"{out}/{variant}-{rank}.pt")
+        heads = SplitAttention(None, world, dist.group.WORLD).to_heads(*(torch.randn(4, 4, 8) for _ in range(3)))
+        torch.save([p.untyped_storage().data_ptr() for p in heads], f"{out}/storages-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -102,6 +104,14 @@ def test_gradients_of_a_sequence_split_over_ranks_equal_one_process(ranks_out, w
     assert grads.keys() == parts[0][2].keys() and len(grads) == 22
     for name, grad in grads.items():
         torch.testing.assert_close(sum(p[2][name] for p in parts), grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_exchange_hands_q_k_v_as_tensors_of_their_own(ranks_out, world):
+    """The attention keeps each step's keys and values for its backward: as views of the all-to-all buffer they would
+    keep that step's queries alive with them."""
+    for r in range(world):
+        assert len(set(torch.load(ranks_out / str(world) / f"storages-{r}.pt"))) == 3
 
 
 def test_a_split_keeps_the_rows_each_rank_reads():

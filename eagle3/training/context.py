@@ -54,7 +54,10 @@ class SplitAttention:
         sent = torch.cat([x.reshape(L, c, -1) for x in xs], dim=2).transpose(0, 1)   # [c, L, Σ H_i·D_i / c]
         got = _AllToAll.apply(sent, self.group)                                       # chunk r: rank r's rows
         widths = [x.shape[1] * x.shape[2] // c for x in xs]
-        return tuple(part.reshape(c * L, x.shape[1] // c, x.shape[2]) for part, x in zip(got.split(widths, 2), xs))
+        # each its own tensor: the attention keeps the steps' keys for its backward, and a view would keep the
+        # whole exchange buffer (this step's queries too) alive with them
+        return tuple(part.reshape(c * L, x.shape[1] // c, x.shape[2]).contiguous()
+                     for part, x in zip(got.split(widths, 2), xs))
 
     def to_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[c·L, h, D] (all rows, this rank's heads) -> [L, c·h, D] (this rank's rows, all heads)."""
