@@ -513,22 +513,21 @@ def build_data(r: Recipe, work: Path, device: str) -> dict:
                                                                            r.prompt_len, g)])
     out = {"sequences": len(seed_lines), "tokens": len(seed_lines) * (r.prompt_len + r.reply_len),
            "judging_prompts": r.eval_prompts}
-    for kind, temperature, top_p in (("sampled", r.serve_temperature, r.serve_top_p), ("greedy", 0.0, 1.0)):
+
+    def regen(seed: str, output: str, new_tokens: int, temperature: float, top_p: float) -> float:
         cfg = our_config(r, work, work / "unused", {
-            "data.path": work / "seed.jsonl", "generate.output_path": work / DATA[kind],
-            "generate.max_new_tokens": r.reply_len, "debug.generate_batch_size": r.generate_batch,
-            "generate.temperature": temperature, "generate.top_p": top_p,
-            "debug.generate_device": device, "debug.generate_dtype": "float32", "debug.stop_token_ids": "[]"})
-        out[f"generate_s/{kind}"] = wall_s(lambda: generate.run(cfg))[0]
+            "data.path": work / seed, "generate.output_path": work / output, "generate.max_new_tokens": new_tokens,
+            "debug.generate_batch_size": r.generate_batch, "generate.temperature": temperature,
+            "generate.top_p": top_p, "debug.generate_device": device, "debug.generate_dtype": "float32",
+            "debug.stop_token_ids": "[]"})
+        return wall_s(lambda: generate.run(cfg))[0]
+
+    for kind, temperature, top_p in (("sampled", r.serve_temperature, r.serve_top_p), ("greedy", 0.0, 1.0)):
+        out[f"generate_s/{kind}"] = regen("seed.jsonl", DATA[kind], r.reply_len, temperature, top_p)
     _write_jsonl(work / "seed-long.jsonl", [{"input_ids": w, "loss_mask": [0] * r.prompt_len + [1] * r.long_reply_len}
                                             for w in windows(draft_files, r.long_prompts,
                                                              r.prompt_len + r.long_reply_len, g)])
-    cfg = our_config(r, work, work / "unused", {
-        "data.path": work / "seed-long.jsonl", "generate.output_path": work / LONG_REPLIES,
-        "generate.max_new_tokens": r.long_reply_len, "debug.generate_batch_size": r.generate_batch,
-        "generate.temperature": 0.0, "debug.generate_device": device, "debug.generate_dtype": "float32",
-        "debug.stop_token_ids": "[]"})
-    out["generate_s/long"] = wall_s(lambda: generate.run(cfg))[0]
+    out["generate_s/long"] = regen("seed-long.jsonl", LONG_REPLIES, r.long_reply_len, 0.0, 1.0)
     _write_jsonl(work / THINKING, thinking_lines(work))
     return out
 

@@ -14,12 +14,12 @@ from eagle3 import train_state
 from eagle3.config import Config
 from eagle3.data.batch import Batch, RowRule
 from eagle3.data.loader import pack, split_holdout
-from eagle3.data.inputs import InputError, chat_encoder, check_chat_ids, is_chat, json_lines, utf8
+from eagle3.data.inputs import InputError, chat_encoder, check_chat_ids, is_chat, json_lines, reply_spans, utf8
 from eagle3.data.shards import MANIFEST, ShardReader, check_manifest
 from eagle3.draft_io import advertised_tokens, check_checkpoint_target, load_any_draft
 from eagle3.resolve import resolve_device
 from eagle3.files import strict_json
-from eagle3.generate import reply_spans, stop_tokens
+from eagle3.generate import stop_tokens
 from eagle3.ops import TORCH_DTYPES
 from eagle3.sampling import Sampling
 from eagle3.speculative import Decoded, Drafter, greedy_decode_many, sampled_decode_many, speculative_decode_many

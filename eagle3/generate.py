@@ -16,7 +16,7 @@ from tqdm import tqdm
 from eagle3.config import Config
 from eagle3.data.tokenizer import TOKENIZER_FILES, TargetTokenizer, stop_token_ids
 from eagle3.data.chat import RENDERING
-from eagle3.data.inputs import Record, read_records
+from eagle3.data.inputs import Record, read_records, reply_spans
 from eagle3.resolve import data_workers, resolve_device
 from eagle3.files import atomic_write_text, read_json, run_lock, sha256_file, strict_json
 from eagle3.ops import TORCH_DTYPES
@@ -25,13 +25,6 @@ from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.engines import Decoding, EngineError, Pool, Retry, Server, TextCodec
 from eagle3.errors import Eagle3Error
-
-
-def reply_spans(mask) -> list[tuple[int, int]]:
-    """[start, end) of each run of 1s."""
-    mask = list(mask)
-    edges = [i for i, (a, b) in enumerate(zip([0, *mask], [*mask, 0])) if bool(a) != bool(b)]
-    return list(zip(edges[0::2], edges[1::2]))
 
 
 def stop_tokens(cfg: Config, ckpt: Checkpoint) -> set[int]:
@@ -45,7 +38,7 @@ class Conversation:
 
     def __init__(self, record: Record, target: IncrementalTarget | None, seed: int):
         self.record, self.original, self.seed = record, record.input_ids.tolist(), seed
-        self.spans = reply_spans(record.loss_mask.tolist())
+        self.spans = reply_spans(record.loss_mask)
         self.ids, self.mask, self.cursor, self.reply, self.cut, self.replies = [], [], 0, 0, [], 0
         self.cache = target.new_cache() if target is not None else None
         self.generator = torch.Generator().manual_seed(seed)  # per conversation: same draws on resume

@@ -125,14 +125,14 @@ def split(batch: Batch, parts: int, index: int, halo: int) -> Batch:
     The batch may hold only the rows the part reads (`window`)."""
     offset, T = (batch.part.start, batch.part.total) if batch.part else (0, batch.rows)
     rows = -(-T // parts)
-    total, start = rows * parts, index * rows
+    total = rows * parts
+    start, end = window(total, parts, index, halo)
     cu = torch.cat([batch.cu_seqlens, torch.arange(T + 1, total + 1, dtype=batch.cu_seqlens.dtype)])
 
     def take(t: torch.Tensor, end: int) -> torch.Tensor:   # rows start..end of the packed row, zeros past its last
         piece = t[start - offset:min(end, T) - offset]
         return torch.cat([piece, piece.new_zeros(end - start - piece.shape[0], *t.shape[1:])])
 
-    end = min(start + rows + halo, total)
     fields = {name: take(t, start + rows if name in ("aux_hidden", "aux_scale") else end)
               for name, t in batch.row_tensors().items()}
     return dataclasses.replace(batch, **fields, cu_seqlens=cu, cu_seqlens_host=None, plan=None,

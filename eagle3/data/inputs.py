@@ -29,9 +29,10 @@ class Record:
 LOST_SHARE = 0.05   # a larger share of the trained tokens cut off by data.max_seq_len is warned about loudly
 
 
-def reply_runs(mask: np.ndarray) -> int:
-    """The runs of loss tokens in a mask: a sequence's replies."""
-    return int(np.count_nonzero(np.diff(np.r_[0, mask.astype(np.int8)]) == 1))
+def reply_spans(mask) -> list[tuple[int, int]]:
+    """[start, end) of each run of loss tokens in a mask: a sequence's replies."""
+    edges = np.flatnonzero(np.diff(np.r_[0, np.asarray(mask) != 0, 0].astype(np.int8))).tolist()
+    return list(zip(edges[0::2], edges[1::2]))
 
 
 @dataclass
@@ -60,7 +61,7 @@ class ChatStats:
         left with nothing to train left out); `cut`: the replies cut short."""
         self.lines += 1
         self.replies += encoded.replies
-        self.replies_trained += sum(reply_runs(k > 0) for k in kept)
+        self.replies_trained += sum(len(reply_spans(k)) for k in kept)
         self.replies_cut += cut
         self.empty_thoughts += encoded.empty_thoughts
         self.sequences += len(kept)
@@ -314,21 +315,22 @@ def _add(stats: InputStats, number: int, sequences: list[tuple], encoded, record
     """A line's sequences cut at data.max_seq_len into `records`, those left with nothing to train left out (the
     whole line when none is left), and counted in `stats`."""
     n = stats.max_seq_len
-    cut = [(ids[:n], mask[:n], mask[:n] if kinds is None else kinds[:n]) for ids, mask, kinds in sequences]
-    kept = [c for c in cut if c[1].any()]
+    # (ids, mask, kinds) cut, beside the length before the cut
+    kept = [((ids[:n], mask[:n], None if kinds is None else kinds[:n]), len(ids))
+            for ids, mask, kinds in sequences if mask[:n].any()]
     if encoded is not None:
         # a reply cut short: its run of loss tokens goes on past the cut
-        stats.chat.add(number, encoded, [k for _, _, k in kept],
+        stats.chat.add(number, encoded, [c[2] for c, _ in kept],
                        sum(len(mask) > n and bool(mask[n - 1] and mask[n]) for _, mask, _ in sequences))
     else:
-        stats.masked.update(trained=sum(int(m.sum()) for _, m, _ in kept),
-                            lost=sum(int(m.sum()) for _, m, _ in sequences) - sum(int(m.sum()) for _, m, _ in kept))
+        trained = sum(int(c[1].sum()) for c, _ in kept)
+        stats.masked.update(trained=trained, lost=sum(int(m.sum()) for _, m, _ in sequences) - trained)
     if not kept:
         starts = [int(np.argmax(mask)) for _, mask, _ in sequences if mask.any()]
         stats.drop(number, "prompt" if starts else "no_loss", min(starts) if starts else None)
         return
-    stats.truncated += sum(len(c[0]) < len(full[0]) for c, full in zip(cut, sequences) if c[1].any())
-    records += [Record(number, ids, mask, part) for part, (ids, mask, _) in enumerate(kept)]
+    stats.truncated += sum(len(c[0]) < length for c, length in kept)
+    records += [Record(number, ids, mask, part) for part, ((ids, mask, _), _) in enumerate(kept)]
 
 
 def json_lines(path: Path, key: str) -> Iterator[tuple[int, bytes]]:

@@ -47,8 +47,7 @@ class Prefetcher:
     def __init__(self, reader: ShardReader, batches: list[list[SeqRef]], depth: int, pin: bool,
                  prepare: Callable[[Batch], Batch] | None = None, together: int = 1, rows=None):
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        # the reader online takes no `rows` (context parallel is refused there)
-        self._read = reader.read_many if rows is None else functools.partial(reader.read_many, rows=rows)
+        self._read = functools.partial(reader.read_many, rows=rows)
         # inline, a step's `together` micro-batches are read in one collective and used at once: no pinning
         self._inline = self._produce(batches, False, prepare, together) if reader.lockstep else None
         if self._inline is None:

@@ -70,12 +70,14 @@ class OnlineReader:
         self._cuda = device.type == "cuda"
         self._device = torch.cuda.device(device) if self._cuda else contextlib.nullcontext()
 
-    def read(self, refs: list[SeqRef]) -> Batch | None:
+    def read(self, refs: list[SeqRef], rows=None) -> Batch | None:
         """The micro-batch of `refs`; staged, every rank calls it in lockstep (`refs` empty: None)."""
-        return self.read_many([refs])[0]
+        return self.read_many([refs], rows=rows)[0]
 
-    def read_many(self, batches: list[list[SeqRef]], pin: bool = False) -> list[Batch | None]:
-        """Several micro-batches; staged, in one pass of the pipeline (fewer idle ticks); the caller pins them."""
+    def read_many(self, batches: list[list[SeqRef]], pin: bool = False, rows=None) -> list[Batch | None]:
+        """Several micro-batches; staged, in one pass of the pipeline (fewer idle ticks); the caller pins them.
+        `rows` (`ShardReader.read`'s share of the rows) must be None: context parallel is refused online."""
+        assert rows is None, "online training reads whole micro-batches (train.context_parallel is refused online)"
         records = [[self.records[r.index] for r in refs] for refs in batches]
         inputs = [(torch.from_numpy(np.concatenate([r.input_ids for r in recs]) if recs else np.zeros(0, np.int64)),
                    np.concatenate([[0], np.cumsum([len(r.input_ids) for r in recs])]).astype(int).tolist())

@@ -39,7 +39,7 @@ class Feed:
 
     def read(self, refs) -> Batch | None:
         """One micro-batch as this rank reads it (context parallel: its share's rows only)."""
-        return self.reader.read(refs) if self.rows is None else self.reader.read(refs, rows=self.rows)
+        return self.reader.read(refs, rows=self.rows)
 
     def prepared(self, batch: Batch) -> Batch:
         return batch if batch.plan is not None else self.prepare(batch)
