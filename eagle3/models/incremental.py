@@ -9,7 +9,7 @@ import torch
 
 from eagle3.ops import rms_norm
 from eagle3.models.weights import Checkpoint
-from eagle3.models.attention import cached_attention, padded_cached_attention, sdpa
+from eagle3.models.attention import cached_attention, padded_cached_attention
 from eagle3.models.streaming import build_model
 
 # chunks up to this long attend batched, padded to a power of two; longer ones (prompts, few) one at a time
@@ -96,8 +96,10 @@ class _Group:
             device, width = self.start_row.device, -(-self.keys // 16) * 16
             last = (self.start_row[:, None] + torch.arange(self.n, device=device)).repeat_interleave(group, 1)
             back = last[:, None, :, None] - torch.arange(width, device=device)   # [R, 1, n * group, width]
-            hidden = (back < 0) | (back >= window) if window else back < 0
-            hidden[..., 0] &= ~hidden[..., :self.keys].all(-1)   # a padding row past its window sees key 0: finite
+            hidden = back < 0
+            if window:
+                hidden |= back >= window
+                hidden[..., 0] &= ~hidden[..., :self.keys].all(-1)   # a padding row past its window sees key 0: finite
             bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
             self._masks[(group, dtype, window)] = bias[..., :self.keys]
         return self._masks[(group, dtype, window)]
@@ -155,10 +157,9 @@ class LayerPass:
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         for g in lay.groups:
             out.index_copy_(0, g.tokens, batched(g, q.index_select(0, g.tokens)))
-        for a, b, slot, start in lay.long:   # nothing cached before: plain causal, no mask for the fused kernels
+        for a, b, slot, start in lay.long:   # causal over what the slot holds (no [T, n] mask without a window)
             ks, vs = k_cache[slot, :start + b - a], v_cache[slot, :start + b - a]
-            out[a:b] = sdpa(q[a:b], ks, vs, is_causal=True, scale=scale) if start == 0 and not window else (
-                cached_attention(q[a:b], ks, vs, scale, window))
+            out[a:b] = cached_attention(q[a:b], ks, vs, scale, window)
         return out
 
 
