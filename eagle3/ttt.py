@@ -82,22 +82,26 @@ def target_probs(final_hidden: torch.Tensor, head_rows: torch.Tensor, steps: int
     return probs
 
 
-def loss_denominator(batch: Batch, rule: RowRule = RowRule()) -> torch.Tensor:
-    """The loss's normaliser: rows whose step-0 label x[t+2] is an assistant token (any with `rule.prompt`)."""
-    positions, seq_len = batch_layout(batch)
+def loss_denominator(batch: Batch, rule: RowRule = RowRule(), layout: tuple | None = None) -> torch.Tensor:
+    """The loss's normaliser: rows whose step-0 label x[t+2] is an assistant token (any with `rule.prompt`);
+    `layout`: the batch's `batch_layout`, when the caller has it."""
+    positions, seq_len = layout or batch_layout(batch)
     return label_rows(0, positions, seq_len, batch.loss_mask, rule.prompt).sum()
 
 
-def all_step_targets(batch: Batch, steps: int, t2d: torch.Tensor, rule: RowRule = RowRule()) -> list[StepTargets]:
-    positions, seq_len = batch_layout(batch)
+def all_step_targets(batch: Batch, steps: int, t2d: torch.Tensor, rule: RowRule = RowRule(),
+                     layout: tuple | None = None) -> list[StepTargets]:
+    positions, seq_len = layout or batch_layout(batch)
     return [step_targets(k, positions, seq_len, batch.loss_mask, batch.target_argmax.long(), t2d, rule)
             for k in range(steps)]
 
 
 def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool = True,
-              rule: RowRule = RowRule(), targets: list[StepTargets] | None = None) -> RowPlan:
+              rule: RowRule = RowRule(), targets: list[StepTargets] | None = None,
+              layout: tuple | None = None) -> RowPlan:
     """The batch's `RowPlan`, wherever the batch and t2d are (the host, in training: no sync per step)."""
-    targets = targets or all_step_targets(batch, steps, t2d, rule)
+    layout = layout or batch_layout(batch)
+    targets = targets or all_step_targets(batch, steps, t2d, rule, layout)
     live = None
     if skip_dead_rows:   # row t is live at step k when valid at some step >= k: nested, [N_k] each
         alive = torch.stack([tg.valid for tg in targets]).flip(0).cummax(0).values.flip(0)
@@ -107,7 +111,7 @@ def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool 
     # per step, the valid rows as indices into the rows the step keeps (all T, or live[k])
     loss = [(tg.valid if r is None else tg.valid[r]).nonzero().flatten()
             for tg, r in zip(targets, live or [None] * steps)]
-    return RowPlan(steps, rule, live, loss, int(loss_denominator(batch, rule)))
+    return RowPlan(steps, rule, live, loss, int(loss_denominator(batch, rule, layout)))
 
 
 def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
@@ -117,11 +121,12 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
     skip_dead_rows skips work that cannot reach the loss; `static`: every row computed, nothing read on the host."""
     ids, greedy = batch.input_ids.long(), batch.target_argmax.long()
     T = batch.rows
-    targets = all_step_targets(batch, steps, draft.t2d, objective.rows)
-    positions = batch_layout(batch)[0]
+    layout = batch_layout(batch)   # (positions, sequence lengths) of the batch's rows
+    targets = all_step_targets(batch, steps, draft.t2d, objective.rows, layout)
+    positions = layout[0]
     plan = batch.plan
     if not static and (plan is None or not plan.fits(steps, skip_dead_rows, objective.rows)):
-        plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.rows, targets)
+        plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.rows, targets, layout)
     live = [None] * steps if static else plan.live or [None] * steps
     probs = target_probs(batch.final_hidden, head_rows, steps, objective.temperature)
     kept = []

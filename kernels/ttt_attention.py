@@ -79,9 +79,10 @@ def _load_key_tile(K0, V0, Kd, Vd, row0, col, stride_kt, offs_n, offs_d, seqlen,
 
 
 @triton.jit
-def _visible(offs_m, offs_n, window):
-    """[M, N] whether step-0 key offs_n is visible to query offs_m: causal, and within the window."""
-    return (offs_m[:, None] >= offs_n[None, :]) & (offs_m[:, None] - offs_n[None, :] < window)
+def _visible(q, k, window):
+    """Whether step-0 key position k is visible to query position q (broadcast: [M, 1] and [1, N], or transposed):
+    causal, and within the window."""
+    return (q >= k) & (q - k < window)
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0
     k, v = _load_key_tile(K0, V0, Kd, Vd, start + n0, col, stride_kt, offs_n, offs_d, seqlen, TMA, MASK, UPCAST)
     s = tl.dot(q, tl.trans(k))
     if MASK:
-        s = tl.where(_visible(offs_m, offs_n, window), s, float("-inf"))
+        s = tl.where(_visible(offs_m[:, None], offs_n[None, :], window), s, float("-inf"))
     # scaled inside the max and the exponent: one FMA per score, no separate pass
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASK:   # a row that sees no key yet (below its window) keeps m = -inf: subtract 0, not -inf
@@ -232,7 +233,7 @@ def _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, Qd, DOd, row0, col, LSEh, DELTAh, stri
     delta = tl.load(DELTAh + offs_m, mask=row_mask, other=0.0)
     p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
     if MASK:
-        p_t = tl.where((offs_m[None, :] >= offs_n[:, None]) & (offs_m[None, :] - offs_n[:, None] < window), p_t, 0.0)
+        p_t = tl.where(_visible(offs_m[None, :], offs_n[:, None], window), p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)
     ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk)
@@ -299,7 +300,7 @@ def _bwd_dq_tile(dq, q, do, lse, delta, K0, V0, Kd, Vd, start, col, stride_kt, n
     k, v = _load_key_tile(K0, V0, Kd, Vd, start + n0, col, stride_kt, offs_n, offs_d, seqlen, TMA, MASK, UPCAST)
     p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
     if MASK:
-        p = tl.where(_visible(offs_m, offs_n, window), p, 0.0)
+        p = tl.where(_visible(offs_m[:, None], offs_n[None, :], window), p, 0.0)
     ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq)
 

@@ -277,7 +277,7 @@ def test_one_ahead_over_the_prefetcher_ends_with_its_data():
     class Reader:
         lockstep = False
 
-        def read_many(self, chunk, pin=False):
+        def read_many(self, chunk, pin=False, rows=None):
             return list(chunk)
 
     out = []
