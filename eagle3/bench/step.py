@@ -245,7 +245,7 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
 
     def loop():   # back to back, as in training: a sync between steps would hide the next copy
         for _ in range(steps):
-            batch = trainer.feed.prepared(next(batches))   # this rank's rows of the micro-batch
+            batch = next(batches)
             rows.append(batch.rows)
             trainer.train_step([batch])
             del batch

@@ -45,12 +45,13 @@ class Feed:
         return batch if batch.plan is not None else self.prepare(batch)
 
     def batches(self, start: int) -> Iterator[Batch]:
-        """This rank's micro-batches from step `start` on, read ahead; with `overlap` each copied to the device one
-        ahead on a stream of its own (`on_device` waits for it), else as they come (online)."""
+        """This rank's micro-batches from step `start` on, read ahead and `prepared` (their `rows` this rank's); with
+        `overlap` each copied to the device one ahead on a stream of its own (`on_device` waits for it), else as they
+        come (online)."""
         batches = Prefetcher(self.reader, self.plan.rank_batches(start, self.rank), self.depth, pin=self.cuda,
                              prepare=self.prepare if self.cuda else None, together=self.plan.accum, rows=self.rows)
         if not self.overlap:
-            return batches
+            return map(self.prepared, batches)
         stream = torch.cuda.Stream(self.device)
 
         def start_copy(batch: Batch) -> Batch:

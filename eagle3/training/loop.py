@@ -361,7 +361,7 @@ class Trainer:
             for step in range(self.start_step, total):
                 settle()
                 wait = time.perf_counter()
-                micro = [self.feed.prepared(next(batches)) for _ in range(t.grad_accum)]   # (rows: this rank's)
+                micro = [next(batches) for _ in range(t.grad_accum)]
                 window.waited += time.perf_counter() - wait
                 if step == self.start_step and self.dist.world > 1:
                     self.settle_buckets(micro[0])
