@@ -75,10 +75,15 @@ def lost_peer(error: BaseException, timeout: str) -> str | None:
             else "is gone")
     # gloo's text: "[path/pair.cc:553] Connection closed by peer [ip]:port. This is typically ..."
     cause = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().split("\n")[0]).split(". ")[0] or type(error).__name__
-    return f"rank {rank}: {other} {what} {COLLECTIVE_FAILED}{cause})"
+    return f"rank {rank}: {other} {what} (a collective failed: {cause})"
 
 
-COLLECTIVE_FAILED = "(a collective failed: "   # in every lost-peer line
+def lost_peer_error(cls: type, message: str) -> Exception:
+    """`cls(message)` marked as a lost peer's: `main` then ends the rank at once (its interpreter's teardown can
+    wait on the lost rank)."""
+    error = cls(message)
+    error.lost_peer = True
+    return error
 
 
 # with stop_on_sigterm: the error path (`first_word`) or the SIGTERM thread, whichever takes it, says the line
@@ -102,7 +107,7 @@ def main(run: Callable, kept: Callable, description: str, argv: list[str] | None
         run(cfg)
     except Eagle3Error as e:
         line = first_word(f"error: {e}")
-        if COLLECTIVE_FAILED in str(e) and isinstance(line, str):   # the exit's teardown can wait on the lost rank
+        if getattr(e, "lost_peer", False) and isinstance(line, str):
             print(line, file=sys.stderr, flush=True)
             os._exit(1)
         raise SystemExit(line) from None

@@ -113,7 +113,8 @@ def run(cfg: Config) -> Path:
         lost = distributed.lost_peer(e, "torch's collective timeout")
         if lost is None:
             raise
-        raise DataError(f"{lost}; extraction stopped, {kept(cfg)}; the same command resumes") from None
+        raise distributed.lost_peer_error(
+            DataError, f"{lost}; extraction stopped, {kept(cfg)}; the same command resumes") from None
     finally:
         distributed.teardown()
 

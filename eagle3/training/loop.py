@@ -426,7 +426,8 @@ def run(cfg: Config) -> Path:
         lost = distributed.lost_peer(e, f"debug.collective_timeout_s = {cfg.debug.collective_timeout_s:g} s")
         if lost is None:
             raise
-        raise TrainError(f"{lost}; training stopped, {run_dir.kept(cfg)}; the same command resumes") from None
+        raise distributed.lost_peer_error(
+            TrainError, f"{lost}; training stopped, {run_dir.kept(cfg)}; the same command resumes") from None
     finally:
         distributed.teardown()
 
