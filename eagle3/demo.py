@@ -90,12 +90,11 @@ def regenerate(cfg: config_mod.Config) -> None:
     """generate.run into generate.output_path, then train on it (data.path). The demo's own file is started over when
     it holds replies of other settings (a rerun with other --generate.* keys), resumed or kept otherwise."""
     out = Path(cfg.generate.output_path)
-    current = json.loads(json.dumps(generate.settings(cfg, Checkpoint(cfg.target.path))))
-    for path in (out, out.with_name(out.name + ".partial")):
-        sidecar = path.with_name(path.name + ".settings.json")
-        if sidecar.exists() and json.loads(sidecar.read_text()) != current:
+    current = generate.settings(cfg, Checkpoint(cfg.target.path))
+    for path in (out, generate.partial_path(out)):
+        if generate.sidecar(path).exists() and generate.changed_settings(path, current):
             path.unlink(missing_ok=True)
-            sidecar.unlink()
+            generate.sidecar(path).unlink()
     cfg.data.path = str(generate.run(cfg))
 
 

@@ -146,22 +146,30 @@ def settings(cfg: Config, ckpt: Checkpoint) -> dict:
             "chat rendering": RENDERING, "replies by": engine}
 
 
-def _sidecar(path: Path) -> Path:
+def sidecar(path: Path) -> Path:
+    """The settings recorded beside a generated file (or its `partial`)."""
     return path.with_name(path.name + ".settings.json")
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def changed_settings(path: Path, current: dict) -> str:
+    """What differs between `path`'s recorded settings and `current` ("" when none, or none recorded)."""
+    recorded = read_json(sidecar(path), GenerateError, "written with the output")
+    if not isinstance(recorded, dict):
+        raise GenerateError(f"{sidecar(path)}: expected a JSON object of generate settings; remove it and {path}")
+    return ", ".join(f"{k} {strict_json(recorded.get(k))} -> {strict_json(current.get(k))}"
+                     for k in {**recorded, **current} if recorded.get(k) != current.get(k))
 
 
 def _check_same(path: Path, current: dict) -> None:
     """Refuse to add to or stand in for `path` when its recorded settings are not `current`."""
-    sidecar = _sidecar(path)
-    if not sidecar.exists():
-        changed, remove = f"it has no {sidecar.name} recording them", f"{path}"
+    if not sidecar(path).exists():
+        changed, remove = f"it has no {sidecar(path).name} recording them", f"{path}"
     else:
-        recorded = read_json(sidecar, GenerateError, "written with the output")
-        if not isinstance(recorded, dict):
-            raise GenerateError(f"{sidecar}: expected a JSON object of generate settings; remove it and {path}")
-        changed = ", ".join(f"{k} {strict_json(recorded.get(k))} -> {strict_json(current.get(k))}"
-                            for k in {**recorded, **current} if recorded.get(k) != current.get(k))
-        remove = f"{path} and {sidecar.name}"
+        changed, remove = changed_settings(path, current), f"{path} and {sidecar(path).name}"
     if changed:
         raise GenerateError(f"{path} was generated with other settings ({changed}); set another "
                             f"generate.output_path, or remove {remove} to start over")
@@ -186,14 +194,14 @@ def check_complete(path: Path, records: list[Record]) -> None:
     raise GenerateError(f"{path}: {len(found)} lines for the {len(expected)} sequences of data.path; line {i + 1} "
                         f"has (source_line, source_part) {found[i] if i < len(found) else 'none (missing)'}, expected "
                         f"{expected[i] if i < len(expected) else 'no line'}: not one line per sequence in input "
-                        f"order; remove {path} and {_sidecar(path).name} to generate it again")
+                        f"order; remove {path} and {sidecar(path).name} to generate it again")
 
 
 def _finish(partial: Path, out: Path) -> None:
     """Rename the partial file and its settings so that a kill between the steps never mixes two runs' settings."""
-    atomic_write_text(_sidecar(out), _sidecar(partial).read_text())
+    atomic_write_text(sidecar(out), sidecar(partial).read_text())
     os.replace(partial, out)
-    _sidecar(partial).unlink()
+    sidecar(partial).unlink()
 
 
 def local(cfg: Config, ckpt: Checkpoint, records: list[Record], stop: set[int]) -> Iterator[dict]:
@@ -287,7 +295,7 @@ def _run(cfg: Config, out: Path) -> Path:
     g = cfg.generate
     ckpt = Checkpoint(cfg.target.path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
+    partial = partial_path(out)
     records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
                                   target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs, regenerating=True,
                                   workers=data_workers(cfg))
@@ -297,11 +305,11 @@ def _run(cfg: Config, out: Path) -> Path:
     elif out.exists():
         _check_same(out, current)
         check_complete(out, records)
-        _sidecar(partial).unlink(missing_ok=True)   # left by a kill inside _finish
+        sidecar(partial).unlink(missing_ok=True)   # left by a kill inside _finish
         print(f"generate: {out} is already complete with these settings; nothing to do")
         return out
     else:
-        atomic_write_text(_sidecar(partial), strict_json(current, indent=1) + "\n")
+        atomic_write_text(sidecar(partial), strict_json(current, indent=1) + "\n")
     done = _done_lines(partial)
     todo = [r for r in records if (r.line, r.part) not in done]
     started, stop, pool = time.monotonic(), stop_tokens(cfg, ckpt), connect(cfg) if g.servers else None
