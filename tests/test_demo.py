@@ -34,3 +34,27 @@ def test_the_plain_demo_regenerates_and_its_estimate_agrees_with_real_decoding(t
     line = re.search(r"demo: real decoding ([\d.]+) .* the held-out estimate replays ([\d.]+)", out)
     assert line and (float(line[1]), float(line[2])) == (round(real, 2), round(estimate, 2)), out
     assert f"agree within {demo.REGENERATED_MARGIN:.0%}" in out and "a bug to report" not in out
+
+
+
+def test_a_rerun_with_other_generate_settings_starts_the_demos_replies_over(tmp_path, monkeypatch):
+    """The demo's own replies file recorded under other settings is removed before generating; under the same
+    settings it is kept (generate then reuses or resumes it)."""
+    from eagle3 import config as config_mod
+    from eagle3 import generate
+    from eagle3.files import strict_json
+    from eagle3.models.weights import Checkpoint
+    tiny.make_kimi(tmp_path / "target")
+    data = tiny.make_token_data(tmp_path / "data.jsonl", vocab=512, sequences=8)
+    out = tmp_path / "regenerated.jsonl"
+    cfg = config_mod.load(None, ["--target.path", str(tmp_path / "target"), "--data.path", str(data),
+                                 "--generate.output_path", str(out)])
+    monkeypatch.setattr(generate, "run", lambda cfg: out)   # what is left for generate to find is the point
+    current = generate.settings(cfg, Checkpoint(cfg.target.path))
+    out.write_text("{}\n")
+    generate.sidecar(out).write_text(strict_json(current))
+    demo.regenerate(cfg)
+    assert out.exists() and generate.sidecar(out).exists()
+    generate.sidecar(out).write_text(strict_json({**current, "generate.max_new_tokens": 1}))
+    demo.regenerate(cfg)
+    assert not out.exists() and not generate.sidecar(out).exists()
