@@ -73,18 +73,21 @@ class GeneratedKimi(deepseek.DeepseekTarget):
 
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         s, H, dev, dt = self.spec, self.cfg.hidden_size, self.device, self.dtype
-        w = {name: torch.randn(*shape, device=dev, dtype=dt) * shape[1] ** -0.5
+        # a generator of the layer's own: the runner loads the next layer in a thread while torch.compile (on CUDA)
+        # saves and restores the global RNG state, so global draws would give each run other weights
+        g = torch.Generator(dev).manual_seed(1000 + i)
+        w = {name: torch.randn(*shape, device=dev, dtype=dt, generator=g) * shape[1] ** -0.5
              for name, shape in self._shapes(i).items()}
         w.update({n: torch.ones(d, device=dev, dtype=dt) for n, d in (
             ("input_layernorm", H), ("post_attention_layernorm", H), ("self_attn.kv_a_layernorm", s.kv_lora_rank),
             ("self_attn.q_a_layernorm", s.q_lora_rank))})
         if s.is_moe(i):
             E, I = s.n_routed_experts, s.moe_intermediate_size
-            w["mlp.gate"] = torch.randn(E, H, device=dev) * H ** -0.5
-            w["mlp.gate.bias"] = torch.randn(E, device=dev) * 0.01
+            w["mlp.gate"] = torch.randn(E, H, device=dev, generator=g) * H ** -0.5
+            w["mlp.gate.bias"] = torch.randn(E, device=dev, generator=g) * 0.01
             for key, (rows, inp) in (("gate_up", (2 * I, H)), ("down", (H, I))):
                 w[f"experts.{key}.weight_packed"] = torch.randint(-2 ** 31, 2 ** 31 - 1, (E, rows, inp // 8),
-                                                                  dtype=torch.int32, device=dev)
+                                                                  dtype=torch.int32, device=dev, generator=g)
                 # int4 values have std ~4.6: weights of std inp^-0.5 like the bf16 layers
                 w[f"experts.{key}.weight_scale"] = torch.full((E, rows, inp // 32), inp ** -0.5 / 4.6,
                                                               dtype=torch.bfloat16, device=dev)
@@ -192,14 +195,13 @@ def bench_streamed(s: dict, device: torch.device) -> dict:
 def streamed_run(s: dict, device: torch.device, ids: torch.Tensor, cu: list[int], chunk_tokens: int,
                  dtype: torch.dtype = torch.bfloat16):
     """The 4-layer generated Kimi over ids (sequences `cu`) in chunks of chunk_tokens, computing in `dtype` -> (wall s,
-    the runner's outputs, peak allocated / reserved GiB). Layers are drawn from a fixed seed: every call runs the
-    same ones."""
+    the runner's outputs, peak allocated / reserved GiB). Every call runs the same weights (fixed seeds)."""
     cuda = device.type == "cuda"
     ckpt = GeneratedCheckpoint(kimi_config(s, layers=4), device)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(0)   # embedding, head, then the layers as the loader draws them: the same for every call
+    torch.manual_seed(0)   # the embedding and head (each layer draws from a generator of its own): the same every call
     runner = streaming.TargetRunner(ckpt, [1, 2, 3], device, dtype, chunk_tokens=chunk_tokens)
     # the runner's model reads layers from its checkpoint; this one makes each layer when the runner loads it
     runner.model = GeneratedKimi(ckpt, device, dtype)
@@ -212,8 +214,8 @@ def streamed_run(s: dict, device: torch.device, ids: torch.Tensor, cu: list[int]
 def bench_long(s: dict, device: torch.device, tokens: int, chunks: list[int],
                dtype: torch.dtype = torch.bfloat16) -> dict:
     """One sequence of `tokens` through the 4 layers at each chunk size (0: whole): time, peak memory, and the
-    states against the first size's. In bf16 they differ by rounding, which random-weight routing amplifies (a
-    flipped expert choice changes a token's state); in float32 the sizes must agree to float32 rounding."""
+    states against the first size's. They differ by rounding (kernels picked per shape), which routing flips amplify
+    (a flipped expert choice changes a token's state): far less in float32 than in bf16."""
     ids = torch.randint(0, kimi_config(s, layers=4).vocab_size, (tokens,))
     rows, ref = {}, None
     for chunk in chunks:

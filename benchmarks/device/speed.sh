@@ -24,8 +24,8 @@
 #   rows   the row spread and RMSNorm kernels against torch's (python -m benchmarks.rows)
 #   moe    the Kimi MoE layer alone
 #   moe-long  one 131,072-token sequence through 4 real-width Kimi layers, chunks of 16,384 / 65,536 / whole
-#   moe-long-fp32  the same layers in float32 over 32,768 tokens, chunks of 8,192 / whole: they must agree (bf16
-#          differences are amplified by random routing); about a minute
+#   moe-long-fp32  the same layers in float32 over 32,768 tokens, chunks of 8,192 / whole: far closer than bf16 (both
+#          differ by rounding that routing flips amplify); about a minute
 #   step-mla  the Kimi-size step with the GQA and the MLA draft, `auto` kernels, one call (about 4 minutes)
 #   step-long the Kimi-size step with one 16,384- then one 32,768-token sequence per micro-batch on one GPU
 #          (about 4 minutes; longer sequences need train.context_parallel over several GPUs: node.sh)
