@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's figures on nvidia-h200-x8 (one 8-GPU node), a part per argument:
+# Issues 16 and 49: figures on nvidia-h200-x8 (one 8-GPU node), a part per argument:
 #   scale-a  the training-step bench (Kimi-size draft, layout a, KERNELS: triton-fp8-head, the default on an
 #            H200) under torchrun on 8 GPUs (NPROC, default 8), then on 1 GPU, same shards, same call; then
 #            `python -m benchmarks.node scaling`: N-GPU over 1-GPU tokens/s (the bar on 8: >= 7.6x, on 2
@@ -12,6 +12,9 @@
 #   resume   train.py on 8 ranks (toy Kimi-layout target and draft, 40 steps, a checkpoint every 5):
 #            uninterrupted twice (the run-to-run floor), and SIGKILLed (torchrun and its workers) once
 #            step 10's checkpoint is complete, then rerun: its final weights against the uninterrupted
+#   long     issue 49's step with one long sequence per micro-batch, split over the ranks by train.context_parallel
+#            (16k tokens a rank: 16,384 to 131,072 tokens a sequence on NPROC GPUs, 8 ranks for 128k), Kimi-size
+#            draft, layout a, `auto` kernels: tokens/s and peak GiB per GPU ($OUT/long.jsonl)
 # Expected durations (estimates: nothing of this has run on 8 GPUs yet):
 #   scale-a, scale-b  ~5 min each: the 8-rank run first writes 56 shards of 0.94 GB (7 per rank: 3 timed
 #            steps, 2 warm-up, the profiled and the sync-checked one; ~52 GB with their sha256, 1.5-2.5 min),
@@ -20,18 +23,20 @@
 #   extract  ~8 min: the target (35.1 GB, 1-2 min, or reused from /tmp/online), 1 rank extracting
 #            16 shards (~17 s each: the layers streamed from the page cache, the 3.7 GB shard written and
 #            hashed), 8 ranks two shards each (~50 s with start-up), the comparison on the GPU (~30 s)
+#   long     ~6 min (an estimate): the shards of each length (128k: ~7.5 GB each, 8 of them), then 2 timed steps
+#            a length
 #   resume   ~3 min: the shards (in this process, seconds), 4 launches of 8 ranks of ~30-40 s each
 # so: call 1 `bash benchmarks/device/node.sh resume scale-a` (~8 min; resume first: scale-a's estimate is
 # the shakier), call 2 `scale-b` (~5 min), call 3 `extract` (~8 min). Each part runs under
 # `timeout` (PART_LIMIT seconds, default 560) and a failed part is marked "== PART FAILED rc=N".
 # Output, as it runs: $OUT/node.txt (the log), $OUT/scale-{1,NPROC}.jsonl (the step bench's rows),
-# $OUT/extract.jsonl, $OUT/resume.jsonl, $OUT/env.txt: 6 files.
+# $OUT/extract.jsonl, $OUT/resume.jsonl, $OUT/long.jsonl, $OUT/env.txt: 7 files.
 set -uo pipefail
 out=${OUT:-/tmp/node-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 kernels=${KERNELS:-triton-fp8-head}
-n=${NPROC:-8}   # scale-a/scale-b only, on fewer GPUs: NPROC=2 on nvidia-h200-x2 (issue 14's 2-GPU scaling)
+n=${NPROC:-8}   # scale-a/scale-b/long on fewer GPUs: NPROC=2 on nvidia-h200-x2 (issue 14's 2-GPU scaling)
 [ "$n" -ge 2 ] 2>/dev/null || { echo "NPROC=$n: expected a number of GPUs, 2 or more"; exit 2; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$out/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$out/env.txt"
@@ -56,11 +61,18 @@ for part in "$@"; do
         2>&1 | quiet | tee -a "$out/node.txt"
       rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || failed "$rc"
       rm -rf /tmp/online/hidden-* ;;
+    long)
+      lens=$(python3 -c "print(','.join(str(16384 * r) for r in (1, 2, 4, 8) if r <= $n))")
+      run python3 -m torch.distributed.run --standalone --nproc_per_node "$n" -m eagle3.bench --sizes kimi --layouts a \
+        --kernels auto --seq-lens "$lens" --tokens-per-rank 16384 --steps 2 --warmup 2 --dir /tmp/bd \
+        --json "$out/long.jsonl" 2>&1 | quiet | tee -a "$out/node.txt"
+      rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || failed "$rc"
+      rm -rf /tmp/bd ;;
     resume)
       run python3 -m benchmarks.node resume --ranks 8 --steps 40 --every 5 --kill-at 10 --dir /tmp/resume \
         --json "$out/resume.jsonl" 2>&1 | quiet | tee -a "$out/node.txt"
       rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || failed "$rc" ;;
-    *) echo "unknown part $part: expected scale-a, scale-b, extract or resume"; exit 2 ;;
+    *) echo "unknown part $part: expected scale-a, scale-b, long, extract or resume"; exit 2 ;;
   esac
 done
 echo "== done $(date +%T)" | tee -a "$out/node.txt"
