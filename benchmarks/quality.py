@@ -751,9 +751,7 @@ def measure(r: Recipe, work: Path, device: str, settings: list[str], only: list[
     if missing := set(only or ()) - set(found):
         raise SystemExit(f"error: --drafts {','.join(only)}: no trained draft named {', '.join(sorted(missing))} in "
                          f"{work} (there: {', '.join(found) or 'none'})")
-    for name, path in found.items():
-        if only and name not in only:
-            continue
+    for name, path in ((n, p) for n, p in found.items() if not only or n in only):
         bench = path / "bench.json" if name.startswith("peer") else path.parent.parent / "bench.json"
         results[name] = json.loads(bench.read_text()) if bench.exists() else {}
         for setting in settings:
