@@ -82,13 +82,13 @@ def sglang_aux_ids(state: dict, where: str) -> list[int]:
     ours, target = list(state["resolved"]["aux_layer_ids"]), state["target"]
     layers = target["num_hidden_layers"]
     if ours[-1] >= layers - 1:
-        raise ExportError(f"{where}: SGLang {ENGINES['sglang']} captures a layer's input, never the last layer's "
+        raise ExportError(f"{where}: {ENGINES['sglang']} captures a layer's input, never the last layer's "
                           f"output: target.aux_layer_ids = {ours} on a target of {layers} layers; choose ids below "
                           f"{layers - 1} or export vllm only")
     if not is_deepseek(target):
         return ours
     if ours[0] == 0:
-        raise ExportError(f"{where}: SGLang {ENGINES['sglang']} adds 1 to a DeepSeek-family target's ids only when "
+        raise ExportError(f"{where}: {ENGINES['sglang']} adds 1 to a DeepSeek-family target's ids only when "
                           f"the first is 1 (deepseek_v2.py set_eagle3_layers_to_capture), so no id list makes it "
                           f"capture layer 0's output: target.aux_layer_ids = {ours}; choose a first id other than 0 "
                           "or export vllm only")
@@ -253,11 +253,11 @@ def serving_commands(state: dict, cfg: Config, written: dict[str, Path]) -> list
     lines = []
     if "vllm" in written:
         options = json.dumps({"method": "eagle3", "model": str(written["vllm"]), "num_speculative_tokens": k})
-        lines.append(f"serve with vLLM {ENGINES['vllm']}: vllm serve {target} --speculative-config '{options}'")
+        lines.append(f"serve with {ENGINES['vllm']}: vllm serve {target} --speculative-config '{options}'")
     if "sglang" in written:
         # --speculative-draft-window-size counts the keys before the query (srt/layers/attention: window_left)
         window = f" --speculative-draft-window-size {spec['sliding_window'] - 1}" if spec.get("sliding_window") else ""
-        lines.append(f"serve with SGLang {ENGINES['sglang']}: python3 -m sglang.launch_server --model-path {target} "
+        lines.append(f"serve with {ENGINES['sglang']}: python3 -m sglang.launch_server --model-path {target} "
                      f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {written['sglang']} "
                      f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
                      f"{window}")
@@ -269,7 +269,7 @@ def check_servable(spec: dict, fmt: str, where: str) -> None:
     kind = spec.get("attention", "gqa")
     engine = {("vllm", "gqa"): "vLLM", ("sglang", "gqa"): "SGLang's LlamaForCausalLMEagle3"}.get(
         (fmt, kind), f"{'vLLM' if fmt == 'vllm' else 'SGLang'}'s Eagle3DeepseekV2ForCausalLM")
-    engine += f" ({ENGINES[fmt]})"
+    engine += f" {ENGINES[fmt].split()[1]}"
     if (fmt, kind) in ONE_LAYER and spec["num_layers"] != 1:
         raise ExportError(f"{where}: {engine} has one draft layer (midlayer); this draft has {spec['num_layers']}; "
                           "export vllm only")
