@@ -595,8 +595,11 @@ def cli(argv: list[str] | None = None, description: str = "", prog: str | None =
         cfg = load(args.config, check_overrides(parser, rest + overrides))
         if command:
             require_inputs(cfg, command)
-        if command in ("extract", "train"):   # train also checks the sequences it reads (training.loop.data_plan)
+        # what extract writes, online training reads (data.max_seq_len); from shards, train checks the sequences
+        # they hold (`eagle3.training.loop.data_plan`)
+        if command == "extract" or command == "train" and cfg.train.source == "online":
             require_trainable(cfg)
+        if command in ("extract", "train"):
             check_servable_settings(cfg)
         return cfg
     except ConfigError as e:
