@@ -28,7 +28,7 @@ from eagle3.errors import TrainError
 from eagle3.export import ExportError, check_exportable, export_all, serving_commands
 from eagle3.models.weights import Checkpoint
 from eagle3.resolve import resolve
-from eagle3.training import context, graph, kernel_choice, resume, run_dir
+from eagle3.training import context, graph, kernel_choice, memory, resume, run_dir
 from eagle3.training.feed import Feed
 from eagle3.training.graph import GraphedStep
 from eagle3.training.metrics import MetricsLog
@@ -211,9 +211,10 @@ def data_plan(cfg: Config, reader, layout: context.Layout, data_dir: str) -> tup
                 data), eval_refs
 
 
-def start_notes(cfg: Config, reader, layout: context.Layout) -> list[str]:
-    """What the log says of the data against the settings: context parallelism and the window it trains."""
-    longest, notes = max(r.length for r in reader.sequences), []
+def start_notes(cfg: Config, longest: int, layout: context.Layout) -> list[str]:
+    """What the log says of the data (its `longest` sequence) against the settings: context parallelism and the
+    window it trains."""
+    notes = []
     if layout.size > 1:
         notes.append(f"context parallel: {layout.size} ranks share each micro-batch of {layout.size} x "
                      f"{cfg.train.batch_tokens} tokens (train.context_parallel); the longest sequence trained has "
@@ -248,8 +249,11 @@ class Trainer:
                                      spec.num_attention_heads, cfg.origin("train.context_parallel"), self.online)
         self.reader = open_reader(cfg, self.target, self.resolved, self.device, say=self.dist.main)
         self.plan, self.eval_refs = data_plan(cfg, self.reader, self.layout, self.resolved.data_dir)
+        longest = max(r.length for r in self.reader.sequences)
+        fits = memory.check(memory.step_peak_bytes(spec, cfg, longest, self.cuda), memory.available_bytes(self.device),
+                            cfg, self.device.type, 1 if self.cuda else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         if self.dist.main:
-            for line in start_notes(cfg, self.reader, self.layout):
+            for line in [*start_notes(cfg, longest, self.layout), *([fits] if fits else [])]:
                 print(line, file=sys.stderr)
         draft, self.float8, target_rows = build_draft(cfg, self.target, spec, self.reader, self.device,
                                                       self.dist.main, self.agree)
@@ -274,7 +278,6 @@ class Trainer:
         self.graphed = pad_to = None
         if graph.wanted(cfg.debug.cuda_graphs, self.device, self.dist.world, self.online, "max_seqlen" in
                         inspect.signature(kernels.attention).parameters, spec.hidden_size, cfg.source, self.dist.main):
-            longest = max(r.length for r in self.reader.sequences)
             self.unroll, pad_to = self.unroll.graphed(longest), (t.batch_tokens, longest)
             self.graphed = GraphedStep(functools.partial(self._forward, self.model, training=True), self.device)
         self.feed = Feed(self.reader, self.plan, self.layout.data_rank, self.device, self.float_dtype,
