@@ -176,7 +176,7 @@ class EvaluateConfig:
 class ExperimentalConfig:
     """Levers without a gain so far (benchmarks/RESULTS.md), kept for comparison."""
     norm_before_residual: bool = setting(
-        False, "layer 0's residual starts from `hidden_norm(fc(aux))` (speculators' and vLLM's key; not for SGLang)")
+        False, "layer 0's residual starts from `hidden_norm(fc(aux))` (speculators' and vLLM's key; SGLang has none)")
     aux_norm: Literal["none", "concat", "per_layer"] = setting(
         "none", "an RMSNorm before `fc` over the concatenated aux states (`concat`, speculators' `norm_before_fc`) "
         "or on each (`per_layer`, EAGLE-3.1's `fc_norm`); SGLang's MLA draft reads `per_layer` only")

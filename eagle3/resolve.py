@@ -49,7 +49,7 @@ class DraftSpec:
         return max(64, 1 << (max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim) - 1).bit_length())
 
 
-# the norm settings under the keys speculators and vLLM use (SGLang reads none)
+# the norm settings under the keys speculators and vLLM use (what each engine reads: config.UNREAD)
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 

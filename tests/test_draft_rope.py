@@ -1,7 +1,7 @@
 """The draft's rotary rule (docs/training.md, "Long context: the rotary rule"): for Kimi-K2.5 and for Llama targets
 with llama3, yarn or no rope scaling, the draft is exported, and the cos/sin each engine derives from the exported
 config.json, by its own arithmetic transcribed below from its sources, equal training's at every position up to the
-target's max_position_embeddings. A sliding window is exported as vLLM reads it and refused for SGLang."""
+target's max_position_embeddings. A sliding window is exported as vLLM reads it; SGLang takes it at launch."""
 import dataclasses
 import json
 import math
@@ -15,7 +15,7 @@ from conftest import KIMI_FIXTURE
 from eagle3.config import Config, ConfigError, validate
 from eagle3.draft import Eagle3Draft
 from eagle3.draft_io import load_vllm_draft
-from eagle3.export import ExportError, export_all
+from eagle3.export import export_all
 from eagle3.models.weights import read_config
 from eagle3.ops import draft_rope, rope_cos_sin
 from eagle3.resolve import resolve
@@ -157,7 +157,7 @@ def exported(tmp_path, text, **changes):
     ckpt.mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, ckpt / "model.safetensors")
     state = {"resolved": {**resolved.to_dict(), "draft_spec": dataclasses.asdict(spec)},
-             "target_architectures": text.architectures}
+             "target": text.identity(), "target_architectures": text.architectures}
     (ckpt / "state.json").write_text(json.dumps(state))
     written = export_all(ckpt, tmp_path / "export", cfg)
     return spec, {fmt: json.loads((path / "config.json").read_text()) for fmt, path in written.items()}, written
@@ -219,18 +219,17 @@ def vllm_draft_window(layer, target_layers, draft_layer):
     return layer["sliding_window"] if layer_types[effective] == "sliding_attention" else None
 
 
-def test_a_sliding_window_is_exported_as_vllm_reads_it_and_refused_for_sglang(tmp_path):
+def test_a_sliding_window_is_exported_as_vllm_reads_it_and_served_by_sglang_with_its_flag(tmp_path):
+    """SGLang 0.5.23 takes the window at launch (--speculative-draft-window-size, tests/test_serving.py): its export
+    carries none."""
     text = target_config("none", tmp_path)
-    with pytest.raises(ExportError, match="sliding_window is on .* SGLang"):
-        exported(tmp_path, text, **{"draft.sliding_window": 2048})
-    spec, configs, written = exported(tmp_path, text, **{"draft.sliding_window": 2048,
-                                                         "export.formats": ["vllm"]})
+    spec, configs, written = exported(tmp_path, text, **{"draft.sliding_window": 2048})
     assert vllm_draft_window(configs["vllm"]["transformer_layer_config"], text.num_hidden_layers, 0) == 2048
     assert load_vllm_draft(written["vllm"])[0].spec.sliding_window == 2048
+    assert "sliding_window" not in configs["sglang"] and "layer_types" not in configs["sglang"]
     cfg = Config()
     cfg.draft.sliding_window = 2048
-    with pytest.raises(ConfigError, match="draft.sliding_window cannot be exported for SGLang"):
-        validate(cfg)
+    validate(cfg)
     cfg.export.formats, cfg.draft.sliding_window = ["vllm"], 4
     with pytest.raises(ConfigError, match="draft.sliding_window = 4; expected 0 .* at least train.ttt_steps"):
         validate(cfg)
