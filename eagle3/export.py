@@ -115,7 +115,8 @@ def sglang_config(state: dict, cfg: Config) -> dict:
 def _sglang_eagle_config(state: dict) -> dict:
     """SGLang 0.5.23 reads the aux ids from eagle_config alone (srt/model_executor/model_runner_components/
     spec_aux_hidden_state.py, _resolve_eagle_aux_hidden_state)."""
-    return {"eagle_aux_hidden_state_layer_ids": sglang_aux_ids(state, "the SGLang export"), "use_aux_hidden_state": True}
+    return {"eagle_aux_hidden_state_layer_ids": sglang_aux_ids(state, "the SGLang export"),
+            "use_aux_hidden_state": True}
 
 
 def mla_config(state: dict, cfg: Config) -> dict:
