@@ -141,7 +141,9 @@ class ExportConfig:
     formats: list[Literal["vllm", "sglang"]] = setting(
         ["vllm", "sglang"], "written to `train.output_dir/export/<format>/` at the end of training")
     speculative_tokens: int = setting(3, "draft tokens per round advertised to the engine")
-    verifier_name: str | None = setting(None, "what the engine loads as the verifier; auto: `target.path`")
+    verifier_name: str | None = setting(
+        None, "the verifier the vLLM export names (`vllm serve` of the draft folder takes a Hugging Face repo id only); "
+        "auto: the target's repo id when it lies in the Hugging Face cache, else its absolute path")
 
 
 @dataclass
