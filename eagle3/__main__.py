@@ -64,7 +64,8 @@ def export_command(args, overrides: list[str]) -> None:
     written = export_all(args.checkpoint, args.out_dir, cfg)
     for fmt, path in written.items():
         print(f"exported {fmt} draft: {path}")
-    print("\n".join(serving_commands(read_state(args.checkpoint), cfg, written)))
+    for line in serving_commands(read_state(args.checkpoint), cfg, written) if written else ():
+        print(line)
 
 
 def checkpoint_config(args, overrides: list[str]) -> config_mod.Config:
