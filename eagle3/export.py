@@ -81,7 +81,7 @@ def sglang_aux_ids(state: dict, where: str) -> list[int]:
     kimi_k25.py delegates to it) only when the first id is 1, else c = id. Ids it cannot express raise ExportError."""
     ours, target = list(state["resolved"]["aux_layer_ids"]), state["target"]
     layers = target["num_hidden_layers"]
-    if ours[-1] >= layers - 1:
+    if max(ours) >= layers - 1:
         raise ExportError(f"{where}: {ENGINES['sglang']} captures a layer's input, never the last layer's "
                           f"output: target.aux_layer_ids = {ours} on a target of {layers} layers; choose ids below "
                           f"{layers - 1} or export vllm only")
