@@ -3,7 +3,6 @@ whole range a round can gain, every depth bucket shown (an empty one marked), th
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from conftest import make_config, make_llama
+from conftest import make_config
 from eagle3 import config as config_mod, training, train_state
 from eagle3.errors import TrainError
 from eagle3.export import ExportError

@@ -15,7 +15,7 @@ from eagle3.errors import TrainError
 # log-softmax, the target's p and its gradient); the Triton loss streams the vocab in tiles and keeps none
 VOCAB_COPIES = 3
 # activations a draft layer keeps per row for its backward, in units of H (norms, residuals, concat, MLP out) and of
-# the intermediate size (gate, up, their product); measured on the CPU against `step_peak_bytes` (tests)
+# the intermediate size (gate, up, their product); measured on the CPU (benchmarks/memory.py, a test holds it)
 LAYER_H, LAYER_I = 14, 3
 # shares of the available memory: a warning, and a refusal (on a GPU only well past it: the estimate is measured on
 # the CPU, and CUDA's out-of-memory is a clean error where the CPU's is the kernel's OOM killer)
