@@ -150,8 +150,8 @@ def vllm_name(i: int, key: str) -> str:
 
 
 def sglang_name(i: int, key: str) -> str:
-    """SGLang 0.5.23's names (srt/models/llama_eagle3.py, kimi_k25_eagle3.py): layer 0 as `midlayer.*`, which every
-    version loads; a later Llama layer normalises its input with its `hidden_norm` (our `input_layernorm`)."""
+    """SGLang 0.5.23's names (srt/models/llama_eagle3.py, kimi_k25_eagle3.py): layer 0 as `midlayer.*`, which older
+    versions know alone; a later Llama layer normalises its input with its `hidden_norm` (our `input_layernorm`)."""
     if i == 0:
         return f"midlayer.{key}"
     return f"layers.{i}.{'hidden_norm.weight' if key == 'input_layernorm.weight' else key}"
