@@ -215,7 +215,7 @@ def _fp8_kernel():
         r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         mask = (r[:, None] < rows) & (c[None, :] < cols)
-        w = tl.load(w_ptr + r[:, None] * cols + c[None, :], mask=mask, other=0).to(tl.float32)
+        w = tl.load(w_ptr + r[:, None] * cols + c[None, :], mask=mask).to(tl.float32)
         s = tl.load(scale_ptr + r[:, None] * groups + c[None, :] // WORDS_PER_GROUP, mask=mask, other=0)
         tl.store(out_ptr + r[:, None] * cols + c[None, :], (w * s.to(tl.float32)).to(out_ptr.dtype.element_ty),
                  mask=mask)
