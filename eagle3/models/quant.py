@@ -131,6 +131,10 @@ def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block_cols: int, dtype:
     `dtype` (DeepSeek-V3's weight_dequant, vLLM's scaled_dequantize); one Triton kernel on CUDA."""
     if w.is_cuda:
         return _launch(w, scale, dtype, block_cols, _fp8_kernel())
+    return dequantize_fp8_torch(w, scale, block_cols, dtype)
+
+
+def dequantize_fp8_torch(w: torch.Tensor, scale: torch.Tensor, block_cols: int, dtype: torch.dtype) -> torch.Tensor:
     full = scale.float().repeat_interleave(block_cols, dim=-1)[..., :w.shape[-1]]
     return (w.float() * full).to(dtype)
 
