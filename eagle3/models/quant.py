@@ -129,7 +129,7 @@ def dequantize(parts: dict[str, torch.Tensor], dtype: torch.dtype, block_cols: i
 def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block_cols: int, dtype: torch.dtype) -> torch.Tensor:
     """fp8 w [..., out, in], row scales [..., out, ceil(in/b1)] -> float(w[i, j]) * scale[i, j // b1] in fp32, then
     `dtype` (DeepSeek-V3's weight_dequant, vLLM's scaled_dequantize); one Triton kernel on CUDA."""
-    if w.is_cuda:
+    if w.is_cuda and torch.cuda.get_device_capability(w.device) >= (8, 9):   # Triton converts fp8 from sm_89 on
         return _launch(w, scale, dtype, block_cols, 1)
     return dequantize_fp8_torch(w, scale, block_cols, dtype)
 
