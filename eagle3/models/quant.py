@@ -65,7 +65,9 @@ def _int4_format(q: dict, where: str) -> Format:
     problems = [] if q.get("format") == "pack-quantized" else [f"format {q.get('format')!r} (read: pack-quantized)"]
     for g in groups or [{}]:
         w = g.get("weights") or {}
-        problems += [f"weights {k} {w.get(k)!r} (read: {v!r})" for k, v in INT4_SCHEME.items() if w.get(k) != v]
+        # an absent key means compressed-tensors' default, which is ours but for num_bits and strategy
+        found = {k: w.get(k, None if k in ("num_bits", "strategy") else v) for k, v in INT4_SCHEME.items()}
+        problems += [f"weights {k} {found[k]!r} (read: {v!r})" for k, v in INT4_SCHEME.items() if found[k] != v]
         if not (isinstance(w.get("group_size"), int) and w["group_size"] > 0 and w["group_size"] % 8 == 0):
             problems.append(f"weights group_size {w.get('group_size')!r} (read: a multiple of 8)")
         if g.get("input_activations") is not None:
