@@ -296,3 +296,25 @@ def test_a_quantization_config_at_both_levels_must_be_one(tmp_path):
     assert inspect(str(variant(target, tmp_path / "same", config=both)))["quantization"]["method"] == "fp8"
     refused(variant(target, tmp_path / "other", config=lambda c: both(c, weight_block_size=[64, 64])),
             r"config.json: quantization_config at the top level and in text_config differ")
+
+
+def test_a_qwen3_fp8_release_reads_as_its_dequantized_weights(tmp_path):
+    """The Llama family reads its linears through the same call: Qwen3 FP8's layout (bf16 scales, 128 x 128 blocks
+    over dims of 96 and 160) gives the states of the same weights dequantized and stored plain."""
+    from conftest import make_llama
+    path = make_llama(tmp_path / "q", family="qwen3", hidden=96, layers=4, heads=4, kv_heads=2, intermediate=160,
+                      vocab=128, dtype=torch.float32)
+    weights, dense = load_file(path / "model.safetensors"), {}
+    for name in [n for n in weights if n.endswith("_proj.weight")]:
+        stored = tiny.fp8_blocks(weights[name], (128, 128), torch.bfloat16)
+        weights[name], weights[name + "_scale_inv"] = stored["weight"], stored["weight_scale_inv"]
+        dense[name] = dequantize_fp8(stored["weight"], stored["weight_scale_inv"], [128, 128])
+    fp8 = edited_copy(path, tmp_path / "fp8", config=lambda c: c.update(quantization_config={
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head"]}), tensors=lambda t: t.update(weights))
+    plain = edited_copy(path, tmp_path / "plain", tensors=lambda t: t.update(dense))
+    assert inspect(str(fp8))["weights"]["quantized_linears"]["fp8"] == 4 * 7
+    ids = torch.arange(40) % 128
+    a, b = (TargetRunner(Checkpoint(p), AUX, torch.device("cpu"), torch.float32).run(ids, [0, 40]) for p in (fp8, plain))
+    torch.testing.assert_close(a["aux_hidden"], b["aux_hidden"])
+    torch.testing.assert_close(a["final_hidden"], b["final_hidden"])
