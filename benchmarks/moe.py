@@ -7,8 +7,9 @@ Weights are random, generated on the device in the layout `DeepseekTarget.load_l
 the real checkpoint format (routed experts stacked per layer as stored: int4 pack-quantized as Kimi-K2.5 /
 K2-Thinking, fp8 128 x 128 blocks as Kimi-K2-Instruct / DeepSeek-V3, or bf16 (`--formats`); bf16 rest, fp32
 router and bias), so no 600 GB checkpoint is needed. Each format's layer is also run on its experts
-dequantized to bf16 up front: the agreement of the forward that dequantizes as it goes. FLOPs count the active parameters of each
-token (MLA projections, the causal attention itself, router, 8 routed + 1 shared expert). Times:
+dequantized to bf16 up front: the agreement of the forward that dequantizes as it goes. FLOPs count
+the active parameters of each token (MLA projections, the causal attention itself, router, 8 routed + 1
+shared expert). Times:
 `timing.median_ms_of_calls` (median of triton.testing.do_bench over 5 calls after 2 warm-ups).
 """
 from __future__ import annotations

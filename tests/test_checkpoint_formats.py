@@ -315,6 +315,7 @@ def test_a_qwen3_fp8_release_reads_as_its_dequantized_weights(tmp_path):
     plain = edited_copy(path, tmp_path / "plain", tensors=lambda t: t.update(dense))
     assert inspect(str(fp8))["weights"]["quantized_linears"]["fp8"] == 4 * 7
     ids = torch.arange(40) % 128
-    a, b = (TargetRunner(Checkpoint(p), AUX, torch.device("cpu"), torch.float32).run(ids, [0, 40]) for p in (fp8, plain))
+    a, b = (TargetRunner(Checkpoint(p), AUX, torch.device("cpu"), torch.float32).run(ids, [0, 40])
+            for p in (fp8, plain))
     torch.testing.assert_close(a["aux_hidden"], b["aux_hidden"])
     torch.testing.assert_close(a["final_hidden"], b["final_hidden"])
