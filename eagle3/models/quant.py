@@ -114,7 +114,8 @@ def block_scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> list[in
 
 def row_scales(scale_inv: torch.Tensor, out: int, block_rows: int) -> torch.Tensor:
     """Block scales [ceil(out/b0), c] -> one row per weight row [out, c]: row-aligned like int4's scales, so that the
-    linears of an expert stack along rows whatever out is (576 = 4.5 blocks); +c/b1 bytes a weight of in columns."""
+    linears of an expert stack along rows whatever out is (576 = 4.5 blocks); float32 scales cost 4 / b1 bytes a
+    weight (1/32 at 128)."""
     return scale_inv.repeat_interleave(block_rows, dim=0)[:out]
 
 
