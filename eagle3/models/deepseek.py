@@ -3,19 +3,15 @@ sigmoid noaux_tc router; int4 experts stay packed, those that received tokens de
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from eagle3.ops import compiled, rms_norm, silu_mul, swiglu, yarn_bounds, yarn_mscale
-from eagle3.models import quant
+from eagle3.ops import compiled, rms_norm, swiglu, yarn_bounds, yarn_mscale
+from eagle3.models import moe, quant
 from eagle3.models.weights import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import Prefix, causal_attention_packed
-
-# experts dequantized into one buffer at a time: 32 Kimi experts, 2.8 GB of bf16, small next to a chunk's activations
-EXPERT_BLOCK = 32
 
 
 @dataclass
@@ -71,6 +67,12 @@ class DeepseekSpec:
     def is_moe(self, i: int) -> bool:
         return bool(self.n_routed_experts) and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 
+    @property
+    def router(self) -> moe.Router:
+        """Sigmoid scores chosen with the correction bias within the topk_group best groups."""
+        return moe.Router("sigmoid", self.n_routed_experts, self.num_experts_per_tok, self.norm_topk_prob,
+                          self.routed_scaling_factor, self.n_group, self.topk_group)
+
 
 def rope_tables(c: TextConfig, spec: DeepseekSpec) -> tuple[torch.Tensor, float, float]:
     """(inv_freq [d/2] fp32, cos/sin multiplier, softmax scale) for rope dim d = qk_rope_head_dim."""
@@ -120,42 +122,6 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor | None, spec: DeepseekSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logits [T, E] -> (experts [T, k] int64, weights [T, k] fp32): chosen by the biased scores within
-    the topk_group best groups (a group scores its two best), weighted by the unbiased ones."""
-    scores = logits.float().sigmoid()
-    choice = scores if bias is None else scores + bias.float()
-    if spec.n_group > 1:
-        T, E = choice.shape
-        groups = choice.view(T, spec.n_group, E // spec.n_group)
-        best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)             # [T, G]
-        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(spec.topk_group, dim=-1).indices, True)
-        choice = groups.masked_fill(~keep[..., None], float("-inf")).view(T, E)
-    idx = choice.topk(spec.num_experts_per_tok, dim=-1).indices
-    weights = scores.gather(1, idx)
-    if spec.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return idx, weights * spec.routed_scaling_factor
-
-
-def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[n, 2I] gate | up -> silu(gate) · up · routing weight [n] (cheaper on [n, I] than on [n, H])."""
-    I = gate_up.shape[1] // 2
-    return silu_mul(gate_up[:, :I], gate_up[:, I:]).float().mul_(weight[:, None]).to(gate_up.dtype)
-
-
-def _select(stacked: torch.Tensor, experts: list[int]) -> torch.Tensor:
-    """stacked[experts]: a view for consecutive experts (all of Kimi's at a 64k-token chunk), else a copy."""
-    if experts == list(range(experts[0], experts[0] + len(experts))):
-        return stacked[experts[0]:experts[0] + len(experts)]
-    return stacked.index_select(0, torch.tensor(experts).to(stacked.device, non_blocking=True))
-
-
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """x [n, K] in groups of sizes[j] rows, w [B, N, K] -> [n, N], group j times w[j].T."""
-    return torch.cat([F.linear(part, w[j]) for j, part in enumerate(x.split(sizes))])
-
-
 class DeepseekTarget:
     """`LlamaTarget`'s interface: `cfg`, `load_layer(i)`, `layer_forward(...)`, `layer_shapes(i)`."""
 
@@ -165,7 +131,7 @@ class DeepseekTarget:
         self.heads = self.cfg.num_attention_heads
         self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
         # on a GPU one fused kernel each: eagerly their fp32 chains move ~7x the bytes of their input
-        self.expert_act = compiled(weighted_swiglu) if device.type == "cuda" else weighted_swiglu
+        self.expert_act = compiled(moe.weighted_swiglu) if device.type == "cuda" else moe.weighted_swiglu
         self.norm = compiled(rms_norm) if device.type == "cuda" else rms_norm
 
     def layer_shapes(self, i: int) -> dict[str, list[int] | quant.GroupedShape]:
@@ -216,30 +182,10 @@ class DeepseekTarget:
             shapes.update({p + "gate_proj": (inter, H), p + "up_proj": (inter, H), p + "down_proj": (H, inter)})
         return shapes
 
-    def _packed(self, base: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        ckpt = self.ckpt
-        packed, scale = ckpt.get(base + ".weight_packed"), ckpt.get(base + ".weight_scale")
-        try:
-            quant.check_packed(packed, scale, ckpt.get(base + ".weight_shape"), shape)
-        except ValueError as e:
-            full = ckpt.full_name(base + ".weight_packed")
-            raise TargetError(f"{ckpt.dir / ckpt.weight_map[full]}: {ckpt.full_name(base)}.{e}") from None
-        return packed, scale
-
-    def _dense(self, base: str, shape: tuple[int, int]) -> torch.Tensor:
-        """A linear's weight [out, in] on the device, dequantized if it is stored packed."""
-        if quant.is_packed(self.ckpt.has, base):
-            packed, scale = self._packed(base, shape)
-            return quant.dequantize_int4(packed.to(self.device), scale.to(self.device), self.dtype)
-        w, full = self.ckpt.get(base + ".weight"), self.ckpt.full_name(base + ".weight")
-        if list(w.shape) != list(shape):
-            raise TargetError(f"{self.ckpt.dir / self.ckpt.weight_map[full]}: {full}: shape {list(w.shape)}; "
-                              f"expected {list(shape)}")
-        return w.to(self.device, self.dtype, non_blocking=True)
-
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         p, dev = f"layers.{i}.", self.device
-        w = {name: self._dense(p + name, shape) for name, shape in self._shapes(i).items()}
+        w = {name: quant.linear_weight(self.ckpt, p + name, shape, dev, self.dtype)
+             for name, shape in self._shapes(i).items()}
         w.update({n: self.ckpt.get(p + n + ".weight").to(dev, self.dtype) for n in self._norms()})
         if self.spec.is_moe(i):
             w["mlp.gate"] = self.ckpt.get(p + "mlp.gate.weight").to(dev, torch.float32)
@@ -251,32 +197,12 @@ class DeepseekTarget:
     def _load_experts(self, i: int) -> dict[str, torch.Tensor]:
         """`experts.gate_up.*` [E, 2I, ...] (gate rows first), `experts.down.*` [E, H, ...]: packed if all are."""
         experts, shapes = range(self.spec.n_routed_experts), self._expert_shapes()
-        packed = all(quant.is_packed(self.ckpt.has, f"layers.{i}.mlp.experts.{e}.{proj}")
-                     for e in experts for proj in shapes)
-        stack = self._stack_packed if packed else self._stack_dense
         out = {}
         for key, projs in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
             bases = [[f"layers.{i}.mlp.experts.{e}.{p}" for p in projs] for e in experts]
-            out.update({f"experts.{key}.{n}": t for n, t in stack(bases, shapes[projs[0]]).items()})
+            out.update({f"experts.{key}.{n}": t for n, t in moe.stack_linears(
+                self.ckpt, bases, shapes[projs[0]], self.device, self.dtype).items()})
         return out
-
-    def _stack_packed(self, bases: list[list[str]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-        """bases[e] = the linears of expert e stacked along rows -> packed [E, rows, in/8], scales."""
-        rows = shape[0] * len(bases[0])
-        packed = scale = None
-        for e, names in enumerate(bases):
-            for j, base in enumerate(names):
-                pk, sc = self._packed(base, shape)
-                if packed is None:  # allocated on first sight: the scale dtype is the file's
-                    packed = torch.empty(len(bases), rows, pk.shape[1], dtype=pk.dtype, device=self.device)
-                    scale = torch.empty(len(bases), rows, sc.shape[1], dtype=sc.dtype, device=self.device)
-                packed[e, j * shape[0]:(j + 1) * shape[0]].copy_(pk)
-                scale[e, j * shape[0]:(j + 1) * shape[0]].copy_(sc)
-        return {"weight_packed": packed, "weight_scale": scale}
-
-    def _stack_dense(self, bases: list[list[str]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-        """For experts of which some are stored dense: all dense, in self.dtype."""
-        return {"weight": torch.stack([torch.cat([self._dense(b, shape) for b in names]) for names in bases])}
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
                       cu_seqlens: torch.Tensor, cache=None) -> torch.Tensor:
@@ -323,34 +249,9 @@ class DeepseekTarget:
         return torch.cat([k_nope, k_pe[:, None].expand(L, b - a, s.qk_rope_head_dim)], -1), v
 
     def _moe(self, w, x):
-        idx, weights = route(F.linear(x.float(), w["mlp.gate"]), w.get("mlp.gate.bias"), self.spec)
-        out = self._routed(w, x, idx, weights)
+        idx, weights = moe.route(F.linear(x.float(), w["mlp.gate"]), w.get("mlp.gate.bias"), self.spec.router)
+        out = moe.routed(w, x, idx, weights, self.spec.n_routed_experts, self.expert_act, self.dtype)
         if self.spec.n_shared_experts:
             out = out + swiglu(x, w["mlp.shared_experts.gate_proj"], w["mlp.shared_experts.up_proj"],
                                w["mlp.shared_experts.down_proj"])
         return out
-
-    def _routed(self, w, x, idx, weights):
-        """Σ_k weights[t, k] · expert_idx[t, k](x_t) [T, H], EXPERT_BLOCK active experts' weights dequantized at a
-        time; pair (t, slot) lands in row t·k + slot, the k slots summed at the end (fewer bytes than index_add)."""
-        T, k = idx.shape
-        order = idx.flatten().argsort(stable=True)
-        token, pair_w = order // k, weights.flatten()[order]
-        counts = torch.bincount(idx.flatten(), minlength=self.spec.n_routed_experts).tolist()  # one sync
-        starts = list(itertools.accumulate(counts, initial=0))
-        pairs = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)
-        active = [e for e, n in enumerate(counts) if n]
-        for b in range(0, len(active), EXPERT_BLOCK):
-            block = active[b:b + EXPERT_BLOCK]
-            sizes, rows = [counts[e] for e in block], slice(starts[block[0]], starts[block[-1] + 1])
-            h = self.expert_act(expert_matmul(x[token[rows]], self._expert_weights(w, "gate_up", block), sizes),
-                                pair_w[rows])                                                    # [n, I]
-            pairs.index_copy_(0, order[rows], expert_matmul(h, self._expert_weights(w, "down", block), sizes))
-        return pairs.view(T, k, x.shape[1]).sum(1)   # summed in fp32 (the reduction's accumulator)
-
-    def _expert_weights(self, w, key: str, experts: list[int]) -> torch.Tensor:
-        """Dense [len(experts), out, in] weights of the chosen experts."""
-        if f"experts.{key}.weight" in w:
-            return _select(w[f"experts.{key}.weight"], experts)
-        return quant.dequantize_int4(_select(w[f"experts.{key}.weight_packed"], experts),
-                                     _select(w[f"experts.{key}.weight_scale"], experts), self.dtype)

@@ -1,11 +1,15 @@
-"""compressed-tensors `pack-quantized` int4 linears: `X.weight_packed` (int32 [out, in/8], values + 8, lowest nibble
-first), `X.weight_scale` [out, in/group], `X.weight_shape`; packed or plain (`X.weight`) by its keys."""
+"""The published formats of a linear's weight and `linear_weight`, the one call that reads any of them dense:
+compressed-tensors `pack-quantized` int4 (`X.weight_packed` int32 [out, in/8], values + 8, lowest nibble first,
+`X.weight_scale` [out, in/group], `X.weight_shape`), or plain `X.weight`, by its keys; gpt-oss's MXFP4 experts
+(`dequantize_mxfp4`)."""
 from __future__ import annotations
 
 import functools
 from typing import NamedTuple
 
 import torch
+
+from eagle3.errors import TargetError
 
 PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
 
@@ -109,3 +113,44 @@ def check_packed(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor,
     for suffix, t in (("weight_packed", packed), ("weight_scale", scale)):
         if not shape_fits(want[suffix], list(t.shape)):
             raise ValueError(f"{suffix} has shape {list(t.shape)}; expected {want[suffix]}")
+
+
+def packed_parts(ckpt, base: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 weight_packed and weight_scale of linear `base` of `ckpt` (a `weights.Checkpoint`), checked."""
+    packed, scale = ckpt.get(base + ".weight_packed"), ckpt.get(base + ".weight_scale")
+    try:
+        check_packed(packed, scale, ckpt.get(base + ".weight_shape"), shape)
+    except ValueError as e:
+        full = ckpt.full_name(base + ".weight_packed")
+        raise TargetError(f"{ckpt.dir / ckpt.weight_map[full]}: {ckpt.full_name(base)}.{e}") from None
+    return packed, scale
+
+
+def linear_weight(ckpt, base: str, shape: tuple[int, int], device, dtype: torch.dtype) -> torch.Tensor:
+    """Linear `base`'s weight [out, in] = `shape` on `device` in `dtype`, dequantized from whichever format it is
+    stored in."""
+    if is_packed(ckpt.has, base):
+        packed, scale = packed_parts(ckpt, base, shape)
+        return dequantize_int4(packed.to(device), scale.to(device), dtype)
+    w, full = ckpt.get(base + ".weight"), ckpt.full_name(base + ".weight")
+    if list(w.shape) != list(shape):
+        raise TargetError(f"{ckpt.dir / ckpt.weight_map[full]}: {full}: shape {list(w.shape)}; expected {list(shape)}")
+    return w.to(device, dtype, non_blocking=True)
+
+
+# the e2m1 values of an MXFP4 nibble (OCP Microscaling: sign bit high), blocks of 32 sharing a power-of-two scale
+MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_shapes(stacked: int, out: int, inp: int) -> dict[str, list[int]]:
+    """`_blocks` uint8 [E, out, in/32, 16] and `_scales` uint8 [E, out, in/32] of `stacked` [out, in] matrices."""
+    return {"blocks": [stacked, out, inp // 32, 16], "scales": [stacked, out, inp // 32]}
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks uint8 [..., out, G, 16] (two values a byte, the low nibble first), scales uint8 [..., out, G]
+    (2^(s - 127)) -> W [..., out, 32 G] in `dtype`; exact (a value has two significant bits)."""
+    lut = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
+    nibbles = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2)           # [..., out, G, 32]
+    w = torch.ldexp(lut[nibbles.long()], scales.to(torch.int32)[..., None] - 127)
+    return w.flatten(-2).to(dtype)
