@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from eagle3.bench.timing import describe_device, matmul_tflops, median_ms_of_calls, peak_bytes, require_cuda, wall_s
-from eagle3.models import attention, deepseek, quant, streaming, tiny
+from eagle3.models import attention, deepseek, moe, quant, streaming, tiny
 from eagle3.models.weights import read_config
 from eagle3.ops import rms_norm
 
@@ -172,7 +172,7 @@ def time_layer(model, w: dict, s: dict, device: torch.device, peak: float) -> di
     p, sc = w["experts.gate_up.weight_packed"][:8], w["experts.gate_up.weight_scale"][:8]
     t_deq_eager = median_ms_of_calls(lambda: quant.dequantize_int4_torch(p, sc, torch.bfloat16),
                                      calls=5, warmup_calls=2) * E / 8 / 1e3
-    idx, _ = deepseek.route(torch.nn.functional.linear(xn.float(), w["mlp.gate"]), w["mlp.gate.bias"], model.spec)
+    idx, _ = moe.route(torch.nn.functional.linear(xn.float(), w["mlp.gate"]), w["mlp.gate.bias"], model.spec.router)
     counts = torch.bincount(idx.flatten(), minlength=E)
     flops = layer_flops(model, s)
     total = sum(flops.values())
@@ -243,19 +243,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="`long` computes in this dtype; float32 checks that the chunk sizes agree beyond bf16 "
                              "rounding (e.g. --long-tokens 32768 --long-chunks 8192,0)")
-    parser.add_argument("--expert-block", type=int, default=deepseek.EXPERT_BLOCK,
-                        help="experts dequantized together (eagle3.models.deepseek.EXPERT_BLOCK)")
+    parser.add_argument("--expert-block", type=int, default=moe.EXPERT_BLOCK,
+                        help="experts dequantized together (eagle3.models.moe.EXPERT_BLOCK)")
     args = parser.parse_args(argv)
     if args.expert_block < 1:
         parser.error(f"--expert-block {args.expert_block}: expected at least 1")
-    deepseek.EXPERT_BLOCK = args.expert_block
+    moe.EXPERT_BLOCK = args.expert_block
     if not args.tiny:
         require_cuda("benchmarks.moe", "; --tiny runs it at toy size on the CPU")
     parts = args.parts.split(",")
     if not set(parts) <= {"layer", "streamed", "long"}:
         parser.error(f"--parts {args.parts}: expected a comma list of layer, streamed, long")
     s, device = (TINY, torch.device("cpu")) if args.tiny else (KIMI, torch.device("cuda"))
-    print(describe_device(), f"expert block {deepseek.EXPERT_BLOCK}")
+    print(describe_device(), f"expert block {moe.EXPERT_BLOCK}")
     with torch.no_grad():
         peak = matmul_tflops() if device.type == "cuda" else float("nan")
         print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")

@@ -53,9 +53,7 @@ class DeepseekSpec:
             raise TargetError(f"{where}: scoring_func '{scoring}' is not supported (DeepSeek-V3 layout: sigmoid)")
         if s.n_routed_experts and s.topk_method not in ("noaux_tc", "greedy"):
             raise TargetError(f"{where}: topk_method '{s.topk_method}' is not supported (supported: noaux_tc, greedy)")
-        if s.n_routed_experts % s.n_group or s.topk_group > s.n_group:
-            raise TargetError(f"{where}: n_routed_experts {s.n_routed_experts} must split into n_group "
-                              f"{s.n_group} groups and topk_group {s.topk_group} <= n_group")
+        moe.check_groups(s.router, where)
         if s.qk_rope_head_dim % 2:
             raise TargetError(f"{where}: qk_rope_head_dim {s.qk_rope_head_dim} must be even")
         return s

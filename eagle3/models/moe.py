@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from eagle3.errors import TargetError
 from eagle3.ops import silu_mul
 from eagle3.models import quant
 
@@ -28,6 +29,13 @@ class Router:
     scaling: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+
+
+def check_groups(r: Router, where: str) -> None:
+    """Raise unless the experts split into n_group groups of which topk_group are kept."""
+    if r.experts % r.n_group or r.topk_group > r.n_group:
+        raise TargetError(f"{where}: n_routed_experts {r.experts} must split into n_group {r.n_group} groups and "
+                          f"topk_group {r.topk_group} <= n_group")
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, r: Router) -> tuple[torch.Tensor, torch.Tensor]:
