@@ -160,7 +160,7 @@ class GqaTarget:
                 out.update({f"experts.{key}.{k}": self.ckpt.get(f"{p}{key}_proj_{k}").to(dev)
                             for k in ("blocks", "scales")})
             else:   # transformers' [E, in, out] -> [E, out, in]
-                out[f"experts.{key}.weight"] = self.ckpt.get(f"{p}{key}_proj").to(dev, self.dtype).transpose(1, 2)
+                out[f"experts.{key}.weight"] = self.ckpt.get(f"{p}{key}_proj").to(dev, self.dtype).transpose(1, 2).contiguous()
         return out
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,

@@ -24,6 +24,13 @@ def inspect(target: str) -> dict:
         report["moe"] = {"routed_experts": s.n_routed_experts, "shared_experts": s.n_shared_experts,
                          "experts_per_token": s.num_experts_per_tok, "n_group": s.n_group, "topk_group": s.topk_group,
                          "dense_layers": s.first_k_dense_replace, "moe_intermediate_size": s.moe_intermediate_size}
+    elif blocks := [e for e in model.layout.experts if e is not None]:
+        e, a = blocks[0], model.layout.attention
+        report["moe"] = {"routed_experts": e.router.experts, "shared_experts": int(e.shared > 0),
+                         "experts_per_token": e.router.top_k, "router": e.router.scoring,
+                         "dense_layers": c.num_hidden_layers - len(blocks), "moe_intermediate_size": e.inter}
+        report["attention"] = {"head_dim": a.head_dim, "rotary_dim": a.rotary_dim, "qk_norm": a.qk_norm,
+                               "sinks": a.sinks, "sliding_window": max(a.windows, default=0)}
     if not ckpt.weight_map:
         report["weights"] = "missing: no model.safetensors or model.safetensors.index.json"
         return report | dict.fromkeys(("embed_tokens", "lm_head", "norm"))
@@ -32,6 +39,7 @@ def inspect(target: str) -> dict:
                          "skipped_tensors": len(ckpt.weight_map) - len(ckpt.text_tensor_names()),
                          "prefix": ckpt.prefix, "forward_tensors": len(needed),
                          "int4_linears": sum(n.endswith(".weight_packed") for n in needed),
+                         "mxfp4_tensors": sum(n.endswith("_blocks") for n in needed),
                          "unused_text_tensors": len(ckpt.text_tensor_names()) - len(needed)}
     report.update(ckpt.outer_tensors())
     return report
