@@ -142,7 +142,9 @@ def draft_rope_scaling(target: dict | None) -> dict | None:
     given = {**YARN_BETAS, **target} if kind == "yarn" else target
     if missing := [k for k in DRAFT_ROPE_KEYS[kind] if k not in given]:
         raise ValueError(f"rope_type '{kind}' needs {missing[0]}")
-    return {"rope_type": kind, **{k: given[k] for k in DRAFT_ROPE_KEYS[kind]}}
+    # gpt-oss's untruncated YaRN ramp: vLLM's get_rope and SGLang's rotary factory read `truncate` alike
+    truncate = {"truncate": bool(target["truncate"])} if kind == "yarn" and "truncate" in target else {}
+    return {"rope_type": kind, **{k: given[k] for k in DRAFT_ROPE_KEYS[kind]}, **truncate}
 
 
 def draft_rope(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:

@@ -142,3 +142,17 @@ def test_train_export_and_decode_losslessly(made, family, tmp_path):
     prompts.write_text("".join(line + "\n" for line in data.read_text().splitlines()[:3]))
     report = real_decoding(cfg, tmp_path / "train" / "export" / "vllm", prompts)
     assert report["mismatches"] == 0 and report["prompts"] == 3 and report["rounds"] >= 3
+
+
+def test_the_gpt_oss_drafts_rotary_is_its_targets_yarn(made, tmp_path):
+    """YaRN factor 32 over 4,096 positions with the untruncated ramp, exported as both engines read it."""
+    from eagle3.models.families import build_model
+    from eagle3.ops import draft_rope
+    from eagle3.resolve import resolve
+    path = made("gpt_oss")
+    spec = resolve(make_config(tmp_path, path, path / "config.json"), Checkpoint(path)).draft_spec
+    assert spec.rope_scaling == {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    target = build_model(Checkpoint(path), CPU, torch.float32)
+    inv_freq, scale = draft_rope(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+    assert torch.equal(inv_freq, target.inv_freq) and scale == target.rope_scale == pytest.approx(1.3466, abs=1e-4)
