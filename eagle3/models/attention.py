@@ -68,8 +68,8 @@ def cached_attention(q, k, v, scale=None, window: int = 0, sinks=None):
     for a in range(n - T, n, WINDOW_BLOCK):   # query positions a..b of the sequence see keys lo..b
         b = min(a + WINDOW_BLOCK, n)
         lo = max(0, a - window + 1)
-        back = torch.arange(a, b, device=q.device)[:, None] - torch.arange(lo, b, device=q.device)[None, :]
-        mask = (back >= 0) & (back < window)
+        # query a + r sees key lo + c when 0 <= a + r - lo - c < window: a band of diagonals, built in bools
+        mask = torch.ones(b - a, b - lo, dtype=torch.bool, device=q.device).tril(a - lo).triu(a - lo - window + 1)
         rows = slice(a - (n - T), b - (n - T))
         if sinks is None:
             out.append(sdpa(q[rows], k[lo:b], v[lo:b], attn_mask=mask, scale=scale))
