@@ -189,18 +189,10 @@ class DeepseekTarget:
             w["mlp.gate"] = self.ckpt.get(p + "mlp.gate.weight").to(dev, torch.float32)
             if self.spec.topk_method == "noaux_tc":
                 w["mlp.gate.bias"] = self.ckpt.get(p + "mlp.gate.e_score_correction_bias").to(dev, torch.float32)
-            w.update(self._load_experts(i))
+            w.update(moe.load_experts(self.ckpt, f"{p}mlp.experts.", tuple(self._expert_shapes()),
+                                      self.spec.n_routed_experts, self.spec.moe_intermediate_size,
+                                      self.cfg.hidden_size, dev, self.dtype))
         return w
-
-    def _load_experts(self, i: int) -> dict[str, torch.Tensor]:
-        """`experts.gate_up.*` [E, 2I, ...] (gate rows first), `experts.down.*` [E, H, ...]: packed if all are."""
-        experts, shapes = range(self.spec.n_routed_experts), self._expert_shapes()
-        out = {}
-        for key, projs in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
-            bases = [[f"layers.{i}.mlp.experts.{e}.{p}" for p in projs] for e in experts]
-            out.update({f"experts.{key}.{n}": t for n, t in moe.stack_linears(
-                self.ckpt, bases, shapes[projs[0]], self.device, self.dtype).items()})
-        return out
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
                       cu_seqlens: torch.Tensor, cache=None) -> torch.Tensor:

@@ -101,10 +101,6 @@ class GqaTarget:
                 (e.correction, e.correction), (f"{e.gate}.bias", e.logit_bias)) if on})
         return out
 
-    def _expert_shapes(self, e: Experts) -> dict[str, tuple[int, int]]:
-        H = self.cfg.hidden_size
-        return dict(zip(e.projs, ((e.inter, H), (e.inter, H), (H, e.inter))))
-
     def layer_shapes(self, i: int) -> dict[str, list[int] | quant.GroupedShape]:
         """Every tensor layer i's forward reads, as stored -> the shape the config implies."""
         p, e, H = f"layers.{i}.", self.layout.experts[i], self.cfg.hidden_size
@@ -118,7 +114,7 @@ class GqaTarget:
         if not e.projs:
             return shapes | {f"{p}{e.prefix}experts.{k}": s for k, s in self._fused_shapes(i, e).items()}
         for n in range(E):
-            for proj, shape in self._expert_shapes(e).items():
+            for proj, shape in zip(e.projs, ((e.inter, H), (e.inter, H), (H, e.inter))):
                 shapes.update(quant.linear_shapes(self.ckpt.has, f"{p}{e.prefix}experts.{n}.{proj}", shape))
         return shapes
 
@@ -147,12 +143,8 @@ class GqaTarget:
         """`experts.gate_up.*` [E, 2I, ...], `experts.down.*` [E, H, ...] (+ `.bias`), as `moe.routed` reads them."""
         p, dev = f"layers.{i}.{e.prefix}experts.", self.device
         if e.projs:
-            shapes, out = self._expert_shapes(e), {}
-            for key, projs in (("gate_up", e.projs[:2]), ("down", e.projs[2:])):
-                bases = [[f"{p}{n}.{proj}" for proj in projs] for n in range(e.router.experts)]
-                out.update({f"experts.{key}.{n}": t for n, t in moe.stack_linears(
-                    self.ckpt, bases, shapes[projs[0]], dev, self.dtype).items()})
-            return out
+            return moe.load_experts(self.ckpt, p, e.projs, e.router.experts, e.inter, self.cfg.hidden_size, dev,
+                                    self.dtype)
         out = {f"experts.{key}.bias": self.ckpt.get(f"{p}{key}_proj_bias").to(dev, self.dtype)
                for key in ("gate_up", "down")}
         for key in ("gate_up", "down"):
@@ -160,7 +152,8 @@ class GqaTarget:
                 out.update({f"experts.{key}.{k}": self.ckpt.get(f"{p}{key}_proj_{k}").to(dev)
                             for k in ("blocks", "scales")})
             else:   # transformers' [E, in, out] -> [E, out, in]
-                out[f"experts.{key}.weight"] = self.ckpt.get(f"{p}{key}_proj").to(dev, self.dtype).transpose(1, 2).contiguous()
+                w = self.ckpt.get(f"{p}{key}_proj").to(dev, self.dtype)
+                out[f"experts.{key}.weight"] = w.transpose(1, 2).contiguous()
         return out
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,

@@ -121,6 +121,17 @@ def routed(w: dict, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, e
     return pairs.view(T, k, x.shape[1]).sum(1)   # summed in fp32 (the reduction's accumulator)
 
 
+def load_experts(ckpt, prefix: str, projs: tuple[str, ...], experts: int, inner: int, hidden: int, device,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Per-expert linears `{prefix}N.{gate, up, down}` (`projs` names them) -> `experts.gate_up.*` [E, 2I, ...]
+    (gate rows first) and `experts.down.*` [E, H, ...], int4-packed if every part is."""
+    out = {}
+    for key, names, shape in (("gate_up", projs[:2], (inner, hidden)), ("down", projs[2:], (hidden, inner))):
+        bases = [[f"{prefix}{e}.{name}" for name in names] for e in range(experts)]
+        out.update({f"experts.{key}.{n}": t for n, t in stack_linears(ckpt, bases, shape, device, dtype).items()})
+    return out
+
+
 def stack_linears(ckpt, bases: list[list[str]], shape: tuple[int, int], device, dtype) -> dict[str, torch.Tensor]:
     """bases[e] = the linears of expert e stacked along rows -> int4 parts [E, rows, ...] if all are packed, else
     dense `weight` [E, rows, in] in `dtype`."""
