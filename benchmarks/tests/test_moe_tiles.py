@@ -31,6 +31,13 @@ def test_moe_bench_runs_on_a_tiny_shape():
     assert streamed["tokens"] == 128 and streamed_s / 4 < streamed["wall_s"] <= streamed_s
 
 
+def test_the_qwen3_moe_layer_bench_runs_on_a_tiny_shape():
+    with torch.no_grad():
+        layer = moe.bench_qwen3_layer(moe.QWEN3_TINY, torch.device("cpu"), float("nan"))
+    assert layer["tokens"] == 128 and set(layer["flops"]) >= {"experts (8 routed)", "router"}
+    assert sum(layer["expert_tokens_min_max"]) > 0 and layer["layer_s"] > 0
+
+
 def test_the_compile_check_covers_every_list_and_the_fallbacks_build_small():
     """`python -m benchmarks.tiles` builds each list entry for each GPU of its family; the fallbacks,
     built here for the smallest family's newest GPU (sm_120, no GPU needed, pointer loads) and the
