@@ -240,6 +240,31 @@ def test_the_deepseek_target_is_one_our_mla_forward_reads_as_trained(tmp_path):
     assert variants[0] == {"draft.attention": "mla"} and variants[1]["draft.intermediate_size"] == "547"
 
 
+def test_the_qwen3_moe_target_is_one_our_forward_reads_as_trained(tmp_path):
+    """The Qwen3-MoE-shaped variant's model, saved, gives the logits our Qwen3-MoE target forward computes from the
+    files (per-head q/k norms, softmax-routed experts behind a dense first layer)."""
+    import dataclasses
+    from eagle3.models.families import build_model
+    r = dataclasses.replace(quality.TINY, target_kind="qwen3_moe", layers=4, heads=2)
+    torch.manual_seed(0)
+    model = quality.Llama(r)
+    with torch.no_grad():
+        model.load_state_dict({k: v.bfloat16().float() for k, v in model.state_dict().items()})   # as saved
+        ids = torch.randint(0, r.vocab, (1, 30), generator=torch.Generator().manual_seed(1))
+        expected = model(ids)[0]
+    quality.write_target(model, r, 0, tmp_path)
+    ckpt = Checkpoint(tmp_path)
+    assert ckpt.config.family.name == "Qwen3-MoE"
+    target = build_model(ckpt, torch.device("cpu"), torch.float32)
+    assert [e is None for e in target.layout.experts] == [True, False, False, False]
+    h = ckpt.get("embed_tokens.weight").float()[ids[0]]
+    for i in range(r.layers):
+        h = target.layer_forward(target.load_layer(i), h, torch.arange(30), torch.tensor([0, 30]))
+    logits = torch.nn.functional.rms_norm(h, (r.hidden,), ckpt.get("norm.weight").float(), 1e-5) @ \
+        ckpt.get("lm_head.weight").float().T
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_a_second_measure_judges_only_drafts_not_yet_judged(long_work, monkeypatch):
     """`measure` after a `wait` (the peer trained beside ours) must not judge ours again: its files are kept."""
