@@ -25,10 +25,10 @@ CPU = torch.device("cpu")
 def made(tmp_path_factory):
     cache = {}
 
-    def target(family: str, mxfp4: bool = False):
-        if (family, mxfp4) not in cache:
-            cache[family, mxfp4] = tiny.make_moe(tmp_path_factory.mktemp(family), family, mxfp4=mxfp4)
-        return cache[family, mxfp4]
+    def target(family: str, weights: str = "bf16"):
+        if (family, weights) not in cache:
+            cache[family, weights] = tiny.make_moe(tmp_path_factory.mktemp(family), family, weights=weights)
+        return cache[family, weights]
     return target
 
 
@@ -87,20 +87,20 @@ def test_mxfp4_dequantizes_by_the_e2m1_rule_and_runs_as_its_dense_weights(made):
     expect = torch.from_numpy(_mxfp4_by_hand(blocks.numpy(), scales.numpy()))
     assert torch.equal(quant.dequantize_mxfp4(blocks, scales, torch.float64), expect)
     # the MXFP4 release and the bf16 one (its dequantization, transposed as transformers stores it) run alike
-    packed, dense = Checkpoint(made("gpt_oss", mxfp4=True)), Checkpoint(made("gpt_oss"))
+    packed, dense = Checkpoint(made("gpt_oss", "mxfp4")), Checkpoint(made("gpt_oss"))
     assert packed.info("layers.0.mlp.experts.gate_up_proj_blocks")["dtype"] == "U8"
     ids = torch.randint(0, 256, (40,), generator=g)
     a, b = (TargetRunner(c, [0, 1, 2], CPU, torch.float32).run(ids, [0, 40]) for c in (packed, dense))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-6)
-    assert inspect(str(packed.dir))["weights"]["mxfp4_tensors"] == 8
+    assert inspect(str(packed.dir))["weights"]["quantized_linears"]["mxfp4"] == 8
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inspect_names_the_family_and_its_parts(made, family):
     report = inspect(str(made(family)))
     mtp = [n for n in Checkpoint(made(family)).weight_map if n.startswith("model.layers.4.")]   # GLM's MTP layer
-    assert report["family"] == NAMES[family] and report["weights"]["unused_text_tensors"] == len(mtp)
+    assert report["family"] == NAMES[family] and report["weights"]["skipped_tensors"] == len(mtp)
     assert bool(mtp) == (family == "glm4_moe")
     router = {"qwen3_moe": "softmax", "minimax_m2": "sigmoid", "glm4_moe": "sigmoid", "gpt_oss": "topk_softmax"}
     assert report["moe"]["router"] == router[family] and report["moe"]["routed_experts"] == 8
@@ -174,3 +174,43 @@ def test_a_chunked_gpt_oss_sequence_allocates_nothing_larger_than_its_hidden_sta
         peaks[chunk] = seen.bytes
     assert peaks[128] <= h.nbytes < peaks[T], (peaks, h.nbytes)
     torch.testing.assert_close(outs[128], outs[T], rtol=1e-5, atol=1e-4)
+
+
+def _dequantized_copy(path, out):
+    """The fp8 checkpoint at `path` with every block-quantized linear dequantized by hand (weight x its block's
+    scale_inv, in fp32) and no quantization_config: what the fp8 forward must equal."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    config = json.loads((path / "config.json").read_text())
+    b0, b1 = config.pop("quantization_config")["weight_block_size"]
+    stored = {}
+    for file in sorted(set(Checkpoint(path).weight_map.values())):
+        with safe_open(path / file, "pt") as f:
+            stored.update({name: f.get_tensor(name) for name in f.keys()})
+    tensors = {}
+    for name, t in stored.items():
+        scale = stored.get(name[:-len("weight")] + "weight_scale_inv") if name.endswith(".weight") else None
+        if scale is not None:
+            t = t.float() * scale.float().repeat_interleave(b0, 0)[:t.shape[0]].repeat_interleave(b1, 1)[:, :t.shape[1]]
+        if not name.endswith(".weight_scale_inv"):
+            tensors[name] = t
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "minimax_m2", "glm4_moe"])
+def test_fp8_block_checkpoints_run_as_their_dequantized_weights(made, family, tmp_path):
+    """The FP8 releases' layout (128 x 128 blocks there, 16 x 32 here: several blocks and partial ones), whole and
+    chunked, against the same weights dequantized by hand."""
+    fp8 = made(family, "fp8")
+    assert Checkpoint(fp8).info("layers.1.self_attn.q_proj.weight")["dtype"] == "F8_E4M3"
+    dense = _dequantized_copy(fp8, tmp_path / "dense")
+    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(4))
+    ref = TargetRunner(Checkpoint(dense), [0, 1, 2], CPU, torch.float32).run(ids, [0, 60])
+    for chunk in (1000, 16):
+        out = TargetRunner(Checkpoint(fp8), [0, 1, 2], CPU, torch.float32, chunk_tokens=chunk).run(ids, [0, 60])
+        for key in ("aux_hidden", "final_hidden"):
+            torch.testing.assert_close(out[key], ref[key], rtol=1e-5, atol=1e-5)
+    assert inspect(str(fp8))["weights"]["quantized_linears"]["fp8"] > 0

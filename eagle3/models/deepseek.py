@@ -137,7 +137,7 @@ class DeepseekTarget:
         p, s, H = f"layers.{i}.", self.spec, self.cfg.hidden_size
         shapes = {f"{p}{n}.weight": [d] for n, d in self._norms().items()}
         for name, shape in self._shapes(i).items():
-            shapes.update(quant.linear_shapes(self.ckpt.has, p + name, shape))
+            shapes.update(self.ckpt.linear_shapes(p + name, shape))
         if not s.is_moe(i):
             return shapes
         shapes[p + "mlp.gate.weight"] = [s.n_routed_experts, H]
@@ -145,7 +145,7 @@ class DeepseekTarget:
             shapes[p + "mlp.gate.e_score_correction_bias"] = [s.n_routed_experts]
         for e in range(s.n_routed_experts):
             for proj, shape in self._expert_shapes().items():
-                shapes.update(quant.linear_shapes(self.ckpt.has, f"{p}mlp.experts.{e}.{proj}", shape))
+                shapes.update(self.ckpt.linear_shapes(f"{p}mlp.experts.{e}.{proj}", shape))
         return shapes
 
     def _norms(self) -> dict[str, int]:
@@ -182,8 +182,7 @@ class DeepseekTarget:
 
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         p, dev = f"layers.{i}.", self.device
-        w = {name: quant.linear_weight(self.ckpt, p + name, shape, dev, self.dtype)
-             for name, shape in self._shapes(i).items()}
+        w = {name: self.ckpt.linear(p + name, shape, dev, self.dtype) for name, shape in self._shapes(i).items()}
         w.update({n: self.ckpt.get(p + n + ".weight").to(dev, self.dtype) for n in self._norms()})
         if self.spec.is_moe(i):
             w["mlp.gate"] = self.ckpt.get(p + "mlp.gate.weight").to(dev, torch.float32)
@@ -240,7 +239,8 @@ class DeepseekTarget:
 
     def _moe(self, w, x):
         idx, weights = moe.route(F.linear(x.float(), w["mlp.gate"]), w.get("mlp.gate.bias"), self.spec.router)
-        out = moe.routed(w, x, idx, weights, self.spec.n_routed_experts, self.expert_act, self.dtype)
+        out = moe.routed(w, x, idx, weights, self.spec.n_routed_experts, self.expert_act, self.dtype,
+                         self.ckpt.block_cols)
         if self.spec.n_shared_experts:
             out = out + swiglu(x, w["mlp.shared_experts.gate_proj"], w["mlp.shared_experts.up_proj"],
                                w["mlp.shared_experts.down_proj"])

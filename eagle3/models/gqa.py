@@ -106,7 +106,7 @@ class GqaTarget:
         p, e, H = f"layers.{i}.", self.layout.experts[i], self.cfg.hidden_size
         shapes = {p + n: [d] for n, d in self._vectors(i).items()}
         for name, shape in self._linears(i).items():
-            shapes.update(quant.linear_shapes(self.ckpt.has, p + name, shape))
+            shapes.update(self.ckpt.linear_shapes(p + name, shape))
         if e is None:
             return shapes
         E = e.router.experts
@@ -115,7 +115,7 @@ class GqaTarget:
             return shapes | {f"{p}{e.prefix}experts.{k}": s for k, s in self._fused_shapes(i, e).items()}
         for n in range(E):
             for proj, shape in zip(e.projs, ((e.inter, H), (e.inter, H), (H, e.inter))):
-                shapes.update(quant.linear_shapes(self.ckpt.has, f"{p}{e.prefix}experts.{n}.{proj}", shape))
+                shapes.update(self.ckpt.linear_shapes(f"{p}{e.prefix}experts.{n}.{proj}", shape))
         return shapes
 
     def _fused_shapes(self, i: int, e: Experts) -> dict[str, list[int]]:
@@ -130,7 +130,7 @@ class GqaTarget:
 
     def load_layer(self, i: int) -> dict:
         p, dev, e = f"layers.{i}.", self.device, self.layout.experts[i]
-        w = {n: quant.linear_weight(self.ckpt, p + n, s, dev, self.dtype) for n, s in self._linears(i).items()}
+        w = {n: self.ckpt.linear(p + n, s, dev, self.dtype) for n, s in self._linears(i).items()}
         w.update({n: self.ckpt.get(p + n).to(dev, torch.float32 if "sinks" in n or e and n.startswith(e.prefix)
                                              else self.dtype) for n in self._vectors(i)})
         w["window"] = self.layout.attention.windows[i] if self.layout.attention.windows else 0
@@ -188,7 +188,7 @@ class GqaTarget:
         logits = F.linear(x.float(), w["router"], w.get(f"{e.prefix}{e.gate}.bias"))
         idx, weights = moe.route(logits, w.get(f"{e.prefix}{e.correction}"), e.router)
         act = (lambda gu, pw: moe.weighted_clamped_swiglu(gu, pw, e.clamp)) if e.clamp else moe.weighted_swiglu
-        out = moe.routed(w, x, idx, weights, e.router.experts, act, self.dtype)
+        out = moe.routed(w, x, idx, weights, e.router.experts, act, self.dtype, self.ckpt.block_cols)
         if e.shared:
             p = e.prefix + "shared_experts."
             out = out + swiglu(x, w[p + "gate_proj"], w[p + "up_proj"], w[p + "down_proj"])

@@ -85,18 +85,16 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int], bias: torc
     return torch.cat([F.linear(part, w[j], None if bias is None else bias[j]) for j, part in enumerate(x.split(sizes))])
 
 
-def expert_weights(w: dict, key: str, experts: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Dense [len(experts), out, in] weights of the chosen experts of `experts.{key}.*` as stored."""
-    p = f"experts.{key}."
-    if p + "weight" in w:
-        return select(w[p + "weight"], experts)
-    if p + "blocks" in w:
-        return quant.dequantize_mxfp4(select(w[p + "blocks"], experts), select(w[p + "scales"], experts), dtype)
-    return quant.dequantize_int4(select(w[p + "weight_packed"], experts), select(w[p + "weight_scale"], experts), dtype)
+def expert_weights(w: dict, key: str, experts: list[int], dtype: torch.dtype, block_cols: int | None) -> torch.Tensor:
+    """Dense [len(experts), out, in] weights of the chosen experts of `experts.{key}.*` as stored (`quant.dequantize`;
+    fp8 blocks `block_cols` wide)."""
+    prefix = f"experts.{key}."
+    parts = {n[len(prefix):]: select(t, experts) for n, t in w.items() if n.startswith(prefix) and n[-5:] != ".bias"}
+    return quant.dequantize(parts, dtype, block_cols)
 
 
 def routed(w: dict, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: int, act,
-           dtype: torch.dtype) -> torch.Tensor:
+           dtype: torch.dtype, block_cols: int | None = None) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_idx[t, k](x_t) [T, H], EXPERT_BLOCK active experts' weights dequantized at a
     time; pair (t, slot) lands in row t·k + slot, the k slots summed at the end (fewer bytes than index_add).
     `act(gate_up, pair weights)` -> the weighted inner activation; a down bias is weighted alike."""
@@ -111,9 +109,9 @@ def routed(w: dict, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, e
         block = active[b:b + EXPERT_BLOCK]
         sizes, rows = [counts[e] for e in block], slice(starts[block[0]], starts[block[-1] + 1])
         gate_up_bias = select(w["experts.gate_up.bias"], block) if "experts.gate_up.bias" in w else None
-        h = act(expert_matmul(x[token[rows]], expert_weights(w, "gate_up", block, dtype), sizes, gate_up_bias),
+        h = act(expert_matmul(x[token[rows]], expert_weights(w, "gate_up", block, dtype, block_cols), sizes, gate_up_bias),
                 pair_w[rows])                                                                     # [n, I]
-        out = expert_matmul(h, expert_weights(w, "down", block, dtype), sizes)
+        out = expert_matmul(h, expert_weights(w, "down", block, dtype, block_cols), sizes)
         if "experts.down.bias" in w:   # weight · (h W + b), h already weighted
             out += pair_w[rows, None].to(out.dtype) * select(w["experts.down.bias"], block).repeat_interleave(
                 torch.tensor(sizes, device=out.device), 0, output_size=out.shape[0])
@@ -123,33 +121,29 @@ def routed(w: dict, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, e
 
 def load_experts(ckpt, prefix: str, projs: tuple[str, ...], experts: int, inner: int, hidden: int, device,
                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Per-expert linears `{prefix}N.{gate, up, down}` (`projs` names them) -> `experts.gate_up.*` [E, 2I, ...]
-    (gate rows first) and `experts.down.*` [E, H, ...], int4-packed if every part is."""
+    """Per-expert linears `{prefix}N.{gate, up, down}` (`projs` names them) of `ckpt` (a `weights.Checkpoint`) ->
+    `experts.gate_up.*` [E, 2I, ...] (gate rows first) and `experts.down.*` [E, H, ...]: as stored (int4 or fp8,
+    `Checkpoint.linear_parts`) if all are stored alike, else dense."""
+    kinds = {quant.linear_kind(ckpt.has, f"{prefix}{e}.{name}") for e in range(experts) for name in projs}
     out = {}
     for key, names, shape in (("gate_up", projs[:2], (inner, hidden)), ("down", projs[2:], (hidden, inner))):
         bases = [[f"{prefix}{e}.{name}" for name in names] for e in range(experts)]
-        out.update({f"experts.{key}.{n}": t for n, t in stack_linears(ckpt, bases, shape, device, dtype).items()})
+        out.update({f"experts.{key}.{n}": t for n, t in _stack(ckpt, bases, shape, len(kinds) > 1, device,
+                                                                dtype).items()})
     return out
 
 
-def stack_linears(ckpt, bases: list[list[str]], shape: tuple[int, int], device, dtype) -> dict[str, torch.Tensor]:
-    """bases[e] = the linears of expert e stacked along rows -> int4 parts [E, rows, ...] if all are packed, else
-    dense `weight` [E, rows, in] in `dtype`."""
-    if all(quant.is_packed(ckpt.has, b) for names in bases for b in names):
-        return _stack_packed(ckpt, bases, shape, device)
-    return {"weight": torch.stack([torch.cat([quant.linear_weight(ckpt, b, shape, device, dtype) for b in names])
-                                   for names in bases])}
-
-
-def _stack_packed(ckpt, bases: list[list[str]], shape: tuple[int, int], device) -> dict[str, torch.Tensor]:
-    rows = shape[0] * len(bases[0])
-    packed = scale = None
+def _stack(ckpt, bases: list[list[str]], shape: tuple[int, int], dense: bool, device, dtype) -> dict[str, torch.Tensor]:
+    """bases[e] = the linears of expert e, stacked along rows -> their parts [E, rows, ...] on the device, as
+    stored or (`dense`: experts stored in several ways) dequantized."""
+    rows, out = shape[0] * len(bases[0]), {}
     for e, names in enumerate(bases):
         for j, base in enumerate(names):
-            pk, sc = quant.packed_parts(ckpt, base, shape)
-            if packed is None:  # allocated on first sight: the scale dtype is the file's
-                packed = torch.empty(len(bases), rows, pk.shape[1], dtype=pk.dtype, device=device)
-                scale = torch.empty(len(bases), rows, sc.shape[1], dtype=sc.dtype, device=device)
-            packed[e, j * shape[0]:(j + 1) * shape[0]].copy_(pk)
-            scale[e, j * shape[0]:(j + 1) * shape[0]].copy_(sc)
-    return {"weight_packed": packed, "weight_scale": scale}
+            parts = ckpt.linear_parts(base, shape)
+            if dense:
+                parts = {"weight": quant.dequantize(parts, dtype, ckpt.block_cols)}
+            for n, t in parts.items():
+                if n not in out:  # allocated on first sight: the dtype is the file's
+                    out[n] = torch.empty(len(bases), rows, *t.shape[1:], dtype=t.dtype, device=device)
+                out[n][e, j * shape[0]:(j + 1) * shape[0]].copy_(t)
+    return out
