@@ -15,6 +15,7 @@ token (MLA projections, the causal attention itself, router, 8 routed + 1 shared
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -224,7 +225,8 @@ def agreement(model, w: dict, s: dict, device: torch.device) -> dict:
     got = model.layer_forward(w, x, pos, cu)
     dense = {k: v for k, v in w.items() if not k.startswith("experts.")}
     for key in ("gate_up", "down"):
-        dense[f"experts.{key}.weight"] = model._expert_weights(w, key, list(range(model.spec.n_routed_experts)))
+        dense[f"experts.{key}.weight"] = moe.expert_weights(w, key, list(range(model.spec.n_routed_experts)), model.dtype,
+                                                            model.ckpt.block_cols)
     want = model.layer_forward(dense, x, pos, cu)
     return {"agreement_rel_err": float((got.float() - want.float()).norm() / want.float().norm()),
             "agreement_bit_equal_share": float((got == want).float().mean())}
@@ -287,24 +289,13 @@ def time_layer(model, w: dict, s: dict, device: torch.device, peak: float) -> di
     t_moe_mem = peak_bytes(lambda: model._moe(w, xn))[0] / 2 ** 30 if cuda else float("nan")
     E = w["moe"].router.experts if "moe" in w else model.spec.n_routed_experts
     quarter = list(range(E // 4))
-<<<<<<< HEAD
-    t_deq = median_ms_of_calls(lambda: (moe.expert_weights(w, "gate_up", quarter, model.dtype),
-                                        moe.expert_weights(w, "down", quarter, model.dtype)),
+    t_deq = median_ms_of_calls(lambda: (moe.expert_weights(w, "gate_up", quarter, model.dtype, model.ckpt.block_cols),
+                                        moe.expert_weights(w, "down", quarter, model.dtype, model.ckpt.block_cols)),
                                calls=5, warmup_calls=2) * 4 / 1e3
-    t_deq_eager = float("nan")
-    if "experts.gate_up.weight_packed" in w:
-        p, sc = w["experts.gate_up.weight_packed"][:8], w["experts.gate_up.weight_scale"][:8]
-        t_deq_eager = median_ms_of_calls(lambda: quant.dequantize_int4_torch(p, sc, torch.bfloat16),
-                                         calls=5, warmup_calls=2) * E / 8 / 1e3
-    idx = routing(model, w, xn)
-=======
-    t_deq = median_ms_of_calls(lambda: (model._expert_weights(w, "gate_up", quarter),
-                                        model._expert_weights(w, "down", quarter)), calls=5, warmup_calls=2) * 4 / 1e3
     eager = eager_dequant({n.removeprefix("experts.gate_up."): t[:8] for n, t in w.items()
                            if n.startswith("experts.gate_up.")})
     t_deq_eager = median_ms_of_calls(eager, calls=5, warmup_calls=2) * E / 8 / 1e3 if eager else float("nan")
-    idx, _ = deepseek.route(torch.nn.functional.linear(xn.float(), w["mlp.gate"]), w["mlp.gate.bias"], model.spec)
->>>>>>> i56
+    idx = routing(model, w, xn)
     counts = torch.bincount(idx.flatten(), minlength=E)
     flops = (qwen3_flops if isinstance(model, gqa.GqaTarget) else layer_flops)(model, s)
     total = sum(flops.values())
@@ -377,16 +368,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="`long` computes in this dtype; float32 checks that the chunk sizes agree beyond bf16 "
                              "rounding (e.g. --long-tokens 32768 --long-chunks 8192,0)")
-<<<<<<< HEAD
-    parser.add_argument("--expert-block", type=int, default=moe.EXPERT_BLOCK,
-                        help="experts dequantized together (eagle3.models.moe.EXPERT_BLOCK)")
-=======
     parser.add_argument("--formats", default="int4",
                         help="comma list of how the routed experts of `layer` are stored: int4 (Kimi-K2.5), fp8 "
                              "(128 x 128 blocks, Kimi-K2-Instruct / DeepSeek-V3), bf16")
-    parser.add_argument("--expert-block", type=int, default=deepseek.EXPERT_BLOCK,
-                        help="experts dequantized together (eagle3.models.deepseek.EXPERT_BLOCK)")
->>>>>>> i56
+    parser.add_argument("--expert-block", type=int, default=moe.EXPERT_BLOCK,
+                        help="experts dequantized together (eagle3.models.moe.EXPERT_BLOCK)")
     args = parser.parse_args(argv)
     if args.expert_block < 1:
         parser.error(f"--expert-block {args.expert_block}: expected at least 1")
@@ -398,24 +384,19 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--formats {args.formats}: expected a comma list of int4, fp8, bf16")
     if not set(parts) <= {"layer", "streamed", "long"}:
         parser.error(f"--parts {args.parts}: expected a comma list of layer, streamed, long")
-    if args.model == "qwen3" and parts != ["layer"]:
-        parser.error("--model qwen3 runs --parts layer only")
+    if args.model == "qwen3" and (parts != ["layer"] or formats != ["int4"]):
+        parser.error("--model qwen3 runs --parts layer only, its experts in bf16 (no --formats)")
     shapes = {"kimi": (KIMI, TINY), "qwen3": (QWEN3, QWEN3_TINY)}[args.model]
     s, device = (shapes[1], torch.device("cpu")) if args.tiny else (shapes[0], torch.device("cuda"))
     print(describe_device(), f"expert block {moe.EXPERT_BLOCK}")
     with torch.no_grad():
         peak = matmul_tflops() if device.type == "cuda" else float("nan")
         print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")
-<<<<<<< HEAD
-        if "layer" in parts:
-            bench = bench_qwen3_layer if args.model == "qwen3" else bench_layer
-            print(json.dumps(bench(s, device, peak), indent=1))
-=======
         for stored in formats if "layer" in parts else ():
-            print(json.dumps(bench_layer(s, device, peak, stored), indent=1))
+            bench = bench_qwen3_layer if args.model == "qwen3" else functools.partial(bench_layer, stored=stored)
+            print(json.dumps(bench(s, device, peak), indent=1))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
->>>>>>> i56
         if "streamed" in parts:
             print(json.dumps(bench_streamed(s, device), indent=1))
         if "long" in parts:

@@ -237,8 +237,10 @@ def mxfp4_shapes(stacked: int, out: int, inp: int) -> dict[str, list[int]]:
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """blocks uint8 [..., out, G, 16] (two values a byte, the low nibble first), scales uint8 [..., out, G]
-    (2^(s - 127)) -> W [..., out, 32 G] in `dtype`; exact (a value has two significant bits)."""
-    lut = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
-    nibbles = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2)           # [..., out, G, 32]
-    w = torch.ldexp(lut[nibbles.long()], scales.to(torch.int32)[..., None] - 127)
-    return w.flatten(-2).to(dtype)
+    (2^(s - 127)) -> W [..., out, 32 G] in `dtype`, computed there: exact (a value has two significant bits, the
+    scale is a power of two that bf16's exponent holds)."""
+    lut = torch.tensor(MXFP4_VALUES, dtype=dtype, device=blocks.device)
+    scale = torch.exp2(scales.float() - 127).to(dtype)[..., None, None]                     # [..., out, G, 1, 1]
+    # int32 indices: a uint8 index would be read as a mask
+    w = torch.stack([lut[(blocks & 0xF).int()], lut[(blocks >> 4).int()]], dim=-1) * scale   # [..., out, G, 16, 2]
+    return w.flatten(-3)
