@@ -214,3 +214,14 @@ def test_fp8_block_checkpoints_run_as_their_dequantized_weights(made, family, tm
         for key in ("aux_hidden", "final_hidden"):
             torch.testing.assert_close(out[key], ref[key], rtol=1e-5, atol=1e-5)
     assert inspect(str(fp8))["weights"]["quantized_linears"]["fp8"] > 0
+
+
+def test_the_staged_target_gives_the_runners_states(made):
+    """`train.online_target = "staged"` (one stage here): gpt-oss's sinks and windows through its pipeline."""
+    from eagle3.models.staged import StagedTarget
+    ckpt, cu = Checkpoint(made("gpt_oss")), [0, 140, 200]
+    ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(6))
+    staged = StagedTarget(ckpt, [0, 1, 2], CPU, torch.float32, rank=0, world=1, chunk_tokens=64).run([(ids, cu)], None)
+    whole = TargetRunner(ckpt, [0, 1, 2], CPU, torch.float32).run(ids, cu)
+    for key in whole:
+        torch.testing.assert_close(staged[0][key], whole[key], rtol=1e-5, atol=1e-4)
