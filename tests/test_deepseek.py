@@ -352,7 +352,7 @@ def test_inspect_counts_and_missing_expert(kimi, tmp_path):
     w = report["weights"]
     assert w["forward_tensors"] == w["tensors"] - 4 == 3 + 12 + 4 * (14 + 8 * 9)
     assert w["skipped"] == {"vision tower and projector: the text forward reads no image": 4}
-    assert w["quantized_linears"] == {"int4": 4 * 8 * 3, "fp8": 0}
+    assert w["quantized_linears"] == {"int4": 4 * 8 * 3, "fp8": 0, "mxfp4": 0}
     assert report["moe"]["routed_experts"] == 8 and report["moe"]["shared_experts"] == 1
     assert report["quantization"]["format"] == "pack-quantized"
 

@@ -3,6 +3,7 @@ them: attention with or without biases, qk-norm per head or over the whole proje
 head, sinks and sliding windows; a dense SwiGLU or a mixture of experts (`moe`) per layer."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,10 @@ class GqaTarget:
         except ValueError as e:
             raise TargetError(f"{c.source}: {e}") from None
         self.scale = a.head_dim ** -0.5
-        self.norm = compiled(rms_norm) if device.type == "cuda" else rms_norm
+        clamp = max((e.clamp for e in layout.experts if e is not None), default=0.0)
+        act = functools.partial(moe.weighted_clamped_swiglu, limit=clamp) if clamp else moe.weighted_swiglu
+        # on a GPU one fused kernel each, as DeepSeek's: eagerly their fp32 chains move several times their input
+        self.norm, self.expert_act = (compiled(rms_norm), compiled(act)) if device.type == "cuda" else (rms_norm, act)
 
     def _linears(self, i: int) -> dict[str, tuple[int, int]]:
         """[out, in] of each plain linear of layer i (without `.weight`)."""
@@ -187,8 +191,7 @@ class GqaTarget:
         e = w["moe"]
         logits = F.linear(x.float(), w["router"], w.get(f"{e.prefix}{e.gate}.bias"))
         idx, weights = moe.route(logits, w.get(f"{e.prefix}{e.correction}"), e.router)
-        act = (lambda gu, pw: moe.weighted_clamped_swiglu(gu, pw, e.clamp)) if e.clamp else moe.weighted_swiglu
-        out = moe.routed(w, x, idx, weights, e.router.experts, act, self.dtype, self.ckpt.block_cols)
+        out = moe.routed(w, x, idx, weights, e.router.experts, self.expert_act, self.dtype, self.ckpt.block_cols)
         if e.shared:
             p = e.prefix + "shared_experts."
             out = out + swiglu(x, w[p + "gate_proj"], w[p + "up_proj"], w[p + "down_proj"])
