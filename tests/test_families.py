@@ -225,3 +225,21 @@ def test_the_staged_target_gives_the_runners_states(made):
     whole = TargetRunner(ckpt, [0, 1, 2], CPU, torch.float32).run(ids, cu)
     for key in whole:
         torch.testing.assert_close(staged[0][key], whole[key], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_window_and_sink_attention_equal_the_softmax_written_out(window, monkeypatch):
+    """gpt-oss's eager attention (transformers: the sink a logit beside the keys', dropped after the softmax) against
+    `cached_attention` with query blocks smaller than the window and the sequence (its blocked path)."""
+    from eagle3.models import attention
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", 3)
+    g = torch.Generator().manual_seed(8)
+    n, T, Hq, Hkv, D = 17, 11, 4, 2, 8
+    q, k, v = torch.randn(T, Hq, D, generator=g), torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, D, generator=g)
+    sinks = torch.randn(Hq, generator=g)
+    scores = torch.einsum("thd,shd->hts", q, k.repeat_interleave(2, 1)) * D ** -0.5              # [Hq, T, n]
+    back = torch.arange(n - T, n)[:, None] - torch.arange(n)[None]
+    scores = scores.masked_fill((back < 0) | ((back >= window) if window else False), float("-inf"))
+    probs = torch.cat([scores, sinks[:, None, None].expand(Hq, T, 1)], -1).softmax(-1)[..., :-1]
+    expect = torch.einsum("hts,shd->thd", probs, v.repeat_interleave(2, 1))
+    torch.testing.assert_close(attention.cached_attention(q, k, v, None, window, sinks), expect, rtol=1e-5, atol=1e-5)
