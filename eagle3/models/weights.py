@@ -45,7 +45,15 @@ DEEPSEEK = Family("DeepSeek-V3", ("deepseek_v3", "kimi_k2", "kimi_k25"),
                    "n_routed_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
 LLAMA = Family("Llama", ("llama", "mistral", "qwen2", "qwen3"),
                ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), {})
-FAMILIES = (DEEPSEEK, LLAMA)
+# the GQA MoE families (eagle3.models.families): the fields their rooms read besides the common ones
+QWEN3_MOE = Family("Qwen3-MoE", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
+                   {"num_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
+MINIMAX_M2 = Family("MiniMax-M2", ("minimax_m2",), ("MiniMaxM2ForCausalLM",),
+                    {"num_local_experts": int, "num_experts_per_tok": int})
+GLM4_MOE = Family("GLM-4.5", ("glm4_moe",), ("Glm4MoeForCausalLM",),
+                  {"n_routed_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
+GPT_OSS = Family("gpt-oss", ("gpt_oss",), ("GptOssForCausalLM",), {"num_local_experts": int, "num_experts_per_tok": int})
+FAMILIES = (DEEPSEEK, LLAMA, QWEN3_MOE, MINIMAX_M2, GLM4_MOE, GPT_OSS)
 
 
 @dataclass
