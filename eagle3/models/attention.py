@@ -43,10 +43,13 @@ def cudnn_takes(q, k, v) -> bool:
     return torch.backends.cuda.can_use_cudnn_attention(params)
 
 
-def cached_attention(q, k, v, scale=None, window: int = 0):
+def cached_attention(q, k, v, scale=None, window: int = 0, mask=None):
     """The last q.shape[0] positions of a sequence attending to all its k/v [n, Hkv, D], causally (with `window`
-    > 0: the keys less than `window` positions back); without a window the causal bias aligned to the last key runs
-    in flash / memory-efficient attention on CUDA without a [T, n] mask."""
+    > 0: the keys less than `window` positions back; with a boolean `mask` [T, n]: the keys it allows); without
+    either the causal bias aligned to the last key runs in flash / memory-efficient attention on CUDA without a
+    [T, n] mask."""
+    if mask is not None:
+        return sdpa(q, k, v, attn_mask=mask, scale=scale)
     if not window:
         return sdpa(q, k, v, attn_mask=causal_lower_right(q.shape[0], k.shape[0]), scale=scale)
     T, n = q.shape[0], k.shape[0]

@@ -44,7 +44,19 @@ DEEPSEEK = Family("DeepSeek-V3", ("deepseek_v3", "kimi_k2", "kimi_k25"),
                    "n_routed_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
 LLAMA = Family("Llama", ("llama", "mistral", "qwen2", "qwen3"),
                ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), {})
-FAMILIES = (DEEPSEEK, LLAMA)
+# DeepSeek-V3's forward with other choices (eagle3/models/deepseek.py): GLM's MoE on DeepSeek's MLA; the DSA indexer
+_INDEXER = {"index_topk": int, "index_n_heads": int, "index_head_dim": int, "q_lora_rank": int}
+GLM4_MOE_LITE = Family("GLM-4.7-Flash", ("glm4_moe_lite",), ("Glm4MoeLiteForCausalLM",), DEEPSEEK.fields)
+DEEPSEEK_V32 = Family("DeepSeek-V3.2", ("deepseek_v32",), ("DeepseekV32ForCausalLM",),
+                      {**DEEPSEEK.fields, **_INDEXER})
+GLM_MOE_DSA = Family("GLM-5", ("glm_moe_dsa",), ("GlmMoeDsaForCausalLM",), {**DEEPSEEK.fields, **_INDEXER})
+FAMILIES = (DEEPSEEK, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA, LLAMA)
+MLA_FAMILIES = (DEEPSEEK, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA)
+# families the engines serve that this forward does not build: model_type -> what is missing
+NOT_BUILT = {"qwen3_5_moe": "Qwen3.5-MoE: its Gated DeltaNet linear-attention layers (3 of every 4) are not built",
+             "deepseek_v4": "DeepSeek-V4: its compressed-KV attention (shared KV, sinks, windows) and 4-stream "
+                            "hyper-connections are not built",
+             "kimi_linear": "Kimi-Linear: its Kimi Delta Attention linear-attention layers are not built"}
 
 
 @dataclass
@@ -73,7 +85,8 @@ class TextConfig:
 
     @property
     def is_deepseek(self) -> bool:
-        return self.family is DEEPSEEK
+        """DeepSeek-V3's MLA forward (with the family's choices)."""
+        return self.family in MLA_FAMILIES
 
     @property
     def head_dim(self) -> int:
@@ -152,6 +165,8 @@ def read_config(path: Path) -> TextConfig:
     else:
         named = f"architectures {architectures}" if architectures else "no model_type or architectures"
         found = [f for f in FAMILIES if set(architectures) & set(f.architectures)]
+    if not found and text_model_type in NOT_BUILT:
+        raise TargetError(f"{where}: {named} is not supported: {NOT_BUILT[text_model_type]}")
     if not found:
         supported = "; ".join(f"{', '.join(f.model_types)} ({f.name} family)" for f in FAMILIES)
         raise TargetError(f"{where}: unsupported target ({named}); supported model_types: {supported}")

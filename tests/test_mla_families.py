@@ -1,0 +1,157 @@
+"""The MLA families beside DeepSeek-V3: GLM-4.7-Flash (`glm4_moe_lite`), DeepSeek-V3.2 (`deepseek_v32`) and GLM-5
+(`glm_moe_dsa`), on tiny random checkpoints that transformers 5.24's own classes write (real names and nesting): our
+auxiliary and final hidden states equal theirs, whole, chunked and streamed, past the indexer's top-k; the DSA
+selection exactly; the families the forward does not build refused in one line."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.models import indexer
+from eagle3.models.inspect import inspect
+from eagle3.models.streaming import TargetRunner
+from eagle3.models.weights import Checkpoint, TargetError, read_config
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, first_k_dense_replace=1, rms_norm_eps=1e-5, n_group=2, topk_group=1)
+# 16 indexer heads: a key whose score is an exact 0 (ReLU on every head) at the top-k cut, a tie transformers' topk
+# breaks its own way, comes once in ~65,000 keys
+DSA = dict(index_topk=16, index_n_heads=16, index_head_dim=32)
+FAMILIES = {
+    "glm4_moe_lite": TINY,
+    "glm4_moe_lite_halves": {**TINY, "rope_interleave": False},
+    "deepseek_v32": {**TINY, **DSA, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
+    "glm_moe_dsa": {**TINY, **DSA, "indexer_types": ["full", "shared", "full", "shared"]},
+}
+
+
+def _transformers_target(out: Path, name: str, seed: int = 0):
+    """A tiny random model of family `name` saved by transformers (config.json + model.safetensors) -> the model."""
+    kw = dict(FAMILIES[name])
+    cfg = transformers.AutoConfig.for_model(name.removesuffix("_halves"), **kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():   # norms, router bias and LayerNorm away from their initial ones: each must be read right
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif n.endswith(("k_norm.bias", "e_score_correction_bias")):
+                p.normal_(0, 0.1)
+            elif p.dim() > 1 or n.endswith("gate.weight"):
+                p.normal_(0, 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    model.save_pretrained(out)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    return request.param, out, _transformers_target(out, request.param)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
+    """Equal up to fp32 rounding of the sums (transformers' order of operations is not ours): relative to the scale."""
+    err = float((got.float() - want).abs().max())
+    assert err <= tol * float(want.abs().max()), err
+
+
+def _reference(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """transformers' outputs of every layer and the final normed state of one sequence ids [T]."""
+    with torch.no_grad():
+        out = model.model(input_ids=ids[None], output_hidden_states=True)
+    return [h[0] for h in out.hidden_states[1:-1]], out.last_hidden_state[0]
+
+
+@pytest.mark.parametrize("chunk", [4096, 24])
+def test_hidden_states_equal_transformers_past_the_top_k(family, chunk):
+    """64 tokens against a top-k of 16: three quarters of the queries attend sparsely; whole and in chunks of 24."""
+    name, path, model = family
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(1))
+    layers, final = _reference(model, ids)
+    aux = [0, 1, 2]
+    runner = TargetRunner(Checkpoint(path), aux, torch.device("cpu"), torch.float32, chunk_tokens=chunk)
+    out = runner.run(ids, [0, 64])
+    got = out["aux_hidden"].view(64, 3, -1)
+    for j, i in enumerate(aux):
+        _close(got[:, j], layers[i])
+    _close(out["final_hidden"], final)
+
+
+def test_packed_sequences_each_attend_to_their_own(family):
+    """Two sequences packed (one past the top-k, one within) equal each run alone."""
+    name, path, model = family
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, 128, (40,), generator=g), torch.randint(0, 128, (12,), generator=g)
+    runner = TargetRunner(Checkpoint(path), [1, 2, 3], torch.device("cpu"), torch.float32)
+    both = runner.run(torch.cat([a, b]), [0, 40, 52])["final_hidden"]
+    _close(both[:40], _reference(model, a)[1])
+    _close(both[40:], _reference(model, b)[1])
+
+
+def test_bf16_hidden_states_within_rounding(family):
+    """In bf16 as served, within the top-k (every key chosen: no selection to flip on a rounding): our distance to
+    the fp32 states is that of transformers' own bf16 run (mean over the tokens: a rounding may flip an expert)."""
+    name, path, model = family
+    ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(3))
+    _, final = _reference(model, ids)
+    _, theirs = _reference(copy.deepcopy(model).to(torch.bfloat16), ids)
+    runner = TargetRunner(Checkpoint(path), [1, 2, 3], torch.device("cpu"), torch.bfloat16)
+    ours = runner.run(ids, [0, 16])["final_hidden"]
+    assert ours.dtype == torch.bfloat16
+    assert (ours.float() - final).abs().mean() <= 1.5 * (theirs.float() - final).abs().mean()
+
+
+def test_selection_is_the_top_k_of_the_index_scores():
+    """`indexer.select` against the scores written out: Σ_h w_h relu(q_h · k / sqrt(D)), causal, top-k."""
+    g = torch.Generator().manual_seed(0)
+    q, keys, w = torch.randn(20, 3, 8, generator=g), torch.randn(20, 8, generator=g), torch.randn(20, 3, generator=g)
+    positions = torch.arange(20)
+    chosen = indexer.select(q, w, keys, positions, 5)
+    for t in range(5, 20):
+        scores = [sum(w[t, h] * max(0.0, float(q[t, h] @ keys[j]) / 8 ** 0.5) for h in range(3)) for j in range(t + 1)]
+        best = sorted(range(t + 1), key=lambda j: -scores[j])[:5]
+        assert sorted(chosen[t].tolist()) == sorted(best)
+
+
+def test_shared_dsa_layers_have_no_indexer_and_reuse_the_full_ones(family):
+    name, path, _ = family
+    if name != "glm_moe_dsa":
+        pytest.skip("GLM-5's layers only")
+    report = inspect(str(path))
+    assert report["family"] == "GLM-5" and report["indexer"]["layer_types"] == ["full", "shared", "full", "shared"]
+    ckpt = Checkpoint(path)
+    assert ckpt.has("layers.0.self_attn.indexer.wk.weight") and not ckpt.has("layers.1.self_attn.indexer.wk.weight")
+    assert report["weights"]["unused_text_tensors"] == 0
+
+
+def test_inspect_names_each_family(family):
+    name, path, _ = family
+    report = inspect(str(path))
+    assert report["family"] == {"glm4_moe_lite": "GLM-4.7-Flash", "glm4_moe_lite_halves": "GLM-4.7-Flash",
+                                "deepseek_v32": "DeepSeek-V3.2", "glm_moe_dsa": "GLM-5"}[name]
+    assert report["aux_layer_ids"] == [1, 1, 0]   # [1, L//2 - 1, L - 4] at L = 4
+    assert report["weights"]["unused_text_tensors"] == 0
+
+
+@pytest.mark.parametrize("model_type, missing", [
+    ("qwen3_5_moe", "Gated DeltaNet"), ("deepseek_v4", "hyper-connections"), ("kimi_linear", "Kimi Delta Attention")])
+def test_families_not_built_are_refused_naming_what_is_missing(tmp_path, model_type, missing):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": model_type, "hidden_size": 64}))
+    with pytest.raises(TargetError) as e:
+        read_config(path)
+    assert str(e.value).startswith(f"{path}: model_type '{model_type}' is not supported: ") and missing in str(e.value)
+    assert "\n" not in str(e.value)
