@@ -38,7 +38,7 @@ FAMILIES = {
 def _transformers_target(out: Path, name: str, seed: int = 0):
     """A tiny random model of family `name` saved by transformers (config.json + model.safetensors) -> the model."""
     kw = dict(FAMILIES[name])
-    cfg = transformers.AutoConfig.for_model(name.removesuffix("_halves"), **kw)
+    cfg = transformers.AutoConfig.for_model(name.removesuffix("_halves").removesuffix("_long"), **kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():   # norms, router bias and LayerNorm away from their initial ones: each must be read right
@@ -155,3 +155,26 @@ def test_families_not_built_are_refused_naming_what_is_missing(tmp_path, model_t
         read_config(path)
     assert str(e.value).startswith(f"{path}: model_type '{model_type}' is not supported: ") and missing in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_past_2048_tokens_with_the_published_top_k(tmp_path, name="glm_moe_dsa"):
+    """index_topk 2,048 as published, 2,100 tokens in chunks of 1,024: the last 52 queries of each layer attend
+    sparsely (the second layer with the first's keys; DeepSeek-V3.2's indexer differs only in its rotary, tested
+    past a top-k of 16 above); transformers runs the first two layers only."""
+    FAMILIES[f"{name}_long"] = {**FAMILIES[name], "index_topk": 2048}
+    try:
+        model = _transformers_target(tmp_path, f"{name}_long")
+    finally:
+        del FAMILIES[f"{name}_long"]
+    ids = torch.randint(0, 128, (2100,), generator=torch.Generator().manual_seed(4))
+    model.model.layers = model.model.layers[:2]
+    seen = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda m, i, o: seen.append((o[0] if isinstance(o, tuple) else o)[0]))
+    with torch.no_grad():
+        model.model(input_ids=ids[None])
+    runner = TargetRunner(Checkpoint(tmp_path), [0, 1, 2], torch.device("cpu"), torch.float32, chunk_tokens=1024)
+    got = runner.run(ids, [0, 2100])["aux_hidden"].view(2100, 3, -1)
+    _close(got[:, 0], seen[0])
+    _close(got[:, 1], seen[1])
