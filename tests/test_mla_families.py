@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.models import indexer
+from conftest import make_config
+from eagle3 import extraction, training
+from eagle3.evaluate import real_decoding
+from eagle3.models import indexer, tiny
 from eagle3.models.inspect import inspect
 from eagle3.models.streaming import TargetRunner
 from eagle3.models.weights import Checkpoint, TargetError, read_config
@@ -35,9 +38,9 @@ FAMILIES = {
 }
 
 
-def _transformers_target(out: Path, name: str, seed: int = 0):
+def _transformers_target(out: Path, name: str, seed: int = 0, **overrides):
     """A tiny random model of family `name` saved by transformers (config.json + model.safetensors) -> the model."""
-    kw = dict(FAMILIES[name])
+    kw = {**FAMILIES[name], **overrides}
     cfg = transformers.AutoConfig.for_model(name.removesuffix("_halves").removesuffix("_long"), **kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
@@ -178,3 +181,45 @@ def test_past_2048_tokens_with_the_published_top_k(tmp_path, name="glm_moe_dsa")
     got = runner.run(ids, [0, 2100])["aux_hidden"].view(2100, 3, -1)
     _close(got[:, 0], seen[0])
     _close(got[:, 1], seen[1])
+
+
+# the engines' rules for the layers an EAGLE-3 target captures (both count layer inputs; ours count outputs):
+# vLLM 0.34 `SupportsEagle3` default (2, L // 2, L - 3); SGLang 0.5.23 deepseek_v2.py / glm4_moe_lite.py
+# `set_eagle3_layers_to_capture`: the draft's ids + 1 when the first id is 1, else the ids as given
+def vllm_default(layers: int) -> list[int]:
+    return [2, layers // 2, layers - 3]
+
+
+def sglang_captures(ids: list[int]) -> list[int]:
+    return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
+
+
+@pytest.mark.parametrize("model_type, layers", [("glm4_moe_lite", 47), ("deepseek_v32", 61), ("glm_moe_dsa", 78)])
+def test_default_aux_layers_are_what_the_engines_capture(tmp_path, model_type, layers):
+    """At the published depths (GLM-4.7-Flash 47, DeepSeek-V3.2 61, GLM-5 78): our outputs of layers i are the
+    inputs of layers i + 1 that vLLM captures by default and SGLang captures from the exported ids."""
+    raw = {**TINY, **DSA, "model_type": model_type, "num_hidden_layers": layers, "index_topk": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = read_config(tmp_path / "config.json").default_aux_layer_ids()
+    assert [i + 1 for i in ours] == vllm_default(layers) == sglang_captures(ours)
+
+
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"])
+def test_train_export_evaluate_is_lossless(tmp_path, name):
+    """A draft trained briefly on each family's tiny target, exported for vLLM: real greedy decoding through the
+    export reproduces the target's own greedy tokens (prompts and replies within the DSA top-k of 64)."""
+    target = tmp_path / "target"
+    _transformers_target(target, name, **({"index_topk": 64} if name != "glm4_moe_lite" else {}))
+    data = tiny.make_token_data(tmp_path / "data.jsonl", vocab=128, sequences=16, min_len=8, max_len=24)
+    cfg = make_config(tmp_path, target, data, **{
+        "vocab.draft_vocab_size": 64, "train.max_steps": 3, "train.eval_every": 3, "train.checkpoint_every": 3,
+        "export.formats": '["vllm", "sglang"]', "debug.export_dtype": "float32", "debug.evaluate_device": "cpu",
+        "evaluate.max_new_tokens": 12})
+    extraction.run(cfg)
+    training.run(cfg)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(data.read_text().splitlines(keepends=True)[:4]))
+    report = real_decoding(cfg, Path(cfg.train.output_dir) / "export" / "vllm", prompts)
+    assert report["mismatches"] == 0 and report["prompts"] == 4
+    sglang = json.loads((Path(cfg.train.output_dir) / "export" / "sglang" / "config.json").read_text())
+    assert sglang_captures(sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == vllm_default(4)
