@@ -350,7 +350,7 @@ class DeepseekTarget:
                     index[0], index[2], keys[0], positions, s.index.topk))
                 out = indexer.sparse_attention(q, positions, chosen, cache.filled, expand, self.softmax_scale)
         elif cache is None:
-            out = self._packed(w, q, c, k_pe, index, positions, cu_seqlens)
+            out = self._sequences(w, q, c, k_pe, index, positions, cu_seqlens)
         else:
             if s.index is not None and int(positions.max()) >= s.index.topk:
                 raise TargetError(f"{self.cfg.source}: decoding past index_topk {s.index.topk} tokens a sequence is "
@@ -369,7 +369,7 @@ class DeepseekTarget:
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_mscale)
         return lambda x: apply_rope(x, cos, sin)
 
-    def _packed(self, w, q, c, k_pe, index, positions, cu_seqlens):
+    def _sequences(self, w, q, c, k_pe, index, positions, cu_seqlens):
         """Causal attention of packed sequences; with the DSA indexer, those longer than index_topk sparse."""
         s, nh = self.spec, self.heads
         if s.index is None:
