@@ -15,6 +15,7 @@ from conftest import make_config
 from eagle3 import extraction, training
 from eagle3.evaluate import real_decoding
 from eagle3.models import indexer, tiny
+from eagle3.models.incremental import IncrementalTarget
 from eagle3.models.inspect import inspect
 from eagle3.models.streaming import TargetRunner
 from eagle3.models.weights import Checkpoint, TargetError, read_config
@@ -102,6 +103,25 @@ def test_packed_sequences_each_attend_to_their_own(family):
     both = runner.run(torch.cat([a, b]), [0, 40, 52])["final_hidden"]
     _close(both[:40], _reference(model, a)[1])
     _close(both[40:], _reference(model, b)[1])
+
+
+def test_decoding_with_caches_equals_the_whole_forward_past_the_top_k(family):
+    """Two sequences decoded together a few tokens a pass (the indexer's keys kept beside the KV cache) to 40
+    positions against a top-k of 16, and one prefilled in a single pass of 70 (over SHORT_MAX)."""
+    name, path, model = family
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 128, (n,), generator=g) for n in (40, 33, 70)]
+    target = IncrementalTarget(Checkpoint(path), [1, 2, 3], torch.device("cpu"))
+    caches = [target.new_cache() for _ in seqs]
+    got = [[], [], []]
+    for a, b in ((0, 11), (11, 12), (12, 20), (20, 21), (21, 33), (33, 40)):
+        live = [i for i in range(2) if a < len(seqs[i])]
+        outs = target.forward_many([seqs[i][a:b] for i in live], [caches[i] for i in live])
+        for i, (aux, final) in zip(live, outs):
+            got[i].append(final)
+    got[2] = [target.forward_many([seqs[2]], [caches[2]])[0][1]]
+    for seq, parts in zip(seqs, got):
+        _close(torch.cat(parts), _reference(model, seq)[1])
 
 
 def test_bf16_hidden_states_within_rounding(family):

@@ -352,13 +352,12 @@ class DeepseekTarget:
         elif cache is None:
             out = self._sequences(w, q, c, k_pe, index, positions, cu_seqlens)
         else:
-            if s.index is not None and int(positions.max()) >= s.index.topk:
-                raise TargetError(f"{self.cfg.source}: decoding past index_topk {s.index.topk} tokens a sequence is "
-                                  "not supported (the indexer's key cache is not kept); prompts and replies must fit")
             k, v = self._expand(w, c, k_pe, 0, nh)
             # the cache keeps v padded to the q/k head dim: the fused kernels want equal head dims
             v = F.pad(v, (0, s.qk_head_dim - s.v_head_dim)) if s.v_head_dim < s.qk_head_dim else v
             out = cache.attend(q, k, v, self.softmax_scale)[..., :s.v_head_dim]
+            if s.index is not None:
+                self._decode_sparse(w, q, index, positions, cache, out)
         return F.linear(out.reshape(T, nh * s.v_head_dim), w["self_attn.o_proj"])          # out [T, nh, v_head_dim]
 
     def _rotary(self, positions: torch.Tensor, interleaved: bool):
@@ -385,6 +384,23 @@ class DeepseekTarget:
                 index[0][a:b], index[2][a:b], index[1][a:b], positions[a:b], s.index.topk))
             out[a:b] = indexer.sparse_attention(q[a:b], positions[a:b], chosen, b - a, expand, self.softmax_scale)
         return out
+
+    def _decode_sparse(self, w, q, index, positions, cache, out) -> None:
+        """Decoding with the DSA indexer: the indexer's keys kept in the pool beside k/v; the rows of sequences past
+        index_topk keys attend again, to their chosen keys only, into `out` [T, nh, v_head_dim]."""
+        s = self.spec
+        kept = cache.keep(index[1]) if index else None          # [slots, capacity, D]
+        if int(positions.max()) < s.index.topk:                 # every key chosen everywhere: dense was exact
+            return
+        for a, b, slot, start in cache.sequences():
+            n = start + b - a
+            if n <= s.index.topk:
+                continue
+            chosen = self._chosen(w, (a, b), lambda: indexer.select(
+                index[0][a:b], index[2][a:b], kept[slot, :n], positions[a:b], s.index.topk))
+            k, v = cache.cached(slot, n)
+            out[a:b] = indexer.sparse_attention(q[a:b], positions[a:b], chosen, n, lambda h0, h1: (
+                k[:, h0:h1], v[:, h0:h1]), self.softmax_scale)[..., :s.v_head_dim]
 
     def _chosen(self, w, key: tuple, choose) -> torch.Tensor:
         """The keys a DSA layer's queries keep, `key` naming the rows in this pass: chosen by its own indexer
