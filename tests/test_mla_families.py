@@ -17,6 +17,7 @@ from eagle3.evaluate import real_decoding
 from eagle3.models import indexer, tiny
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.models.inspect import inspect
+from eagle3.models.staged import StagedTarget
 from eagle3.models.streaming import TargetRunner
 from eagle3.models.weights import Checkpoint, TargetError, read_config
 
@@ -92,6 +93,14 @@ def test_hidden_states_equal_transformers_past_the_top_k(family, chunk):
     for j, i in enumerate(aux):
         _close(got[:, j], layers[i])
     _close(out["final_hidden"], final)
+
+
+def test_staged_target_gives_the_same_states(family):
+    """The staged online target (one stage here) runs the same layers: past the top-k, in chunks of 24."""
+    name, path, model = family
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(1))
+    staged = StagedTarget(Checkpoint(path), [1, 2, 3], torch.device("cpu"), torch.float32, 0, 1, chunk_tokens=24)
+    _close(staged.run([(ids, [0, 64])], None)[0]["final_hidden"], _reference(model, ids)[1])
 
 
 def test_packed_sequences_each_attend_to_their_own(family):
