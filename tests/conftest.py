@@ -30,7 +30,7 @@ def make_llama(out: str | Path, family: str = "llama", hidden: int = 64, layers:
               "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-6,
               "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": tie,
               "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
-    out, t, rand, ones, mlp = tiny.start_target(out, config, seed, dtype)
+    out, t, rand, ones, mlp, _ = tiny.start_target(out, config, seed, dtype)
     t.update({"model.embed_tokens.weight": rand(vocab, hidden, std=1.0), "model.norm.weight": ones(hidden)})
     if not tie:
         t["lm_head.weight"] = rand(vocab, hidden, std=3 * hidden ** -0.5)

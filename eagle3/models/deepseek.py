@@ -200,7 +200,7 @@ class DeepseekTarget:
             shapes[f"{p}self_attn.indexer.weights_proj.weight"] = [s.index.heads, H]
             shapes[f"{p}self_attn.indexer.k_norm.weight"] = [s.index.head_dim]
         for name, shape in self._shapes(i).items():
-            shapes.update(quant.linear_shapes(self.ckpt.has, p + name, shape))
+            shapes.update(self.ckpt.linear_shapes(p + name, shape))
         if not s.is_moe(i):
             return shapes
         shapes[p + "mlp.gate.weight"] = [s.n_routed_experts, H]
@@ -208,7 +208,7 @@ class DeepseekTarget:
             shapes[p + "mlp.gate.e_score_correction_bias"] = [s.n_routed_experts]
         for e in range(s.n_routed_experts):
             for proj, shape in self._expert_shapes().items():
-                shapes.update(quant.linear_shapes(self.ckpt.has, f"{p}mlp.experts.{e}.{proj}", shape))
+                shapes.update(self.ckpt.linear_shapes(f"{p}mlp.experts.{e}.{proj}", shape))
         return shapes
 
     def _norms(self) -> dict[str, int]:
@@ -246,30 +246,9 @@ class DeepseekTarget:
             shapes.update({p + "gate_proj": (inter, H), p + "up_proj": (inter, H), p + "down_proj": (H, inter)})
         return shapes
 
-    def _packed(self, base: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        ckpt = self.ckpt
-        packed, scale = ckpt.get(base + ".weight_packed"), ckpt.get(base + ".weight_scale")
-        try:
-            quant.check_packed(packed, scale, ckpt.get(base + ".weight_shape"), shape)
-        except ValueError as e:
-            full = ckpt.full_name(base + ".weight_packed")
-            raise TargetError(f"{ckpt.dir / ckpt.weight_map[full]}: {ckpt.full_name(base)}.{e}") from None
-        return packed, scale
-
-    def _dense(self, base: str, shape: tuple[int, int]) -> torch.Tensor:
-        """A linear's weight [out, in] on the device, dequantized if it is stored packed."""
-        if quant.is_packed(self.ckpt.has, base):
-            packed, scale = self._packed(base, shape)
-            return quant.dequantize_int4(packed.to(self.device), scale.to(self.device), self.dtype)
-        w, full = self.ckpt.get(base + ".weight"), self.ckpt.full_name(base + ".weight")
-        if list(w.shape) != list(shape):
-            raise TargetError(f"{self.ckpt.dir / self.ckpt.weight_map[full]}: {full}: shape {list(w.shape)}; "
-                              f"expected {list(shape)}")
-        return w.to(self.device, self.dtype, non_blocking=True)
-
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         p, dev = f"layers.{i}.", self.device
-        w = {name: self._dense(p + name, shape) for name, shape in self._shapes(i).items()}
+        w = {name: self.ckpt.linear(p + name, shape, dev, self.dtype) for name, shape in self._shapes(i).items()}
         w.update({n: self.ckpt.get(p + n + ".weight").to(dev, self.dtype) for n in self._norms()})
         if self.spec.index is not None:
             w["indexer.source"] = self.spec.index.source[i]
@@ -285,34 +264,30 @@ class DeepseekTarget:
         return w
 
     def _load_experts(self, i: int) -> dict[str, torch.Tensor]:
-        """`experts.gate_up.*` [E, 2I, ...] (gate rows first), `experts.down.*` [E, H, ...]: packed if all are."""
+        """`experts.gate_up.*` [E, 2I, ...] (gate rows first), `experts.down.*` [E, H, ...]: as stored (int4 or fp8,
+        `Checkpoint.linear_parts`) if all are stored alike, else dense; dequantized a block at a time in `_routed`."""
         experts, shapes = range(self.spec.n_routed_experts), self._expert_shapes()
-        packed = all(quant.is_packed(self.ckpt.has, f"layers.{i}.mlp.experts.{e}.{proj}")
-                     for e in experts for proj in shapes)
-        stack = self._stack_packed if packed else self._stack_dense
+        kinds = {quant.linear_kind(self.ckpt.has, f"layers.{i}.mlp.experts.{e}.{proj}") for e in experts for proj in shapes}
         out = {}
         for key, projs in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
             bases = [[f"layers.{i}.mlp.experts.{e}.{p}" for p in projs] for e in experts]
-            out.update({f"experts.{key}.{n}": t for n, t in stack(bases, shapes[projs[0]]).items()})
+            out.update({f"experts.{key}.{n}": t for n, t in self._stack(bases, shapes[projs[0]], len(kinds) > 1).items()})
         return out
 
-    def _stack_packed(self, bases: list[list[str]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-        """bases[e] = the linears of expert e stacked along rows -> packed [E, rows, in/8], scales."""
-        rows = shape[0] * len(bases[0])
-        packed = scale = None
+    def _stack(self, bases: list[list[str]], shape: tuple[int, int], dense: bool) -> dict[str, torch.Tensor]:
+        """bases[e] = the linears of expert e, stacked along rows -> their parts [E, rows, ...] on the device, as
+        stored or (`dense`: experts stored in several ways) dequantized."""
+        rows, out = shape[0] * len(bases[0]), {}
         for e, names in enumerate(bases):
             for j, base in enumerate(names):
-                pk, sc = self._packed(base, shape)
-                if packed is None:  # allocated on first sight: the scale dtype is the file's
-                    packed = torch.empty(len(bases), rows, pk.shape[1], dtype=pk.dtype, device=self.device)
-                    scale = torch.empty(len(bases), rows, sc.shape[1], dtype=sc.dtype, device=self.device)
-                packed[e, j * shape[0]:(j + 1) * shape[0]].copy_(pk)
-                scale[e, j * shape[0]:(j + 1) * shape[0]].copy_(sc)
-        return {"weight_packed": packed, "weight_scale": scale}
-
-    def _stack_dense(self, bases: list[list[str]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-        """For experts of which some are stored dense: all dense, in self.dtype."""
-        return {"weight": torch.stack([torch.cat([self._dense(b, shape) for b in names]) for names in bases])}
+                parts = self.ckpt.linear_parts(base, shape)
+                if dense:
+                    parts = {"weight": quant.dequantize(parts, self.dtype, self.ckpt.block_cols)}
+                for n, t in parts.items():
+                    if n not in out:  # allocated on first sight: the dtype is the file's
+                        out[n] = torch.empty(len(bases), rows, *t.shape[1:], dtype=t.dtype, device=self.device)
+                    out[n][e, j * shape[0]:(j + 1) * shape[0]].copy_(t)
+        return out
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
                       cu_seqlens: torch.Tensor, cache=None) -> torch.Tensor:
@@ -455,7 +430,6 @@ class DeepseekTarget:
 
     def _expert_weights(self, w, key: str, experts: list[int]) -> torch.Tensor:
         """Dense [len(experts), out, in] weights of the chosen experts."""
-        if f"experts.{key}.weight" in w:
-            return _select(w[f"experts.{key}.weight"], experts)
-        return quant.dequantize_int4(_select(w[f"experts.{key}.weight_packed"], experts),
-                                     _select(w[f"experts.{key}.weight_scale"], experts), self.dtype)
+        prefix = f"experts.{key}."
+        parts = {n[len(prefix):]: _select(t, experts) for n, t in w.items() if n.startswith(prefix)}
+        return quant.dequantize(parts, self.dtype, self.ckpt.block_cols)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from eagle3.models import quant
 from eagle3.models.weights import Checkpoint
 from eagle3.models.streaming import build_model, check_tensors
 
@@ -33,12 +34,14 @@ def inspect(target: str) -> dict:
     if not ckpt.weight_map:
         report["weights"] = "missing: no model.safetensors or model.safetensors.index.json"
         return report | dict.fromkeys(("embed_tokens", "lm_head", "norm"))
-    needed = {ckpt.full_name(n) for n in check_tensors(ckpt, model)}   # a tied head is the embedding
-    report["weights"] = {"files": len(set(ckpt.weight_map.values())), "text_tensors": len(ckpt.text_tensor_names()),
-                         "skipped_tensors": len(ckpt.weight_map) - len(ckpt.text_tensor_names()),
+    names = check_tensors(ckpt, model)   # refuses what is neither read nor skipped for a reason
+    needed = {ckpt.full_name(n) for n in names}   # a tied head is the embedding
+    skipped = ckpt.account(names)
+    report["weights"] = {"files": len(set(ckpt.weight_map.values())), "tensors": len(ckpt.weight_map),
                          "prefix": ckpt.prefix, "forward_tensors": len(needed),
-                         "int4_linears": sum(n.endswith(".weight_packed") for n in needed),
-                         "unused_text_tensors": len(ckpt.text_tensor_names()) - len(needed)}
+                         "quantized_linears": {"int4": sum(n.endswith(".weight_packed") for n in needed),
+                                               "fp8": sum(n.endswith("." + quant.FP8_SCALE) for n in needed)},
+                         "skipped_tensors": sum(skipped.values()), "skipped": skipped}
     report.update(ckpt.outer_tensors())
     return report
 

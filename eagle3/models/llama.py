@@ -23,15 +23,18 @@ class LlamaTarget:
         self.has_bias = ckpt.has("layers.0.self_attn.q_proj.bias")
         self.has_qk_norm = ckpt.has("layers.0.self_attn.q_norm.weight")
 
-    def layer_shapes(self, i: int) -> dict[str, list[int]]:
-        """Every tensor layer i's forward reads -> the shape the config implies."""
-        p, H, I = f"layers.{i}.", self.cfg.hidden_size, self.cfg.intermediate_size
+    def _linears(self) -> dict[str, tuple[int, int]]:
+        """[out, in] of each linear of a layer."""
+        H, I = self.cfg.hidden_size, self.cfg.intermediate_size
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        shapes = {p + "input_layernorm.weight": [H], p + "post_attention_layernorm.weight": [H],
-                  p + "self_attn.q_proj.weight": [q, H], p + "self_attn.k_proj.weight": [kv, H],
-                  p + "self_attn.v_proj.weight": [kv, H], p + "self_attn.o_proj.weight": [H, q],
-                  p + "mlp.gate_proj.weight": [I, H], p + "mlp.up_proj.weight": [I, H],
-                  p + "mlp.down_proj.weight": [H, I]}
+        return {"self_attn.q_proj": (q, H), "self_attn.k_proj": (kv, H), "self_attn.v_proj": (kv, H),
+                "self_attn.o_proj": (H, q), "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
+
+    def _others(self, i: int) -> dict[str, list[int]]:
+        """Layer i's norms and biases -> shape."""
+        p, H = f"layers.{i}.", self.cfg.hidden_size
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {p + "input_layernorm.weight": [H], p + "post_attention_layernorm.weight": [H]}
         if self.has_bias:
             shapes.update({p + "self_attn.q_proj.bias": [q], p + "self_attn.k_proj.bias": [kv],
                            p + "self_attn.v_proj.bias": [kv]})
@@ -39,10 +42,19 @@ class LlamaTarget:
             shapes.update({p + f"self_attn.{n}_norm.weight": [self.head_dim] for n in ("q", "k")})
         return shapes
 
+    def layer_shapes(self, i: int) -> dict:
+        """Every tensor layer i's forward reads, as stored -> the shape the config implies."""
+        shapes = self._others(i)
+        for name, shape in self._linears().items():
+            shapes.update(self.ckpt.linear_shapes(f"layers.{i}.{name}", shape))
+        return shapes
+
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         prefix = f"layers.{i}."
-        return {n[len(prefix):]: self.ckpt.get(n).to(self.device, self.dtype, non_blocking=True)
-                for n in self.layer_shapes(i)}
+        w = {n[len(prefix):]: self.ckpt.get(n).to(self.device, self.dtype, non_blocking=True) for n in self._others(i)}
+        w.update({f"{name}.weight": self.ckpt.linear(prefix + name, shape, self.device, self.dtype)
+                  for name, shape in self._linears().items()})
+        return w
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
                       cu_seqlens: torch.Tensor, cache=None) -> torch.Tensor:

@@ -1,13 +1,82 @@
-"""compressed-tensors `pack-quantized` int4 linears: `X.weight_packed` (int32 [out, in/8], values + 8, lowest nibble
-first), `X.weight_scale` [out, in/group], `X.weight_shape`; packed or plain (`X.weight`) by its keys."""
+"""The stored formats of a target's linears, one reader each (docs/checkpoints.md): compressed-tensors
+`pack-quantized` int4 (`X.weight_packed` int32 [out, in/8], values + 8, lowest nibble first, `X.weight_scale`
+[out, in/group], `X.weight_shape`), fp8 e4m3 blocks (`X.weight` float8 [out, in], `X.weight_scale_inv` one per
+b0 x b1 block, partial at the edges) and plain `X.weight`; which one a linear is, by its keys."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
+FP8_SCALE = "weight_scale_inv"
+# compressed-tensors weights as Kimi-K2-Thinking / K2.5 / K2.6 store them: the one scheme read
+INT4_SCHEME = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "dynamic": False,
+               "actorder": None, "block_structure": None}
+FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "scale_fmt", "modules_to_not_convert"}
+
+
+@dataclass(frozen=True)
+class Format:
+    """What a checkpoint's quantization_config allows its linears to be stored as: "int4", "fp8" (blocks
+    `block`) or neither ("none": every linear plain)."""
+    kind: str
+    block: tuple[int, int] | None = None
+    described: tuple = ()                                  # (key, value) pairs for `inspect`
+
+    def describe(self) -> dict | None:
+        return dict(self.described) if self.kind != "none" else None
+
+
+def read_format(q, where: str) -> Format:
+    """A quantization_config (None: unquantized) -> its Format; ValueError naming what is not implemented."""
+    if not q:
+        return Format("none")
+    method = q.get("quant_method")
+    if method == "fp8":
+        return _fp8_format(q, where)
+    if method == "compressed-tensors":
+        return _int4_format(q, where)
+    raise ValueError(f"{where}: quantization_config quant_method {method!r} is not read (read: 'fp8' with "
+                     "weight_block_size, 'compressed-tensors' pack-quantized int4)")
+
+
+def _fp8_format(q: dict, where: str) -> Format:
+    block, fmt = q.get("weight_block_size"), q.get("fmt", "e4m3")
+    problems = [f"unknown keys {sorted(set(q) - FP8_KEYS)}"] if set(q) - FP8_KEYS else []
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        problems.append(f"fmt {fmt!r} (read: e4m3)")
+    if q.get("activation_scheme", "dynamic") != "dynamic":   # static: input scales this forward never applies
+        problems.append(f"activation_scheme {q['activation_scheme']!r} (read: dynamic)")
+    if q.get("scale_fmt", "ue8m0") != "ue8m0":
+        problems.append(f"scale_fmt {q['scale_fmt']!r} (read: ue8m0, or none)")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        problems.append(f"weight_block_size {block!r} (read: two positive integers; per-tensor fp8 is not read)")
+    if problems:
+        raise ValueError(f"{where}: quantization_config fp8 with {'; '.join(problems)}")
+    return Format("fp8", tuple(block), (("method", "fp8"), ("fmt", "e4m3"), ("weight_block_size", block),
+                                        ("scale_fmt", q.get("scale_fmt"))))
+
+
+def _int4_format(q: dict, where: str) -> Format:
+    groups = list((q.get("config_groups") or {}).values())
+    problems = [] if q.get("format") == "pack-quantized" else [f"format {q.get('format')!r} (read: pack-quantized)"]
+    for g in groups or [{}]:
+        w = g.get("weights") or {}
+        problems += [f"weights {k} {w.get(k)!r} (read: {v!r})" for k, v in INT4_SCHEME.items() if w.get(k) != v]
+        if not (isinstance(w.get("group_size"), int) and w["group_size"] > 0 and w["group_size"] % 8 == 0):
+            problems.append(f"weights group_size {w.get('group_size')!r} (read: a multiple of 8)")
+        if g.get("input_activations") is not None:
+            problems.append("input_activations quantized (read: weights only)")
+    if q.get("kv_cache_scheme") is not None:
+        problems.append("kv_cache_scheme set (read: none)")
+    if problems:
+        raise ValueError(f"{where}: quantization_config compressed-tensors with {'; '.join(dict.fromkeys(problems))}")
+    w = groups[0]["weights"]
+    return Format("int4", None, (("method", "compressed-tensors"), ("format", "pack-quantized"), ("num_bits", 4),
+                                 ("group_size", w["group_size"]), ("symmetric", True)))
 
 
 class GroupedShape(NamedTuple):
@@ -36,11 +105,43 @@ def is_packed(has, base: str) -> bool:
     return any(has(f"{base}.{s}") for s in PACKED_SUFFIXES)
 
 
-def linear_shapes(has, base: str, shape: tuple[int, int]) -> dict[str, list[int] | GroupedShape]:
-    """The tensors of linear `base` of shape [out, in] as stored (three packed parts or `.weight`) -> shape."""
-    if is_packed(has, base):
-        return {f"{base}.{suffix}": s for suffix, s in packed_shapes(*shape).items()}
-    return {f"{base}.weight": list(shape)}
+def block_scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> list[int]:
+    """weight_scale_inv of an [out, in] linear in b0 x b1 blocks: [ceil(out / b0), ceil(in / b1)]."""
+    return [-(-shape[0] // block[0]), -(-shape[1] // block[1])]
+
+
+def row_scales(scale_inv: torch.Tensor, out: int, block_rows: int) -> torch.Tensor:
+    """Block scales [ceil(out/b0), c] -> one row per weight row [out, c]: row-aligned like int4's scales, so that the
+    linears of an expert stack along rows whatever out is (576 = 4.5 blocks); +c/b1 bytes a weight of in columns."""
+    return scale_inv.repeat_interleave(block_rows, dim=0)[:out]
+
+
+def dequantize(parts: dict[str, torch.Tensor], dtype: torch.dtype, block_cols: int | None = None) -> torch.Tensor:
+    """A linear's stored parts (or experts' stacked along dim 0) -> W [..., out, in] in `dtype`: int4 packs, an fp8
+    weight with row scales (`row_scales`, columns in blocks of `block_cols`), or a plain weight."""
+    if "weight_packed" in parts:
+        return dequantize_int4(parts["weight_packed"], parts["weight_scale"], dtype)
+    if "row_scale" in parts:
+        return dequantize_fp8(parts["weight"], parts["row_scale"], block_cols, dtype)
+    return parts["weight"].to(dtype)
+
+
+def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block_cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 w [..., out, in], row scales [..., out, ceil(in/b1)] -> float(w[i, j]) * scale[i, j // b1] in fp32, then
+    `dtype` (DeepSeek-V3's weight_dequant, vLLM's scaled_dequantize); one Triton kernel on CUDA."""
+    if w.is_cuda:
+        return _launch(w, scale, dtype, block_cols, _fp8_kernel())
+    return dequantize_fp8_torch(w, scale, block_cols, dtype)
+
+
+def dequantize_fp8_torch(w: torch.Tensor, scale: torch.Tensor, block_cols: int, dtype: torch.dtype) -> torch.Tensor:
+    full = scale.float().repeat_interleave(block_cols, dim=-1)[..., :w.shape[-1]]
+    return (w.float() * full).to(dtype)
+
+
+def linear_kind(has, base: str) -> str:
+    """How linear `base` is stored, by its keys: "int4", "fp8" or "plain"."""
+    return "int4" if is_packed(has, base) else "fp8" if has(f"{base}.{FP8_SCALE}") else "plain"
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -63,15 +164,22 @@ def dequantize_int4_torch(packed: torch.Tensor, scale: torch.Tensor, dtype: torc
 
 
 def _dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # memory-bound (a Kimi layer's experts are 17 G weights): one read and one write, not eager's ~5 passes
-    words, groups = packed.shape[-1], scale.shape[-1]
-    packed, scale = packed.contiguous(), scale.contiguous()
-    rows = packed.numel() // words
-    out = torch.empty(*packed.shape[:-1], words * 8, dtype=dtype, device=packed.device)
-    block_r, block_w = 16, 64
+    return _launch(packed, scale, dtype, packed.shape[-1] // scale.shape[-1], _triton_kernel(), 8)
+
+
+def _launch(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, per_scale: int, kernel,
+                       expand: int = 1) -> torch.Tensor:
+    """stored [..., words] (each word `expand` weights), row scales [..., groups] of `per_scale` words each ->
+    [..., words * expand]. Memory-bound (a Kimi layer's experts are 17 G weights): one read and one write."""
+    words, groups = stored.shape[-1], scale.shape[-1]
+    stored, scale = stored.contiguous(), scale.contiguous()
+    rows = stored.numel() // words if words else 0
+    out = torch.empty(*stored.shape[:-1], words * expand, dtype=dtype, device=stored.device)
+    block_r, block_w = 16, 512 // expand
     grid = ((rows + block_r - 1) // block_r, (words + block_w - 1) // block_w)
-    _triton_kernel()[grid](packed, scale, out, rows, words, groups, WORDS_PER_GROUP=words // groups,
-                           BLOCK_R=block_r, BLOCK_W=block_w)
+    if rows:
+        kernel[grid](stored, scale, out, rows, words, groups, WORDS_PER_GROUP=per_scale, BLOCK_R=block_r,
+                     BLOCK_W=block_w)
     return out
 
 
@@ -95,6 +203,26 @@ def _triton_kernel():
         col = tl.program_id(1) * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
         tl.store(out_ptr + r[:, None] * (words * 8) + col[None, :], w,
                  mask=(r[:, None] < rows) & (col[None, :] < words * 8))
+
+    return dequant
+
+
+@functools.cache
+def _fp8_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dequant(w_ptr, scale_ptr, out_ptr, rows, cols, groups, WORDS_PER_GROUP: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+        # w [rows, cols] fp8, scale [rows, groups] (a group: WORDS_PER_GROUP columns, the last one partial)
+        r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        w = tl.load(w_ptr + r[:, None] * cols + c[None, :], mask=mask).to(tl.float32)
+        s = tl.load(scale_ptr + r[:, None] * groups + c[None, :] // WORDS_PER_GROUP, mask=mask, other=0)
+        tl.store(out_ptr + r[:, None] * cols + c[None, :], (w * s.to(tl.float32)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
     return dequant
 
