@@ -197,7 +197,6 @@ class DeepseekTarget:
         shapes = {f"{p}{n}.weight": [d] for n, d in self._norms().items()}
         if s.has_indexer(i):
             shapes[f"{p}self_attn.indexer.k_norm.bias"] = [s.index.head_dim]
-            shapes[f"{p}self_attn.indexer.weights_proj.weight"] = [s.index.heads, H]
             shapes[f"{p}self_attn.indexer.k_norm.weight"] = [s.index.head_dim]
         for name, shape in self._shapes(i).items():
             shapes.update(self.ckpt.linear_shapes(p + name, shape))
@@ -235,8 +234,7 @@ class DeepseekTarget:
         else:
             shapes["self_attn.q_proj"] = (nh * s.qk_head_dim, H)
         if s.has_indexer(i):
-            shapes.update({k: v for k, v in indexer.shapes(s.index, H, s.q_lora_rank).items()
-                           if not k.endswith("weights_proj")})
+            shapes.update(indexer.shapes(s.index, H, s.q_lora_rank))
         mlps = {}
         if not s.is_moe(i):
             mlps["mlp."] = self.cfg.intermediate_size
@@ -248,14 +246,15 @@ class DeepseekTarget:
 
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         p, dev = f"layers.{i}.", self.device
-        w = {name: self.ckpt.linear(p + name, shape, dev, self.dtype) for name, shape in self._shapes(i).items()}
+        # the indexer's head weights in fp32, as transformers keeps them (`_keep_in_fp32_modules`)
+        w = {name: self.ckpt.linear(p + name, shape, dev, torch.float32 if name.endswith("weights_proj") else self.dtype)
+             for name, shape in self._shapes(i).items()}
         w.update({n: self.ckpt.get(p + n + ".weight").to(dev, self.dtype) for n in self._norms()})
         if self.spec.index is not None:
             w["indexer.source"] = self.spec.index.source[i]
         if self.spec.has_indexer(i):
             q = p + "self_attn.indexer."
             w.update({q[len(p):] + n: self.ckpt.get(q + n).to(dev, self.dtype) for n in ("k_norm.weight", "k_norm.bias")})
-            w[q[len(p):] + "weights_proj"] = self.ckpt.get(q + "weights_proj.weight").to(dev, torch.float32)
         if self.spec.is_moe(i):
             w["mlp.gate"] = self.ckpt.get(p + "mlp.gate.weight").to(dev, torch.float32)
             if self.spec.topk_method == "noaux_tc":
