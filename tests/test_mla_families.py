@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import make_config
 from eagle3 import extraction, training
@@ -252,3 +253,43 @@ def test_train_export_evaluate_is_lossless(tmp_path, name):
     assert report["mismatches"] == 0 and report["prompts"] == 4
     sglang = json.loads((Path(cfg.train.output_dir) / "export" / "sglang" / "config.json").read_text())
     assert sglang_captures(sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == vllm_default(4)
+
+
+def _fp8_variant(src: Path, out: Path, block: tuple[int, int]) -> Path:
+    """src's linears stored as the fp8 releases store them (`weight` e4m3 + `weight_scale_inv` per block, float32
+    scales; norms, router, embeddings, head and the indexer's head weights as they were) in out/fp8, and the weights
+    they mean dequantized by the published rule in out/dequantized -> out."""
+    tensors = load_file(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    stored, meant = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(("proj.weight", ".wq_b.weight", ".wk.weight")) and not name.endswith("weights_proj.weight"):
+            parts = tiny.fp8_blocks(t, block, torch.float32)
+            rows = torch.arange(t.shape[0]) // block[0]
+            cols = torch.arange(t.shape[1]) // block[1]
+            meant[name] = parts["weight"].float() * parts["weight_scale_inv"][rows[:, None], cols[None, :]]
+            stored.update({name: parts["weight"], name.removesuffix("weight") + "weight_scale_inv": parts["weight_scale_inv"]})
+        else:
+            stored[name] = meant[name] = t
+    for kind, tensors, quant in (("fp8", stored, {**tiny.FP8_QUANT, "weight_block_size": list(block)}),
+                                 ("dequantized", meant, None)):
+        (out / kind).mkdir(parents=True)
+        save_file(tensors, out / kind / "model.safetensors", metadata={"format": "pt"})
+        (out / kind / "config.json").write_text(json.dumps({**config, **({"quantization_config": quant} if quant else {})}))
+    return out
+
+
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"])
+def test_fp8_blocks_give_the_states_of_their_dequantized_weights(tmp_path, name):
+    """Blocks of 16 x 24 over the tiny dims (every linear ends in a partial block; the indexer's wq_b and wk in fp8
+    too): ours on the fp8 files equal transformers on the dequantized weights, whole and chunked past the top-k."""
+    _transformers_target(tmp_path / "src", name)
+    out = _fp8_variant(tmp_path / "src", tmp_path, (16, 24))
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "dequantized", attn_implementation="eager",
+                                                              dtype=torch.float32).eval()
+    ids = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(6))
+    _, final = _reference(model, ids)
+    assert inspect(str(out / "fp8"))["weights"]["quantized_linears"]["fp8"] > 0
+    for chunk in (4096, 20):
+        runner = TargetRunner(Checkpoint(out / "fp8"), [1, 2, 3], torch.device("cpu"), torch.float32, chunk_tokens=chunk)
+        _close(runner.run(ids, [0, 48])["final_hidden"], final)
