@@ -96,6 +96,15 @@ def test_hidden_states_equal_transformers_past_the_top_k(family, chunk):
     _close(out["final_hidden"], final)
 
 
+def test_row_blocks_of_one_query_give_the_same_states(family, monkeypatch):
+    """The index scores and the masked attention a query row at a time (BLOCK_ELEMENTS 1) change nothing."""
+    name, path, model = family
+    monkeypatch.setattr(indexer, "BLOCK_ELEMENTS", 1)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(7))
+    runner = TargetRunner(Checkpoint(path), [1, 2, 3], torch.device("cpu"), torch.float32, chunk_tokens=16)
+    _close(runner.run(ids, [0, 40])["final_hidden"], _reference(model, ids)[1])
+
+
 def test_staged_target_gives_the_same_states(family):
     """The staged online target (one stage here) runs the same layers: past the top-k, in chunks of 24."""
     name, path, model = family

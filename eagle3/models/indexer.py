@@ -97,10 +97,11 @@ def sparse_attention(q: torch.Tensor, positions: torch.Tensor, chosen: torch.Ten
                      scale: float) -> torch.Tensor:
     """q [n, Hq, D] at positions [n] attending to the keys `chosen` [n, k] among the sequence's first `length`, whose
     keys and values expand(a, b) gives for heads a..b ([length, b - a, D], [length, b - a, Dv]) -> [n, Hq, Dv].
-    Head slices hold no more key elements than q; row blocks no more mask elements than BLOCK_ELEMENTS."""
+    Head slices hold no more key elements than q; row blocks no more (head, query, key) triples than BLOCK_ELEMENTS,
+    so even SDPA's unfused path (scores in fp32) stays bounded."""
     n, heads = q.shape[:2]
     width = max(1, heads * n // length)
-    rows = max(1, BLOCK_ELEMENTS // length)
+    rows = max(1, BLOCK_ELEMENTS // (length * min(width, heads)))
     later = torch.arange(length, device=q.device)
     outs = []
     for h in range(0, heads, width):
