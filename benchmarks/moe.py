@@ -104,7 +104,8 @@ class GeneratedKimi(deepseek.DeepseekTarget):
         if stored == "int4":   # int4 values have std ~4.6
             return {"weight_packed": torch.randint(-2 ** 31, 2 ** 31 - 1, (E, rows, inp // 8), dtype=torch.int32,
                                                    device=dev, generator=g),
-                    "weight_scale": torch.full((E, rows, inp // 32), inp ** -0.5 / 4.6, dtype=torch.bfloat16, device=dev)}
+                    "weight_scale": torch.full((E, rows, inp // 32), inp ** -0.5 / 4.6, dtype=torch.bfloat16,
+                                               device=dev)}
         w = torch.empty(E, rows, inp, device=dev, dtype=torch.bfloat16 if stored == "bf16" else torch.float8_e4m3fn)
         for e in range(E):   # an expert at a time: no [E, rows, inp] temporary in bf16 beside the fp8 weights
             w[e] = torch.randn(rows, inp, device=dev, generator=g) * (inp ** -0.5 if stored == "bf16" else 64)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,22 @@ def hidden(tmp_path_factory, llama_target, token_data) -> Path:
     tmp = tmp_path_factory.mktemp("hidden")
     extraction.run(make_config(tmp, llama_target, token_data))
     return tmp / "hidden"
+
+
+def edited_copy(src: Path, dst: Path, config=None, tensors=None) -> Path:
+    """A copy of the checkpoint directory `src` (one model.safetensors) at `dst`, its config.json edited in place
+    by `config(dict)` and its tensors by `tensors(dict)`."""
+    shutil.copytree(src, dst)
+    if config:
+        data = json.loads((dst / "config.json").read_text())
+        config(data)
+        (dst / "config.json").write_text(json.dumps(data))
+    if tensors:
+        from safetensors.torch import load_file, save_file
+        weights = load_file(dst / "model.safetensors")
+        tensors(weights)
+        save_file(weights, dst / "model.safetensors")
+    return dst
 
 
 def make_config(tmp_path: Path, target: Path, data: Path, **overrides) -> config_mod.Config:

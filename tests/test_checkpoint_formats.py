@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_config
+from conftest import edited_copy, make_config
 from eagle3 import extraction
 from eagle3.data.online import OnlineReader
 from eagle3.data.shards import ShardReader
@@ -193,7 +192,7 @@ for shape, b1 in [((2, 20, 200), 128), ((30, 96), 32)]:
     w = (torch.randn(*shape, generator=g) * 50).to(torch.float8_e4m3fn)
     scale = torch.rand(*shape[:-1], -(-shape[-1] // b1), generator=g)
     want = quant.dequantize({"weight": w, "row_scale": scale}, torch.float32, b1)
-    got = quant._launch(w, scale, torch.float32, b1, quant._fp8_kernel())
+    got = quant._launch(w, scale, torch.float32, b1, 1)
     assert torch.equal(got, want), shape
 print("ok")
 """)
@@ -209,18 +208,7 @@ def fp8_target(tmp_path_factory) -> Path:
 
 
 def variant(target: Path, tmp: Path, config=None, tensors=None) -> Path:
-    """A copy of `target` with its config edited by `config(cfg)` and its tensors by `tensors(dict)`."""
-    out = tmp / "variant"
-    shutil.copytree(target, out)
-    if config:
-        cfg = json.loads((out / "config.json").read_text())
-        config(cfg)
-        (out / "config.json").write_text(json.dumps(cfg))
-    if tensors:
-        t = load_file(out / "model.safetensors")
-        tensors(t)
-        save_file(t, out / "model.safetensors")
-    return out
+    return edited_copy(target, tmp / "variant", config, tensors)
 
 
 def refused(path: Path, match: str) -> str:
@@ -253,7 +241,8 @@ def test_compressed_tensors_other_than_int4_packs_is_refused(tmp_path):
 
 def test_a_stray_scale_where_the_config_says_unquantized_is_refused(fp8_target, tmp_path):
     path = variant(fp8_target, tmp_path, config=lambda c: c.pop("quantization_config"))
-    refused(path, r"model.layers.0.self_attn.kv_a_proj_with_mqa is stored fp8 \(.*weight_scale_inv\), but .* says unquantized")
+    refused(path, r"model.layers.0.self_attn.kv_a_proj_with_mqa is stored fp8 \(.*weight_scale_inv\), "
+                  r"but .* says unquantized")
 
 
 def test_a_quantized_weight_missing_its_scale_is_refused(fp8_target, tmp_path):

@@ -350,8 +350,9 @@ def test_tiny_kimi_config_has_the_real_layout(kimi):
 def test_inspect_counts_and_missing_expert(kimi, tmp_path):
     report = inspect(str(kimi))
     w = report["weights"]
-    assert w["forward_tensors"] == w["text_tensors"] == 3 + 12 + 4 * (14 + 8 * 9)
-    assert w["skipped_tensors"] == 4 and w["int4_linears"] == 4 * 8 * 3 and w["unused_text_tensors"] == 0
+    assert w["forward_tensors"] == w["tensors"] - 4 == 3 + 12 + 4 * (14 + 8 * 9)
+    assert w["skipped"] == {"vision tower and projector: the text forward reads no image": 4}
+    assert w["quantized_linears"] == {"int4": 4 * 8 * 3, "fp8": 0}
     assert report["moe"]["routed_experts"] == 8 and report["moe"]["shared_experts"] == 1
     assert report["quantization"]["format"] == "pack-quantized"
 

@@ -266,11 +266,13 @@ class DeepseekTarget:
         """`experts.gate_up.*` [E, 2I, ...] (gate rows first), `experts.down.*` [E, H, ...]: as stored (int4 or fp8,
         `Checkpoint.linear_parts`) if all are stored alike, else dense; dequantized a block at a time in `_routed`."""
         experts, shapes = range(self.spec.n_routed_experts), self._expert_shapes()
-        kinds = {quant.linear_kind(self.ckpt.has, f"layers.{i}.mlp.experts.{e}.{proj}") for e in experts for proj in shapes}
+        kinds = {quant.linear_kind(self.ckpt.has, f"layers.{i}.mlp.experts.{e}.{proj}")
+                 for e in experts for proj in shapes}
         out = {}
         for key, projs in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
             bases = [[f"layers.{i}.mlp.experts.{e}.{p}" for p in projs] for e in experts]
-            out.update({f"experts.{key}.{n}": t for n, t in self._stack(bases, shapes[projs[0]], len(kinds) > 1).items()})
+            stacked = self._stack(bases, shapes[projs[0]], dense=len(kinds) > 1)
+            out.update({f"experts.{key}.{n}": t for n, t in stacked.items()})
         return out
 
     def _stack(self, bases: list[list[str]], shape: tuple[int, int], dense: bool) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 from eagle3.ops import rms_norm
 from eagle3.models.weights import Checkpoint
 from eagle3.models.attention import cached_attention, padded_cached_attention
-from eagle3.models.streaming import build_model
+from eagle3.models.streaming import build_model, check_tensors
 
 # chunks up to this long attend batched, padded to a power of two; longer ones (prompts, few) one at a time
 SHORT_MAX = 64
@@ -191,6 +191,7 @@ class IncrementalTarget:
                  dtype: torch.dtype = torch.float32, chunk_tokens: int | None = None):
         self.aux_layer_ids, self.device, self.chunk_tokens = aux_layer_ids, device, chunk_tokens
         self.model = build_model(ckpt, device, dtype)
+        check_tensors(ckpt, self.model)
         self.layers = [self.model.load_layer(i) for i in range(ckpt.config.num_hidden_layers)]
         self.embed = ckpt.get("embed_tokens.weight").to(device, dtype)
         self.norm = ckpt.get("norm.weight").to(device, dtype)

@@ -130,7 +130,7 @@ def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block_cols: int, dtype:
     """fp8 w [..., out, in], row scales [..., out, ceil(in/b1)] -> float(w[i, j]) * scale[i, j // b1] in fp32, then
     `dtype` (DeepSeek-V3's weight_dequant, vLLM's scaled_dequantize); one Triton kernel on CUDA."""
     if w.is_cuda:
-        return _launch(w, scale, dtype, block_cols, _fp8_kernel())
+        return _launch(w, scale, dtype, block_cols, 1)
     return dequantize_fp8_torch(w, scale, block_cols, dtype)
 
 
@@ -164,11 +164,10 @@ def dequantize_int4_torch(packed: torch.Tensor, scale: torch.Tensor, dtype: torc
 
 
 def _dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return _launch(packed, scale, dtype, packed.shape[-1] // scale.shape[-1], _triton_kernel(), 8)
+    return _launch(packed, scale, dtype, packed.shape[-1] // scale.shape[-1], 8)
 
 
-def _launch(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, per_scale: int, kernel,
-                       expand: int = 1) -> torch.Tensor:
+def _launch(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, per_scale: int, expand: int) -> torch.Tensor:
     """stored [..., words] (each word `expand` weights), row scales [..., groups] of `per_scale` words each ->
     [..., words * expand]. Memory-bound (a Kimi layer's experts are 17 G weights): one read and one write."""
     words, groups = stored.shape[-1], scale.shape[-1]
@@ -178,8 +177,8 @@ def _launch(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, per_s
     block_r, block_w = 16, 512 // expand
     grid = ((rows + block_r - 1) // block_r, (words + block_w - 1) // block_w)
     if rows:
-        kernel[grid](stored, scale, out, rows, words, groups, WORDS_PER_GROUP=per_scale, BLOCK_R=block_r,
-                     BLOCK_W=block_w)
+        _triton_kernel()[grid](stored, scale, out, rows, words, groups, WORDS_PER_GROUP=per_scale, BLOCK_R=block_r,
+                               BLOCK_W=block_w, EXPAND=expand)
     return out
 
 
@@ -189,40 +188,23 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def dequant(packed_ptr, scale_ptr, out_ptr, rows, words, groups, WORDS_PER_GROUP: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-        # packed [rows, words] int32, scale [rows, groups], out [rows, 8 * words]
+    def dequant(stored_ptr, scale_ptr, out_ptr, rows, words, groups, WORDS_PER_GROUP: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, EXPAND: tl.constexpr):
+        # stored [rows, words]: int32 words of 8 int4 weights (EXPAND 8) or fp8 weights (1); scale [rows, groups] of
+        # WORDS_PER_GROUP words each (the last one partial); out [rows, EXPAND * words]
         r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         mask = (r[:, None] < rows) & (c[None, :] < words)
-        p = tl.load(packed_ptr + r[:, None] * words + c[None, :], mask=mask, other=0)
-        s = tl.load(scale_ptr + r[:, None] * groups + c[None, :] // WORDS_PER_GROUP, mask=mask, other=0)
-        nib = (p[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF          # [R, W, 8]
-        w = (nib - 8).to(tl.float32) * s.to(tl.float32)[:, :, None]
-        w = tl.reshape(w, (BLOCK_R, BLOCK_W * 8)).to(out_ptr.dtype.element_ty)
-        col = tl.program_id(1) * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
-        tl.store(out_ptr + r[:, None] * (words * 8) + col[None, :], w,
-                 mask=(r[:, None] < rows) & (col[None, :] < words * 8))
-
-    return dequant
-
-
-@functools.cache
-def _fp8_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def dequant(w_ptr, scale_ptr, out_ptr, rows, cols, groups, WORDS_PER_GROUP: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-        # w [rows, cols] fp8, scale [rows, groups] (a group: WORDS_PER_GROUP columns, the last one partial)
-        r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-        c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-        mask = (r[:, None] < rows) & (c[None, :] < cols)
-        w = tl.load(w_ptr + r[:, None] * cols + c[None, :], mask=mask).to(tl.float32)
-        s = tl.load(scale_ptr + r[:, None] * groups + c[None, :] // WORDS_PER_GROUP, mask=mask, other=0)
-        tl.store(out_ptr + r[:, None] * cols + c[None, :], (w * s.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        s = tl.load(scale_ptr + r[:, None] * groups + c[None, :] // WORDS_PER_GROUP, mask=mask, other=0).to(tl.float32)
+        if EXPAND == 8:
+            p = tl.load(stored_ptr + r[:, None] * words + c[None, :], mask=mask, other=0)
+            nib = (p[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF          # [R, W, 8]
+            w = tl.reshape((nib - 8).to(tl.float32) * s[:, :, None], (BLOCK_R, BLOCK_W * 8))
+        else:
+            w = tl.load(stored_ptr + r[:, None] * words + c[None, :], mask=mask).to(tl.float32) * s
+        col = tl.program_id(1) * BLOCK_W * EXPAND + tl.arange(0, BLOCK_W * EXPAND)
+        tl.store(out_ptr + r[:, None] * (words * EXPAND) + col[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=(r[:, None] < rows) & (col[None, :] < words * EXPAND))
 
     return dequant
 

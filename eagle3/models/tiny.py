@@ -217,7 +217,8 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
     if layout != "kimi_k25":
         config = {**text, "model_type": layout, "num_nextn_predict_layers": mtp}
     out, t, rand, ones, mlp, linear = start_target(out, config, seed, torch.bfloat16, block, scale_dtype)
-    m, head = ("language_model.model.", "language_model.lm_head.weight") if layout == "kimi_k25" else ("model.", "lm_head.weight")
+    m, head = (("language_model.model.", "language_model.lm_head.weight") if layout == "kimi_k25"
+               else ("model.", "lm_head.weight"))
     dense_kind = "fp8" if weights == "fp8" else "bf16"
     t.update({m + "embed_tokens.weight": rand(vocab, hidden, std=1.0), m + "norm.weight": ones(hidden),
               head: rand(vocab, hidden, std=3 * hidden ** -0.5)})
@@ -241,8 +242,8 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
         linear(a + "o_proj", (hidden, heads * v_head), 0.3 * (heads * v_head) ** -0.5, dense_kind)
         if i >= layers:   # DeepSeek-V3's MTP layer: a decoder layer with its own embedding, projection and head
             t.update({p + "enorm.weight": ones(hidden), p + "hnorm.weight": ones(hidden),
-                      p + "embed_tokens.weight": rand(vocab, hidden, std=1.0), p + "shared_head.norm.weight": ones(hidden),
-                      p + "shared_head.head.weight": rand(vocab, hidden)})
+                      p + "embed_tokens.weight": rand(vocab, hidden, std=1.0),
+                      p + "shared_head.norm.weight": ones(hidden), p + "shared_head.head.weight": rand(vocab, hidden)})
             linear(p + "eh_proj", (hidden, 2 * hidden), kind=dense_kind)
         if i < first_dense:
             mlp(p + "mlp.", hidden, intermediate, dense_kind)

@@ -313,8 +313,9 @@ class Checkpoint:
                 if why is None:
                     unknown.append(name)
         if unknown:
-            raise TargetError(f"{self.weights_file}: {len(unknown)} tensors that no part of a {self.config.family.name} "
-                              f"forward reads nor a known reason skips, first: {', '.join(unknown[:3])}")
+            raise TargetError(f"{self.weights_file}: {len(unknown)} tensors that no part of a "
+                              f"{self.config.family.name} forward reads nor a known reason skips, first: "
+                              f"{', '.join(unknown[:3])}")
         return skipped
 
     def linear_shapes(self, base: str, shape: tuple[int, int]) -> dict[str, list[int] | quant.GroupedShape]:
@@ -356,7 +357,8 @@ class Checkpoint:
             return {"weight_packed": packed, "weight_scale": scale}
         w, full = self.get(base + ".weight"), self.full_name(base + ".weight")
         if list(w.shape) != list(shape):
-            raise TargetError(f"{self.dir / self.weight_map[full]}: {full}: shape {list(w.shape)}; expected {list(shape)}")
+            raise TargetError(f"{self.dir / self.weight_map[full]}: {full}: shape {list(w.shape)}; "
+                              f"expected {list(shape)}")
         if kind == "plain":
             return {"weight": w}
         scale = self.get(f"{base}.{quant.FP8_SCALE}")
