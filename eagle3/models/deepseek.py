@@ -39,7 +39,7 @@ class DeepseekSpec:
     norm_topk_prob: bool
     routed_scaling_factor: float
     topk_method: str
-    rope_interleave: bool = True          # false (GLM-4.7-Flash may say so): rotate-half on the rope dims
+    rope_interleave: bool = True          # false (DeepSeek-V3, GLM-4.7-Flash may say so): rotate-half on the rope dims
     mlp_layer_types: tuple[str, ...] | None = None   # "dense" / "sparse" per layer, over first_k_dense_replace
     index: indexer.IndexerSpec | None = None         # the DSA indexer (DeepSeek-V3.2, GLM-5)
 
@@ -47,6 +47,7 @@ class DeepseekSpec:
     def from_config(cls, c: TextConfig) -> DeepseekSpec:
         """`read_config` has checked the fields the family needs; the rest are checked here."""
         raw, where = c.raw, c.source
+        dsa = "index_topk" in c.family.fields
         q_lora = raw.get("q_lora_rank")   # null or absent: q_proj instead of q_a/q_b (DeepSeek-V2-Lite)
         s = cls(q_lora_rank=None if q_lora is None else require(raw, "q_lora_rank", where, c.needs),
                 **{k: raw[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -57,10 +58,10 @@ class DeepseekSpec:
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                 topk_method=str(raw.get("topk_method", "noaux_tc")),
-                rope_interleave=bool(raw.get("rope_interleave", True)),
+                # transformers 5.24's DeepSeek-V3.2 and GLM-5 rotate adjacent pairs whatever rope_interleave says
+                rope_interleave=dsa or bool(raw.get("rope_interleave", True)),
                 mlp_layer_types=None if raw.get("mlp_layer_types") is None else tuple(raw["mlp_layer_types"]),
-                index=indexer.IndexerSpec.from_config(c, raw["qk_rope_head_dim"]) if "index_topk" in c.family.fields
-                else None)
+                index=indexer.IndexerSpec.from_config(c, raw["qk_rope_head_dim"]) if dsa else None)
         if raw.get("attention_bias"):
             raise TargetError(f"{where}: attention_bias true is not supported (the published MLA checkpoints have none)")
         if s.mlp_layer_types is not None and (len(s.mlp_layer_types) != c.num_hidden_layers
