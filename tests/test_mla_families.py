@@ -179,6 +179,17 @@ def test_shared_dsa_layers_have_no_indexer_and_reuse_the_full_ones(family):
     assert report["weights"]["forward_tensors"] == report["weights"]["tensors"]   # every tensor read
 
 
+def test_a_shared_layer_without_its_full_layer_is_refused(family):
+    """A stage that starts on a 'shared' GLM-5 layer has no keys to reuse past the top-k: one line naming the layer."""
+    name, path, _ = family
+    if name != "glm_moe_dsa":
+        pytest.skip("GLM-5's layers only")
+    model = TargetRunner(Checkpoint(path), [1, 2, 3], torch.device("cpu"), torch.float32).model
+    h = torch.randn(40, 64)
+    with pytest.raises(TargetError, match="reuses the keys layer 0 chose, which did not run before it here"):
+        model.layer_forward(model.load_layer(1), h, torch.arange(40), torch.tensor([0, 40]))
+
+
 def test_inspect_names_each_family(family):
     name, path, _ = family
     report = inspect(str(path))
