@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,19 @@ def test_inspect_names_each_family(family):
                                 "deepseek_v32": "DeepSeek-V3.2", "glm_moe_dsa": "GLM-5"}[name]
     assert report["aux_layer_ids"] == [1, 1, 0]   # [1, L//2 - 1, L - 4] at L = 4
     assert report["weights"]["forward_tensors"] == report["weights"]["tensors"]   # every tensor read
+
+
+@pytest.mark.parametrize("edit, error", [
+    ({"index_topk": 0}, "index_topk 0 and index_head_dim 32; expected a top-k of at least 1"),
+    ({"indexer_types": ["full", "shared"]}, "indexer_types ['full', 'shared']; expected 'full' or 'shared' for each"),
+    ({"indexer_types": ["shared", "full", "full", "full"]}, "indexer_types[0] = 'shared'; the first layer must be"),
+    ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "mlp_layer_types ['dense', 'moe', 'sparse', 'sparse']"),
+    ({"attention_bias": True}, "attention_bias true is not supported")])
+def test_bad_dsa_fields_are_refused_naming_them(tmp_path, edit, error):
+    raw = {**TINY, **DSA, "model_type": "glm_moe_dsa", **edit}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(TargetError, match=f"config.json: {re.escape(error)}"):
+        inspect(str(tmp_path))
 
 
 @pytest.mark.parametrize("model_type, missing", [

@@ -33,6 +33,9 @@ class IndexerSpec:
         if types[0] != "full":
             raise TargetError(f"{where}: indexer_types[0] = '{types[0]}'; the first layer must be 'full' (a 'shared' "
                               "layer reuses the keys the full layer before it chose)")
+        if raw["index_topk"] < 1 or not rope_dim <= raw["index_head_dim"]:
+            raise TargetError(f"{where}: index_topk {raw['index_topk']} and index_head_dim {raw['index_head_dim']}; "
+                              f"expected a top-k of at least 1 and a head of at least qk_rope_head_dim {rope_dim}")
         source = []
         for i, kind in enumerate(types):
             source.append(i if kind == "full" else source[-1])
