@@ -162,9 +162,9 @@ def test_inspect_names_the_format_and_what_is_skipped(target):
     if kind["weights"] == "fp8":
         assert report["quantization"]["weight_block_size"] == list(kind["block"] if "block" in kind else (128, 128))
         # every decoder linear (attention 5, dense 3, shared 3, 8 experts x 3) but the router
-        assert w["quantized_linears"] == {"int4": 0, "fp8": 4 * 5 + 3 + 3 * (3 + 24)}
+        assert w["quantized_linears"] == {"int4": 0, "fp8": 4 * 5 + 3 + 3 * (3 + 24), "mxfp4": 0}
     else:
-        assert w["quantized_linears"] == {"int4": 3 * 24, "fp8": 0}
+        assert w["quantized_linears"] == {"int4": 3 * 24, "fp8": 0, "mxfp4": 0}
 
 
 def test_the_dequantizer_reads_partial_blocks_and_both_scale_dtypes():

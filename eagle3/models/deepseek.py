@@ -5,19 +5,15 @@ from `mlp_layer_types`), DeepSeek-V3.2 (`deepseek_v32`) and GLM-5 (`glm_moe_dsa`
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from eagle3.ops import apply_rope, compiled, rms_norm, rope_cos_sin, silu_mul, swiglu, yarn_bounds, yarn_mscale
-from eagle3.models import indexer, quant
+from eagle3.ops import apply_rope, compiled, rms_norm, rope_cos_sin, swiglu, yarn_bounds, yarn_mscale
+from eagle3.models import indexer, moe, quant
 from eagle3.models.weights import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import Prefix, causal_attention_packed
-
-# experts dequantized into one buffer at a time: 32 Kimi experts, 2.8 GB of bf16, small next to a chunk's activations
-EXPERT_BLOCK = 32
 
 
 @dataclass
@@ -73,9 +69,7 @@ class DeepseekSpec:
             raise TargetError(f"{where}: scoring_func '{scoring}' is not supported (DeepSeek-V3 layout: sigmoid)")
         if s.n_routed_experts and s.topk_method not in ("noaux_tc", "greedy"):
             raise TargetError(f"{where}: topk_method '{s.topk_method}' is not supported (supported: noaux_tc, greedy)")
-        if s.n_routed_experts % s.n_group or s.topk_group > s.n_group:
-            raise TargetError(f"{where}: n_routed_experts {s.n_routed_experts} must split into n_group "
-                              f"{s.n_group} groups and topk_group {s.topk_group} <= n_group")
+        moe.check_groups(s.router, where)
         if s.qk_rope_head_dim % 2:
             raise TargetError(f"{where}: qk_rope_head_dim {s.qk_rope_head_dim} must be even")
         return s
@@ -92,6 +86,12 @@ class DeepseekSpec:
     def has_indexer(self, i: int) -> bool:
         """Whether layer i runs an indexer of its own (GLM-5's 'shared' layers reuse an earlier one's keys)."""
         return self.index is not None and self.index.source[i] == i
+
+    @property
+    def router(self) -> moe.Router:
+        """Sigmoid scores chosen with the correction bias within the topk_group best groups."""
+        return moe.Router("sigmoid", self.n_routed_experts, self.num_experts_per_tok, self.norm_topk_prob,
+                          self.routed_scaling_factor, self.n_group, self.topk_group)
 
 
 def rope_tables(c: TextConfig, spec: DeepseekSpec) -> tuple[torch.Tensor, float, float]:
@@ -142,42 +142,6 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor | None, spec: DeepseekSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logits [T, E] -> (experts [T, k] int64, weights [T, k] fp32): chosen by the biased scores within
-    the topk_group best groups (a group scores its two best), weighted by the unbiased ones."""
-    scores = logits.float().sigmoid()
-    choice = scores if bias is None else scores + bias.float()
-    if spec.n_group > 1:
-        T, E = choice.shape
-        groups = choice.view(T, spec.n_group, E // spec.n_group)
-        best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)             # [T, G]
-        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(spec.topk_group, dim=-1).indices, True)
-        choice = groups.masked_fill(~keep[..., None], float("-inf")).view(T, E)
-    idx = choice.topk(spec.num_experts_per_tok, dim=-1).indices
-    weights = scores.gather(1, idx)
-    if spec.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return idx, weights * spec.routed_scaling_factor
-
-
-def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[n, 2I] gate | up -> silu(gate) · up · routing weight [n] (cheaper on [n, I] than on [n, H])."""
-    I = gate_up.shape[1] // 2
-    return silu_mul(gate_up[:, :I], gate_up[:, I:]).float().mul_(weight[:, None]).to(gate_up.dtype)
-
-
-def _select(stacked: torch.Tensor, experts: list[int]) -> torch.Tensor:
-    """stacked[experts]: a view for consecutive experts (all of Kimi's at a 64k-token chunk), else a copy."""
-    if experts == list(range(experts[0], experts[0] + len(experts))):
-        return stacked[experts[0]:experts[0] + len(experts)]
-    return stacked.index_select(0, torch.tensor(experts).to(stacked.device, non_blocking=True))
-
-
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """x [n, K] in groups of sizes[j] rows, w [B, N, K] -> [n, N], group j times w[j].T."""
-    return torch.cat([F.linear(part, w[j]) for j, part in enumerate(x.split(sizes))])
-
-
 class DeepseekTarget:
     """`LlamaTarget`'s interface: `cfg`, `load_layer(i)`, `layer_forward(...)`, `layer_shapes(i)`."""
 
@@ -187,7 +151,7 @@ class DeepseekTarget:
         self.heads = self.cfg.num_attention_heads
         self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
         # on a GPU one fused kernel each: eagerly their fp32 chains move ~7x the bytes of their input
-        self.expert_act = compiled(weighted_swiglu) if device.type == "cuda" else weighted_swiglu
+        self.expert_act = compiled(moe.weighted_swiglu) if device.type == "cuda" else moe.weighted_swiglu
         self.norm = compiled(rms_norm) if device.type == "cuda" else rms_norm
         self._kept: dict = {}             # the keys the last full DSA layer chose, for the shared layers after it
         self._kept_source: int | None = None
@@ -260,36 +224,10 @@ class DeepseekTarget:
             w["mlp.gate"] = self.ckpt.get(p + "mlp.gate.weight").to(dev, torch.float32)
             if self.spec.topk_method == "noaux_tc":
                 w["mlp.gate.bias"] = self.ckpt.get(p + "mlp.gate.e_score_correction_bias").to(dev, torch.float32)
-            w.update(self._load_experts(i))
+            w.update(moe.load_experts(self.ckpt, f"{p}mlp.experts.", tuple(self._expert_shapes()),
+                                      self.spec.n_routed_experts, self.spec.moe_intermediate_size,
+                                      self.cfg.hidden_size, dev, self.dtype))
         return w
-
-    def _load_experts(self, i: int) -> dict[str, torch.Tensor]:
-        """`experts.gate_up.*` [E, 2I, ...] (gate rows first), `experts.down.*` [E, H, ...]: as stored (int4 or fp8,
-        `Checkpoint.linear_parts`) if all are stored alike, else dense; dequantized a block at a time in `_routed`."""
-        experts, shapes = range(self.spec.n_routed_experts), self._expert_shapes()
-        kinds = {quant.linear_kind(self.ckpt.has, f"layers.{i}.mlp.experts.{e}.{proj}")
-                 for e in experts for proj in shapes}
-        out = {}
-        for key, projs in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
-            bases = [[f"layers.{i}.mlp.experts.{e}.{p}" for p in projs] for e in experts]
-            stacked = self._stack(bases, shapes[projs[0]], dense=len(kinds) > 1)
-            out.update({f"experts.{key}.{n}": t for n, t in stacked.items()})
-        return out
-
-    def _stack(self, bases: list[list[str]], shape: tuple[int, int], dense: bool) -> dict[str, torch.Tensor]:
-        """bases[e] = the linears of expert e, stacked along rows -> their parts [E, rows, ...] on the device, as
-        stored or (`dense`: experts stored in several ways) dequantized."""
-        rows, out = shape[0] * len(bases[0]), {}
-        for e, names in enumerate(bases):
-            for j, base in enumerate(names):
-                parts = self.ckpt.linear_parts(base, shape)
-                if dense:
-                    parts = {"weight": quant.dequantize(parts, self.dtype, self.ckpt.block_cols)}
-                for n, t in parts.items():
-                    if n not in out:  # allocated on first sight: the dtype is the file's
-                        out[n] = torch.empty(len(bases), rows, *t.shape[1:], dtype=t.dtype, device=self.device)
-                    out[n][e, j * shape[0]:(j + 1) * shape[0]].copy_(t)
-        return out
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
                       cu_seqlens: torch.Tensor, cache=None) -> torch.Tensor:
@@ -405,33 +343,10 @@ class DeepseekTarget:
         return torch.cat([k_nope, k_pe[:, None].expand(L, b - a, s.qk_rope_head_dim)], -1), v
 
     def _moe(self, w, x):
-        idx, weights = route(F.linear(x.float(), w["mlp.gate"]), w.get("mlp.gate.bias"), self.spec)
-        out = self._routed(w, x, idx, weights)
+        idx, weights = moe.route(F.linear(x.float(), w["mlp.gate"]), w.get("mlp.gate.bias"), self.spec.router)
+        out = moe.routed(w, x, idx, weights, self.spec.n_routed_experts, self.expert_act, self.dtype,
+                         self.ckpt.block_cols)
         if self.spec.n_shared_experts:
             out = out + swiglu(x, w["mlp.shared_experts.gate_proj"], w["mlp.shared_experts.up_proj"],
                                w["mlp.shared_experts.down_proj"])
         return out
-
-    def _routed(self, w, x, idx, weights):
-        """Σ_k weights[t, k] · expert_idx[t, k](x_t) [T, H], EXPERT_BLOCK active experts' weights dequantized at a
-        time; pair (t, slot) lands in row t·k + slot, the k slots summed at the end (fewer bytes than index_add)."""
-        T, k = idx.shape
-        order = idx.flatten().argsort(stable=True)
-        token, pair_w = order // k, weights.flatten()[order]
-        counts = torch.bincount(idx.flatten(), minlength=self.spec.n_routed_experts).tolist()  # one sync
-        starts = list(itertools.accumulate(counts, initial=0))
-        pairs = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)
-        active = [e for e, n in enumerate(counts) if n]
-        for b in range(0, len(active), EXPERT_BLOCK):
-            block = active[b:b + EXPERT_BLOCK]
-            sizes, rows = [counts[e] for e in block], slice(starts[block[0]], starts[block[-1] + 1])
-            h = self.expert_act(expert_matmul(x[token[rows]], self._expert_weights(w, "gate_up", block), sizes),
-                                pair_w[rows])                                                    # [n, I]
-            pairs.index_copy_(0, order[rows], expert_matmul(h, self._expert_weights(w, "down", block), sizes))
-        return pairs.view(T, k, x.shape[1]).sum(1)   # summed in fp32 (the reduction's accumulator)
-
-    def _expert_weights(self, w, key: str, experts: list[int]) -> torch.Tensor:
-        """Dense [len(experts), out, in] weights of the chosen experts."""
-        prefix = f"experts.{key}."
-        parts = {n[len(prefix):]: _select(t, experts) for n, t in w.items() if n.startswith(prefix)}
-        return quant.dequantize(parts, self.dtype, self.ckpt.block_cols)

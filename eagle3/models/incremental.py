@@ -147,16 +147,16 @@ class LayerPass:
     def __init__(self, pool: KVPool, layer: int, layout: PassLayout):
         self.pool, self.layer, self.layout = pool, layer, layout
 
-    def attend(self, q, k, v, scale=None, window: int = 0) -> torch.Tensor:
+    def attend(self, q, k, v, scale=None, window: int = 0, sinks=None) -> torch.Tensor:
         """q [T, Hq, D], this pass's k/v [T, Hkv, D|Dv] -> [T, Hq, Dv]; `window` > 0: each query sees the keys
-        less than `window` positions back (a sliding-window draft)."""
+        less than `window` positions back (a sliding-window draft or target layer); `sinks` [Hq]: gpt-oss's."""
         lay = self.layout
         k_cache, v_cache = self.pool.write(self.layer, lay.write_index, k, v)
         group = q.shape[1] // k.shape[1]                            # query heads per kv head
 
         def batched(g, q):
             return padded_cached_attention(q, k_cache, v_cache, g.rows, g.pad_index, g.mask(group, q.dtype, window),
-                                           scale)
+                                           scale, sinks)
 
         if len(lay.groups) == 1 and lay.groups[0].tokens is None:   # decode / verify: all in one call
             return batched(lay.groups[0], q)
@@ -165,7 +165,7 @@ class LayerPass:
             out.index_copy_(0, g.tokens, batched(g, q.index_select(0, g.tokens)))
         for a, b, slot, start in lay.long:   # causal over what the slot holds (no [T, n] mask without a window)
             ks, vs = k_cache[slot, :start + b - a], v_cache[slot, :start + b - a]
-            out[a:b] = cached_attention(q[a:b], ks, vs, scale, window)
+            out[a:b] = cached_attention(q[a:b], ks, vs, scale, window, sinks)
         return out
 
     def keep(self, rows: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,13 @@ def inspect(target: str) -> dict:
                                  "rotary": "interleaved" if s.index.interleaved else "rotate-half",
                                  "layer_types": ["full" if s.has_indexer(i) else "shared"
                                                  for i in range(c.num_hidden_layers)]}
+    elif blocks := [e for e in model.layout.experts if e is not None]:
+        e, a = blocks[0], model.layout.attention
+        report["moe"] = {"routed_experts": e.router.experts, "shared_experts": int(e.shared > 0),
+                         "experts_per_token": e.router.top_k, "router": e.router.scoring,
+                         "dense_layers": c.num_hidden_layers - len(blocks), "moe_intermediate_size": e.inter}
+        report["attention"] = {"head_dim": a.head_dim, "rotary_dim": a.rotary_dim, "qk_norm": a.qk_norm,
+                               "sinks": a.sinks, "sliding_window": max(a.windows, default=0)}
     if not ckpt.weight_map:
         report["weights"] = "missing: no model.safetensors or model.safetensors.index.json"
         return report | dict.fromkeys(("embed_tokens", "lm_head", "norm"))
@@ -40,7 +47,8 @@ def inspect(target: str) -> dict:
     report["weights"] = {"files": len(set(ckpt.weight_map.values())), "tensors": len(ckpt.weight_map),
                          "prefix": ckpt.prefix, "forward_tensors": len(needed),
                          "quantized_linears": {"int4": sum(n.endswith(".weight_packed") for n in needed),
-                                               "fp8": sum(n.endswith("." + quant.FP8_SCALE) for n in needed)},
+                                               "fp8": sum(n.endswith("." + quant.FP8_SCALE) for n in needed),
+                                               "mxfp4": sum(n.endswith("_blocks") for n in needed)},
                          "skipped_tensors": sum(skipped.values()), "skipped": skipped}
     report.update(ckpt.outer_tensors())
     return report

@@ -1,7 +1,8 @@
 """The stored formats of a target's linears, one reader each (docs/checkpoints.md): compressed-tensors
 `pack-quantized` int4 (`X.weight_packed` int32 [out, in/8], values + 8, lowest nibble first, `X.weight_scale`
 [out, in/group], `X.weight_shape`), fp8 e4m3 blocks (`X.weight` float8 [out, in], `X.weight_scale_inv` one per
-b0 x b1 block, partial at the edges) and plain `X.weight`; which one a linear is, by its keys."""
+b0 x b1 block, partial at the edges) and plain `X.weight`; which one a linear is, by its keys; gpt-oss's MXFP4
+experts (`X_blocks` / `X_scales`, `dequantize_mxfp4`)."""
 from __future__ import annotations
 
 import functools
@@ -39,8 +40,10 @@ def read_format(q, where: str) -> Format:
         return _fp8_format(q, where)
     if method == "compressed-tensors":
         return _int4_format(q, where)
+    if method == "mxfp4":   # gpt-oss: its experts' `_blocks` / `_scales`, every other linear plain
+        return Format("mxfp4", None, (("method", "mxfp4"),))
     raise ValueError(f"{where}: quantization_config quant_method {method!r} is not read (read: 'fp8' with "
-                     "weight_block_size, 'compressed-tensors' pack-quantized int4)")
+                     "weight_block_size, 'compressed-tensors' pack-quantized int4, 'mxfp4' gpt-oss experts)")
 
 
 def _fp8_format(q: dict, where: str) -> Format:
@@ -123,6 +126,8 @@ def dequantize(parts: dict[str, torch.Tensor], dtype: torch.dtype, block_cols: i
         return dequantize_int4(parts["weight_packed"], parts["weight_scale"], dtype)
     if "row_scale" in parts:
         return dequantize_fp8(parts["weight"], parts["row_scale"], block_cols, dtype)
+    if "blocks" in parts:
+        return dequantize_mxfp4(parts["blocks"], parts["scales"], dtype)
     return parts["weight"].to(dtype)
 
 
@@ -219,3 +224,23 @@ def check_packed(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor,
     for suffix, t in (("weight_packed", packed), ("weight_scale", scale)):
         if not shape_fits(want[suffix], list(t.shape)):
             raise ValueError(f"{suffix} has shape {list(t.shape)}; expected {want[suffix]}")
+
+
+# the e2m1 values of an MXFP4 nibble (OCP Microscaling: sign bit high), blocks of 32 sharing a power-of-two scale
+MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_shapes(stacked: int, out: int, inp: int) -> dict[str, list[int]]:
+    """`_blocks` uint8 [E, out, in/32, 16] and `_scales` uint8 [E, out, in/32] of `stacked` [out, in] matrices."""
+    return {"blocks": [stacked, out, inp // 32, 16], "scales": [stacked, out, inp // 32]}
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks uint8 [..., out, G, 16] (two values a byte, the low nibble first), scales uint8 [..., out, G]
+    (2^(s - 127)) -> W [..., out, 32 G] in `dtype`, computed there: exact (a value has two significant bits, the
+    scale is a power of two that bf16's exponent holds)."""
+    lut = torch.tensor(MXFP4_VALUES, dtype=dtype, device=blocks.device)
+    scale = torch.exp2(scales.float() - 127).to(dtype)[..., None, None]                     # [..., out, G, 1, 1]
+    # int32 indices: a uint8 index would be read as a mask
+    w = torch.stack([lut[(blocks & 0xF).int()], lut[(blocks >> 4).int()]], dim=-1) * scale   # [..., out, G, 16, 2]
+    return w.flatten(-3)

@@ -9,14 +9,7 @@ import torch
 from eagle3.ops import positions_from_cu_seqlens, rms_norm
 from eagle3.models.attention import Prefix
 from eagle3.models.weights import Checkpoint, TargetError
-from eagle3.models.llama import LlamaTarget
-
-
-def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
-    if ckpt.config.is_deepseek:
-        from eagle3.models.deepseek import DeepseekTarget
-        return DeepseekTarget(ckpt, device, dtype)
-    return LlamaTarget(ckpt, device, dtype)
+from eagle3.models.families import build_model
 
 
 def check_tensors(ckpt: Checkpoint, model) -> list[str]:

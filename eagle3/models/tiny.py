@@ -287,3 +287,108 @@ def write_kimi_chat(root: str | Path, vocab: int, merges: tuple[bytes, ...] = ()
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": base + 2}))
     (root / "chat_template.jinja").write_text(kimi_chat_template())
     return root
+
+
+MOE_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
+                     "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+
+
+def moe_config(family: str, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+               experts: int, top_k: int, vocab: int) -> dict:
+    """The config.json keys of each GQA MoE family as its published checkpoints write them, small sizes."""
+    c = {"architectures": [MOE_ARCHITECTURES[family]], "model_type": family, "hidden_size": hidden,
+         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+         "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "num_experts_per_tok": top_k,
+         "bos_token_id": 1, "eos_token_id": 2, "rope_theta": 10000.0}
+    if family == "qwen3_moe":   # layer 0 dense: mlp_only_layers
+        c |= {"intermediate_size": 2 * inter, "moe_intermediate_size": inter, "num_experts": experts,
+              "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [0], "attention_bias": False}
+    elif family == "minimax_m2":
+        c |= {"intermediate_size": inter, "num_local_experts": experts, "rotary_dim": head_dim // 2,
+              "use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid", "use_routing_bias": True}
+    elif family == "glm4_moe":   # one next-token-prediction layer after the last, as GLM-4.5's
+        c |= {"intermediate_size": 2 * inter, "moe_intermediate_size": inter, "n_routed_experts": experts,
+              "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "partial_rotary_factor": 0.5,
+              "attention_bias": True, "use_qk_norm": True, "num_nextn_predict_layers": 1}
+    else:
+        c |= {"intermediate_size": inter, "num_local_experts": experts, "experts_per_token": top_k,
+              "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+              "rope_theta": 150000.0, "swiglu_limit": 7.0, "attention_bias": True, "initial_context_length": 4096,
+              "max_position_embeddings": 131072,
+              "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 4096}}
+    return c
+
+
+def make_moe(out: str | Path, family: str, hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+             head_dim: int = 16, inter: int = 32, experts: int = 8, top_k: int = 2, vocab: int = 256,
+             weights: str = "bf16", seed: int = 0) -> Path:
+    """A miniature `family` target (qwen3_moe, minimax_m2, glm4_moe, gpt_oss) in its published tensor layout.
+    `weights`: "bf16"; "fp8" (every decoder linear but the router in 16 x 32 blocks, as the FP8 releases of Qwen3-MoE,
+    GLM-4.5 and MiniMax-M2 store them at 128 x 128); gpt-oss "mxfp4" (its experts as the release stores them; "bf16":
+    their dequantization, as the BF16 re-releases)."""
+    config = moe_config(family, hidden, layers, heads, kv_heads, head_dim, inter, experts, top_k, vocab)
+    if weights == "fp8":
+        config["quantization_config"] = {**FP8_QUANT, "weight_block_size": [16, 32]}
+    if weights == "mxfp4":
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    out, t, rand, ones, mlp, linear = start_target(out, config, seed, torch.bfloat16, (16, 32))
+    kind = "fp8" if weights == "fp8" else "bf16"
+    t.update({"model.embed_tokens.weight": rand(vocab, hidden, std=1.0), "model.norm.weight": ones(hidden),
+              "lm_head.weight": rand(vocab, hidden, std=3 * hidden ** -0.5)})
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for i in range(layers + (family == "glm4_moe")):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"] = ones(hidden), ones(hidden)
+        for name, shape in (("q", (q, hidden)), ("k", (kv, hidden)), ("v", (kv, hidden))):
+            linear(f"{p}self_attn.{name}_proj", shape, kind=kind)
+            if family in ("glm4_moe", "gpt_oss"):
+                t[f"{p}self_attn.{name}_proj.bias"] = rand(shape[0], std=0.1)
+        linear(p + "self_attn.o_proj", (hidden, q), 0.3 * q ** -0.5, kind)
+        if family in ("qwen3_moe", "glm4_moe"):
+            t.update({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)})
+        if family == "minimax_m2":
+            t.update({p + "self_attn.q_norm.weight": ones(q), p + "self_attn.k_norm.weight": ones(kv)})
+        if family == "gpt_oss":
+            t.update({p + "self_attn.o_proj.bias": rand(hidden, std=0.02), p + "self_attn.sinks": rand(heads, std=1.0)})
+            _gpt_oss_experts(t, p + "mlp.", rand, hidden, inter, experts, weights == "mxfp4", seed + i)
+        elif family == "minimax_m2":
+            t[p + "block_sparse_moe.gate.weight"] = rand(experts, hidden)
+            t[p + "block_sparse_moe.e_score_correction_bias"] = rand(experts, std=0.1, dtype=torch.float32)
+            for e in range(experts):
+                for name, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+                    linear(f"{p}block_sparse_moe.experts.{e}.{name}", shape, kind=kind)
+        elif i < config.get("first_k_dense_replace", 0) or i in config.get("mlp_only_layers", ()):
+            mlp(p + "mlp.", hidden, 2 * inter, kind)
+        else:
+            t[p + "mlp.gate.weight"] = rand(experts, hidden)
+            if family == "glm4_moe":
+                t[p + "mlp.gate.e_score_correction_bias"] = rand(experts, std=0.1, dtype=torch.float32)
+                mlp(p + "mlp.shared_experts.", hidden, inter, kind)
+            for e in range(experts):
+                mlp(f"{p}mlp.experts.{e}.", hidden, inter, kind)
+        if i == layers:   # GLM's next-token-prediction layer: its own projections beside a decoder layer
+            t.update({p + "enorm.weight": ones(hidden), p + "hnorm.weight": ones(hidden),
+                      p + "shared_head.norm.weight": ones(hidden)})
+            linear(p + "eh_proj", (hidden, 2 * hidden), kind=kind)
+    save_sharded(t, out, 2)
+    return out
+
+
+def _gpt_oss_experts(t: dict, p: str, rand, hidden: int, inter: int, experts: int, mxfp4: bool, seed: int) -> None:
+    """gpt-oss's fused experts: MXFP4 `*_blocks` / `*_scales` [E, out, in/32, (16)], or bf16 [E, in, out]."""
+    from eagle3.models.quant import dequantize_mxfp4
+    g = torch.Generator().manual_seed(seed)
+    t[p + "router.weight"], t[p + "router.bias"] = rand(experts, hidden), rand(experts, std=0.1)
+    for name, (o, n) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+        blocks = torch.randint(0, 256, (experts, o, n // 32, 16), generator=g, dtype=torch.uint8)
+        # scales of 2^-4..2^-3 for weights of std ~ n^-0.5 at n = 32..64 (e2m1 values have std ~2.4)
+        scales = torch.randint(123, 125, (experts, o, n // 32), generator=g, dtype=torch.uint8)
+        if mxfp4:
+            t[p + f"experts.{name}_blocks"], t[p + f"experts.{name}_scales"] = blocks, scales
+        else:
+            t[p + f"experts.{name}"] = dequantize_mxfp4(blocks, scales, torch.bfloat16).transpose(1, 2).contiguous()
+        t[p + f"experts.{name}_bias"] = rand(experts, o, std=0.05)

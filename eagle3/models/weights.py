@@ -44,13 +44,22 @@ DEEPSEEK = Family("DeepSeek-V3", ("deepseek_v3", "kimi_k2", "kimi_k25"),
                    "n_routed_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
 LLAMA = Family("Llama", ("llama", "mistral", "qwen2", "qwen3"),
                ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), {})
+# the GQA MoE families (eagle3.models.families): the fields their rooms read besides the common ones
+QWEN3_MOE = Family("Qwen3-MoE", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
+                   {"num_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
+MINIMAX_M2 = Family("MiniMax-M2", ("minimax_m2",), ("MiniMaxM2ForCausalLM",),
+                    {"num_local_experts": int, "num_experts_per_tok": int})
+GLM4_MOE = Family("GLM-4.5", ("glm4_moe",), ("Glm4MoeForCausalLM",),
+                  {"n_routed_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
+GPT_OSS = Family("gpt-oss", ("gpt_oss",), ("GptOssForCausalLM",), {"num_local_experts": int, "num_experts_per_tok": int})
 # DeepSeek-V3's forward with other choices (eagle3/models/deepseek.py): GLM's MoE on DeepSeek's MLA; the DSA indexer
 _INDEXER = {"index_topk": int, "index_n_heads": int, "index_head_dim": int, "q_lora_rank": int}
 GLM4_MOE_LITE = Family("GLM-4.7-Flash", ("glm4_moe_lite",), ("Glm4MoeLiteForCausalLM",), DEEPSEEK.fields)
 DEEPSEEK_V32 = Family("DeepSeek-V3.2", ("deepseek_v32",), ("DeepseekV32ForCausalLM",),
                       {**DEEPSEEK.fields, **_INDEXER})
 GLM_MOE_DSA = Family("GLM-5", ("glm_moe_dsa",), ("GlmMoeDsaForCausalLM",), {**DEEPSEEK.fields, **_INDEXER})
-FAMILIES = (DEEPSEEK, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA, LLAMA)
+FAMILIES = (DEEPSEEK, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA, LLAMA, QWEN3_MOE, MINIMAX_M2, GLM4_MOE,
+            GPT_OSS)
 MLA_FAMILIES = (DEEPSEEK, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA)
 # families the engines serve that this forward does not build: model_type -> what is missing
 NOT_BUILT = {"qwen3_5_moe": "Qwen3.5-MoE: its Gated DeltaNet linear-attention layers (3 of every 4) are not built",
