@@ -110,21 +110,14 @@ def test_a_chunked_dsa_sequence_allocates_nothing_larger_than_its_hidden_states(
     """768 tokens in chunks of 128 against a top-k of 16, index scores a query row at a time: the indexer's keys
     [T, 32], the kept choices [T, 16] and each block's scores and mask stay below h [T, H], or a chunk's indexer
     queries [128, 16 x 32] (wider than the tiny hidden size); no [T, T] anywhere."""
-    from test_long_target import LargestOutput
-    from eagle3.models.streaming import run_layers
+    from test_long_target import peaks_chunked_and_whole
     name, path, _ = family
     if "index_topk" not in FAMILIES[name]:
         pytest.skip("the DSA families (the chunked MLA forward: test_long_target.py)")
     monkeypatch.setattr(indexer, "BLOCK_ELEMENTS", 16 * 768)
-    model = TargetRunner(Checkpoint(path), [1], torch.device("cpu"), torch.float32).model
-    layers = [(i, model.load_layer(i)) for i in range(model.cfg.num_hidden_layers)]
     T = 768
-    h = torch.randn(T, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    peaks, outs = {}, {}
-    for chunk in (128, T):
-        with LargestOutput() as seen:
-            outs[chunk] = run_layers(model, layers, h, [0, T], [1], chunk)[0]
-        peaks[chunk] = seen.bytes
+    peaks, outs, h = peaks_chunked_and_whole(TargetRunner(Checkpoint(path), [1], torch.device("cpu"),
+                                                          torch.float32).model, T)
     queries = 128 * DSA["index_n_heads"] * DSA["index_head_dim"] * 4
     assert peaks[128] <= max(h.nbytes, queries) < peaks[T], (peaks, h.nbytes)
     _close(outs[128], outs[T])
