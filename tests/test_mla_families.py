@@ -262,6 +262,15 @@ def test_families_not_built_are_refused_naming_what_is_missing(tmp_path, model_t
     assert "\n" not in str(e.value)
 
 
+def test_qwen3_5_moe_is_refused_by_its_nested_text_config_too(tmp_path):
+    """Qwen3.5-MoE's config.json nests a `qwen3_5_moe_text` text_config (transformers 5.24 `Qwen3_5MoeConfig`)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text"}}))
+    with pytest.raises(TargetError, match=r"text_config: model_type 'qwen3_5_moe_text' is not supported: Qwen3.5-MoE: "
+                                          "its Gated DeltaNet"):
+        read_config(path)
+
+
 @pytest.mark.slow
 def test_past_2048_tokens_with_the_published_top_k(tmp_path, name="glm_moe_dsa"):
     """index_topk 2,048 as published, 2,100 tokens in chunks of 1,024: the last 52 queries of each layer attend

@@ -61,8 +61,11 @@ GLM_MOE_DSA = Family("GLM-5", ("glm_moe_dsa",), ("GlmMoeDsaForCausalLM",), {**DE
 FAMILIES = (DEEPSEEK, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA, LLAMA, QWEN3_MOE, MINIMAX_M2, GLM4_MOE,
             GPT_OSS)
 MLA_FAMILIES = (DEEPSEEK, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA)
-# families the engines serve that this forward does not build: model_type -> what is missing
-NOT_BUILT = {"qwen3_5_moe": "Qwen3.5-MoE: its Gated DeltaNet linear-attention layers (3 of every 4) are not built",
+# families the engines serve that this forward does not build: model_type (outer or text) -> what is missing
+_DELTANET = "its Gated DeltaNet linear-attention layers (3 of every 4) are not built"
+NOT_BUILT = {"qwen3_5_moe": f"Qwen3.5-MoE: {_DELTANET}", "qwen3_5_moe_text": f"Qwen3.5-MoE: {_DELTANET}",
+             "qwen3_5": f"Qwen3.5: {_DELTANET}", "qwen3_5_text": f"Qwen3.5: {_DELTANET}",
+             "qwen3_next": f"Qwen3-Next: {_DELTANET}",
              "deepseek_v4": "DeepSeek-V4: its compressed-KV attention (shared KV, sinks, windows) and 4-stream "
                             "hyper-connections are not built",
              "kimi_linear": "Kimi-Linear: its Kimi Delta Attention linear-attention layers are not built"}
@@ -175,8 +178,9 @@ def read_config(path: Path) -> TextConfig:
     else:
         named = f"architectures {architectures}" if architectures else "no model_type or architectures"
         found = [f for f in FAMILIES if set(architectures) & set(f.architectures)]
-    if not found and text_model_type in NOT_BUILT:
-        raise TargetError(f"{where}: {named} is not supported: {NOT_BUILT[text_model_type]}")
+    missing = next((NOT_BUILT[t] for t in (text_model_type, model_type) if t in NOT_BUILT), None)
+    if not found and missing:
+        raise TargetError(f"{where}: {named} is not supported: {missing}")
     if not found:
         supported = "; ".join(f"{', '.join(f.model_types)} ({f.name} family)" for f in FAMILIES)
         raise TargetError(f"{where}: unsupported target ({named}); supported model_types: {supported}")
