@@ -190,7 +190,7 @@ class GqaTarget:
     def _moe(self, w, x):
         e = w["moe"]
         logits = F.linear(x.float(), w["router"], w.get(f"{e.prefix}{e.gate}.bias"))
-        idx, weights = moe.route(logits, w.get(f"{e.prefix}{e.correction}"), e.router)
+        idx, weights = moe.route(logits, w[e.prefix + e.correction] if e.correction else None, e.router)
         out = moe.routed(w, x, idx, weights, e.router.experts, self.expert_act, self.dtype, self.ckpt.block_cols)
         if e.shared:
             p = e.prefix + "shared_experts."

@@ -1,7 +1,8 @@
 """Miniature random-weight targets with the real config layouts and tensor names, for the demo and the
 tests: the DeepSeek-V3 family as published (`make_kimi`: Kimi-K2.5's nested config with int4 experts by default,
 flat Kimi-K2 and DeepSeek-V3 with its MTP layer, fp8 blocks or bf16; `write_kimi_chat` Kimi's tokenizer files and
-chat template) and synthetic token data."""
+chat template), the GQA MoE families (`make_moe`: Qwen3-MoE, MiniMax-M2, GLM-4.5, gpt-oss with MXFP4 experts) and
+synthetic token data."""
 from __future__ import annotations
 
 import base64
@@ -11,6 +12,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from eagle3.models.quant import dequantize_mxfp4
+
 
 def start_target(out: str | Path, config: dict, seed: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128),
                  scale_dtype: torch.dtype = torch.float32):
@@ -380,7 +384,6 @@ def make_moe(out: str | Path, family: str, hidden: int = 64, layers: int = 4, he
 
 def _gpt_oss_experts(t: dict, p: str, rand, hidden: int, inter: int, experts: int, mxfp4: bool, seed: int) -> None:
     """gpt-oss's fused experts: MXFP4 `*_blocks` / `*_scales` [E, out, in/32, (16)], or bf16 [E, in, out]."""
-    from eagle3.models.quant import dequantize_mxfp4
     g = torch.Generator().manual_seed(seed)
     t[p + "router.weight"], t[p + "router.bias"] = rand(experts, hidden), rand(experts, std=0.1)
     for name, (o, n) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
