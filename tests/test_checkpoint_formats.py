@@ -137,8 +137,6 @@ def test_every_stored_format_gives_transformers_states_whole_and_chunked(target,
 
 
 def test_offline_shards_and_online_batches_hold_transformers_states(target, reference, tmp_path):
-    if "deepseek_v3" not in target.name:
-        pytest.skip("one layout through extract and online: the runner under them is checked for every layout")
     data = tiny.make_token_data(tmp_path / "data.jsonl", vocab=256, sequences=6, min_len=12, max_len=30)
     cfg = make_config(tmp_path, target, data, **{"extract.dtype": "float32", "debug.chunk_tokens": 16,
                                                  "draft.num_attention_heads": 4, "draft.num_key_value_heads": 4})
@@ -282,3 +280,42 @@ def test_rotary_buffers_and_a_tied_duplicate_head_are_skipped(tmp_path):
                                                               "rotary buffer"]
     assert math.isfinite(TargetRunner(Checkpoint(path), [0, 1, 2], torch.device("cpu"), torch.float32).run(
         torch.arange(5), [0, 5])["final_hidden"].sum().item())
+
+
+def test_an_fp8_weight_of_another_dtype_is_refused(fp8_target, tmp_path):
+    name = "model.layers.1.self_attn.o_proj.weight"
+    path = variant(fp8_target, tmp_path, tensors=lambda t: t.update({name: t[name].to(torch.bfloat16)}))
+    refused(path, name.replace(".", r"\.") + r" is BF16 with a F32 weight_scale_inv; expected F8_E4M3")
+
+
+def test_a_quantization_config_at_both_levels_must_be_one(tmp_path):
+    target = tiny.make_kimi(tmp_path / "k25", weights="fp8", layers=4, vocab=256, experts=4, shards=1)
+
+    def both(cfg, **change):
+        cfg["quantization_config"] = {**cfg["text_config"]["quantization_config"], **change}
+    assert inspect(str(variant(target, tmp_path / "same", config=both)))["quantization"]["method"] == "fp8"
+    refused(variant(target, tmp_path / "other", config=lambda c: both(c, weight_block_size=[64, 64])),
+            r"config.json: quantization_config at the top level and in text_config differ")
+
+
+def test_a_qwen3_fp8_release_reads_as_its_dequantized_weights(tmp_path):
+    """The Llama family reads its linears through the same call: Qwen3 FP8's layout (bf16 scales, 128 x 128 blocks
+    over dims of 96 and 160) gives the states of the same weights dequantized and stored plain."""
+    from conftest import make_llama
+    path = make_llama(tmp_path / "q", family="qwen3", hidden=96, layers=4, heads=4, kv_heads=2, intermediate=160,
+                      vocab=128, dtype=torch.float32)
+    weights, dense = load_file(path / "model.safetensors"), {}
+    for name in [n for n in weights if n.endswith("_proj.weight")]:
+        stored = tiny.fp8_blocks(weights[name], (128, 128), torch.bfloat16)
+        weights[name], weights[name + "_scale_inv"] = stored["weight"], stored["weight_scale_inv"]
+        dense[name] = dequantize_fp8(stored["weight"], stored["weight_scale_inv"], [128, 128])
+    fp8 = edited_copy(path, tmp_path / "fp8", config=lambda c: c.update(quantization_config={
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head"]}), tensors=lambda t: t.update(weights))
+    plain = edited_copy(path, tmp_path / "plain", tensors=lambda t: t.update(dense))
+    assert inspect(str(fp8))["weights"]["quantized_linears"]["fp8"] == 4 * 7
+    ids = torch.arange(40) % 128
+    a, b = (TargetRunner(Checkpoint(p), AUX, torch.device("cpu"), torch.float32).run(ids, [0, 40])
+            for p in (fp8, plain))
+    torch.testing.assert_close(a["aux_hidden"], b["aux_hidden"])
+    torch.testing.assert_close(a["final_hidden"], b["final_hidden"])

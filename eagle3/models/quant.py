@@ -68,7 +68,9 @@ def _int4_format(q: dict, where: str) -> Format:
     problems = [] if q.get("format") == "pack-quantized" else [f"format {q.get('format')!r} (read: pack-quantized)"]
     for g in groups or [{}]:
         w = g.get("weights") or {}
-        problems += [f"weights {k} {w.get(k)!r} (read: {v!r})" for k, v in INT4_SCHEME.items() if w.get(k) != v]
+        # an absent key means compressed-tensors' default, which is ours but for num_bits and strategy
+        found = {k: w.get(k, None if k in ("num_bits", "strategy") else v) for k, v in INT4_SCHEME.items()}
+        problems += [f"weights {k} {found[k]!r} (read: {v!r})" for k, v in INT4_SCHEME.items() if found[k] != v]
         if not (isinstance(w.get("group_size"), int) and w["group_size"] > 0 and w["group_size"] % 8 == 0):
             problems.append(f"weights group_size {w.get('group_size')!r} (read: a multiple of 8)")
         if g.get("input_activations") is not None:
@@ -115,7 +117,8 @@ def block_scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> list[in
 
 def row_scales(scale_inv: torch.Tensor, out: int, block_rows: int) -> torch.Tensor:
     """Block scales [ceil(out/b0), c] -> one row per weight row [out, c]: row-aligned like int4's scales, so that the
-    linears of an expert stack along rows whatever out is (576 = 4.5 blocks); +c/b1 bytes a weight of in columns."""
+    linears of an expert stack along rows whatever out is (576 = 4.5 blocks); float32 scales cost 4 / b1 bytes a
+    weight (1/32 at 128)."""
     return scale_inv.repeat_interleave(block_rows, dim=0)[:out]
 
 
@@ -134,7 +137,7 @@ def dequantize(parts: dict[str, torch.Tensor], dtype: torch.dtype, block_cols: i
 def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block_cols: int, dtype: torch.dtype) -> torch.Tensor:
     """fp8 w [..., out, in], row scales [..., out, ceil(in/b1)] -> float(w[i, j]) * scale[i, j // b1] in fp32, then
     `dtype` (DeepSeek-V3's weight_dequant, vLLM's scaled_dequantize); one Triton kernel on CUDA."""
-    if w.is_cuda:
+    if w.is_cuda and torch.cuda.get_device_capability(w.device) >= (8, 9):   # Triton converts fp8 from sm_89 on
         return _launch(w, scale, dtype, block_cols, 1)
     return dequantize_fp8_torch(w, scale, block_cols, dtype)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,7 +304,8 @@ class Checkpoint:
         """Why the text forward reads no tensor `full` (a name as stored), or None: the one list of what is skipped."""
         c = self.config
         extra = int(c.raw.get("num_nextn_predict_layers") or 0)
-        layer = full[len(self.prefix) + 7:].split(".")[0] if full.startswith(self.prefix + "layers.") else ""
+        layers = self.prefix + "layers."
+        layer = full[len(layers):].split(".")[0] if full.startswith(layers) else ""
         if full.startswith(VISION):
             return "vision tower and projector: the text forward reads no image"
         if layer.isdigit() and c.num_hidden_layers <= int(layer) < c.num_hidden_layers + extra:
@@ -318,18 +320,13 @@ class Checkpoint:
     def account(self, used: list[str]) -> dict[str, int]:
         """Every tensor of the checkpoint read (`used`, names as `get` takes them) or skipped -> {reason: count};
         any other is refused by name."""
-        read, skipped, unknown = {self.full_name(n) for n in used}, {}, []
-        for name in self.weight_map:
-            if name not in read:
-                why = self.skip_reason(name)
-                skipped[why] = skipped.get(why, 0) + 1
-                if why is None:
-                    unknown.append(name)
-        if unknown:
+        read = {self.full_name(n) for n in used}
+        reasons = {name: self.skip_reason(name) for name in self.weight_map if name not in read}
+        if unknown := [name for name, why in reasons.items() if why is None]:
             raise TargetError(f"{self.weights_file}: {len(unknown)} tensors that no part of a "
                               f"{self.config.family.name} forward reads nor a known reason skips, first: "
                               f"{', '.join(unknown[:3])}")
-        return skipped
+        return dict(Counter(reasons.values()))
 
     def linear_shapes(self, base: str, shape: tuple[int, int]) -> dict[str, list[int] | quant.GroupedShape]:
         """The tensors linear `base` ([out, in]) is stored as -> their shapes, its format checked against the config."""
@@ -347,8 +344,9 @@ class Checkpoint:
             if dtype is None:
                 raise TargetError(f"{self.weights_file}: {self.full_name(scale)}, a scale with no weight "
                                   f"({self.full_name(weight)} is missing)")
-            if dtype != "F8_E4M3" or (sd := self.info(scale)["dtype"]) not in ("F32", "BF16", "F16"):
-                raise TargetError(f"{self.weights_file}: {self.full_name(weight)} is {dtype} with a {sd} "
+            scale_dtype = self.info(scale)["dtype"]
+            if dtype != "F8_E4M3" or scale_dtype not in ("F32", "BF16", "F16"):
+                raise TargetError(f"{self.weights_file}: {self.full_name(weight)} is {dtype} with a {scale_dtype} "
                                   f"{quant.FP8_SCALE}; expected F8_E4M3 with F32, BF16 or F16 scales")
             return {weight: list(shape), scale: quant.block_scale_shape(shape, fmt.block)}
         if dtype and dtype.startswith("F8"):
