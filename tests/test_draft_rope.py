@@ -33,6 +33,16 @@ TARGETS = {
     "yarn": {**LLAMA, "head_dim": 128, "max_position_embeddings": 131072, "rope_parameters": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1000000.0}},
     "none": {**LLAMA, "rope_theta": 10000.0, "max_position_embeddings": 8192, "head_dim": 64},
+    # DeepSeek-V3.2's (DeepSeek-V3's YaRN, factor 40 over 4,096), with the DSA indexer's fields
+    "deepseek-v3.2": {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "hidden_size": 7168,
+                      "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
+                      "vocab_size": 129280, "rms_norm_eps": 1e-6, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+                      "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "index_topk": 2048,
+                      "index_n_heads": 64, "index_head_dim": 128, "rope_theta": 10000.0,
+                      "max_position_embeddings": 163840, "rope_scaling": {
+                          "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
 }
 
 
@@ -179,7 +189,8 @@ def test_each_engine_computes_the_cos_sin_training_used(tmp_path, name):
         assert torch.equal(c, cos[:, :half]) and torch.equal(s, sin[:, :half]), f"{name}: {engine} differs"
     draft, _ = load_vllm_draft(written["vllm"])                                # the reader decodes with them too
     assert torch.equal(draft.inv_freq, inv_freq) and draft.rope_mscale == mscale
-    expected = {"kimi-k2.5": ("yarn", 64.0), "llama3": ("llama3", 8.0), "yarn": ("yarn", 4.0), "none": None}[name]
+    expected = {"kimi-k2.5": ("yarn", 64.0), "llama3": ("llama3", 8.0), "yarn": ("yarn", 4.0), "none": None,
+                "deepseek-v3.2": ("yarn", 40.0)}[name]
     scaling = layer["rope_scaling"]
     assert (scaling and (scaling["rope_type"], scaling["factor"])) == expected
     assert configs["sglang"]["rope_scaling"] == scaling

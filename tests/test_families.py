@@ -173,17 +173,10 @@ def test_the_gpt_oss_drafts_rotary_is_its_targets_yarn(made, tmp_path):
 def test_a_chunked_gpt_oss_sequence_allocates_nothing_larger_than_its_hidden_states(made):
     """768 tokens in 128-token chunks past the window: the window's keys and the sink key add no [T, T] mask
     nor anything larger than h [T, H]; the whole-sequence forward does ([T * 2, H] MoE pairs)."""
-    from test_long_target import LargestOutput
-    from eagle3.models.streaming import build_model, run_layers
-    model = build_model(Checkpoint(made("gpt_oss")), CPU, torch.float32)
-    layers = [(i, model.load_layer(i)) for i in range(model.cfg.num_hidden_layers)]
+    from test_long_target import peaks_chunked_and_whole
+    from eagle3.models.streaming import build_model
     T = 768
-    h = torch.randn(T, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    peaks, outs = {}, {}
-    for chunk in (128, T):
-        with LargestOutput() as seen:
-            outs[chunk] = run_layers(model, layers, h, [0, T], [1], chunk)[0]
-        peaks[chunk] = seen.bytes
+    peaks, outs, h = peaks_chunked_and_whole(build_model(Checkpoint(made("gpt_oss")), CPU, torch.float32), T)
     assert peaks[128] <= h.nbytes < peaks[T], (peaks, h.nbytes)
     torch.testing.assert_close(outs[128], outs[T], rtol=1e-5, atol=1e-4)
 

@@ -51,12 +51,14 @@ WINDOW_BLOCK = 4096
 SINK_PAD = 8   # the sink's column in q and k, padded to a width fused kernels take
 
 
-def cached_attention(q, k, v, scale=None, window: int = 0, sinks=None):
+def cached_attention(q, k, v, scale=None, window: int = 0, sinks=None, mask=None):
     """The last q.shape[0] positions of a sequence attending to all its k/v [n, Hkv, D], causally (with `window`
     > 0: the keys less than `window` positions back; `sinks` [Hq]: a learned logit per head in every softmax's
-    denominator, gpt-oss's); without either the causal bias aligned to the last key runs in flash / memory-efficient
-    attention on CUDA without a [T, n] mask."""
+    denominator, gpt-oss's; a boolean `mask` [T, n]: the keys it allows, as given); without any the causal bias
+    aligned to the last key runs in flash / memory-efficient attention on CUDA without a [T, n] mask."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if mask is not None:
+        return sdpa(q, k, v, attn_mask=mask, scale=scale)
     if not window and sinks is None:
         return sdpa(q, k, v, attn_mask=causal_lower_right(q.shape[0], k.shape[0]), scale=scale)
     T, n = q.shape[0], k.shape[0]

@@ -22,6 +22,7 @@ class KVPool:
 
     def __init__(self, layers: int):
         self.k, self.v = [None] * layers, [None] * layers   # per layer [slots, capacity, heads, D] or None
+        self.kept = [None] * layers      # per layer [slots, capacity, ...] of other rows (the DSA indexer's keys)
         self.slots = self.capacity = 0          # allocated sizes, the same for every layer
         self.used, self.free = 0, []            # slots ever handed out; heap of released ones
 
@@ -40,7 +41,7 @@ class KVPool:
             return
         new_slots = self.slots if slots <= self.slots else max(slots, 2 * self.slots)
         new_cap = self.capacity if capacity <= self.capacity else max(capacity, 2 * self.capacity, 64)
-        for bufs in (self.k, self.v):
+        for bufs in (self.k, self.v, self.kept):
             for i, old in enumerate(bufs):
                 if old is not None:
                     # zeros, not empty: masked keys still enter q.k, and NaN garbage would leak
@@ -50,12 +51,17 @@ class KVPool:
 
     def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store new k/v [T, heads, D] at flat index [T] (slot * capacity + position) -> the buffers."""
-        if self.k[layer] is None:
-            self.k[layer] = k.new_zeros(self.slots, self.capacity, *k.shape[1:])
-            self.v[layer] = v.new_zeros(self.slots, self.capacity, *v.shape[1:])
-        for buf, new in ((self.k[layer], k), (self.v[layer], v)):
-            buf.view(-1, *new.shape[1:]).index_copy_(0, index, new)
-        return self.k[layer], self.v[layer]
+        return tuple(self._store(bufs, layer, index, new) for bufs, new in ((self.k, k), (self.v, v)))
+
+    def keep(self, layer: int, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Store other per-token rows [T, ...] as `write` does -> their buffer [slots, capacity, ...]."""
+        return self._store(self.kept, layer, index, rows)
+
+    def _store(self, bufs: list, layer: int, index: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        if bufs[layer] is None:
+            bufs[layer] = new.new_zeros(self.slots, self.capacity, *new.shape[1:])
+        bufs[layer].view(-1, *new.shape[1:]).index_copy_(0, index, new)
+        return bufs[layer]
 
 
 class SequenceCache:
@@ -161,6 +167,21 @@ class LayerPass:
             ks, vs = k_cache[slot, :start + b - a], v_cache[slot, :start + b - a]
             out[a:b] = cached_attention(q[a:b], ks, vs, scale, window, sinks)
         return out
+
+    def keep(self, rows: torch.Tensor) -> torch.Tensor:
+        """This pass's other per-token rows [T, ...] of the layer (the DSA indexer's keys) -> [slots, capacity, ...]."""
+        return self.pool.keep(self.layer, self.layout.write_index, rows)
+
+    def sequences(self):
+        """(a, b, slot, start) of each sequence in the pass: its tokens a..b, pool slot, positions already held."""
+        cu = self.layout.cu.tolist()
+        runs = [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+        first = self.layout.write_index[[a for a, _ in runs]].tolist()
+        return [(a, b, f // self.pool.capacity, f % self.pool.capacity) for (a, b), f in zip(runs, first)]
+
+    def cached(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's k/v [length, heads, D] of a slot, this pass's included (after `attend`)."""
+        return self.pool.k[self.layer][slot, :length], self.pool.v[self.layer][slot, :length]
 
 
 class IncrementalTarget:

@@ -24,7 +24,13 @@ def inspect(target: str) -> dict:
         s = model.spec
         report["moe"] = {"routed_experts": s.n_routed_experts, "shared_experts": s.n_shared_experts,
                          "experts_per_token": s.num_experts_per_tok, "n_group": s.n_group, "topk_group": s.topk_group,
-                         "dense_layers": s.first_k_dense_replace, "moe_intermediate_size": s.moe_intermediate_size}
+                         "dense_layers": sum(not s.is_moe(i) for i in range(c.num_hidden_layers)),
+                         "moe_intermediate_size": s.moe_intermediate_size}
+        if s.index is not None:
+            report["indexer"] = {"heads": s.index.heads, "head_dim": s.index.head_dim, "topk": s.index.topk,
+                                 "rotary": "interleaved" if s.index.interleaved else "rotate-half",
+                                 "layer_types": ["full" if s.has_indexer(i) else "shared"
+                                                 for i in range(c.num_hidden_layers)]}
     elif blocks := [e for e in model.layout.experts if e is not None]:
         e, a = blocks[0], model.layout.attention
         report["moe"] = {"routed_experts": e.router.experts, "shared_experts": int(e.shared > 0),

@@ -53,7 +53,23 @@ MINIMAX_M2 = Family("MiniMax-M2", ("minimax_m2",), ("MiniMaxM2ForCausalLM",),
 GLM4_MOE = Family("GLM-4.5", ("glm4_moe",), ("Glm4MoeForCausalLM",),
                   {"n_routed_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
 GPT_OSS = Family("gpt-oss", ("gpt_oss",), ("GptOssForCausalLM",), {"num_local_experts": int, "num_experts_per_tok": int})
-FAMILIES = (DEEPSEEK, LLAMA, QWEN3_MOE, MINIMAX_M2, GLM4_MOE, GPT_OSS)
+# DeepSeek-V3's forward with other choices (eagle3/models/deepseek.py): GLM's MoE on DeepSeek's MLA; the DSA indexer
+_INDEXER = {"index_topk": int, "index_n_heads": int, "index_head_dim": int, "q_lora_rank": int}
+GLM4_MOE_LITE = Family("GLM-4.7-Flash", ("glm4_moe_lite",), ("Glm4MoeLiteForCausalLM",), DEEPSEEK.fields)
+DEEPSEEK_V32 = Family("DeepSeek-V3.2", ("deepseek_v32",), ("DeepseekV32ForCausalLM",),
+                      {**DEEPSEEK.fields, **_INDEXER})
+GLM_MOE_DSA = Family("GLM-5", ("glm_moe_dsa",), ("GlmMoeDsaForCausalLM",), {**DEEPSEEK.fields, **_INDEXER})
+FAMILIES = (DEEPSEEK, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA, LLAMA, QWEN3_MOE, MINIMAX_M2, GLM4_MOE,
+            GPT_OSS)
+MLA_FAMILIES = (DEEPSEEK, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA)
+# families the engines serve that this forward does not build: model_type (outer or text) -> what is missing
+_DELTANET = "its Gated DeltaNet linear-attention layers (3 of every 4) are not built"
+NOT_BUILT = {"qwen3_5_moe": f"Qwen3.5-MoE: {_DELTANET}", "qwen3_5_moe_text": f"Qwen3.5-MoE: {_DELTANET}",
+             "qwen3_5": f"Qwen3.5: {_DELTANET}", "qwen3_5_text": f"Qwen3.5: {_DELTANET}",
+             "qwen3_next": f"Qwen3-Next: {_DELTANET}",
+             "deepseek_v4": "DeepSeek-V4: its compressed-KV attention (shared KV, sinks, windows) and 4-stream "
+                            "hyper-connections are not built",
+             "kimi_linear": "Kimi-Linear: its Kimi Delta Attention linear-attention layers are not built"}
 
 
 @dataclass
@@ -83,7 +99,8 @@ class TextConfig:
 
     @property
     def is_deepseek(self) -> bool:
-        return self.family is DEEPSEEK
+        """DeepSeek-V3's MLA forward (with the family's choices)."""
+        return self.family in MLA_FAMILIES
 
     @property
     def head_dim(self) -> int:
@@ -162,6 +179,9 @@ def read_config(path: Path) -> TextConfig:
     else:
         named = f"architectures {architectures}" if architectures else "no model_type or architectures"
         found = [f for f in FAMILIES if set(architectures) & set(f.architectures)]
+    missing = next((NOT_BUILT[t] for t in (text_model_type, model_type) if t in NOT_BUILT), None)
+    if not found and missing:
+        raise TargetError(f"{where}: {named} is not supported: {missing}")
     if not found:
         supported = "; ".join(f"{', '.join(f.model_types)} ({f.name} family)" for f in FAMILIES)
         raise TargetError(f"{where}: unsupported target ({named}); supported model_types: {supported}")
