@@ -41,13 +41,6 @@ class DraftSpec:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
 
-    def kernel_head_dim(self) -> int:
-        """The head dim the attention kernels see: MLA's q/k (nope + rope) and v heads are zero-padded to one
-        power of two of at least 64 (Kimi: 192 and 128 -> 256), as the Triton kernel takes one D for q, k, v."""
-        if self.attention != "mla":
-            return self.head_dim
-        return max(64, 1 << (max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim) - 1).bit_length())
-
 
 # the norm settings under the keys speculators and vLLM use (SGLang reads none)
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
