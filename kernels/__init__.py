@@ -6,7 +6,7 @@ from kernels.reference import ttt_attention as ttt_attention_reference
 from kernels.reference import ttt_loss as ttt_loss_reference
 from kernels.reference import ttt_loss_steps as ttt_loss_steps_reference
 
-_TRITON = {"ttt_attention": "kernels.ttt_attention", "ttt_attention_mla": "kernels.ttt_attention_mla",
+_TRITON = {"ttt_attention": "kernels.ttt_attention", "ttt_attention_mla": "kernels.mla_attention",
            "ttt_loss": "kernels.ttt_loss", "ttt_loss_steps": "kernels.ttt_loss"}
 
 __all__ = [*_TRITON, "ttt_attention_reference", "ttt_loss_reference", "ttt_loss_steps_reference"]

@@ -91,11 +91,11 @@ def make_config(tmp_path: Path, target: Path, data: Path, **overrides) -> config
     return config_mod.load(None, args)
 
 
-def run_interpreted(script: str) -> tuple[dict, subprocess.CompletedProcess]:
-    """Run a kernel test file as a script in a child process under TRITON_INTERPRET=1 (the variable
+def run_interpreted(script: str, *args: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """Run a kernel test file as a script (with `args`) in a child process under TRITON_INTERPRET=1 (the variable
     must be set before triton is imported): ({case: record} of the JSON lines it printed, the process)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     records = map(json.loads, (line for line in proc.stdout.splitlines() if line.startswith("{")))
     return {rec["case"]: rec for rec in records}, proc
 

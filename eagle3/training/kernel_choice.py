@@ -41,7 +41,7 @@ def _triton_attention(cfg: Config, spec, forced: bool, say: bool) -> Callable:
     """The Triton TTT attention for the draft's heads (MLA: the unpadded kernel at its nope, rope and v widths), else
     flex attention with a note (`forced`, debug.kernels = "triton": an error naming the setting)."""
     if spec.attention == "mla":
-        from kernels.ttt_attention_mla import DIMS
+        from kernels.mla_attention import DIMS
         widths = (spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim)
         if all(w in DIMS for w in widths):
             from kernels import ttt_attention_mla
