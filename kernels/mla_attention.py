@@ -15,7 +15,8 @@ import triton.language as tl
 from kernels import tiles
 from kernels.interpreter import INTERPRET
 from kernels.reference import steps_shape
-from kernels.ttt_attention import FALLBACK, LOG2E, bwd_preprocess, load_rows, seqlen_info, sequence
+from kernels.ttt_attention import (FALLBACK, LOG2E, bwd_preprocess, load_rows, seqlen_info, sequence,
+                                    softmax_update)
 
 DIMS = (16, 32, 64, 128, 256)   # nope, rope and value widths served: powers of two (tl.arange), >= 16 (tl.dot)
 # heads per program of the two key-gradient kernels: the shared rotary key's gradient sums over heads in registers
@@ -79,12 +80,7 @@ def _fwd_tile(acc, m_i, l_i, qn, qr, Kh, Vh, PEs, n0, offs_m, stride_kt, stride_
     s = tl.dot(qr, tl.trans(kr), tl.dot(qn, tl.trans(kn)))
     if MASK:
         s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * qk_scale - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return acc, m_new, l_i
+    return softmax_update(acc, m_i, l_i, s, v, qk_scale, False)   # causal, no window: every row sees a key
 
 
 @triton.jit

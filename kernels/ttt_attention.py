@@ -96,9 +96,16 @@ def _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0
     s = tl.dot(q, tl.trans(k))
     if MASK:
         s = tl.where(_visible(offs_m[:, None], offs_n[None, :], window), s, float("-inf"))
+    return softmax_update(acc, m_i, l_i, s, v, qk_scale, MASK)
+
+
+@triton.jit
+def softmax_update(acc, m_i, l_i, s, v, qk_scale, UNSEEN: tl.constexpr):
+    """The online softmax's (acc, m, l) after one tile's scores s [M, N] (unscaled) and values v [N, Dv]; UNSEEN: a
+    row may see no key yet (masked below its window), whose m stays -inf: subtract 0, not -inf."""
     # scaled inside the max and the exponent: one FMA per score, no separate pass
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    if MASK:   # a row that sees no key yet (below its window) keeps m = -inf: subtract 0, not -inf
+    if UNSEEN:
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_ref = m_new

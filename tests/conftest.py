@@ -107,3 +107,26 @@ def assert_interpreted_case(results: tuple[dict, subprocess.CompletedProcess], c
     rec = out.get(str(case))
     assert rec is not None, f"case {label} did not report (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     assert rec["ok"], f"{label}: {rec['detail']}"
+
+
+def raises_value_error(calls: dict) -> dict:
+    """{name: whether calling it raised ValueError} of {name: call}: a kernel's refusals, reported by a child."""
+    raised = {}
+    for key, call in calls.items():
+        try:
+            call()
+            raised[key] = False
+        except ValueError:
+            raised[key] = True
+    return raised
+
+
+def print_cases(names: list[str], run) -> None:
+    """An interpreted child's output: one JSON line per case, `run(name)`'s record or the exception's trace."""
+    import traceback
+    for name in names:
+        try:
+            res = run(name)
+        except Exception:
+            res = {"exception": traceback.format_exc()[-3000:]}
+        print(json.dumps({"case": name, **res}), flush=True)

@@ -6,7 +6,6 @@ As tests/test_ttt_attention.py: the kernels run under Triton's interpreter in on
 script), which prints a JSON line per case; the pytest tests below assert on them."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_interpreted
+from conftest import print_cases, raises_value_error, run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5   # fp32 under the interpreter
@@ -219,14 +218,7 @@ def _other_case(name):
             "steps_differ": lambda: attention(q, k, v[:1], k_pe=pe),
             "per_head_rotary_key": lambda: attention(q, k, v, k_pe=pe.expand(2, 8, 2, 16)),
         }
-        raised = {}
-        for key, call in calls.items():
-            try:
-                call()
-                raised[key] = False
-            except ValueError:
-                raised[key] = True
-        return {"raised": raised}
+        return {"raised": raises_value_error(calls)}
     if name == PARALLEL_CASE:
         return _context_parallel()
     raise KeyError(name)
@@ -291,13 +283,8 @@ def _context_parallel():
 
 
 def _main(names):
-    import traceback
-    for name in names or [*MATCH_CASES, *OTHER_CASES, PARALLEL_CASE]:
-        try:
-            res = _match_case(name) if name in MATCH_CASES else _other_case(name)
-        except Exception:
-            res = {"exception": traceback.format_exc()[-3000:]}
-        print(json.dumps({"case": name, **res}), flush=True)
+    print_cases(names or [*MATCH_CASES, *OTHER_CASES, PARALLEL_CASE],
+                lambda name: _match_case(name) if name in MATCH_CASES else _other_case(name))
 
 
 if __name__ == "__main__":
