@@ -562,8 +562,7 @@ def build_data(r: Recipe, work: Path, device: str) -> dict:
     from eagle3 import generate
     if r.long_len:
         return build_long_data(r, work)
-    ids = torch.load(work / "corpus_ids.pt")
-    draft_files, judge_files = split_files(r, ids)
+    draft_files, judge_files = split_files(r, corpus_ids(r, work))
     g = random.Random(r.seed)
     seed_lines = [{"input_ids": w, "loss_mask": [0] * r.prompt_len + [1] * r.reply_len}
                   for w in windows(draft_files, r.train_prompts, r.prompt_len + r.reply_len, g)]
@@ -598,6 +597,15 @@ LONG_DATA = {"whole": "long.jsonl", "short": "short.jsonl", "mix": "mix.jsonl"}
 LONG_PROMPTS = "prompts-long.jsonl"
 
 
+def corpus_ids(r: Recipe, work: Path) -> list[torch.Tensor]:
+    """The corpus's token ids per file: as the target stage saved them, or encoded again with the target's tokenizer
+    (a later device call carries the target, not the ids: the same ids, so the data stage writes the same files)."""
+    if (work / "corpus_ids.pt").exists():
+        return torch.load(work / "corpus_ids.pt")
+    from tokenizers import Tokenizer
+    return encode(Tokenizer.from_file(str(work / "target" / "tokenizer.json")), read_texts(corpus_files(r)))
+
+
 def data_files(r: Recipe) -> list[str]:
     """What the data stage writes."""
     return [*LONG_DATA.values(), LONG_PROMPTS] if r.long_len else [*DATA.values(), THINKING]
@@ -610,8 +618,7 @@ def build_long_data(r: Recipe, work: Path) -> dict:
     before its first, unmasked, so both train exactly the same tokens), the first half of them whole and the rest cut
     (`mix`, the same tokens again), and judging prompts from the held-out files,
     half short (`prompt_len`), half deep (spread up to the target's context less the tokens decoded)."""
-    ids = torch.load(work / "corpus_ids.pt")
-    draft_files, judge_files = split_files(r, ids)
+    draft_files, judge_files = split_files(r, corpus_ids(r, work))
     g = random.Random(r.seed)
     whole = windows(draft_files, r.train_prompts, r.long_len, g)
     _write_jsonl(work / LONG_DATA["whole"], [{"input_ids": w, "loss_mask": [0] + [1] * (len(w) - 1)} for w in whole])

@@ -181,6 +181,13 @@ def test_the_long_variant_trains_whole_and_windowed_drafts_on_the_same_tokens(lo
     half = r.train_prompts // 2
     assert [x["input_ids"] for x in lines["mix"][:half]] == [x["input_ids"] for x in lines["whole"][:half]]
     assert max(len(x["input_ids"]) for x in lines["mix"][half:]) == r.window + 1
+    # a later device call carries the target, not the corpus ids: encoded again with its tokenizer, the same
+    saved = torch.load(long_work / "corpus_ids.pt")
+    (long_work / "corpus_ids.pt").rename(long_work / "ids.bak")
+    try:
+        assert [t.tolist() for t in quality.corpus_ids(r, long_work)] == [t.tolist() for t in saved]
+    finally:
+        (long_work / "ids.bak").rename(long_work / "corpus_ids.pt")
     for name, hidden in (("whole", "hidden"), ("short", "hidden-short"), ("mix", "hidden-mix")):
         manifest = json.loads((long_work / hidden / "manifest.json").read_text())
         assert manifest["source"]["path"].endswith(quality.LONG_DATA[name]), manifest["source"]
