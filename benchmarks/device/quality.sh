@@ -51,7 +51,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 # still returns what finished
 pack() {
   (flock 9
-   (cd "$work" && tar czf - --ignore-failed-read $(ls -d regen*.jsonl thinking.jsonl prompts*.jsonl long.jsonl short.jsonl mix.jsonl quality.json peer*/*.json hidden*/manifest.json \
+   (cd "$work" && tar czf - --ignore-failed-read $(ls -d regen*.jsonl thinking.jsonl prompts*.jsonl quality.json peer*/*.json hidden*/manifest.json \
       peer*/*.safetensors peer*.log eval-*.json ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null) \
       | split -b 15m -d - "$out/.parts.") && rm -f "$out"/results.tgz.* && for f in "$out"/.parts.*; do
         mv "$f" "$out/results.tgz.${f##*.parts.}"; done) 9>/tmp/quality-pack.lock
