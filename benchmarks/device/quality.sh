@@ -10,8 +10,9 @@
 # (quality screening on one GPU: its training times then do not count), "wait" waits for them;
 # QUALITY_ARGS="--recipe train_prompts=3072 ..." passes more options to every stage; the long-context variant:
 # WORK=.quality-long QUALITY_ARGS=--long bash benchmarks/device/quality.sh target data ours@whole ours@short measure
-# Presets, one command each (a device call of at most 10 minutes runs one; carry the work directory's target/ and
-# quality.json between them, from target.tgz and results.tgz: the data stage writes the same files again):
+# Presets, one command each (a device call of at most 10 minutes runs one; between them carry the work directory
+# as target.tgz and results.tgz unpack it: target/, quality.json and the replies; the long bench's data stage writes
+# its sequences again from the target's tokenizer):
 #   long-trained, long-trained-drafts, long-trained-seeds: the long bench's target trained until its held-out loss
 #     stops falling (TARGET_SECONDS at most, 420 by default) and its data; then whole, short, mix, window and plain
 #     trained side by side and judged at T = 0 and T = 1; then the same with train.seed 1 (the table of all printed)
