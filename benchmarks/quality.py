@@ -91,6 +91,12 @@ class Recipe:
     batch_seqs: int = 128
     target_steps: int = 1500          # x batch_seqs x seq_len: 98M tokens, 28 passes over the corpus
     target_lr: float = 3e-3
+    # the converged target: > 0, training stops once the judging files' loss, checked every target_check_every steps,
+    # gained less than 1% over target_patience checks in a row (target_steps the most); target_seconds > 0 runs the
+    # learning-rate schedule over that wall time when it ends before target_steps (one device call's budget)
+    target_patience: int = 0
+    target_check_every: int = 250
+    target_seconds: float = 0.0
     prompt_len: int = 128
     reply_len: int = 192              # new tokens per regenerated reply
     long_prompts: int = 64            # the thinking variant's long traces: prompts whose reply runs to long_reply_len
@@ -106,6 +112,7 @@ class Recipe:
     epochs: int = 6                   # 11.8M tokens trained: 4 epochs of half the data left drafts far from trained
     ttt_steps: int = 7
     loss_decay: float = 0.8
+    draft_seeds: int = 1              # the recipe's drafts each trained with this many seeds (name-s1, ... beside name)
     lr: float = 3e-3                  # the peer's best of 1e-3, 3e-3, 1e-2 (ours: 6e-3 > 3e-3 > 1e-3)
     batch_tokens: int = 16384
     eval_fraction: float = 0.02       # the peer trains on 98% of the sequences
@@ -422,14 +429,27 @@ def qwen3_moe_config(r: Recipe, eos: int) -> dict:
 
 def equal_size_variants(r: Recipe) -> list[str]:
     """The MLA draft (the target's dims) and a GQA draft of as many parameters: 2 KV heads (1 with 1 head) of
-    hidden / heads, its MLP narrowed or widened by what its attention weighs more or less (one layer, 2H input)."""
+    hidden / heads, its MLP narrowed or widened by what its attention weighs more or less (one layer, 2H input);
+    then both in the published Kimi-K2.5 drafts' shapes (`published_variants`); each `draft_seeds` times."""
     H, n, d, kv = r.hidden, r.heads, r.hidden // r.heads, math.gcd(2, r.heads)
     mla = (2 * H * (r.q_lora + r.kv_lora + r.qk_rope) + r.q_lora * n * (r.qk_nope + r.qk_rope)
            + r.kv_lora * n * (r.qk_nope + r.v_head) + n * r.v_head * H + r.q_lora + r.kv_lora)
     gqa = 2 * H * (n + 2 * kv) * d + n * d * H
     inter = r.intermediate + round((mla - gqa) / (3 * H))
-    return ["mla:draft.attention=mla", f"gqa:draft.attention=gqa,draft.num_key_value_heads={kv},draft.head_dim={d},"
-                                       f"draft.intermediate_size={inter}"]
+    return seeded(r, ["mla:draft.attention=mla", f"gqa:draft.attention=gqa,draft.num_key_value_heads={kv},"
+                                                 f"draft.head_dim={d},draft.intermediate_size={inter}",
+                      *published_variants(r)])
+
+
+def published_variants(r: Recipe) -> list[str]:
+    """The shapes of the published Kimi-K2.5 drafts scaled to the bench's target: the MLA one (lightseekorg
+    kimi-k2.5-eagle3-mla, Eagle3DeepseekV2ForCausalLM: the target's heads and q/kv LoRA ranks, the target's dense
+    intermediate size as its MLP, the full vocabulary) and the Llama-style one (a KV head per query head as the
+    published Kimi GQA drafts have it, the same MLP and vocabulary)."""
+    wide = f"draft.intermediate_size={r.intermediate},vocab.draft_vocab_size={r.vocab}"
+    return [f"mla-published:draft.attention=mla,{wide}",
+            f"gqa-published:draft.attention=gqa,draft.num_key_value_heads={r.heads},"
+            f"draft.head_dim={r.hidden // r.heads},{wide}"]
 
 
 def long_rope(r: Recipe) -> dict | None:
@@ -458,19 +478,24 @@ def lm_batches(stream: torch.Tensor, r: Recipe, g: torch.Generator):
 
 def train_target(r: Recipe, stream: torch.Tensor, judging: torch.Tensor, device: torch.device) -> tuple[nn.Module, dict]:
     """The target learns from every file (a pretrained model has seen its prompts' sources too); its
-    loss on a window of the judging files says how well it knows them, not how it generalises."""
+    loss on windows of the judging files says how well it knows them, not how it generalises. With
+    `target_patience` it trains until that loss stops falling (`converged`), and reports it by position."""
     torch.manual_seed(r.seed)
     model = (Deepseek if r.target_kind == "deepseek" else Llama)(r).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=r.target_lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
-    warmup = max(1, r.target_steps // 20)
+    warmup, started = max(1, r.target_steps // 20), time.perf_counter()
+
+    def progress(step: int) -> float:   # the schedule's share done: by steps, or by wall time if that ends first
+        done = step / r.target_steps
+        return max(done, (time.perf_counter() - started) / r.target_seconds) if r.target_seconds else done
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / warmup) * (
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / r.target_steps)))))
+        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress(s))))))
     batches = lm_batches(stream, r, torch.Generator().manual_seed(r.seed))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     from tqdm import tqdm
-    bar = tqdm(range(r.target_steps), desc="target", unit="step")
-    for _ in bar:
+    bar, checks = tqdm(range(r.target_steps), desc="target", unit="step"), []
+    for step in bar:
         x = next(batches).to(device, non_blocking=True)
         with autocast:
             loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
@@ -482,11 +507,45 @@ def train_target(r: Recipe, stream: torch.Tensor, judging: torch.Tensor, device:
         if isinstance(model, Deepseek):
             model.balance()
         bar.set_postfix(loss=f"{loss.item():.3f}")
-    with torch.no_grad(), autocast:
-        x = next(lm_batches(judging, r, torch.Generator().manual_seed(r.seed + 1))).to(device)
-        held = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten()).item()
-    return model, {"train_loss": loss.item(), "judging_files_loss": held,
+        if r.target_patience and (step + 1) % r.target_check_every == 0:
+            checks.append((step + 1, judging_losses(model, judging, r, device, autocast).mean().item()))
+            if converged([c for _, c in checks], r.target_patience):
+                break
+        if r.target_seconds and progress(step + 1) >= 1:
+            break
+    by_position = judging_losses(model, judging, r, device, autocast)
+    return model, {"train_loss": loss.item(), "judging_files_loss": by_position.mean().item(),
+                   "judging_loss_by_position": position_buckets(by_position), "steps": step + 1,
+                   "train_s": time.perf_counter() - started, "checks": checks,
+                   "converged": bool(checks) and converged([c for _, c in checks], r.target_patience),
                    "params": sum(p.numel() for p in model.parameters())}
+
+
+def converged(losses: list[float], patience: int) -> bool:
+    """Whether the last `patience` checks' best loss gained less than 1% on the best before them."""
+    return len(losses) > patience and min(losses[-patience:]) > 0.99 * min(losses[:-patience])
+
+
+@torch.no_grad()
+def judging_losses(model: nn.Module, judging: torch.Tensor, r: Recipe, device: torch.device, autocast,
+                   batches: int = 4) -> torch.Tensor:
+    """The next-token loss at each position [seq_len] over `batches` batches of judging-file windows (the same ones
+    at every call)."""
+    held = lm_batches(judging, r, torch.Generator().manual_seed(r.seed + 1))
+    total = torch.zeros(r.seq_len)
+    for _ in range(batches):
+        x = next(held).to(device)
+        with autocast:
+            logits = model(x[:, :-1]).float()
+        total += F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none").mean(0).cpu()
+    return total / batches
+
+
+def position_buckets(losses: torch.Tensor) -> dict[str, float]:
+    """Mean loss per position bucket (0-128, 128-512, 512-2k, 2k-4k, 4k-8k, up to the target's context)."""
+    n = losses.numel()
+    edges = sorted({0, n, *(e for e in (128, 512, 2048, 4096) if e < n)})
+    return {f"{a}-{b}": round(losses[a:b].mean().item(), 4) for a, b in zip(edges, edges[1:])}
 
 
 def split_files(r: Recipe, ids: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -547,8 +606,7 @@ def build_data(r: Recipe, work: Path, device: str) -> dict:
     from eagle3 import generate
     if r.long_len:
         return build_long_data(r, work)
-    ids = torch.load(work / "corpus_ids.pt")
-    draft_files, judge_files = split_files(r, ids)
+    draft_files, judge_files = split_files(r, corpus_ids(r, work))
     g = random.Random(r.seed)
     seed_lines = [{"input_ids": w, "loss_mask": [0] * r.prompt_len + [1] * r.reply_len}
                   for w in windows(draft_files, r.train_prompts, r.prompt_len + r.reply_len, g)]
@@ -578,8 +636,18 @@ def build_data(r: Recipe, work: Path, device: str) -> dict:
 
 THINKING = "thinking.jsonl"   # the greedy replies as chat lines with reasoning, the long ones last
 LONG_REPLIES = "regen-long.jsonl"   # greedy replies of long_reply_len tokens: the thinking variant's long traces
-LONG_DATA = {"whole": "long.jsonl", "short": "short.jsonl"}   # the long variant's draft data, by how it is cut
+# the long variant's draft data, by how it is cut: whole sequences, short windows, half of each (the same tokens)
+LONG_DATA = {"whole": "long.jsonl", "short": "short.jsonl", "mix": "mix.jsonl"}
 LONG_PROMPTS = "prompts-long.jsonl"
+
+
+def corpus_ids(r: Recipe, work: Path) -> list[torch.Tensor]:
+    """The corpus's token ids per file: as the target stage saved them, or encoded again with the target's tokenizer
+    (a later device call carries the target, not the ids: the same ids, so the data stage writes the same files)."""
+    if (work / "corpus_ids.pt").exists():
+        return torch.load(work / "corpus_ids.pt")
+    from tokenizers import Tokenizer
+    return encode(Tokenizer.from_file(str(work / "target" / "tokenizer.json")), read_texts(corpus_files(r)))
 
 
 def data_files(r: Recipe) -> list[str]:
@@ -591,15 +659,19 @@ def build_long_data(r: Recipe, work: Path) -> dict:
     """The long variant's data, corpus text (a target's own replies thousands of tokens long would be a tiny model
     repeating itself; the draft learns the target's distribution on any text): `train_prompts` windows of `long_len`
     tokens trained whole, the same windows cut into pieces of `window` trained tokens (each piece also holds the token
-    before its first, unmasked, so both train exactly the same tokens), and judging prompts from the held-out files,
+    before its first, unmasked, so both train exactly the same tokens), the first half of them whole and the rest cut
+    (`mix`, the same tokens again), and judging prompts from the held-out files,
     half short (`prompt_len`), half deep (spread up to the target's context less the tokens decoded)."""
-    ids = torch.load(work / "corpus_ids.pt")
-    draft_files, judge_files = split_files(r, ids)
+    draft_files, judge_files = split_files(r, corpus_ids(r, work))
     g = random.Random(r.seed)
     whole = windows(draft_files, r.train_prompts, r.long_len, g)
     _write_jsonl(work / LONG_DATA["whole"], [{"input_ids": w, "loss_mask": [0] + [1] * (len(w) - 1)} for w in whole])
-    pieces = [w[max(0, a - 1):a + r.window] for w in whole for a in range(0, len(w), r.window)]
+    def cut(ws):
+        return [w[max(0, a - 1):a + r.window] for w in ws for a in range(0, len(w), r.window)]
+    pieces, half = cut(whole), len(whole) // 2
     _write_jsonl(work / LONG_DATA["short"], [{"input_ids": p, "loss_mask": [0] + [1] * (len(p) - 1)} for p in pieces])
+    _write_jsonl(work / LONG_DATA["mix"], [{"input_ids": p, "loss_mask": [0] + [1] * (len(p) - 1)}
+                                           for p in whole[:half] + cut(whole[half:])])
     short, deep = r.eval_prompts // 2, r.eval_prompts - r.eval_prompts // 2
     lo, hi = 2 * r.window, r.seq_len - r.eval_new_tokens
     depths = [r.prompt_len] * short + [lo + (hi - lo) * i // max(1, deep - 1) for i in range(deep)]
@@ -666,11 +738,24 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def long_variants(r: Recipe) -> list[str]:
-    """The long variant's drafts: whole sequences (the base data), the same tokens in short windows, full sequences
-    trained with a sliding window of the short drafts' length (draft.sliding_window, at least K), and whole sequences
-    with plain RoPE instead of the target's scaling (the rotary rule's comparison)."""
-    return ["whole", f"short:data.path={{work}}/{LONG_DATA['short']}",
-            f"window:draft.sliding_window={max(r.window, r.ttt_steps)}", "plain:experimental.draft_rope=plain"]
+    """The long variant's drafts: whole sequences (the base data), the same tokens in short windows, half of them
+    whole and half in windows (`mix`), full sequences trained with a sliding window of the short drafts' length
+    (draft.sliding_window, at least K), and whole sequences with plain RoPE instead of the target's scaling (the
+    rotary rule's comparison); each `draft_seeds` times."""
+    return seeded(r, ["whole", f"short:data.path={{work}}/{LONG_DATA['short']}",
+                      f"mix:data.path={{work}}/{LONG_DATA['mix']}",
+                      f"window:draft.sliding_window={max(r.window, r.ttt_steps)}",
+                      "plain:experimental.draft_rope=plain"])
+
+
+def seeded(r: Recipe, variants: list[str]) -> list[str]:
+    """Each variant, then each again trained with seeds 1..draft_seeds-1 (`name-s1:...,train.seed=1`)."""
+    out = list(variants)
+    for seed in range(1, r.draft_seeds):
+        for text in variants:
+            name, _, rest = text.partition(":")
+            out.append(f"{name}-s{seed}:{rest + ',' if rest else ''}train.seed={seed}")
+    return out
 
 # a variant that changes one of these changes the hidden states: it gets shards of its own
 EXTRACTION_KEYS = ("target.", "data.", "extract.")

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from eagle3.float8 import linears as float8_linears
 from eagle3.linear import dense_linears
@@ -45,22 +44,28 @@ class Rows:
 
 
 def attend(q, k, v, cache, attention, cu_seqlens, rows: Rows, scale: float | None = None,
-           window: int = 0) -> torch.Tensor:
-    """q [N, Hq, D] of the kept rows, k, v [C, Hkv, D] of the computed ones -> [N, Hq, D], over the steps in `cache`
-    (a list this step's keys and values join, or in decoding a KV pool's `incremental.LayerPass`); `window` > 0: the
-    step-0 keys less than `window` positions back (a sliding-window draft)."""
+           window: int = 0, k_pe: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, Hq, D] of the kept rows, k [C, Hkv, D], v [C, Hkv, Dv] of the computed ones -> [N, Hq, Dv], over the steps
+    in `cache` (a list this step's keys and values join, or in decoding a KV pool's `incremental.LayerPass`); `window`
+    > 0: the step-0 keys less than `window` positions back (a sliding-window draft); k_pe [C, 1, Dr]: MLA's rotary key
+    every head shares, met by q's last Dr dims (k holds the rest)."""
+    shared = () if k_pe is None else (k_pe,)
     if not isinstance(cache, list):
-        return cache.attend(q, k, v, scale, window=window)
+        keys = torch.cat([k, k_pe.expand(-1, k.shape[1], -1)], -1) if shared else k
+        return cache.attend(q, keys, v, scale, window=window)
     # keys, values and queries laid out over all rows, zero elsewhere
     kept = rows.kept_global()
-    q, k, v = scatter_rows(q, kept, rows.total), *(scatter_rows(x, rows.computed, rows.total) for x in (k, v))
+    q, k, v, *shared = scatter_rows(q, kept, rows.total), *(scatter_rows(x, rows.computed, rows.total)
+                                                            for x in (k, v, *shared))
     if split := getattr(attention, "to_heads", None):   # context parallel: all rows of some heads here
-        q, k, v = split(q, k, v)
-    cache.append((k, v))
-    keys, values = (list(kvs) for kvs in zip(*cache))   # S x [T, Hkv, D] each: the kernel saves no stacked copy
+        q, k, v, *shared = split(q, k, v, shared=shared)
+    cache.append((k, v, *shared))
+    keys, values, *pes = (list(kvs) for kvs in zip(*cache))   # S x [T, Hkv, D] each: the kernel saves no stacked copy
     options = {} if scale is None else {"scale": scale}         # None: the kernels' D^-0.5
     if window:   # step k's queries sit k positions past their row: an engine's window of W positions leaves W - k rows
         options["window"] = window - len(cache) + 1
+    if pes:
+        options["k_pe"] = pes[0]
     out = attention(q, keys, values, cu_seqlens, **options)
     return gather_rows(attention.to_rows(out) if split else out, kept)
 
@@ -102,7 +107,7 @@ class MLAttention(nn.Module):
     def __init__(self, spec: DraftSpec, in_dim: int):
         super().__init__()
         self.heads, self.nope, self.rope_dim = spec.num_attention_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim
-        self.kv_lora, self.v_dim, self.width = spec.kv_lora_rank, spec.v_head_dim, spec.kernel_head_dim()
+        self.kv_lora, self.v_dim = spec.kv_lora_rank, spec.v_head_dim
         qk = self.nope + self.rope_dim
         self.q_a_proj = nn.Linear(in_dim, spec.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.rms_norm_eps)
@@ -132,10 +137,9 @@ class MLAttention(nn.Module):
         kv = self.linears(self.kv_a_layernorm(latent), self.kv_b_proj.weight)[0].view(C, self.heads, -1)
         k_nope, v = kv.split([self.nope, self.v_dim], -1)
         q = torch.cat([q_nope, self.rope(q_pe, cos_q, sin_q)], -1)                        # [N, heads, qk]
-        k = torch.cat([k_nope, self.rope(k_pe[:, None], cos, sin).expand(C, self.heads, self.rope_dim)], -1)
-        # one zero-padded head dim for q, k, v (the kernels'); zeros add nothing to q·k, the padded output is cut
-        q, k, v = (F.pad(t, (0, self.width - t.shape[-1])) for t in (q, k, v))
-        out = attend(q, k, v, cache, attention, cu_seqlens, rows, self.scale)[..., :self.v_dim]
+        # k_nope and v stay views of kv; the rotary key one [C, 1, rope] for every head (the kernels expand nothing)
+        out = attend(q, k_nope, v, cache, attention, cu_seqlens, rows, self.scale,
+                     k_pe=self.rope(k_pe[:, None], cos, sin))
         return self.linears(out.reshape(N, -1), self.o_proj.weight)[0]
 
 

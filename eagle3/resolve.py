@@ -41,12 +41,13 @@ class DraftSpec:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
 
-    def kernel_head_dim(self) -> int:
-        """The head dim the attention kernels see: MLA's q/k (nope + rope) and v heads are zero-padded to one
-        power of two of at least 64 (Kimi: 192 and 128 -> 256), as the Triton kernel takes one D for q, k, v."""
+    def attention_width(self) -> int:
+        """Values per row of one layer-step's q, k and v as the TTT attention keeps them: GQA's heads of head_dim;
+        MLA's q and k_nope + v per head, unpadded, and its one rotary key."""
         if self.attention != "mla":
-            return self.head_dim
-        return max(64, 1 << (max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim) - 1).bit_length())
+            return (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+        nope, rope = self.qk_nope_head_dim, self.qk_rope_head_dim
+        return self.num_attention_heads * (2 * nope + rope + self.v_head_dim) + rope
 
 
 # the norm settings under the keys speculators and vLLM use (what each engine reads: config.UNREAD)

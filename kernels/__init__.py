@@ -1,13 +1,13 @@
-"""TTT kernels: fused attention and loss in Triton (`ttt_attention`, `ttt_loss`, `ttt_loss_steps`, imported on first
-use: the references run without Triton) and their pure-torch ground truth (`*_reference`)."""
+"""TTT kernels: fused attention and loss in Triton (`ttt_attention`, `ttt_attention_mla`, `ttt_loss`, `ttt_loss_steps`,
+imported on first use: the references run without Triton) and their pure-torch ground truth (`*_reference`)."""
 import importlib
 
 from kernels.reference import ttt_attention as ttt_attention_reference
 from kernels.reference import ttt_loss as ttt_loss_reference
 from kernels.reference import ttt_loss_steps as ttt_loss_steps_reference
 
-_TRITON = {"ttt_attention": "kernels.ttt_attention", "ttt_loss": "kernels.ttt_loss",
-           "ttt_loss_steps": "kernels.ttt_loss"}
+_TRITON = {"ttt_attention": "kernels.ttt_attention", "ttt_attention_mla": "kernels.mla_attention",
+           "ttt_loss": "kernels.ttt_loss", "ttt_loss_steps": "kernels.ttt_loss"}
 
 __all__ = [*_TRITON, "ttt_attention_reference", "ttt_loss_reference", "ttt_loss_steps_reference"]
 

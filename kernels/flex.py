@@ -34,7 +34,11 @@ def _block_mask(T: int, S: int, bounds: tuple[int, ...], device: str, window: in
 
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor | list, v: torch.Tensor | list,
-                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None, window: int = 0) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None, window: int = 0,
+                  k_pe: torch.Tensor | list | None = None) -> torch.Tensor:
+    """`kernels.reference.ttt_attention`; MLA's shared rotary key (k_pe) by the padded form (`reference.padded_mla`)."""
+    if k_pe is not None:
+        return reference.padded_mla(ttt_attention, q, k, v, cu_seqlens, scale, k_pe, window=window)
     k, v = reference.steps_tensor(k), reference.steps_tensor(v)
     S, T, Hkv, D = k.shape
     bounds = tuple(cu_seqlens.tolist()) if cu_seqlens is not None else (0, T)   # host copy: no sync

@@ -12,7 +12,7 @@ def spread_rows(src: torch.Tensor, index: torch.Tensor, total: int, fill=0) -> t
 
 
 def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int) -> torch.Tensor:
-    """q [n, Hq, D]; k, v [S, n, Hq, D] (heads already expanded), fp32 -> [n, Hq, D]."""
+    """q [n, Hq, D]; k [S, n, Hq, D], v [S, n, Hq, Dv] (heads already expanded), fp32 -> [n, Hq, Dv]."""
     n = q.shape[0]
     causal = torch.einsum("thd,shd->hts", q, k[0]) * scale                  # [Hq, n, n]
     visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
@@ -39,15 +39,24 @@ def steps_tensor(x: torch.Tensor | list) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.stack(list(x))
 
 
+def with_shared_key(k: torch.Tensor | list, k_pe: torch.Tensor | list) -> torch.Tensor:
+    """MLA's keys per head: k [S, T, H, Dn] beside the rotary key k_pe [S, T, 1, Dr] that every head shares (or lists
+    of S per-step tensors) -> [S, T, H, Dn + Dr]."""
+    k, k_pe = steps_tensor(k), steps_tensor(k_pe)
+    return torch.cat([k, k_pe.expand(*k.shape[:3], k_pe.shape[-1])], -1)
+
+
 def ttt_attention(q: torch.Tensor, k: torch.Tensor | list, v: torch.Tensor | list,
-                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None, window: int = 0) -> torch.Tensor:
-    """Attention of TTT step S-1: q [T, Hq, D] sees the step-0 keys of k, v [S, T, Hkv, D] (or lists of S per-step
-    [T, Hkv, D]) causally within its sequence (cu_seqlens [n+1] or None; with `window` > 0 only keys j with
-    i - j < window) and, at each later step j, only k[j, t] -> [T, Hq, D]."""
-    k, v = steps_tensor(k), steps_tensor(v)
+                  cu_seqlens: torch.Tensor | None = None, scale: float | None = None, window: int = 0,
+                  k_pe: torch.Tensor | list | None = None) -> torch.Tensor:
+    """Attention of TTT step S-1: q [T, Hq, D] sees the step-0 keys of k [S, T, Hkv, D], v [S, T, Hkv, Dv] (or lists
+    of S per-step [T, Hkv, ·]) causally within its sequence (cu_seqlens [n+1] or None; with `window` > 0 only keys j
+    with i - j < window) and, at each later step j, only k[j, t] -> [T, Hq, Dv]. MLA: k_pe [S, T, 1, Dr] (or a list)
+    is a rotary key every head shares, met by q's last Dr dims (k then holds the other D - Dr)."""
+    k, v = steps_tensor(k) if k_pe is None else with_shared_key(k, k_pe), steps_tensor(v)
     S, T, Hkv, D = k.shape
     Hq = q.shape[1]
-    if q.shape != (T, Hq, D) or v.shape != k.shape or Hq % Hkv:
+    if q.shape != (T, Hq, D) or v.shape[:3] != k.shape[:3] or Hq % Hkv:
         raise ValueError(f"ttt_attention: bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
     bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != T:
@@ -60,6 +69,18 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor | list, v: torch.Tensor | lis
     vs = v.float().repeat_interleave(group, dim=2).split(lengths, dim=1)
     out = torch.cat([_one_sequence(*parts, scale, window) for parts in zip(qs, ks, vs)])
     return out.to(q.dtype)
+
+
+def padded_mla(attention, q: torch.Tensor, k: torch.Tensor | list, v: torch.Tensor | list, cu_seqlens=None,
+               scale: float | None = None, k_pe: torch.Tensor | list = None, **options) -> torch.Tensor:
+    """MLA's attention (`ttt_attention`'s k_pe form) by an `attention` of one head dim D for q, k and v: the keys
+    joined with the shared rotary key, q, k, v zero-padded to the least power of two >= 64 holding q/k and v (Kimi:
+    192 and 128 -> 256), the output cut back to v's width. Zeros add nothing to q.k: exact, at the padding's cost."""
+    k, v = with_shared_key(k, k_pe), steps_tensor(v)
+    dv, scale = v.shape[-1], q.shape[-1] ** -0.5 if scale is None else scale
+    width = max(64, 1 << (max(q.shape[-1], dv) - 1).bit_length())
+    q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+    return attention(q, k, v, cu_seqlens, scale=scale, **options)[..., :dv]
 
 
 LOSSES = ("kl", "tv", "nla", "lk_hybrid", "pq")   # the Triton kernel takes the index (`LOSS`)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import triton
 
 FAMILIES = ("large", "a100", "small")
 
@@ -38,3 +39,11 @@ def pruner(lists: dict[str, list[tuple]], keys: tuple[str, ...]) -> Callable:
         wanted = lists[family(torch.cuda.get_device_capability(device), torch.version.hip is not None)]
         return [by_tuple[t] for t in wanted if t in by_tuple]
     return prune
+
+
+def autotuned(kernel, lists: dict[str, list[tuple]], key: list[str], pre_hook: Callable | None = None):
+    """`kernel` autotuned over every family's (BLOCK_M, BLOCK_N, warps, stages) of `lists`, pruned to the running GPU's
+    at tuning time, one tuning per value of the `key` arguments."""
+    return triton.autotune(configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s,
+                                                  pre_hook=pre_hook) for m, n, w, s in union(lists)], key=key,
+                           prune_configs_by={"early_config_prune": pruner(lists, ("BLOCK_M", "BLOCK_N"))})(kernel)

@@ -26,7 +26,7 @@ ROWS_BLOCK_GPU = 32  # rows per program of the two elementwise backward kernels
 
 
 @triton.jit
-def _sequence(CU_SEQLENS, seq, T, VARLEN: tl.constexpr):
+def sequence(CU_SEQLENS, seq, T, VARLEN: tl.constexpr):
     """(first token, length) of packed sequence `seq`; the whole batch when there is no cu_seqlens."""
     if VARLEN:
         start = tl.load(CU_SEQLENS + seq)
@@ -40,12 +40,12 @@ def _query_tile(CU_SEQLENS, T, GROUP: tl.constexpr, VARLEN: tl.constexpr, BLOCK_
     """(q head, kv head, sequence start, sequence length, first query position) of this program;
     the heaviest (last) query tiles first, so the causal imbalance does not land in the tail."""
     head = tl.program_id(1)
-    start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
+    start, seqlen = sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
     return head, head // GROUP, start, seqlen, (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
 
 
 @triton.jit
-def _load_rows(base, rows, row_stride, offs_d, row_mask, UPCAST: tl.constexpr):
+def load_rows(base, rows, row_stride, offs_d, row_mask, UPCAST: tl.constexpr):
     """A [rows, D] tile of a row-major matrix; zeros on masked rows (they then add nothing)."""
     x = tl.load(base + rows[:, None] * row_stride + offs_d[None, :], mask=row_mask[:, None], other=0.0)
     if UPCAST:
@@ -96,9 +96,16 @@ def _fwd_causal_tile(acc, m_i, l_i, q, K0, V0, Kd, Vd, start, col, stride_kt, n0
     s = tl.dot(q, tl.trans(k))
     if MASK:
         s = tl.where(_visible(offs_m[:, None], offs_n[None, :], window), s, float("-inf"))
+    return softmax_update(acc, m_i, l_i, s, v, qk_scale, MASK)
+
+
+@triton.jit
+def softmax_update(acc, m_i, l_i, s, v, qk_scale, UNSEEN: tl.constexpr):
+    """The online softmax's (acc, m, l) after one tile's scores s [M, N] (unscaled) and values v [N, Dv]; UNSEEN: a
+    row may see no key yet (masked below its window), whose m stays -inf: subtract 0, not -inf."""
     # scaled inside the max and the exponent: one FMA per score, no separate pass
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    if MASK:   # a row that sees no key yet (below its window) keeps m = -inf: subtract 0, not -inf
+    if UNSEEN:
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_ref = m_new
@@ -145,8 +152,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
         Kj += stride_ks  # pointers advance step by step: no 32-bit overflow of j * stride_ks
         Vj += stride_ks
         # both loads before any arithmetic: this loop is latency-bound
-        kj = _load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, UPCAST)
-        vj = _load_rows(Vj, offs_m, stride_kt, offs_d, row_mask, UPCAST)
+        kj = load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, UPCAST)
+        vj = load_rows(Vj, offs_m, stride_kt, offs_d, row_mask, UPCAST)
         s = tl.sum(qf * kj.to(tl.float32), 1) * qk_scale
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp2(m_i - m_new)
@@ -171,15 +178,15 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS,
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, T,
+def bwd_preprocess(O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, T,
                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """delta = rowsum(dO * O), one value per (head, row)."""
     head = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = rows < T
-    o = _load_rows(O + head * stride_oh, rows, stride_ot, offs_d, mask, True)
-    do = _load_rows(DO + head * stride_doh, rows, stride_dot, offs_d, mask, True)
+    o = load_rows(O + head * stride_oh, rows, stride_ot, offs_d, mask, True)
+    do = load_rows(DO + head * stride_doh, rows, stride_dot, offs_d, mask, True)
     tl.store(DELTA + head * T + rows, tl.sum(o * do, 1), mask=mask)
 
 
@@ -206,8 +213,8 @@ def _bwd_diag_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
         dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
         for g in range(GROUP):
             head = kv_head * GROUP + g
-            q = _load_rows(Q + head * stride_qh, rows, stride_qt, offs_d, mask, True)
-            do = _load_rows(DO + head * stride_doh, rows, stride_dot, offs_d, mask, True)
+            q = load_rows(Q + head * stride_qh, rows, stride_qt, offs_d, mask, True)
+            do = load_rows(DO + head * stride_doh, rows, stride_dot, offs_d, mask, True)
             lse = tl.load(LSE + head * T + rows, mask=mask, other=0.0)
             delta = tl.load(DELTA + head * T + rows, mask=mask, other=0.0)
             p = tl.exp2(tl.sum(q * kj, 1) * qk_scale - lse)
@@ -250,7 +257,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
     mirror evens the causal work of the few programs GQA leaves); keys past the sequence are not stored."""
     pair = tl.program_id(0)
     kv_head = tl.program_id(1)
-    start, seqlen = _sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
+    start, seqlen = sequence(CU_SEQLENS, tl.program_id(2), T, VARLEN)
     mirror = tl.cdiv(seqlen, BLOCK_N) - 1 - pair
     # Visits tile `pair` and then `mirror`; once if they coincide, never if `mirror` came first.
     for tile in range(pair, mirror + 1, tl.maximum(mirror - pair, 1)):
@@ -331,7 +338,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DQ, CU_SEQLENS,
     Kj = K0
     for j in range(1, S):   # the diagonal keys: ds_j (from _bwd_diag_kernel) times k_j, row by row
         Kj += stride_ks
-        kj = _load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, True)
+        kj = load_rows(Kj, offs_m, stride_kt, offs_d, row_mask, True)
         ds = tl.load(DS + ((j - 1) * H_Q + head) * T + start + offs_m, mask=row_mask, other=0.0)
         dq += ds[:, None] * kj
     col = kv_head * HEAD_DIM
@@ -386,18 +393,10 @@ def block_rows(nargs: dict) -> None:
             nargs[name].block_shape = [nargs[block], nargs[name].block_shape[-1]]
 
 
-def _tuned(kernel, name: str):
-    """The autotuned kernel: every family's candidates, pruned to the running GPU's at tuning time."""
-    lists = {family: configs[name] for family, configs in CONFIGS.items()}
-    return triton.autotune(configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s,
-                                                  pre_hook=block_rows)
-                                    for m, n, w, s in tiles.union(lists)], key=_TUNE_KEY,
-                           prune_configs_by={"early_config_prune": tiles.pruner(lists, ("BLOCK_M", "BLOCK_N"))})(kernel)
-
-
 KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
 # the autotuned kernels (benchmarks.attention_sweep swaps one for a single config)
-TUNED = {} if INTERPRET else {name: _tuned(k, name) for name, k in KERNELS.items()}
+TUNED = {} if INTERPRET else {name: tiles.autotuned(k, {family: configs[name] for family, configs in CONFIGS.items()},
+                                                    _TUNE_KEY, block_rows) for name, k in KERNELS.items()}
 
 
 def best_config(name: str) -> tuple | None:
@@ -454,7 +453,7 @@ def _descriptors(tma: bool, **tensors) -> dict:
                                    [16, x.shape[-1]]) for name, x in tensors.items()}
 
 
-def _seqlen_info(cu_seqlens, T, device, max_seqlen=None):
+def seqlen_info(cu_seqlens, T, device, max_seqlen=None):
     """(cu_seqlens int32 on device or None, number of sequences, longest length), checked (pinned host boundaries
     cost no sync); with `max_seqlen` (a bound, as in a CUDA graph) they are neither read nor checked."""
     if cu_seqlens is None:
@@ -478,7 +477,7 @@ def _backward(do, q, k, v, o, lse, cu, n_seq, max_len, scale, tma, window):
     ds = torch.empty(max(S - 1, 1), Hq, T, device=q.device, dtype=torch.float32)
     bucket = triton.next_power_of_2(max_len)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), do.stride(0), do.stride(1))
-    _bwd_preprocess[(triton.cdiv(T, rows), Hq)](
+    bwd_preprocess[(triton.cdiv(T, rows), Hq)](
         o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), T, HEAD_DIM=D, BLOCK=rows)
     if S > 1:
         _bwd_diag_kernel[(triton.cdiv(T, rows), Hkv)](q, k, v, do, lse, delta, dk, dv, ds, *strides, T, S, Hq,
@@ -505,7 +504,7 @@ class _TTTAttention(torch.autograd.Function):
         k, v = (torch.stack(kv[:n]), torch.stack(kv[n:])) if per_step else (kv[0].contiguous(), kv[1].contiguous())
         S, T, Hkv, D = k.shape
         Hq = q.shape[1]
-        cu, n_seq, max_len = _seqlen_info(cu_seqlens, T, q.device, max_seqlen)
+        cu, n_seq, max_len = seqlen_info(cu_seqlens, T, q.device, max_seqlen)
         tma = uses_tma(q.device) and _aligned(q, k, v)   # the backward loads as the forward did
         o = torch.empty_like(q)
         lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)

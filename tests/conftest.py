@@ -108,11 +108,11 @@ def make_config(tmp_path: Path, target: Path, data: Path, **overrides) -> config
     return config_mod.load(None, args)
 
 
-def run_interpreted(script: str) -> tuple[dict, subprocess.CompletedProcess]:
-    """Run a kernel test file as a script in a child process under TRITON_INTERPRET=1 (the variable
+def run_interpreted(script: str, *args: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """Run a kernel test file as a script (with `args`) in a child process under TRITON_INTERPRET=1 (the variable
     must be set before triton is imported): ({case: record} of the JSON lines it printed, the process)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     records = map(json.loads, (line for line in proc.stdout.splitlines() if line.startswith("{")))
     return {rec["case"]: rec for rec in records}, proc
 
@@ -124,3 +124,26 @@ def assert_interpreted_case(results: tuple[dict, subprocess.CompletedProcess], c
     rec = out.get(str(case))
     assert rec is not None, f"case {label} did not report (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     assert rec["ok"], f"{label}: {rec['detail']}"
+
+
+def raises_value_error(calls: dict) -> dict:
+    """{name: whether calling it raised ValueError} of {name: call}: a kernel's refusals, reported by a child."""
+    raised = {}
+    for key, call in calls.items():
+        try:
+            call()
+            raised[key] = False
+        except ValueError:
+            raised[key] = True
+    return raised
+
+
+def print_cases(names: list[str], run) -> None:
+    """An interpreted child's output: one JSON line per case, `run(name)`'s record or the exception's trace."""
+    import traceback
+    for name in names:
+        try:
+            res = run(name)
+        except Exception:
+            res = {"exception": traceback.format_exc()[-3000:]}
+        print(json.dumps({"case": name, **res}), flush=True)

@@ -4,6 +4,7 @@ eager reference, a trained run's vLLM / SGLang exports read back to the same log
 a tiny MLA target, and Kimi-K2.5's real MLA dims built and exported on the meta device.
 
 Run as a script (TRITON_INTERPRET=1, by `run_interpreted`) it prints the interpreted kernel cases as JSON lines."""
+import functools
 import json
 import math
 import sys
@@ -108,17 +109,19 @@ def _grads(draft, attention):
 
 
 def interpreted_cases() -> None:
-    from kernels import reference, ttt_attention
+    from kernels import reference, ttt_attention, ttt_attention_mla
     from kernels.interpreter import INTERPRET
     print(json.dumps({"case": "interpreted", "ok": INTERPRET}))
-    draft = mla_draft(7)
+    draft = mla_draft(7, dims=(16, 16, 16, 16, 32))   # widths the unpadded kernel serves
     loss_ref, ref = _grads(draft, reference.ttt_attention)
-    loss_tri, tri = _grads(draft, ttt_attention)
-    worst = max(((tri[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
-    ok = set(ref) == set(tri) and abs(loss_tri - loss_ref) < 1e-5 * abs(loss_ref) and worst < 1e-4
-    print(json.dumps({"case": "ttt_gradients", "ok": bool(ok), "detail": f"loss {loss_tri} vs {loss_ref}, "
-                      f"worst relative gradient error {worst:.2e} over {len(ref)} tensors"}))
-    # the Kimi draft's width: 192-wide q/k and 128-wide v heads padded to 256
+    padded = functools.partial(reference.padded_mla, ttt_attention)   # the GQA kernel over heads padded to 64
+    for case, attention in (("ttt_gradients", ttt_attention_mla), ("padded_gradients", padded)):
+        loss_tri, tri = _grads(draft, attention)
+        worst = max(((tri[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
+        ok = set(ref) == set(tri) and abs(loss_tri - loss_ref) < 1e-5 * abs(loss_ref) and worst < 1e-4
+        print(json.dumps({"case": case, "ok": bool(ok), "detail": f"loss {loss_tri} vs {loss_ref}, "
+                          f"worst relative gradient error {worst:.2e} over {len(ref)} tensors"}))
+    # the GQA kernel at D = 256 (what the padded path gives Kimi's 192-wide q/k and 128-wide v heads)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(*shape, generator=g, requires_grad=True) for shape in ((9, 1, 256), (2, 9, 1, 256),
                                                                                     (2, 9, 1, 256)))
@@ -135,8 +138,10 @@ def interpreted():
     return run_interpreted(__file__)
 
 
-@pytest.mark.parametrize("case", ["ttt_gradients", "d256"])
+@pytest.mark.parametrize("case", ["ttt_gradients", "padded_gradients", "d256"])
 def test_triton_ttt_attention_gives_the_eager_gradients(interpreted, case):
+    """The MLA draft's TTT gradients through the unpadded MLA kernel, and through the padded path, equal the eager
+    reference's."""
     from conftest import assert_interpreted_case
     assert_interpreted_case(interpreted, case, case)
 
@@ -156,17 +161,32 @@ def test_fp8_gemms_give_the_mla_draft_the_dense_gradients_to_fp8_precision():
         assert cos > 0.95, (name, cos)
 
 
-def test_the_gemms_and_the_kernel_width_are_the_mla_layers():
+def test_the_gemms_are_the_mla_layers():
     from eagle3.float8 import gemm_widths, layer_shapes
     spec = mla_draft().spec
     shapes = layer_shapes(spec)
     assert shapes["self_attn.q_a_proj"] == (12, 32) and shapes["self_attn.kv_b_proj"] == (2 * 32, 8)
     assert {f"layers.0.{n}.weight" for n in shapes if n != "fc"} <= set(dict(mla_draft().named_parameters()))
-    assert spec.kernel_head_dim() == 64
     kimi = kimi_spec()
-    assert kimi.kernel_head_dim() == 256 and layer_shapes(kimi)["self_attn.kv_a_proj_with_mqa"] == (576, 2 * 7168)
+    assert layer_shapes(kimi)["self_attn.kv_a_proj_with_mqa"] == (576, 2 * 7168)
+    assert kimi.attention_width() == 64 * (192 + 128 + 128) + 64   # q, k_nope and v per head, one k_pe: unpadded
     assert not [name for name, width in gemm_widths(kimi).items() if width % 16]   # fp8 GEMMs take every one
     assert gemm_widths(spec)["kv_lora_rank + qk_rope_head_dim"] == 16
+
+
+def test_the_triton_choice_is_the_unpadded_kernel_at_the_widths_it_serves():
+    """debug.kernels = "triton" (and "auto" on CUDA) trains an MLA draft with the unpadded kernel at Kimi's widths; at
+    widths it does not serve, "triton" names the setting to change."""
+    from types import SimpleNamespace
+    from eagle3.training import kernel_choice
+    from kernels.mla_attention import ttt_attention_mla
+    cfg = SimpleNamespace(debug=SimpleNamespace(kernels="triton"), source="c.toml",
+                          train=SimpleNamespace(float8_head=None, batch_tokens=64))
+    chosen = kernel_choice.choose(cfg, torch.device("cpu"), kimi_spec(), draft_float8=False, say=False)
+    assert chosen.attention is ttt_attention_mla
+    with pytest.raises(kernel_choice.TrainError, match=r"c.toml: debug.kernels = \"triton\" needs the MLA draft's "
+                                                       r"nope, rope and v head dims in .*got \(16, 8, 16\).*mla_dims"):
+        kernel_choice.choose(cfg, torch.device("cpu"), mla_draft().spec, draft_float8=False, say=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,7 +215,7 @@ def test_the_mla_dims_come_from_the_target_or_are_set(tmp_path):
     with pytest.raises(ConfigError, match="needs q_lora_rank, .* the target's config .* gives \\[None"):
         kimi_spec(llama)   # a GQA target has no MLA dims
     spec = kimi_spec(llama, **{"experimental.mla_dims": "[64, 32, 64, 32, 64]"})
-    assert (spec.q_lora_rank, spec.qk_rope_head_dim, spec.rope_scaling, spec.kernel_head_dim()) == (64, 32, None, 128)
+    assert (spec.q_lora_rank, spec.qk_rope_head_dim, spec.rope_scaling, spec.v_head_dim) == (64, 32, None, 64)
     with pytest.raises(ConfigError, match="an even rope dim"):
         kimi_spec(llama, **{"experimental.mla_dims": "[64, 32, 64, 31, 64]"})
     with pytest.raises(ConfigError, match="mla_dims is set but draft.attention is \"gqa\""):

@@ -9,14 +9,13 @@ each case's line.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_interpreted
+from conftest import print_cases, raises_value_error, run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5  # fp32 under the interpreter; observed errors are about 3e-7
@@ -320,25 +319,13 @@ def _other_case(name):
             "heads_not_a_multiple": lambda: ttt_attention(q[:, :3], k, v),
             "head_dim_48": lambda: ttt_attention(q[..., :48], k[..., :48], v[..., :48]),
         }
-        raised = {}
-        for key, call in calls.items():
-            try:
-                call()
-                raised[key] = False
-            except ValueError:
-                raised[key] = True
-        return {"raised": raised}
+        return {"raised": raises_value_error(calls)}
     raise KeyError(name)
 
 
 def _main(names):
-    import traceback
-    for name in names or [*MATCH_CASES, *TMA_CASES, *OTHER_CASES]:
-        try:
-            res = _match_case(name) if name.removeprefix("tma_") in MATCH_CASES else _other_case(name)
-        except Exception:
-            res = {"exception": traceback.format_exc()[-3000:]}
-        print(json.dumps({"case": name, **res}), flush=True)
+    print_cases(names or [*MATCH_CASES, *TMA_CASES, *OTHER_CASES],
+                lambda name: _match_case(name) if name.removeprefix("tma_") in MATCH_CASES else _other_case(name))
 
 
 if __name__ == "__main__":

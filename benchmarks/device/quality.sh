@@ -10,7 +10,36 @@
 # (quality screening on one GPU: its training times then do not count), "wait" waits for them;
 # QUALITY_ARGS="--recipe train_prompts=3072 ..." passes more options to every stage; the long-context variant:
 # WORK=.quality-long QUALITY_ARGS=--long bash benchmarks/device/quality.sh target data ours@whole ours@short measure
+# Presets, one command each (a device call of at most 10 minutes runs one; between them carry the work directory
+# as target.tgz and results.tgz unpack it: target/, quality.json and the replies; the long bench's data stage writes
+# its sequences again from the target's tokenizer):
+#   long-trained, long-trained-drafts, long-trained-seeds: the long bench's target trained until its held-out loss
+#     stops falling (TARGET_SECONDS at most, 420 by default) and its data; then whole, short, mix, window and plain
+#     trained side by side and judged at T = 0 and T = 1; then the same with train.seed 1 (the table of all printed)
+#   mla-trained, mla-trained-drafts, mla-trained-seeds: the same on the DeepSeek-V3-shaped target, drafts mla and gqa
+#     (equal size) and mla-published and gqa-published (the published Kimi drafts' shapes)
 set -uo pipefail
+LONG_TRAINED="--long --judge t0,probabilistic --recipe target_patience=3 --recipe target_steps=20000
+  --recipe target_seconds=${TARGET_SECONDS:-420} --recipe draft_seeds=2"
+MLA_TRAINED="--recipe target_kind=deepseek --judge t0,probabilistic --recipe target_patience=3 --recipe target_steps=20000
+  --recipe target_seconds=${TARGET_SECONDS:-300} --recipe train_prompts=2048 --recipe long_prompts=2
+  --recipe long_reply_len=64 --recipe draft_seeds=2"
+arms() {   # SUFFIX ARM...: each arm trained in the background, then each judged in the background, then the table
+  local suffix=$1 a; shift
+  for a in "$@"; do echo "bg:ours@$a$suffix"; done; echo wait
+  for a in "$@"; do echo "bg:measure@$a$suffix"; done; echo wait measure
+}
+case "${1:-}" in
+  long-trained*) WORK=${WORK:-.quality-long-trained}; QUALITY_ARGS="$LONG_TRAINED ${QUALITY_ARGS:-}"
+    drafts="whole short mix window plain" ;;
+  mla-trained*) WORK=${WORK:-.quality-ds-trained}; QUALITY_ARGS="$MLA_TRAINED ${QUALITY_ARGS:-}"
+    drafts="mla gqa mla-published gqa-published" ;;
+esac
+case "${1:-}" in
+  *-trained) set -- target data ;;
+  *-trained-drafts) set -- data $(arms "" $drafts) ;;
+  *-trained-seeds) set -- data $(arms -s1 $drafts) ;;
+esac
 out=${OUT:-/tmp/quality-out}; work=${WORK:-.quality}
 mkdir -p "$out" "$work"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1

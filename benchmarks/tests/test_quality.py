@@ -177,8 +177,18 @@ def test_the_long_variant_trains_whole_and_windowed_drafts_on_the_same_tokens(lo
     assert max(len(x["input_ids"]) for x in lines["short"]) == r.window + 1     # the window and the token before it
     trained = {kind: [t for x in rows for t, m in zip(x["input_ids"], x["loss_mask"]) if m]
                for kind, rows in lines.items()}
-    assert trained["whole"] == trained["short"]                                 # the same tokens, in the same order
-    for name, hidden in (("whole", "hidden"), ("short", "hidden-short")):
+    assert trained["whole"] == trained["short"] == trained["mix"]               # the same tokens, in the same order
+    half = r.train_prompts // 2
+    assert [x["input_ids"] for x in lines["mix"][:half]] == [x["input_ids"] for x in lines["whole"][:half]]
+    assert max(len(x["input_ids"]) for x in lines["mix"][half:]) == r.window + 1
+    # a later device call carries the target, not the corpus ids: encoded again with its tokenizer, the same
+    saved = torch.load(long_work / "corpus_ids.pt")
+    (long_work / "corpus_ids.pt").rename(long_work / "ids.bak")
+    try:
+        assert [t.tolist() for t in quality.corpus_ids(r, long_work)] == [t.tolist() for t in saved]
+    finally:
+        (long_work / "ids.bak").rename(long_work / "corpus_ids.pt")
+    for name, hidden in (("whole", "hidden"), ("short", "hidden-short"), ("mix", "hidden-mix")):
         manifest = json.loads((long_work / hidden / "manifest.json").read_text())
         assert manifest["source"]["path"].endswith(quality.LONG_DATA[name]), manifest["source"]
     prompts = [len(json.loads(line)["input_ids"])
@@ -190,7 +200,7 @@ def test_the_long_variant_trains_whole_and_windowed_drafts_on_the_same_tokens(lo
 @pytest.mark.slow
 def test_the_long_variant_judges_by_depth_on_short_and_deep_prompts(long_work):
     results = json.loads((long_work / "quality.json").read_text())["results"]
-    assert set(results) == {"whole", "short", "window", "plain"}
+    assert set(results) == {"whole", "short", "mix", "window", "plain"}
     # the target scales its rotary (llama3); the drafts carry that scaling to the engines, but the plain-RoPE arm
     target = json.loads((long_work / "target" / "config.json").read_text())["rope_scaling"]
     exported = {name: json.loads((long_work / f"ours-{name}" / "export" / "vllm" / "config.json").read_text())
@@ -210,6 +220,32 @@ def test_the_long_variant_judges_by_depth_on_short_and_deep_prompts(long_work):
         assert "real_accept_len_sd" in m["greedy"]["by_depth"][0]
     table = quality.depth_table(results).splitlines()
     assert table[0] == "| draft | setting | <16 | 16-32 | 32-64 | >=64 |" and len(table) == 2 + 2 * len(results)
+
+
+def test_drafts_by_seed_and_in_the_published_shapes():
+    """`draft_seeds` repeats each of the recipe's drafts with train.seed 1.. beside it; the DeepSeek bench adds the
+    published Kimi drafts' shapes (the target's MLP width and full vocabulary; GQA with a KV head per head)."""
+    r = quality.Recipe(target_kind="deepseek", draft_seeds=2)
+    names = [quality.parse_variant(v)[0] for v in quality.equal_size_variants(r)]
+    assert names == ["mla", "gqa", "mla-published", "gqa-published", "mla-s1", "gqa-s1", "mla-published-s1",
+                     "gqa-published-s1"]
+    published = dict(quality.parse_variant(v) for v in quality.published_variants(r))
+    assert published["gqa-published"] == {"draft.attention": "gqa", "draft.num_key_value_heads": "4",
+                                          "draft.head_dim": "64", "draft.intermediate_size": "768",
+                                          "vocab.draft_vocab_size": "2048"}
+    assert quality.parse_variant(quality.seeded(r, ["whole"])[1]) == ("whole-s1", {"train.seed": "1"})
+    long = [quality.parse_variant(v)[0] for v in quality.long_variants(quality.LONG)]
+    assert long == ["whole", "short", "mix", "window", "plain"]
+
+
+def test_a_converged_target_stops_when_its_judging_loss_flattens_and_reports_it_by_position():
+    assert not quality.converged([3.0, 2.0, 1.9], 2)                  # 1.9 is 5% below the best before the window
+    assert quality.converged([3.0, 2.0, 1.99, 1.985], 2)              # under 1% in 2 checks
+    assert not quality.converged([3.0, 2.98], 2)                      # too few checks
+    losses = torch.arange(8192, dtype=torch.float32)
+    buckets = quality.position_buckets(losses)
+    assert list(buckets) == ["0-128", "128-512", "512-2048", "2048-4096", "4096-8192"]
+    assert buckets["0-128"] == 63.5 and list(quality.position_buckets(losses[:100])) == ["0-100"]
 
 
 def _saved_and_read_back(model, r, tmp_path):
@@ -292,7 +328,7 @@ def test_measure_stages_side_by_side_each_judge_their_drafts_into_one_summary(lo
     quality.main([*args, "--drafts", "whole"])
     assert judged == ["ours-whole"]
     results = json.loads((work / "quality.json").read_text())["results"]
-    assert set(results) == {"whole", "short", "window", "plain"} and "t0" in results["whole"]
+    assert set(results) == {"whole", "short", "mix", "window", "plain"} and "t0" in results["whole"]
     with pytest.raises(SystemExit, match="no trained draft named wide"):
         quality.main([*args, "--drafts", "short,wide"])
     assert judged == ["ours-whole"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import itertools
 import json
 import re
@@ -214,6 +215,13 @@ def kernel_args(kernels: str) -> list[str]:
             "--debug.skip_dead_rows", ours, "--debug.compile_ops", ours, "--debug.cuda_graphs", has("graph")]
 
 
+def kernel_module(attention) -> str:
+    """The module of the attention function a run's unroll calls, through a context-parallel split or a partial."""
+    while not inspect.isfunction(attention):
+        attention = getattr(attention, "attention", None) or attention.func
+    return attention.__module__
+
+
 def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warmup: int, tflops: float,
               overrides: list[str] = (), report=None, seq_len: int | None = None, context: int = 1) -> dict:
     """One size, layout and kernel choice; `overrides`: more config arguments, `report`: see gpu_busy_fraction;
@@ -257,6 +265,7 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
     syncs = host_syncs(trainer, next(batches)) if cuda else []
     flops = step_flops(s, trainer.resolved.draft_spec, trainer.cfg.train.ttt_steps, tokens,
                        not trainer.cfg.experimental.freeze_lm_head)
+    attention_module = kernel_module(trainer.unroll.attention)
     return {"size": size, "layout": layout, "kernels": kernels, "seq_len": s["seq_len"], "tokens_per_batch": per_batch,
             "context_parallel": context, "float8": trainer.float8,
             "float8_head": trainer.float8_head, "world": trainer.dist.world, "step_s": step,
@@ -266,8 +275,9 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
             "host_syncs": len(syncs), "host_sync_sites": sorted(set(syncs)),
             "first_step_loss": [round(x, 4) for x in summarize(first)["loss"]],
             # the attention tuner's last picks, (BLOCK_M, BLOCK_N, warps, stages): what the step ran
-            "attention_configs": {name: importlib.import_module("kernels.ttt_attention").best_config(name)
+            "attention_configs": {name: importlib.import_module(attention_module).best_config(name)
                                   for name in ("fwd", "dkdv", "dq")} if kernels != "torch" and cuda else None,
+            "attention": attention_module,   # the kernel the step ran (the MLA draft: kernels.mla_attention)
             "bench_s": round(time.perf_counter() - started)}
 
 

@@ -38,8 +38,8 @@ class _AllToAll(torch.autograd.Function):
 @dataclasses.dataclass(frozen=True, eq=False)
 class SplitAttention:
     """The run's TTT attention (the signature of kernels.reference.ttt_attention) for a draft whose rows are split over
-    a group of `size` ranks: the draft hands it its rows' q, k, v through `to_heads` and takes the output back through
-    `to_rows` (`eagle3.draft.Attention`). Heads go to ranks in contiguous blocks: GQA's q-to-kv map holds per rank."""
+    a group of `size` ranks: the draft hands it its rows' q, k, v (and MLA's shared rotary key) through `to_heads` and
+    takes the output back through `to_rows` (`eagle3.draft.attend`). Heads go to ranks in contiguous blocks: GQA's q-to-kv map holds per rank."""
     attention: Callable
     size: int
     group: object
@@ -47,9 +47,12 @@ class SplitAttention:
     def __call__(self, *args, **kwargs):   # over all rows of this rank's heads, as in one process
         return self.attention(*args, **kwargs)
 
-    def to_heads(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """[L, H_i, D_i] each (this rank's rows, all heads) -> [c·L, H_i / c, D_i] (all rows, this rank's heads)."""
+    def to_heads(self, *xs: torch.Tensor, shared=()) -> tuple[torch.Tensor, ...]:
+        """[L, H_i, D_i] each (this rank's rows, all heads) -> [c·L, H_i / c, D_i] (all rows, this rank's heads), then
+        each of `shared` [L, 1, D] (one head that every head reads: MLA's rotary key) -> [c·L, 1, D] on every rank; its
+        gradient comes back summed over the ranks' heads."""
         c, L = self.size, xs[0].shape[0]
+        xs = (*xs, *(x.expand(L, c, x.shape[2]) for x in shared))
         # one exchange for all: per rank, its head block of each tensor side by side
         sent = torch.cat([x.reshape(L, c, -1) for x in xs], dim=2).transpose(0, 1)   # [c, L, Σ H_i·D_i / c]
         got = _AllToAll.apply(sent, self.group)                                       # chunk r: rank r's rows

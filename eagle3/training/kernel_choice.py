@@ -22,20 +22,12 @@ class Kernels:
 
 
 def choose(cfg: Config, device: torch.device, spec, draft_float8: bool, say: bool = True, agree=bool) -> Kernels:
-    """debug.kernels: Triton ("auto" on CUDA; a head dim outside TRITON_HEAD_DIMS keeps flex attention) or
+    """debug.kernels: Triton ("auto" on CUDA; a head dim the Triton attention does not serve keeps flex attention) or
     torch (`kernels.flex` on CUDA, the reference on the CPU); then train.float8_head. `say`: rank 0."""
-    choice, head_dim = cfg.debug.kernels, spec.kernel_head_dim()
+    choice = cfg.debug.kernels
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         from kernels import ttt_loss_steps as plain
-        if head_dim in TRITON_HEAD_DIMS:
-            from kernels import ttt_attention
-        elif choice == "triton":
-            raise TrainError(f"{cfg.source}: debug.kernels = \"triton\" needs draft.head_dim in {TRITON_HEAD_DIMS}, "
-                             f"got {head_dim}; set debug.kernels = \"auto\" or \"torch\", or draft.head_dim")
-        else:
-            print(f"note: draft.head_dim = {head_dim} is not served by the Triton attention "
-                  f"{TRITON_HEAD_DIMS}; using flex_attention", file=sys.stderr)
-            from kernels.flex import ttt_attention
+        ttt_attention = _triton_attention(cfg, spec, choice == "triton", say)
     elif device.type == "cuda":
         from kernels.flex import ttt_attention, ttt_loss_steps as plain
     else:
@@ -43,3 +35,27 @@ def choose(cfg: Config, device: torch.device, spec, draft_float8: bool, say: boo
     loss_steps = float8.head_loss(cfg.train.float8_head, draft_float8, plain, device, spec, cfg.source, say,
                                   cfg.train.batch_tokens, agree)
     return Kernels(ttt_attention, loss_steps, loss_steps is not plain)
+
+
+def _triton_attention(cfg: Config, spec, forced: bool, say: bool) -> Callable:
+    """The Triton TTT attention for the draft's heads (MLA: the unpadded kernel at its nope, rope and v widths), else
+    flex attention with a note (`forced`, debug.kernels = "triton": an error naming the setting)."""
+    if spec.attention == "mla":
+        from kernels.mla_attention import DIMS
+        widths = (spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim)
+        if all(w in DIMS for w in widths):
+            from kernels import ttt_attention_mla
+            return ttt_attention_mla
+        need, setting = f"the MLA draft's nope, rope and v head dims in {DIMS}, got {widths}", "experimental.mla_dims"
+    elif spec.head_dim in TRITON_HEAD_DIMS:
+        from kernels import ttt_attention
+        return ttt_attention
+    else:
+        need, setting = f"draft.head_dim in {TRITON_HEAD_DIMS}, got {spec.head_dim}", "draft.head_dim"
+    if forced:
+        raise TrainError(f"{cfg.source}: debug.kernels = \"triton\" needs {need}; set debug.kernels = \"auto\" or "
+                         f"\"torch\", or {setting}")
+    if say:
+        print(f"note: the Triton attention needs {need}; using flex_attention", file=sys.stderr)
+    from kernels.flex import ttt_attention
+    return ttt_attention

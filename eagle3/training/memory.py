@@ -45,7 +45,7 @@ def step_peak_bytes(spec: DraftSpec, cfg: Config, longest: int, cuda: bool) -> E
     trainable = total - (spec.draft_vocab_size * spec.hidden_size if cfg.experimental.freeze_lm_head else 0)
     frozen = (spec.target_vocab_size + spec.draft_vocab_size) * spec.hidden_size * (2 if cuda else 4)
     act = 2 if cuda else 4
-    heads_width = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * spec.kernel_head_dim()
+    heads_width = spec.attention_width()
     layer = (LAYER_H * spec.hidden_size + 2 * heads_width + LAYER_I * spec.intermediate_size) * act * spec.num_layers
     vocab = 0 if cuda else VOCAB_COPIES * spec.draft_vocab_size * 4
     # the CPU's dense attention keeps its probabilities [heads, L, L x (k + 1)] for a sequence of up to L rows
