@@ -4,6 +4,7 @@ unfuses wqkv and permutes the rotary pairs): the tower and projector over images
 video, and the target's hidden states with an image merged at its placeholders."""
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ import torch
 from eagle3.errors import TargetError
 from eagle3.models import tiny
 from eagle3.models.streaming import TargetRunner
-from eagle3.models.vision import MediaItem, VisionTower, merge_media, target_vision, vision_tensor_names
+from eagle3.models.vision import (MediaItem, VisionTower, describe_cost, merge_media, target_vision, vision_config,
+                                  vision_tensor_names)
 from eagle3.models.weights import Checkpoint
 
 CPU = torch.device("cpu")
@@ -130,6 +132,12 @@ def test_vision_tensors_named_and_text_targets_refuse_media(kimi, tmp_path):
     ckpt = Checkpoint(path)
     names = vision_tensor_names(ckpt.weight_map)
     assert len(names) == 11 + 12 * 2 and all(n.startswith(("vision_tower.", "mm_projector.")) for n in names)
+    from eagle3.models.inspect import inspect
+    vision = inspect(str(path))["vision"]
+    assert vision["tensors"] == 35 and vision["media_pad_id"] == target_vision(ckpt).pad_id == 512 - 256 + 21
+    real = json.loads((Path(__file__).parent / "fixtures/kimi-k2.5/config.json").read_text())
+    assert vision_config(real, "real").pads((1, 78, 138)) == 2691
+    assert describe_cost(vision_config(real, "real")) == "vision tower + projector: 471M parameters (0.88 GiB in bf16)"
     config = json.loads((path / "config.json").read_text())
     del config["vision_config"]
     (tmp_path / "config.json").write_text(json.dumps(config))

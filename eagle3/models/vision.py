@@ -254,4 +254,4 @@ def merge_media(embeds: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
 def describe_cost(c: VisionConfig) -> str:
     """Parameters of the tower and projector (for inspect): their memory at 2 bytes each."""
     params = sum(math.prod(s) for s in expected_shapes(c).values())
-    return f"vision tower + projector: {params / 1e6:.0f}M parameters ({params * 2 / 2**30:.2f} GiB in bf16)"
+    return f"vision tower + projector: {params / 1e6:.3g}M parameters ({params * 2 / 2**30:.2f} GiB in bf16)"
