@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import importlib
 import io
 import math
@@ -53,7 +54,7 @@ class MediaItem:
     @property
     def pixel_values(self) -> torch.Tensor:
         frames = (decode_image if self.kind == "image" else decode_video)(self.source.url, Path(self.source.base))
-        return patches(chunks(frames)[self.source.chunk] if self.kind == "video" else frames[0], self.kind)[0]
+        return patches(chunks(frames)[self.source.chunk] if self.kind == "video" else frames, self.kind)[0]
 
 
 def navit_size(height: int, width: int, max_patches: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -150,21 +151,37 @@ def sample(total: int, fps: float) -> np.ndarray:
 
 
 def video_frames(url: str, base: Path) -> tuple[torch.Tensor, np.ndarray]:
-    """uint8 [n, 3, H, W] frames sampled at FPS, and their times in seconds."""
+    """uint8 [n, 3, H, W] frames sampled at FPS (only those are kept), and their times in seconds."""
     av = _require("av")
     source = _bytes_or_path(url, base, "video")
     name = source if isinstance(source, Path) else "data: URL"
-    try:
+
+    def frames(keep: np.ndarray | None) -> tuple[list, float]:
+        """The frames at `keep` (all when None: counted) and the frame rate."""
         with av.open(io.BytesIO(source) if isinstance(source, bytes) else str(source)) as container:
-            stream = container.streams.video[0]
-            rate = float(stream.average_rate or 0)
-            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    except (av.FFmpegError, IndexError, ValueError) as e:
+            if not container.streams.video:
+                raise ChatError(f"{name}: a file with no video stream")
+            stream, out = container.streams.video[0], []
+            if keep is None and stream.frames:   # the container's count, as transformers reads it
+                return [None] * stream.frames, float(stream.average_rate or 0)
+            with contextlib.suppress(av.EOFError):   # a stream that ends before its first frame
+                for i, frame in enumerate(container.decode(video=0)):
+                    if keep is None or i in keep:
+                        out.append(None if keep is None else frame.to_ndarray(format="rgb24"))
+                    if keep is not None and i >= keep[-1]:
+                        break
+            return out, float(stream.average_rate or 0)
+    try:
+        counted, rate = frames(None)
+        if not counted or not rate:
+            raise ChatError(f"{name}: a video with no frames" if not counted else f"{name}: a video with no frame rate")
+        indices = sample(len(counted), rate)
+        picked = frames(indices)[0]
+    except (av.FFmpegError, OSError) as e:
         raise ChatError(f"{name}: not a readable video ({type(e).__name__}: {e})") from None
-    if not frames or not rate:
-        raise ChatError(f"{name}: a video with no frames" if not frames else f"{name}: a video with no frame rate")
-    indices = sample(len(frames), rate)
-    return torch.from_numpy(np.stack([frames[i] for i in indices])).permute(0, 3, 1, 2), indices / rate
+    if len(picked) < len(indices):
+        raise ChatError(f"{name}: {len(picked)} frames decode of the {len(counted)} its container counts (truncated?)")
+    return torch.from_numpy(np.stack(picked)).permute(0, 3, 1, 2), indices / rate
 
 
 def decode_video(url: str, base: Path) -> torch.Tensor:
