@@ -338,9 +338,8 @@ def _add(stats: InputStats, number: int, sequences: list[tuple], encoded, record
         stats.drop(number, "prompt" if starts else "no_loss", min(starts) if starts else None)
         return
     stats.truncated += sum(len(c[0]) < length for c, length in kept)
-    for _, _, _, media in (c for c, _ in kept):
-        stats.media.update(images=sum(m.kind == "image" for m in media), video_chunks=sum(m.kind == "video" for m in media),
-                           media_tokens=sum(m.tokens for m in media))
+    for item in (item for (_, _, _, media), _ in kept for item in media):
+        stats.media.update({"images" if item.kind == "image" else "video_chunks": 1, "media_tokens": item.tokens})
     records += [Record(number, ids, mask, part, media) for part, ((ids, mask, _, media), _) in enumerate(kept)]
 
 
