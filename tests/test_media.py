@@ -1,9 +1,12 @@
 """Images and video in chat lines: the engines' placeholder counts, the processor's pixel layout, bad media."""
+import ast
 import base64
-import io
+import importlib.util
 import json
+import math
 import random
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,11 +76,43 @@ def test_placeholder_counts_match_the_processor():
         (rh, rw), (ph, pw) = media.navit_size(h, w, media.IMAGE_PATCHES)
         assert rh <= h and rw <= w and ph % 28 == 0 and pw % 28 == 0   # never upscaled; padded to 28
         assert (ph // 14) * (pw // 14) <= media.IMAGE_PATCHES + 2 * 28 * 512 and max(ph, pw) <= 512 * 14
-    kimi_k25 = pytest.importorskip("transformers.models.kimi_k25.image_processing_kimi_k25")
-    for h, w in sizes:   # transformers 5.24's navit_resize, which vLLM's count calls too
-        _, (ph, pw) = kimi_k25.navit_resize(h, w, patch_size=14, merge_kernel_size=2, max_patches=16384,
-                                            max_size_per_side=512)
+    navit_resize = transformers_navit_resize()
+    for h, w in sizes:
+        _, (ph, pw) = navit_resize(h, w, patch_size=14, merge_kernel_size=2, max_patches=16384, max_size_per_side=512)
         assert media.image_tokens(h, w) == (ph // 14) * (pw // 14) // 4, (h, w)
+
+
+def transformers_navit_resize():
+    return transformers_function("image_processing_kimi_k25.py", "navit_resize")
+
+
+def transformers_function(module: str, name: str, owner: str | None = None):
+    """A function (or `owner` class's method) of transformers 5.24's models/kimi_k25/`module`, read from its source:
+    the modules themselves import torchvision, which the tests do without."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None:
+        pytest.skip("transformers is not installed")
+    source = Path(spec.origin).parent / "models" / "kimi_k25" / module
+    body = ast.parse(source.read_text()).body
+    if owner is not None:
+        body = next(n for n in body if getattr(n, "name", "") == owner).body
+    function, = [n for n in body if getattr(n, "name", "") == name]
+    scope = {"math": math, "torch": torch}
+    exec(compile(ast.Module([function], []), str(source), "exec"), scope)
+    return scope[name]
+
+
+def test_patch_layout_equals_transformers_patchify():
+    frames = torch.randint(0, 256, (4, 3, 56, 84), dtype=torch.uint8)
+    normal = (frames.float() - 127.5) / 127.5
+    image = transformers_function("image_processing_kimi_k25.py", "patchify", "Kimi_K25ImageProcessor")
+    theirs, h, w = image(None, normal[:1], 14)
+    ours = media.patches(frames[:1], "image")
+    assert torch.equal(ours[0], theirs[0]) and ours[1] == (1, h, w)
+    video = transformers_function("video_processing_kimi_k25.py", "patchify", "Kimi_K25VideoProcessor")
+    theirs, t, h, w = video(None, normal[None], 14)
+    ours = media.patches(frames, "video")
+    assert torch.equal(ours[0], theirs[0]) and ours[1] == (t, h, w)
 
 
 def test_patches_are_laid_out_as_the_processor_lays_them_out():
