@@ -335,6 +335,7 @@ def test_tiny_kimi_config_has_the_real_layout(kimi):
     real = json.loads(KIMI_FIXTURE.read_text())
     ours = json.loads((kimi / "config.json").read_text())
     assert _key_types(ours["text_config"]) == _key_types(real["text_config"])
+    assert _key_types(ours["vision_config"]) == _key_types(real["vision_config"])
     assert set(ours) == set(real)
     ckpt = Checkpoint(kimi)
     assert ckpt.prefix == "language_model.model." and ckpt.head_name == "language_model.lm_head.weight"
@@ -351,7 +352,7 @@ def test_inspect_counts_and_missing_expert(kimi, tmp_path):
     report = inspect(str(kimi))
     w = report["weights"]
     assert w["forward_tensors"] == w["text_tensors"] == 3 + 12 + 4 * (14 + 8 * 9)
-    assert w["skipped_tensors"] == 4 and w["int4_linears"] == 4 * 8 * 3 and w["unused_text_tensors"] == 0
+    assert w["skipped_tensors"] == 11 + 2 * 12 and w["int4_linears"] == 4 * 8 * 3 and w["unused_text_tensors"] == 0
     assert report["moe"]["routed_experts"] == 8 and report["moe"]["shared_experts"] == 1
     assert report["quantization"]["format"] == "pack-quantized"
 

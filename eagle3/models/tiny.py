@@ -140,9 +140,22 @@ _KIMI_QUANT = {
     "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"}
 
 
+TINY_VISION = {"width": 32, "heads": 2, "layers": 2, "intermediate": 64, "pos_grid": 8}
+
+
+def kimi_vision_config(text_hidden: int, width: int, heads: int, layers: int, intermediate: int, pos_grid: int) -> dict:
+    """Kimi-K2.5's vision_config (the published keys and values) with small tower sizes."""
+    return {"init_pos_emb_height": pos_grid, "init_pos_emb_time": 4, "init_pos_emb_width": pos_grid,
+            "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mm_hidden_size": width,
+            "mm_projector_type": "patchmerger", "patch_size": 14, "pos_emb_type": "divided_fixed",
+            "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05, "text_hidden_size": text_hidden,
+            "video_attn_type": "spatial_temporal", "vt_hidden_size": width, "vt_intermediate_size": intermediate,
+            "vt_num_attention_heads": heads, "vt_num_hidden_layers": layers}
+
+
 def kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head, intermediate,
                     moe_intermediate, experts, top_k, n_group, topk_group, first_dense, vocab, yarn_original,
-                    yarn_factor) -> dict:
+                    yarn_factor, vision: dict = TINY_VISION) -> dict:
     """Kimi-K2.5's config.json layout (the real file's keys; its text config's value types too), small sizes."""
     # special ids sit in the top 256 of the vocab, as Kimi's 163584.. do
     ids = {"bos_token_id": vocab - 256, "eos_token_id": vocab - 255, "pad_token_id": vocab - 1}
@@ -168,7 +181,7 @@ def kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, q
     return {"architectures": ["KimiK25ForConditionalGeneration"], "auto_map": {}, **ids, "ignore_index": -100,
             "media_placeholder_token_id": vocab - 256 + 21, "model_type": "kimi_k25", "tie_word_embeddings": False,
             "use_unified_vision_chunk": True, "video_placeholder": "<|kimi_k25_video_placeholder|>",
-            "text_config": text, "vision_config": {"text_hidden_size": hidden}}   # the vision tower's: never read
+            "text_config": text, "vision_config": kimi_vision_config(hidden, **vision)}
 
 
 def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4, q_lora_rank: int | None = 32,
@@ -176,18 +189,17 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
               intermediate: int = 128, moe_intermediate: int = 32, experts: int = 8, top_k: int = 2,
               n_group: int = 1, topk_group: int = 1, first_dense: int = 1, vocab: int = 512,
               yarn_original: int = 128, yarn_factor: float = 32.0, shards: int = 3, seed: int = 0,
-              quantized: bool = True) -> Path:
-    """A miniature Kimi-K2.5: `kimi_k25` wrapper, `language_model.` prefix, vision tensors, int4 experts, sharded."""
+              quantized: bool = True, vision: dict = TINY_VISION) -> Path:
+    """A miniature Kimi-K2.5: `kimi_k25` wrapper, `language_model.` prefix, a vision tower and projector (`vision`:
+    its sizes), int4 experts, sharded."""
     config = kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head,
                              intermediate, moe_intermediate, experts, top_k, n_group, topk_group, first_dense,
-                             vocab, yarn_original, yarn_factor)
+                             vocab, yarn_original, yarn_factor, vision)
     out, t, rand, ones, mlp = start_target(out, config, seed, torch.bfloat16)
     m = "language_model.model."
     t.update({m + "embed_tokens.weight": rand(vocab, hidden, std=1.0), m + "norm.weight": ones(hidden),
-              "language_model.lm_head.weight": rand(vocab, hidden, std=3 * hidden ** -0.5),
-              "vision_tower.patch_embed.proj.weight": rand(16, 3, 14, 14),
-              "vision_tower.encoder.blocks.0.wqkv.weight": rand(48, 16),
-              "mm_projector.proj.0.weight": rand(hidden, 64), "mm_projector.proj.0.bias": rand(hidden, std=0.02)})
+              "language_model.lm_head.weight": rand(vocab, hidden, std=3 * hidden ** -0.5)})
+    t.update(vision_tensors(config["vision_config"], rand, ones))
     for i in range(layers):
         p, a = f"{m}layers.{i}.", f"{m}layers.{i}.self_attn."
         t[p + "input_layernorm.weight"] = ones(hidden)
@@ -212,6 +224,15 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
             mlp(f"{p}mlp.experts.{e}.", hidden, moe_intermediate, quant=quantized)
     save_sharded(t, out, shards)
     return out
+
+
+def vision_tensors(vc: dict, rand, ones) -> dict[str, torch.Tensor]:
+    """Random tensors of the vision tower and projector under their published names and shapes."""
+    from eagle3.models.vision import expected_shapes, vision_config
+    shapes = expected_shapes(vision_config({"vision_config": vc}, "tiny"))
+    # norms about 1, biases small, the position grid and patch embedding about unit scale
+    return {n: (ones(s[0]) if "norm" in n and n.endswith("weight") else rand(*s, std=0.02) if n.endswith("bias")
+                else rand(*s, std=1.0) if "pos_emb" in n else rand(*s)) for n, s in shapes.items()}
 
 
 # Kimi-K2.5's special tokens by offset from its first special id (163584 in the real vocabulary)

@@ -1,0 +1,140 @@
+"""Kimi-K2.5's vision path (eagle3/models/vision.py) against transformers 5.24's Kimi_K25 as an independent
+reference, loaded by its own `from_pretrained` from the tiny target's published tensor names (its conversion
+unfuses wqkv and permutes the rotary pairs): the tower and projector over images of several sizes and a two-chunk
+video, and the target's hidden states with an image merged at its placeholders."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.errors import TargetError
+from eagle3.models import tiny
+from eagle3.models.streaming import TargetRunner
+from eagle3.models.vision import MediaItem, VisionTower, merge_media, target_vision, vision_tensor_names
+from eagle3.models.weights import Checkpoint
+
+CPU = torch.device("cpu")
+
+
+def hf_config(cfg: dict):
+    """transformers' Kimi_K25Config of our config.json (its vision field names differ from the published ones)."""
+    tf = pytest.importorskip("transformers")
+    text = {k: v for k, v in cfg["text_config"].items() if k not in ("quantization_config", "auto_map", "architectures")}
+    vc, pad = cfg["vision_config"], cfg["media_placeholder_token_id"]
+    vision = dict(patch_size=vc["patch_size"], pos_emb_height=vc["init_pos_emb_height"],
+                  pos_emb_width=vc["init_pos_emb_width"], pos_emb_time=vc["init_pos_emb_time"],
+                  num_attention_heads=vc["vt_num_attention_heads"], num_hidden_layers=vc["vt_num_hidden_layers"],
+                  hidden_size=vc["vt_hidden_size"], intermediate_size=vc["vt_intermediate_size"],
+                  merge_kernel_size=vc["merge_kernel_size"])
+    return tf.Kimi_K25Config(text_config={**text, "model_type": "deepseek_v3"}, vision_config=vision,
+                             projection_hidden_size=vc["vt_hidden_size"],
+                             projection_layer_norm_eps=vc["projector_ln_eps"], image_token_id=pad,
+                             video_token_id=pad, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    """(our tiny Kimi-K2.5 with dense experts, transformers' model read from the same safetensors)."""
+    tf = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("vision")
+    path = tiny.make_kimi(root / "ours", layers=4, quantized=False, shards=1)
+    ref_dir = root / "hf"
+    hf_config(json.loads((path / "config.json").read_text())).save_pretrained(ref_dir)
+    (ref_dir / "model.safetensors").symlink_to(path / "model.safetensors")
+    model, info = tf.Kimi_K25ForConditionalGeneration.from_pretrained(ref_dir, dtype=torch.float32,
+                                                                      output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    return path, model.eval()
+
+
+def pixels(grid, seed):
+    t, h, w = grid
+    return torch.randn(t * h * w, 3, 14, 14, generator=torch.Generator().manual_seed(seed))
+
+
+# (t, h, w) in patches: the position grid's own size (8 x 8, no resize), smaller and larger, tall, wide, one token
+IMAGES = [(1, 8, 8), (1, 4, 6), (1, 10, 4), (1, 2, 2), (1, 12, 16), (1, 6, 2)]
+
+
+def test_tower_and_projector_equal_transformers(kimi):
+    path, model = kimi
+    ckpt = Checkpoint(path)
+    tower = VisionTower(ckpt, target_vision(ckpt), CPU, torch.float32)
+    for i, grid in enumerate(IMAGES):
+        pv = pixels(grid, i)
+        with torch.no_grad():
+            ref = model.model.get_image_features(pv, torch.tensor([grid])).pooler_output[0]
+        ours = tower.features([MediaItem("image", pv, grid)])
+        assert ours.shape == (grid[1] * grid[2] // 4, 64)
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+    # a video of 6 frames: a chunk of 4 and one of 2, each with its time rows, after an image in the same call
+    chunks = [(4, 4, 6), (2, 4, 6)]
+    pvs = [pixels(g, 10 + i) for i, g in enumerate(chunks)]
+    with torch.no_grad():
+        ref = torch.cat(model.model.get_video_features(torch.cat(pvs), torch.tensor(chunks)).pooler_output)
+    image = MediaItem("image", pixels(IMAGES[1], 1), IMAGES[1])
+    ours = tower.features([image] + [MediaItem("video", pv, g) for pv, g in zip(pvs, chunks)])
+    torch.testing.assert_close(ours[6:], ref, rtol=1e-4, atol=1e-5)
+    # frames matter: the same chunk with its frames in another order pools other states (time rows differ)
+    shuffled = pvs[1].view(2, 24, 3, 14, 14).flip(0).reshape(48, 3, 14, 14)
+    assert not torch.allclose(tower.features([MediaItem("video", shuffled, chunks[1])]), ref[6:], atol=1e-3)
+
+
+def image_sequence(pad: int, grid, before: list[int], after: list[int], vocab_base: int) -> list[int]:
+    """Kimi's image span: <|media_begin|> (base+18) 'image' <|media_content|> (base+19) pads <|media_end|> (base+20)."""
+    n = grid[1] * grid[2] // 4
+    return before + [vocab_base + 18, 105, 109, 97, vocab_base + 19] + [pad] * n + [vocab_base + 20] + after
+
+
+def test_extraction_with_an_image_equals_transformers_hidden_states(kimi):
+    path, model = kimi
+    ckpt = Checkpoint(path)
+    c = target_vision(ckpt)
+    base = ckpt.config.vocab_size - 256
+    grids = [(1, 4, 6), (1, 6, 4)]
+    seqs = [image_sequence(c.pad_id, grids[0], [3, 70, 80], [90, 91, 92, 93], base),
+            image_sequence(c.pad_id, grids[1], [5], [40, 41, 42, 43, 44, 45], base)]
+    media = [MediaItem("image", pixels(g, 20 + i), g) for i, g in enumerate(grids)]
+    aux = [0, 1, 2]   # transformers' last hidden state is after the final norm: compared as final_hidden
+    ids = torch.tensor(seqs[0] + seqs[1])
+    cu = [0, len(seqs[0]), ids.numel()]
+    runner = TargetRunner(ckpt, aux, CPU, torch.float32, chunk_tokens=20)   # one sequence a chunk
+    got = runner.run(ids, cu, media)
+    for s, (a, b) in enumerate(zip(cu, cu[1:])):
+        with torch.no_grad():
+            out = model(input_ids=ids[a:b][None], pixel_values=media[s].pixel_values,
+                        image_grid_thw=torch.tensor([grids[s]]), output_hidden_states=True)
+        ref = torch.cat([out.hidden_states[i + 1][0] for i in aux], -1)
+        torch.testing.assert_close(got["aux_hidden"][a:b], ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got["final_hidden"][a:b], out.hidden_states[-1][0], rtol=1e-4, atol=1e-4)
+    # the rows written at the placeholders, in order, are returned beside the states
+    assert got["media_embeds"].shape == (12, 64)
+    torch.testing.assert_close(got["media_embeds"], VisionTower(ckpt, c, CPU, torch.float32).features(media))
+    # without the image the states at and after the placeholders differ (the merge is not a no-op)
+    plain = TargetRunner(ckpt, aux, CPU, torch.float32).run(ids[:cu[1]], cu[:2])
+    assert not torch.allclose(plain["aux_hidden"][9:], got["aux_hidden"][9:cu[1]], atol=1e-3)
+
+
+def test_placeholders_and_features_must_agree():
+    embeds, ids = torch.zeros(5, 4), torch.tensor([1, 7, 7, 2, 7])
+    out = merge_media(embeds, ids, torch.arange(12.).view(3, 4), pad_id=7)
+    assert out[[1, 2, 4]].tolist() == torch.arange(12.).view(3, 4).tolist() and not out[[0, 3]].any()
+    with pytest.raises(TargetError, match=r"3 <\|media_pad\|> tokens \(id 7\) but 2 media feature rows"):
+        merge_media(embeds, ids, torch.zeros(2, 4), pad_id=7)
+
+
+def test_vision_tensors_named_and_text_targets_refuse_media(kimi, tmp_path):
+    path, _ = kimi
+    ckpt = Checkpoint(path)
+    names = vision_tensor_names(ckpt.weight_map)
+    assert len(names) == 11 + 12 * 2 and all(n.startswith(("vision_tower.", "mm_projector.")) for n in names)
+    config = json.loads((path / "config.json").read_text())
+    del config["vision_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    text_only = Checkpoint(tmp_path)
+    assert target_vision(text_only) is None
+    with pytest.raises(TargetError, match="images or video given, but the target has no vision tower"):
+        TargetRunner(text_only, [0, 1, 3], CPU, torch.float32).run(
+            torch.tensor([1, 2]), [0, 2], [MediaItem("image", pixels((1, 2, 2), 0), (1, 2, 2))])
