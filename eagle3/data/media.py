@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from eagle3.data.tokenizer import ChatError
-from eagle3.errors import InputError
+from eagle3.errors import InputError, TargetError
 from eagle3.files import read_json
+from eagle3.models.vision import MediaItem, vision_config
 
 # transformers 5.24 models/kimi_k25/{image,video}_processing_kimi_k25.py (the Kimi-K2.5 repository's processor too)
 PATCH, MERGE, MAX_SIDE = 14, 2, 512     # 14-px patches merged 2 x 2; at most 512 patches a side
@@ -38,13 +39,16 @@ class Source:
     chunk: int = 0             # a video's chunk
 
 
-@dataclass
-class MediaItem:
-    """One vision chunk: `pixel_values` float32 [t*h*w, 3, 14, 14] as the processor's `pixel_values` rows for it,
+class MediaFile(MediaItem):
+    """A MediaItem (eagle3.models.vision) whose pixels are decoded from its source when read, so that the records of
+    a whole data file stay small: `pixel_values` float32 [t*h*w, 3, 14, 14] as the processor's rows for it,
     `grid_thw` (t, h, w) in patches as its `grid_thws` row; the ids hold `tokens` pads for it."""
-    kind: str                  # "image" | "video"
-    grid_thw: tuple[int, int, int]
-    source: Source
+
+    def __init__(self, kind: str, grid_thw: tuple[int, int, int], source: Source):
+        self.kind, self.grid_thw, self.source = kind, grid_thw, source
+
+    def __repr__(self) -> str:
+        return f"MediaFile({self.kind!r}, {self.grid_thw}, {self.source})"
 
     @property
     def tokens(self) -> int:
@@ -196,7 +200,7 @@ def timestamp(seconds: float) -> str:
 @dataclass
 class Media:
     """A chat line's vision chunks in order, and per video the text that stands for it in the prompt."""
-    items: list[MediaItem]
+    items: list[MediaFile]
     owners: list[int]          # the message index of each item
     videos: list[str]
 
@@ -205,26 +209,30 @@ class MediaReader:
     """The target's media settings from its config.json; decodes a line's media parts."""
 
     def __init__(self, target_dir: str | Path):
-        config = read_json(Path(target_dir) / "config.json", InputError, "the target's config")
-        self.vision = isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
-        self.pad_id = config.get("media_placeholder_token_id") if self.vision else None
+        path = Path(target_dir) / "config.json"
+        config = read_json(path, InputError, "the target's config")
+        try:
+            vision = vision_config(config, str(path)) if isinstance(config, dict) else None
+        except TargetError as e:
+            raise InputError(str(e)) from None
+        self.vision, self.pad_id = vision is not None, vision and vision.pad_id
         self.video_placeholder = config.get("video_placeholder", "<|kimi_k25_video_placeholder|>")
 
     def read(self, refs: list[tuple[int, str, str]], base: Path) -> Media:
         """`refs`: (message index, kind, url) of each media part in order of appearance."""
-        if refs and (not self.vision or not isinstance(self.pad_id, int)):
-            raise ChatError(f"{len(refs)} image or video part(s), but the target has no vision tower "
-                            "(no vision_config and media_placeholder_token_id in its config.json)")
+        if refs and not self.vision:
+            raise ChatError(f"{len(refs)} image or video part(s), but the target has no vision tower (no "
+                            "vision_config in its config.json)")
         media = Media([], [], [])
         for owner, kind, url in refs:
             if kind == "image":
                 image = decode_image(url, base)
-                media.items.append(MediaItem(kind, grid(1, *image.shape[-2:], kind), Source(url, str(base))))
+                media.items.append(MediaFile(kind, grid(1, *image.shape[-2:], kind), Source(url, str(base))))
                 media.owners.append(owner)
                 continue
             frames, seconds = video_frames(url, base)
             for k, chunk in enumerate(chunks(frames)):
-                media.items.append(MediaItem(kind, grid(len(chunk), *frames.shape[-2:], kind),
+                media.items.append(MediaFile(kind, grid(len(chunk), *frames.shape[-2:], kind),
                                              Source(url, str(base), k)))
                 media.owners.append(owner)
             media.videos.append("".join(f"{timestamp(float(seconds[k]))}{VIDEO_CHUNK}"
@@ -265,7 +273,7 @@ def content_parts(content: list, where: str) -> tuple[list[dict], list[tuple[str
     return out, refs
 
 
-def expand(ids: np.ndarray, items: list[MediaItem], pad_id: int) -> tuple[np.ndarray, list[int]]:
+def expand(ids: np.ndarray, items: list[MediaFile], pad_id: int) -> tuple[np.ndarray, list[int]]:
     """Per token of `ids` (one pad per vision chunk, as the template writes them) how many it becomes: each pad the
     tokens of the next of `items`; and where each of those items' pads start once expanded."""
     at = np.flatnonzero(ids == pad_id)
