@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -132,13 +132,17 @@ def write_report(report: dict, out: Path, checkpoint_dir: str | Path | None = No
 class Prompt:
     line: int                  # 1-based line in the prompts file
     ids: list[int]
+    media: list = field(default_factory=list)   # MediaItems of its media pads, in order
 
 
-def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
-    """One line's prompt: `input_ids` (cut before the first assistant token when `loss_mask` is there, so
-    a held-out training line works) or a chat line up to the generation prompt (`chat()`: its ChatEncoder)."""
+def prompt_ids(obj: object, vocab_size: int, chat, base: Path) -> tuple[list[int], list]:
+    """One line's prompt and its MediaItems: `input_ids` (cut before the first assistant token when `loss_mask` is
+    there, so a held-out training line works) or a chat line up to the generation prompt (`chat()`: its ChatEncoder;
+    `base`: where its media paths are read from)."""
+    media = []
     if is_chat(obj):
-        ids = check_chat_ids(chat().encode_prompt(obj), vocab_size).tolist()
+        ids, placed = chat().encode_prompt_media(obj, base)
+        ids, media = check_chat_ids(ids, vocab_size).tolist(), [item for _, item in placed]
     elif not isinstance(obj, dict) or "input_ids" not in obj:
         raise ValueError("expected an object with 'input_ids' (optionally 'loss_mask'), or chat 'messages' "
                          "/ 'conversations'")
@@ -153,7 +157,7 @@ def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
             ids = ids[:mask.index(1)] if 1 in mask else ids
     if not ids:
         raise ValueError("empty prompt (nothing before the first assistant token)")
-    return ids
+    return ids, media
 
 
 def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path,
@@ -164,7 +168,7 @@ def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path,
     path, chat, prompts = Path(path), chat_encoder(target_dir, template_kwargs), []
     for number, line in json_lines(path, "evaluate.prompts"):
         try:
-            prompts.append(Prompt(number, prompt_ids(json.loads(utf8(line)), vocab_size, chat)))
+            prompts.append(Prompt(number, *prompt_ids(json.loads(utf8(line)), vocab_size, chat, path.parent)))
         except ValueError as e:   # JSONDecodeError, ChatError and InputError are ValueErrors
             raise InputError(f"{path}:{number}: {e}") from None
         if room and len(prompts[-1].ids) + room[1] > room[0]:   # decoded past them, RoPE positions mean nothing
@@ -225,6 +229,11 @@ def decoding_report(decoded: list[Decoded], references: list[Decoded] | None, pr
         mismatched = [p.line for p, d, r in zip(prompts, decoded, references) if d.tokens != r.tokens]
         report |= {"mismatches": len(mismatched), "mismatch_lines": mismatched[:20]}
     return report
+
+
+def media(batch: list[Prompt]) -> list[list] | None:
+    """The prompts' MediaItems, None when none has any."""
+    return [p.media for p in batch] if any(p.media for p in batch) else None
 
 
 def batches(prompts: list[Prompt], size: int, tokens: int, max_new: int) -> list[list[int]]:
@@ -306,14 +315,16 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
         return [out[i] for i in range(len(prompts))]
 
     if sampling.greedy:
-        references = each_batch(lambda drafter, ids, _: greedy_decode_many(target, ids, n, stop))
+        references = each_batch(lambda drafter, ids, batch: greedy_decode_many(target, ids, n, stop, media(batch)))
         timing = {"greedy_seconds": time.perf_counter() - loaded}
-        decoded = each_batch(lambda drafter, ids, _: speculative_decode_many(target, drafter, ids, n, k, stop))
+        decoded = each_batch(lambda drafter, ids, batch: speculative_decode_many(target, drafter, ids, n, k, stop,
+                                                                                 media(batch)))
         report = decoding_report(decoded, references, prompts, k, buckets)
     else:
         seeds = list(range(e.seeds))
         runs = [decoding_report(each_batch(lambda drafter, ids, batch: sampled_decode_many(
-            target, drafter, ids, n, k, stop, sampling, [s * 1_000_003 + p.line for p in batch])), None, prompts, k,
+            target, drafter, ids, n, k, stop, sampling, [s * 1_000_003 + p.line for p in batch], media(batch))),
+            None, prompts, k,
             buckets) for s in seeds]
         report, timing = over_seeds(runs, seeds), {}
     end = time.perf_counter()

@@ -10,7 +10,7 @@ import torch
 from eagle3.ops import rms_norm
 from eagle3.models.weights import Checkpoint
 from eagle3.models.attention import cached_attention, padded_cached_attention
-from eagle3.models.streaming import build_model
+from eagle3.models.streaming import MediaInputs, build_model
 
 # chunks up to this long attend batched, padded to a power of two; longer ones (prompts, few) one at a time
 SHORT_MAX = 64
@@ -59,11 +59,12 @@ class KVPool:
 
 
 class SequenceCache:
-    """One sequence's slot in the pool and how many positions it holds; dropped, the slot is freed."""
-    __slots__ = ("slot", "length", "__weakref__")
+    """One sequence's slot in the pool and how many positions it holds; dropped, the slot is freed. `rows`: the
+    vision tower's rows [M, H] for the media pads it has yet to see, in order."""
+    __slots__ = ("slot", "length", "rows", "__weakref__")
 
-    def __init__(self, pool: KVPool):
-        self.slot, self.length = pool.acquire(), 0
+    def __init__(self, pool: KVPool, rows: torch.Tensor | None = None):
+        self.slot, self.length, self.rows = pool.acquire(), 0, rows
         weakref.finalize(self, pool.release, self.slot).atexit = False   # nothing to free at exit
 
 
@@ -176,9 +177,11 @@ class IncrementalTarget:
         self.head = ckpt.get("lm_head.weight").to(device, dtype)
         self.eps = ckpt.config.rms_norm_eps
         self.pool = KVPool(len(self.layers))
+        self.media = MediaInputs(ckpt, device, dtype)
 
-    def new_cache(self) -> SequenceCache:
-        return SequenceCache(self.pool)
+    def new_cache(self, media: list = ()) -> SequenceCache:
+        """A sequence's cache; `media`: the MediaItems of its prompt's pads, run through the vision tower now."""
+        return SequenceCache(self.pool, self.media.features(media) if media else None)
 
     def fresh_pool(self) -> None:
         """A new, empty KV pool: the next batch sizes it (slots x capacity) on its own, not on earlier batches'
@@ -198,7 +201,9 @@ class IncrementalTarget:
     def _pass(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> list[tuple]:
         lengths = [c.numel() for c in chunks]
         layout = PassLayout(self.pool, caches, lengths, self.device)
-        h = self.embed[torch.cat(chunks).to(self.device)]
+        ids = torch.cat(chunks).to(self.device)
+        rows = [self._media_rows(chunk, cache) for chunk, cache in zip(chunks, caches)]
+        h = self.media.embed(self.embed, ids, torch.cat(rows)) if any(r.shape[0] for r in rows) else self.embed[ids]
         captured = {}
         for i, weights in enumerate(self.layers):
             h = self.model.layer_forward(weights, h, layout.positions, layout.cu, cache=LayerPass(self.pool, i, layout))
@@ -209,6 +214,14 @@ class IncrementalTarget:
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         final = rms_norm(h, self.norm, self.eps)
         return list(zip(aux.split(lengths), final.split(lengths)))
+
+    def _media_rows(self, chunk: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
+        """The cache's next vision rows, one per media pad of `chunk` (none for a sequence without media)."""
+        if cache.rows is None:
+            return self.embed[:0]
+        n = int((chunk == self.media.config.pad_id).sum())
+        taken, cache.rows = cache.rows[:n], cache.rows[n:]
+        return taken
 
     def greedy(self, final: torch.Tensor) -> torch.Tensor:
         return self.logits(final).argmax(-1)
