@@ -8,13 +8,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eagle3 import train_state
 from eagle3.config import Config
 from eagle3.data.batch import Batch, RowRule
 from eagle3.data.loader import pack, split_holdout
-from eagle3.data.inputs import InputError, chat_encoder, check_chat_ids, is_chat, json_lines, reply_spans, utf8
+from eagle3.data.inputs import (InputError, chat_encoder, check_chat_ids, is_chat, json_lines, reply_spans, token_media,
+                                 utf8)
 from eagle3.data.shards import MANIFEST, ShardReader, check_manifest
 from eagle3.draft_io import advertised_tokens, check_checkpoint_target, load_any_draft
 from eagle3.resolve import resolve_device
@@ -155,6 +157,7 @@ def prompt_ids(obj: object, vocab_size: int, chat, base: Path) -> tuple[list[int
             if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
                 raise ValueError("'loss_mask' must be a list of 0/1 as long as 'input_ids'")
             ids = ids[:mask.index(1)] if 1 in mask else ids
+        media = [item for start, item in token_media(obj, np.asarray(obj["input_ids"]), chat, base) if start < len(ids)]
     if not ids:
         raise ValueError("empty prompt (nothing before the first assistant token)")
     return ids, media

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle3.data.chat import CATEGORIES, count_kinds
+from eagle3.data.media import content_parts, place
 from eagle3.errors import InputError
 
 
@@ -243,6 +244,18 @@ def _parse_tokens(obj: object, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
+def token_media(obj: dict, ids: np.ndarray, chat: Callable, base: Path) -> list[tuple]:
+    """(pad start, MediaItem) of a pre-tokenized line's `media` (the content parts its pads stand for, in order)."""
+    parts = obj.get("media")
+    if parts is None:
+        return []
+    if not isinstance(parts, list):
+        raise ValueError("'media' must be a list of image_url / video_url content parts")
+    _, refs = content_parts(parts, "media")
+    reader = chat().media_reader
+    return place(ids, reader.read([(0, *ref) for ref in refs], base).items, reader.pad_id)
+
+
 def _line(number: int, raw: bytes, vocab_size: int, chat: Callable, regenerating: bool, base: Path) -> tuple:
     """One line: ("ok", [(ids, mask, kinds or None, [(pad start, MediaItem)])], the chat line's Encoded or None),
     ("bad", why) for a line that cannot be used, or ("fatal", why) for a tokenizer or template that cannot be (every
@@ -250,7 +263,8 @@ def _line(number: int, raw: bytes, vocab_size: int, chat: Callable, regenerating
     try:
         obj = json.loads(utf8(raw))
         if not is_chat(obj):
-            return "ok", [(*_parse_tokens(obj, vocab_size), None, [])], None
+            ids, mask = _parse_tokens(obj, vocab_size)
+            return "ok", [(ids, mask, None, token_media(obj, ids, chat, base))], None
         encoded = chat().encode(obj, regenerating, base)
         for ids, _ in encoded.sequences:
             if len(ids) < 2:

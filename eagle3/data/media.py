@@ -283,3 +283,28 @@ def expand(ids: np.ndarray, items: list[MediaFile], pad_id: int) -> tuple[np.nda
     counts = np.ones(len(ids), dtype=np.int64)
     counts[at] = [item.tokens for item in items[:len(at)]]
     return counts, (np.cumsum(counts)[at] - counts[at]).tolist()
+
+
+def place(ids: np.ndarray, items: list[MediaFile], pad_id: int) -> list[tuple[int, MediaFile]]:
+    """(pad start, item) of a pre-tokenized line's items, whose pads its ids already hold, in order."""
+    at = np.flatnonzero(ids == pad_id)
+    if len(at) != sum(item.tokens for item in items):
+        raise ChatError(f"input_ids hold {len(at)} <|media_pad|> tokens for media of {sum(i.tokens for i in items)}: "
+                        "placeholders and media disagree")
+    firsts = np.cumsum([0] + [item.tokens for item in items])[:-1]
+    return [(int(at[f]), item) for f, item in zip(firsts, items)]
+
+
+def parts_of(items: list[MediaFile]) -> list[dict]:
+    """The content parts a line's media items came from (a video's chunks from one), each path absolute: what a
+    pre-tokenized line written from them (generate's output) carries as `media`."""
+    out = []
+    for item in items:
+        if item.source.chunk:
+            continue
+        url = item.source.url
+        if not url.startswith(("data:", "file://")):
+            url = str((Path(item.source.base) / url).resolve())
+        name = "image_url" if item.kind == "image" else "video_url"
+        out.append({"type": name, name: {"url": url}})
+    return out
