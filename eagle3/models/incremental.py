@@ -201,9 +201,7 @@ class IncrementalTarget:
     def _pass(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> list[tuple]:
         lengths = [c.numel() for c in chunks]
         layout = PassLayout(self.pool, caches, lengths, self.device)
-        ids = torch.cat(chunks).to(self.device)
-        rows = [self._media_rows(chunk, cache) for chunk, cache in zip(chunks, caches)]
-        h = self.media.embed(self.embed, ids, torch.cat(rows)) if any(r.shape[0] for r in rows) else self.embed[ids]
+        h = self._embed(chunks, caches)
         captured = {}
         for i, weights in enumerate(self.layers):
             h = self.model.layer_forward(weights, h, layout.positions, layout.cu, cache=LayerPass(self.pool, i, layout))
@@ -215,13 +213,18 @@ class IncrementalTarget:
         final = rms_norm(h, self.norm, self.eps)
         return list(zip(aux.split(lengths), final.split(lengths)))
 
-    def _media_rows(self, chunk: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
-        """The cache's next vision rows, one per media pad of `chunk` (none for a sequence without media)."""
-        if cache.rows is None:
-            return self.embed[:0]
-        n = int((chunk == self.media.config.pad_id).sum())
-        taken, cache.rows = cache.rows[:n], cache.rows[n:]
-        return taken
+    def _embed(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> torch.Tensor:
+        """The chunks' token embeddings, the caches' next vision rows at their prompts' media pads: only those, as
+        the engines place them (a reply that samples the pad id embeds it as a token)."""
+        ids = torch.cat(chunks).to(self.device)
+        h, offset = self.embed[ids], 0
+        for chunk, cache in zip(chunks, caches):
+            if cache.rows is not None and len(cache.rows):
+                where = (chunk == self.media.config.pad_id).nonzero().squeeze(1)[:len(cache.rows)]
+                h[offset + where.to(self.device)] = cache.rows[:len(where)].to(h.dtype)
+                cache.rows = cache.rows[len(where):]
+            offset += len(chunk)
+        return h
 
     def greedy(self, final: torch.Tensor) -> torch.Tensor:
         return self.logits(final).argmax(-1)
