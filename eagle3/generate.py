@@ -229,6 +229,9 @@ def text_codec(target_dir: Path) -> TextCodec:
 def served(cfg: Config, ckpt: Checkpoint, pool: Pool, records: list[Record], stop: set[int]) -> Iterator[dict]:
     """Output lines in input order, each reply written by one of the servers (a conversation's replies in turn)."""
     g, vocab = cfg.generate, ckpt.config.vocab_size
+    if with_media := sum(bool(r.media) for r in records):
+        raise GenerateError(f"{cfg.data.path}: {with_media} sequences hold images or video, which a server's token-id "
+                            "endpoints cannot take: regenerate them with our own loop (generate.servers = [])")
     decoding = Decoding(g.max_new_tokens, g.temperature, g.top_p, tuple(sorted(stop)))
     text = text_codec(ckpt.dir) if pool.kind == "text" else None
 
