@@ -25,6 +25,7 @@ from eagle3.generate import stop_tokens
 from eagle3.ops import TORCH_DTYPES
 from eagle3.sampling import Sampling
 from eagle3.speculative import Decoded, Drafter, greedy_decode_many, sampled_decode_many, speculative_decode_many
+from eagle3.models.vision import media_rule_pad
 from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.ttt import METRICS, Objective, summarize, ttt_forward
@@ -110,11 +111,12 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
     objective = Objective(RowRule(), loss=trained.get("loss", "kl"), temperature=trained.get("loss_temperature", 1.0),
                           eta=state["config"].get("experimental", {}).get("lk_eta", 3.0))
     _, held_out = split_holdout(reader.sequences, trained["eval_fraction"])
+    media_pad = media_rule_pad(state["config"]["draft"].get("media_embedding", "vllm"), target)   # as trained
     result = Evaluation(steps)
     for refs in pack(held_out, cfg.train.batch_tokens):
         batch = reader.read(refs).to(device, torch.float32)
         _, metrics, detail = ttt_forward(draft, batch, embed, head_rows, steps, ttt_attention, ttt_loss_steps,
-                                         trained["loss_decay"], objective=objective)
+                                         trained["loss_decay"], objective=objective, media_pad=media_pad)
         result.add(metrics, detail, batch)
     return {"checkpoint": str(checkpoint_dir), "step": state["step"], "held_out_sequences": len(held_out),
             **result.report()}

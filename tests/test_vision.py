@@ -2,16 +2,19 @@
 reference, loaded by its own `from_pretrained` from the tiny target's published tensor names (its conversion
 unfuses wqkv and permutes the rotary pairs): the tower and projector over images of several sizes and a two-chunk
 video, and the target's hidden states with an image merged at its placeholders."""
+import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from eagle3.errors import TargetError
 from eagle3.models import tiny
 from eagle3.models.streaming import TargetRunner
-from eagle3.models.vision import MediaItem, VisionTower, merge_media, target_vision, vision_tensor_names
+from eagle3.models.vision import (MediaItem, VisionTower, describe_cost, merge_media, target_vision, vision_config,
+                                  vision_tensor_names)
 from eagle3.models.weights import Checkpoint
 
 CPU = torch.device("cpu")
@@ -129,6 +132,12 @@ def test_vision_tensors_named_and_text_targets_refuse_media(kimi, tmp_path):
     ckpt = Checkpoint(path)
     names = vision_tensor_names(ckpt.weight_map)
     assert len(names) == 11 + 12 * 2 and all(n.startswith(("vision_tower.", "mm_projector.")) for n in names)
+    from eagle3.models.inspect import inspect
+    vision = inspect(str(path))["vision"]
+    assert vision["tensors"] == 35 and vision["media_pad_id"] == target_vision(ckpt).pad_id == 512 - 256 + 21
+    real = json.loads((Path(__file__).parent / "fixtures/kimi-k2.5/config.json").read_text())
+    assert vision_config(real, "real").pads((1, 78, 138)) == 2691
+    assert describe_cost(vision_config(real, "real")) == "vision tower + projector: 471M parameters (0.88 GiB in bf16)"
     config = json.loads((path / "config.json").read_text())
     del config["vision_config"]
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -138,3 +147,62 @@ def test_vision_tensors_named_and_text_targets_refuse_media(kimi, tmp_path):
     with pytest.raises(TargetError, match="images or video given, but the target has no vision tower"):
         TargetRunner(text_only, [0, 1, 3], CPU, torch.float32).run(
             torch.tensor([1, 2]), [0, 2], [MediaItem("image", pixels((1, 2, 2), 0), (1, 2, 2))])
+
+
+# ---------------------------------------------------------------------------------------------
+# the draft's input at the placeholders: vLLM's rule (the placeholder's embedding) or SGLang's (the vision rows)
+
+def test_the_draft_reads_the_placeholder_embedding_under_vllm_and_the_vision_rows_under_sglang():
+    from kernels.reference import ttt_attention, ttt_loss_steps
+    from eagle3.ttt import token_inputs, ttt_forward
+    from test_ttt import random_batch, tiny_draft
+    pad, draft = 39, tiny_draft()
+    embed, head = torch.randn(40, 16), torch.randn(24, 16)
+    batch = random_batch([12, 17])
+    ids = batch.input_ids.clone()
+    ids[ids == pad] = 1
+    ids[[3, 4, 5, 20, 21]] = pad
+    rows = torch.randn(5, 16)
+    batch = dataclasses.replace(batch, input_ids=ids, media_embeds=rows)
+    index = torch.tensor([0, 3, 4, 20, 21, 28])
+    vllm = token_inputs(embed, ids.long(), rows, None)(index)
+    sglang = token_inputs(embed, ids.long(), rows, pad)(index)
+    assert torch.equal(vllm[1:5], embed[pad].expand(4, -1))            # vLLM: <|media_pad|>'s own row
+    assert torch.equal(sglang[1:5], rows[[0, 1, 3, 4]])                 # SGLang: the target's vision rows, in order
+    assert torch.equal(sglang[[0, 5]], vllm[[0, 5]])                    # text tokens alike
+
+    def loss(media_pad, b=batch):
+        return ttt_forward(draft, b, embed, head, 3, ttt_attention, ttt_loss_steps, media_pad=media_pad)[0]
+
+    assert not torch.allclose(loss(pad), loss(None))
+    # SGLang's rule with the vision rows equal to the placeholder's embedding is vLLM's
+    same = dataclasses.replace(batch, media_embeds=embed[pad].expand(5, -1).clone())
+    torch.testing.assert_close(loss(pad, same), loss(None), rtol=0, atol=0)
+
+
+def test_shards_keep_the_vision_rows_and_reads_of_any_sequences_get_theirs(kimi, tmp_path):
+    from eagle3.data.inputs import Record
+    from eagle3.data.shards import FORMAT_VERSION, MANIFEST, ShardReader, shard_tensors, write_shard
+    path, _ = kimi
+    ckpt = Checkpoint(path)
+    c = target_vision(ckpt)
+    base = ckpt.config.vocab_size - 256
+    grids = [(1, 4, 4), None, (1, 2, 6)]   # an image, a text-only sequence, another image
+    records, media = [], []
+    for i, g in enumerate(grids):
+        items = [MediaItem("image", pixels(g, 30 + i), g)] if g else []
+        ids = image_sequence(c.pad_id, g, [7 + i], [50, 51], base) if g else [9, 10, 11, 12]
+        records.append(Record(i + 1, np.array(ids, np.int32), np.ones(len(ids), np.uint8), media=items))
+        media += items
+    ids = torch.from_numpy(np.concatenate([r.input_ids for r in records]))
+    cu = np.cumsum([0] + [len(r.input_ids) for r in records]).tolist()
+    out = TargetRunner(ckpt, [0, 1, 2], CPU, torch.float32).run(ids, cu, media)
+    write_shard(tmp_path, 0, shard_tensors(records, out, "bfloat16"))
+    (tmp_path / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "target": {}, "aux_layer_ids": [0, 1, 2],
+                                                 "media_pad_id": c.pad_id, "shards": [{"file": "shard-00000.safetensors"}]}))
+    reader = ShardReader(tmp_path)
+    rows = out["media_embeds"].bfloat16()
+    assert torch.equal(reader.read([reader.sequences[2]]).media_embeds, rows[4:])
+    assert torch.equal(reader.read([reader.sequences[2], reader.sequences[0]]).media_embeds,
+                       torch.cat([rows[4:], rows[:4]]))
+    assert reader.read([reader.sequences[1]]).media_embeds.shape == (0, 64)

@@ -17,6 +17,7 @@ import numpy as np
 from eagle3.data.chat import CATEGORIES, count_kinds
 from eagle3.data.media import content_parts, place
 from eagle3.errors import InputError
+from eagle3.models.vision import MediaItem
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Record:
     input_ids: np.ndarray      # int32 [n]
     loss_mask: np.ndarray      # uint8 [n]
     part: int = 0              # the sequence's index among its line's (a chat line may give several)
-    media: list = field(default_factory=list)   # MediaItem per image or video chunk, in the order of their pads
+    media: list[MediaItem] = field(default_factory=list)   # its images / video chunks, in order of their placeholders
 
 
 LOST_SHARE = 0.05   # a larger share of the trained tokens cut off by data.max_seq_len is warned about loudly

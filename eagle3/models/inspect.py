@@ -6,6 +6,7 @@ import torch
 
 from eagle3.models.weights import Checkpoint
 from eagle3.models.streaming import build_model, check_tensors
+from eagle3.models.vision import describe_cost, target_vision, vision_tensor_names
 
 
 def inspect(target: str) -> dict:
@@ -33,6 +34,9 @@ def inspect(target: str) -> dict:
                          "prefix": ckpt.prefix, "forward_tensors": len(needed),
                          "int4_linears": sum(n.endswith(".weight_packed") for n in needed),
                          "unused_text_tensors": len(ckpt.text_tensor_names()) - len(needed)}
+    if vision := target_vision(ckpt):   # read by the vision tower when the data has images or video
+        report["vision"] = {"tensors": len(vision_tensor_names(ckpt.weight_map)), "media_pad_id": vision.pad_id,
+                            "cost": describe_cost(vision)}
     report.update(ckpt.outer_tensors())
     return report
 

@@ -93,6 +93,13 @@ def target_vision(ckpt) -> VisionConfig | None:
     return vision_config(json.loads(path.read_text()), str(path))
 
 
+def media_rule_pad(rule: str, ckpt) -> int | None:
+    """The placeholder id whose draft input is the target's vision row (SGLang's rule, `draft.media_embedding =
+    "sglang"`), or None: the placeholder token's own embedding (vLLM's), or a target without a vision tower."""
+    c = target_vision(ckpt) if rule == "sglang" else None
+    return None if c is None else c.pad_id
+
+
 def vision_tensor_names(weight_map: dict[str, str]) -> list[str]:
     """The checkpoint tensors the vision tower and projector use."""
     return [n for n in weight_map if n.startswith(VISION_PREFIXES)]
@@ -247,4 +254,4 @@ def merge_media(embeds: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
 def describe_cost(c: VisionConfig) -> str:
     """Parameters of the tower and projector (for inspect): their memory at 2 bytes each."""
     params = sum(math.prod(s) for s in expected_shapes(c).values())
-    return f"vision tower + projector: {params / 1e6:.0f}M parameters ({params * 2 / 2**30:.2f} GiB in bf16)"
+    return f"vision tower + projector: {params / 1e6:.3g}M parameters ({params * 2 / 2**30:.2f} GiB in bf16)"
