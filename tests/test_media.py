@@ -241,3 +241,37 @@ def test_missing_pillow_names_the_extra(kimi, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "PIL.Image", None)
     with pytest.raises(InputError, match=r"eagle3-trainer\[vision\]"):
         ChatEncoder(kimi).encode(line(image("a.png")), base=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def vision_target(tmp_path_factory):
+    root = tiny.make_kimi(tmp_path_factory.mktemp("kimi-vision"), layers=4, quantized=False)
+    return tiny.write_kimi_chat(root, VOCAB)
+
+
+def test_decoding_with_images_is_lossless_and_sees_them(vision_target, tmp_path):
+    """Evaluate's target (IncrementalTarget) places the tower's rows at the prompt's pads as extraction's does, in
+    one pass or in pieces; speculative decoding with images keeps the target's greedy output."""
+    from eagle3.draft import Eagle3Draft
+    from eagle3.models.incremental import IncrementalTarget
+    from eagle3.models.streaming import TargetRunner
+    from eagle3.models.weights import Checkpoint
+    from eagle3.resolve import DraftSpec
+    from eagle3.speculative import Drafter, greedy_decode_many, speculative_decode_many
+    png(tmp_path / "a.png", 70, 50)
+    ids, placed = ChatEncoder(vision_target).encode_prompt_media(line(image("a.png"), "what?"), tmp_path)
+    items, ckpt, cpu = [item for _, item in placed], Checkpoint(vision_target), torch.device("cpu")
+    extracted = TargetRunner(ckpt, [0, 0, 1], cpu, torch.float32).run(torch.from_numpy(ids), [0, len(ids)], items)
+    whole, pieces = (IncrementalTarget(ckpt, [0, 0, 1], cpu, torch.float32, chunk) for chunk in (None, 7))
+    for target in (whole, pieces):
+        (_, final), = target.forward_many([torch.from_numpy(ids)], [target.new_cache(items)])
+        torch.testing.assert_close(final, extracted["final_hidden"].float(), rtol=1e-4, atol=1e-4)
+    (_, blind), = whole.forward_many([torch.from_numpy(ids)], [whole.new_cache()])
+    assert not torch.allclose(blind[-1], final[-1], atol=1e-3)   # the image changes what follows
+    torch.manual_seed(0)
+    H, V = ckpt.config.hidden_size, ckpt.config.vocab_size
+    draft = Eagle3Draft(DraftSpec(H, 4, 4, 16, 128, 1, 1e-6, 10000.0, 1024, V, V, H))
+    prompts, media = [ids.tolist(), ids.tolist()], [items, []]
+    greedy = greedy_decode_many(whole, prompts, 12, media=media)
+    decoded = speculative_decode_many(whole, Drafter(draft, whole.embed), prompts, 12, 3, media=media)
+    assert [d.tokens for d in decoded] == [g.tokens for g in greedy]
