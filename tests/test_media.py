@@ -275,3 +275,23 @@ def test_decoding_with_images_is_lossless_and_sees_them(vision_target, tmp_path)
     greedy = greedy_decode_many(whole, prompts, 12, media=media)
     decoded = speculative_decode_many(whole, Drafter(draft, whole.embed), prompts, 12, 3, media=media)
     assert [d.tokens for d in decoded] == [g.tokens for g in greedy]
+
+
+def test_regenerated_lines_keep_their_media(vision_target, tmp_path):
+    """Our own loop regenerates a conversation about an image seeing it, and writes the image beside the ids."""
+    from eagle3.generate import regenerate
+    from eagle3.models.incremental import IncrementalTarget
+    from eagle3.models.weights import Checkpoint
+    from eagle3.sampling import Sampling
+    png(tmp_path / "a.png", 70, 50)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(line(image("a.png"), "what?")) + "\n")
+    records, _ = read_records(data, VOCAB, 4096, target_dir=vision_target, report=False)
+    target = IncrementalTarget(Checkpoint(vision_target), [0, 0, 1], torch.device("cpu"), torch.float32)
+    out, = regenerate(target, records, Sampling(0.0, 1.0), 6, set(), 1, 0)
+    assert out["media"] == [{"type": "image_url", "image_url": {"url": str((tmp_path / "a.png").resolve())}}]
+    again = tmp_path / "regenerated.jsonl"
+    again.write_text(json.dumps(out) + "\n")
+    (record,), stats = read_records(again, VOCAB, 4096, target_dir=vision_target, report=False)
+    assert [m.grid_thw for m in record.media] == [m.grid_thw for m in records[0].media]
+    assert stats.summary()["media"]["images"] == 1
