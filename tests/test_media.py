@@ -139,6 +139,14 @@ def test_pixel_values_equal_transformers_processor(tmp_path):
         torch.testing.assert_close(ours, theirs["pixel_values"], rtol=0, atol=0)
 
 
+def test_transparency_is_composited_onto_white_as_transformers_does(tmp_path):
+    rgba = np.zeros((28, 28, 4), np.uint8)
+    rgba[..., 0], rgba[:14, :, 3] = 200, 255   # the top half opaque red, the bottom half transparent
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
+    frames = media.decode_image("a.png", tmp_path)
+    assert frames[0, :, 0, 0].tolist() == [200, 0, 0] and frames[0, :, -1, 0].tolist() == [255, 255, 255]
+
+
 def test_image_line_expands_each_image_to_the_engines_count(kimi, tmp_path):
     png(tmp_path / "a.png", 100, 60)
     png(tmp_path / "b.png", 30, 200, seed=1)
@@ -189,7 +197,7 @@ def test_records_carry_whole_media_and_the_report_counts_them(kimi, tmp_path):
 
 BAD = {  # line -> what its one error line says
     "missing": "image not found", "text.png": "not a readable image", "cut.png": "not a readable image",
-    "data:text/plain;base64,aGk=": "data: URL of an image", "data:image/png;base64,aGVsbG8=": "not a readable image",
+    "data:text/plain;base64,aGk=": "not an image", "data:image/png;base64,aGVsbG8=": "not a readable image",
     "big.png": "over Pillow's limit", "e.avi": "a video with no frames", "pad": "placeholders and media disagree",
 }
 
@@ -295,3 +303,42 @@ def test_regenerated_lines_keep_their_media(vision_target, tmp_path):
     (record,), stats = read_records(again, VOCAB, 4096, target_dir=vision_target, report=False)
     assert [m.grid_thw for m in record.media] == [m.grid_thw for m in records[0].media]
     assert stats.summary()["media"]["images"] == 1
+
+
+@pytest.mark.slow
+def test_a_draft_trained_with_images_against_one_trained_on_text_only(vision_target, tmp_path, capsys):
+    """Toy scale: conversations about pictures and in words, the replies the target's own (seeing the pictures); one
+    draft trained on all of them, one on the text-only ones; both judged by real decoding (T = 0) on image prompts
+    and on text prompts."""
+    from conftest import make_config
+    from eagle3 import evaluate, extraction, generate, train_state, training
+    chat = tiny.make_image_chat(tmp_path / "chat.jsonl", conversations=40)
+    settings = {"generate.temperature": 0, "generate.max_new_tokens": 24, "evaluate.max_new_tokens": 24,
+                "generate.output_path": str(tmp_path / "regenerated.jsonl"), "data.on_error": "skip",
+                "debug.generate_dtype": "float32", "debug.generate_batch_size": 40, "train.max_steps": 40,
+                "train.eval_every": 40, "train.checkpoint_every": 40, "train.eval_fraction": 0.0}
+    lines = Path(generate.run(make_config(tmp_path, vision_target, chat, **settings))).read_text().splitlines()
+    with_media = [x for x in lines if '"media"' in x]
+    held = {"image": with_media[-4:], "text": [x for x in lines if '"media"' not in x][-4:]}
+    train = {"images and text": [x for x in lines if x not in held["image"] + held["text"]]}
+    train["text only"] = [x for x in train["images and text"] if '"media"' not in x]
+    prompts = {}
+    for kind, chosen in held.items():
+        prompts[kind] = tmp_path / f"prompts-{kind}.jsonl"
+        prompts[kind].write_text("".join(x + "\n" for x in chosen))
+    accept = {}
+    for name, chosen in train.items():
+        run = tmp_path / name.replace(" ", "-")
+        run.mkdir()
+        (run / "data.jsonl").write_text("".join(x + "\n" for x in chosen))
+        cfg = make_config(run, vision_target, run / "data.jsonl", **settings)
+        extraction.run(cfg)
+        training.run(cfg)
+        for kind, path in prompts.items():
+            report = evaluate.real_decoding(cfg, train_state.latest(cfg.train.output_dir), path)
+            assert report["mismatches"] == 0   # T = 0: lossless with images too
+            accept[name, kind] = report["real_accept_len"]
+    with capsys.disabled():
+        print("\n" + "; ".join(f"trained on {n}, judged on {k} prompts: {a:.2f}" for (n, k), a in accept.items()))
+    assert all(a >= 1.0 for a in accept.values())
+    assert accept["images and text", "image"] >= accept["text only", "image"] - 0.1

@@ -116,7 +116,7 @@ def _bytes_or_path(url: str, base: Path, kind: str) -> bytes | Path:
     if url.startswith("data:"):
         head, comma, body = url[5:].partition(",")
         if not comma or not head.startswith(kind + "/"):
-            raise ChatError(f"{url[:40]}...: a data: URL of an {kind} must be data:{kind}/<type>;base64,...")
+            raise ChatError(f"{url[:40]}...: not an {kind}: a {kind} data: URL is data:{kind}/<type>;base64,...")
         try:
             return base64.b64decode(body, validate=True) if head.endswith(";base64") else \
                 urllib.parse.unquote_to_bytes(body)
@@ -139,13 +139,21 @@ def decode_image(url: str, base: Path) -> torch.Tensor:
     try:
         with image_module.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
             image.load()
-            rgb = np.asarray(image.convert("RGB"))
+            rgb = np.asarray(_rgb(image, image_module))
     except image_module.DecompressionBombError as e:
         raise ChatError(f"{name}: over Pillow's limit of {2 * image_module.MAX_IMAGE_PIXELS:,} pixels, where vLLM "
                         f"and SGLang (which decode with Pillow) refuse it too ({e})") from None
     except (OSError, SyntaxError, ValueError) as e:   # unidentified, truncated or corrupt
         raise ChatError(f"{name}: not a readable image ({type(e).__name__}: {e})") from None
     return torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None]
+
+
+def _rgb(image, image_module):
+    """RGB as transformers' `convert_to_rgb` makes it: transparency composited onto white."""
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    white = image_module.new("RGBA", image.size, (255, 255, 255, 255))
+    return image_module.alpha_composite(white, image.convert("RGBA")).convert("RGB")
 
 
 def sample(total: int, fps: float) -> np.ndarray:
