@@ -315,7 +315,7 @@ def test_a_draft_trained_with_images_against_one_trained_on_text_only(vision_tar
     chat = tiny.make_image_chat(tmp_path / "chat.jsonl", conversations=40)
     settings = {"generate.temperature": 0, "generate.max_new_tokens": 24, "evaluate.max_new_tokens": 24,
                 "generate.output_path": str(tmp_path / "regenerated.jsonl"), "data.on_error": "skip",
-                "debug.generate_dtype": "float32", "debug.generate_batch_size": 40, "train.max_steps": 40,
+                "debug.generate_dtype": "float32", "debug.generate_batch_size": 40, "train.max_steps": 40, "train.batch_tokens": 512,
                 "train.eval_every": 40, "train.checkpoint_every": 40, "train.eval_fraction": 0.0}
     lines = Path(generate.run(make_config(tmp_path, vision_target, chat, **settings))).read_text().splitlines()
     with_media = [x for x in lines if '"media"' in x]

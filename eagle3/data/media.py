@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import functools
 import importlib
 import io
 import math
@@ -196,6 +197,7 @@ def video_frames(url: str, base: Path) -> tuple[torch.Tensor, np.ndarray]:
     return torch.from_numpy(np.stack(picked)).permute(0, 3, 1, 2), indices / rate
 
 
+@functools.lru_cache(maxsize=1)   # a video's chunks are read one after another: decoded once for them all
 def decode_video(url: str, base: Path) -> torch.Tensor:
     return video_frames(url, base)[0]
 
