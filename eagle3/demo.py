@@ -122,9 +122,9 @@ def held_out_prompts(cfg: config_mod.Config, name: str) -> Path:
     records, _ = read_records(cfg.data.path, target.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
                               target_dir=target.dir, template_kwargs=cfg.data.chat_template_kwargs, report=False)
     _, held = split_holdout([SeqRef(0, 0, 0, i) for i in range(len(records))], cfg.train.eval_fraction)
-    lines = [json.dumps({"input_ids": records[r.index].input_ids.tolist(), "loss_mask": records[r.index].loss_mask.tolist(),
-                         **({"media": parts_of(records[r.index].media)} if records[r.index].media else {})}) + "\n"
-             for r in held]
+    lines = [json.dumps({"input_ids": rec.input_ids.tolist(), "loss_mask": rec.loss_mask.tolist(),
+                         **({"media": parts_of(rec.media)} if rec.media else {})}) + "\n"
+             for rec in (records[r.index] for r in held)]
     atomic_write_text(path, "".join(lines))
     print(f"demo: wrote the {len(lines)} conversations of {cfg.data.path} that training holds out as prompts to {path}")
     return path

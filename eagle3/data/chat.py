@@ -301,7 +301,8 @@ class ChatEncoder:
     def _check_all_placed(placed: int, given: int) -> None:
         if placed != given:
             raise ChatError(f"the chat template writes {placed} <|media_pad|> placeholder(s) for {given} image(s) "
-                            "or video chunk(s): placeholders and media disagree (does the template render media parts?)")
+                            "or video chunk(s): placeholders and media disagree (does the template render media "
+                            "parts?)")
 
     def _renderer(self, chat: Chat):
         def render(messages: list[dict], add_generation_prompt: bool) -> str:
