@@ -272,7 +272,7 @@ def _line(number: int, raw: bytes, vocab_size: int, chat: Callable, regenerating
                 raise ValueError(f"conversation of {len(ids)} tokens; at least 2 are needed")
             check_chat_ids(ids, vocab_size)
         return "ok", [(ids, mask, kinds, media) for (ids, mask), kinds, media in
-                      zip(encoded.sequences, encoded.kinds, encoded.media or [[]] * len(encoded.kinds))], encoded
+                      zip(encoded.sequences, encoded.kinds, encoded.media)], encoded
     except InputError as e:
         return "fatal", str(e)
     except Exception as e:   # noqa: BLE001 - any failure of one line (JSON, bytes, template) is that line's
