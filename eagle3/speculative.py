@@ -100,9 +100,10 @@ def _finish(tokens: list[int], max_new: int, stop: set[int]) -> tuple[list[int],
 
 
 def greedy_decode_many(target: IncrementalTarget, prompts: list[list[int]], max_new: int,
-                       stop: set[int] = frozenset()) -> list[Decoded]:
-    """The target's own greedy decoding of several prompts, each step's forward batched over those still decoding."""
-    caches = [target.new_cache() for _ in prompts]
+                       stop: set[int] = frozenset(), media: list[list] | None = None) -> list[Decoded]:
+    """The target's own greedy decoding of several prompts, each step's forward batched over those still decoding;
+    `media`: each prompt's MediaItems, for its media pads."""
+    caches = [target.new_cache(m) for m in media or [()] * len(prompts)]
     feed = [torch.tensor(p) for p in prompts]             # each sequence's tokens the cache lacks
     outs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
@@ -153,7 +154,8 @@ def _propose(drafter, chains: list[_Chain], k: int, *sampling):
 
 
 def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]],
-                            max_new: int, k: int, stop: set[int] = frozenset()) -> list[Decoded]:
+                            max_new: int, k: int, stop: set[int] = frozenset(),
+                            media: list[list] | None = None) -> list[Decoded]:
     """Greedy chain speculative decoding of several prompts; the output is the target's greedy output."""
     def round_(live: list[int], active: list[_Chain]) -> None:
         drafts = _propose(drafter, active, k)
@@ -162,11 +164,12 @@ def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts
         for chain, d, v, (new_aux, _) in zip(active, drafts, verified, outs):   # v[j]: the target's token after d[:j]
             a = next((j for j, (x, y) in enumerate(zip(d, v)) if x != y), len(d))   # the agreeing prefix
             chain.take(d, a, v[a], new_aux)
-    return _decode(target, drafter, prompts, max_new, stop, lambda final: target.greedy(final).tolist(), round_)
+    return _decode(target, drafter, prompts, max_new, stop, lambda final: target.greedy(final).tolist(), round_, media)
 
 
 def sampled_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]], max_new: int,
-                        k: int, stop: set[int], sampling: Sampling, seeds: list[int]) -> list[Decoded]:
+                        k: int, stop: set[int], sampling: Sampling, seeds: list[int],
+                        media: list[list] | None = None) -> list[Decoded]:
     """Speculative sampling at sampling.temperature > 0, distributed as the target's own; prompt i draws its uniforms
     from its own generator (seeds[i]), so its tokens do not depend on the batch."""
     generators = [torch.Generator().manual_seed(s) for s in seeds]
@@ -182,13 +185,14 @@ def sampled_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: li
         for chain, d, n, t, (new_aux, _) in zip(active, drafts, a.tolist(), token.tolist(), outs):
             chain.take(d, n, t, new_aux)
     first = lambda final: sample(target.logits(final), sampling.temperature, sampling.top_p, generators)  # noqa: E731
-    return _decode(target, drafter, prompts, max_new, stop, first, round_)
+    return _decode(target, drafter, prompts, max_new, stop, first, round_, media)
 
 
 def _decode(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]], max_new: int, stop: set[int],
-            first: Callable, round_: Callable) -> list[Decoded]:
-    """Prefill, first(final states [B, H]) the first token, then round_(live indices, chains) until all are done."""
-    caches = [target.new_cache() for _ in prompts]
+            first: Callable, round_: Callable, media: list[list] | None = None) -> list[Decoded]:
+    """Prefill (`media`: each prompt's MediaItems), first(final states [B, H]) the first token, then round_(live
+    indices, chains) until all are done."""
+    caches = [target.new_cache(m) for m in media or [()] * len(prompts)]
     prefill = target.forward_many([torch.tensor(p) for p in prompts], caches)
     firsts = first(torch.cat([final[-1:] for _, final in prefill]))
     chains = [_Chain(p, c, aux, t, drafter.new_cache()) for p, c, (aux, _), t in zip(prompts, caches, prefill, firsts)]

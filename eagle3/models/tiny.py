@@ -116,6 +116,37 @@ def make_chat_data(out: str | Path, conversations: int = 256, seed: int = 0, lon
     return out
 
 
+COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40)}
+SHAPES = ("circle", "square", "triangle")
+
+
+def make_image_chat(out: str | Path, conversations: int = 96, seed: int = 0) -> Path:
+    """Chat lines about pictures drawn here with Pillow (a colored shape on a plain ground, 56-140 px a side, saved
+    under images/ beside `out`) and, every other line, the same questions in words only; the replies placeholders
+    for `generate` to replace with the target's own."""
+    from PIL import Image, ImageDraw
+    out, rng = Path(out), torch.Generator().manual_seed(seed)
+    (out.parent / "images").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(conversations):
+        color, shape = list(COLORS)[i % len(COLORS)], SHAPES[(i // len(COLORS)) % len(SHAPES)]
+        if i % 2:
+            lines.append([{"type": "text", "text": f"Describe a {color} {shape} in a few words."}])
+            continue
+        w, h = (int(x) for x in torch.randint(56, 141, (2,), generator=rng))
+        image = Image.new("RGB", (w, h), (245, 245, 235))
+        box = (w // 5, h // 5, 4 * w // 5, 4 * h // 5)
+        draw = ImageDraw.Draw(image)
+        {"circle": draw.ellipse, "square": draw.rectangle}.get(shape, lambda b, fill: draw.polygon(
+            [(b[0], b[3]), (b[2], b[3]), ((b[0] + b[2]) // 2, b[1])], fill=fill))(box, fill=COLORS[color])
+        image.save(out.parent / "images" / f"{i}.png")
+        lines.append([{"type": "image_url", "image_url": {"url": f"images/{i}.png"}},
+                      {"type": "text", "text": "What is in this picture?"}])
+    out.write_text("".join(json.dumps({"messages": [{"role": "user", "content": content}, {
+        "role": "assistant", "content": "(the model's reply)"}]}) + "\n" for content in lines))
+    return out
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """int values -8..7 [out, in] -> compressed-tensors int32 [out, in/8]."""
     nib = (q.to(torch.int64) + 8).unflatten(-1, (-1, 8))
