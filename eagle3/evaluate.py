@@ -111,7 +111,7 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
     objective = Objective(RowRule(), loss=trained.get("loss", "kl"), temperature=trained.get("loss_temperature", 1.0),
                           eta=state["config"].get("experimental", {}).get("lk_eta", 3.0))
     _, held_out = split_holdout(reader.sequences, trained["eval_fraction"])
-    media_pad = media_rule_pad(state["config"]["draft"].get("media_embedding", "vllm"), target)   # as trained
+    media_pad = media_rule_pad(media_rule(checkpoint_dir), target)   # the draft's input at media pads, as trained
     result = Evaluation(steps)
     for refs in pack(held_out, cfg.train.batch_tokens):
         batch = reader.read(refs).to(device, torch.float32)

@@ -114,7 +114,8 @@ def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool 
     return RowPlan(steps, rule, live, loss, int(loss_denominator(batch, rule, layout)))
 
 
-def token_inputs(embed: torch.Tensor, ids: torch.Tensor, media_embeds: torch.Tensor | None, media_pad: int | None):
+def token_inputs(embed: torch.Tensor, ids: torch.Tensor, media_embeds: torch.Tensor | None,
+                 media_pad: int | None):
     """index [N] -> the draft's token embeddings of ids[index] [N, H]: the embedding table's rows, but at the media
     placeholders the target's vision rows when `media_pad` (SGLang's rule) is set and the batch carries them."""
     if media_pad is None or media_embeds is None or media_embeds.shape[0] == 0:

@@ -181,6 +181,24 @@ def test_the_draft_reads_the_placeholder_embedding_under_vllm_and_the_vision_row
     torch.testing.assert_close(loss(pad, same), loss(None), rtol=0, atol=0)
 
 
+def test_real_decoding_drafter_reads_the_prompts_vision_rows_under_sglang_only(monkeypatch):
+    from eagle3.speculative import Drafter
+    from test_ttt import tiny_draft
+    pad, draft, embed = 39, tiny_draft(), torch.randn(40, 16)
+    rows = torch.randn(2, 16)
+    tokens = [5, pad, pad, 7, 8, pad]   # the prompt's two pads, then one the model wrote (a token)
+    seen = []
+    step = draft.step
+    monkeypatch.setattr(draft, "step", lambda h, emb, *a, **kw: seen.append(emb.clone()) or step(h, emb, *a, **kw))
+    aux = torch.randn(5, 48)
+    for media_pad in (None, pad):
+        drafter = Drafter(draft, embed, media_pad)
+        drafter.propose_many([aux], [tokens], 1, caches=[drafter.new_cache(rows)])
+    vllm, sglang = seen   # step 0's inputs: row t reads x[t+1]
+    assert torch.equal(vllm, embed[tokens[1:]])
+    assert torch.equal(sglang[[0, 1]], rows) and torch.equal(sglang[2:], embed[tokens[3:]])
+
+
 def test_shards_keep_the_vision_rows_and_reads_of_any_sequences_get_theirs(kimi, tmp_path):
     from eagle3.data.inputs import Record
     from eagle3.data.shards import FORMAT_VERSION, MANIFEST, ShardReader, shard_tensors, write_shard

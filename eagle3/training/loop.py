@@ -255,7 +255,8 @@ class Trainer:
         self.eval_unroll = self.unroll.evaluating()
         self.graphed = pad_to = None
         if graph.wanted(cfg.debug.cuda_graphs, self.device, self.dist.world, self.online, "max_seqlen" in
-                        inspect.signature(kernels.attention).parameters, spec.hidden_size, cfg.source, self.dist.main):
+                        inspect.signature(kernels.attention).parameters, spec.hidden_size, cfg.source, self.dist.main,
+                        media=self.unroll.media_pad is not None):
             longest = max(r.length for r in self.reader.sequences)
             self.unroll, pad_to = self.unroll.graphed(longest), (t.batch_tokens, longest)
             self.graphed = GraphedStep(functools.partial(self._forward, self.model, training=True), self.device)
