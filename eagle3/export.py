@@ -47,10 +47,11 @@ def _window_fields(spec: dict) -> dict:
     return {"layer_types": ["sliding_attention"] * spec["num_layers"], "sliding_window": spec["sliding_window"]}
 
 
-def media_field(state: dict) -> dict:
-    """The draft's input at image / video placeholders as trained (engines ignore the key; it tells a reader of the
-    export which engine's rule the draft expects: docs/export.md)."""
-    return {"eagle3_media_embedding": state["config"]["draft"].get("media_embedding", "vllm")}
+def media_field(state: dict, cfg: Config) -> dict:
+    """The draft's input at image / video placeholders as trained, else as `cfg` says (engines ignore the key; it
+    tells a reader of the export which engine's rule the draft expects: docs/export.md)."""
+    trained = state.get("config", {}).get("draft", {})
+    return {"eagle3_media_embedding": trained.get("media_embedding", cfg.draft.media_embedding)}
 
 
 def vllm_config(state: dict, cfg: Config) -> dict:
@@ -68,7 +69,7 @@ def vllm_config(state: dict, cfg: Config) -> dict:
         "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
         **{key: spec.get(key, False) for key in NORM_FLAGS},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in resolved["aux_layer_ids"]],
-        **media_field(state), "torch_dtype": cfg.debug.export_dtype}
+        **media_field(state, cfg), "torch_dtype": cfg.debug.export_dtype}
 
 
 def sglang_config(state: dict, cfg: Config) -> dict:
@@ -80,7 +81,7 @@ def sglang_config(state: dict, cfg: Config) -> dict:
         # SGLang reads only eagle_config's ids, as outputs of layers (ours): sglang/srt/model_executor/model_runner.py
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(state["resolved"]["aux_layer_ids"]),
                          "use_aux_hidden_state": True},
-        **media_field(state), "torch_dtype": cfg.debug.export_dtype,
+        **media_field(state, cfg), "torch_dtype": cfg.debug.export_dtype,
     })
     return config
 
@@ -105,7 +106,7 @@ def mla_config(state: dict, cfg: Config) -> dict:
             # vLLM reads the top-level ids first, as inputs of layers (ours + 1); SGLang eagle_config's, as outputs
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ours],
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ours, "use_aux_hidden_state": True},
-            **media_field(state), "torch_dtype": cfg.debug.export_dtype}
+            **media_field(state, cfg), "torch_dtype": cfg.debug.export_dtype}
 
 
 def export_weights(weights: dict[str, torch.Tensor], spec: dict, layer_prefix, num_layers: int,

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle3.models.vision import expected_shapes, vision_config
+
 def start_target(out: str | Path, config: dict, seed: int, dtype: torch.dtype):
     """Write config.json into `out` -> (out, tensors {}, rand, ones, mlp): makers of seeded random tensors
     in `dtype` (rand: std 1/sqrt(fan-in) by default; ones: about 1), mlp adding an MLP's linears."""
@@ -230,7 +232,6 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
     m = "language_model.model."
     t.update({m + "embed_tokens.weight": rand(vocab, hidden, std=1.0), m + "norm.weight": ones(hidden),
               "language_model.lm_head.weight": rand(vocab, hidden, std=3 * hidden ** -0.5)})
-    t.update(vision_tensors(config["vision_config"], rand, ones))
     for i in range(layers):
         p, a = f"{m}layers.{i}.", f"{m}layers.{i}.self_attn."
         t[p + "input_layernorm.weight"] = ones(hidden)
@@ -253,13 +254,13 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
         mlp(p + "mlp.shared_experts.", hidden, moe_intermediate)
         for e in range(experts):
             mlp(f"{p}mlp.experts.{e}.", hidden, moe_intermediate, quant=quantized)
+    t.update(vision_tensors(config["vision_config"], rand, ones))   # last: the text weights do not depend on them
     save_sharded(t, out, shards)
     return out
 
 
 def vision_tensors(vc: dict, rand, ones) -> dict[str, torch.Tensor]:
     """Random tensors of the vision tower and projector under their published names and shapes."""
-    from eagle3.models.vision import expected_shapes, vision_config
     shapes = expected_shapes(vision_config({"vision_config": vc}, "tiny"))
     # norms about 1, biases small, the position grid and patch embedding about unit scale
     return {n: (ones(s[0]) if "norm" in n and n.endswith("weight") else rand(*s, std=0.02) if n.endswith("bias")
