@@ -342,3 +342,20 @@ def test_a_draft_trained_with_images_against_one_trained_on_text_only(vision_tar
         print("\n" + "; ".join(f"trained on {n}, judged on {k} prompts: {a:.2f}" for (n, k), a in accept.items()))
     assert all(a >= 1.0 for a in accept.values())
     assert accept["images and text", "image"] >= accept["text only", "image"] - 0.1
+
+
+def test_an_image_and_a_video_run_through_the_target_as_extraction_runs_them(vision_target, tmp_path):
+    """The tower's rows (t-pooled for a video chunk) fill exactly the pads the data side wrote for each item."""
+    from eagle3.models.streaming import TargetRunner
+    from eagle3.models.weights import Checkpoint
+    png(tmp_path / "a.png", 70, 50)
+    video(tmp_path / "v.mp4", frames=12)   # 6 frames sampled: chunks of 4 and 2
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(line(image("a.png"), {"type": "video_url", "video_url": {"url": "v.mp4"}})) + "\n")
+    (record,), _ = read_records(data, VOCAB, 4096, target_dir=vision_target, report=False)
+    assert [(m.kind, m.grid_thw) for m in record.media] == [("image", (1, 4, 6)), ("video", (4, 4, 6)),
+                                                             ("video", (2, 4, 6))]
+    ids = torch.from_numpy(record.input_ids)
+    out = TargetRunner(Checkpoint(vision_target), [0, 0, 1], torch.device("cpu"), torch.float32).run(
+        ids, [0, len(ids)], record.media)
+    assert out["media_embeds"].shape[0] == int((ids == PAD).sum()) == 3 * 6
