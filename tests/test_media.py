@@ -312,14 +312,15 @@ def test_a_draft_trained_with_images_against_one_trained_on_text_only(vision_tar
     and on text prompts."""
     from conftest import make_config
     from eagle3 import evaluate, extraction, generate, train_state, training
-    chat = tiny.make_image_chat(tmp_path / "chat.jsonl", conversations=40)
+    chat = tiny.make_image_chat(tmp_path / "chat.jsonl", conversations=64)
     settings = {"generate.temperature": 0, "generate.max_new_tokens": 24, "evaluate.max_new_tokens": 24,
                 "generate.output_path": str(tmp_path / "regenerated.jsonl"), "data.on_error": "skip",
-                "debug.generate_dtype": "float32", "debug.generate_batch_size": 40, "train.max_steps": 40, "train.batch_tokens": 512,
-                "train.eval_every": 40, "train.checkpoint_every": 40, "train.eval_fraction": 0.0}
+                "debug.generate_dtype": "float32", "debug.generate_batch_size": 64, "train.max_steps": 60,
+                "train.batch_tokens": 512,
+                "train.eval_every": 60, "train.checkpoint_every": 60, "train.eval_fraction": 0.0}
     lines = Path(generate.run(make_config(tmp_path, vision_target, chat, **settings))).read_text().splitlines()
     with_media = [x for x in lines if '"media"' in x]
-    held = {"image": with_media[-4:], "text": [x for x in lines if '"media"' not in x][-4:]}
+    held = {"image": with_media[-8:], "text": [x for x in lines if '"media"' not in x][-8:]}
     train = {"images and text": [x for x in lines if x not in held["image"] + held["text"]]}
     train["text only"] = [x for x in train["images and text"] if '"media"' not in x]
     prompts = {}
@@ -341,7 +342,8 @@ def test_a_draft_trained_with_images_against_one_trained_on_text_only(vision_tar
     with capsys.disabled():
         print("\n" + "; ".join(f"trained on {n}, judged on {k} prompts: {a:.2f}" for (n, k), a in accept.items()))
     assert all(a >= 1.0 for a in accept.values())
-    assert accept["images and text", "image"] >= accept["text only", "image"] - 0.1
+    # measured here: on image prompts 1.69 (trained with images) against 1.36 (text only); on text prompts 1.72 / 2.27
+    assert accept["images and text", "image"] > accept["text only", "image"]
 
 
 def test_an_image_and_a_video_run_through_the_target_as_extraction_runs_them(vision_target, tmp_path):
