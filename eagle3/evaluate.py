@@ -18,7 +18,7 @@ from eagle3.data.loader import pack, split_holdout
 from eagle3.data.inputs import (InputError, chat_encoder, check_chat_ids, is_chat, json_lines, reply_spans, token_media,
                                  utf8)
 from eagle3.data.shards import MANIFEST, ShardReader, check_manifest
-from eagle3.draft_io import advertised_tokens, check_checkpoint_target, load_any_draft
+from eagle3.draft_io import advertised_tokens, check_checkpoint_target, load_any_draft, media_rule
 from eagle3.resolve import resolve_device
 from eagle3.files import strict_json
 from eagle3.generate import stop_tokens
@@ -296,6 +296,7 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
         raise InputError(f"{cfg.source}: no prompts for real decoding: set evaluate.prompts (--prompts FILE)")
     ckpt = Checkpoint(cfg.target.path)
     draft, aux_ids, trained = load_any_draft(draft_dir, ckpt)
+    media_pad = media_rule_pad(media_rule(draft_dir), ckpt)   # the draft's input at media pads, as trained
     k = e.k or trained or advertised_tokens(draft_dir) or 7
     n = e.max_new_tokens
     text = ckpt.config
@@ -316,7 +317,7 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
         for group in groups:
             target.fresh_pool()
             batch = [prompts[i] for i in group]
-            out |= dict(zip(group, decode(Drafter(draft, target.embed), [p.ids for p in batch], batch)))
+            out |= dict(zip(group, decode(Drafter(draft, target.embed, media_pad), [p.ids for p in batch], batch)))
         return [out[i] for i in range(len(prompts))]
 
     if sampling.greedy:

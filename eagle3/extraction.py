@@ -82,7 +82,8 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
                        *([json.dumps(cfg.data.chat_template_kwargs, sort_keys=True), RENDERING] if stats.chat.lines else [])])
     vision = target_vision(ckpt)
     return {"format_version": FORMAT_VERSION, "target": ckpt.config.identity(), "aux_layer_ids": aux_ids,
-            "dtypes": dtypes, **({"media_pad_id": vision.pad_id} if vision else {}), "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
+            "dtypes": dtypes, **({"media_pad_id": vision.pad_id} if vision else {}),
+            "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
             "source": {"path": str(cfg.data.path), "sha256": data_sha, "max_seq_len": cfg.data.max_seq_len,
                        **stats.summary()}}
 

@@ -23,7 +23,8 @@ CPU = torch.device("cpu")
 def hf_config(cfg: dict):
     """transformers' Kimi_K25Config of our config.json (its vision field names differ from the published ones)."""
     tf = pytest.importorskip("transformers")
-    text = {k: v for k, v in cfg["text_config"].items() if k not in ("quantization_config", "auto_map", "architectures")}
+    dropped = ("quantization_config", "auto_map", "architectures")
+    text = {k: v for k, v in cfg["text_config"].items() if k not in dropped}
     vc, pad = cfg["vision_config"], cfg["media_placeholder_token_id"]
     vision = dict(patch_size=vc["patch_size"], pos_emb_height=vc["init_pos_emb_height"],
                   pos_emb_width=vc["init_pos_emb_width"], pos_emb_time=vc["init_pos_emb_time"],
@@ -198,11 +199,73 @@ def test_shards_keep_the_vision_rows_and_reads_of_any_sequences_get_theirs(kimi,
     cu = np.cumsum([0] + [len(r.input_ids) for r in records]).tolist()
     out = TargetRunner(ckpt, [0, 1, 2], CPU, torch.float32).run(ids, cu, media)
     write_shard(tmp_path, 0, shard_tensors(records, out, "bfloat16"))
-    (tmp_path / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "target": {}, "aux_layer_ids": [0, 1, 2],
-                                                 "media_pad_id": c.pad_id, "shards": [{"file": "shard-00000.safetensors"}]}))
+    (tmp_path / MANIFEST).write_text(json.dumps({
+        "format_version": FORMAT_VERSION, "target": {}, "aux_layer_ids": [0, 1, 2], "media_pad_id": c.pad_id,
+        "shards": [{"file": "shard-00000.safetensors"}]}))
     reader = ShardReader(tmp_path)
     rows = out["media_embeds"].bfloat16()
     assert torch.equal(reader.read([reader.sequences[2]]).media_embeds, rows[4:])
     assert torch.equal(reader.read([reader.sequences[2], reader.sequences[0]]).media_embeds,
                        torch.cat([rows[4:], rows[:4]]))
     assert reader.read([reader.sequences[1]]).media_embeds.shape == (0, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end at toy scale: drafts trained with images (under each engine's rule) and text-only, judged on both
+
+def split_lines(chat, data, tmp_path):
+    """(the text-only lines of the regenerated `data`, {"image"|"text": prompts}): the prompts are the user turns of
+    the last lines of `chat`, the same questions as the training lines."""
+    lines = [json.loads(x) for x in data.read_text().splitlines()]
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps(x) + "\n" for x in lines if "media" not in x))
+    asked = [json.loads(x)["messages"][:1] for x in chat.read_text().splitlines()]
+    prompts = {}
+    for kind, want in (("image", True), ("text", False)):
+        chosen = [m for m in asked if any(p.get("type") == "image_url" for p in m[0]["content"]) == want][-6:]
+        prompts[kind] = chat.parent / f"prompts-{kind}.jsonl"   # beside the images its paths name
+        prompts[kind].write_text("".join(json.dumps({"messages": m}) + "\n" for m in chosen))
+    return text, prompts
+
+
+@pytest.mark.slow
+def test_drafts_trained_with_images_and_text_only_judged_on_image_and_text_prompts(tmp_path):
+    pytest.importorskip("PIL")
+    from conftest import make_config
+    from eagle3 import extraction, generate, training
+    from eagle3.evaluate import real_decoding
+    from eagle3.train_state import latest
+    target = tiny.make_kimi(tmp_path / "kimi", layers=4, shards=1)
+    tiny.write_kimi_chat(target, 512)
+    chat = tiny.make_image_chat(tmp_path / "data" / "chat.jsonl", conversations=64)
+    common = {"train.max_steps": 60, "train.batch_tokens": 400, "evaluate.max_new_tokens": 16,
+              "debug.evaluate_device": "cpu", "draft.num_attention_heads": 4, "draft.num_key_value_heads": 4,
+              "generate.temperature": 0, "generate.max_new_tokens": 16, "debug.generate_dtype": "float32",
+              "debug.generate_batch_size": 64, "data.on_error": "skip"}
+    # the replies the target's own greedy ones (seeing the images), as real decoding then writes them
+    data = generate.run(make_config(tmp_path, target, chat, **common, **{
+        "generate.output_path": tmp_path / "data" / "regenerated.jsonl"}))
+    text, prompts = split_lines(chat, data, tmp_path)
+    runs = {"text only": (text, "vllm"), "images, vLLM rule": (data, "vllm"), "images, SGLang rule": (data, "sglang")}
+    table = {}
+    for name, (path, rule) in runs.items():
+        work = tmp_path / name.replace(" ", "").replace(",", "")
+        cfg = make_config(work, target, path, **common, **{"draft.media_embedding": rule,
+                                                          "extract.output_dir": tmp_path / ("hidden-" + path.stem)})
+        if not (Path(cfg.extract.output_dir) / "manifest.json").exists():
+            extraction.run(cfg)
+        training.run(cfg)
+        checkpoint = latest(cfg.train.output_dir)
+        table[name] = {kind: real_decoding(cfg, checkpoint, p) for kind, p in prompts.items()}
+        exported = json.loads((Path(cfg.train.output_dir) / "export" / "vllm" / "config.json").read_text())
+        assert exported["eagle3_media_embedding"] == rule
+    accept = {name: {kind: r["real_accept_len"] for kind, r in row.items()} for name, row in table.items()}
+    print(accept)
+    for row in table.values():   # lossless at T = 0 with images in the prompts, under either rule
+        assert all(r["mismatches"] == 0 and r["prompts"] == 6 for r in row.values())
+    # what the target computes after an image is learnt from images only: on image prompts the drafts trained with
+    # them accept clearly more than the text-only one, under either engine's rule
+    for name in ("images, vLLM rule", "images, SGLang rule"):
+        assert accept[name]["image"] > accept["text only"]["image"] + 0.2, accept
+    manifest = json.loads((tmp_path / "hidden-regenerated" / "manifest.json").read_text())
+    assert manifest["media_pad_id"] == 512 - 256 + 21

@@ -74,7 +74,8 @@ class TargetRunner:
         self.media = MediaInputs(ckpt, device, dtype)
 
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor, cu_seqlens: list[int], media: list[MediaItem] = ()) -> dict[str, torch.Tensor]:
+    def run(self, input_ids: torch.Tensor, cu_seqlens: list[int],
+            media: list[MediaItem] = ()) -> dict[str, torch.Tensor]:
         """input_ids [T], cu_seqlens (python ints), the sequences' media in order -> CPU aux [T, 3H], final [T, H],
         argmax [T] int32 (and with media, `media_embeds` [M, H]: the fused rows written at the placeholders)."""
         cu = cu_seqlens

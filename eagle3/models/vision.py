@@ -79,7 +79,8 @@ def vision_config(raw: dict, source: str) -> VisionConfig | None:
         return VisionConfig(
             patch=int(v["patch_size"]), width=int(v["vt_hidden_size"]), heads=int(v["vt_num_attention_heads"]),
             layers=int(v["vt_num_hidden_layers"]), intermediate=int(v["vt_intermediate_size"]),
-            pos_grid=(int(v["init_pos_emb_height"]), int(v["init_pos_emb_width"])), pos_time=int(v["init_pos_emb_time"]),
+            pos_grid=(int(v["init_pos_emb_height"]), int(v["init_pos_emb_width"])),
+            pos_time=int(v["init_pos_emb_time"]),
             merge=tuple(int(k) for k in v["merge_kernel_size"]), projector_eps=float(v.get("projector_ln_eps", 1e-5)),
             text_hidden=int(v["text_hidden_size"]), pad_id=int(raw.get("media_placeholder_token_id", PAD_ID_DEFAULT)))
     except (KeyError, TypeError, ValueError) as e:
