@@ -115,6 +115,11 @@ def test_extraction_with_an_image_equals_transformers_hidden_states(kimi):
     # the rows written at the placeholders, in order, are returned beside the states
     assert got["media_embeds"].shape == (12, 64)
     torch.testing.assert_close(got["media_embeds"], VisionTower(ckpt, c, CPU, torch.float32).features(media))
+    # the staged target (one stage here) merges the same rows
+    from eagle3.models.staged import StagedTarget
+    staged = StagedTarget(ckpt, aux, CPU, torch.float32, 0, 1, chunk_tokens=20).run([(ids, cu, media)], None)[0]
+    for key in got:
+        torch.testing.assert_close(staged[key], got[key], rtol=1e-5, atol=1e-5)
     # without the image the states at and after the placeholders differ (the merge is not a no-op)
     plain = TargetRunner(ckpt, aux, CPU, torch.float32).run(ids[:cu[1]], cu[:2])
     assert not torch.allclose(plain["aux_hidden"][9:], got["aux_hidden"][9:cu[1]], atol=1e-3)
