@@ -6,8 +6,11 @@ The interface with the data side (eagle3/data): a record with media carries `med
 appearance; each item's `pixel_values` are laid out as the Kimi-K2.5 image / video processor gives them for that
 item ([t*h*w, 3, 14, 14] float32, frames then patch rows then patch columns, normalized), `grid_thw` = (t, h, w) in
 patches (t = 1 for an image, the frames of one chunk for video), and the record's token ids hold exactly
-`pads(item)` = t-pooled (h/2)*(w/2) placeholder ids per item, in the same order. `media_features` gives the fused
-rows [sum of pads, H] in that order; `merge_media` writes them at the placeholder positions of the embedded ids.
+`VisionConfig.pads(grid_thw)` = (h/2)*(w/2) placeholder ids per item (frames pooled), in the same order; nothing else
+is needed. `VisionTower.features` gives the fused rows [sum of pads, H] in that order and `merge_media` writes them at
+the placeholders of the embedded ids: the target runners do both (`streaming.MediaInputs`: extraction, online,
+staged, incremental decoding), and return the rows as `media_embeds` for the draft's input under SGLang's rule
+(`media_rule_pad`, `draft.media_embedding`).
 
 The math (transformers 5.24 `Kimi_K25VisionModel` / `Kimi_K25MultimodalProjection`; vLLM 0.34 `kimi_k25_vit.py`):
 patches -> 14x14 conv -> + the learned 64x64 position grid resized bicubically to (h, w) (+ a sinusoidal time row
