@@ -23,6 +23,8 @@
 #   fp8    the casts and GEMMs of train.float8 at the step's shapes (python -m benchmarks.float8)
 #   rows   the row spread and RMSNorm kernels against torch's (python -m benchmarks.rows)
 #   moe    the Kimi MoE layer alone
+#   vision Kimi-K2.5's vision tower + projector at the published sizes: ms and peak memory per item (a 448 x 448
+#          image, a 1080 x 1920 one, a 720p video chunk of 4 frames); about a minute
 #   moe-long  one 131,072-token sequence through 4 real-width Kimi layers, chunks of 16,384 / 65,536 / whole
 #   moe-long-fp32  the same layers in float32 over 32,768 tokens, chunks of 8,192 / whole: far closer than bf16 (both
 #          differ by rounding that routing flips amplify); about a minute
@@ -73,6 +75,7 @@ for part in "$@"; do
     fp8) python3 -m benchmarks.float8 2>&1 | quiet | tee "$out/fp8.txt" ;;
     rows) python3 -m benchmarks.rows 2>&1 | quiet | tee "$out/rows.txt" ;;
     moe) python3 -m benchmarks.moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
+    vision) python3 -m benchmarks.vision --json "$out/vision.jsonl" 2>&1 | quiet | tee "$out/vision.txt" ;;
     moe-long) python3 -m benchmarks.moe --parts long 2>&1 | quiet | tee "$out/moe-long.txt" ;;
     moe-long-fp32) python3 -m benchmarks.moe --parts long --long-dtype float32 --long-tokens 32768 --long-chunks 8192,0 \
       2>&1 | quiet | tee "$out/moe-long-fp32.txt" ;;
