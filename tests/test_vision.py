@@ -231,6 +231,9 @@ def test_shards_keep_the_vision_rows_and_reads_of_any_sequences_get_theirs(kimi,
     assert torch.equal(reader.read([reader.sequences[2], reader.sequences[0]]).media_embeds,
                        torch.cat([rows[4:], rows[:4]]))
     assert reader.read([reader.sequences[1]]).media_embeds.shape == (0, 64)
+    # a window of the packed rows (a context-parallel rank's read) from inside the first image's placeholders
+    window = reader.read([reader.sequences[0], reader.sequences[2]], rows=lambda T: (7, T))
+    assert torch.equal(window.media_embeds, torch.cat([rows[1:4], rows[4:]]))
 
 
 # ---------------------------------------------------------------------------------------------

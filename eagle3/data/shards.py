@@ -122,7 +122,7 @@ class ShardReader:
                                 f"(truncated or replaced); {REDO}")
         self._handles: dict[int, object] = {}
         self.media_pad = self.manifest.get("media_pad_id")   # set when the target has a vision tower
-        self._media_before: dict[int, torch.Tensor] = {}
+        self._media_before: dict[int, dict[int, int]] = {}   # shard -> {a sequence's first row: pads before it}
         self.sequences: list[SeqRef] = []
         for s in range(len(self.files)):
             cu = self._handle(s).get_tensor("cu_seqlens").tolist()
@@ -160,15 +160,16 @@ class ShardReader:
             return None
         parts = []
         for r, a, b in pieces:
-            if "media_embeds" not in self._handle(r.shard).keys():
+            shard = self._handle(r.shard)
+            if "media_embeds" not in shard.keys():
                 continue
-            if r.shard not in self._media_before:   # placeholders before each row of the shard
-                ids = self._handle(r.shard).get_tensor("input_ids")
-                self._media_before[r.shard] = torch.cat([ids.new_zeros(1, dtype=torch.long),
-                                                         (ids == self.media_pad).long().cumsum(0)])
-            before = self._media_before[r.shard]
-            parts.append(self._handle(r.shard).get_slice("media_embeds")[int(before[r.start + a]):
-                                                                          int(before[r.start + b])])
+            if r.shard not in self._media_before:   # one count per sequence, kept; the shard's ids read once
+                ids, cu = shard.get_tensor("input_ids"), shard.get_tensor("cu_seqlens")
+                before = torch.cat([cu.new_zeros(1), (ids == self.media_pad).long().cumsum(0)])[cu[:-1]]
+                self._media_before[r.shard] = dict(zip(cu[:-1].tolist(), before.tolist()))
+            pads = shard.get_slice("input_ids")[r.start:r.start + b] == self.media_pad   # the sequence's, up to b
+            first = self._media_before[r.shard][r.start] + int(pads[:a].sum())
+            parts.append(shard.get_slice("media_embeds")[first:first + int(pads[a:].sum())])
         return torch.cat(parts) if parts else None
 
 
