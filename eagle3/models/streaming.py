@@ -10,7 +10,7 @@ from eagle3.ops import positions_from_cu_seqlens, rms_norm
 from eagle3.models.attention import Prefix
 from eagle3.models.weights import Checkpoint, TargetError
 from eagle3.models.llama import LlamaTarget
-from eagle3.models.vision import MediaItem, VisionTower, merge_media, target_vision
+from eagle3.models.vision import MediaItem, VisionConfig, VisionTower, merge_media, target_vision
 
 
 def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
@@ -80,7 +80,7 @@ class TargetRunner:
         argmax [T] int32 (and with media, `media_embeds` [M, H]: the fused rows written at the placeholders)."""
         cu = cu_seqlens
         features = self.media.features(media)
-        rows = self.media.rows(input_ids, cu)
+        rows = self.media.rows(input_ids, cu, features)
         outs = [self._run_chunk(input_ids[cu[a]:cu[b]], [c - cu[a] for c in cu[a:b + 1]],
                                 features[rows[a]:rows[b]]) for a, b in split_chunks(cu, self.chunk_tokens)]
         out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
@@ -113,28 +113,34 @@ class TargetRunner:
 
 
 class MediaInputs:
-    """The first layer's input with media: token embeddings, the vision tower's rows at the placeholders. The tower
-    loads at the first media item (a text-only run never reads it)."""
+    """The first layer's input with media: token embeddings, the vision tower's rows at the placeholders. The tower's
+    settings and weights are read at the first media item (a text-only run never reads them)."""
 
     def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
         self.ckpt, self.device, self.dtype = ckpt, device, dtype
-        self.config = target_vision(ckpt)
+        self._config: VisionConfig | None = None
         self.tower: VisionTower | None = None
+
+    @property
+    def config(self) -> VisionConfig:
+        if self._config is None:
+            self._config = target_vision(self.ckpt)
+            if self._config is None:
+                raise TargetError(f"{self.ckpt.dir}: images or video given, but the target has no vision tower "
+                                  f"({self.ckpt.config.needs})")
+        return self._config
 
     def features(self, media: list[MediaItem]) -> torch.Tensor:
         """[sum of placeholders, H] in order ([0, H] without media)."""
         if not media:
             return torch.zeros(0, self.ckpt.config.hidden_size, device=self.device, dtype=self.dtype)
-        if self.config is None:
-            raise TargetError(f"{self.ckpt.dir}: images or video given, but the target has no vision tower "
-                              f"({self.ckpt.config.needs})")
         if self.tower is None:
             self.tower = VisionTower(self.ckpt, self.config, self.device, self.dtype)
         return self.tower.features(list(media))
 
-    def rows(self, ids: torch.Tensor, cu: list[int]) -> list[int]:
+    def rows(self, ids: torch.Tensor, cu: list[int], features: torch.Tensor) -> list[int]:
         """The feature rows before each sequence boundary: sequence i's are rows[i]..rows[i+1]."""
-        if self.config is None:
+        if features.shape[0] == 0:
             return [0] * len(cu)
         before = torch.cat([torch.zeros(1, dtype=torch.long), (ids == self.config.pad_id).long().cumsum(0)])
         return before[torch.tensor(cu)].tolist()
