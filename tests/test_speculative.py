@@ -180,7 +180,7 @@ class Recompute:
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
 
-    def new_cache(self):
+    def new_cache(self, rows=None):
         return None
 
     def propose_many(self, *args, caches):
