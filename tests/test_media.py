@@ -68,6 +68,7 @@ FIGURES = {(448, 448): 256, (1024, 1024): 1369, (1080, 1920): 2691, (3000, 3000)
 def test_placeholder_counts_match_the_processor():
     for (h, w), n in FIGURES.items():
         assert media.image_tokens(h, w) == n
+    assert media.grid(4, 720, 1280, "video") == (4, 50, 86)   # a 720p chunk: 4,096 patches a frame, 1,075 pads
     sizes = [(1, 1), (13, 13), (14, 14), (27, 29), (28, 10000), (10000, 28), (512 * 14, 20), (512 * 14 + 1, 20),
              (7200, 7200), (20000, 9), (1, 30000), (30000, 30000)]
     rng = random.Random(0)

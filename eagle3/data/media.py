@@ -23,7 +23,7 @@ from eagle3.errors import InputError, TargetError
 from eagle3.files import read_json
 from eagle3.models.vision import MediaItem, vision_config
 
-# transformers 5.24 models/kimi_k25/{image,video}_processing_kimi_k25.py (the Kimi-K2.5 repository's processor too)
+# transformers 5.24 models/kimi_k25/{image,video}_processing_kimi_k25.py
 PATCH, MERGE, MAX_SIDE = 14, 2, 512     # 14-px patches merged 2 x 2; at most 512 patches a side
 IMAGE_PATCHES, FRAME_PATCHES = 16384, 4096
 FPS, CHUNK = 2, 4                       # video frames sampled at 2 a second, 4 frames a vision chunk
