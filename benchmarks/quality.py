@@ -37,6 +37,11 @@ cut into `window`-token pieces (`short`; the peer takes either with `--data whol
 after a dense first one, sigmoid routing balanced by DeepSeek-V3's aux-loss-free bias) and, unless `--variant`
 says otherwise, two drafts on it: the MLA draft (`draft.attention = "mla"`, the target's dims) and a GQA draft of
 the same parameter count (`equal_size_variants`); the peer trains Llama-style drafts on Llama targets only.
+`--recipe target_kind=qwen3_moe` trains a Qwen3-MoE-shaped target (per-head q/k norms, softmax top-k routed experts
+renormalised, no shared expert, MoE layers after a dense first one, Qwen3-MoE's config and tensor names) and a GQA
+draft on it:
+
+    python -m benchmarks.quality --work runs/quality-qwen3 --recipe target_kind=qwen3_moe --stages target,data,ours,measure
 """
 from __future__ import annotations
 
@@ -107,7 +112,8 @@ class Recipe:
     long_len: int = 0                 # > 0: the long-context variant, draft data of whole sequences this long
     window: int = 512                 # the long variant's short windows (the same tokens as the whole sequences)
     # the target's kind: "llama", or "deepseek" (DeepSeek-V3-shaped: MLA attention with YaRN, MoE layers after the
-    # first, sigmoid routing with an aux-loss-free balancing bias), which trains an MLA and a GQA draft of equal size
+    # first, sigmoid routing with an aux-loss-free balancing bias), which trains an MLA and a GQA draft of equal size,
+    # or "qwen3_moe" (Qwen3-MoE-shaped: per-head q/k norms, softmax-routed experts after a dense first layer)
     target_kind: str = "llama"
     q_lora: int = 96
     kv_lora: int = 64
@@ -168,7 +174,9 @@ def encode(tok, texts: list[str]) -> list[torch.Tensor]:
 # --- the target: a Llama trained from scratch, saved under the Hugging Face names ----------------
 
 class Attention(nn.Module):
-    def __init__(self, r: Recipe):
+    """Llama's, or with `qk_norm` Qwen3's (q and k RMS-normalised per head before the rotary)."""
+
+    def __init__(self, r: Recipe, qk_norm: bool = False):
         super().__init__()
         d = r.hidden // r.heads
         self.heads, self.kv_heads, self.head_dim = r.heads, r.kv_heads, d
@@ -176,11 +184,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(r.hidden, r.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(r.hidden, r.kv_heads * d, bias=False)
         self.o_proj = nn.Linear(r.heads * d, r.hidden, bias=False)
+        if qk_norm:
+            self.q_norm, self.k_norm = Norm(d), Norm(d)
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, self.heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, enable_gqa=self.heads != self.kv_heads)
@@ -208,10 +221,12 @@ class Norm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, r: Recipe):
+    """Llama's block, or Qwen3-MoE's (`qwen3_moe`; `moe`: its MLP a `SoftmaxMoE`)."""
+
+    def __init__(self, r: Recipe, qwen3_moe: bool = False, moe: bool = False):
         super().__init__()
         self.input_layernorm, self.post_attention_layernorm = Norm(r.hidden), Norm(r.hidden)
-        self.self_attn, self.mlp = Attention(r), MLP(r)
+        self.self_attn, self.mlp = Attention(r, qk_norm=qwen3_moe), SoftmaxMoE(r) if moe else MLP(r)
 
     def forward(self, h, cos, sin):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
@@ -226,12 +241,38 @@ class Body(nn.Module):
         self.norm = Norm(r.hidden)
 
 
+class SoftmaxMoE(nn.Module):
+    """Qwen3-MoE's sparse block under its names (`mlp.gate`, `mlp.experts.N.*`): softmax over the experts, the
+    top-k renormalised (our target forward's `moe.route`), no shared expert."""
+
+    def __init__(self, r: Recipe):
+        super().__init__()
+        from eagle3.models.moe import Router
+        self.gate = nn.Linear(r.hidden, r.experts, bias=False)
+        self.experts = nn.ModuleList(MLP(dataclasses.replace(r, intermediate=r.moe_intermediate))
+                                     for _ in range(r.experts))
+        self.router = Router("softmax", r.experts, r.top_k, True)
+
+    def forward(self, x):
+        from eagle3.models.moe import route
+        flat = x.flatten(0, 1)
+        idx, w = route(self.gate(flat).float(), None, self.router)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            out = out.index_add(0, rows, expert(flat[rows]) * w[rows, slot, None].to(flat.dtype))
+        return out.view_as(x)
+
+
 class Llama(nn.Module):
-    """Module names equal the Hugging Face Llama tensor names (`model.layers.0.self_attn.q_proj...`)."""
+    """Module names equal the Hugging Face Llama tensor names (`model.layers.0.self_attn.q_proj...`); with
+    `target_kind = "qwen3_moe"` Qwen3-MoE's (layer 0 dense, the others softmax-routed MoE)."""
 
     def __init__(self, r: Recipe):
         super().__init__()
         self.model = Body(r)
+        if r.target_kind == "qwen3_moe":
+            self.model.layers = nn.ModuleList(Block(r, qwen3_moe=True, moe=i > 0) for i in range(r.layers))
         self.lm_head = nn.Linear(r.hidden, r.vocab, bias=False)
         self.register_buffer("inv_freq", llama_inv_freq(r.hidden // r.heads, 10000.0, long_rope(r)), persistent=False)
         for name, p in self.named_parameters():
@@ -294,22 +335,19 @@ class MoE(nn.Module):
 
     def __init__(self, r: Recipe):
         super().__init__()
-        from eagle3.models.deepseek import DeepseekSpec
+        from eagle3.models.moe import Router
         self.gate = Gate(r)
         small = dataclasses.replace(r, intermediate=r.moe_intermediate)
         self.experts = nn.ModuleList(MLP(small) for _ in range(r.experts))
         self.shared_experts = MLP(small)
-        self.spec = DeepseekSpec(  # what `route` reads: top_k of the biased sigmoid scores, weights renormalized
-            q_lora_rank=r.q_lora, kv_lora_rank=r.kv_lora, qk_nope_head_dim=r.qk_nope, qk_rope_head_dim=r.qk_rope,
-            v_head_dim=r.v_head, first_k_dense_replace=1, moe_layer_freq=1, n_routed_experts=r.experts,
-            n_shared_experts=1, num_experts_per_tok=r.top_k, moe_intermediate_size=r.moe_intermediate, n_group=1,
-            topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, topk_method="noaux_tc")
+        # what `route` reads: top_k of the biased sigmoid scores, weights renormalized
+        self.router = Router("sigmoid", r.experts, r.top_k, True)
         self.load = torch.zeros(r.experts)
 
     def forward(self, x):
-        from eagle3.models.deepseek import route
+        from eagle3.models.moe import route
         flat = x.flatten(0, 1)
-        idx, w = route(F.linear(flat.float(), self.gate.weight.float()), self.gate.e_score_correction_bias, self.spec)
+        idx, w = route(F.linear(flat.float(), self.gate.weight.float()), self.gate.e_score_correction_bias, self.router)
         self.load = torch.bincount(idx.flatten(), minlength=len(self.experts)).float()
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
@@ -374,6 +412,12 @@ def deepseek_config(r: Recipe, eos: int) -> dict:
             "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
             "norm_topk_prob": True, "routed_scaling_factor": 1.0, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
             "rope_scaling": YARN}
+
+
+def qwen3_moe_config(r: Recipe, eos: int) -> dict:
+    return {**hf_config(r, eos), "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_experts": r.experts, "num_experts_per_tok": r.top_k, "moe_intermediate_size": r.moe_intermediate,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [0]}
 
 
 def equal_size_variants(r: Recipe) -> list[str]:
@@ -454,7 +498,7 @@ def split_files(r: Recipe, ids: list[torch.Tensor]) -> tuple[list[torch.Tensor],
 
 def write_target(model: nn.Module, r: Recipe, eos: int, out: Path) -> None:
     """The trained target in the Hugging Face layout (its tokenizer.json is written beside it)."""
-    config = deepseek_config(r, eos) if r.target_kind == "deepseek" else hf_config(r, eos)
+    config = {"deepseek": deepseek_config, "qwen3_moe": qwen3_moe_config}.get(r.target_kind, hf_config)(r, eos)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}))
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "chat_template": THINKING_TEMPLATE}))

@@ -28,7 +28,7 @@ ITEMS = [("image 448x448", (1, 32, 32)), ("image 1080x1920", (1, 78, 138)), ("vi
 def tower(sizes: dict, text_hidden: int, directory: Path, device: torch.device) -> VisionTower:
     """A VisionTower over random tensors of `sizes`, read from a safetensors file in `directory`."""
     raw = {"vision_config": tiny.kimi_vision_config(text_hidden, **sizes)}
-    _, _, rand, ones, _ = tiny.start_target(directory, raw, 0, torch.bfloat16)
+    _, _, rand, ones, _, _ = tiny.start_target(directory, raw, 0, torch.bfloat16)
     save_file(tiny.vision_tensors(raw["vision_config"], rand, ones), directory / "model.safetensors")
     c = vision_config(raw, str(directory / "config.json"))
     ckpt = SimpleNamespace(dir=directory, weight_map=dict.fromkeys(expected_shapes(c), "model.safetensors"))

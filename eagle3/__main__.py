@@ -58,9 +58,14 @@ def evaluate_command(args, overrides: list[str]) -> None:
 
 
 def export_command(args, overrides: list[str]) -> None:
-    from eagle3.export import export_all
-    for fmt, path in export_all(args.checkpoint, args.out_dir, checkpoint_config(args, overrides)).items():
+    from eagle3.export import export_all, serving_commands
+    from eagle3.train_state import read_state
+    cfg = checkpoint_config(args, overrides)
+    written = export_all(args.checkpoint, args.out_dir, cfg)
+    for fmt, path in written.items():
         print(f"exported {fmt} draft: {path}")
+    for line in serving_commands(read_state(args.checkpoint), cfg, written) if written else ():
+        print(line)
 
 
 def checkpoint_config(args, overrides: list[str]) -> config_mod.Config:

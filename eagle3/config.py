@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import textwrap
 import types
@@ -74,7 +75,7 @@ class VocabConfig:
 @dataclass
 class DraftConfig:
     """The draft's shape; its hidden size, RoPE theta and norm epsilon are always the target's."""
-    num_layers: int = setting(1, "decoder layers of the draft (SGLang's export takes 1)")
+    num_layers: int = setting(1, "decoder layers of the draft (SGLang's MLA draft takes 1)")
     num_attention_heads: int | None = setting(None, "auto: the target's")
     num_key_value_heads: int | None = setting(None, "auto: the target's (fewer for a GQA draft)")
     head_dim: int | None = setting(None, "auto: the target's head_dim, else `hidden_size // num_attention_heads`")
@@ -83,8 +84,8 @@ class DraftConfig:
         "auto", "the draft layer's attention: `gqa` (Llama layer) or `mla` (DeepSeek-V3 latent attention, its dims "
         "the target's; vLLM's Eagle3DeepseekV2ForCausalLM); auto: gqa, for MLA targets too (measured: docs/ttt.md)")
     sliding_window: int = setting(
-        0, "the draft attends to the last N positions (vLLM's `sliding_window`; not for SGLang); 0 = all "
-        "(docs/training.md)")
+        0, "the draft attends to the last N positions (vLLM's `sliding_window`, SGLang's "
+        "`--speculative-draft-window-size` N - 1; gqa drafts); 0 = all (docs/training.md)")
     media_embedding: Literal["vllm", "sglang"] = setting(
         "vllm", "the draft's token embedding at image / video placeholders, as the serving engine gives it: `vllm` "
         "the placeholder token's embedding, `sglang` the target's fused vision rows (docs/export.md)")
@@ -143,7 +144,9 @@ class ExportConfig:
     formats: list[Literal["vllm", "sglang"]] = setting(
         ["vllm", "sglang"], "written to `train.output_dir/export/<format>/` at the end of training")
     speculative_tokens: int = setting(3, "draft tokens per round advertised to the engine")
-    verifier_name: str | None = setting(None, "what the engine loads as the verifier; auto: `target.path`")
+    verifier_name: str | None = setting(
+        None, "the verifier the vLLM export names (`vllm serve` of the draft folder takes a Hugging Face repo id only); "
+        "auto: the target's repo id when it lies in the Hugging Face cache, else its absolute path")
 
 
 @dataclass
@@ -178,12 +181,12 @@ class EvaluateConfig:
 class ExperimentalConfig:
     """Levers without a gain so far (benchmarks/RESULTS.md), kept for comparison."""
     norm_before_residual: bool = setting(
-        False, "layer 0's residual starts from `hidden_norm(fc(aux))` (speculators' and vLLM's key; not for SGLang)")
+        False, "layer 0's residual starts from `hidden_norm(fc(aux))` (speculators' and vLLM's key; SGLang has none)")
     aux_norm: Literal["none", "concat", "per_layer"] = setting(
         "none", "an RMSNorm before `fc` over the concatenated aux states (`concat`, speculators' `norm_before_fc`) "
-        "or on each (`per_layer`, EAGLE-3.1's `fc_norm`); not for SGLang")
+        "or on each (`per_layer`, EAGLE-3.1's `fc_norm`); SGLang's MLA draft reads `per_layer` only")
     norm_output: bool = setting(
-        False, "the normed output is the head's input and the next step's state (EAGLE-3.1's; not for SGLang)")
+        False, "the normed output is the head's input and the next step's state (EAGLE-3.1's)")
     lm_head_init: Literal["target", "random"] = setting(
         "target", "the draft's `lm_head` starts as the target's rows of the draft vocab, or `random`")
     freeze_lm_head: bool = setting(True, "the draft's `lm_head` keeps its initial weights (not trained)")
@@ -262,6 +265,15 @@ class Config:
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("source", "origins")}
 
+    def absolute_dict(self) -> dict:
+        """`to_dict` with the file and folder keys absolute: a checkpoint's config then reads from any directory."""
+        out = self.to_dict()
+        for name in PATH_KEYS:
+            section, key = name.split(".")
+            if out[section][key] is not None:
+                out[section][key] = os.path.abspath(out[section][key])
+        return out
+
     def value(self, name: str) -> object:
         section, key = name.split(".")
         return getattr(getattr(self, section), key)
@@ -273,6 +285,10 @@ class Config:
     def resolved_train_data_dir(self) -> str:
         return self.train.data_dir or self.extract.output_dir
 
+
+# the keys naming files and folders, which a checkpoint records absolute
+PATH_KEYS = ("target.path", "data.path", "extract.output_dir", "train.data_dir", "train.output_dir",
+             "generate.output_path", "evaluate.prompts")
 
 POSITIVE = ("data.max_seq_len draft.num_layers train.batch_tokens train.grad_accum train.ttt_steps train.eval_every "
             "train.checkpoint_every train.keep_checkpoints export.speculative_tokens generate.max_new_tokens "
@@ -366,11 +382,17 @@ def _apply(cfg: Config, section: str, key: str, value: object, origin: str, comm
     cfg.origins[name] = origin
 
 
-# the draft settings each engine's draft class does not read, by (format, draft.attention): an export with one on
-# would decode with another draft than the one trained (export.py refuses it too; here it is found before training)
-UNREAD = {("vllm", "gqa"): (), ("vllm", "mla"): ("norm_before_fc",),   # deepseek_eagle3.py has no input_norm
-          ("sglang", "gqa"): ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "sliding_window"),
-          ("sglang", "mla"): ("norm_before_residual", "norm_before_fc")}
+# The engine versions whose sources the export follows (docs/export.md); what each one's draft class reads:
+ENGINES = {"vllm": "vLLM 0.34.0", "sglang": "SGLang 0.5.23"}
+# the draft settings it does not read, by (format, draft.attention): an export with one on would decode with another
+# draft than the one trained. vLLM: llama_eagle3.py reads all four norm flags and layer_types/sliding_window,
+# deepseek_eagle3.py has no input_norm. SGLang: llama_eagle3.py reads norm_before_fc, fc_norm, norm_output and
+# --speculative-draft-window-size but starts layer 0's residual from the un-normed h; kimi_k25_eagle3.py reads
+# fc_norm and norm_output. (A window on an MLA draft is refused when it resolves: neither MLA class has one.)
+UNREAD = {("vllm", "gqa"): (), ("vllm", "mla"): ("norm_before_fc",),
+          ("sglang", "gqa"): ("norm_before_residual",), ("sglang", "mla"): ("norm_before_residual", "norm_before_fc")}
+# the draft classes with one layer only (kimi_k25_eagle3.py raises on num_hidden_layers != 1); the others take several
+ONE_LAYER = {("sglang", "mla")}
 # the config setting behind each draft-spec flag
 SETTING_KEYS = {"norm_before_residual": "experimental.norm_before_residual",
                 "norm_before_fc": 'experimental.aux_norm = "concat"', "fc_norm": 'experimental.aux_norm = "per_layer"',
@@ -378,17 +400,21 @@ SETTING_KEYS = {"norm_before_residual": "experimental.norm_before_residual",
 
 
 def check_servable_settings(cfg: Config) -> None:
-    """Refuse, at start-up, draft settings that an engine in export.formats would not read."""
+    """Refuse, at start-up of a run that exports (extract, train), draft settings that an engine in export.formats
+    would not read (the run checks the aux ids too, once it knows the target)."""
     x = cfg.experimental
     on = {"norm_before_residual": x.norm_before_residual, "norm_before_fc": x.aux_norm == "concat",
           "fc_norm": x.aux_norm == "per_layer", "norm_output": x.norm_output, "sliding_window": cfg.draft.sliding_window}
     kind = "mla" if cfg.draft.attention == "mla" else "gqa"
     for fmt in cfg.export.formats:
+        engine = ENGINES[fmt]
+        fix = 'set export.formats = ["vllm"]' if fmt == "sglang" else None
+        if (fmt, kind) in ONE_LAYER and cfg.draft.num_layers != 1:
+            raise ConfigError(f"{cfg.origin('draft.num_layers')}: draft.num_layers = {cfg.draft.num_layers} cannot be "
+                              f"exported for {engine} (its {kind} draft has one layer); {fix or 'set it to 1'}")
         if keys := [SETTING_KEYS[flag].split(" ")[0] for flag in UNREAD[fmt, kind] if on[flag]]:
-            engine = "SGLang" if fmt == "sglang" else "vLLM"
-            fix = 'set export.formats = ["vllm"]' if fmt == "sglang" else f"turn {keys[0]} off"
             raise ConfigError(f"{cfg.origin(keys[0])}: {keys[0]} cannot be exported for {engine} (its {kind} draft "
-                              f"does not read it); {fix}")
+                              f"does not read it); {fix or f'turn {keys[0]} off'}")
 
 
 def validate(cfg: Config) -> None:
@@ -426,7 +452,6 @@ def validate(cfg: Config) -> None:
     for name, (ok, expected) in ranges.items():
         if not ok:
             raise ConfigError(f"{cfg.origin(name)}: {name} = {cfg.value(name)}; expected {expected}")
-    check_servable_settings(cfg)
     if t.resume not in ("auto", "never", "overwrite") and not Path(t.resume).is_dir():
         raise ConfigError(f"{cfg.origin('train.resume')}: train.resume = {t.resume!r}; expected 'auto', 'never', "
                           "'overwrite' or an existing checkpoint directory")
@@ -440,6 +465,9 @@ def validate(cfg: Config) -> None:
     if (ids := cfg.target.aux_layer_ids) is not None and len(ids) != 3:
         raise ConfigError(f"{cfg.origin('target.aux_layer_ids')}: target.aux_layer_ids = {ids}; EAGLE-3 needs "
                           "exactly 3 layers")
+    if ids is not None and ids != sorted(ids):   # vLLM and SGLang hand them to the draft in layer order
+        raise ConfigError(f"{cfg.origin('target.aux_layer_ids')}: target.aux_layer_ids = {ids}; expected them in "
+                          f"increasing order ({sorted(ids)}): the engines hand the layers to the draft in layer order")
 
 
 # what a command reads: groups of keys of which a file or flag must set one (the defaults are the demo's)
@@ -575,8 +603,12 @@ def cli(argv: list[str] | None = None, description: str = "", prog: str | None =
         cfg = load(args.config, check_overrides(parser, rest + overrides))
         if command:
             require_inputs(cfg, command)
-        if command == "extract":   # train checks the sequences it reads (`eagle3.training.loop.data_plan`)
+        # what extract writes, online training reads (data.max_seq_len); from shards, train checks the sequences
+        # they hold (`eagle3.training.loop.data_plan`)
+        if command == "extract" or command == "train" and cfg.train.source == "online":
             require_trainable(cfg)
+        if command in ("extract", "train"):
+            check_servable_settings(cfg)
         return cfg
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None

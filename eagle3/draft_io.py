@@ -248,10 +248,10 @@ def _draft_tensors(files: Files, draft: Eagle3Draft, where: str) -> dict[str, to
 
 
 def vllm_aux_layer_ids(config: dict, target_layers: int | None, where: str) -> list[int]:
-    """Our aux layer ids (vLLM's minus 1); absent or null: vLLM's default [2, L//2, L-3]."""
-    # vLLM reads the top-level ids first, then eagle_config's (vllm/v1/worker/gpu_model_runner.py), as inputs of layers
-    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+    """Our aux layer ids (vLLM's minus 1), as vLLM 0.34 finds them (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py,
+    get_eagle3_aux_layers_from_config): the top-level ids, else eagle_config's "layer_ids" (never its
+    eagle_aux_hidden_state_layer_ids, SGLang's key), else the target's default [2, L//2, L-3]; inputs of layers."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get("layer_ids")
     if ids is None:
         if target_layers is None:
             raise DraftLoadError(f"{where}: no eagle_aux_hidden_state_layer_ids; the default needs the target")

@@ -370,8 +370,8 @@ def run(cfg: Config, draft_dir: str | Path, out: str | Path | None = None) -> tu
 
 
 def plot(report: dict, metrics_path: Path | None, out: Path) -> bool:
-    """The estimate by TTT step and the training curves, real acceptance by depth: those the report has; skipped
-    (False) without matplotlib or without any."""
+    """The estimate by TTT step and the training curves, real acceptance by depth: those the report has, under one
+    headline (real decoding's figure where there is one); skipped (False) without matplotlib or without any."""
     panels = [p for p, there in ((plot_estimate, "acc" in report), (plot_training, "acc" in report),
                                  (plot_depth, bool(report.get("by_depth")))) if there]
     try:
@@ -382,21 +382,34 @@ def plot(report: dict, metrics_path: Path | None, out: Path) -> bool:
         return False
     if not panels:
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
     for panel, ax in zip(panels, axes[0]):
         panel(ax, report, metrics_path)
+    fig.suptitle(headline(report), fontsize=14)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return True
 
 
+def headline(report: dict) -> str:
+    """What a reader wants first: real decoding's tokens per target forward, else the held-out estimate."""
+    if report.get("real_accept_len") is not None:
+        return (f"real decoding: {report['real_accept_len']:.2f} tokens per target forward "
+                f"({report['prompts']} prompts, k = {report['k']}, T = {report['temperature']})")
+    return f"held-out estimate: accept_len ≈ {report['accept_len']:.2f} (no real decoding: evaluate --prompts)"
+
+
 def plot_estimate(ax, report: dict, _) -> None:
     steps = range(len(report["acc"]))
     ax.plot(steps, report["acc"], "o-", label="accuracy")
-    ax.plot(steps, report["cond_acc"], "s--", label="accuracy given earlier steps right")
-    ax.set(xlabel="TTT step", ylabel="held-out", title=f"accept_len ≈ {report['accept_len']:.2f}")
-    ax.legend()
+    ax.plot(steps, report["cond_acc"], "s--", label="given earlier steps right")
+    ax.set_xticks(list(steps))   # TTT steps are whole
+    ax.set_ylim(0, 1.05)
+    ax.set(xlabel="TTT step", ylabel="held-out accuracy", title=f"held-out estimate: accept_len ≈ "
+           f"{report['accept_len']:.2f}")
+    ax.title.set_fontsize(10)
+    ax.legend(loc="lower left", fontsize=8)
 
 
 def plot_training(ax, _, metrics_path: Path) -> None:
@@ -406,21 +419,28 @@ def plot_training(ax, _, metrics_path: Path) -> None:
     train, evals = ([r for r in records if r["split"] == split] for split in ("train", "eval"))
     ax.plot([r["step"] for r in train], [r["loss"][0] for r in train], label="train loss (step 0)")
     twin = ax.twinx()
-    twin.plot([r["step"] for r in evals], [r["accept_len"] for r in evals], "r.-", label="eval accept_len")
-    ax.set(xlabel="optimizer step")
-    ax.legend(loc="upper left")
-    twin.legend(loc="upper right")
+    twin.plot([r["step"] for r in evals], [r["accept_len"] for r in evals], "r.-", label="held-out accept_len")
+    ax.set(xlabel="optimizer step", ylabel="loss", title="training")
+    ax.title.set_fontsize(10)
+    twin.set_ylabel("accept_len")
+    lines = ax.get_legend_handles_labels(), twin.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], loc="center right", fontsize=8)
 
 
 def plot_depth(ax, report: dict, _) -> None:
-    """Real tokens per round pooled by where the rounds started (± the deviation over seeds at T > 0)."""
-    buckets = report["by_depth"]
+    """Real tokens per round pooled by where the rounds started (± the deviation over seeds at T > 0), on the whole
+    range a round can gain (1 to k + 1 tokens); a bucket without rounds stays, marked empty."""
+    buckets, top = report["by_depth"], report["k"] + 1
     at = range(len(buckets))
-    tau = [float("nan") if b["real_accept_len"] is None else b["real_accept_len"] for b in buckets]   # no rounds
-    ax.errorbar(at, tau, yerr=[b.get("real_accept_len_sd") or 0.0 for b in buckets], fmt="o-", capsize=4)
+    tau = [0.0 if b["real_accept_len"] is None else b["real_accept_len"] for b in buckets]
+    ax.bar(at, tau, yerr=[b.get("real_accept_len_sd") or 0.0 for b in buckets], capsize=4, color="tab:blue")
     for x, y, b in zip(at, tau, buckets):
-        if b["rounds"]:
-            ax.annotate(f"{b['rounds']:.0f} rounds", (x, y), textcoords="offset points", xytext=(0, 8), ha="center")
-    ax.set_xticks(list(at), [b["label"] for b in buckets])
-    ax.set(xlabel="context depth at the round's start (tokens)", ylabel="real accept_len (pooled)",
-           title=f"by depth: T = {report['temperature']}, k = {report['k']}")
+        ax.annotate(f"{y:.2f}" if b["rounds"] else "no rounds", (x, y), textcoords="offset points", xytext=(0, 3),
+                    ha="center", va="bottom", fontsize=8)
+    # the rounds under each bucket's name, not over the bars where they meet the axes
+    ax.set_xticks(list(at), [f"{b['label']}\n{b['rounds']:.0f} rounds" for b in buckets], fontsize=8)
+    ax.set_ylim(0, top + 0.4)
+    ax.axhline(1, color="grey", lw=0.8, ls=":")
+    ax.set(xlabel="context depth at the round's start (tokens)", ylabel="tokens per target forward",
+           title=f"real decoding by depth (1 = no draft token accepted, {top} = all)")
+    ax.title.set_fontsize(10)

@@ -1,5 +1,6 @@
 """Export a trained draft for vLLM (speculators layout, `layers.0.*`) and SGLang (native, `midlayer.*`): the same
-weights and `d2t`/`t2d`, another config. `eagle3.draft_io` reads the vLLM layout back."""
+weights and `d2t`/`t2d`, another config, each written as the engine versions in ENGINES read it (docs/export.md).
+`eagle3.draft_io` reads the vLLM layout back."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,9 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from eagle3 import train_state
-from eagle3.config import SETTING_KEYS, UNREAD, Config, from_dict
+from eagle3.config import ENGINES, ONE_LAYER, SETTING_KEYS, UNREAD, Config, from_dict
 from eagle3.draft_io import layer_keys, top_keys
+from eagle3.models.weights import DEEPSEEK
 from eagle3.resolve import MLA_DIMS, NORM_FLAGS
 from eagle3.files import make_readable, short_of_space, tensor_bytes
 from eagle3.ops import TORCH_DTYPES
@@ -68,22 +70,60 @@ def vllm_config(state: dict, cfg: Config) -> dict:
         "transformer_layer_config": {**_llama_layer_config(spec, cfg.debug.export_dtype), **_window_fields(spec)},
         "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
         **{key: spec.get(key, False) for key in NORM_FLAGS},
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in resolved["aux_layer_ids"]],
+        "eagle_aux_hidden_state_layer_ids": vllm_aux_ids(resolved["aux_layer_ids"]),
         **media_field(state, cfg), "torch_dtype": cfg.debug.export_dtype}
+
+
+def vllm_aux_ids(ours: list[int]) -> list[int]:
+    """vLLM 0.34 captures `hidden_states + residual` entering layer v for each id v (EagleModelMixin.
+    _maybe_add_hidden_state, vllm/model_executor/models/interfaces.py; deepseek_v2.py DeepseekV2Model.forward; v = L:
+    the last layer's output): the output of layer v - 1, so ours + 1, for every target family."""
+    return [i + 1 for i in ours]
+
+
+def sglang_aux_ids(state: dict, where: str) -> list[int]:
+    """The eagle_config ids SGLang 0.5.23 turns into our layers. Its target captures the input of layer c (the output
+    of c - 1) for each c in `layers_to_capture`, c < L; `set_eagle3_layers_to_capture` makes c = id + 1 on Llama-family
+    targets (srt/models/llama.py, qwen2.py, qwen3.py) but on DeepSeek-V3 / Kimi ones (srt/models/deepseek_v2.py;
+    kimi_k25.py delegates to it) only when the first id is 1, else c = id. Ids it cannot express raise ExportError."""
+    ours, target = list(state["resolved"]["aux_layer_ids"]), state["target"]
+    layers = target["num_hidden_layers"]
+    if max(ours) >= layers - 1:
+        raise ExportError(f"{where}: {ENGINES['sglang']} captures a layer's input, never the last layer's "
+                          f"output: target.aux_layer_ids = {ours} on a target of {layers} layers; choose ids below "
+                          f"{layers - 1} or export vllm only")
+    if not is_deepseek(target):
+        return ours
+    if ours[0] == 0:
+        raise ExportError(f"{where}: {ENGINES['sglang']} adds 1 to a DeepSeek-family target's ids only when "
+                          f"the first is 1 (deepseek_v2.py set_eagle3_layers_to_capture), so no id list makes it "
+                          f"capture layer 0's output: target.aux_layer_ids = {ours}; choose a first id other than 0 "
+                          "or export vllm only")
+    return ours if ours[0] == 1 else [i + 1 for i in ours]
+
+
+def is_deepseek(target: dict) -> bool:
+    """The target is of the DeepSeek-V3 family (Kimi-K2 / K2.5 included), from the identity a checkpoint records."""
+    return bool({target.get("model_type"), target.get("text_model_type")} & set(DEEPSEEK.model_types))
 
 
 def sglang_config(state: dict, cfg: Config) -> dict:
     spec = state["resolved"]["draft_spec"]
     config = _llama_layer_config(spec, cfg.debug.export_dtype)
     config.update({
-        "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
-        "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
-        # SGLang reads only eagle_config's ids, as outputs of layers (ours): sglang/srt/model_executor/model_runner.py
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(state["resolved"]["aux_layer_ids"]),
-                         "use_aux_hidden_state": True},
-        **media_field(state, cfg), "torch_dtype": cfg.debug.export_dtype,
-    })
+        "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": spec["draft_vocab_size"],
+        "target_hidden_size": spec["target_hidden_size"],
+        # llama_eagle3.py LlamaModel reads these three (norm_before_residual it has not: refused before)
+        **{key: spec.get(key, False) for key in ("norm_before_fc", "fc_norm", "norm_output")},
+        "eagle_config": _sglang_eagle_config(state), **media_field(state, cfg), "torch_dtype": cfg.debug.export_dtype})
     return config
+
+
+def _sglang_eagle_config(state: dict) -> dict:
+    """SGLang 0.5.23 reads the aux ids from eagle_config alone (srt/model_executor/model_runner_components/
+    spec_aux_hidden_state.py, _resolve_eagle_aux_hidden_state)."""
+    return {"eagle_aux_hidden_state_layer_ids": sglang_aux_ids(state, "the SGLang export"),
+            "use_aux_hidden_state": True}
 
 
 def mla_config(state: dict, cfg: Config) -> dict:
@@ -93,25 +133,41 @@ def mla_config(state: dict, cfg: Config) -> dict:
     spec = resolved["draft_spec"]
     same = ("hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps", "rope_theta",
             "max_position_embeddings", "draft_vocab_size", "target_hidden_size", *MLA_DIMS)
-    # rope_theta inside too: deepseek_eagle3.py hands get_rope a copy of rope_scaling alone, whose base defaults to 1e4
+    # rope_theta inside the legacy dict too (older vLLM handed get_rope a copy of rope_scaling alone); vLLM 0.34's
+    # DeepseekV2MLAAttention and SGLang 0.5.23's kimi_k25_eagle3.py read rope_parameters (theta inside) first
     scaling = spec["rope_scaling"] and {**spec["rope_scaling"], "type": spec["rope_scaling"]["rope_type"],
                                         "rope_theta": spec["rope_theta"]}
-    ours = list(resolved["aux_layer_ids"])
+    parameters = scaling or {"rope_type": "default", "rope_theta": spec["rope_theta"]}
+    try:   # vLLM reads the top-level ids; SGLang eagle_config's, in its own rule (a vLLM-only export may lack them)
+        sglang = {"eagle_config": _sglang_eagle_config(state)}
+    except ExportError:
+        sglang = {}
     return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3",
             **{k: spec[k] for k in same}, "num_key_value_heads": spec["num_attention_heads"],
             "num_hidden_layers": spec["num_layers"], "vocab_size": spec["target_vocab_size"], "hidden_act": "silu",
             "attention_bias": False, "tie_word_embeddings": False, "rope_scaling": scaling,
-            "norm_before_residual": spec["norm_before_residual"], "fc_norm": spec["fc_norm"],
-            "norm_output": spec["norm_output"],
-            # vLLM reads the top-level ids first, as inputs of layers (ours + 1); SGLang eagle_config's, as outputs
-            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ours],
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ours, "use_aux_hidden_state": True},
+            "rope_parameters": parameters, "norm_before_residual": spec["norm_before_residual"],
+            "fc_norm": spec["fc_norm"], "norm_output": spec["norm_output"],
+            "eagle_aux_hidden_state_layer_ids": vllm_aux_ids(resolved["aux_layer_ids"]), **sglang,
             **media_field(state, cfg), "torch_dtype": cfg.debug.export_dtype}
 
 
-def export_weights(weights: dict[str, torch.Tensor], spec: dict, layer_prefix, num_layers: int,
+def vllm_name(i: int, key: str) -> str:
+    return f"layers.{i}.{key}"
+
+
+def sglang_name(i: int, key: str) -> str:
+    """SGLang 0.5.23's names (srt/models/llama_eagle3.py, kimi_k25_eagle3.py): layer 0 as `midlayer.*`, which older
+    versions know alone; a later Llama layer normalises its input with its `hidden_norm` (our `input_layernorm`)."""
+    if i == 0:
+        return f"midlayer.{key}"
+    return f"layers.{i}.{'hidden_norm.weight' if key == 'input_layernorm.weight' else key}"
+
+
+def export_weights(weights: dict[str, torch.Tensor], spec: dict, name, num_layers: int,
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Map trained names onto the serving names; float weights cast to `dtype`, vocab maps kept."""
+    """Map trained names onto the serving names (`name(layer, key)`); float weights cast to `dtype`, vocab maps
+    kept."""
     top = top_keys(spec)
     if missing := [k for k in top if k not in weights]:   # an engine would keep its initial tensor
         raise ExportError(f"checkpoint weights lack {missing[0]} (the draft's settings ask for {missing})")
@@ -121,7 +177,7 @@ def export_weights(weights: dict[str, torch.Tensor], spec: dict, layer_prefix, n
             src = f"layers.{i}.{key}"
             if src not in weights:   # an engine would silently keep a random tensor for it
                 raise ExportError(f"checkpoint weights lack {src}")
-            out[f"{layer_prefix(i)}.{key}"] = weights[src]
+            out[name(i, key)] = weights[src]
     layers = {f"layers.{i}.{k}" for i in range(num_layers) for k in layer_keys(spec)}
     if left := set(weights) - {"d2t", "t2d", *top} - layers:
         raise ExportError(f"checkpoint weights not exported: {sorted(left)[:5]}")
@@ -167,26 +223,53 @@ def check_out_dir(checkpoint_dir: Path, out_dir: Path, formats) -> None:
                               "written)")
 
 
-def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | None = None) -> dict[str, Path]:
-    """Write `out_dir/vllm` and/or `out_dir/sglang` from a training checkpoint directory."""
+def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | None = None,
+               formats: list[str] | None = None) -> dict[str, Path]:
+    """Write `out_dir/vllm` and/or `out_dir/sglang` (`formats`, default export.formats) from a training checkpoint."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     state = train_state.read_state(checkpoint_dir)
     cfg = cfg or from_dict(state["config"], str(checkpoint_dir / train_state.STATE))
+    formats = cfg.export.formats if formats is None else formats
     weights = train_state.load_weights(checkpoint_dir)
     check_vocab(weights["d2t"], weights["t2d"], str(checkpoint_dir / train_state.MODEL))
     spec, dtype, written = state["resolved"]["draft_spec"], TORCH_DTYPES[cfg.debug.export_dtype], {}
-    check_out_dir(checkpoint_dir, out_dir, cfg.export.formats)
+    check_out_dir(checkpoint_dir, out_dir, formats)
     mla = spec.get("attention") == "mla"
-    for fmt in cfg.export.formats:   # every format checked before any is written
-        check_servable(spec, fmt, str(checkpoint_dir))
-    for fmt in cfg.export.formats:   # "vllm" or "sglang", as the config's type says
+    check_exportable(state, formats, str(checkpoint_dir))   # every format checked before any is written
+    for fmt in formats:   # "vllm" or "sglang", as the config's type says
         if fmt == "vllm":
-            tensors = export_weights(weights, spec, lambda i: f"layers.{i}", spec["num_layers"], dtype)
+            tensors = export_weights(weights, spec, vllm_name, spec["num_layers"], dtype)
             written[fmt] = _write(out_dir / "vllm", (mla_config if mla else vllm_config)(state, cfg), tensors)
         else:
-            tensors = export_weights(weights, spec, lambda i: "midlayer", 1, dtype)
+            tensors = export_weights(weights, spec, sglang_name, spec["num_layers"], dtype)
             written[fmt] = _write(out_dir / "sglang", (mla_config if mla else sglang_config)(state, cfg), tensors)
     return written
+
+
+def check_exportable(state: dict, formats, where: str) -> None:
+    """Refuse (nothing written) a format whose engine would serve another draft than the one trained: a setting it
+    does not read, or aux ids it cannot express. `state` needs only "resolved" and "target" (a run checks at start)."""
+    for fmt in formats:
+        check_servable(state["resolved"]["draft_spec"], fmt, where)
+        if fmt == "sglang":
+            sglang_aux_ids(state, where)
+
+
+def serving_commands(state: dict, cfg: Config, written: dict[str, Path]) -> list[str]:
+    """How to serve each written export (the engines' own flags, docs/export.md), for the log."""
+    target, spec, k = state["resolved"]["verifier_name"], state["resolved"]["draft_spec"], cfg.export.speculative_tokens
+    lines = []
+    if "vllm" in written:
+        options = json.dumps({"method": "eagle3", "model": str(written["vllm"]), "num_speculative_tokens": k})
+        lines.append(f"serve with {ENGINES['vllm']}: vllm serve {target} --speculative-config '{options}'")
+    if "sglang" in written:
+        # --speculative-draft-window-size counts the keys before the query (srt/layers/attention: window_left)
+        window = f" --speculative-draft-window-size {spec['sliding_window'] - 1}" if spec.get("sliding_window") else ""
+        lines.append(f"serve with {ENGINES['sglang']}: python3 -m sglang.launch_server --model-path {target} "
+                     f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {written['sglang']} "
+                     f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+                     f"{window}")
+    return lines
 
 
 def check_servable(spec: dict, fmt: str, where: str) -> None:
@@ -194,7 +277,8 @@ def check_servable(spec: dict, fmt: str, where: str) -> None:
     kind = spec.get("attention", "gqa")
     engine = {("vllm", "gqa"): "vLLM", ("sglang", "gqa"): "SGLang's LlamaForCausalLMEagle3"}.get(
         (fmt, kind), f"{'vLLM' if fmt == 'vllm' else 'SGLang'}'s Eagle3DeepseekV2ForCausalLM")
-    if fmt == "sglang" and spec["num_layers"] != 1:
+    engine += f" {ENGINES[fmt].split()[1]}"
+    if (fmt, kind) in ONE_LAYER and spec["num_layers"] != 1:
         raise ExportError(f"{where}: {engine} has one draft layer (midlayer); this draft has {spec['num_layers']}; "
                           "export vllm only")
     if on := [key for key in UNREAD[fmt, kind] if spec.get(key)]:

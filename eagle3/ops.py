@@ -88,11 +88,16 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
-def yarn_bounds(dim: int, base: float, original: int, beta_fast: float, beta_slow: float) -> tuple[int, int]:
-    """The first and last rotary pair index of the ramp between extrapolated and interpolated."""
+def yarn_bounds(dim: int, base: float, original: int, beta_fast: float, beta_slow: float,
+                truncate: bool = True) -> tuple[float, float]:
+    """The first and last rotary pair index of the ramp between extrapolated and interpolated (whole numbers unless
+    `truncate` is off, as gpt-oss's config asks)."""
     def pair(rotations):
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-    return max(math.floor(pair(beta_fast)), 0), min(math.ceil(pair(beta_slow)), dim - 1)
+    low, high = pair(beta_fast), pair(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
 
 
 def yarn_attention_factor(scaling: dict) -> float:
@@ -111,7 +116,7 @@ def yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (scaling["factor"] * pos_freqs)
     low, high = yarn_bounds(head_dim, theta, scaling["original_max_position_embeddings"],
-                            scaling.get("beta_fast", 32), scaling.get("beta_slow", 1))
+                            scaling.get("beta_fast", 32), scaling.get("beta_slow", 1), scaling.get("truncate", True))
     high += 0.001 if low == high else 0
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp   # each pair's extrapolated share, rounded as the engines round it
@@ -137,7 +142,9 @@ def draft_rope_scaling(target: dict | None) -> dict | None:
     given = {**YARN_BETAS, **target} if kind == "yarn" else target
     if missing := [k for k in DRAFT_ROPE_KEYS[kind] if k not in given]:
         raise ValueError(f"rope_type '{kind}' needs {missing[0]}")
-    return {"rope_type": kind, **{k: given[k] for k in DRAFT_ROPE_KEYS[kind]}}
+    # gpt-oss's untruncated YaRN ramp: vLLM's get_rope and SGLang's rotary factory read `truncate` alike
+    truncate = {"truncate": bool(target["truncate"])} if kind == "yarn" and "truncate" in target else {}
+    return {"rope_type": kind, **{k: given[k] for k in DRAFT_ROPE_KEYS[kind]}, **truncate}
 
 
 def draft_rope(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:

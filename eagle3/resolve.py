@@ -49,7 +49,7 @@ class DraftSpec:
         return max(64, 1 << (max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim) - 1).bit_length())
 
 
-# the norm settings under the keys speculators and vLLM use (SGLang reads none)
+# the norm settings under the keys speculators and vLLM use (what each engine reads: config.UNREAD)
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
@@ -102,7 +102,19 @@ def resolve(cfg: Config, ckpt: Checkpoint) -> Resolved:
         raise ConfigError(f"{cfg.source}: experimental.mla_dims is set but draft.attention is "
                           f"\"{d.attention}\"; the dims shape an MLA draft only (draft.attention = \"mla\")")
     data = cfg.data.path if cfg.train.source == "online" else cfg.resolved_train_data_dir()
-    return Resolved(list(ids), spec, str(Path(data)), cfg.export.verifier_name or cfg.target.path)   # "./x" is "x"
+    verifier = cfg.export.verifier_name or hub_repo_id(cfg.target.path) or os.path.abspath(cfg.target.path)
+    return Resolved(list(ids), spec, os.path.abspath(data), verifier)   # absolute: a checkpoint works from anywhere
+
+
+def hub_repo_id(path: str) -> str | None:
+    """The Hugging Face repo id of a target inside the hub cache (`.../models--ORG--NAME/snapshots/REV`), else None:
+    `vllm serve` of a speculators draft folder takes its verifier only as such an id (vLLM 0.34
+    transformers_utils/config.py, maybe_override_with_speculators, refuses a local path)."""
+    parts = Path(os.path.abspath(path)).parts
+    for folder, below in zip(parts, parts[1:]):
+        if folder.startswith("models--") and below == "snapshots":
+            return folder.removeprefix("models--").replace("--", "/", 1)
+    return None
 
 
 MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ def make_llama(out: str | Path, family: str = "llama", hidden: int = 64, layers:
               "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-6,
               "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": tie,
               "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
-    out, t, rand, ones, mlp = tiny.start_target(out, config, seed, dtype)
+    out, t, rand, ones, mlp, _ = tiny.start_target(out, config, seed, dtype)
     t.update({"model.embed_tokens.weight": rand(vocab, hidden, std=1.0), "model.norm.weight": ones(hidden)})
     if not tie:
         t["lm_head.weight"] = rand(vocab, hidden, std=3 * hidden ** -0.5)
@@ -71,6 +72,22 @@ def hidden(tmp_path_factory, llama_target, token_data) -> Path:
     tmp = tmp_path_factory.mktemp("hidden")
     extraction.run(make_config(tmp, llama_target, token_data))
     return tmp / "hidden"
+
+
+def edited_copy(src: Path, dst: Path, config=None, tensors=None) -> Path:
+    """A copy of the checkpoint directory `src` (one model.safetensors) at `dst`, its config.json edited in place
+    by `config(dict)` and its tensors by `tensors(dict)`."""
+    shutil.copytree(src, dst)
+    if config:
+        data = json.loads((dst / "config.json").read_text())
+        config(data)
+        (dst / "config.json").write_text(json.dumps(data))
+    if tensors:
+        from safetensors.torch import load_file, save_file
+        weights = load_file(dst / "model.safetensors")
+        tensors(weights)
+        save_file(weights, dst / "model.safetensors")
+    return dst
 
 
 def make_config(tmp_path: Path, target: Path, data: Path, **overrides) -> config_mod.Config:

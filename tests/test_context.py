@@ -159,7 +159,7 @@ def test_what_cannot_be_split_is_refused_naming_the_keys(tmp_path, llama_target,
                              manifest={})
     with pytest.raises(training.TrainError, match=r"^command line --train.batch_tokens: train.batch_tokens = 16 x "
                                                   r"train.context_parallel = 2 \(32 tokens\) is smaller than the "
-                                                  r"longest sequence \(40 tokens\)"):
+                                                  r"longest sequence of data \(40 tokens\)"):
         data_plan(cfg, reader, Layout(2, 0, 0, 1), "data")
     assert data_plan(cfg, reader, Layout(4, 0, 0, 1), "data")[0].budget == 64   # a group of 4 holds it
 

@@ -16,7 +16,7 @@ import torch
 
 from conftest import KIMI_FIXTURE, ROOT
 from eagle3.models.inspect import inspect
-from eagle3.models import attention, deepseek, quant, tiny
+from eagle3.models import attention, deepseek, moe, quant, tiny
 from eagle3.models.incremental import KVPool, LayerPass, PassLayout, SequenceCache
 from eagle3.models.weights import Checkpoint, TargetError, read_config
 from eagle3.models.streaming import TargetRunner
@@ -95,15 +95,15 @@ def _spec(**kw) -> deepseek.DeepseekSpec:
 def test_routing_chooses_by_biased_and_weights_by_unbiased_scores():
     s = torch.tensor([[0.9, 0.8, 0.7, 0.1]])
     logits = torch.log(s / (1 - s))
-    idx, w = deepseek.route(logits, None, _spec())
+    idx, w = moe.route(logits, None, _spec().router)
     assert idx.tolist() == [[0, 1]]
-    idx, w = deepseek.route(logits, torch.tensor([0.0, 0.0, 0.5, 0.0]), _spec())
+    idx, w = moe.route(logits, torch.tensor([0.0, 0.0, 0.5, 0.0]), _spec().router)
     assert sorted(idx[0].tolist()) == [0, 2]
     expect = {0: 0.9 / 1.6 * 2.5, 2: 0.7 / 1.6 * 2.5}
     for e, weight in zip(idx[0].tolist(), w[0].tolist()):
         assert weight == pytest.approx(expect[e], rel=1e-6)
     # no normalization: the raw unbiased sigmoid times the scaling factor
-    _, w = deepseek.route(logits, torch.tensor([0.0, 0.0, 0.5, 0.0]), _spec(norm_topk_prob=False))
+    _, w = moe.route(logits, torch.tensor([0.0, 0.0, 0.5, 0.0]), _spec(norm_topk_prob=False).router)
     assert sorted(w[0].tolist()) == pytest.approx([0.7 * 2.5, 0.9 * 2.5])
 
 
@@ -112,11 +112,11 @@ def test_group_limited_routing():
     biased = torch.tensor([[0.95, 0.05, 0.65, 0.65, 0.3, 0.3, 0.6, 0.6]])
     logits = torch.log(biased / (1 - biased))
     spec = _spec(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3)
-    idx, _ = deepseek.route(logits, None, spec)
+    idx, _ = moe.route(logits, None, spec.router)
     # expert 0 has the best single score but its group (0) is not among the two best (1 and 3)
     assert sorted(idx[0].tolist()) == [2, 3, 6]
     bias = torch.tensor([0.0, 0.5, 0, 0, 0, 0, 0, 0])  # lifts group 0 to 1.5: now groups 0 and 1
-    idx, w = deepseek.route(logits, bias, spec)
+    idx, w = moe.route(logits, bias, spec.router)
     assert sorted(idx[0].tolist()) == [0, 2, 3]
     assert w.sum().item() == pytest.approx(2.5, rel=1e-6)
 
@@ -307,7 +307,7 @@ def test_only_active_experts_are_dequantized(kimi, monkeypatch):
     real = quant.dequantize_int4
     monkeypatch.setattr(quant, "dequantize_int4", lambda p, s, d: seen.append(p.shape[0]) or real(p, s, d))
     idx = torch.tensor([[5, 2], [2, 5], [5, 2]])
-    model._routed(weights, torch.randn(3, 64), idx, torch.ones(3, 2))
+    moe.routed(weights, torch.randn(3, 64), idx, torch.ones(3, 2), 8, moe.weighted_swiglu, torch.float32)
     assert seen == [2, 2]  # gate_up and down of experts {2, 5} only
 
 
@@ -316,7 +316,7 @@ def test_experts_in_blocks_give_the_output_of_one_block(kimi, monkeypatch):
     w = model.load_layer(1)   # a MoE layer with 8 int4 experts
     x = torch.randn(37, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     whole = model._moe(w, x)
-    monkeypatch.setattr(deepseek, "EXPERT_BLOCK", 3)   # blocks of 3 experts, the last one short
+    monkeypatch.setattr(moe, "EXPERT_BLOCK", 3)   # blocks of 3 experts, the last one short
     torch.testing.assert_close(model._moe(w, x), whole, rtol=1e-5, atol=1e-5)
 
 
@@ -351,8 +351,9 @@ def test_tiny_kimi_config_has_the_real_layout(kimi):
 def test_inspect_counts_and_missing_expert(kimi, tmp_path):
     report = inspect(str(kimi))
     w = report["weights"]
-    assert w["forward_tensors"] == w["text_tensors"] == 3 + 12 + 4 * (14 + 8 * 9)
-    assert w["skipped_tensors"] == 11 + 2 * 12 and w["int4_linears"] == 4 * 8 * 3 and w["unused_text_tensors"] == 0
+    assert w["forward_tensors"] == w["tensors"] - 35 == 3 + 12 + 4 * (14 + 8 * 9)
+    assert w["skipped"] == {"vision tower and projector: the text forward reads no image": 11 + 2 * 12}
+    assert w["quantized_linears"] == {"int4": 4 * 8 * 3, "fp8": 0, "mxfp4": 0}
     assert report["moe"]["routed_experts"] == 8 and report["moe"]["shared_experts"] == 1
     assert report["quantization"]["format"] == "pack-quantized"
 
@@ -396,7 +397,7 @@ def test_expert_matmul_multiplies_each_group_by_its_expert():
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(11, 16, generator=g), torch.randn(3, 8, 16, generator=g)
     expect = torch.cat([x[:4] @ w[0].T, x[4:] @ w[2].T])
-    torch.testing.assert_close(deepseek.expert_matmul(x, w, [4, 0, 7]), expect)
+    torch.testing.assert_close(moe.expert_matmul(x, w, [4, 0, 7]), expect)
 
 
 @pytest.mark.parametrize("dv", [8, 12, 16])

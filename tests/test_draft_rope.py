@@ -1,7 +1,7 @@
 """The draft's rotary rule (docs/training.md, "Long context: the rotary rule"): for Kimi-K2.5 and for Llama targets
 with llama3, yarn or no rope scaling, the draft is exported, and the cos/sin each engine derives from the exported
 config.json, by its own arithmetic transcribed below from its sources, equal training's at every position up to the
-target's max_position_embeddings. A sliding window is exported as vLLM reads it and refused for SGLang."""
+target's max_position_embeddings. A sliding window is exported as vLLM reads it; SGLang takes it at launch."""
 import dataclasses
 import json
 import math
@@ -15,7 +15,7 @@ from conftest import KIMI_FIXTURE
 from eagle3.config import Config, ConfigError, validate
 from eagle3.draft import Eagle3Draft
 from eagle3.draft_io import load_vllm_draft
-from eagle3.export import ExportError, export_all
+from eagle3.export import export_all
 from eagle3.models.weights import read_config
 from eagle3.ops import draft_rope, rope_cos_sin
 from eagle3.resolve import resolve
@@ -33,6 +33,16 @@ TARGETS = {
     "yarn": {**LLAMA, "head_dim": 128, "max_position_embeddings": 131072, "rope_parameters": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1000000.0}},
     "none": {**LLAMA, "rope_theta": 10000.0, "max_position_embeddings": 8192, "head_dim": 64},
+    # DeepSeek-V3.2's (DeepSeek-V3's YaRN, factor 40 over 4,096), with the DSA indexer's fields
+    "deepseek-v3.2": {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "hidden_size": 7168,
+                      "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
+                      "vocab_size": 129280, "rms_norm_eps": 1e-6, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+                      "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "index_topk": 2048,
+                      "index_n_heads": 64, "index_head_dim": 128, "rope_theta": 10000.0,
+                      "max_position_embeddings": 163840, "rope_scaling": {
+                          "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
 }
 
 
@@ -157,7 +167,7 @@ def exported(tmp_path, text, **changes):
     ckpt.mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, ckpt / "model.safetensors")
     state = {"resolved": {**resolved.to_dict(), "draft_spec": dataclasses.asdict(spec)},
-             "target_architectures": text.architectures}
+             "target": text.identity(), "target_architectures": text.architectures}
     (ckpt / "state.json").write_text(json.dumps(state))
     written = export_all(ckpt, tmp_path / "export", cfg)
     return spec, {fmt: json.loads((path / "config.json").read_text()) for fmt, path in written.items()}, written
@@ -179,7 +189,8 @@ def test_each_engine_computes_the_cos_sin_training_used(tmp_path, name):
         assert torch.equal(c, cos[:, :half]) and torch.equal(s, sin[:, :half]), f"{name}: {engine} differs"
     draft, _ = load_vllm_draft(written["vllm"])                                # the reader decodes with them too
     assert torch.equal(draft.inv_freq, inv_freq) and draft.rope_mscale == mscale
-    expected = {"kimi-k2.5": ("yarn", 64.0), "llama3": ("llama3", 8.0), "yarn": ("yarn", 4.0), "none": None}[name]
+    expected = {"kimi-k2.5": ("yarn", 64.0), "llama3": ("llama3", 8.0), "yarn": ("yarn", 4.0), "none": None,
+                "deepseek-v3.2": ("yarn", 40.0)}[name]
     scaling = layer["rope_scaling"]
     assert (scaling and (scaling["rope_type"], scaling["factor"])) == expected
     assert configs["sglang"]["rope_scaling"] == scaling
@@ -219,18 +230,17 @@ def vllm_draft_window(layer, target_layers, draft_layer):
     return layer["sliding_window"] if layer_types[effective] == "sliding_attention" else None
 
 
-def test_a_sliding_window_is_exported_as_vllm_reads_it_and_refused_for_sglang(tmp_path):
+def test_a_sliding_window_is_exported_as_vllm_reads_it_and_served_by_sglang_with_its_flag(tmp_path):
+    """SGLang 0.5.23 takes the window at launch (--speculative-draft-window-size, tests/test_serving.py): its export
+    carries none."""
     text = target_config("none", tmp_path)
-    with pytest.raises(ExportError, match="sliding_window is on .* SGLang"):
-        exported(tmp_path, text, **{"draft.sliding_window": 2048})
-    spec, configs, written = exported(tmp_path, text, **{"draft.sliding_window": 2048,
-                                                         "export.formats": ["vllm"]})
+    spec, configs, written = exported(tmp_path, text, **{"draft.sliding_window": 2048})
     assert vllm_draft_window(configs["vllm"]["transformer_layer_config"], text.num_hidden_layers, 0) == 2048
     assert load_vllm_draft(written["vllm"])[0].spec.sliding_window == 2048
+    assert "sliding_window" not in configs["sglang"] and "layer_types" not in configs["sglang"]
     cfg = Config()
     cfg.draft.sliding_window = 2048
-    with pytest.raises(ConfigError, match="draft.sliding_window cannot be exported for SGLang"):
-        validate(cfg)
+    validate(cfg)
     cfg.export.formats, cfg.draft.sliding_window = ["vllm"], 4
     with pytest.raises(ConfigError, match="draft.sliding_window = 4; expected 0 .* at least train.ttt_steps"):
         validate(cfg)

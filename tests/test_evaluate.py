@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from conftest import make_config
+from conftest import edited_copy as vllm_variant, make_config
 from eagle3 import train_state
 from eagle3 import extraction, generate, training
 from eagle3.data.loader import split_holdout
@@ -378,20 +378,6 @@ def test_k_override_and_unbatched(llama_run, tmp_path):
     accepted = decode_directly(cfg, checkpoint, 2)
     assert report["k"] == 2 and report["prompts"] == 5 and report["mismatches"] == 0
     assert report["real_accept_len"] == sum(accepted) / len(accepted)
-
-
-def vllm_variant(src: Path, dst: Path, config=None, tensors=None) -> Path:
-    """A copy of a vLLM-layout draft with its config and/or tensors edited in place."""
-    shutil.copytree(src, dst)
-    if config:
-        data = json.loads((dst / "config.json").read_text())
-        config(data)
-        (dst / "config.json").write_text(json.dumps(data))
-    if tensors:
-        weights = load_file(dst / "model.safetensors")
-        tensors(weights)
-        save_file(weights, dst / "model.safetensors")
-    return dst
 
 
 @pytest.mark.parametrize("config, tensors, error", [

@@ -52,7 +52,7 @@ def test_the_trainer_trains_prompt_rows_only_when_asked_and_evaluates_on_assista
 def test_norm_before_residual_starts_the_residual_from_the_normed_state(tmp_path, llama_target, token_data, hidden):
     import dataclasses
     import json
-    from eagle3.config import ConfigError
+    from eagle3.config import ConfigError, check_servable_settings
     from eagle3.draft_io import load_vllm_draft
     plain = tiny_draft()
     normed = type(plain)(dataclasses.replace(plain.spec, norm_before_residual=True))
@@ -65,7 +65,8 @@ def test_norm_before_residual_starts_the_residual_from_the_normed_state(tmp_path
     assert not torch.allclose(step(normed, h), step(plain, h))
 
     with pytest.raises(ConfigError, match="experimental.norm_before_residual cannot be exported for SGLang"):
-        make_config(tmp_path, llama_target, token_data, **{"experimental.norm_before_residual": "true"})
+        check_servable_settings(make_config(tmp_path, llama_target, token_data,
+                                            **{"experimental.norm_before_residual": "true"}))
     cfg = make_config(tmp_path, llama_target, token_data, **{"extract.output_dir": hidden, "train.max_steps": 2,
                                                              "experimental.norm_before_residual": "true",
                                                              "export.formats": '["vllm"]'})
@@ -149,11 +150,13 @@ def test_eagle31_norms_train_export_and_decode_back(tmp_path, llama_target, toke
 
 
 def test_eagle31_norm_settings_are_checked_at_start(tmp_path, llama_target, token_data):
-    from eagle3.config import ConfigError
-    for key, value in (("aux_norm", "concat"), ("aux_norm", "per_layer"), ("norm_output", "true"),
-                       ("norm_before_residual", "true")):
-        with pytest.raises(ConfigError, match=f"experimental.{key} cannot be exported for SGLang"):
-            make_config(tmp_path, llama_target, token_data, **{f"experimental.{key}": value})
+    """SGLang 0.5.23's Llama draft reads EAGLE-3.1's norms; not norm_before_residual (tests/test_serving.py)."""
+    from eagle3.config import ConfigError, check_servable_settings
+    for key, value in (("aux_norm", "concat"), ("aux_norm", "per_layer"), ("norm_output", "true")):
+        check_servable_settings(make_config(tmp_path, llama_target, token_data, **{f"experimental.{key}": value}))
+    with pytest.raises(ConfigError, match="experimental.norm_before_residual cannot be exported for SGLang"):
+        check_servable_settings(make_config(tmp_path, llama_target, token_data,
+                                            **{"experimental.norm_before_residual": "true"}))
 
 
 def test_prompt_rows_train_prompt_labels_but_count_only_assistant_rows():

@@ -64,20 +64,26 @@ class LargestOutput(TorchFunctionMode):
         return out
 
 
+def peaks_chunked_and_whole(model, T: int = 768, chunk: int = 128) -> tuple[dict, dict, torch.Tensor]:
+    """A random h [T, H] through every layer of `model` in chunks of `chunk` and whole -> ({chunk or T: the largest
+    output of a torch call}, {chunk or T: the final h}, h)."""
+    layers = [(i, model.load_layer(i)) for i in range(model.cfg.num_hidden_layers)]
+    h = torch.randn(T, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    peaks, outs = {}, {}
+    for c in (chunk, T):
+        with LargestOutput() as seen:
+            outs[c] = run_layers(model, layers, h, [0, T], [1], c)[0]
+        peaks[c] = seen.bytes
+    return peaks, outs, h
+
+
 def test_a_chunked_sequence_allocates_nothing_larger_than_its_hidden_states(kimi):
     """768 tokens in 128-token chunks: no torch call of the layers returns more than h [T, H] itself (the latent
     cache is [T, 16 + 8], a chunk's causal mask on the CPU [128, <= T], the weights of a block of experts 2/3 of h);
     the whole-sequence forward does ([T, 128] dense MLP, [T * 2, H] MoE pairs, [T, heads, 24] keys), and one head's
     [T, T] scores alone would be 12x h."""
-    model = build_model(Checkpoint(kimi), CPU, torch.float32)
-    layers = [(i, model.load_layer(i)) for i in range(model.cfg.num_hidden_layers)]
     T = 768
-    h = torch.randn(T, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    peaks = {}
-    for chunk in (128, T):
-        with LargestOutput() as seen:
-            run_layers(model, layers, h, [0, T], [1, 2, 3], chunk)
-        peaks[chunk] = seen.bytes
+    peaks, _, h = peaks_chunked_and_whole(build_model(Checkpoint(kimi), CPU, torch.float32), T)
     assert peaks[128] <= h.nbytes < peaks[T], (peaks, h.nbytes)
     assert T * T * 4 >= 12 * h.nbytes
 

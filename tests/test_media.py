@@ -254,7 +254,7 @@ def test_missing_pillow_names_the_extra(kimi, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def vision_target(tmp_path_factory):
-    root = tiny.make_kimi(tmp_path_factory.mktemp("kimi-vision"), layers=4, quantized=False)
+    root = tiny.make_kimi(tmp_path_factory.mktemp("kimi-vision"), layers=4, weights="bf16")
     return tiny.write_kimi_chat(root, VOCAB)
 
 

@@ -204,7 +204,7 @@ def test_the_mla_dims_come_from_the_target_or_are_set(tmp_path):
 
 def test_kimi_dims_build_and_export_on_meta(tmp_path):
     from eagle3.draft_io import read_draft_config
-    from eagle3.export import export_weights, mla_config
+    from eagle3.export import export_weights, mla_config, vllm_name
     from eagle3.config import load
     spec = kimi_spec()
     assert (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim,
@@ -214,8 +214,9 @@ def test_kimi_dims_build_and_export_on_meta(tmp_path):
         draft = Eagle3Draft(spec)
     assert draft.layers[0].self_attn.scale == pytest.approx(0.1446796, abs=5e-8)   # 192^-0.5 · mscale(64)²
     from dataclasses import asdict
-    state = {"resolved": {"draft_spec": asdict(spec), "aux_layer_ids": [1, 29, 57], "verifier_name": "kimi"}}
-    tensors = export_weights(dict(draft.state_dict()), asdict(spec), lambda i: f"layers.{i}", 1, torch.bfloat16)
+    state = {"resolved": {"draft_spec": asdict(spec), "aux_layer_ids": [1, 29, 57], "verifier_name": "kimi"},
+             "target": {"model_type": "kimi_k25", "text_model_type": "kimi_k2", "num_hidden_layers": 61}}
+    tensors = export_weights(dict(draft.state_dict()), asdict(spec), vllm_name, 1, torch.bfloat16)
     assert tensors["layers.0.self_attn.q_a_proj.weight"].shape == (1536, 2 * 7168)
     assert tensors["layers.0.self_attn.kv_b_proj.weight"].shape == (64 * 256, 512)
     config = mla_config(state, load(None, []))
@@ -230,7 +231,8 @@ def test_kimi_dims_build_and_export_on_meta(tmp_path):
 
 def test_a_published_layout_loads(tmp_path):
     """A peer's MLA draft: midlayer.* names, the full vocabulary without d2t / t2d, an embedding copy, aux ids in
-    eagle_config only (vLLM then reads them as its own, inputs of layers)."""
+    eagle_config's "layer_ids" (vLLM 0.34.0 reads them as its own, inputs of layers; never eagle_config's
+    eagle_aux_hidden_state_layer_ids, SGLang's key, which leaves vLLM its default layers)."""
     from safetensors.torch import save_file
     from eagle3.draft_io import load_vllm_draft
     from kernels.reference import ttt_attention
@@ -242,7 +244,7 @@ def test_a_published_layout_loads(tmp_path):
               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128, "vocab_size": 40,
               "draft_vocab_size": 40, "rope_scaling": {**{k: v for k, v in YARN.items() if k != "rope_type"},
                                                        "type": "yarn"},
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 5, 7], "use_aux_hidden_state": True}}
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [9, 9, 9], "layer_ids": [2, 5, 7]}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     tensors = {k.replace("layers.0.", "midlayer."): v for k, v in draft.state_dict().items() if k not in ("d2t", "t2d")}
     save_file({**tensors, "embed_tokens.weight": torch.randn(40, 16)}, tmp_path / "model.safetensors")
@@ -264,10 +266,10 @@ def mla_run(tmp_path_factory):
     from eagle3 import extraction, training
     from eagle3.models import tiny
     tmp = tmp_path_factory.mktemp("mla")
-    target = tiny.make_kimi(tmp / "kimi", vocab=256, layers=4, shards=1)
+    target = tiny.make_kimi(tmp / "kimi", vocab=256, layers=5, shards=1)
     data = tiny.make_token_data(tmp / "data.jsonl", vocab=256, sequences=10, max_len=40)
     cfg = make_config(tmp, target, data, **{
-        "draft.attention": "mla", "target.aux_layer_ids": "[0, 1, 2]", "train.max_steps": 4,
+        "draft.attention": "mla", "target.aux_layer_ids": "[1, 2, 3]", "train.max_steps": 4,
         "train.eval_every": 4, "train.checkpoint_every": 4, "export.formats": '["vllm", "sglang"]',
         "debug.export_dtype": "float32", "debug.evaluate_device": "cpu", "evaluate.max_new_tokens": 8,
         "evaluate.prompts": str(data)})
@@ -296,7 +298,7 @@ def test_exports_read_back_to_the_checkpoints_logits(mla_run):
         config = json.loads((export / fmt / "config.json").read_text())
         assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["kv_lora_rank"] == 16
         theirs, aux_ids = load_vllm_draft(export / fmt, Checkpoint(mla_run.target.path))
-        assert aux_ids == [0, 1, 2] and theirs.spec == ours.spec
+        assert aux_ids == [1, 2, 3] and theirs.spec == ours.spec
         assert torch.equal(logits(theirs), logits(ours)), fmt
 
 
@@ -325,7 +327,7 @@ def test_exports_the_engines_would_misread_are_refused():
     spec = {"attention": "mla", "num_layers": 1, "norm_before_fc": True}
     with pytest.raises(ExportError, match="norm_before_fc is on .*vLLM's Eagle3DeepseekV2ForCausalLM"):
         check_servable(spec, "vllm", "ckpt")
-    with pytest.raises(ExportError, match="SGLang's Eagle3DeepseekV2ForCausalLM has one draft layer"):
+    with pytest.raises(ExportError, match="SGLang's Eagle3DeepseekV2ForCausalLM 0.5.23 has one draft layer"):
         check_servable({"attention": "mla", "num_layers": 2}, "sglang", "ckpt")
     check_servable({"attention": "mla", "num_layers": 1, "fc_norm": True, "norm_output": True}, "sglang", "ckpt")
 

@@ -15,7 +15,9 @@ from eagle3.models.weights import Checkpoint
 from test_training import cli_args, final_weights, run_train, train_losses
 
 # what the `hidden` fixture's extraction used: the online forward must run the same
-AS_EXTRACTED = {"train.source": "online", "extract.dtype": "float32", "debug.chunk_tokens": 300}
+# data.max_seq_len within a micro-batch (train.batch_tokens 160): online train refuses longer, as extract does
+AS_EXTRACTED = {"train.source": "online", "extract.dtype": "float32", "debug.chunk_tokens": 300,
+                "data.max_seq_len": 160}
 
 
 def assert_same_training(a, b):
@@ -151,7 +153,8 @@ def test_a_killed_online_run_resumes_to_the_same_weights(tmp_path, llama_target,
 def test_a_bad_input_line_online_is_named_without_a_traceback(tmp_path, llama_target, token_data):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(token_data.read_text().splitlines()[0] + "\n[1, 2]\n")
-    out = run_train(cli_args(tmp_path, llama_target, bad, tmp_path / "none", **{"train.source": "online"}),
+    online = {"train.source": "online", "data.max_seq_len": 160}
+    out = run_train(cli_args(tmp_path, llama_target, bad, tmp_path / "none", **online),
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, err = out.communicate(timeout=300)
     assert out.returncode != 0 and f"error: {bad}:2:" in err and "Traceback" not in err

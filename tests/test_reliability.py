@@ -803,26 +803,6 @@ def test_a_config_that_sets_no_target_or_data_is_refused_naming_the_file(tmp_pat
         training.main(["--config", str(path), "--train.data_dir", str(tmp_path)])
 
 
-def test_sglang_config_carries_only_the_ids_sglang_reads():
-    """SGLang (sgl-project/sglang, commit 0005834c) reads the draft's aux layers in one place:
-    python/sglang/srt/model_executor/model_runner.py, ModelRunner.__init__, the
-    `if self.spec_algorithm.is_eagle3():` block: `eagle_config.get("use_aux_hidden_state", True)` and
-    `eagle_config["eagle_aux_hidden_state_layer_ids"]`, passed to the target's
-    `set_eagle3_layers_to_capture`, which captures `[val + 1 for val in layer_ids]` ("for the ith
-    layer, it takes the output of the (i-1)th layer", python/sglang/srt/models/deepseek_v2.py; the
-    same in llama.py and qwen2.py): the ids are outputs of layers, ours. A top-level
-    `eagle_aux_hidden_state_layer_ids` is vLLM's key, in vLLM's convention; SGLang never reads it."""
-    from eagle3.config import Config
-    from eagle3.draft import DraftSpec
-    from eagle3.export import sglang_config
-    spec = DraftSpec(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     intermediate_size=64, target_vocab_size=256, draft_vocab_size=128, target_hidden_size=32,
-                     num_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512)
-    config = sglang_config({"resolved": {"draft_spec": dataclasses.asdict(spec), "aux_layer_ids": [1, 30, 57]}}, Config())
-    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 30, 57], "use_aux_hidden_state": True}
-    assert not [key for key in config if "aux" in key and key != "eagle_config"], config
-
-
 # --- README --------------------------------------------------------------------------------------
 
 def test_readme_installs_what_ci_installs():

@@ -17,7 +17,7 @@ LAYERS = [
     ["eagle3.train_state", "eagle3.draft_io", "eagle3.export"],
     ["eagle3.training.schedule", "eagle3.training.metrics", "eagle3.training.run_dir", "eagle3.training.resume",
      "eagle3.training.kernel_choice", "eagle3.training.feed", "eagle3.training.graph",
-     "eagle3.training.context"],                                            # the trainer's parts
+     "eagle3.training.context", "eagle3.training.memory"],                  # the trainer's parts
     ["eagle3.training.loop", "eagle3.training"],                            # the loop over them; the package
     ["eagle3.speculative", "eagle3.engines", "eagle3.generate", "eagle3.evaluate"],
     ["eagle3.bench*", "eagle3.demo", "eagle3.__main__", "eagle3"],

@@ -259,7 +259,10 @@ def test_an_unknown_model_type_is_refused_listing_the_supported_ones(llama_targe
     out = _cli_inspect(gpt)
     assert out.returncode != 0 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1
     assert (f"{gpt / 'config.json'}: unsupported target (model_type 'gpt2'); supported model_types: deepseek_v3, "
-            "kimi_k2, kimi_k25 (DeepSeek-V3 family); llama, mistral, qwen2, qwen3 (Llama family)") in out.stderr
+            "kimi_k2, kimi_k25 (DeepSeek-V3 family); ") in out.stderr
+    for named in ("glm4_moe_lite (GLM-4.7-Flash family)", "deepseek_v32 (DeepSeek-V3.2 family)",
+                  "glm_moe_dsa (GLM-5 family)", "llama, mistral, qwen2, qwen3 (Llama family)"):
+        assert named in out.stderr
     nothing = _variant(llama_target, tmp_path / "b", lambda raw: [raw.pop("model_type"), raw.pop("architectures")])
     with pytest.raises(TargetError, match=r"config.json: unsupported target \(no model_type or architectures\)"):
         Checkpoint(nothing)

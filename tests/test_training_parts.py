@@ -134,7 +134,7 @@ def test_kept_names_the_checkpoint_to_resume_from(tmp_path):
 def state(**changes) -> dict:
     """A checkpoint's state.json as Trainer._state writes it, with `changes` ("train.seed": 1, "world_size": 2)."""
     s = {"config": Config().to_dict(), "resolved": {"aux_layer_ids": [1, 2, 3], "verifier_name": "a/b",
-                                                   "draft_spec": {"hidden_size": 32}},
+                                                   "data_dir": "/data", "draft_spec": {"hidden_size": 32}},
          "target": {"config_sha256": "abc"}, "world_size": 1, "step": 4, "schedule_total": 10,
          "float8_used": False, "float8_head_used": False}
     for key, value in changes.items():

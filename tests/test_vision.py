@@ -42,7 +42,7 @@ def kimi(tmp_path_factory):
     """(our tiny Kimi-K2.5 with dense experts, transformers' model read from the same safetensors)."""
     tf = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("vision")
-    path = tiny.make_kimi(root / "ours", layers=4, quantized=False, shards=1)
+    path = tiny.make_kimi(root / "ours", layers=4, weights="bf16", shards=1)
     ref_dir = root / "hf"
     hf_config(json.loads((path / "config.json").read_text())).save_pretrained(ref_dir)
     (ref_dir / "model.safetensors").symlink_to(path / "model.safetensors")

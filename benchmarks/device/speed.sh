@@ -23,6 +23,9 @@
 #   fp8    the casts and GEMMs of train.float8 at the step's shapes (python -m benchmarks.float8)
 #   rows   the row spread and RMSNorm kernels against torch's (python -m benchmarks.rows)
 #   moe    the Kimi MoE layer alone
+#   moe-qwen3  the Qwen3-235B-A22B MoE layer alone (hidden 4096, 128 bf16 experts of 1536, top-8)
+#   moe-formats  the Kimi MoE layer with its routed experts stored int4, fp8 (128 x 128 blocks) and bf16: tokens/s,
+#          % of peak and agreement with the same experts dequantized up front (about 3 minutes on one H100)
 #   vision Kimi-K2.5's vision tower + projector at the published sizes: ms and peak memory per item (a 448 x 448
 #          image, a 1080 x 1920 one, a 720p video chunk of 4 frames); about a minute
 #   moe-long  one 131,072-token sequence through 4 real-width Kimi layers, chunks of 16,384 / 65,536 / whole
@@ -75,6 +78,8 @@ for part in "$@"; do
     fp8) python3 -m benchmarks.float8 2>&1 | quiet | tee "$out/fp8.txt" ;;
     rows) python3 -m benchmarks.rows 2>&1 | quiet | tee "$out/rows.txt" ;;
     moe) python3 -m benchmarks.moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
+    moe-qwen3) python3 -m benchmarks.moe --model qwen3 --parts layer 2>&1 | quiet | tee "$out/moe-qwen3.txt" ;;
+    moe-formats) python3 -m benchmarks.moe --parts layer --formats int4,fp8,bf16 2>&1 | quiet | tee "$out/moe-formats.txt" ;;
     vision) python3 -m benchmarks.vision --json "$out/vision.jsonl" 2>&1 | quiet | tee "$out/vision.txt" ;;
     moe-long) python3 -m benchmarks.moe --parts long 2>&1 | quiet | tee "$out/moe-long.txt" ;;
     moe-long-fp32) python3 -m benchmarks.moe --parts long --long-dtype float32 --long-tokens 32768 --long-chunks 8192,0 \
@@ -90,7 +95,7 @@ for part in "$@"; do
     kernels)
       { python3 -m eagle3.bench attention --shapes a,c; python3 -m eagle3.bench loss; python3 -m benchmarks.moe --parts layer; } \
         2>&1 | quiet | tee "$out/kernels.txt" ;;
-    *) echo "unknown part $part: expected peer, cache, step, step-a, step-b, step-mla, step-long, fp8, rows, moe, moe-long, moe-long-fp32, sweep, attention or kernels"; exit 2 ;;
+    *) echo "unknown part $part: expected peer, cache, step, step-a, step-b, step-mla, step-long, fp8, rows, moe, moe-qwen3, moe-formats, moe-long, moe-long-fp32, sweep, attention or kernels"; exit 2 ;;
   esac
 done
 echo "== done $(date +%T)"

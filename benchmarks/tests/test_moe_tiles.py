@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks import moe
+from eagle3.models import moe as moe_parts
 from benchmarks import tiles as check
 from eagle3.bench import timing
 from kernels import tiles
@@ -29,6 +30,30 @@ def test_moe_bench_runs_on_a_tiny_shape():
     assert parts < layer_s
     # the streamed extraction's time is the runner's, most of the call's
     assert streamed["tokens"] == 128 and streamed_s / 4 < streamed["wall_s"] <= streamed_s
+
+
+def test_the_qwen3_moe_layer_bench_runs_on_a_tiny_shape():
+    with torch.no_grad():
+        layer = moe.bench_qwen3_layer(moe.QWEN3_TINY, torch.device("cpu"), float("nan"))
+    assert layer["tokens"] == 128 and set(layer["flops"]) >= {"experts (8 routed)", "router"}
+    assert sum(layer["expert_tokens_min_max"]) > 0 and layer["layer_s"] > 0
+
+
+@pytest.mark.parametrize("stored", ["fp8", "bf16"])
+def test_the_moe_bench_stores_experts_as_checkpoints_do(stored):
+    """--formats: fp8 experts (partial 128 x 128 blocks at toy size) and bf16 ones, timed, with the stored forward's
+    agreement with the same experts dequantized up front (bit-equal: both dequantize by one rule)."""
+    with torch.no_grad():
+        layer = moe.bench_layer(moe.TINY, torch.device("cpu"), float("nan"), stored)
+    assert layer["experts_stored"] == stored and layer["triton_dequant_ok"] and layer["tokens_per_s"] > 0
+    if stored == "fp8":
+        assert layer["agreement_rel_err"] == 0 and layer["agreement_bit_equal_share"] == 1
+    model = moe.GeneratedKimi(moe.GeneratedCheckpoint(moe.kimi_config(moe.TINY, layers=4), torch.device("cpu"), stored),
+                              torch.device("cpu"), torch.bfloat16)
+    w = model.load_layer(1)
+    assert w["experts.down.weight"].dtype == (torch.float8_e4m3fn if stored == "fp8" else torch.bfloat16)
+    dense = moe_parts.expert_weights(w, "gate_up", list(range(8)), torch.bfloat16, model.ckpt.block_cols)
+    assert 0.5 < float(dense.float().std() * 64 ** 0.5) < 2   # weights of std fan-in^-0.5, like the int4 ones
 
 
 def test_the_compile_check_covers_every_list_and_the_fallbacks_build_small():

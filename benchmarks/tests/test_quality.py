@@ -211,33 +211,53 @@ def test_the_long_variant_judges_by_depth_on_short_and_deep_prompts(long_work):
     table = quality.depth_table(results).splitlines()
     assert table[0] == "| draft | setting | <16 | 16-32 | 32-64 | >=64 |" and len(table) == 2 + 2 * len(results)
 
-def test_the_deepseek_target_is_one_our_mla_forward_reads_as_trained(tmp_path):
-    """The MLA-target variant's model, saved, gives the logits our DeepSeek-V3 target forward computes from the
-    files (MLA with YaRN, sigmoid-routed experts behind a dense first layer); its two drafts weigh the same."""
-    import dataclasses
-    from eagle3.models.deepseek import DeepseekTarget
-    r = dataclasses.replace(quality.TINY, target_kind="deepseek", layers=4)
-    torch.manual_seed(0)
-    model = quality.Deepseek(r)
-    for m in model.modules():   # an uneven balancing bias, as training leaves it
-        if isinstance(m, quality.MoE):
-            m.gate.e_score_correction_bias.normal_(0, 0.05)
+
+def _saved_and_read_back(model, r, tmp_path):
+    """The bench's target `model` saved as the bench saves it -> (its own logits on 30 tokens as saved, ours from the
+    files by our target forward, the checkpoint)."""
+    from eagle3.models.families import build_model
     with torch.no_grad():
         model.load_state_dict({k: v.bfloat16().float() for k, v in model.state_dict().items()})   # as saved
         ids = torch.randint(0, r.vocab, (1, 30), generator=torch.Generator().manual_seed(1))
         expected = model(ids)[0]
     quality.write_target(model, r, 0, tmp_path)
     ckpt = Checkpoint(tmp_path)
-    assert ckpt.config.is_deepseek and ckpt.config.rope_scaling["factor"] == 4.0
-    target = DeepseekTarget(ckpt, torch.device("cpu"), torch.float32)
+    target = build_model(ckpt, torch.device("cpu"), torch.float32)
     h = ckpt.get("embed_tokens.weight").float()[ids[0]]
     for i in range(r.layers):
         h = target.layer_forward(target.load_layer(i), h, torch.arange(30), torch.tensor([0, 30]))
     logits = torch.nn.functional.rms_norm(h, (r.hidden,), ckpt.get("norm.weight").float(), 1e-5) @ \
         ckpt.get("lm_head.weight").float().T
+    return expected, logits, ckpt, target
+
+
+def test_the_deepseek_target_is_one_our_mla_forward_reads_as_trained(tmp_path):
+    """The MLA-target variant's model, saved, gives the logits our DeepSeek-V3 target forward computes from the
+    files (MLA with YaRN, sigmoid-routed experts behind a dense first layer); its two drafts weigh the same."""
+    import dataclasses
+    r = dataclasses.replace(quality.TINY, target_kind="deepseek", layers=4)
+    torch.manual_seed(0)
+    model = quality.Deepseek(r)
+    for m in model.modules():   # an uneven balancing bias, as training leaves it
+        if isinstance(m, quality.MoE):
+            m.gate.e_score_correction_bias.normal_(0, 0.05)
+    expected, logits, ckpt, _ = _saved_and_read_back(model, r, tmp_path)
+    assert ckpt.config.is_deepseek and ckpt.config.rope_scaling["factor"] == 4.0
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     variants = [quality.parse_variant(v)[1] for v in quality.equal_size_variants(quality.Recipe(target_kind="deepseek"))]
     assert variants[0] == {"draft.attention": "mla"} and variants[1]["draft.intermediate_size"] == "547"
+
+
+def test_the_qwen3_moe_target_is_one_our_forward_reads_as_trained(tmp_path):
+    """The Qwen3-MoE-shaped variant's model, saved, gives the logits our Qwen3-MoE target forward computes from the
+    files (per-head q/k norms, softmax-routed experts behind a dense first layer)."""
+    import dataclasses
+    r = dataclasses.replace(quality.TINY, target_kind="qwen3_moe", layers=4, heads=2)
+    torch.manual_seed(0)
+    expected, logits, ckpt, target = _saved_and_read_back(quality.Llama(r), r, tmp_path)
+    assert ckpt.config.family.name == "Qwen3-MoE"
+    assert [e is None for e in target.layout.experts] == [True, False, False, False]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

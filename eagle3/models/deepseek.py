@@ -1,21 +1,19 @@
 """DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 forward, one layer at a time: MLA with interleaved YaRN RoPE, MoE with a
-sigmoid noaux_tc router; int4 experts stay packed, those that received tokens dequantized a block at a time."""
+sigmoid noaux_tc router; int4 experts stay packed, those that received tokens dequantized a block at a time.
+The same room runs GLM-4.7-Flash (`glm4_moe_lite`: rotate-half rotary when `rope_interleave` is false, dense layers
+from `mlp_layer_types`), DeepSeek-V3.2 (`deepseek_v32`) and GLM-5 (`glm_moe_dsa`) with the DSA indexer (`indexer`)."""
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from eagle3.ops import compiled, rms_norm, silu_mul, swiglu, yarn_bounds, yarn_mscale
-from eagle3.models import quant
+from eagle3.ops import apply_rope, compiled, rms_norm, rope_cos_sin, swiglu, yarn_bounds, yarn_mscale
+from eagle3.models import indexer, moe, quant
 from eagle3.models.weights import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import Prefix, causal_attention_packed
-
-# experts dequantized into one buffer at a time: 32 Kimi experts, 2.8 GB of bf16, small next to a chunk's activations
-EXPERT_BLOCK = 32
 
 
 @dataclass
@@ -37,11 +35,15 @@ class DeepseekSpec:
     norm_topk_prob: bool
     routed_scaling_factor: float
     topk_method: str
+    rope_interleave: bool = True          # false (DeepSeek-V3, GLM-4.7-Flash may say so): rotate-half on the rope dims
+    mlp_layer_types: tuple[str, ...] | None = None   # "dense" / "sparse" per layer, over first_k_dense_replace
+    index: indexer.IndexerSpec | None = None         # the DSA indexer (DeepSeek-V3.2, GLM-5)
 
     @classmethod
     def from_config(cls, c: TextConfig) -> DeepseekSpec:
         """`read_config` has checked the fields the family needs; the rest are checked here."""
         raw, where = c.raw, c.source
+        dsa = "index_topk" in c.family.fields
         q_lora = raw.get("q_lora_rank")   # null or absent: q_proj instead of q_a/q_b (DeepSeek-V2-Lite)
         s = cls(q_lora_rank=None if q_lora is None else require(raw, "q_lora_rank", where, c.needs),
                 **{k: raw[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -51,15 +53,23 @@ class DeepseekSpec:
                                                                    ("topk_group", 1))},
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-                topk_method=str(raw.get("topk_method", "noaux_tc")))
+                topk_method=str(raw.get("topk_method", "noaux_tc")),
+                # transformers 5.24's DeepSeek-V3.2 and GLM-5 rotate adjacent pairs whatever rope_interleave says
+                rope_interleave=dsa or bool(raw.get("rope_interleave", True)),
+                mlp_layer_types=None if raw.get("mlp_layer_types") is None else tuple(raw["mlp_layer_types"]),
+                index=indexer.IndexerSpec.from_config(c, raw["qk_rope_head_dim"]) if dsa else None)
+        if raw.get("attention_bias"):
+            raise TargetError(f"{where}: attention_bias true is not supported (the published MLA checkpoints have none)")
+        if s.mlp_layer_types is not None and (len(s.mlp_layer_types) != c.num_hidden_layers
+                                              or set(s.mlp_layer_types) - {"dense", "sparse"}):
+            raise TargetError(f"{where}: mlp_layer_types {list(s.mlp_layer_types)}; expected 'dense' or 'sparse' for "
+                              f"each of the {c.num_hidden_layers} layers")
         scoring = raw.get("scoring_func", "sigmoid")
         if s.n_routed_experts and scoring != "sigmoid":
             raise TargetError(f"{where}: scoring_func '{scoring}' is not supported (DeepSeek-V3 layout: sigmoid)")
         if s.n_routed_experts and s.topk_method not in ("noaux_tc", "greedy"):
             raise TargetError(f"{where}: topk_method '{s.topk_method}' is not supported (supported: noaux_tc, greedy)")
-        if s.n_routed_experts % s.n_group or s.topk_group > s.n_group:
-            raise TargetError(f"{where}: n_routed_experts {s.n_routed_experts} must split into n_group "
-                              f"{s.n_group} groups and topk_group {s.topk_group} <= n_group")
+        moe.check_groups(s.router, where)
         if s.qk_rope_head_dim % 2:
             raise TargetError(f"{where}: qk_rope_head_dim {s.qk_rope_head_dim} must be even")
         return s
@@ -69,7 +79,19 @@ class DeepseekSpec:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def is_moe(self, i: int) -> bool:
+        if self.mlp_layer_types is not None:   # transformers 5.24's rule where the config lists them
+            return bool(self.n_routed_experts) and self.mlp_layer_types[i] == "sparse"
         return bool(self.n_routed_experts) and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+    def has_indexer(self, i: int) -> bool:
+        """Whether layer i runs an indexer of its own (GLM-5's 'shared' layers reuse an earlier one's keys)."""
+        return self.index is not None and self.index.source[i] == i
+
+    @property
+    def router(self) -> moe.Router:
+        """Sigmoid scores chosen with the correction bias within the topk_group best groups."""
+        return moe.Router("sigmoid", self.n_routed_experts, self.num_experts_per_tok, self.norm_topk_prob,
+                          self.routed_scaling_factor, self.n_group, self.topk_group)
 
 
 def rope_tables(c: TextConfig, spec: DeepseekSpec) -> tuple[torch.Tensor, float, float]:
@@ -120,42 +142,6 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor | None, spec: DeepseekSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logits [T, E] -> (experts [T, k] int64, weights [T, k] fp32): chosen by the biased scores within
-    the topk_group best groups (a group scores its two best), weighted by the unbiased ones."""
-    scores = logits.float().sigmoid()
-    choice = scores if bias is None else scores + bias.float()
-    if spec.n_group > 1:
-        T, E = choice.shape
-        groups = choice.view(T, spec.n_group, E // spec.n_group)
-        best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)             # [T, G]
-        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(spec.topk_group, dim=-1).indices, True)
-        choice = groups.masked_fill(~keep[..., None], float("-inf")).view(T, E)
-    idx = choice.topk(spec.num_experts_per_tok, dim=-1).indices
-    weights = scores.gather(1, idx)
-    if spec.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return idx, weights * spec.routed_scaling_factor
-
-
-def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[n, 2I] gate | up -> silu(gate) · up · routing weight [n] (cheaper on [n, I] than on [n, H])."""
-    I = gate_up.shape[1] // 2
-    return silu_mul(gate_up[:, :I], gate_up[:, I:]).float().mul_(weight[:, None]).to(gate_up.dtype)
-
-
-def _select(stacked: torch.Tensor, experts: list[int]) -> torch.Tensor:
-    """stacked[experts]: a view for consecutive experts (all of Kimi's at a 64k-token chunk), else a copy."""
-    if experts == list(range(experts[0], experts[0] + len(experts))):
-        return stacked[experts[0]:experts[0] + len(experts)]
-    return stacked.index_select(0, torch.tensor(experts).to(stacked.device, non_blocking=True))
-
-
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """x [n, K] in groups of sizes[j] rows, w [B, N, K] -> [n, N], group j times w[j].T."""
-    return torch.cat([F.linear(part, w[j]) for j, part in enumerate(x.split(sizes))])
-
-
 class DeepseekTarget:
     """`LlamaTarget`'s interface: `cfg`, `load_layer(i)`, `layer_forward(...)`, `layer_shapes(i)`."""
 
@@ -165,15 +151,20 @@ class DeepseekTarget:
         self.heads = self.cfg.num_attention_heads
         self.inv_freq, self.rope_mscale, self.softmax_scale = rope_tables(self.cfg, self.spec)
         # on a GPU one fused kernel each: eagerly their fp32 chains move ~7x the bytes of their input
-        self.expert_act = compiled(weighted_swiglu) if device.type == "cuda" else weighted_swiglu
+        self.expert_act = compiled(moe.weighted_swiglu) if device.type == "cuda" else moe.weighted_swiglu
         self.norm = compiled(rms_norm) if device.type == "cuda" else rms_norm
+        self._kept: dict = {}             # the keys the last full DSA layer chose, for the shared layers after it
+        self._kept_source: int | None = None
 
     def layer_shapes(self, i: int) -> dict[str, list[int] | quant.GroupedShape]:
         """Every tensor layer i's forward reads, as stored -> the shape the config implies."""
         p, s, H = f"layers.{i}.", self.spec, self.cfg.hidden_size
         shapes = {f"{p}{n}.weight": [d] for n, d in self._norms().items()}
+        if s.has_indexer(i):
+            shapes[f"{p}self_attn.indexer.k_norm.bias"] = [s.index.head_dim]
+            shapes[f"{p}self_attn.indexer.k_norm.weight"] = [s.index.head_dim]
         for name, shape in self._shapes(i).items():
-            shapes.update(quant.linear_shapes(self.ckpt.has, p + name, shape))
+            shapes.update(self.ckpt.linear_shapes(p + name, shape))
         if not s.is_moe(i):
             return shapes
         shapes[p + "mlp.gate.weight"] = [s.n_routed_experts, H]
@@ -181,7 +172,7 @@ class DeepseekTarget:
             shapes[p + "mlp.gate.e_score_correction_bias"] = [s.n_routed_experts]
         for e in range(s.n_routed_experts):
             for proj, shape in self._expert_shapes().items():
-                shapes.update(quant.linear_shapes(self.ckpt.has, f"{p}mlp.experts.{e}.{proj}", shape))
+                shapes.update(self.ckpt.linear_shapes(f"{p}mlp.experts.{e}.{proj}", shape))
         return shapes
 
     def _norms(self) -> dict[str, int]:
@@ -207,6 +198,8 @@ class DeepseekTarget:
             shapes["self_attn.q_b_proj"] = (nh * s.qk_head_dim, s.q_lora_rank)
         else:
             shapes["self_attn.q_proj"] = (nh * s.qk_head_dim, H)
+        if s.has_indexer(i):
+            shapes.update(indexer.shapes(s.index, H, s.q_lora_rank))
         mlps = {}
         if not s.is_moe(i):
             mlps["mlp."] = self.cfg.intermediate_size
@@ -216,67 +209,25 @@ class DeepseekTarget:
             shapes.update({p + "gate_proj": (inter, H), p + "up_proj": (inter, H), p + "down_proj": (H, inter)})
         return shapes
 
-    def _packed(self, base: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        ckpt = self.ckpt
-        packed, scale = ckpt.get(base + ".weight_packed"), ckpt.get(base + ".weight_scale")
-        try:
-            quant.check_packed(packed, scale, ckpt.get(base + ".weight_shape"), shape)
-        except ValueError as e:
-            full = ckpt.full_name(base + ".weight_packed")
-            raise TargetError(f"{ckpt.dir / ckpt.weight_map[full]}: {ckpt.full_name(base)}.{e}") from None
-        return packed, scale
-
-    def _dense(self, base: str, shape: tuple[int, int]) -> torch.Tensor:
-        """A linear's weight [out, in] on the device, dequantized if it is stored packed."""
-        if quant.is_packed(self.ckpt.has, base):
-            packed, scale = self._packed(base, shape)
-            return quant.dequantize_int4(packed.to(self.device), scale.to(self.device), self.dtype)
-        w, full = self.ckpt.get(base + ".weight"), self.ckpt.full_name(base + ".weight")
-        if list(w.shape) != list(shape):
-            raise TargetError(f"{self.ckpt.dir / self.ckpt.weight_map[full]}: {full}: shape {list(w.shape)}; "
-                              f"expected {list(shape)}")
-        return w.to(self.device, self.dtype, non_blocking=True)
-
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         p, dev = f"layers.{i}.", self.device
-        w = {name: self._dense(p + name, shape) for name, shape in self._shapes(i).items()}
+        # the indexer's head weights in fp32, as transformers keeps them (`_keep_in_fp32_modules`)
+        w = {name: self.ckpt.linear(p + name, shape, dev, torch.float32 if name.endswith("weights_proj") else self.dtype)
+             for name, shape in self._shapes(i).items()}
         w.update({n: self.ckpt.get(p + n + ".weight").to(dev, self.dtype) for n in self._norms()})
+        if self.spec.index is not None:
+            w["indexer.source"] = self.spec.index.source[i]
+        if self.spec.has_indexer(i):
+            q = p + "self_attn.indexer."
+            w.update({q[len(p):] + n: self.ckpt.get(q + n).to(dev, self.dtype) for n in ("k_norm.weight", "k_norm.bias")})
         if self.spec.is_moe(i):
             w["mlp.gate"] = self.ckpt.get(p + "mlp.gate.weight").to(dev, torch.float32)
             if self.spec.topk_method == "noaux_tc":
                 w["mlp.gate.bias"] = self.ckpt.get(p + "mlp.gate.e_score_correction_bias").to(dev, torch.float32)
-            w.update(self._load_experts(i))
+            w.update(moe.load_experts(self.ckpt, f"{p}mlp.experts.", tuple(self._expert_shapes()),
+                                      self.spec.n_routed_experts, self.spec.moe_intermediate_size,
+                                      self.cfg.hidden_size, dev, self.dtype))
         return w
-
-    def _load_experts(self, i: int) -> dict[str, torch.Tensor]:
-        """`experts.gate_up.*` [E, 2I, ...] (gate rows first), `experts.down.*` [E, H, ...]: packed if all are."""
-        experts, shapes = range(self.spec.n_routed_experts), self._expert_shapes()
-        packed = all(quant.is_packed(self.ckpt.has, f"layers.{i}.mlp.experts.{e}.{proj}")
-                     for e in experts for proj in shapes)
-        stack = self._stack_packed if packed else self._stack_dense
-        out = {}
-        for key, projs in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
-            bases = [[f"layers.{i}.mlp.experts.{e}.{p}" for p in projs] for e in experts]
-            out.update({f"experts.{key}.{n}": t for n, t in stack(bases, shapes[projs[0]]).items()})
-        return out
-
-    def _stack_packed(self, bases: list[list[str]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-        """bases[e] = the linears of expert e stacked along rows -> packed [E, rows, in/8], scales."""
-        rows = shape[0] * len(bases[0])
-        packed = scale = None
-        for e, names in enumerate(bases):
-            for j, base in enumerate(names):
-                pk, sc = self._packed(base, shape)
-                if packed is None:  # allocated on first sight: the scale dtype is the file's
-                    packed = torch.empty(len(bases), rows, pk.shape[1], dtype=pk.dtype, device=self.device)
-                    scale = torch.empty(len(bases), rows, sc.shape[1], dtype=sc.dtype, device=self.device)
-                packed[e, j * shape[0]:(j + 1) * shape[0]].copy_(pk)
-                scale[e, j * shape[0]:(j + 1) * shape[0]].copy_(sc)
-        return {"weight_packed": packed, "weight_scale": scale}
-
-    def _stack_dense(self, bases: list[list[str]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-        """For experts of which some are stored dense: all dense, in self.dtype."""
-        return {"weight": torch.stack([torch.cat([self._dense(b, shape) for b in names]) for names in bases])}
 
     def layer_forward(self, w: dict, h: torch.Tensor, positions: torch.Tensor,
                       cu_seqlens: torch.Tensor, cache=None) -> torch.Tensor:
@@ -291,27 +242,96 @@ class DeepseekTarget:
     def _attention(self, w, x, positions, cu_seqlens, cache):
         s, T, nh, eps = self.spec, x.shape[0], self.heads, self.cfg.rms_norm_eps
         if s.q_lora_rank is not None:
-            q = F.linear(self.norm(F.linear(x, w["self_attn.q_a_proj"]), w["self_attn.q_a_layernorm"], eps),
-                         w["self_attn.q_b_proj"])
+            q_resid = self.norm(F.linear(x, w["self_attn.q_a_proj"]), w["self_attn.q_a_layernorm"], eps)
+            q = F.linear(q_resid, w["self_attn.q_b_proj"])
         else:
             q = F.linear(x, w["self_attn.q_proj"])
         q_nope, q_pe = q.view(T, nh, s.qk_head_dim).split([s.qk_nope_head_dim, s.qk_rope_head_dim], -1)
         c, k_pe = F.linear(x, w["self_attn.kv_a_proj_with_mqa"]).split([s.kv_lora_rank, s.qk_rope_head_dim], -1)
         c = self.norm(c, w["self_attn.kv_a_layernorm"], eps)                          # the latent [T, kv_lora_rank]
-        cos, sin = interleaved_cos_sin(positions, self.inv_freq, self.rope_mscale)
-        q = torch.cat([q_nope, apply_rope_interleaved(q_pe, cos, sin)], -1)
-        k_pe = apply_rope_interleaved(k_pe[:, None], cos, sin)[:, 0]                 # [T, rope], shared by all heads
+        rope = self._rotary(positions, s.rope_interleave)
+        q = torch.cat([q_nope, rope(q_pe)], -1)
+        k_pe = rope(k_pe[:, None])[:, 0]                                             # [T, rope], shared by all heads
+        index = ()   # a full DSA layer's indexer queries [T, heads, D], keys [T, D], head weights [T, heads]
+        if "self_attn.indexer.wk" in w:
+            index = indexer.queries_and_keys(w, x, q_resid, self._rotary(positions, s.index.interleaved), s.index)
         if isinstance(cache, Prefix):   # a chunk of a long sequence: the earlier chunks left their latents
-            c, k_pe = cache.extend(c, k_pe)
-            out = cache.attend_heads(q, functools.partial(self._expand, w, c, k_pe), self.softmax_scale)
+            c, k_pe, *keys = cache.extend(c, k_pe, *index[1:2])
+            expand = functools.partial(self._expand, w, c, k_pe)
+            if s.index is None or cache.filled <= s.index.topk:   # every key chosen: dense MLA
+                out = cache.attend_heads(q, expand, self.softmax_scale)
+            else:
+                chosen = self._chosen(w, (int(positions[0]), T), lambda: indexer.select(
+                    index[0], index[2], keys[0], positions, s.index.topk))
+                out = indexer.sparse_attention(q, positions, chosen, cache.filled, expand, self.softmax_scale)
         elif cache is None:
-            out = causal_attention_packed(q, *self._expand(w, c, k_pe, 0, nh), cu_seqlens, self.softmax_scale)
+            out = self._sequences(w, q, c, k_pe, index, positions, cu_seqlens)
         else:
             k, v = self._expand(w, c, k_pe, 0, nh)
             # the cache keeps v padded to the q/k head dim: the fused kernels want equal head dims
             v = F.pad(v, (0, s.qk_head_dim - s.v_head_dim)) if s.v_head_dim < s.qk_head_dim else v
             out = cache.attend(q, k, v, self.softmax_scale)[..., :s.v_head_dim]
+            if s.index is not None:
+                self._decode_sparse(w, q, index, positions, cache, out)
         return F.linear(out.reshape(T, nh * s.v_head_dim), w["self_attn.o_proj"])          # out [T, nh, v_head_dim]
+
+    def _rotary(self, positions: torch.Tensor, interleaved: bool):
+        """x [T, n, rope] -> x rotated at `positions`: adjacent pairs (DeepSeek) or the two halves (rotate-half)."""
+        if interleaved:
+            cos, sin = interleaved_cos_sin(positions, self.inv_freq, self.rope_mscale)
+            return lambda x: apply_rope_interleaved(x, cos, sin)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_mscale)
+        return lambda x: apply_rope(x, cos, sin)
+
+    def _sequences(self, w, q, c, k_pe, index, positions, cu_seqlens):
+        """Causal attention of packed sequences; with the DSA indexer, those longer than index_topk sparse."""
+        s, nh = self.spec, self.heads
+        if s.index is None:
+            return causal_attention_packed(q, *self._expand(w, c, k_pe, 0, nh), cu_seqlens, self.softmax_scale)
+        out = q.new_empty(*q.shape[:2], s.v_head_dim)
+        bounds = cu_seqlens.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            expand = functools.partial(self._expand, w, c[a:b], k_pe[a:b])
+            if b - a <= s.index.topk:
+                out[a:b] = causal_attention_packed(q[a:b], *expand(0, nh), torch.tensor([0, b - a]), self.softmax_scale)
+                continue
+            chosen = self._chosen(w, (a, b), lambda: indexer.select(
+                index[0][a:b], index[2][a:b], index[1][a:b], positions[a:b], s.index.topk))
+            out[a:b] = indexer.sparse_attention(q[a:b], positions[a:b], chosen, b - a, expand, self.softmax_scale)
+        return out
+
+    def _decode_sparse(self, w, q, index, positions, cache, out) -> None:
+        """Decoding with the DSA indexer: the indexer's keys kept in the pool beside k/v; the rows of sequences past
+        index_topk keys attend again, to their chosen keys only, into `out` [T, nh, v_head_dim]."""
+        s = self.spec
+        kept = cache.keep(index[1]) if index else None          # [slots, capacity, D]
+        if int(positions.max()) < s.index.topk:                 # every key chosen everywhere: dense was exact
+            return
+        for a, b, slot, start in cache.sequences():
+            n = start + b - a
+            if n <= s.index.topk:
+                continue
+            chosen = self._chosen(w, (a, b), lambda: indexer.select(
+                index[0][a:b], index[2][a:b], kept[slot, :n], positions[a:b], s.index.topk))
+            k, v = cache.cached(slot, n)
+            out[a:b] = indexer.sparse_attention(q[a:b], positions[a:b], chosen, n, lambda h0, h1: (
+                k[:, h0:h1], v[:, h0:h1]), self.softmax_scale)[..., :s.v_head_dim]
+
+    def _chosen(self, w, key: tuple, choose) -> torch.Tensor:
+        """The keys a DSA layer's queries keep, `key` naming the rows in this pass: chosen by its own indexer
+        (kept for the GLM-5 'shared' layers after it), or the ones its full layer chose."""
+        source = w["indexer.source"]
+        if "self_attn.indexer.wk" in w:
+            chosen = choose()
+            if self.spec.index.source.count(source) > 1:
+                if self._kept_source != source or key in self._kept:   # another layer, or a new pass
+                    self._kept, self._kept_source = {}, source
+                self._kept[key] = chosen
+            return chosen
+        if self._kept_source != source or key not in self._kept:
+            raise TargetError(f"{self.cfg.source}: a 'shared' DSA layer reuses the keys layer {source} chose, which "
+                              "did not run before it here (a pipeline stage starts between them)")
+        return self._kept[key]
 
     def _expand(self, w, c, k_pe, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Heads a..b's keys [L, b - a, dqk] = [k_nope | k_pe] and values [L, b - a, dv] from the latent
@@ -323,34 +343,10 @@ class DeepseekTarget:
         return torch.cat([k_nope, k_pe[:, None].expand(L, b - a, s.qk_rope_head_dim)], -1), v
 
     def _moe(self, w, x):
-        idx, weights = route(F.linear(x.float(), w["mlp.gate"]), w.get("mlp.gate.bias"), self.spec)
-        out = self._routed(w, x, idx, weights)
+        idx, weights = moe.route(F.linear(x.float(), w["mlp.gate"]), w.get("mlp.gate.bias"), self.spec.router)
+        out = moe.routed(w, x, idx, weights, self.spec.n_routed_experts, self.expert_act, self.dtype,
+                         self.ckpt.block_cols)
         if self.spec.n_shared_experts:
             out = out + swiglu(x, w["mlp.shared_experts.gate_proj"], w["mlp.shared_experts.up_proj"],
                                w["mlp.shared_experts.down_proj"])
         return out
-
-    def _routed(self, w, x, idx, weights):
-        """Σ_k weights[t, k] · expert_idx[t, k](x_t) [T, H], EXPERT_BLOCK active experts' weights dequantized at a
-        time; pair (t, slot) lands in row t·k + slot, the k slots summed at the end (fewer bytes than index_add)."""
-        T, k = idx.shape
-        order = idx.flatten().argsort(stable=True)
-        token, pair_w = order // k, weights.flatten()[order]
-        counts = torch.bincount(idx.flatten(), minlength=self.spec.n_routed_experts).tolist()  # one sync
-        starts = list(itertools.accumulate(counts, initial=0))
-        pairs = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)
-        active = [e for e, n in enumerate(counts) if n]
-        for b in range(0, len(active), EXPERT_BLOCK):
-            block = active[b:b + EXPERT_BLOCK]
-            sizes, rows = [counts[e] for e in block], slice(starts[block[0]], starts[block[-1] + 1])
-            h = self.expert_act(expert_matmul(x[token[rows]], self._expert_weights(w, "gate_up", block), sizes),
-                                pair_w[rows])                                                    # [n, I]
-            pairs.index_copy_(0, order[rows], expert_matmul(h, self._expert_weights(w, "down", block), sizes))
-        return pairs.view(T, k, x.shape[1]).sum(1)   # summed in fp32 (the reduction's accumulator)
-
-    def _expert_weights(self, w, key: str, experts: list[int]) -> torch.Tensor:
-        """Dense [len(experts), out, in] weights of the chosen experts."""
-        if f"experts.{key}.weight" in w:
-            return _select(w[f"experts.{key}.weight"], experts)
-        return quant.dequantize_int4(_select(w[f"experts.{key}.weight_packed"], experts),
-                                     _select(w[f"experts.{key}.weight_scale"], experts), self.dtype)

@@ -10,7 +10,7 @@ import torch
 from eagle3.ops import rms_norm
 from eagle3.models.weights import Checkpoint
 from eagle3.models.attention import cached_attention, padded_cached_attention
-from eagle3.models.streaming import MediaInputs, build_model
+from eagle3.models.streaming import MediaInputs, build_model, check_tensors
 
 # chunks up to this long attend batched, padded to a power of two; longer ones (prompts, few) one at a time
 SHORT_MAX = 64
@@ -22,6 +22,7 @@ class KVPool:
 
     def __init__(self, layers: int):
         self.k, self.v = [None] * layers, [None] * layers   # per layer [slots, capacity, heads, D] or None
+        self.kept = [None] * layers      # per layer [slots, capacity, ...] of other rows (the DSA indexer's keys)
         self.slots = self.capacity = 0          # allocated sizes, the same for every layer
         self.used, self.free = 0, []            # slots ever handed out; heap of released ones
 
@@ -40,7 +41,7 @@ class KVPool:
             return
         new_slots = self.slots if slots <= self.slots else max(slots, 2 * self.slots)
         new_cap = self.capacity if capacity <= self.capacity else max(capacity, 2 * self.capacity, 64)
-        for bufs in (self.k, self.v):
+        for bufs in (self.k, self.v, self.kept):
             for i, old in enumerate(bufs):
                 if old is not None:
                     # zeros, not empty: masked keys still enter q.k, and NaN garbage would leak
@@ -50,12 +51,17 @@ class KVPool:
 
     def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store new k/v [T, heads, D] at flat index [T] (slot * capacity + position) -> the buffers."""
-        if self.k[layer] is None:
-            self.k[layer] = k.new_zeros(self.slots, self.capacity, *k.shape[1:])
-            self.v[layer] = v.new_zeros(self.slots, self.capacity, *v.shape[1:])
-        for buf, new in ((self.k[layer], k), (self.v[layer], v)):
-            buf.view(-1, *new.shape[1:]).index_copy_(0, index, new)
-        return self.k[layer], self.v[layer]
+        return tuple(self._store(bufs, layer, index, new) for bufs, new in ((self.k, k), (self.v, v)))
+
+    def keep(self, layer: int, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Store other per-token rows [T, ...] as `write` does -> their buffer [slots, capacity, ...]."""
+        return self._store(self.kept, layer, index, rows)
+
+    def _store(self, bufs: list, layer: int, index: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        if bufs[layer] is None:
+            bufs[layer] = new.new_zeros(self.slots, self.capacity, *new.shape[1:])
+        bufs[layer].view(-1, *new.shape[1:]).index_copy_(0, index, new)
+        return bufs[layer]
 
 
 class SequenceCache:
@@ -142,16 +148,16 @@ class LayerPass:
     def __init__(self, pool: KVPool, layer: int, layout: PassLayout):
         self.pool, self.layer, self.layout = pool, layer, layout
 
-    def attend(self, q, k, v, scale=None, window: int = 0) -> torch.Tensor:
+    def attend(self, q, k, v, scale=None, window: int = 0, sinks=None) -> torch.Tensor:
         """q [T, Hq, D], this pass's k/v [T, Hkv, D|Dv] -> [T, Hq, Dv]; `window` > 0: each query sees the keys
-        less than `window` positions back (a sliding-window draft)."""
+        less than `window` positions back (a sliding-window draft or target layer); `sinks` [Hq]: gpt-oss's."""
         lay = self.layout
         k_cache, v_cache = self.pool.write(self.layer, lay.write_index, k, v)
         group = q.shape[1] // k.shape[1]                            # query heads per kv head
 
         def batched(g, q):
             return padded_cached_attention(q, k_cache, v_cache, g.rows, g.pad_index, g.mask(group, q.dtype, window),
-                                           scale)
+                                           scale, sinks)
 
         if len(lay.groups) == 1 and lay.groups[0].tokens is None:   # decode / verify: all in one call
             return batched(lay.groups[0], q)
@@ -160,8 +166,23 @@ class LayerPass:
             out.index_copy_(0, g.tokens, batched(g, q.index_select(0, g.tokens)))
         for a, b, slot, start in lay.long:   # causal over what the slot holds (no [T, n] mask without a window)
             ks, vs = k_cache[slot, :start + b - a], v_cache[slot, :start + b - a]
-            out[a:b] = cached_attention(q[a:b], ks, vs, scale, window)
+            out[a:b] = cached_attention(q[a:b], ks, vs, scale, window, sinks)
         return out
+
+    def keep(self, rows: torch.Tensor) -> torch.Tensor:
+        """This pass's other per-token rows [T, ...] of the layer (the DSA indexer's keys) -> [slots, capacity, ...]."""
+        return self.pool.keep(self.layer, self.layout.write_index, rows)
+
+    def sequences(self):
+        """(a, b, slot, start) of each sequence in the pass: its tokens a..b, pool slot, positions already held."""
+        cu = self.layout.cu.tolist()
+        runs = [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+        first = self.layout.write_index[[a for a, _ in runs]].tolist()
+        return [(a, b, f // self.pool.capacity, f % self.pool.capacity) for (a, b), f in zip(runs, first)]
+
+    def cached(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's k/v [length, heads, D] of a slot, this pass's included (after `attend`)."""
+        return self.pool.k[self.layer][slot, :length], self.pool.v[self.layer][slot, :length]
 
 
 class IncrementalTarget:
@@ -171,6 +192,7 @@ class IncrementalTarget:
                  dtype: torch.dtype = torch.float32, chunk_tokens: int | None = None):
         self.aux_layer_ids, self.device, self.chunk_tokens = aux_layer_ids, device, chunk_tokens
         self.model = build_model(ckpt, device, dtype)
+        check_tensors(ckpt, self.model)
         self.layers = [self.model.load_layer(i) for i in range(ckpt.config.num_hidden_layers)]
         self.embed = ckpt.get("embed_tokens.weight").to(device, dtype)
         self.norm = ckpt.get("norm.weight").to(device, dtype)

@@ -9,19 +9,13 @@ import torch
 from eagle3.ops import positions_from_cu_seqlens, rms_norm
 from eagle3.models.attention import Prefix
 from eagle3.models.weights import Checkpoint, TargetError
-from eagle3.models.llama import LlamaTarget
+from eagle3.models.families import build_model
 from eagle3.models.vision import MediaItem, VisionConfig, VisionTower, merge_media, target_vision
 
 
-def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
-    if ckpt.config.is_deepseek:
-        from eagle3.models.deepseek import DeepseekTarget
-        return DeepseekTarget(ckpt, device, dtype)
-    return LlamaTarget(ckpt, device, dtype)
-
-
 def check_tensors(ckpt: Checkpoint, model) -> list[str]:
-    """The tensors the forward reads; fail before any compute if one is absent or of the wrong shape."""
+    """The tensors the forward reads; fail before any compute if one is absent or of the wrong shape or format, or if
+    the checkpoint holds a tensor that is neither read nor skipped for a stated reason (`Checkpoint.account`)."""
     shapes = {n: s for i in range(ckpt.config.num_hidden_layers) for n, s in model.layer_shapes(i).items()}
     names = ["embed_tokens.weight", "norm.weight", "lm_head.weight", *shapes]
     missing = [n for n in names if not ckpt.has(n)]
@@ -30,6 +24,7 @@ def check_tensors(ckpt: Checkpoint, model) -> list[str]:
                           f"missing from the checkpoint, first: {ckpt.full_name(missing[0])}")
     ckpt.outer_tensors()   # first: its errors name the config's fields
     ckpt.check_shapes(shapes)
+    ckpt.account(names)
     return names
 
 

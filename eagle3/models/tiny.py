@@ -1,6 +1,8 @@
 """Miniature random-weight targets with the real config layouts and tensor names, for the demo and the
-tests: Kimi-K2.5 (`make_kimi`: nested config, int4 experts, `write_kimi_chat` its tokenizer files and chat
-template) and synthetic token data."""
+tests: the DeepSeek-V3 family as published (`make_kimi`: Kimi-K2.5's nested config with int4 experts by default,
+flat Kimi-K2 and DeepSeek-V3 with its MTP layer, fp8 blocks or bf16; `write_kimi_chat` Kimi's tokenizer files and
+chat template), the GQA MoE families (`make_moe`: Qwen3-MoE, MiniMax-M2, GLM-4.5, gpt-oss with MXFP4 experts) and
+synthetic token data."""
 from __future__ import annotations
 
 import base64
@@ -11,11 +13,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle3.models.quant import dequantize_mxfp4
 from eagle3.models.vision import expected_shapes, vision_config
 
-def start_target(out: str | Path, config: dict, seed: int, dtype: torch.dtype):
-    """Write config.json into `out` -> (out, tensors {}, rand, ones, mlp): makers of seeded random tensors
-    in `dtype` (rand: std 1/sqrt(fan-in) by default; ones: about 1), mlp adding an MLP's linears."""
+
+def start_target(out: str | Path, config: dict, seed: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128),
+                 scale_dtype: torch.dtype = torch.float32):
+    """Write config.json into `out` -> (out, tensors {}, rand, ones, mlp, linear): makers of seeded random tensors
+    in `dtype` (rand: std 1/sqrt(fan-in) by default; ones: about 1), linear adding one linear stored plain, "int4"
+    (packs) or "fp8" (`block` blocks with `scale_dtype` scales), mlp an MLP's three."""
     out, t, g = Path(out), {}, torch.Generator().manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -26,17 +32,35 @@ def start_target(out: str | Path, config: dict, seed: int, dtype: torch.dtype):
     def ones(n):
         return (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
 
-    def mlp(p: str, hidden: int, inter: int, quant: bool = False):
+    def linear(base: str, shape: tuple[int, int], std: float | None = None, kind: str = "bf16"):
+        if kind == "int4":
+            t.update({f"{base}.{k}": v for k, v in _quantized(g, *shape, std).items()})
+        elif kind == "fp8":
+            t.update({f"{base}.{k}": v for k, v in fp8_blocks(rand(*shape, std=std, dtype=torch.float32), block,
+                                                               scale_dtype).items()})
+        else:
+            t[f"{base}.weight"] = rand(*shape, std=std)
+
+    def mlp(p: str, hidden: int, inter: int, kind: str = "bf16"):
         # small output projections: the greedy token mostly a function of recent tokens, learnable by a tiny draft
         for name, shape, std in (("gate_proj", (inter, hidden), hidden ** -0.5),
                                  ("up_proj", (inter, hidden), hidden ** -0.5),
                                  ("down_proj", (hidden, inter), 0.3 * inter ** -0.5)):
-            if quant:
-                t.update({f"{p}{name}.{k}": v for k, v in _quantized(g, *shape, std).items()})
-            else:
-                t[f"{p}{name}.weight"] = rand(*shape, std=std)
+            linear(p + name, shape, std, kind)
 
-    return out, t, rand, ones, mlp
+    return out, t, rand, ones, mlp, linear
+
+
+def fp8_blocks(w: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """W [out, in] as DeepSeek-V3 stores it: `weight` float8 e4m3, `weight_scale_inv` [ceil(out/b0), ceil(in/b1)] the
+    amax / 448 of each block (partial at the edges) in `scale_dtype`."""
+    (out, inp), (b0, b1) = w.shape, block
+    rows, cols = -(-out // b0), -(-inp // b1)
+    padded = torch.zeros(rows * b0, cols * b1)
+    padded[:out, :inp] = w.float().abs()
+    scale = (padded.view(rows, b0, cols, b1).amax((1, 3)) / 448).clamp(min=1e-12).to(scale_dtype)
+    full = scale.float().repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inp]
+    return {"weight": (w.float() / full).to(torch.float8_e4m3fn), "weight_scale_inv": scale}
 
 
 def save_sharded(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
@@ -162,6 +186,8 @@ def _quantized(g: torch.Generator, out: int, inp: int, std: float, group: int = 
             "weight_shape": torch.tensor([out, inp], dtype=torch.int32)}
 
 
+# K2-Instruct's and DeepSeek-V3's (both at the top level of a flat config)
+FP8_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 _KIMI_QUANT = {
     "config_groups": {"group_0": {
         "input_activations": None, "output_activations": None, "targets": ["Linear"],
@@ -222,39 +248,58 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
               intermediate: int = 128, moe_intermediate: int = 32, experts: int = 8, top_k: int = 2,
               n_group: int = 1, topk_group: int = 1, first_dense: int = 1, vocab: int = 512,
               yarn_original: int = 128, yarn_factor: float = 32.0, shards: int = 3, seed: int = 0,
-              quantized: bool = True, vision: dict = TINY_VISION) -> Path:
-    """A miniature Kimi-K2.5: `kimi_k25` wrapper, `language_model.` prefix, a vision tower and projector (`vision`:
-    its sizes), int4 experts, sharded."""
+              layout: str = "kimi_k25", weights: str = "int4", block: tuple[int, int] = (128, 128),
+              scale_dtype: torch.dtype = torch.float32, mtp: int = 0, vision: dict = TINY_VISION) -> Path:
+    """A miniature DeepSeek-V3-family target as published, sharded. `layout`: "kimi_k25" (K2.5 / K2.6: `kimi_k25`
+    wrapper, `language_model.` prefix, a vision tower and projector of `vision`'s sizes), "kimi_k2" (K2-Instruct /
+    K2-Thinking: flat) or "deepseek_v3" (V3 / R1 / V3.1: flat, `mtp` multi-token-prediction layers past the last).
+    `weights`: "int4" (routed experts pack-quantized, as K2-Thinking and K2.5), "fp8" (every decoder linear but the
+    router in `block` blocks, as K2-Instruct and V3) or "bf16"."""
     config = kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head,
                              intermediate, moe_intermediate, experts, top_k, n_group, topk_group, first_dense,
                              vocab, yarn_original, yarn_factor, vision)
-    out, t, rand, ones, mlp = start_target(out, config, seed, torch.bfloat16)
-    m = "language_model.model."
+    text = config["text_config"]
+    text["quantization_config"] = {"int4": _KIMI_QUANT, "fp8": {**FP8_QUANT, "weight_block_size": list(block)}
+                                   }.get(weights)
+    if weights == "bf16":
+        del text["quantization_config"]
+    if layout != "kimi_k25":
+        config = {**text, "model_type": layout, "num_nextn_predict_layers": mtp}
+    out, t, rand, ones, mlp, linear = start_target(out, config, seed, torch.bfloat16, block, scale_dtype)
+    m, head = (("language_model.model.", "language_model.lm_head.weight") if layout == "kimi_k25"
+               else ("model.", "lm_head.weight"))
+    dense_kind = "fp8" if weights == "fp8" else "bf16"
     t.update({m + "embed_tokens.weight": rand(vocab, hidden, std=1.0), m + "norm.weight": ones(hidden),
-              "language_model.lm_head.weight": rand(vocab, hidden, std=3 * hidden ** -0.5)})
-    for i in range(layers):
+              head: rand(vocab, hidden, std=3 * hidden ** -0.5)})
+    for i in range(layers + (mtp if layout == "deepseek_v3" else 0)):
         p, a = f"{m}layers.{i}.", f"{m}layers.{i}.self_attn."
         t[p + "input_layernorm.weight"] = ones(hidden)
         t[p + "post_attention_layernorm.weight"] = ones(hidden)
         if q_lora_rank is None:
-            t[a + "q_proj.weight"] = rand(heads * (qk_nope + qk_rope), hidden)
+            linear(a + "q_proj", (heads * (qk_nope + qk_rope), hidden), kind=dense_kind)
         else:
-            t[a + "q_a_proj.weight"] = rand(q_lora_rank, hidden)
+            linear(a + "q_a_proj", (q_lora_rank, hidden), kind=dense_kind)
             t[a + "q_a_layernorm.weight"] = ones(q_lora_rank)
-            t[a + "q_b_proj.weight"] = rand(heads * (qk_nope + qk_rope), q_lora_rank)
-        t[a + "kv_a_proj_with_mqa.weight"] = rand(kv_lora_rank + qk_rope, hidden)
+            linear(a + "q_b_proj", (heads * (qk_nope + qk_rope), q_lora_rank), kind=dense_kind)
+        linear(a + "kv_a_proj_with_mqa", (kv_lora_rank + qk_rope, hidden), kind=dense_kind)
         t[a + "kv_a_layernorm.weight"] = ones(kv_lora_rank)
-        t[a + "kv_b_proj.weight"] = rand(heads * (qk_nope + v_head), kv_lora_rank)
-        t[a + "o_proj.weight"] = rand(hidden, heads * v_head, std=0.3 * (heads * v_head) ** -0.5)
+        linear(a + "kv_b_proj", (heads * (qk_nope + v_head), kv_lora_rank), kind=dense_kind)
+        linear(a + "o_proj", (hidden, heads * v_head), 0.3 * (heads * v_head) ** -0.5, dense_kind)
+        if i >= layers:   # DeepSeek-V3's MTP layer: a decoder layer with its own embedding, projection and head
+            t.update({p + "enorm.weight": ones(hidden), p + "hnorm.weight": ones(hidden),
+                      p + "embed_tokens.weight": rand(vocab, hidden, std=1.0),
+                      p + "shared_head.norm.weight": ones(hidden), p + "shared_head.head.weight": rand(vocab, hidden)})
+            linear(p + "eh_proj", (hidden, 2 * hidden), kind=dense_kind)
         if i < first_dense:
-            mlp(p + "mlp.", hidden, intermediate)
+            mlp(p + "mlp.", hidden, intermediate, dense_kind)
             continue
         t[p + "mlp.gate.weight"] = rand(experts, hidden)
         t[p + "mlp.gate.e_score_correction_bias"] = rand(experts, std=0.1, dtype=torch.float32)
-        mlp(p + "mlp.shared_experts.", hidden, moe_intermediate)
+        mlp(p + "mlp.shared_experts.", hidden, moe_intermediate, dense_kind)
         for e in range(experts):
-            mlp(f"{p}mlp.experts.{e}.", hidden, moe_intermediate, quant=quantized)
-    t.update(vision_tensors(config["vision_config"], rand, ones))   # last: the text weights do not depend on them
+            mlp(f"{p}mlp.experts.{e}.", hidden, moe_intermediate, dense_kind if weights != "int4" else "int4")
+    if layout == "kimi_k25":   # last: the text weights do not depend on the tower
+        t.update(vision_tensors(config["vision_config"], rand, ones))
     save_sharded(t, out, shards)
     return out
 
@@ -297,3 +342,107 @@ def write_kimi_chat(root: str | Path, vocab: int, merges: tuple[bytes, ...] = ()
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": base + 2}))
     (root / "chat_template.jinja").write_text(kimi_chat_template())
     return root
+
+
+MOE_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
+                     "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+
+
+def moe_config(family: str, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+               experts: int, top_k: int, vocab: int) -> dict:
+    """The config.json keys of each GQA MoE family as its published checkpoints write them, small sizes."""
+    c = {"architectures": [MOE_ARCHITECTURES[family]], "model_type": family, "hidden_size": hidden,
+         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+         "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "num_experts_per_tok": top_k,
+         "bos_token_id": 1, "eos_token_id": 2, "rope_theta": 10000.0}
+    if family == "qwen3_moe":   # layer 0 dense: mlp_only_layers
+        c |= {"intermediate_size": 2 * inter, "moe_intermediate_size": inter, "num_experts": experts,
+              "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [0], "attention_bias": False}
+    elif family == "minimax_m2":
+        c |= {"intermediate_size": inter, "num_local_experts": experts, "rotary_dim": head_dim // 2,
+              "use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid", "use_routing_bias": True}
+    elif family == "glm4_moe":   # one next-token-prediction layer after the last, as GLM-4.5's
+        c |= {"intermediate_size": 2 * inter, "moe_intermediate_size": inter, "n_routed_experts": experts,
+              "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "partial_rotary_factor": 0.5,
+              "attention_bias": True, "use_qk_norm": True, "num_nextn_predict_layers": 1}
+    else:
+        c |= {"intermediate_size": inter, "num_local_experts": experts, "experts_per_token": top_k,
+              "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+              "rope_theta": 150000.0, "swiglu_limit": 7.0, "attention_bias": True, "initial_context_length": 4096,
+              "max_position_embeddings": 131072,
+              "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 4096}}
+    return c
+
+
+def make_moe(out: str | Path, family: str, hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+             head_dim: int = 16, inter: int = 32, experts: int = 8, top_k: int = 2, vocab: int = 256,
+             weights: str = "bf16", seed: int = 0) -> Path:
+    """A miniature `family` target (qwen3_moe, minimax_m2, glm4_moe, gpt_oss) in its published tensor layout.
+    `weights`: "bf16"; "fp8" (every decoder linear but the router in 16 x 32 blocks, as the FP8 releases of Qwen3-MoE,
+    GLM-4.5 and MiniMax-M2 store them at 128 x 128); gpt-oss "mxfp4" (its experts as the release stores them; "bf16":
+    their dequantization, as the BF16 re-releases)."""
+    config = moe_config(family, hidden, layers, heads, kv_heads, head_dim, inter, experts, top_k, vocab)
+    if weights == "fp8":
+        config["quantization_config"] = {**FP8_QUANT, "weight_block_size": [16, 32]}
+    if weights == "mxfp4":
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    out, t, rand, ones, mlp, linear = start_target(out, config, seed, torch.bfloat16, (16, 32))
+    kind = "fp8" if weights == "fp8" else "bf16"
+    t.update({"model.embed_tokens.weight": rand(vocab, hidden, std=1.0), "model.norm.weight": ones(hidden),
+              "lm_head.weight": rand(vocab, hidden, std=3 * hidden ** -0.5)})
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for i in range(layers + (family == "glm4_moe")):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"] = ones(hidden), ones(hidden)
+        for name, shape in (("q", (q, hidden)), ("k", (kv, hidden)), ("v", (kv, hidden))):
+            linear(f"{p}self_attn.{name}_proj", shape, kind=kind)
+            if family in ("glm4_moe", "gpt_oss"):
+                t[f"{p}self_attn.{name}_proj.bias"] = rand(shape[0], std=0.1)
+        linear(p + "self_attn.o_proj", (hidden, q), 0.3 * q ** -0.5, kind)
+        if family in ("qwen3_moe", "glm4_moe"):
+            t.update({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)})
+        if family == "minimax_m2":
+            t.update({p + "self_attn.q_norm.weight": ones(q), p + "self_attn.k_norm.weight": ones(kv)})
+        if family == "gpt_oss":
+            t.update({p + "self_attn.o_proj.bias": rand(hidden, std=0.02), p + "self_attn.sinks": rand(heads, std=1.0)})
+            _gpt_oss_experts(t, p + "mlp.", rand, hidden, inter, experts, weights == "mxfp4", seed + i)
+        elif family == "minimax_m2":
+            t[p + "block_sparse_moe.gate.weight"] = rand(experts, hidden)
+            t[p + "block_sparse_moe.e_score_correction_bias"] = rand(experts, std=0.1, dtype=torch.float32)
+            for e in range(experts):
+                for name, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+                    linear(f"{p}block_sparse_moe.experts.{e}.{name}", shape, kind=kind)
+        elif i < config.get("first_k_dense_replace", 0) or i in config.get("mlp_only_layers", ()):
+            mlp(p + "mlp.", hidden, 2 * inter, kind)
+        else:
+            t[p + "mlp.gate.weight"] = rand(experts, hidden)
+            if family == "glm4_moe":
+                t[p + "mlp.gate.e_score_correction_bias"] = rand(experts, std=0.1, dtype=torch.float32)
+                mlp(p + "mlp.shared_experts.", hidden, inter, kind)
+            for e in range(experts):
+                mlp(f"{p}mlp.experts.{e}.", hidden, inter, kind)
+        if i == layers:   # GLM's next-token-prediction layer: its own projections beside a decoder layer
+            t.update({p + "enorm.weight": ones(hidden), p + "hnorm.weight": ones(hidden),
+                      p + "shared_head.norm.weight": ones(hidden)})
+            linear(p + "eh_proj", (hidden, 2 * hidden), kind=kind)
+    save_sharded(t, out, 2)
+    return out
+
+
+def _gpt_oss_experts(t: dict, p: str, rand, hidden: int, inter: int, experts: int, mxfp4: bool, seed: int) -> None:
+    """gpt-oss's fused experts: MXFP4 `*_blocks` / `*_scales` [E, out, in/32, (16)], or bf16 [E, in, out]."""
+    g = torch.Generator().manual_seed(seed)
+    t[p + "router.weight"], t[p + "router.bias"] = rand(experts, hidden), rand(experts, std=0.1)
+    for name, (o, n) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+        blocks = torch.randint(0, 256, (experts, o, n // 32, 16), generator=g, dtype=torch.uint8)
+        # scales of 2^-4..2^-3 for weights of std ~ n^-0.5 at n = 32..64 (e2m1 values have std ~2.4)
+        scales = torch.randint(123, 125, (experts, o, n // 32), generator=g, dtype=torch.uint8)
+        if mxfp4:
+            t[p + f"experts.{name}_blocks"], t[p + f"experts.{name}_scales"] = blocks, scales
+        else:
+            t[p + f"experts.{name}"] = dequantize_mxfp4(blocks, scales, torch.bfloat16).transpose(1, 2).contiguous()
+        t[p + f"experts.{name}_bias"] = rand(experts, o, std=0.05)

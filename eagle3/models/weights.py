@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,31 @@ DEEPSEEK = Family("DeepSeek-V3", ("deepseek_v3", "kimi_k2", "kimi_k25"),
                    "n_routed_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
 LLAMA = Family("Llama", ("llama", "mistral", "qwen2", "qwen3"),
                ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), {})
-FAMILIES = (DEEPSEEK, LLAMA)
+# the GQA MoE families (eagle3.models.families): the fields their rooms read besides the common ones
+QWEN3_MOE = Family("Qwen3-MoE", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
+                   {"num_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
+MINIMAX_M2 = Family("MiniMax-M2", ("minimax_m2",), ("MiniMaxM2ForCausalLM",),
+                    {"num_local_experts": int, "num_experts_per_tok": int})
+GLM4_MOE = Family("GLM-4.5", ("glm4_moe",), ("Glm4MoeForCausalLM",),
+                  {"n_routed_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int})
+GPT_OSS = Family("gpt-oss", ("gpt_oss",), ("GptOssForCausalLM",), {"num_local_experts": int, "num_experts_per_tok": int})
+# DeepSeek-V3's forward with other choices (eagle3/models/deepseek.py): GLM's MoE on DeepSeek's MLA; the DSA indexer
+_INDEXER = {"index_topk": int, "index_n_heads": int, "index_head_dim": int, "q_lora_rank": int}
+GLM4_MOE_LITE = Family("GLM-4.7-Flash", ("glm4_moe_lite",), ("Glm4MoeLiteForCausalLM",), DEEPSEEK.fields)
+DEEPSEEK_V32 = Family("DeepSeek-V3.2", ("deepseek_v32",), ("DeepseekV32ForCausalLM",),
+                      {**DEEPSEEK.fields, **_INDEXER})
+GLM_MOE_DSA = Family("GLM-5", ("glm_moe_dsa",), ("GlmMoeDsaForCausalLM",), {**DEEPSEEK.fields, **_INDEXER})
+FAMILIES = (DEEPSEEK, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA, LLAMA, QWEN3_MOE, MINIMAX_M2, GLM4_MOE,
+            GPT_OSS)
+MLA_FAMILIES = (DEEPSEEK, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA)
+# families the engines serve that this forward does not build: model_type (outer or text) -> what is missing
+_DELTANET = "its Gated DeltaNet linear-attention layers (3 of every 4) are not built"
+NOT_BUILT = {"qwen3_5_moe": f"Qwen3.5-MoE: {_DELTANET}", "qwen3_5_moe_text": f"Qwen3.5-MoE: {_DELTANET}",
+             "qwen3_5": f"Qwen3.5: {_DELTANET}", "qwen3_5_text": f"Qwen3.5: {_DELTANET}",
+             "qwen3_next": f"Qwen3-Next: {_DELTANET}",
+             "deepseek_v4": "DeepSeek-V4: its compressed-KV attention (shared KV, sinks, windows) and 4-stream "
+                            "hyper-connections are not built",
+             "kimi_linear": "Kimi-Linear: its Kimi Delta Attention linear-attention layers are not built"}
 
 
 @dataclass
@@ -65,7 +90,8 @@ class TextConfig:
     rope_theta: float
     rope_scaling: dict | None
     tie_word_embeddings: bool
-    quantization: dict | None
+    quantization: dict | None   # `quant_format` described, for inspect
+    quant_format: quant.Format
     max_position_embeddings: int
     config_sha256: str
     family: Family
@@ -73,7 +99,8 @@ class TextConfig:
 
     @property
     def is_deepseek(self) -> bool:
-        return self.family is DEEPSEEK
+        """DeepSeek-V3's MLA forward (with the family's choices)."""
+        return self.family in MLA_FAMILIES
 
     @property
     def head_dim(self) -> int:
@@ -101,17 +128,6 @@ def rope_settings(text: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
-def _describe_quant(q: dict | None) -> dict | None:
-    if not q:
-        return None
-    out = {"method": q.get("quant_method"), "format": q.get("format")}
-    group = next(iter((q.get("config_groups") or {}).values()), None)
-    if group is not None:
-        w = group.get("weights") or {}
-        out.update(num_bits=w.get("num_bits"), group_size=w.get("group_size"), symmetric=w.get("symmetric"))
-    return out
-
-
 def _non_finite(value, where: str = "") -> tuple[str, float] | None:
     """(the path of the first NaN or infinite number in parsed JSON, e.g. "text_config.rope_theta", it), or None."""
     if isinstance(value, float):
@@ -122,6 +138,17 @@ def _non_finite(value, where: str = "") -> tuple[str, float] | None:
                                  f"{where}.{key}" if where else key)) is not None:
             return found
     return None
+
+
+def _quant_format(outer: dict, text: dict, where: str, path: Path) -> quant.Format:
+    """The quantization_config of the text config or the outer one (the same if both have one), checked."""
+    inner, top = text.get("quantization_config"), outer.get("quantization_config") if text is not outer else None
+    if inner and top and inner != top:
+        raise TargetError(f"{path}: quantization_config at the top level and in text_config differ; expected one")
+    try:
+        return quant.read_format(inner or top, where if inner else str(path))
+    except ValueError as e:
+        raise TargetError(str(e)) from None
 
 
 def read_config(path: Path) -> TextConfig:
@@ -152,6 +179,9 @@ def read_config(path: Path) -> TextConfig:
     else:
         named = f"architectures {architectures}" if architectures else "no model_type or architectures"
         found = [f for f in FAMILIES if set(architectures) & set(f.architectures)]
+    missing = next((NOT_BUILT[t] for t in (text_model_type, model_type) if t in NOT_BUILT), None)
+    if not found and missing:
+        raise TargetError(f"{where}: {named} is not supported: {missing}")
     if not found:
         supported = "; ".join(f"{', '.join(f.model_types)} ({f.name} family)" for f in FAMILIES)
         raise TargetError(f"{where}: unsupported target ({named}); supported model_types: {supported}")
@@ -160,14 +190,14 @@ def read_config(path: Path) -> TextConfig:
         require(text, key, where, needs, kind)
     theta, scaling = rope_settings(text)
     heads = text["num_attention_heads"]
-    quantization = text.get("quantization_config") or outer.get("quantization_config")
+    quant_format = _quant_format(outer, text, where, path)
     tie = text.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))
     cfg = TextConfig(
         raw=text, source=where, model_type=model_type, text_model_type=text_model_type, architectures=architectures,
         **{k: text[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size")},
         num_attention_heads=heads, num_key_value_heads=text.get("num_key_value_heads") or heads,
         rms_norm_eps=float(text["rms_norm_eps"]), rope_theta=theta, rope_scaling=scaling,
-        tie_word_embeddings=bool(tie), quantization=_describe_quant(quantization),
+        tie_word_embeddings=bool(tie), quantization=quant_format.describe(), quant_format=quant_format,
         max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
         config_sha256=hashlib.sha256(blob).hexdigest(), family=family, needs=needs)
     if cfg.num_hidden_layers < 4:
@@ -180,7 +210,8 @@ def read_config(path: Path) -> TextConfig:
 # where a text model's tensors live, in order of preference: (model prefix, lm_head name)
 _PREFIXES = [("language_model.model.", "language_model.lm_head.weight"), ("model.language_model.", "lm_head.weight"),
              ("model.", "lm_head.weight"), ("", "lm_head.weight")]
-_SKIP = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "visual.", "model.visual.")
+# a multimodal wrapper's vision tower and projector: never part of the text forward (`Checkpoint.skip_reason`)
+VISION = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "visual.", "model.visual.")
 
 
 def _open(path: Path):
@@ -245,7 +276,7 @@ class Checkpoint:
         return self.full_name(name) in self.weight_map
 
     def text_tensor_names(self) -> list[str]:
-        return [n for n in self.weight_map if not n.startswith(_SKIP)]
+        return [n for n in self.weight_map if not n.startswith(VISION)]
 
     def text_bytes(self) -> int:
         """The summed size of the files that hold its text tensors."""
@@ -268,6 +299,92 @@ class Checkpoint:
         handle, full = self._handle(name)
         sl = handle.get_slice(full)
         return {"name": full, "shape": list(sl.get_shape()), "dtype": sl.get_dtype()}
+
+    def skip_reason(self, full: str) -> str | None:
+        """Why the text forward reads no tensor `full` (a name as stored), or None: the one list of what is skipped."""
+        c = self.config
+        extra = int(c.raw.get("num_nextn_predict_layers") or 0)
+        layers = self.prefix + "layers."
+        layer = full[len(layers):].split(".")[0] if full.startswith(layers) else ""
+        if full.startswith(VISION):
+            return "vision tower and projector: the text forward reads no image"
+        if layer.isdigit() and c.num_hidden_layers <= int(layer) < c.num_hidden_layers + extra:
+            return (f"multi-token-prediction layer past num_hidden_layers {c.num_hidden_layers} "
+                    f"(num_nextn_predict_layers {extra}): a decoding aid, not part of the forward")
+        if full.endswith(".rotary_emb.inv_freq"):
+            return "rotary buffer: the forward computes its own from the config"
+        if self.head_name is None and full.endswith("lm_head.weight"):
+            return "lm_head beside tie_word_embeddings true: the embedding is the head"
+        return None
+
+    def account(self, used: list[str]) -> dict[str, int]:
+        """Every tensor of the checkpoint read (`used`, names as `get` takes them) or skipped -> {reason: count};
+        any other is refused by name."""
+        read = {self.full_name(n) for n in used}
+        reasons = {name: self.skip_reason(name) for name in self.weight_map if name not in read}
+        if unknown := [name for name, why in reasons.items() if why is None]:
+            raise TargetError(f"{self.weights_file}: {len(unknown)} tensors that no part of a "
+                              f"{self.config.family.name} forward reads nor a known reason skips, first: "
+                              f"{', '.join(unknown[:3])}")
+        return dict(Counter(reasons.values()))
+
+    def linear_shapes(self, base: str, shape: tuple[int, int]) -> dict[str, list[int] | quant.GroupedShape]:
+        """The tensors linear `base` ([out, in]) is stored as -> their shapes, its format checked against the config."""
+        kind, fmt, weight = quant.linear_kind(self.has, base), self.config.quant_format, f"{base}.weight"
+        if kind not in ("plain", fmt.kind):
+            said = f"{fmt.kind} linears" if fmt.describe() else "unquantized weights (no quantization_config)"
+            raise TargetError(f"{self.weights_file}: {self.full_name(base)} is stored {kind} ("
+                              f"{', '.join(n for n in self.weight_map if n.startswith(self.full_name(base) + '.'))}), "
+                              f"but {self.config.source} says {said}")
+        if kind == "int4":
+            return {f"{base}.{suffix}": s for suffix, s in quant.packed_shapes(*shape).items()}
+        dtype = self.info(weight)["dtype"] if self.has(weight) else None
+        if kind == "fp8":
+            scale = f"{base}.{quant.FP8_SCALE}"
+            if dtype is None:
+                raise TargetError(f"{self.weights_file}: {self.full_name(scale)}, a scale with no weight "
+                                  f"({self.full_name(weight)} is missing)")
+            scale_dtype = self.info(scale)["dtype"]
+            if dtype != "F8_E4M3" or scale_dtype not in ("F32", "BF16", "F16"):
+                raise TargetError(f"{self.weights_file}: {self.full_name(weight)} is {dtype} with a {scale_dtype} "
+                                  f"{quant.FP8_SCALE}; expected F8_E4M3 with F32, BF16 or F16 scales")
+            return {weight: list(shape), scale: quant.block_scale_shape(shape, fmt.block)}
+        if dtype and dtype.startswith("F8"):
+            raise TargetError(f"{self.weights_file}: {self.full_name(weight)} is {dtype} without its "
+                              f"{quant.FP8_SCALE} (a quantized weight missing its scale)")
+        return {weight: list(shape)}
+
+    def linear_parts(self, base: str, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """Linear `base` as stored, on the CPU, row-aligned: int4 `weight_packed` + `weight_scale`, fp8 `weight` +
+        `row_scale` (`quant.row_scales`) or a plain `weight` [out, in]; `quant.dequantize` makes it dense."""
+        kind = quant.linear_kind(self.has, base)
+        if kind == "int4":
+            packed, scale = self.get(base + ".weight_packed"), self.get(base + ".weight_scale")
+            try:
+                quant.check_packed(packed, scale, self.get(base + ".weight_shape"), shape)
+            except ValueError as e:
+                raise TargetError(f"{self.dir / self.weight_map[self.full_name(base + '.weight_packed')]}: "
+                                  f"{self.full_name(base)}.{e}") from None
+            return {"weight_packed": packed, "weight_scale": scale}
+        w, full = self.get(base + ".weight"), self.full_name(base + ".weight")
+        if list(w.shape) != list(shape):
+            raise TargetError(f"{self.dir / self.weight_map[full]}: {full}: shape {list(w.shape)}; "
+                              f"expected {list(shape)}")
+        if kind == "plain":
+            return {"weight": w}
+        scale = self.get(f"{base}.{quant.FP8_SCALE}")
+        return {"weight": w, "row_scale": quant.row_scales(scale, shape[0], self.config.quant_format.block[0])}
+
+    @property
+    def block_cols(self) -> int | None:
+        """fp8 blocks' width (weight_block_size[1]), for `quant.dequantize`."""
+        return self.config.quant_format.block[1] if self.config.quant_format.block else None
+
+    def linear(self, base: str, shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Linear `base`'s weight [out, in] on `device` in `dtype`, dequantized there from however it is stored: the
+        one call through which every family reads its linears."""
+        parts = {k: v.to(device, non_blocking=True) for k, v in self.linear_parts(base, shape).items()}
+        return quant.dequantize(parts, dtype, self.block_cols)
 
     def check_shapes(self, expected: dict[str, list[int] | quant.GroupedShape], shown: int = 5) -> None:
         """Raise naming the tensors (the first `shown`) not of the `expected` shape, from the headers only."""

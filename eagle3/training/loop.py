@@ -25,11 +25,11 @@ from eagle3.data.online import OnlineReader, stream_note
 from eagle3.data.shards import ShardReader, check_manifest, loss_token_counts
 from eagle3.draft import Eagle3Draft
 from eagle3.errors import TrainError
-from eagle3.export import export_all
+from eagle3.export import ExportError, check_exportable, export_all, serving_commands
 from eagle3.models.vision import media_rule_pad
 from eagle3.models.weights import Checkpoint
 from eagle3.resolve import resolve
-from eagle3.training import context, graph, kernel_choice, resume, run_dir
+from eagle3.training import context, graph, kernel_choice, memory, resume, run_dir
 from eagle3.training.feed import Feed
 from eagle3.training.graph import GraphedStep
 from eagle3.training.metrics import MetricsLog
@@ -201,14 +201,30 @@ def data_plan(cfg: Config, reader, layout: context.Layout, data_dir: str) -> tup
     train_refs, eval_refs = split_holdout(reader.sequences, t.eval_fraction)
     if (longest := max(r.length for r in reader.sequences)) > t.batch_tokens * ranks:
         split = (f" x train.context_parallel = {ranks} ({t.batch_tokens * ranks} tokens)" if ranks > 1 else "")
+        # shards keep their sequences as extracted: data.max_seq_len acts only through extract
+        again = "re-extract with a lower data.max_seq_len" if t.source == "shards" else "lower data.max_seq_len"
         raise TrainError(f"{cfg.origin('train.batch_tokens')}: train.batch_tokens = {t.batch_tokens}{split} is smaller "
-                         f"than the longest sequence ({longest} tokens); raise it, split each micro-batch over more "
-                         "ranks (train.context_parallel), or lower data.max_seq_len")
+                         f"than the longest sequence of {data_dir} ({longest} tokens); raise train.batch_tokens, "
+                         f"split each micro-batch over more ranks (train.context_parallel), or {again}")
     source = reader.manifest.get("source", {}).get("path", "?")   # as an error names the data
     data = (f"data.path {source} (online)" if t.source == "online" else
             f"train.data_dir {Path(data_dir)} (extracted from data.path {source})")
     return Plan(train_refs, t.batch_tokens * ranks, t.seed, layout.data_world, t.grad_accum, t.max_steps, t.epochs,
                 data), eval_refs
+
+
+def start_notes(cfg: Config, longest: int, layout: context.Layout) -> list[str]:
+    """What the log says of the data (its `longest` sequence) against the settings: context parallelism and the
+    window it trains."""
+    notes = []
+    if layout.size > 1:
+        notes.append(f"context parallel: {layout.size} ranks share each micro-batch of {layout.size} x "
+                     f"{cfg.train.batch_tokens} tokens (train.context_parallel); the longest sequence trained has "
+                     f"{longest} tokens")
+    if (window := cfg.draft.sliding_window) and window >= longest:
+        notes.append(f"note: draft.sliding_window = {window} is not shorter than the longest sequence trained "
+                     f"({longest} tokens): no training row sees the window cut, the draft trains as without it")
+    return notes
 
 
 class Trainer:
@@ -226,12 +242,21 @@ class Trainer:
         run_dir.prepare(self.output_dir, t.resume, cfg.source, self.dist)
         self.target = Checkpoint(cfg.target.path)
         self.resolved = resolve(cfg, self.target)
+        # every export format is checked now, not after the last step
+        check_exportable({"resolved": self.resolved.to_dict(), "target": self.target.config.identity()},
+                         cfg.export.formats, cfg.source)
         self.online = t.source == "online"
         spec = self.resolved.draft_spec
         self.layout = context.layout(cfg.train.context_parallel, self.dist, spec.num_key_value_heads,
                                      spec.num_attention_heads, cfg.origin("train.context_parallel"), self.online)
         self.reader = open_reader(cfg, self.target, self.resolved, self.device, say=self.dist.main)
         self.plan, self.eval_refs = data_plan(cfg, self.reader, self.layout, self.resolved.data_dir)
+        longest = max(r.length for r in self.reader.sequences)
+        fits = memory.check(memory.step_peak_bytes(spec, cfg, longest, self.cuda), memory.available_bytes(self.device),
+                            cfg, self.device.type, 1 if self.cuda else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        if self.dist.main:
+            for line in [*start_notes(cfg, longest, self.layout), *([fits] if fits else [])]:
+                print(line, file=sys.stderr)
         draft, self.float8, target_rows = build_draft(cfg, self.target, spec, self.reader, self.device,
                                                       self.dist.main, self.agree)
         self.model = TTTModel(draft).to(self.device)
@@ -257,7 +282,6 @@ class Trainer:
         if graph.wanted(cfg.debug.cuda_graphs, self.device, self.dist.world, self.online, "max_seqlen" in
                         inspect.signature(kernels.attention).parameters, spec.hidden_size, cfg.source, self.dist.main,
                         media=self.unroll.media_pad is not None):
-            longest = max(r.length for r in self.reader.sequences)
             self.unroll, pad_to = self.unroll.graphed(longest), (t.batch_tokens, longest)
             self.graphed = GraphedStep(functools.partial(self._forward, self.model, training=True), self.device)
         self.feed = Feed(self.reader, self.plan, self.layout.data_rank, self.device, self.float_dtype,
@@ -276,8 +300,9 @@ class Trainer:
 
     def _state(self) -> dict:
         """What a checkpoint of this run records besides the weights (state.json)."""
-        return {"config": self.cfg.to_dict(), "resolved": self.resolved.to_dict(),
+        return {"resolved": self.resolved.to_dict(),
                 "target": self.target.config.identity(), "target_architectures": self.target.config.architectures,
+                "config": self.cfg.absolute_dict(),   # its paths absolute: evaluate and export from anywhere
                 "data_plan_key": self.reader.manifest.get("plan_key"),   # which extraction: none online
                 "world_size": self.dist.world, "schedule_total": self.schedule.total, "float8_used": self.float8,
                 "float8_head_used": self.float8_head, "cuda_graphs_used": self.graphed is not None}   # "auto"s resolved
@@ -411,12 +436,21 @@ class Trainer:
     def _finish(self, saved: Path | None) -> Path:
         """The export of the last checkpoint and the summary, once every rank is done."""
         saved = saved or train_state.latest(self.output_dir)
+        failed = []
         if self.dist.main:
-            if saved is not None:
-                for fmt, path in export_all(saved, self.output_dir / "export", self.cfg).items():
-                    print(f"exported {fmt} draft: {path}")
+            written = {}
+            for fmt in self.cfg.export.formats if saved is not None else ():   # one failing keeps the others
+                try:
+                    written |= export_all(saved, self.output_dir / "export", self.cfg, [fmt])
+                    print(f"exported {fmt} draft: {written[fmt]}")
+                except ExportError as e:
+                    failed.append(f"the {fmt} export failed: {e}")
             print(self.log.summary(self.plan.total, saved, self.cfg.export.formats, self.cfg.evaluate.prompts))
+            for line in serving_commands(train_state.read_state(saved), self.cfg, written) if written else ():
+                print(line)
         self.dist.barrier()
+        if failed:
+            raise TrainError("; ".join(failed))
         return self.output_dir
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,7 +38,9 @@ def checkpoint(choice: str, output_dir: Path, say: bool = True) -> Path | None:
 def _spec_defaults(resolved: dict) -> dict:
     """A recorded resolve with the draft spec's fields added since at their defaults (what that run trained)."""
     defaults = {f.name: f.default for f in dataclasses.fields(DraftSpec) if f.default is not dataclasses.MISSING}
-    return {**resolved, "draft_spec": {**defaults, **resolved["draft_spec"]}}
+    # data_dir: absolute since checkpoints keep absolute paths; an older one's relative path reads from here
+    return {**resolved, "draft_spec": {**defaults, **resolved["draft_spec"]},
+            "data_dir": os.path.abspath(resolved["data_dir"])}
 
 
 def check(path: Path, was: dict, now: dict, total: int) -> None:
