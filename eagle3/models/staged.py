@@ -29,9 +29,10 @@ class StagedTarget:
 
     @torch.no_grad()
     def run(self, batches: list[tuple], group) -> list[dict[str, torch.Tensor] | None]:
-        """This rank's micro-batches ((ids, cu_seqlens, media), as many on every rank) -> `TargetRunner.run`'s, or
+        """This rank's micro-batches ((ids, cu_seqlens[, media]), as many on every rank) -> `TargetRunner.run`'s, or
         None; the vision rows travel to stage 0 with the ids."""
-        mine = [(ids.tolist(), list(cu), self.media.features(media).cpu()) for ids, cu, media in batches]
+        mine = [(ids.tolist(), list(cu), self.media.features(media[0] if media else ()).cpu())
+                for ids, cu, *media in batches]
         gathered = [mine] * self.world   # one process: one stage, no messages
         if dist.is_initialized():
             dist.all_gather_object(gathered, mine, group=group)
