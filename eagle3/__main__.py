@@ -132,6 +132,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--thinking", action="store_true", help="chat lines with reasoning (some long) and tool calls "
                       "(Kimi-K2.5's template) trained as written; data and runs beside the plain demo's, with -thinking")
+    kind.add_argument("--vision", action="store_true", help="the tiny Kimi-K2.5 with a tiny vision tower, "
+                      "conversations about images drawn on the fly; acceptance on image prompts beside text prompts "
+                      "(the vision extra)")
     kind.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct (the `real` extra's GGUF), served by "
                       "llama.cpp's server, end to end with each stage timed; in demo/smollm2* and runs/demo-real")
     p = add("config", "the config keys with their type, default and meaning",

@@ -86,6 +86,9 @@ class DraftConfig:
     sliding_window: int = setting(
         0, "the draft attends to the last N positions (vLLM's `sliding_window`, SGLang's "
         "`--speculative-draft-window-size` N - 1; gqa drafts); 0 = all (docs/training.md)")
+    media_embedding: Literal["vllm", "sglang"] = setting(
+        "vllm", "the draft's token embedding at image / video placeholders, as the serving engine gives it: `vllm` "
+        "the placeholder token's embedding, `sglang` the target's fused vision rows (docs/export.md)")
 
 
 @dataclass
@@ -435,6 +438,9 @@ def validate(cfg: Config) -> None:
               "generate.temperature": (g.temperature >= 0, "a number >= 0 (0 = greedy)"),
               "generate.top_p": (0 < g.top_p <= 1, "a number in (0, 1]"),
               "experimental.lk_eta": (x.lk_eta >= 0, "a number >= 0"),
+              "draft.media_embedding": (cfg.draft.media_embedding == "vllm" or t.context_parallel == 1,
+                                        "\"vllm\" with train.context_parallel > 1 (its split batches carry no vision "
+                                        "rows)"),
               "draft.sliding_window": (cfg.draft.sliding_window == 0 or cfg.draft.sliding_window >= t.ttt_steps,
                                               f"0 (all positions) or at least train.ttt_steps = {t.ttt_steps}"),
               "debug.generate_timeout_s": (cfg.debug.generate_timeout_s > 0, "> 0"),

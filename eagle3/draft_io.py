@@ -309,6 +309,16 @@ def check_checkpoint_target(state: dict, target: Checkpoint, checkpoint_dir: Pat
                                       f"{target.path} (target.path)")
 
 
+def media_rule(path: str | Path) -> str:
+    """The rule the draft at `path` was trained with at media placeholders ("vllm" or "sglang"; docs/export.md): our
+    checkpoint's `draft.media_embedding`, an export's `eagle3_media_embedding`, else vLLM's (another trainer's)."""
+    path = Path(path)
+    if (path / train_state.STATE).exists():
+        return train_state.read_state(path)["config"]["draft"].get("media_embedding", "vllm")
+    config = read_json(path / "config.json", DraftLoadError, "not a draft directory")
+    return config.get("eagle3_media_embedding", "vllm")
+
+
 def load_any_draft(path: str | Path, target: Checkpoint) -> tuple[Eagle3Draft, list[int], int | None]:
     """(draft on the CPU, our aux layer ids, its trained ttt_steps or None) from our checkpoint or a vLLM-layout one."""
     path = Path(path)

@@ -5,24 +5,27 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eagle3 import train_state
 from eagle3.config import Config
 from eagle3.data.batch import Batch, RowRule
 from eagle3.data.loader import pack, split_holdout
-from eagle3.data.inputs import InputError, chat_encoder, check_chat_ids, is_chat, json_lines, reply_spans, utf8
+from eagle3.data.inputs import (InputError, chat_encoder, check_chat_ids, is_chat, json_lines, reply_spans, token_media,
+                                 utf8)
 from eagle3.data.shards import MANIFEST, ShardReader, check_manifest
-from eagle3.draft_io import advertised_tokens, check_checkpoint_target, load_any_draft
+from eagle3.draft_io import advertised_tokens, check_checkpoint_target, load_any_draft, media_rule
 from eagle3.resolve import resolve_device
 from eagle3.files import strict_json
 from eagle3.generate import stop_tokens
 from eagle3.ops import TORCH_DTYPES
 from eagle3.sampling import Sampling
 from eagle3.speculative import Decoded, Drafter, greedy_decode_many, sampled_decode_many, speculative_decode_many
+from eagle3.models.vision import media_rule_pad
 from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.ttt import METRICS, Objective, summarize, ttt_forward
@@ -108,11 +111,12 @@ def estimate(cfg: Config, checkpoint_dir: str | Path, steps: int | None = None) 
     objective = Objective(RowRule(), loss=trained.get("loss", "kl"), temperature=trained.get("loss_temperature", 1.0),
                           eta=state["config"].get("experimental", {}).get("lk_eta", 3.0))
     _, held_out = split_holdout(reader.sequences, trained["eval_fraction"])
+    media_pad = media_rule_pad(media_rule(checkpoint_dir), target)   # the draft's input at media pads, as trained
     result = Evaluation(steps)
     for refs in pack(held_out, cfg.train.batch_tokens):
         batch = reader.read(refs).to(device, torch.float32)
         _, metrics, detail = ttt_forward(draft, batch, embed, head_rows, steps, ttt_attention, ttt_loss_steps,
-                                         trained["loss_decay"], objective=objective)
+                                         trained["loss_decay"], objective=objective, media_pad=media_pad)
         result.add(metrics, detail, batch)
     return {"checkpoint": str(checkpoint_dir), "step": state["step"], "held_out_sequences": len(held_out),
             **result.report()}
@@ -132,13 +136,17 @@ def write_report(report: dict, out: Path, checkpoint_dir: str | Path | None = No
 class Prompt:
     line: int                  # 1-based line in the prompts file
     ids: list[int]
+    media: list = field(default_factory=list)   # MediaItems of its media pads, in order
 
 
-def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
-    """One line's prompt: `input_ids` (cut before the first assistant token when `loss_mask` is there, so
-    a held-out training line works) or a chat line up to the generation prompt (`chat()`: its ChatEncoder)."""
+def prompt_ids(obj: object, vocab_size: int, chat, base: Path) -> tuple[list[int], list]:
+    """One line's prompt and its MediaItems: `input_ids` (cut before the first assistant token when `loss_mask` is
+    there, so a held-out training line works) or a chat line up to the generation prompt (`chat()`: its ChatEncoder;
+    `base`: where its media paths are read from)."""
+    media = []
     if is_chat(obj):
-        ids = check_chat_ids(chat().encode_prompt(obj), vocab_size).tolist()
+        ids, placed = chat().encode_prompt_media(obj, base)
+        ids, media = check_chat_ids(ids, vocab_size).tolist(), [item for _, item in placed]
     elif not isinstance(obj, dict) or "input_ids" not in obj:
         raise ValueError("expected an object with 'input_ids' (optionally 'loss_mask'), or chat 'messages' "
                          "/ 'conversations'")
@@ -151,9 +159,10 @@ def prompt_ids(obj: object, vocab_size: int, chat) -> list[int]:
             if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
                 raise ValueError("'loss_mask' must be a list of 0/1 as long as 'input_ids'")
             ids = ids[:mask.index(1)] if 1 in mask else ids
+        media = [item for start, item in token_media(obj, np.asarray(obj["input_ids"]), chat, base) if start < len(ids)]
     if not ids:
         raise ValueError("empty prompt (nothing before the first assistant token)")
-    return ids
+    return ids, media
 
 
 def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path,
@@ -164,7 +173,7 @@ def read_prompts(path: str | Path, vocab_size: int, target_dir: str | Path,
     path, chat, prompts = Path(path), chat_encoder(target_dir, template_kwargs), []
     for number, line in json_lines(path, "evaluate.prompts"):
         try:
-            prompts.append(Prompt(number, prompt_ids(json.loads(utf8(line)), vocab_size, chat)))
+            prompts.append(Prompt(number, *prompt_ids(json.loads(utf8(line)), vocab_size, chat, path.parent)))
         except ValueError as e:   # JSONDecodeError, ChatError and InputError are ValueErrors
             raise InputError(f"{path}:{number}: {e}") from None
         if room and len(prompts[-1].ids) + room[1] > room[0]:   # decoded past them, RoPE positions mean nothing
@@ -227,6 +236,11 @@ def decoding_report(decoded: list[Decoded], references: list[Decoded] | None, pr
     return report
 
 
+def media(batch: list[Prompt]) -> list[list] | None:
+    """The prompts' MediaItems, None when none has any."""
+    return [p.media for p in batch] if any(p.media for p in batch) else None
+
+
 def batches(prompts: list[Prompt], size: int, tokens: int, max_new: int) -> list[list[int]]:
     """Indices of the prompts decoded together: by length, at most `size` a batch and, past one prompt, at most
     `tokens` positions (prompt + max_new each), so that deep prompts decode in batches that fit."""
@@ -282,6 +296,7 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
         raise InputError(f"{cfg.source}: no prompts for real decoding: set evaluate.prompts (--prompts FILE)")
     ckpt = Checkpoint(cfg.target.path)
     draft, aux_ids, trained = load_any_draft(draft_dir, ckpt)
+    media_pad = media_rule_pad(media_rule(draft_dir), ckpt)   # the draft's input at media pads, as trained
     k = e.k or trained or advertised_tokens(draft_dir) or 7
     n = e.max_new_tokens
     text = ckpt.config
@@ -302,18 +317,20 @@ def real_decoding(cfg: Config, draft_dir: str | Path, prompts_path: str | Path |
         for group in groups:
             target.fresh_pool()
             batch = [prompts[i] for i in group]
-            out |= dict(zip(group, decode(Drafter(draft, target.embed), [p.ids for p in batch], batch)))
+            out |= dict(zip(group, decode(Drafter(draft, target.embed, media_pad), [p.ids for p in batch], batch)))
         return [out[i] for i in range(len(prompts))]
 
     if sampling.greedy:
-        references = each_batch(lambda drafter, ids, _: greedy_decode_many(target, ids, n, stop))
+        references = each_batch(lambda drafter, ids, batch: greedy_decode_many(target, ids, n, stop, media(batch)))
         timing = {"greedy_seconds": time.perf_counter() - loaded}
-        decoded = each_batch(lambda drafter, ids, _: speculative_decode_many(target, drafter, ids, n, k, stop))
+        decoded = each_batch(lambda drafter, ids, batch: speculative_decode_many(target, drafter, ids, n, k, stop,
+                                                                                 media(batch)))
         report = decoding_report(decoded, references, prompts, k, buckets)
     else:
         seeds = list(range(e.seeds))
         runs = [decoding_report(each_batch(lambda drafter, ids, batch: sampled_decode_many(
-            target, drafter, ids, n, k, stop, sampling, [s * 1_000_003 + p.line for p in batch])), None, prompts, k,
+            target, drafter, ids, n, k, stop, sampling, [s * 1_000_003 + p.line for p in batch], media(batch))),
+            None, prompts, k,
             buckets) for s in seeds]
         report, timing = over_seeds(runs, seeds), {}
     end = time.perf_counter()

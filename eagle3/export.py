@@ -49,6 +49,13 @@ def _window_fields(spec: dict) -> dict:
     return {"layer_types": ["sliding_attention"] * spec["num_layers"], "sliding_window": spec["sliding_window"]}
 
 
+def media_field(state: dict, cfg: Config) -> dict:
+    """The draft's input at image / video placeholders as trained, else as `cfg` says (engines ignore the key; it
+    tells a reader of the export which engine's rule the draft expects: docs/export.md)."""
+    trained = state.get("config", {}).get("draft", {})
+    return {"eagle3_media_embedding": trained.get("media_embedding", cfg.draft.media_embedding)}
+
+
 def vllm_config(state: dict, cfg: Config) -> dict:
     resolved = state["resolved"]
     spec = resolved["draft_spec"]
@@ -64,7 +71,7 @@ def vllm_config(state: dict, cfg: Config) -> dict:
         "draft_vocab_size": spec["draft_vocab_size"], "target_hidden_size": spec["target_hidden_size"],
         **{key: spec.get(key, False) for key in NORM_FLAGS},
         "eagle_aux_hidden_state_layer_ids": vllm_aux_ids(resolved["aux_layer_ids"]),
-        "torch_dtype": cfg.debug.export_dtype}
+        **media_field(state, cfg), "torch_dtype": cfg.debug.export_dtype}
 
 
 def vllm_aux_ids(ours: list[int]) -> list[int]:
@@ -108,7 +115,7 @@ def sglang_config(state: dict, cfg: Config) -> dict:
         "target_hidden_size": spec["target_hidden_size"],
         # llama_eagle3.py LlamaModel reads these three (norm_before_residual it has not: refused before)
         **{key: spec.get(key, False) for key in ("norm_before_fc", "fc_norm", "norm_output")},
-        "eagle_config": _sglang_eagle_config(state), "torch_dtype": cfg.debug.export_dtype})
+        "eagle_config": _sglang_eagle_config(state), **media_field(state, cfg), "torch_dtype": cfg.debug.export_dtype})
     return config
 
 
@@ -142,7 +149,7 @@ def mla_config(state: dict, cfg: Config) -> dict:
             "rope_parameters": parameters, "norm_before_residual": spec["norm_before_residual"],
             "fc_norm": spec["fc_norm"], "norm_output": spec["norm_output"],
             "eagle_aux_hidden_state_layer_ids": vllm_aux_ids(resolved["aux_layer_ids"]), **sglang,
-            "torch_dtype": cfg.debug.export_dtype}
+            **media_field(state, cfg), "torch_dtype": cfg.debug.export_dtype}
 
 
 def vllm_name(i: int, key: str) -> str:

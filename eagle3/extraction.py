@@ -21,6 +21,7 @@ from eagle3.data.inputs import InputStats, read_records
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, DataError, shard_name, shard_tensors, write_shard
 from eagle3.files import atomic_write_text, read_json, run_lock, sha256_file, writable_dir
 from eagle3.ops import TORCH_DTYPES
+from eagle3.models.vision import target_vision
 from eagle3.models.weights import Checkpoint
 from eagle3.models.streaming import TargetRunner, build_model, check_tensors, past_positions, split_chunks
 
@@ -79,8 +80,10 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
     plan = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len, cfg.data.on_error,
                        cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype, FORMAT_VERSION,
                        *([json.dumps(cfg.data.chat_template_kwargs, sort_keys=True), RENDERING] if stats.chat.lines else [])])
+    vision = target_vision(ckpt)
     return {"format_version": FORMAT_VERSION, "target": ckpt.config.identity(), "aux_layer_ids": aux_ids,
-            "dtypes": dtypes, "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
+            "dtypes": dtypes, **({"media_pad_id": vision.pad_id} if vision else {}),
+            "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
             "source": {"path": str(cfg.data.path), "sha256": data_sha, "max_seq_len": cfg.data.max_seq_len,
                        **stats.summary()}}
 
@@ -151,7 +154,7 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
         for i in todo:
             a, b = plan[i]
             ids = torch.from_numpy(np.concatenate([r.input_ids for r in records[a:b]]))
-            states = runner.run(ids, [c - cu[a] for c in cu[a:b + 1]])
+            states = runner.run(ids, [c - cu[a] for c in cu[a:b + 1]], [m for r in records[a:b] for m in r.media])
             check_finite(states, aux_ids, out / shard_name(i), cfg.extract.dtype)
             tensors = shard_tensors(records[a:b], states, cfg.extract.aux_dtype)
             entry = write_shard(out, i, tensors) | {"plan_key": header["plan_key"]}

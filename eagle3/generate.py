@@ -17,6 +17,7 @@ from eagle3.config import Config
 from eagle3.data.tokenizer import TOKENIZER_FILES, TargetTokenizer, stop_token_ids
 from eagle3.data.chat import RENDERING
 from eagle3.data.inputs import Record, read_records, reply_spans
+from eagle3.data.media import parts_of
 from eagle3.resolve import data_workers, resolve_device
 from eagle3.files import atomic_write_text, read_json, run_lock, sha256_file, strict_json
 from eagle3.ops import TORCH_DTYPES
@@ -40,7 +41,7 @@ class Conversation:
         self.record, self.original, self.seed = record, record.input_ids.tolist(), seed
         self.spans = reply_spans(record.loss_mask)
         self.ids, self.mask, self.cursor, self.reply, self.cut, self.replies = [], [], 0, 0, [], 0
-        self.cache = target.new_cache() if target is not None else None
+        self.cache = target.new_cache(record.media) if target is not None else None
         self.generator = torch.Generator().manual_seed(seed)  # per conversation: same draws on resume
         self._copy_until_next_reply()
 
@@ -87,7 +88,8 @@ class Conversation:
     def output(self) -> dict:
         """The output line; `cut_replies`: the replies (0-based) that stopped at generate.max_new_tokens."""
         return {"input_ids": self.ids, "loss_mask": self.mask, "source_line": self.record.line,
-                "source_part": self.record.part, "cut_replies": self.cut}
+                "source_part": self.record.part, "cut_replies": self.cut,
+                **({"media": parts_of(self.record.media)} if self.record.media else {})}
 
 
 def conversation_seed(seed: int, record: Record) -> int:
@@ -227,6 +229,9 @@ def text_codec(target_dir: Path) -> TextCodec:
 def served(cfg: Config, ckpt: Checkpoint, pool: Pool, records: list[Record], stop: set[int]) -> Iterator[dict]:
     """Output lines in input order, each reply written by one of the servers (a conversation's replies in turn)."""
     g, vocab = cfg.generate, ckpt.config.vocab_size
+    if with_media := sum(bool(r.media) for r in records):
+        raise GenerateError(f"{cfg.data.path}: {with_media} sequences hold images or video, which a server's token-id "
+                            "endpoints cannot take: regenerate them with our own loop (generate.servers = [])")
     decoding = Decoding(g.max_new_tokens, g.temperature, g.top_p, tuple(sorted(stop)))
     text = text_codec(ckpt.dir) if pool.kind == "text" else None
 

@@ -16,13 +16,15 @@ class Drafter:
     """Proposes k tokens with the draft as training-time test unrolls it, the chain from the last row; verified rows'
     step-0 keys stay in a draft cache per sequence (chain keys at m-1+j, cut back after), so step 0 runs on new rows."""
 
-    def __init__(self, draft, embed: torch.Tensor):
+    def __init__(self, draft, embed: torch.Tensor, media_pad: int | None = None):
         self.draft, self.embed = draft, embed
+        self.media_pad = media_pad   # SGLang's rule: the prompt's media pads read the target's vision rows
         self.pool = KVPool(len(draft.layers))
 
-    def new_cache(self) -> SequenceCache:
-        """An empty draft cache for one sequence (a slot of the pool, freed when dropped)."""
-        return SequenceCache(self.pool)
+    def new_cache(self, rows: torch.Tensor | None = None) -> SequenceCache:
+        """An empty draft cache for one sequence (a slot of the pool, freed when dropped); `rows`: the target's vision
+        rows [M, H] of its prompt's media pads, read under SGLang's rule."""
+        return SequenceCache(self.pool, rows if self.media_pad is not None else None)
 
     @torch.no_grad()
     def propose_many(self, auxes: list[torch.Tensor], tokens: list[list[int]], k: int,
@@ -63,9 +65,24 @@ class Drafter:
         lengths = [a.shape[0] - s for a, s in zip(auxes, starts)]
         aux = torch.cat([a[s:] for a, s in zip(auxes, starts)])              # [N, 3H] the new rows
         ids = [x for t, s, n in zip(tokens, starts, lengths) for x in t[s + 1:s + n + 1]]   # row t reads x[t+1]
-        h = self._pass(self.draft.project(aux), self.embed[torch.tensor(ids, device=self.embed.device)],
-                       caches, lengths)                                      # [N, H]
+        emb = self._media(self.embed[torch.tensor(ids, device=self.embed.device)], tokens, starts, lengths, caches)
+        h = self._pass(self.draft.project(aux), emb, caches, lengths)      # [N, H]
         return h[torch.tensor(list(accumulate(lengths)), device=h.device) - 1]
+
+    def _media(self, emb: torch.Tensor, tokens: list[list[int]], starts: list[int], lengths: list[int],
+               caches: list[SequenceCache]) -> torch.Tensor:
+        """emb [N, H] of the rows' tokens x[s+1 .. s+n] with each of the first M media pads of a sequence (its prompt's)
+        replaced by its cache's vision row, as SGLang's draft reads them; unchanged without rows."""
+        offset = 0
+        for t, s, n, cache in zip(tokens, starts, lengths, caches):
+            if cache.rows is not None and len(cache.rows):
+                ids = torch.tensor(t[:s + n + 1])
+                slot = (ids == self.media_pad).cumsum(0) - 1                 # each pad's row
+                at = torch.arange(s + 1, s + n + 1)
+                at = at[(ids[at] == self.media_pad) & (slot[at] < len(cache.rows))]
+                emb[offset + at - s - 1] = cache.rows[slot[at]].to(emb.device, emb.dtype)
+            offset += n
+        return emb
 
     def _pass(self, h: torch.Tensor, emb: torch.Tensor, caches: list[SequenceCache],
               lengths: list[int]) -> torch.Tensor:
@@ -100,9 +117,10 @@ def _finish(tokens: list[int], max_new: int, stop: set[int]) -> tuple[list[int],
 
 
 def greedy_decode_many(target: IncrementalTarget, prompts: list[list[int]], max_new: int,
-                       stop: set[int] = frozenset()) -> list[Decoded]:
-    """The target's own greedy decoding of several prompts, each step's forward batched over those still decoding."""
-    caches = [target.new_cache() for _ in prompts]
+                       stop: set[int] = frozenset(), media: list[list] | None = None) -> list[Decoded]:
+    """The target's own greedy decoding of several prompts, each step's forward batched over those still decoding;
+    `media`: each prompt's MediaItems, for its media pads."""
+    caches = [target.new_cache(m) for m in media or [()] * len(prompts)]
     feed = [torch.tensor(p) for p in prompts]             # each sequence's tokens the cache lacks
     outs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
@@ -153,7 +171,8 @@ def _propose(drafter, chains: list[_Chain], k: int, *sampling):
 
 
 def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]],
-                            max_new: int, k: int, stop: set[int] = frozenset()) -> list[Decoded]:
+                            max_new: int, k: int, stop: set[int] = frozenset(),
+                            media: list[list] | None = None) -> list[Decoded]:
     """Greedy chain speculative decoding of several prompts; the output is the target's greedy output."""
     def round_(live: list[int], active: list[_Chain]) -> None:
         drafts = _propose(drafter, active, k)
@@ -162,11 +181,12 @@ def speculative_decode_many(target: IncrementalTarget, drafter: Drafter, prompts
         for chain, d, v, (new_aux, _) in zip(active, drafts, verified, outs):   # v[j]: the target's token after d[:j]
             a = next((j for j, (x, y) in enumerate(zip(d, v)) if x != y), len(d))   # the agreeing prefix
             chain.take(d, a, v[a], new_aux)
-    return _decode(target, drafter, prompts, max_new, stop, lambda final: target.greedy(final).tolist(), round_)
+    return _decode(target, drafter, prompts, max_new, stop, lambda final: target.greedy(final).tolist(), round_, media)
 
 
 def sampled_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]], max_new: int,
-                        k: int, stop: set[int], sampling: Sampling, seeds: list[int]) -> list[Decoded]:
+                        k: int, stop: set[int], sampling: Sampling, seeds: list[int],
+                        media: list[list] | None = None) -> list[Decoded]:
     """Speculative sampling at sampling.temperature > 0, distributed as the target's own; prompt i draws its uniforms
     from its own generator (seeds[i]), so its tokens do not depend on the batch."""
     generators = [torch.Generator().manual_seed(s) for s in seeds]
@@ -182,16 +202,19 @@ def sampled_decode_many(target: IncrementalTarget, drafter: Drafter, prompts: li
         for chain, d, n, t, (new_aux, _) in zip(active, drafts, a.tolist(), token.tolist(), outs):
             chain.take(d, n, t, new_aux)
     first = lambda final: sample(target.logits(final), sampling.temperature, sampling.top_p, generators)  # noqa: E731
-    return _decode(target, drafter, prompts, max_new, stop, first, round_)
+    return _decode(target, drafter, prompts, max_new, stop, first, round_, media)
 
 
 def _decode(target: IncrementalTarget, drafter: Drafter, prompts: list[list[int]], max_new: int, stop: set[int],
-            first: Callable, round_: Callable) -> list[Decoded]:
-    """Prefill, first(final states [B, H]) the first token, then round_(live indices, chains) until all are done."""
-    caches = [target.new_cache() for _ in prompts]
+            first: Callable, round_: Callable, media: list[list] | None = None) -> list[Decoded]:
+    """Prefill (`media`: each prompt's MediaItems), first(final states [B, H]) the first token, then round_(live
+    indices, chains) until all are done."""
+    caches = [target.new_cache(m) for m in media or [()] * len(prompts)]
+    rows = [c.rows for c in caches]   # the target's forward consumes them: the drafter keeps its own reference
     prefill = target.forward_many([torch.tensor(p) for p in prompts], caches)
     firsts = first(torch.cat([final[-1:] for _, final in prefill]))
-    chains = [_Chain(p, c, aux, t, drafter.new_cache()) for p, c, (aux, _), t in zip(prompts, caches, prefill, firsts)]
+    chains = [_Chain(p, c, aux, t, drafter.new_cache(r))
+              for p, c, (aux, _), t, r in zip(prompts, caches, prefill, firsts, rows)]
     live = [i for i, c in enumerate(chains) if not c.done(max_new, stop)]
     while live:
         round_(live, [chains[i] for i in live])

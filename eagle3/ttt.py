@@ -114,11 +114,25 @@ def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool 
     return RowPlan(steps, rule, live, loss, int(loss_denominator(batch, rule, layout)))
 
 
+def token_inputs(embed: torch.Tensor, ids: torch.Tensor, media_embeds: torch.Tensor | None,
+                 media_pad: int | None):
+    """index [N] -> the draft's token embeddings of ids[index] [N, H]: the embedding table's rows, but at the media
+    placeholders the target's vision rows when `media_pad` (SGLang's rule) is set and the batch carries them."""
+    if media_pad is None or media_embeds is None or media_embeds.shape[0] == 0:
+        return lambda index: embed[ids[index]]
+    slot = ((ids == media_pad).cumsum(0) - 1).clamp(min=0)   # [T]: each placeholder's row of media_embeds
+    rows = media_embeds.to(embed.dtype)
+    # a select, not a boolean index: no host sync, static shapes for CUDA graphs
+    return lambda index: torch.where((ids[index] == media_pad)[:, None], rows[slot[index]], embed[ids[index]])
+
+
 def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
                 attention, loss_steps, decay: float = 0.8, scale: float | torch.Tensor = 1.0,
-                skip_dead_rows: bool = True, objective: Objective = Objective(), static: bool = False):
+                skip_dead_rows: bool = True, objective: Objective = Objective(), static: bool = False,
+                media_pad: int | None = None):
     """Unrolled TTT over one packed micro-batch -> (Σ_k decay^k · scale · Σ_valid loss_k, metric sums, per-row detail);
-    skip_dead_rows skips work that cannot reach the loss; `static`: every row computed, nothing read on the host."""
+    skip_dead_rows skips work that cannot reach the loss; `static`: every row computed, nothing read on the host;
+    `media_pad`: the placeholder id whose rows read the batch's `media_embeds` (`token_inputs`)."""
     ids, greedy = batch.input_ids.long(), batch.target_argmax.long()
     T = batch.rows
     layout = batch_layout(batch)   # (positions, sequence lengths) of the batch's rows
@@ -129,6 +143,7 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
         plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.rows, targets, layout)
     live = [None] * steps if static else plan.live or [None] * steps
     probs = target_probs(batch.final_hidden, head_rows, steps, objective.temperature)
+    tokens = token_inputs(embed, ids, batch.media_embeds, media_pad)
     kept = []
     # the kernels read the boundaries on the host: a host copy, when the trainer gives one, saves a sync
     cu_attention = (batch.cu_attention if batch.cu_attention is not None else batch.cu_seqlens_host
@@ -142,7 +157,7 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
         if k > 0 and rows.computed is not None:
             h = gather_rows(h, torch.searchsorted(kept[-1], rows.computed) if kept[-1] is not None else rows.computed)
         kept.append(rows.kept_global())
-        return h, embed[ids[targets[k].index[computed]]], positions[computed] + k, rows
+        return h, tokens(targets[k].index[computed]), positions[computed] + k, rows
 
     with linear.casts_reused():   # each weight cast once for the K steps, its gradients summed by the GEMMs
         head_inputs = [draft.head_input(h).to(embed.dtype)      # the loss runs in the compute dtype

@@ -335,6 +335,7 @@ def test_tiny_kimi_config_has_the_real_layout(kimi):
     real = json.loads(KIMI_FIXTURE.read_text())
     ours = json.loads((kimi / "config.json").read_text())
     assert _key_types(ours["text_config"]) == _key_types(real["text_config"])
+    assert _key_types(ours["vision_config"]) == _key_types(real["vision_config"])
     assert set(ours) == set(real)
     ckpt = Checkpoint(kimi)
     assert ckpt.prefix == "language_model.model." and ckpt.head_name == "language_model.lm_head.weight"
@@ -350,8 +351,8 @@ def test_tiny_kimi_config_has_the_real_layout(kimi):
 def test_inspect_counts_and_missing_expert(kimi, tmp_path):
     report = inspect(str(kimi))
     w = report["weights"]
-    assert w["forward_tensors"] == w["tensors"] - 4 == 3 + 12 + 4 * (14 + 8 * 9)
-    assert w["skipped"] == {"vision tower and projector: the text forward reads no image": 4}
+    assert w["forward_tensors"] == w["tensors"] - 35 == 3 + 12 + 4 * (14 + 8 * 9)
+    assert w["skipped"] == {"vision tower and projector: the text forward reads no image": 11 + 2 * 12}
     assert w["quantized_linears"] == {"int4": 4 * 8 * 3, "fp8": 0, "mxfp4": 0}
     assert report["moe"]["routed_experts"] == 8 and report["moe"]["shared_experts"] == 1
     assert report["quantization"]["format"] == "pack-quantized"

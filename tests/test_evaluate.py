@@ -73,7 +73,7 @@ class OracleDrafter:
             out[self.calls % k] = (out[self.calls % k] + 1) % 256
         return out
 
-    def new_cache(self):
+    def new_cache(self, rows=None):
         return None
 
     def propose_many(self, auxes, tokens, k, caches):

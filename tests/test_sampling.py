@@ -133,7 +133,7 @@ class NearDrafter:
         self.target = target
         self.noise = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(5)) * 2, -1)
 
-    def new_cache(self):
+    def new_cache(self, rows=None):
         return None
 
     def propose_many(self, auxes, tokens, k, sampling_, u, caches):

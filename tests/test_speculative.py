@@ -132,8 +132,8 @@ class Checked:
     def __init__(self, drafter: Drafter):
         self.drafter, self.batches, self.new_rows = drafter, [], []
 
-    def new_cache(self):
-        return self.drafter.new_cache()
+    def new_cache(self, rows=None):
+        return self.drafter.new_cache(rows)
 
     def propose_many(self, auxes, tokens, k, *sampling, caches):
         self.batches.append(len(auxes))
@@ -180,7 +180,7 @@ class Recompute:
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
 
-    def new_cache(self):
+    def new_cache(self, rows=None):
         return None
 
     def propose_many(self, *args, caches):

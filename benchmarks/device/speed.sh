@@ -26,6 +26,8 @@
 #   moe-qwen3  the Qwen3-235B-A22B MoE layer alone (hidden 4096, 128 bf16 experts of 1536, top-8)
 #   moe-formats  the Kimi MoE layer with its routed experts stored int4, fp8 (128 x 128 blocks) and bf16: tokens/s,
 #          % of peak and agreement with the same experts dequantized up front (about 3 minutes on one H100)
+#   vision Kimi-K2.5's vision tower + projector at the published sizes: ms and peak memory per item (a 448 x 448
+#          image, a 1080 x 1920 one, a 720p video chunk of 4 frames); about a minute
 #   moe-long  one 131,072-token sequence through 4 real-width Kimi layers, chunks of 16,384 / 65,536 / whole
 #   moe-long-fp32  the same layers in float32 over 32,768 tokens, chunks of 8,192 / whole: far closer than bf16 (both
 #          differ by rounding that routing flips amplify); about a minute
@@ -78,6 +80,7 @@ for part in "$@"; do
     moe) python3 -m benchmarks.moe --parts layer 2>&1 | quiet | tee "$out/moe.txt" ;;
     moe-qwen3) python3 -m benchmarks.moe --model qwen3 --parts layer 2>&1 | quiet | tee "$out/moe-qwen3.txt" ;;
     moe-formats) python3 -m benchmarks.moe --parts layer --formats int4,fp8,bf16 2>&1 | quiet | tee "$out/moe-formats.txt" ;;
+    vision) python3 -m benchmarks.vision --json "$out/vision.jsonl" 2>&1 | quiet | tee "$out/vision.txt" ;;
     moe-long) python3 -m benchmarks.moe --parts long 2>&1 | quiet | tee "$out/moe-long.txt" ;;
     moe-long-fp32) python3 -m benchmarks.moe --parts long --long-dtype float32 --long-tokens 32768 --long-chunks 8192,0 \
       2>&1 | quiet | tee "$out/moe-long-fp32.txt" ;;

@@ -82,7 +82,7 @@ def test_the_moe_bench_on_a_cpu_machine_says_so(monkeypatch):
 
 @pytest.mark.parametrize("module", ["benchmarks.moe", "benchmarks.tiles", "benchmarks.step_peer", "benchmarks.rows",
                                     "benchmarks.float8", "benchmarks.attention_sweep", "benchmarks.loss_variants",
-                                    "benchmarks.graph_check"])
+                                    "benchmarks.graph_check", "benchmarks.vision"])
 def test_each_lab_bench_runs_as_a_module(module):
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, capture_output=True, text=True, timeout=120)
@@ -120,3 +120,10 @@ def test_a_generated_layer_is_the_same_whatever_the_global_rng_did():
     again, other = model.load_layer(2), model.load_layer(3)
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
     assert not torch.equal(first["mlp.gate"], other["mlp.gate"])
+
+
+def test_the_vision_bench_runs_the_test_tower_on_the_cpu(tmp_path):
+    from benchmarks import vision
+    rows = vision.run(True, str(tmp_path / "v.jsonl"))
+    assert rows[0]["tokens"] == 256 and rows[0]["patches"] == 1024 and rows[0]["ms"] > 0
+    assert (tmp_path / "v.jsonl").read_text().count("\n") == 1

@@ -58,6 +58,7 @@ class Batch:
     cu_attention: torch.Tensor | None = None   # [m+1] int32: the kernels' boundaries of a `pad`ded batch
     padding: int = 0                    # `pad`: filler rows after these, which cu_seqlens counts
     part: Part | None = None            # `split`: this rank's rows of a longer batch (cu_seqlens: the whole one)
+    media_embeds: torch.Tensor | None = None   # [M, H]: the target's vision rows at the M placeholders, in order
 
     @property
     def rows(self) -> int:
@@ -75,7 +76,8 @@ class Batch:
                      cu_seqlens_host=self.cu_seqlens_host,
                      plan=self.plan and self.plan.map(lambda r: r.to(device, non_blocking=True)),
                      cu_attention=None if self.cu_attention is None else move(self.cu_attention),
-                     padding=self.padding, part=self.part)
+                     padding=self.padding, part=self.part,
+                     media_embeds=None if self.media_embeds is None else move(self.media_embeds))
 
     def row_tensors(self) -> dict[str, torch.Tensor]:
         """The fields with a row per token."""

@@ -3,6 +3,8 @@ carries (reasoning, tool calls, tool results, tools, template kwargs) reaches th
 SGLang pass it; each reply is trained as the model emitted it, after the context rendered before it (docs/data.md)."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -12,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle3.config import RESERVED_KWARGS
+from eagle3.data.media import Media, MediaReader, content_parts, expand, has_media, with_videos
 from eagle3.data.tokenizer import ChatError, TargetTokenizer
 
 ROLES = {"messages": ("role", "content", {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}),
@@ -33,6 +36,8 @@ class Chat:
     kwargs: dict                 # chat_template_kwargs: the config's default, then the line's
     ignored: set[str]            # keys of the line no engine reads, e.g. "messages[].weight"
     emitted: dict = field(default_factory=dict)   # message index -> its tool calls with arguments as emitted
+    media: list = field(default_factory=list)     # (message index, kind, url) of each media part in order
+    videos: list[str] = field(default_factory=list)   # each video's prompt text, for the template's placeholder
 
 
 @dataclass
@@ -47,6 +52,7 @@ class Encoded:
     ignored: set[str] = field(default_factory=set)
     empty_thoughts: int = 0      # replies without reasoning where the template opens one: trained as an empty thought
     missing: set[str] = field(default_factory=set)       # ids the line lacks where the template renders one
+    media: list[list[tuple]] = field(default_factory=list)   # per sequence (pad start, MediaItem) of its media
 
     @property
     def trained(self) -> dict[str, int]:
@@ -119,15 +125,22 @@ def _tool_calls(calls: object, where: str) -> tuple[list[dict], list[dict]]:
     return out, emitted
 
 
-def _message(turn: object, number: int, total: int, key: str) -> tuple[dict, set[str], list | None]:
-    """One turn as the engines pass it to the template, the keys of it they do not read, and its tool calls with
-    their arguments as emitted."""
+def _message(turn: object, number: int, total: int, key: str) -> tuple[dict, set[str], list | None, list]:
+    """One turn as the engines pass it to the template, the keys of it they do not read, its tool calls with
+    their arguments as emitted, and (kind, url) of its media parts."""
     role_key, text_key, roles = ROLES[key]
     where = f"message {number} of {total}"
     role = turn.get(role_key) if isinstance(turn, dict) else None
     if not isinstance(role, str) or role not in roles:
         raise ChatError(f"{where}: unknown role {role!r}; expected '{role_key}' one of {sorted(roles)}")
-    message = {"role": roles[role], "content": _text(turn.get(text_key), where)}
+    refs = []
+    if has_media(turn.get(text_key)):
+        if roles[role] == "assistant":
+            raise ChatError(f"{where}: image or video parts in an assistant turn; the model writes only text")
+        message = {"role": roles[role], "content": None}
+        message["content"], refs = content_parts(turn[text_key], where)
+    else:
+        message = {"role": roles[role], "content": _text(turn.get(text_key), where)}
     given = {k: turn[k] for k in REASONING if turn.get(k) is not None}
     if len(set(map(str, given.values()))) > 1:
         raise ChatError(f"{where}: reasoning_content and reasoning differ; give one")
@@ -153,10 +166,10 @@ def _message(turn: object, number: int, total: int, key: str) -> tuple[dict, set
             message[k] = turn[k]
     if message["role"] == "assistant" and not (message["content"].strip() or reasoning or "tool_calls" in message):
         raise ChatError(f"{where}: empty content")
-    if message["role"] != "assistant" and not message["content"].strip() and message["role"] != "tool":
+    if message["role"] not in ("assistant", "tool") and not (refs or message["content"].strip()):
         raise ChatError(f"{where}: empty content")
     ignored = {f"{key}[].{k}" for k in turn if k not in (role_key, text_key, *MESSAGE_FIELDS)}
-    return message, ignored, emitted
+    return message, ignored, emitted, refs
 
 
 def conversation(obj: dict, default_kwargs: dict, require_reply: bool = True) -> Chat:
@@ -166,7 +179,7 @@ def conversation(obj: dict, default_kwargs: dict, require_reply: bool = True) ->
     if not isinstance(turns, list) or not turns:
         raise ChatError(f"'{key}' must be a non-empty list of turns")
     parsed = [_message(turn, n, len(turns), key) for n, turn in enumerate(turns, start=1)]
-    messages = [m for m, _, _ in parsed]
+    messages = [m for m, *_ in parsed]
     if require_reply and not any(m["role"] == "assistant" for m in messages):
         raise ChatError(f"no assistant turn in '{key}': nothing to learn from")
     tools = obj.get("tools")
@@ -177,9 +190,10 @@ def conversation(obj: dict, default_kwargs: dict, require_reply: bool = True) ->
         raise ChatError("chat_template_kwargs must be an object")
     if reserved := sorted(RESERVED_KWARGS & set(kwargs)):
         raise ChatError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-    ignored = set().union(*(i for _, i, _ in parsed)) | {k for k in obj if k not in (key, *LINE_FIELDS)}
-    emitted = {k: calls for k, (_, _, calls) in enumerate(parsed) if calls}
-    return Chat(messages, tools or None, {**default_kwargs, **kwargs}, ignored, emitted)
+    ignored = set().union(*(i for _, i, _, _ in parsed)) | {k for k in obj if k not in (key, *LINE_FIELDS)}
+    emitted = {k: calls for k, (_, _, calls, _) in enumerate(parsed) if calls}
+    media = [(k, *ref) for k, (*_, refs) in enumerate(parsed) for ref in refs]
+    return Chat(messages, tools or None, {**default_kwargs, **kwargs}, ignored, emitted, media)
 
 
 def _without(message: dict, keys: tuple[str, ...]) -> dict:
@@ -198,12 +212,30 @@ class ChatEncoder:
 
     def __init__(self, target_dir: str | Path, template_kwargs: dict | None = None):
         self.tokenizer = TargetTokenizer(target_dir)
+        self.target_dir = Path(target_dir)
         self.default_kwargs = dict(template_kwargs or {})   # checked by the config (RESERVED_KWARGS)
 
-    def encode(self, obj: dict, regenerating: bool = False) -> Encoded:
+    @functools.cached_property
+    def media_reader(self) -> MediaReader:
+        return MediaReader(self.target_dir)   # read at the first line with media: text-only targets need no config
+
+    def _media(self, chat: Chat, base: Path | None) -> tuple[Chat, Media | None]:
+        """The line's media decoded (`base`: the data file's directory), and the chat with its videos' prompts."""
+        if not chat.media:
+            return chat, None
+        media = self.media_reader.read(chat.media, Path(base or "."))
+        return dataclasses.replace(chat, videos=media.videos), media
+
+    def _expand(self, ids: np.ndarray, arrays: list[np.ndarray], media: Media) -> tuple:
+        """`ids` and the per-token `arrays` with each pad expanded to its media's tokens; (start, item) per item."""
+        counts, starts = expand(ids, media.items, self.media_reader.pad_id)
+        return np.repeat(ids, counts), [np.repeat(a, counts) for a in arrays], list(zip(starts, media.items))
+
+    def encode(self, obj: dict, regenerating: bool = False, base: Path | None = None) -> Encoded:
         """The sequences of a {"messages"} or {"conversations"} line: replies share one sequence while the template
-        renders the earlier ones unchanged before the next; `regenerating`: also while it would keep their reasoning."""
-        chat = conversation(obj, self.default_kwargs)
+        renders the earlier ones unchanged before the next; `regenerating`: also while it would keep their reasoning.
+        `base`: where the line's media paths are read from."""
+        chat, media = self._media(conversation(obj, self.default_kwargs), base)
         render = self._renderer(chat)
         out = Encoded([], ignored=set(chat.ignored))
         groups: list[tuple[str, list[int], list[Reply]]] = []   # (text, reply bounds, replies)
@@ -231,27 +263,52 @@ class ChatEncoder:
             kinds = np.zeros(len(ids), dtype=np.uint8)
             for reply, start, end, token_starts in zip(replies, cuts[0::2], cuts[1::2], starts):
                 kinds[start:end] = _kinds(reply, token_starts, end - start)
+            ids, placed = np.asarray(ids, dtype=np.int32), []
+            if media is not None:
+                ids, (kinds,), placed = self._expand(ids, [kinds], media)
             if out.sequences:
                 previous = out.sequences[-1][0]
-                out.repeated += len(os.path.commonprefix([previous[:len(ids)].tolist(), ids[:len(previous)]]))
-            out.sequences.append((np.asarray(ids, dtype=np.int32), (kinds > 0).astype(np.uint8)))
+                out.repeated += len(os.path.commonprefix([previous[:len(ids)].tolist(), ids[:len(previous)].tolist()]))
+            out.sequences.append((ids, (kinds > 0).astype(np.uint8)))
             out.kinds.append(kinds)
+            out.media.append(placed)
+        if media is not None:
+            last = max(k for k, m in enumerate(chat.messages) if m["role"] == "assistant")
+            self._check_all_placed(len(out.media[-1]), sum(owner < last for owner in media.owners))
         out.unrendered |= self._unrendered_context(chat, render)
         out.missing = {name for name in ID_FIELDS if any(_lacks(m, name) for m in chat.messages) and PROBE in
                        render([_probe_id(m, name) if _lacks(m, name) else m for m in chat.messages], False)}
         return out
 
-    def encode_prompt(self, obj: dict) -> np.ndarray:
+    def encode_prompt(self, obj: dict, base: Path | None = None) -> np.ndarray:
         """int32 ids of a chat line as a prompt: a trailing assistant turn dropped, the generation prompt added."""
-        chat = conversation(obj, self.default_kwargs, require_reply=False)
+        return self.encode_prompt_media(obj, base)[0]
+
+    def encode_prompt_media(self, obj: dict, base: Path | None = None) -> tuple[np.ndarray, list[tuple]]:
+        """encode_prompt's ids, and (pad start, MediaItem) of each of its media."""
+        chat, media = self._media(conversation(obj, self.default_kwargs, require_reply=False), base)
         messages = chat.messages[:-1] if chat.messages[-1]["role"] == "assistant" else chat.messages
         if not messages:
             raise ChatError("only an assistant turn: no prompt to reply to")
-        return np.asarray(self.tokenizer.encode(self._renderer(chat)(messages, True)), dtype=np.int32)
+        ids = np.asarray(self.tokenizer.encode(self._renderer(chat)(messages, True)), dtype=np.int32)
+        if media is None:
+            return ids, []
+        ids, _, placed = self._expand(ids, [], media)
+        self._check_all_placed(len(placed), sum(owner < len(messages) for owner in media.owners))
+        return ids, placed
+
+    @staticmethod
+    def _check_all_placed(placed: int, given: int) -> None:
+        if placed != given:
+            raise ChatError(f"the chat template writes {placed} <|media_pad|> placeholder(s) for {given} image(s) "
+                            "or video chunk(s): placeholders and media disagree (does the template render media "
+                            "parts?)")
 
     def _renderer(self, chat: Chat):
-        return lambda messages, add_generation_prompt: self.tokenizer.render(
-            messages, add_generation_prompt, chat.tools, chat.kwargs)
+        def render(messages: list[dict], add_generation_prompt: bool) -> str:
+            text = self.tokenizer.render(messages, add_generation_prompt, chat.tools, chat.kwargs)
+            return with_videos(text, chat.videos, self.media_reader.video_placeholder) if chat.videos else text
+        return render
 
     def _separator(self, chat: Chat, k: int) -> str:
         """The whitespace the template writes after any reply (ChatML's newline): it belongs to the next context.
@@ -307,8 +364,8 @@ class ChatEncoder:
         """Whether turn k's context renders the reasoning of the reply before it, where that reply (regenerated)
         would carry reasoning in this template's format."""
         j = max(i for i in range(k) if chat.messages[i]["role"] == "assistant")
-        probed = Chat([dict(m, reasoning_content=PROBE, reasoning=PROBE) if i == j else m
-                       for i, m in enumerate(chat.messages)], chat.tools, chat.kwargs, chat.ignored, chat.emitted)
+        probed = dataclasses.replace(chat, messages=[dict(m, reasoning_content=PROBE, reasoning=PROBE) if i == j else m
+                                                     for i, m in enumerate(chat.messages)])
         render = self._renderer(probed)
         if "reasoning" not in self._reply(probed, j, render(probed.messages[:j], True), "").spans:
             return True

@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from eagle3.data.chat import CATEGORIES, count_kinds
+from eagle3.data.media import content_parts, place
 from eagle3.errors import InputError
+from eagle3.models.vision import MediaItem
 
 
 @dataclass
@@ -24,6 +26,7 @@ class Record:
     input_ids: np.ndarray      # int32 [n]
     loss_mask: np.ndarray      # uint8 [n]
     part: int = 0              # the sequence's index among its line's (a chat line may give several)
+    media: list[MediaItem] = field(default_factory=list)   # its images / video chunks, in order of their placeholders
 
 
 LOST_SHARE = 0.05   # a larger share of the trained tokens cut off by data.max_seq_len is warned about loudly
@@ -115,6 +118,7 @@ class ChatStats:
                  "within data.max_seq_len: not extracted"] * bool(self.dropped_parts))
 
 
+MEDIA_COUNTS = ("images", "video_chunks", "media_tokens")
 DROPPED = {"prompt": "the prompt before their first reply is longer than data.max_seq_len",
            "no_loss": "their loss_mask is all 0"}
 
@@ -134,6 +138,7 @@ class InputStats:
     first_dropped: dict = field(default_factory=dict)      # reason -> the first line dropped for it
     prompts: list[int] = field(default_factory=list)       # [shortest, longest] prompt of the lines dropped for it
     masked: Counter = field(default_factory=Counter)       # pre-tokenized loss tokens: trained / lost
+    media: Counter = field(default_factory=Counter)        # images / video_chunks / media_tokens extracted
     chat: ChatStats = field(default_factory=ChatStats)
 
     @property
@@ -158,6 +163,7 @@ class InputStats:
                 "skipped_line_numbers": self.skipped_lines[:1000], "dropped_lines": dict(self.dropped),
                 "dropped_line_numbers": self.dropped_lines[:1000], "truncated": self.truncated,
                 "trained_tokens": self.tokens("trained"), "lost_tokens": self.tokens("lost"),
+                **({"media": {k: self.media[k] for k in MEDIA_COUNTS}} if self.media else {}),
                 **({"chat": self.chat.summary()} if self.chat.lines else {})}
 
     def describe(self) -> str:
@@ -165,7 +171,9 @@ class InputStats:
         text = (f"{self.lines:,} lines: {self.used:,} used as {self.sequences:,} sequences ({self.truncated:,} cut at "
                 f"data.max_seq_len {self.max_seq_len:,}), {self.skipped:,} skipped, "
                 f"{sum(self.dropped.values()):,} dropped with nothing to train")
-        return text + "".join(f"; {n:,} because {self._reason(why)}" for why, n in sorted(self.dropped.items()))
+        text += "".join(f"; {n:,} because {self._reason(why)}" for why, n in sorted(self.dropped.items()))
+        return text + (f"; media: {self.media['images']:,} images, {self.media['video_chunks']:,} video chunks, "
+                       f"{self.media['media_tokens']:,} media tokens" if self.media else "")
 
     def _reason(self, why: str) -> str:
         """Why lines were dropped; the prompts' sizes against data.max_seq_len."""
@@ -237,26 +245,41 @@ def _parse_tokens(obj: object, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
-def _line(number: int, raw: bytes, vocab_size: int, chat: Callable, regenerating: bool) -> tuple:
-    """One line: ("ok", [(ids, mask, kinds or None)], the chat line's Encoded or None), ("bad", why) for a line that
-    cannot be used, or ("fatal", why) for a tokenizer or template that cannot be (every chat line would fail)."""
+def token_media(obj: dict, ids: np.ndarray, chat: Callable, base: Path) -> list[tuple]:
+    """(pad start, MediaItem) of a pre-tokenized line's `media` (the content parts its pads stand for, in order)."""
+    parts = obj.get("media")
+    if parts is None:
+        return []
+    if not isinstance(parts, list):
+        raise ValueError("'media' must be a list of image_url / video_url content parts")
+    _, refs = content_parts(parts, "media")
+    reader = chat().media_reader
+    return place(ids, reader.read([(0, *ref) for ref in refs], base).items, reader.pad_id)
+
+
+def _line(number: int, raw: bytes, vocab_size: int, chat: Callable, regenerating: bool, base: Path) -> tuple:
+    """One line: ("ok", [(ids, mask, kinds or None, [(pad start, MediaItem)])], the chat line's Encoded or None),
+    ("bad", why) for a line that cannot be used, or ("fatal", why) for a tokenizer or template that cannot be (every
+    chat line would fail). `base`: the data file's directory, where media paths are read from."""
     try:
         obj = json.loads(utf8(raw))
         if not is_chat(obj):
-            return "ok", [(*_parse_tokens(obj, vocab_size), None)], None
-        encoded = chat().encode(obj, regenerating)
+            ids, mask = _parse_tokens(obj, vocab_size)
+            return "ok", [(ids, mask, None, token_media(obj, ids, chat, base))], None
+        encoded = chat().encode(obj, regenerating, base)
         for ids, _ in encoded.sequences:
             if len(ids) < 2:
                 raise ValueError(f"conversation of {len(ids)} tokens; at least 2 are needed")
             check_chat_ids(ids, vocab_size)
-        return "ok", [(ids, mask, kinds) for (ids, mask), kinds in zip(encoded.sequences, encoded.kinds)], encoded
+        return "ok", [(ids, mask, kinds, media) for (ids, mask), kinds, media in
+                      zip(encoded.sequences, encoded.kinds, encoded.media)], encoded
     except InputError as e:
         return "fatal", str(e)
     except Exception as e:   # noqa: BLE001 - any failure of one line (JSON, bytes, template) is that line's
         return "bad", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
 
-_POOL_JOB: tuple = ()   # (vocab_size, chat, regenerating) of the pool being forked: its workers read it
+_POOL_JOB: tuple = ()   # (vocab_size, chat, regenerating, base) of the pool being forked: its workers read it
 
 
 def _pool_line(job: tuple[int, bytes]) -> tuple:
@@ -269,9 +292,9 @@ def _parsed(path: Path, vocab_size: int, chat: Callable, regenerating: bool, wor
     global _POOL_JOB
     jobs = json_lines(path, "data.path")
     if workers <= 1 or sys.platform != "linux" or path.stat().st_size < POOL_BYTES:
-        yield from ((number, _line(number, raw, vocab_size, chat, regenerating)) for number, raw in jobs)
+        yield from ((number, _line(number, raw, vocab_size, chat, regenerating, path.parent)) for number, raw in jobs)
         return
-    _POOL_JOB = (vocab_size, chat, regenerating)
+    _POOL_JOB = (vocab_size, chat, regenerating, path.parent)
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         numbered = list(jobs)
         yield from zip((n for n, _ in numbered), pool.imap(_pool_line, numbered, chunksize=16))
@@ -314,23 +337,33 @@ def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: 
 def _add(stats: InputStats, number: int, sequences: list[tuple], encoded, records: list[Record]) -> None:
     """A line's sequences cut at data.max_seq_len into `records`, those left with nothing to train left out (the
     whole line when none is left), and counted in `stats`."""
+    # (ids, mask, kinds, media) cut, beside the length before the cut
+    kept = [(_cut(ids, mask, kinds, media, stats.max_seq_len), len(ids)) for ids, mask, kinds, media in sequences]
+    kept = [(cut, length) for cut, length in kept if cut[1].any()]
     n = stats.max_seq_len
-    # (ids, mask, kinds) cut, beside the length before the cut
-    kept = [((ids[:n], mask[:n], None if kinds is None else kinds[:n]), len(ids))
-            for ids, mask, kinds in sequences if mask[:n].any()]
     if encoded is not None:
         # a reply cut short: its run of loss tokens goes on past the cut
         stats.chat.add(number, encoded, [c[2] for c, _ in kept],
-                       sum(len(mask) > n and bool(mask[n - 1] and mask[n]) for _, mask, _ in sequences))
+                       sum(len(mask) > n and bool(mask[n - 1] and mask[n]) for _, mask, _, _ in sequences))
     else:
         trained = sum(int(c[1].sum()) for c, _ in kept)
-        stats.masked.update(trained=trained, lost=sum(int(m.sum()) for _, m, _ in sequences) - trained)
+        stats.masked.update(trained=trained, lost=sum(int(m.sum()) for _, m, _, _ in sequences) - trained)
     if not kept:
-        starts = [int(np.argmax(mask)) for _, mask, _ in sequences if mask.any()]
+        starts = [int(np.argmax(mask)) for _, mask, _, _ in sequences if mask.any()]
         stats.drop(number, "prompt" if starts else "no_loss", min(starts) if starts else None)
         return
     stats.truncated += sum(len(c[0]) < length for c, length in kept)
-    records += [Record(number, ids, mask, part) for part, ((ids, mask, _), _) in enumerate(kept)]
+    for item in (item for (_, _, _, media), _ in kept for item in media):
+        stats.media.update({"images" if item.kind == "image" else "video_chunks": 1, "media_tokens": item.tokens})
+    records += [Record(number, ids, mask, part, media) for part, ((ids, mask, _, media), _) in enumerate(kept)]
+
+
+def _cut(ids: np.ndarray, mask: np.ndarray, kinds, media: list[tuple], n: int) -> tuple:
+    """A sequence cut at `n` tokens, or before the pads of a media item the cut would split (the vision tower
+    sees whole images): (ids, mask, kinds, the MediaItems left whole)."""
+    split = [start for start, item in media if start < n < start + item.tokens]
+    n = split[0] if split else n
+    return ids[:n], mask[:n], None if kinds is None else kinds[:n], [item for start, item in media if start < n]
 
 
 def json_lines(path: Path, key: str) -> Iterator[tuple[int, bytes]]:

@@ -48,6 +48,8 @@ def shard_tensors(records: list[Record], out: dict[str, torch.Tensor], aux_dtype
                "target_argmax": out["target_argmax"].to(torch.int32)}
     if aux_dtype == "float8_e4m3fn":
         tensors.update(encode_aux_fp8(out["aux_hidden"]))
+    if "media_embeds" in out:   # the target's vision rows, in placeholder order: the draft's input under SGLang's rule
+        tensors["media_embeds"] = out["media_embeds"].to(torch.bfloat16)
     return tensors
 
 
@@ -119,6 +121,8 @@ class ShardReader:
                 raise DataError(f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']} "
                                 f"(truncated or replaced); {REDO}")
         self._handles: dict[int, object] = {}
+        self.media_pad = self.manifest.get("media_pad_id")   # set when the target has a vision tower
+        self._media_before: dict[int, dict[int, int]] = {}   # shard -> {a sequence's first row: pads before it}
         self.sequences: list[SeqRef] = []
         for s in range(len(self.files)):
             cu = self._handle(s).get_tensor("cu_seqlens").tolist()
@@ -136,7 +140,7 @@ class ShardReader:
         """`refs` packed into one batch with its own cu_seqlens (fp8 shards add `aux_scale`: `Batch.to` decodes);
         `pin`: gathered straight from the mapped files into pinned memory, one copy instead of two; `rows(T)`: only
         the packed rows [start, end) it gives are read (a context-parallel rank's, `eagle3.data.batch.window`)."""
-        keys = [k for k in self._handle(0).keys() if k != "cu_seqlens"]
+        keys = [k for k in self._handle(0).keys() if k not in ("cu_seqlens", "media_embeds")]
         cu = torch.tensor([0] + [r.length for r in refs], dtype=torch.int64).cumsum(0)
         T = int(cu[-1])
         start, end = (0, T) if rows is None else rows(T)
@@ -147,7 +151,26 @@ class ShardReader:
             parts = [self._handle(r.shard).get_slice(k)[r.start + a:r.start + b] for r, a, b in pieces]
             out = torch.empty(sum(len(p) for p in parts), *parts[0].shape[1:], dtype=parts[0].dtype, pin_memory=pin)
             batch[k] = torch.cat(parts, out=out)
-        return Batch(**batch, cu_seqlens=cu, part=None if rows is None else Part(start, T))
+        return Batch(**batch, cu_seqlens=cu, part=None if rows is None else Part(start, T),
+                     media_embeds=self._media(pieces))
+
+    def _media(self, pieces: list) -> torch.Tensor | None:
+        """The vision rows of the pieces' placeholders, in order; None when their shards hold none."""
+        if self.media_pad is None:
+            return None
+        parts = []
+        for r, a, b in pieces:
+            shard = self._handle(r.shard)
+            if "media_embeds" not in shard.keys():
+                continue
+            if r.shard not in self._media_before:   # one count per sequence, kept; the shard's ids read once
+                ids, cu = shard.get_tensor("input_ids"), shard.get_tensor("cu_seqlens")
+                before = torch.cat([cu.new_zeros(1), (ids == self.media_pad).long().cumsum(0)])[cu[:-1]]
+                self._media_before[r.shard] = dict(zip(cu[:-1].tolist(), before.tolist()))
+            pads = shard.get_slice("input_ids")[r.start:r.start + b] == self.media_pad   # the sequence's, up to b
+            first = self._media_before[r.shard][r.start] + int(pads[:a].sum())
+            parts.append(shard.get_slice("media_embeds")[first:first + int(pads[a:].sum())])
+        return torch.cat(parts) if parts else None
 
 
 def check_manifest(manifest: dict, target: TextConfig, aux_ids: list[int], where: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 from eagle3.ops import rms_norm
 from eagle3.models.weights import Checkpoint
 from eagle3.models.attention import cached_attention, padded_cached_attention
-from eagle3.models.streaming import build_model, check_tensors
+from eagle3.models.streaming import MediaInputs, build_model, check_tensors
 
 # chunks up to this long attend batched, padded to a power of two; longer ones (prompts, few) one at a time
 SHORT_MAX = 64
@@ -65,11 +65,12 @@ class KVPool:
 
 
 class SequenceCache:
-    """One sequence's slot in the pool and how many positions it holds; dropped, the slot is freed."""
-    __slots__ = ("slot", "length", "__weakref__")
+    """One sequence's slot in the pool and how many positions it holds; dropped, the slot is freed. `rows`: the
+    vision tower's rows [M, H] for the media pads it has yet to see, in order."""
+    __slots__ = ("slot", "length", "rows", "__weakref__")
 
-    def __init__(self, pool: KVPool):
-        self.slot, self.length = pool.acquire(), 0
+    def __init__(self, pool: KVPool, rows: torch.Tensor | None = None):
+        self.slot, self.length, self.rows = pool.acquire(), 0, rows
         weakref.finalize(self, pool.release, self.slot).atexit = False   # nothing to free at exit
 
 
@@ -198,9 +199,11 @@ class IncrementalTarget:
         self.head = ckpt.get("lm_head.weight").to(device, dtype)
         self.eps = ckpt.config.rms_norm_eps
         self.pool = KVPool(len(self.layers))
+        self.media = MediaInputs(ckpt, device, dtype)
 
-    def new_cache(self) -> SequenceCache:
-        return SequenceCache(self.pool)
+    def new_cache(self, media: list = ()) -> SequenceCache:
+        """A sequence's cache; `media`: the MediaItems of its prompt's pads, run through the vision tower now."""
+        return SequenceCache(self.pool, self.media.features(media) if media else None)
 
     def fresh_pool(self) -> None:
         """A new, empty KV pool: the next batch sizes it (slots x capacity) on its own, not on earlier batches'
@@ -220,7 +223,7 @@ class IncrementalTarget:
     def _pass(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> list[tuple]:
         lengths = [c.numel() for c in chunks]
         layout = PassLayout(self.pool, caches, lengths, self.device)
-        h = self.embed[torch.cat(chunks).to(self.device)]
+        h = self._embed(chunks, caches)
         captured = {}
         for i, weights in enumerate(self.layers):
             h = self.model.layer_forward(weights, h, layout.positions, layout.cu, cache=LayerPass(self.pool, i, layout))
@@ -231,6 +234,19 @@ class IncrementalTarget:
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         final = rms_norm(h, self.norm, self.eps)
         return list(zip(aux.split(lengths), final.split(lengths)))
+
+    def _embed(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> torch.Tensor:
+        """The chunks' token embeddings, the caches' next vision rows at their prompts' media pads: only those, as
+        the engines place them (a reply that samples the pad id embeds it as a token)."""
+        ids = torch.cat(chunks).to(self.device)
+        h, offset = self.embed[ids], 0
+        for chunk, cache in zip(chunks, caches):
+            if cache.rows is not None and len(cache.rows):
+                where = (chunk == self.media.config.pad_id).nonzero().squeeze(1)[:len(cache.rows)]
+                h[offset + where.to(self.device)] = cache.rows[:len(where)].to(h.dtype)
+                cache.rows = cache.rows[len(where):]
+            offset += len(chunk)
+        return h
 
     def greedy(self, final: torch.Tensor) -> torch.Tensor:
         return self.logits(final).argmax(-1)

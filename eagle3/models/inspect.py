@@ -7,6 +7,7 @@ import torch
 from eagle3.models import quant
 from eagle3.models.weights import Checkpoint
 from eagle3.models.streaming import build_model, check_tensors
+from eagle3.models.vision import describe_cost, target_vision, vision_tensor_names
 
 
 def inspect(target: str) -> dict:
@@ -50,6 +51,9 @@ def inspect(target: str) -> dict:
                                                "fp8": sum(n.endswith("." + quant.FP8_SCALE) for n in needed),
                                                "mxfp4": sum(n.endswith("_blocks") for n in needed)},
                          "skipped_tensors": sum(skipped.values()), "skipped": skipped}
+    if vision := target_vision(ckpt):   # read by the vision tower when the data has images or video
+        report["vision"] = {"tensors": len(vision_tensor_names(ckpt.weight_map)), "media_pad_id": vision.pad_id,
+                            "cost": describe_cost(vision)}
     report.update(ckpt.outer_tensors())
     return report
 

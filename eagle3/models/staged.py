@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from eagle3.models.weights import Checkpoint
-from eagle3.models.streaming import build_model, check_tensors, final_norm, greedy_argmax, run_layers, split_chunks
+from eagle3.models.streaming import (MediaInputs, build_model, check_tensors, final_norm, greedy_argmax, run_layers,
+                                     split_chunks)
 
 
 class StagedTarget:
@@ -24,11 +25,14 @@ class StagedTarget:
         self.embed = ckpt.get("embed_tokens.weight").to(device, dtype) if first else None
         self.norm = ckpt.get("norm.weight").to(device, dtype) if last else None
         self.head = ckpt.get("lm_head.weight").to(device, dtype) if last else None
+        self.media = MediaInputs(ckpt, device, dtype)   # each rank its own batches' vision rows, for stage 0
 
     @torch.no_grad()
-    def run(self, batches: list[tuple[torch.Tensor, list[int]]], group) -> list[dict[str, torch.Tensor] | None]:
-        """This rank's micro-batches ((ids, cu_seqlens), as many on every rank) -> `TargetRunner.run`'s, or None."""
-        mine = [(ids.tolist(), list(cu)) for ids, cu in batches]
+    def run(self, batches: list[tuple], group) -> list[dict[str, torch.Tensor] | None]:
+        """This rank's micro-batches ((ids, cu_seqlens[, media]), as many on every rank) -> `TargetRunner.run`'s, or
+        None; the vision rows travel to stage 0 with the ids."""
+        mine = [(ids.tolist(), list(cu), self.media.features(media[0] if media else ()).cpu())
+                for ids, cu, *media in batches]
         gathered = [mine] * self.world   # one process: one stage, no messages
         if dist.is_initialized():
             dist.all_gather_object(gathered, mine, group=group)
@@ -42,21 +46,23 @@ class StagedTarget:
             b = tick - self.rank
             h = self._forward(b, metas[b], arriving.pop(b, None), kept) if self._runs(b, metas) else None
             self._exchange(tick, metas, h, kept, arriving, group)
-        return [self._result(a * self.world + self.rank, kept) if meta[0] else None for a, meta in enumerate(mine)]
+        return [self._result(a * self.world + self.rank, kept, meta[2]) if meta[0] else None
+                for a, meta in enumerate(mine)]
 
-    def _result(self, b: int, kept: dict) -> dict[str, torch.Tensor]:
+    def _result(self, b: int, kept: dict, media: torch.Tensor) -> dict[str, torch.Tensor]:
         aux = torch.cat([kept[("aux", b, i)] for i in self.aux_layer_ids], dim=-1)
         return {"aux_hidden": aux.cpu(), "final_hidden": kept[("final", b, None)].cpu(),
-                "target_argmax": kept[("argmax", b, None)].cpu()}
+                "target_argmax": kept[("argmax", b, None)].cpu(), **({"media_embeds": media} if len(media) else {})}
 
     def _runs(self, b: int, metas: list) -> bool:
         return 0 <= b < len(metas) and len(metas[b][0]) > 0
 
     def _forward(self, b: int, meta: tuple, h: torch.Tensor | None, kept: dict) -> torch.Tensor:
         """This stage's layers on batch b, `chunk_tokens` at a time -> the activation; outputs to `kept`."""
-        ids, cu = meta
+        ids, cu, media = meta
         if self.rank == 0:
-            h = self.embed[torch.tensor(ids).to(self.device, non_blocking=True)]
+            h = self.media.embed(self.embed, torch.tensor(ids).to(self.device, non_blocking=True),
+                                 media.to(self.device))
         outs, aux = [], {}
         for first, last in split_chunks(cu, self.chunk_tokens):
             x, captured = run_layers(self.model, self.layers.items(), h[cu[first]:cu[last]],

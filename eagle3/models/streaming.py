@@ -10,6 +10,7 @@ from eagle3.ops import positions_from_cu_seqlens, rms_norm
 from eagle3.models.attention import Prefix
 from eagle3.models.weights import Checkpoint, TargetError
 from eagle3.models.families import build_model
+from eagle3.models.vision import MediaItem, VisionConfig, VisionTower, merge_media, target_vision
 
 
 def check_tensors(ckpt: Checkpoint, model) -> list[str]:
@@ -65,17 +66,24 @@ class TargetRunner:
         self.norm = ckpt.get("norm.weight").to(device, dtype)
         self.head = ckpt.get("lm_head.weight").to(device, dtype)
         self._pool = ThreadPoolExecutor(max_workers=1)
+        self.media = MediaInputs(ckpt, device, dtype)
 
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor, cu_seqlens: list[int]) -> dict[str, torch.Tensor]:
-        """input_ids [T], cu_seqlens (python ints) -> CPU aux [T, 3H], final [T, H], argmax [T] int32."""
+    def run(self, input_ids: torch.Tensor, cu_seqlens: list[int],
+            media: list[MediaItem] = ()) -> dict[str, torch.Tensor]:
+        """input_ids [T], cu_seqlens (python ints), the sequences' media in order -> CPU aux [T, 3H], final [T, H],
+        argmax [T] int32 (and with media, `media_embeds` [M, H]: the fused rows written at the placeholders)."""
         cu = cu_seqlens
-        outs = [self._run_chunk(input_ids[cu[a]:cu[b]], [c - cu[a] for c in cu[a:b + 1]])
-                for a, b in split_chunks(cu, self.chunk_tokens)]
-        return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+        features = self.media.features(media)
+        rows = self.media.rows(input_ids, cu, features)
+        outs = [self._run_chunk(input_ids[cu[a]:cu[b]], [c - cu[a] for c in cu[a:b + 1]],
+                                features[rows[a]:rows[b]]) for a, b in split_chunks(cu, self.chunk_tokens)]
+        out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+        return out | ({"media_embeds": features.cpu()} if media else {})
 
-    def _run_chunk(self, ids: torch.Tensor, cu: list[int]) -> dict[str, torch.Tensor]:
-        h, captured = run_layers(self.model, enumerate(self._layers()), self.embed[ids.to(self.device, torch.long)],
+    def _run_chunk(self, ids: torch.Tensor, cu: list[int], features: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.media.embed(self.embed, ids.to(self.device, torch.long), features)
+        h, captured = run_layers(self.model, enumerate(self._layers()), h,
                                  cu, self.aux_layer_ids, self.chunk_tokens, to_host=True)
         final = final_norm(h, self.norm, self.model.cfg.rms_norm_eps, self.chunk_tokens)
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
@@ -97,6 +105,44 @@ class TargetRunner:
             yield weights
         if self.resident is not None:   # only a whole pass: one cut short by an error loads again
             self.resident = loaded
+
+
+class MediaInputs:
+    """The first layer's input with media: token embeddings, the vision tower's rows at the placeholders. The tower's
+    settings and weights are read at the first media item (a text-only run never reads them)."""
+
+    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
+        self.ckpt, self.device, self.dtype = ckpt, device, dtype
+        self._config: VisionConfig | None = None
+        self.tower: VisionTower | None = None
+
+    @property
+    def config(self) -> VisionConfig:
+        if self._config is None:
+            self._config = target_vision(self.ckpt)
+            if self._config is None:
+                raise TargetError(f"{self.ckpt.dir}: images or video given, but the target has no vision tower "
+                                  f"({self.ckpt.config.needs})")
+        return self._config
+
+    def features(self, media: list[MediaItem]) -> torch.Tensor:
+        """[sum of placeholders, H] in order ([0, H] without media)."""
+        if not media:
+            return torch.zeros(0, self.ckpt.config.hidden_size, device=self.device, dtype=self.dtype)
+        if self.tower is None:
+            self.tower = VisionTower(self.ckpt, self.config, self.device, self.dtype)
+        return self.tower.features(list(media))
+
+    def rows(self, ids: torch.Tensor, cu: list[int], features: torch.Tensor) -> list[int]:
+        """The feature rows before each sequence boundary: sequence i's are rows[i]..rows[i+1]."""
+        if features.shape[0] == 0:
+            return [0] * len(cu)
+        before = torch.cat([torch.zeros(1, dtype=torch.long), (ids == self.config.pad_id).long().cumsum(0)])
+        return before[torch.tensor(cu)].tolist()
+
+    def embed(self, table: torch.Tensor, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        h = table[ids]
+        return h if features.shape[0] == 0 else merge_media(h, ids, features, self.config.pad_id)
 
 
 def run_layers(model, layers, h: torch.Tensor, cu: list[int], aux_layer_ids: list[int], chunk_tokens: int,

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.models.quant import dequantize_mxfp4
+from eagle3.models.vision import expected_shapes, vision_config
 
 
 def start_target(out: str | Path, config: dict, seed: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128),
@@ -139,6 +140,37 @@ def make_chat_data(out: str | Path, conversations: int = 256, seed: int = 0, lon
     return out
 
 
+COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40)}
+SHAPES = ("circle", "square", "triangle")
+
+
+def make_image_chat(out: str | Path, conversations: int = 96, seed: int = 0) -> Path:
+    """Chat lines about pictures drawn here with Pillow (a colored shape on a plain ground, 56-140 px a side, saved
+    under images/ beside `out`) and, every other line, the same questions in words only; the replies placeholders
+    for `generate` to replace with the target's own."""
+    from PIL import Image, ImageDraw
+    out, rng = Path(out), torch.Generator().manual_seed(seed)
+    (out.parent / "images").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(conversations):
+        color, shape = list(COLORS)[i % len(COLORS)], SHAPES[(i // len(COLORS)) % len(SHAPES)]
+        if i % 2:
+            lines.append([{"type": "text", "text": f"Describe a {color} {shape} in a few words."}])
+            continue
+        w, h = (int(x) for x in torch.randint(56, 141, (2,), generator=rng))
+        image = Image.new("RGB", (w, h), (245, 245, 235))
+        box = (w // 5, h // 5, 4 * w // 5, 4 * h // 5)
+        draw = ImageDraw.Draw(image)
+        {"circle": draw.ellipse, "square": draw.rectangle}.get(shape, lambda b, fill: draw.polygon(
+            [(b[0], b[3]), (b[2], b[3]), ((b[0] + b[2]) // 2, b[1])], fill=fill))(box, fill=COLORS[color])
+        image.save(out.parent / "images" / f"{i}.png")
+        lines.append([{"type": "image_url", "image_url": {"url": f"images/{i}.png"}},
+                      {"type": "text", "text": "What is in this picture?"}])
+    out.write_text("".join(json.dumps({"messages": [{"role": "user", "content": content}, {
+        "role": "assistant", "content": "(the model's reply)"}]}) + "\n" for content in lines))
+    return out
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """int values -8..7 [out, in] -> compressed-tensors int32 [out, in/8]."""
     nib = (q.to(torch.int64) + 8).unflatten(-1, (-1, 8))
@@ -167,9 +199,22 @@ _KIMI_QUANT = {
     "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"}
 
 
+TINY_VISION = {"width": 32, "heads": 2, "layers": 2, "intermediate": 64, "pos_grid": 8}
+
+
+def kimi_vision_config(text_hidden: int, width: int, heads: int, layers: int, intermediate: int, pos_grid: int) -> dict:
+    """Kimi-K2.5's vision_config (the published keys and values) with small tower sizes."""
+    return {"init_pos_emb_height": pos_grid, "init_pos_emb_time": 4, "init_pos_emb_width": pos_grid,
+            "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mm_hidden_size": width,
+            "mm_projector_type": "patchmerger", "patch_size": 14, "pos_emb_type": "divided_fixed",
+            "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05, "text_hidden_size": text_hidden,
+            "video_attn_type": "spatial_temporal", "vt_hidden_size": width, "vt_intermediate_size": intermediate,
+            "vt_num_attention_heads": heads, "vt_num_hidden_layers": layers}
+
+
 def kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head, intermediate,
                     moe_intermediate, experts, top_k, n_group, topk_group, first_dense, vocab, yarn_original,
-                    yarn_factor) -> dict:
+                    yarn_factor, vision: dict = TINY_VISION) -> dict:
     """Kimi-K2.5's config.json layout (the real file's keys; its text config's value types too), small sizes."""
     # special ids sit in the top 256 of the vocab, as Kimi's 163584.. do
     ids = {"bos_token_id": vocab - 256, "eos_token_id": vocab - 255, "pad_token_id": vocab - 1}
@@ -195,7 +240,7 @@ def kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, q
     return {"architectures": ["KimiK25ForConditionalGeneration"], "auto_map": {}, **ids, "ignore_index": -100,
             "media_placeholder_token_id": vocab - 256 + 21, "model_type": "kimi_k25", "tie_word_embeddings": False,
             "use_unified_vision_chunk": True, "video_placeholder": "<|kimi_k25_video_placeholder|>",
-            "text_config": text, "vision_config": {"text_hidden_size": hidden}}   # the vision tower's: never read
+            "text_config": text, "vision_config": kimi_vision_config(hidden, **vision)}
 
 
 def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4, q_lora_rank: int | None = 32,
@@ -204,15 +249,15 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
               n_group: int = 1, topk_group: int = 1, first_dense: int = 1, vocab: int = 512,
               yarn_original: int = 128, yarn_factor: float = 32.0, shards: int = 3, seed: int = 0,
               layout: str = "kimi_k25", weights: str = "int4", block: tuple[int, int] = (128, 128),
-              scale_dtype: torch.dtype = torch.float32, mtp: int = 0) -> Path:
+              scale_dtype: torch.dtype = torch.float32, mtp: int = 0, vision: dict = TINY_VISION) -> Path:
     """A miniature DeepSeek-V3-family target as published, sharded. `layout`: "kimi_k25" (K2.5 / K2.6: `kimi_k25`
-    wrapper, `language_model.` prefix, vision tensors), "kimi_k2" (K2-Instruct / K2-Thinking: flat) or "deepseek_v3"
-    (V3 / R1 / V3.1: flat, `mtp` multi-token-prediction layers past the last). `weights`: "int4" (routed experts
-    pack-quantized, as K2-Thinking and K2.5), "fp8" (every decoder linear but the router in `block` blocks, as
-    K2-Instruct and V3) or "bf16"."""
+    wrapper, `language_model.` prefix, a vision tower and projector of `vision`'s sizes), "kimi_k2" (K2-Instruct /
+    K2-Thinking: flat) or "deepseek_v3" (V3 / R1 / V3.1: flat, `mtp` multi-token-prediction layers past the last).
+    `weights`: "int4" (routed experts pack-quantized, as K2-Thinking and K2.5), "fp8" (every decoder linear but the
+    router in `block` blocks, as K2-Instruct and V3) or "bf16"."""
     config = kimi_k25_config(hidden, layers, heads, q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head,
                              intermediate, moe_intermediate, experts, top_k, n_group, topk_group, first_dense,
-                             vocab, yarn_original, yarn_factor)
+                             vocab, yarn_original, yarn_factor, vision)
     text = config["text_config"]
     text["quantization_config"] = {"int4": _KIMI_QUANT, "fp8": {**FP8_QUANT, "weight_block_size": list(block)}
                                    }.get(weights)
@@ -226,10 +271,6 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
     dense_kind = "fp8" if weights == "fp8" else "bf16"
     t.update({m + "embed_tokens.weight": rand(vocab, hidden, std=1.0), m + "norm.weight": ones(hidden),
               head: rand(vocab, hidden, std=3 * hidden ** -0.5)})
-    if layout == "kimi_k25":
-        t.update({"vision_tower.patch_embed.proj.weight": rand(16, 3, 14, 14),
-                  "vision_tower.encoder.blocks.0.wqkv.weight": rand(48, 16),
-                  "mm_projector.proj.0.weight": rand(hidden, 64), "mm_projector.proj.0.bias": rand(hidden, std=0.02)})
     for i in range(layers + (mtp if layout == "deepseek_v3" else 0)):
         p, a = f"{m}layers.{i}.", f"{m}layers.{i}.self_attn."
         t[p + "input_layernorm.weight"] = ones(hidden)
@@ -257,8 +298,18 @@ def make_kimi(out: str | Path, hidden: int = 64, layers: int = 5, heads: int = 4
         mlp(p + "mlp.shared_experts.", hidden, moe_intermediate, dense_kind)
         for e in range(experts):
             mlp(f"{p}mlp.experts.{e}.", hidden, moe_intermediate, dense_kind if weights != "int4" else "int4")
+    if layout == "kimi_k25":   # last: the text weights do not depend on the tower
+        t.update(vision_tensors(config["vision_config"], rand, ones))
     save_sharded(t, out, shards)
     return out
+
+
+def vision_tensors(vc: dict, rand, ones) -> dict[str, torch.Tensor]:
+    """Random tensors of the vision tower and projector under their published names and shapes."""
+    shapes = expected_shapes(vision_config({"vision_config": vc}, "tiny"))
+    # norms about 1, biases small, the position grid and patch embedding about unit scale
+    return {n: (ones(s[0]) if "norm" in n and n.endswith("weight") else rand(*s, std=0.02) if n.endswith("bias")
+                else rand(*s, std=1.0) if "pos_emb" in n else rand(*s)) for n, s in shapes.items()}
 
 
 # Kimi-K2.5's special tokens by offset from its first special id (163584 in the real vocabulary)

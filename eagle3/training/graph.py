@@ -15,16 +15,18 @@ HIDDEN_MAX = 1024   # auto: graphs won at hidden 256, lost at 2048 (benchmarks/R
 
 
 def wanted(setting: bool | None, device: torch.device, world: int, online: bool, triton: bool,
-           hidden: int, source: str, say: bool = False) -> bool:
-    """Whether the run graphs its steps for debug.cuda_graphs = `setting` (None: auto); `say`: print why."""
+           hidden: int, source: str, say: bool = False, media: bool = False) -> bool:
+    """Whether the run graphs its steps for debug.cuda_graphs = `setting` (None: auto); `say`: print why; `media`:
+    the draft reads vision rows, a tensor of another size each batch."""
     if setting is False:
         return False
     blockers = [why for why, blocks in (("not on CUDA", device.type != "cuda"), ("several ranks (DDP)", world > 1),
                                         ("train.source = \"online\"", online),
-                                        ("not the Triton kernels", not triton)) if blocks]
+                                        ("not the Triton kernels", not triton),
+                                        ("draft.media_embedding = \"sglang\"", media)) if blocks]
     if blockers and setting:
-        raise ConfigError(f"{source}: debug.cuda_graphs = true needs one CUDA GPU, shards and the Triton "
-                          f"kernels, here: {', '.join(blockers)}; set it to auto or false")
+        raise ConfigError(f"{source}: debug.cuda_graphs = true needs one CUDA GPU, shards, the Triton kernels and "
+                          f"vLLM's media rule, here: {', '.join(blockers)}; set it to auto or false")
     off = (", ".join(blockers) if blockers else "ROCm: not measured there" if setting is None and torch.version.hip
            else f"draft hidden size {hidden} > {HIDDEN_MAX}: the GPU bounds the step"
            if setting is None and hidden > HIDDEN_MAX else None)

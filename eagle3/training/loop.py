@@ -26,6 +26,7 @@ from eagle3.data.shards import ShardReader, check_manifest, loss_token_counts
 from eagle3.draft import Eagle3Draft
 from eagle3.errors import TrainError
 from eagle3.export import ExportError, check_exportable, export_all, serving_commands
+from eagle3.models.vision import media_rule_pad
 from eagle3.models.weights import Checkpoint
 from eagle3.resolve import resolve
 from eagle3.training import context, graph, kernel_choice, memory, resume, run_dir
@@ -49,6 +50,7 @@ class Unroll:
     skip_dead_rows: bool       # debug.skip_dead_rows
     objective: Objective       # rows trained, the loss
     static: bool = False       # a CUDA graph's shapes (`eagle3.ttt.ttt_forward`)
+    media_pad: int | None = None   # draft.media_embedding = "sglang": the placeholder id that reads vision rows
 
     def evaluating(self) -> Unroll:
         """The same unroll measuring on assistant rows only, as evaluation does."""
@@ -70,7 +72,7 @@ class TTTModel(nn.Module):
     def forward(self, batch: Batch, unroll: Unroll, scale: float | torch.Tensor = 1.0):
         u = unroll
         return ttt_forward(self.draft, batch, u.embed, u.head_rows, u.steps, u.attention, u.loss_steps, u.decay,
-                           scale, u.skip_dead_rows, u.objective, u.static)
+                           scale, u.skip_dead_rows, u.objective, u.static, u.media_pad)
 
 
 # the draft's buffers (vocab maps, RoPE frequencies) are alike on every rank: no broadcast before each forward
@@ -273,11 +275,13 @@ class Trainer:
         self.unroll = Unroll(self.target.get("embed_tokens.weight").to(self.device, self.float_dtype),
                              target_rows.to(self.device, self.float_dtype), t.ttt_steps,
                              self.layout.attention(kernels.attention),
-                             kernels.loss_steps, t.loss_decay, cfg.debug.skip_dead_rows, objective)
+                             kernels.loss_steps, t.loss_decay, cfg.debug.skip_dead_rows, objective,
+                             media_pad=media_rule_pad(cfg.draft.media_embedding, self.target))
         self.eval_unroll = self.unroll.evaluating()
         self.graphed = pad_to = None
         if graph.wanted(cfg.debug.cuda_graphs, self.device, self.dist.world, self.online, "max_seqlen" in
-                        inspect.signature(kernels.attention).parameters, spec.hidden_size, cfg.source, self.dist.main):
+                        inspect.signature(kernels.attention).parameters, spec.hidden_size, cfg.source, self.dist.main,
+                        media=self.unroll.media_pad is not None):
             self.unroll, pad_to = self.unroll.graphed(longest), (t.batch_tokens, longest)
             self.graphed = GraphedStep(functools.partial(self._forward, self.model, training=True), self.device)
         self.feed = Feed(self.reader, self.plan, self.layout.data_rank, self.device, self.float_dtype,
