@@ -18,7 +18,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from kernels import tiles
+from eagle3.kernels import tiles
 
 # compute capabilities built per family, and the shared memory one block may use on each (bytes)
 TARGETS = {"large": (90, 100), "a100": (80, 87), "small": (86, 89, 120)}
@@ -32,7 +32,7 @@ _ATTENTION_TYPES = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV"
 def _kernel(name: str, config: tuple, capability: int):
     """(jit function, argument types, constexprs but the tiling's) of kernel `name`; the attention
     loads through TMA descriptors where a launch would (`uses_tma`: the "large" family)."""
-    attention = importlib.import_module("kernels.ttt_attention")
+    attention = importlib.import_module("eagle3.kernels.ttt_attention")
     fn = attention.KERNELS[name]
     tma = tiles.family(divmod(capability, 10)) == "large"
     descriptors = [a for a in attention.DESCRIPTOR_ROWS if a in fn.arg_names]
@@ -73,7 +73,7 @@ def compile_one(name: str, config: tuple, capability: int) -> int:
 
 def candidates(families: list[str]) -> list[tuple[str, str, tuple, int]]:
     """(kernel, family, config, capability) for every list entry of `families` and their GPUs."""
-    attention = importlib.import_module("kernels.ttt_attention")
+    attention = importlib.import_module("eagle3.kernels.ttt_attention")
     lists = {name: {f: attention.CONFIGS[f][name] for f in tiles.FAMILIES} for name in attention.KERNELS}
     return [(name, f, c, cc) for name, by_family in lists.items() for f in families
             for c in by_family[f] for cc in TARGETS[f]]

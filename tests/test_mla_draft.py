@@ -72,7 +72,7 @@ def rms(x, norm):
 
 
 def test_forward_equals_vllm_layer_math_with_transformers_attention():
-    from kernels.reference import ttt_attention
+    from eagle3.kernels.reference import ttt_attention
     draft = mla_draft(3)
     g = torch.Generator().manual_seed(1)
     T, H = 21, draft.spec.hidden_size
@@ -97,7 +97,7 @@ def test_forward_equals_vllm_layer_math_with_transformers_attention():
 
 def _grads(draft, attention):
     from eagle3.ttt import ttt_forward
-    from kernels.reference import ttt_loss_steps
+    from eagle3.kernels.reference import ttt_loss_steps
     from test_ttt import random_batch
     g = torch.Generator().manual_seed(5)
     draft.zero_grad()
@@ -108,8 +108,9 @@ def _grads(draft, attention):
 
 
 def interpreted_cases() -> None:
-    from kernels import reference, ttt_attention
-    from kernels.interpreter import INTERPRET
+    from eagle3.kernels import reference
+    from eagle3.kernels.ttt_attention import ttt_attention
+    from eagle3.kernels.interpreter import INTERPRET
     print(json.dumps({"case": "interpreted", "ok": INTERPRET}))
     draft = mla_draft(7)
     loss_ref, ref = _grads(draft, reference.ttt_attention)
@@ -144,7 +145,7 @@ def test_triton_ttt_attention_gives_the_eager_gradients(interpreted, case):
 def test_fp8_gemms_give_the_mla_draft_the_dense_gradients_to_fp8_precision():
     """train.float8 swaps every linear of the MLA layer too (its widths here multiples of 16, as fp8 GEMMs want)."""
     from eagle3 import float8
-    from kernels.reference import ttt_attention
+    from eagle3.kernels.reference import ttt_attention
     dense = mla_draft(2, dims=(16, 16, 16, 16, 16))
     fp8 = mla_draft(2, dims=(16, 16, 16, 16, 16))
     fp8.use_float8()
@@ -233,7 +234,7 @@ def test_a_published_layout_loads(tmp_path):
     eagle_config only (vLLM then reads them as its own, inputs of layers)."""
     from safetensors.torch import save_file
     from eagle3.draft_io import load_vllm_draft
-    from kernels.reference import ttt_attention
+    from eagle3.kernels.reference import ttt_attention
     draft = mla_draft(4, vocab=40)
     s = draft.spec
     config = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 16,
@@ -286,7 +287,7 @@ def test_exports_read_back_to_the_checkpoints_logits(mla_run):
     g = torch.Generator().manual_seed(0)
     T, H = 13, ours.spec.hidden_size
     aux, emb = torch.randn(T, 3 * H, generator=g), torch.randn(T, H, generator=g)
-    from kernels.reference import ttt_attention
+    from eagle3.kernels.reference import ttt_attention
 
     def logits(draft):
         with torch.no_grad():

@@ -10,9 +10,9 @@ import torch
 from benchmarks import moe
 from benchmarks import tiles as check
 from eagle3.bench import timing
-from kernels import tiles
+from eagle3.kernels import tiles
 
-ttt_attention = importlib.import_module("kernels.ttt_attention")   # the module (the package exports the function)
+ttt_attention = importlib.import_module("eagle3.kernels.ttt_attention")   # the module (the package exports the function)
 
 
 def test_moe_bench_runs_on_a_tiny_shape():

@@ -266,7 +266,7 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
             "host_syncs": len(syncs), "host_sync_sites": sorted(set(syncs)),
             "first_step_loss": [round(x, 4) for x in summarize(first)["loss"]],
             # the attention tuner's last picks, (BLOCK_M, BLOCK_N, warps, stages): what the step ran
-            "attention_configs": {name: importlib.import_module("kernels.ttt_attention").best_config(name)
+            "attention_configs": {name: importlib.import_module("eagle3.kernels.ttt_attention").best_config(name)
                                   for name in ("fwd", "dkdv", "dq")} if kernels != "torch" and cuda else None,
             "bench_s": round(time.perf_counter() - started)}
 

@@ -26,20 +26,20 @@ def choose(cfg: Config, device: torch.device, spec, draft_float8: bool, say: boo
     torch (`kernels.flex` on CUDA, the reference on the CPU); then train.float8_head. `say`: rank 0."""
     choice, head_dim = cfg.debug.kernels, spec.kernel_head_dim()
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
-        from kernels import ttt_loss_steps as plain
+        from eagle3.kernels.ttt_loss import ttt_loss_steps as plain
         if head_dim in TRITON_HEAD_DIMS:
-            from kernels import ttt_attention
+            from eagle3.kernels.ttt_attention import ttt_attention
         elif choice == "triton":
             raise TrainError(f"{cfg.source}: debug.kernels = \"triton\" needs draft.head_dim in {TRITON_HEAD_DIMS}, "
                              f"got {head_dim}; set debug.kernels = \"auto\" or \"torch\", or draft.head_dim")
         else:
             print(f"note: draft.head_dim = {head_dim} is not served by the Triton attention "
                   f"{TRITON_HEAD_DIMS}; using flex_attention", file=sys.stderr)
-            from kernels.flex import ttt_attention
+            from eagle3.kernels.flex import ttt_attention
     elif device.type == "cuda":
-        from kernels.flex import ttt_attention, ttt_loss_steps as plain
+        from eagle3.kernels.flex import ttt_attention, ttt_loss_steps as plain
     else:
-        from kernels.reference import ttt_attention, ttt_loss_steps as plain
+        from eagle3.kernels.reference import ttt_attention, ttt_loss_steps as plain
     loss_steps = float8.head_loss(cfg.train.float8_head, draft_float8, plain, device, spec, cfg.source, say,
                                   cfg.train.batch_tokens, agree)
     return Kernels(ttt_attention, loss_steps, loss_steps is not plain)
