@@ -19,14 +19,14 @@ import triton
 
 from eagle3.bench.attention import SHAPES, TOLERANCE, contender, fwd_bwd, make_case
 from eagle3.bench.timing import describe_device, free_memory, median_ms, rel_error, require_cuda, shape_labels
-from kernels import tiles
-from kernels.ttt_attention import CONFIGS, FALLBACK, ttt_attention
+from eagle3.kernels import tiles
+from eagle3.kernels.ttt_attention import CONFIGS, FALLBACK, ttt_attention
 
 _EXTRA = {"fwd": [(128, 64, 8, 4), (128, 128, 8, 2)], "dkdv": [(64, 128, 8, 4), (64, 64, 4, 3)],
           "dq": [(64, 64, 4, 3), (128, 32, 8, 4)]}
 SWEEP = {name: [c for c in tiles.union({f: CONFIGS[f][name] for f in CONFIGS}) if c != FALLBACK] + extra
          for name, extra in _EXTRA.items()}
-kernel_module = importlib.import_module("kernels.ttt_attention")   # the attribute of that name is the function
+kernel_module = importlib.import_module("eagle3.kernels.ttt_attention")   # the attribute of that name is the function
 
 
 @contextlib.contextmanager

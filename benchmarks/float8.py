@@ -11,7 +11,7 @@ import torch
 
 from eagle3.bench.timing import describe_device, median_ms
 from eagle3.float8 import E4M3, E5M2, scaled_mm
-from kernels import fp8_cast
+from eagle3.kernels import fp8_cast
 
 H, I, V, ROWS = 7168, 18432, 32000, 14336      # hidden, intermediate, draft vocab, rows of a layout-(a) TTT step
 # (name, a [m, k] cast, b [n, k], a's format); the loss's GEMMs (train.float8_head) over one chunk of rows

@@ -13,8 +13,8 @@ import functools
 
 from eagle3.bench.loss import SHAPES, Problem, all_steps, check, measure, per_step, print_checks, shape
 from eagle3.bench.timing import attempt, describe_device, free_memory, require_cuda, shape_labels
-from kernels.reference import LOSSES
-from kernels.reference import ttt_loss as reference_loss
+from eagle3.kernels.reference import LOSSES
+from eagle3.kernels.reference import ttt_loss as reference_loss
 
 
 def bench_shape(label: str, losses: list[str], results: dict, checks: list) -> None:

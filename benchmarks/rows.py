@@ -17,8 +17,8 @@ NORM_ROWS, NORM_WIDTH = [3000, 14000, 16384], 7168
 
 
 def bench_spread() -> None:
-    from kernels import reference
-    from kernels.rows import spread_rows
+    from eagle3.kernels import reference
+    from eagle3.kernels.rows import spread_rows
     for shape in SPREAD_SHAPES:
         src = torch.randn(SPREAD_ROWS, *shape, device="cuda", dtype=torch.bfloat16)
         index = torch.randperm(SPREAD_TOTAL, device="cuda")[:SPREAD_ROWS].sort().values
@@ -32,7 +32,7 @@ def bench_spread() -> None:
 
 
 def bench_norm() -> None:
-    from kernels.rms_norm import rms_norm as triton_norm
+    from eagle3.kernels.rms_norm import rms_norm as triton_norm
     contenders = {"triton": triton_norm, "compiled": compiled(rms_norm), "eager": rms_norm}
     for rows in NORM_ROWS:
         x = torch.randn(rows, NORM_WIDTH, device="cuda", dtype=torch.bfloat16, requires_grad=True)

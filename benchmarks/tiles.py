@@ -18,7 +18,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from kernels import tiles
+from eagle3.kernels import tiles
 
 # compute capabilities built per family, and the shared memory one block may use on each (bytes)
 TARGETS = {"large": (90, 100), "a100": (80, 87), "small": (86, 89, 120)}
@@ -30,16 +30,16 @@ _ATTENTION_TYPES = {**{n: "*bf16" for n in ("Q", "K", "V", "PE", "O", "DO", "DK"
                     "qk_scale": "fp32", "sm_scale": "fp32"}
 # the attention kernels checked: the GQA one (head dim 128, 8 query heads a KV head) and the MLA draft's (Kimi's
 # widths, 8 heads a dK/dV program), each at the trainer's shapes
-ATTENTION = {"kernels.ttt_attention": {"GROUP": 8, "HEAD_DIM": 128},
-             "kernels.mla_attention": {"GROUP": 8, "NOPE": 128, "ROPE": 64, "VDIM": 128, "ALIGN": 8}}
+ATTENTION = {"eagle3.kernels.ttt_attention": {"GROUP": 8, "HEAD_DIM": 128},
+             "eagle3.kernels.mla_attention": {"GROUP": 8, "NOPE": 128, "ROPE": 64, "VDIM": 128, "ALIGN": 8}}
 
 
-def _kernel(name: str, config: tuple, capability: int, module: str = "kernels.ttt_attention"):
+def _kernel(name: str, config: tuple, capability: int, module: str = "eagle3.kernels.ttt_attention"):
     """(jit function, argument types, constexprs but the tiling's) of `module`'s kernel `name`; the GQA
     attention loads through TMA descriptors where a launch would (`uses_tma`: the "large" family)."""
     attention = importlib.import_module(module)
     fn = attention.KERNELS[name]
-    if module != "kernels.ttt_attention":   # pointer loads only
+    if module != "eagle3.kernels.ttt_attention":   # pointer loads only
         constexprs = {**ATTENTION[module], "VARLEN": True, "UPCAST": False}
         return fn, _ATTENTION_TYPES, {k: v for k, v in constexprs.items() if k in fn.arg_names}
     tma = tiles.family(divmod(capability, 10)) == "large"
@@ -64,7 +64,7 @@ def _tiling(config: tuple) -> dict:
     return {"BLOCK_M": config[0], "BLOCK_N": config[1]}
 
 
-def compile_one(name: str, config: tuple, capability: int, module: str = "kernels.ttt_attention") -> int:
+def compile_one(name: str, config: tuple, capability: int, module: str = "eagle3.kernels.ttt_attention") -> int:
     """Shared memory (bytes) of one block of `module`'s kernel `name` with `config` built for sm_`capability`."""
     import triton
     from triton.backends.compiler import GPUTarget

@@ -29,7 +29,7 @@ from eagle3.models.vision import media_rule_pad
 from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.ttt import METRICS, Objective, summarize, ttt_forward
-from kernels.reference import ttt_attention, ttt_loss_steps
+from eagle3.kernels.reference import ttt_attention, ttt_loss_steps
 
 BUCKETS = [(0, 16), (16, 64), (64, 256), (256, 1024), (1024, None)]
 

@@ -34,7 +34,7 @@ def linears(x: torch.Tensor, *ws: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """t [..., k] -> (q [m16, k], qᵀ [k, m16], scale), reused inside `linear.casts_reused`: a weight for the
     scope, an activation until the next call (one input to k, v, q cast once)."""
-    from kernels import fp8_cast   # Triton on first use, as the other kernels
+    from eagle3.kernels import fp8_cast   # Triton on first use, as the other kernels
     fn = fp8_cast.to_fp8 if t.is_cuda else fp8_cast.to_fp8_reference
     slot = ("fp8", id(t)) if isinstance(t, torch.nn.Parameter) else ("fp8", "activation")
     return reused(slot, t, dtype, lambda: fn(t.detach(), dtype))
@@ -121,7 +121,7 @@ def head_loss(setting: bool | None, draft_float8: bool, loss_steps, device: torc
               say: bool = True, tokens: int = 16384, agree=bool):
     """train.float8_head -> the loss: `loss_steps`, or the Triton one with fp8 lm_head GEMMs; auto: on with
     train.float8 and the Triton loss on a GPU where the head's widths allow and it times faster at `tokens` rows."""
-    from kernels import ttt_loss_steps
+    from eagle3.kernels.ttt_loss import ttt_loss_steps
     triton_gpu = loss_steps is ttt_loss_steps and device.type == "cuda"
     dims = {"hidden_size": spec.hidden_size, "draft_vocab_size": spec.draft_vocab_size}
     if setting:
@@ -196,7 +196,7 @@ def _workload(part: str, spec, tokens: int, device: torch.device, fp8: bool):
     g = torch.Generator(device=device).manual_seed(0)
     randn = functools.partial(torch.randn, device=device, generator=g)
     if part == "head":
-        from kernels import ttt_loss_steps
+        from eagle3.kernels.ttt_loss import ttt_loss_steps
         V, H = spec.draft_vocab_size, spec.hidden_size
         w, h = (randn(V, H) * H ** -0.5).bfloat16(), randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
         p = torch.softmax(randn(tokens, V), -1).bfloat16()

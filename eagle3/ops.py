@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from eagle3.kernels import reference
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm as training runs it: a Triton kernel each way on a GPU, elsewhere torch.compile."""
     if x.is_cuda:
-        from kernels import rms_norm as kernel   # Triton on first use, as the other kernels
+        from eagle3.kernels import rms_norm as kernel   # Triton on first use, as the other kernels
         if x.shape[-1] <= kernel.MAX_WIDTH:
             return kernel.rms_norm(x, weight, eps)
     return compiled(rms_norm)(x, weight, eps)
@@ -189,7 +189,7 @@ def scatter_rows(t: torch.Tensor, index: torch.Tensor | None, total: int, fill=0
 def _spread(t: torch.Tensor, index: torch.Tensor, total: int, fill) -> torch.Tensor:
     """scatter_rows without autograd: one Triton pass on a GPU, torch elsewhere."""
     if t.is_cuda and t.dim() >= 2 and t.dtype.is_floating_point:
-        from kernels.rows import spread_rows   # Triton on first use, as the other kernels
+        from eagle3.kernels.rows import spread_rows   # Triton on first use, as the other kernels
         return spread_rows(t, index, total, fill)
     return reference.spread_rows(t, index, total, fill)
 

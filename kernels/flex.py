@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from kernels import reference
+from eagle3.kernels import reference
 
 
 @functools.cache

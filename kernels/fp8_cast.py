@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.interpreter import INTERPRET
+from eagle3.kernels.interpreter import INTERPRET
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}

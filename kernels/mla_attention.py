@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import tiles
-from kernels.interpreter import INTERPRET
-from kernels.reference import steps_shape
-from kernels.ttt_attention import (FALLBACK, LOG2E, bwd_preprocess, load_rows, seqlen_info, sequence,
+from eagle3.kernels import tiles
+from eagle3.kernels.interpreter import INTERPRET
+from eagle3.kernels.reference import steps_shape
+from eagle3.kernels.ttt_attention import (FALLBACK, LOG2E, bwd_preprocess, load_rows, seqlen_info, sequence,
                                     softmax_update)
 
 DIMS = (16, 32, 64, 128, 256)   # nope, rope and value widths served: powers of two (tl.arange), >= 16 (tl.dot)

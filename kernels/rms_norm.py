@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.interpreter import INTERPRET
+from eagle3.kernels.interpreter import INTERPRET
 
 MAX_WIDTH = 16384    # one row in registers; wider rows are the caller's to route elsewhere
 INTERPRET_PROGRAMS = 4    # backward programs under the interpreter (on a GPU: two per SM)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.interpreter import INTERPRET
+from eagle3.kernels.interpreter import INTERPRET
 
 MAX_BLOCK_W = 64 if INTERPRET else 2048   # columns per program (bf16: 4 KB of one row)
 

@@ -9,9 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import tiles
-from kernels.reference import steps_shape
-from kernels.interpreter import INTERPRET
+from eagle3.kernels import tiles
+from eagle3.kernels.reference import steps_shape
+from eagle3.kernels.interpreter import INTERPRET
 
 try:   # host-side TMA descriptors, in recent Triton releases; without them, pointer loads only
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels import fp8_cast
-from kernels.reference import ALPHA_EPS, LOSSES, loss_index
+from eagle3.kernels import fp8_cast
+from eagle3.kernels.reference import ALPHA_EPS, LOSSES, loss_index
 
 # rows per chunk: full-rate GEMMs, few bf16 roundings of dw, buffers under 1 GiB (8192 rows at V = 32000 in bf16)
 CHUNK_BYTES = 512 * 2**20

@@ -11,7 +11,7 @@ from eagle3.data.batch import Batch, RowRule, split
 from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.training.context import SplitAttention
 from eagle3.ttt import Objective, plan_rows, ttt_forward
-from kernels.reference import ttt_attention, ttt_loss_steps
+from eagle3.kernels.reference import ttt_attention, ttt_loss_steps
 
 STEPS = 3
 LENGTHS = [37, 5, 20]   # 62 rows: padded to 64 for 4 ranks; the first sequence spans several slices

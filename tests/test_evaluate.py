@@ -28,7 +28,7 @@ from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
 from eagle3.models.streaming import TargetRunner
 from eagle3.ttt import ttt_forward
-from kernels.reference import ttt_attention, ttt_loss_steps
+from eagle3.kernels.reference import ttt_attention, ttt_loss_steps
 from test_chat import qwen_tokenizer
 
 

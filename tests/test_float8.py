@@ -6,7 +6,7 @@ import torch
 
 from conftest import make_config
 from eagle3 import float8, linear, training
-from kernels import fp8_cast
+from eagle3.kernels import fp8_cast
 
 
 def rel(a, b):
@@ -212,43 +212,45 @@ def test_float8_head_needs_the_triton_loss_on_a_gpu(tmp_path, llama_target, toke
 def test_float8_head_wraps_the_triton_loss_and_checks_its_widths(monkeypatch):
     from types import SimpleNamespace
 
-    import kernels
+    from eagle3.kernels import reference
+    from eagle3.kernels.ttt_loss import ttt_loss_steps
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     gpu, spec = torch.device("cuda", 0), SimpleNamespace(hidden_size=64, draft_vocab_size=256)
-    loss = float8.head_loss(True, True, kernels.ttt_loss_steps, gpu, spec, "c.toml")
-    assert loss.func is kernels.ttt_loss_steps and loss.keywords == {"float8": True}
+    loss = float8.head_loss(True, True, ttt_loss_steps, gpu, spec, "c.toml")
+    assert loss.func is ttt_loss_steps and loss.keywords == {"float8": True}
     with pytest.raises(ValueError, match=r"train.float8_head = true needs .*multiples of 16; draft_vocab_size = 100"):
-        float8.head_loss(True, True, kernels.ttt_loss_steps, gpu, SimpleNamespace(hidden_size=64, draft_vocab_size=100),
+        float8.head_loss(True, True, ttt_loss_steps, gpu, SimpleNamespace(hidden_size=64, draft_vocab_size=100),
                          "c.toml")
     with pytest.raises(ValueError, match="needs the Triton loss"):
-        float8.head_loss(True, True, kernels.ttt_loss_steps_reference, gpu, spec, "c.toml")
-    assert float8.head_loss(False, True, kernels.ttt_loss_steps, gpu, spec, "c.toml") is kernels.ttt_loss_steps
+        float8.head_loss(True, True, reference.ttt_loss_steps, gpu, spec, "c.toml")
+    assert float8.head_loss(False, True, ttt_loss_steps, gpu, spec, "c.toml") is ttt_loss_steps
 
 
 def test_auto_float8_head_follows_train_float8_and_the_triton_loss(monkeypatch, capsys):
     from types import SimpleNamespace
 
-    import kernels
+    from eagle3.kernels import reference
+    from eagle3.kernels.ttt_loss import ttt_loss_steps
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     gpu, spec = torch.device("cuda", 0), SimpleNamespace(hidden_size=64, draft_vocab_size=256)
     fake_timings(monkeypatch, {"head": (2.0, 1.5)})
-    loss = float8.head_loss(None, True, kernels.ttt_loss_steps, gpu, spec, "c.toml")
-    assert loss.func is kernels.ttt_loss_steps and loss.keywords == {"float8": True}
+    loss = float8.head_loss(None, True, ttt_loss_steps, gpu, spec, "c.toml")
+    assert loss.func is ttt_loss_steps and loss.keywords == {"float8": True}
     assert ("train.float8_head = auto: on (the lm_head loss at 16384 tokens: fp8 1.50 ms, bf16 2.00 ms"
             in capsys.readouterr().err)
     fake_timings(monkeypatch, {"head": (2.0, 2.5)})                      # slower in fp8 at this shape
-    assert float8.head_loss(None, True, kernels.ttt_loss_steps, gpu, spec, "c.toml") is kernels.ttt_loss_steps
+    assert float8.head_loss(None, True, ttt_loss_steps, gpu, spec, "c.toml") is ttt_loss_steps
     assert "train.float8_head = auto: off (the lm_head loss at 16384 tokens: fp8 2.50 ms" in capsys.readouterr().err
     for draft_fp8, loss_steps, device, widths, said in [
-            (False, kernels.ttt_loss_steps, gpu, {}, "train.float8 is off"),
-            (True, kernels.ttt_loss_steps_reference, gpu, {}, "not the Triton loss on a GPU"),
-            (True, kernels.ttt_loss_steps, torch.device("cpu"), {}, "not the Triton loss on a GPU"),
-            (True, kernels.ttt_loss_steps, gpu, {"draft_vocab_size": 100}, "widths not multiples of 16: draft_vocab_size")]:
+            (False, ttt_loss_steps, gpu, {}, "train.float8 is off"),
+            (True, reference.ttt_loss_steps, gpu, {}, "not the Triton loss on a GPU"),
+            (True, ttt_loss_steps, torch.device("cpu"), {}, "not the Triton loss on a GPU"),
+            (True, ttt_loss_steps, gpu, {"draft_vocab_size": 100}, "widths not multiples of 16: draft_vocab_size")]:
         chosen = float8.head_loss(None, draft_fp8, loss_steps, device, SimpleNamespace(**{**vars(spec), **widths}),
                                   "c.toml")
         assert chosen is loss_steps
         assert f"train.float8_head = auto: off ({said})" in capsys.readouterr().err
-    float8.head_loss(None, True, kernels.ttt_loss_steps, gpu, spec, "c.toml", say=False)   # not rank 0
+    float8.head_loss(None, True, ttt_loss_steps, gpu, spec, "c.toml", say=False)   # not rank 0
     assert capsys.readouterr().err == ""
 
 

@@ -31,7 +31,7 @@ def _child() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     from benchmarks.float8 import same_bits
-    from kernels import fp8_cast
+    from eagle3.kernels import fp8_cast
 
     print(json.dumps({"case": "interpreted", "ok": isinstance(fp8_cast._cast_kernel, InterpretedFunction)}))
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ from eagle3.data.batch import RowRule, pad
 from eagle3.config import ConfigError
 from eagle3.training import graph
 from eagle3.ttt import Objective, ttt_forward
-from kernels.reference import ttt_attention, ttt_loss_steps
+from eagle3.kernels.reference import ttt_attention, ttt_loss_steps
 from test_ttt import random_batch, tiny_draft
 
 

@@ -6,7 +6,7 @@ from conftest import make_config
 from eagle3 import extraction, training
 from eagle3.data.batch import RowRule
 from eagle3.ttt import Objective, plan_rows, step_targets, ttt_forward
-from kernels.reference import ttt_attention, ttt_loss_steps
+from eagle3.kernels.reference import ttt_attention, ttt_loss_steps
 from test_ttt import random_batch, tiny_draft
 
 

@@ -137,14 +137,14 @@ def _errors(got, want, steps):
 
 
 def _padded(q, k, v, cu, k_pe):
-    from kernels.reference import padded_mla
-    from kernels.ttt_attention import ttt_attention
+    from eagle3.kernels.reference import padded_mla
+    from eagle3.kernels.ttt_attention import ttt_attention
     return padded_mla(ttt_attention, q, k, v, cu, k_pe=k_pe)
 
 
 def _match_case(name):
-    import kernels.mla_attention as mla
-    from kernels.reference import ttt_attention as reference
+    import eagle3.kernels.mla_attention as mla
+    from eagle3.kernels.reference import ttt_attention as reference
     T, H, dims, steps, lengths, tiles = MATCH_CASES[name]
     mla.INTERPRET_BLOCKS = dict(tiles)
     q, k, v, pe, do = _inputs(T, H, dims, steps)
@@ -157,8 +157,8 @@ def _match_case(name):
 def _other_case(name):
     import torch
 
-    import kernels.mla_attention as mla
-    from kernels.reference import ttt_attention as reference
+    import eagle3.kernels.mla_attention as mla
+    from eagle3.kernels.reference import ttt_attention as reference
     attention = mla.ttt_attention_mla
     if name == "per_step_views":
         T, H, (nope, rope, vdim), cu = 20, 2, (16, 16, 32), _cu([11, 9])
@@ -233,7 +233,7 @@ def _draft_run(attention, split_over=None):
     from eagle3.data.batch import RowRule, split
     from eagle3.training.context import SplitAttention
     from eagle3.ttt import plan_rows, ttt_forward
-    from kernels.reference import ttt_loss_steps
+    from eagle3.kernels.reference import ttt_loss_steps
     from test_context import STEPS, draft_and_inputs
     from test_mla_draft import mla_draft
     _, embed, head, batch = draft_and_inputs()
@@ -251,7 +251,7 @@ def _rank_main(rank: int, world: int, init: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from kernels.mla_attention import ttt_attention_mla
+    from eagle3.kernels.mla_attention import ttt_attention_mla
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -266,7 +266,7 @@ def _context_parallel():
     import torch
     import torch.multiprocessing as mp
 
-    from kernels.reference import ttt_attention as reference
+    from eagle3.kernels.reference import ttt_attention as reference
     with tempfile.TemporaryDirectory() as out:
         ranks = mp.start_processes(_rank_main, args=(2, f"file://{out}/init", out), nprocs=2, join=False,
                                    start_method="fork")

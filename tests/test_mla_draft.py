@@ -73,7 +73,7 @@ def rms(x, norm):
 
 
 def test_forward_equals_vllm_layer_math_with_transformers_attention():
-    from kernels.reference import ttt_attention
+    from eagle3.kernels.reference import ttt_attention
     draft = mla_draft(3)
     g = torch.Generator().manual_seed(1)
     T, H = 21, draft.spec.hidden_size
@@ -98,7 +98,7 @@ def test_forward_equals_vllm_layer_math_with_transformers_attention():
 
 def _grads(draft, attention):
     from eagle3.ttt import ttt_forward
-    from kernels.reference import ttt_loss_steps
+    from eagle3.kernels.reference import ttt_loss_steps
     from test_ttt import random_batch
     g = torch.Generator().manual_seed(5)
     draft.zero_grad()
@@ -109,8 +109,10 @@ def _grads(draft, attention):
 
 
 def interpreted_cases() -> None:
-    from kernels import reference, ttt_attention, ttt_attention_mla
-    from kernels.interpreter import INTERPRET
+    from eagle3.kernels import reference
+    from eagle3.kernels.ttt_attention import ttt_attention
+    from eagle3.kernels.mla_attention import ttt_attention_mla
+    from eagle3.kernels.interpreter import INTERPRET
     print(json.dumps({"case": "interpreted", "ok": INTERPRET}))
     draft = mla_draft(7, dims=(16, 16, 16, 16, 32))   # widths the unpadded kernel serves
     loss_ref, ref = _grads(draft, reference.ttt_attention)
@@ -149,7 +151,7 @@ def test_triton_ttt_attention_gives_the_eager_gradients(interpreted, case):
 def test_fp8_gemms_give_the_mla_draft_the_dense_gradients_to_fp8_precision():
     """train.float8 swaps every linear of the MLA layer too (its widths here multiples of 16, as fp8 GEMMs want)."""
     from eagle3 import float8
-    from kernels.reference import ttt_attention
+    from eagle3.kernels.reference import ttt_attention
     dense = mla_draft(2, dims=(16, 16, 16, 16, 16))
     fp8 = mla_draft(2, dims=(16, 16, 16, 16, 16))
     fp8.use_float8()
@@ -179,7 +181,7 @@ def test_the_triton_choice_is_the_unpadded_kernel_at_the_widths_it_serves():
     widths it does not serve, "triton" names the setting to change."""
     from types import SimpleNamespace
     from eagle3.training import kernel_choice
-    from kernels.mla_attention import ttt_attention_mla
+    from eagle3.kernels.mla_attention import ttt_attention_mla
     cfg = SimpleNamespace(debug=SimpleNamespace(kernels="triton"), source="c.toml",
                           train=SimpleNamespace(float8_head=None, batch_tokens=64))
     chosen = kernel_choice.choose(cfg, torch.device("cpu"), kimi_spec(), draft_float8=False, say=False)
@@ -255,7 +257,7 @@ def test_a_published_layout_loads(tmp_path):
     eagle_aux_hidden_state_layer_ids, SGLang's key, which leaves vLLM its default layers)."""
     from safetensors.torch import save_file
     from eagle3.draft_io import load_vllm_draft
-    from kernels.reference import ttt_attention
+    from eagle3.kernels.reference import ttt_attention
     draft = mla_draft(4, vocab=40)
     s = draft.spec
     config = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 16,
@@ -308,7 +310,7 @@ def test_exports_read_back_to_the_checkpoints_logits(mla_run):
     g = torch.Generator().manual_seed(0)
     T, H = 13, ours.spec.hidden_size
     aux, emb = torch.randn(T, 3 * H, generator=g), torch.randn(T, H, generator=g)
-    from kernels.reference import ttt_attention
+    from eagle3.kernels.reference import ttt_attention
 
     def logits(draft):
         with torch.no_grad():

@@ -52,7 +52,7 @@ def _child() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     from eagle3.ops import rms_norm as reference
-    from kernels import rms_norm
+    from eagle3.kernels import rms_norm
 
     print(json.dumps({"case": "interpreted", "ok": isinstance(rms_norm._rms_norm_bwd_kernel, InterpretedFunction)}))
     g = torch.Generator().manual_seed(0)

@@ -51,7 +51,7 @@ def _child() -> None:
     assert "triton" not in sys.modules
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kernels import reference, rows
+    from eagle3.kernels import reference, rows
 
     print(json.dumps({"case": "interpreted", "ok": isinstance(rows._spread_kernel, InterpretedFunction)}))
     g = torch.Generator().manual_seed(0)

@@ -13,9 +13,9 @@ from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import SHORT_MAX, IncrementalTarget
 from eagle3.ops import positions_from_cu_seqlens
 from eagle3.sampling import Sampling
-from kernels.reference import steps_tensor
+from eagle3.kernels.reference import steps_tensor
 from eagle3.speculative import Drafter, greedy_decode_many, sampled_decode_many, speculative_decode_many
-from kernels.reference import ttt_attention
+from eagle3.kernels.reference import ttt_attention
 
 VARIANTS = {
     "one-layer": {},

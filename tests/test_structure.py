@@ -9,7 +9,7 @@ from conftest import ROOT
 LAYERS = [
     ["eagle3.files", "eagle3.ops", "eagle3.linear", "eagle3.float8", "eagle3.config", "eagle3.distributed",
      "eagle3.vocab", "eagle3.errors",
-     "eagle3.data.aux_fp8", "eagle3.sampling", "eagle3.models.attention", "eagle3.models.quant", "kernels*"],
+     "eagle3.data.aux_fp8", "eagle3.sampling", "eagle3.models.attention", "eagle3.models.quant", "eagle3.kernels*"],
     ["eagle3.models.*"],                                                    # the target model
     ["eagle3.resolve", "eagle3.data.*"],                                    # "auto" resolved; inputs, shards, batches
     ["eagle3.extraction"],
@@ -27,7 +27,8 @@ LAYERS = [
 def modules() -> dict[str, ast.Module]:
     found = {}
     for path in sorted([*ROOT.glob("eagle3/**/*.py"), *ROOT.glob("kernels/*.py")]):
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(("eagle3", *parts) if parts[0] == "kernels" else parts).removesuffix(".__init__")
         found[name] = ast.parse(path.read_text())
     return found
 

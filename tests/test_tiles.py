@@ -5,9 +5,9 @@ import importlib
 import pytest
 import torch
 
-from kernels import tiles
+from eagle3.kernels import tiles
 
-ttt_attention = importlib.import_module("kernels.ttt_attention")   # the module (the package exports the function)
+ttt_attention = importlib.import_module("eagle3.kernels.ttt_attention")   # the module (the package exports the function)
 
 LIMIT_KB = {"large": 227, "a100": 163, "small": 99}   # shared memory a block may use, per family
 D = 128   # the attention's head dim at which the lists were counted (the larger one supported)

@@ -263,7 +263,7 @@ def test_the_resume_line_names_the_step_and_what_differs():
 
 
 def test_on_the_cpu_the_kernels_are_the_reference_and_the_fp8_head_is_refused():
-    from kernels import reference
+    from eagle3.kernels import reference
     cpu = torch.device("cpu")
     spec = SimpleNamespace(head_dim=8, hidden_size=32, draft_vocab_size=128)
     for choice in ("auto", "torch"):

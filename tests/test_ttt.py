@@ -9,7 +9,7 @@ from eagle3.draft import DraftSpec, Eagle3Draft
 from eagle3.ops import compiled, rms_norm
 from eagle3.ttt import (METRICS, Objective, loss_denominator, row_layout, step_targets, summarize, target_probs,
                         ttt_forward)
-from kernels.reference import steps_tensor, ttt_attention, ttt_loss, ttt_loss_steps
+from eagle3.kernels.reference import steps_tensor, ttt_attention, ttt_loss, ttt_loss_steps
 
 
 def brute_force_attention(q, k, v, cu_seqlens):
@@ -264,7 +264,7 @@ def test_flex_block_mask_matches_reference(monkeypatch):
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    import kernels.flex as flex
+    import eagle3.kernels.flex as flex
     monkeypatch.setattr(flex, "_compiled_flex", lambda: flex_attention)
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(40, 4, 16, generator=g), torch.randn(3, 40, 2, 16, generator=g), torch.randn(

@@ -89,14 +89,14 @@ def test_custom_scale(results):
 
 
 def test_the_fallback_case_runs_the_kernels_fallback_tiling():
-    from kernels.ttt_attention import FALLBACK
+    from eagle3.kernels.ttt_attention import FALLBACK
     tiles = {FALLBACK[:2]}
     assert {TILES_FALLBACK[k] for k in ("fwd", "dkdv", "dq")} == tiles
 
 
 def test_config_lists_keep_the_tiling_rules_and_end_with_the_fallback():
     from benchmarks.attention_sweep import SWEEP
-    from kernels.ttt_attention import CONFIGS, FALLBACK
+    from eagle3.kernels.ttt_attention import CONFIGS, FALLBACK
     assert all(configs[-1] == FALLBACK for family in CONFIGS.values() for configs in family.values())
     for lists in (*CONFIGS.values(), SWEEP):
         for name, configs in lists.items():
@@ -111,7 +111,7 @@ def test_best_config_reads_the_autotuners_pick(monkeypatch):
 
     import triton
 
-    import kernels.ttt_attention as tta
+    import eagle3.kernels.ttt_attention as tta
     assert tta.best_config("dq") is None       # nothing tuned in this (CPU) process
     monkeypatch.setitem(tta.TUNED, "dkdv", SimpleNamespace(
         best_config=triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3)))
@@ -173,8 +173,8 @@ def _cu(lengths):
 def _errors(T, hq, hkv, d, steps, lengths=None, scale=None, dtype=None, window=0):
     """Relative errors of the output and every gradient against the fp32 reference."""
     import torch
-    from kernels.reference import ttt_attention as reference
-    from kernels.ttt_attention import ttt_attention
+    from eagle3.kernels.reference import ttt_attention as reference
+    from eagle3.kernels.ttt_attention import ttt_attention
 
     cu = None if lengths is None else _cu(lengths)
     q, k, v, do = _inputs(T, hq, hkv, d, steps, dtype)
@@ -194,7 +194,7 @@ def _errors(T, hq, hkv, d, steps, lengths=None, scale=None, dtype=None, window=0
 
 def _descriptors_launched(call):
     """call()'s result, and per kernel launch whether it was given TMA descriptors."""
-    import kernels.ttt_attention as tta
+    import eagle3.kernels.ttt_attention as tta
     launch, seen = tta._launch, []
 
     def spy(name, grid, *args, **kwargs):
@@ -209,7 +209,7 @@ def _descriptors_launched(call):
 
 
 def _match_case(name):
-    import kernels.ttt_attention as tta
+    import eagle3.kernels.ttt_attention as tta
     T, hq, hkv, d, steps, lengths, tiles = MATCH_CASES[name.removeprefix("tma_")]
     tta.INTERPRET_BLOCKS = dict(tiles)
     with tta.tma_loads(name.startswith("tma_")):
@@ -220,8 +220,8 @@ def _match_case(name):
 def _other_case(name):
     import torch
 
-    import kernels.ttt_attention as tta
-    from kernels.ttt_attention import ttt_attention
+    import eagle3.kernels.ttt_attention as tta
+    from eagle3.kernels.ttt_attention import ttt_attention
 
     if name in WINDOW_CASES:
         T, hq, hkv, d, steps, lengths, tiles = MATCH_CASES[WINDOW_CASES[name][0]]

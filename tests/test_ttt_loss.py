@@ -107,7 +107,7 @@ def _closed_form(h, w, p, loss, temperature, eta=3.0):
 
 
 def _reference_grads(h, w, p, valid, up, **kw):
-    from kernels.reference import ttt_loss as ref
+    from eagle3.kernels.reference import ttt_loss as ref
     hd, wd = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss, argmax, alpha = ref(hd, wd, p, valid, **kw)
     (loss * up).sum().backward()
@@ -121,7 +121,7 @@ def test_reference_losses_follow_their_formulas(loss, temperature):
     gradients of the module docstring, with ∂/∂z = (1/τ) ∂/∂x: this pins the semantics that the
     kernel is then held to."""
     import torch
-    from kernels.reference import LOSSES as ref_losses
+    from eagle3.kernels.reference import LOSSES as ref_losses
     assert ref_losses == LOSSES
     h, w, p, valid, up = _formula_example(temperature)
     value, alpha, dz = _closed_form(h, w, p, loss, temperature)
@@ -159,7 +159,7 @@ def test_lk_hybrid_holds_lambda_constant():
 
 def test_reference_refuses_unknown_losses_and_temperatures(monkeypatch):
     import torch
-    from kernels import flex, reference
+    from eagle3.kernels import flex, reference
     h, w, p, valid, _ = _formula_example(1.0)
     for kw, words in [({"loss": "kld"}, ["'kld'", "kl, tv, nla, lk_hybrid, pq"]), ({"loss": "KL"}, ["'KL'"]),
                       ({"temperature": 0.0}, ["0.0", "> 0"]), ({"temperature": -1}, ["-1", "> 0"])]:
@@ -192,7 +192,7 @@ def _rel(x, y) -> float:
 def _reference(h, w, p, valid, upstream, **kw):
     """Reference loss / argmax and the gradients of sum(loss * upstream), computed in fp64 (the
     softmax in fp32, as the reference does); kw: loss, temperature, eta. Also returns α."""
-    from kernels.reference import ttt_loss as ref
+    from eagle3.kernels.reference import ttt_loss as ref
     hd = h.detach().double().requires_grad_()
     wd = w.detach().double().requires_grad_()
     loss, argmax, alpha = ref(hd, wd, p.double(), valid, **kw)
@@ -216,7 +216,7 @@ def _run_one(h, w, p, valid, chunk, upstream, tol_loss, tol_grad, tol_argmax=1e-
     """ttt_loss vs the fp64 reference (kw: loss, temperature, eta); returns the fused outputs for
     extra checks. α is held to tol_alpha (default: the loss's tolerance)."""
     import torch
-    from kernels.ttt_loss import ttt_loss
+    from eagle3.kernels.ttt_loss import ttt_loss
     h = h.detach().requires_grad_()
     w = w.detach().requires_grad_()
     loss, argmax, alpha = ttt_loss(h, w, p, valid, chunk=chunk, **kw)
@@ -257,8 +257,8 @@ def case_fp32_rows_not_valid():
 
 def case_bf16_matches_reference():
     import torch
-    from kernels.reference import ttt_loss as ref
-    from kernels.ttt_loss import ttt_loss
+    from eagle3.kernels.reference import ttt_loss as ref
+    from eagle3.kernels.ttt_loss import ttt_loss
     h, w, p, valid, up = _inputs(40, 64, 1000, torch.bfloat16)
     # Against fp64: bf16 logits and a bf16 dz, like the eager bf16 path. (The interpreter rounds
     # fp32 -> bf16 stores towards zero, the GPU to nearest: the CPU dz error is ~1.3x the GPU's.)
@@ -286,7 +286,7 @@ def case_peaked_flat_and_unnormalized_targets():
 
 def case_vocab_block_edges_and_ties():
     import torch
-    from kernels.ttt_loss import ttt_loss
+    from eagle3.kernels.ttt_loss import ttt_loss
     # V = 4097: one full 4096 block and a 1-wide tail; V = 1: a single column.
     for V in (4097, 1):
         h, w, p, valid, up = _inputs(6, 16, V, seed=V)
@@ -306,7 +306,7 @@ def case_vocab_block_edges_and_ties():
 
 def case_no_valid_rows_and_no_grad():
     import torch
-    from kernels.ttt_loss import ttt_loss, ttt_loss_steps
+    from eagle3.kernels.ttt_loss import ttt_loss, ttt_loss_steps
     h, w, p, _, up = _inputs(7, 16, 100)
     none = torch.zeros(7, dtype=torch.bool)
     loss, argmax, dh, dw = _run_one(h, w, p, none, 4, up, 1, 1)
@@ -320,8 +320,8 @@ def case_no_valid_rows_and_no_grad():
 
 def case_all_steps_at_once():
     import torch
-    from kernels.reference import ttt_loss as ref
-    from kernels.ttt_loss import ttt_loss_steps
+    from eagle3.kernels.reference import ttt_loss as ref
+    from eagle3.kernels.ttt_loss import ttt_loss_steps
     K, N, H, V = 4, 30, 32, 900
     g = torch.Generator().manual_seed(4)
     w = (torch.randn(V, H, generator=g) / H ** 0.5 * 4).requires_grad_()
@@ -354,7 +354,7 @@ def case_float8_gemms_follow_the_exact_ones():
     counts and chunks exercise the padding to 16 rows, masks the gathered path; V and H must be
     multiples of 16."""
     import torch
-    from kernels.ttt_loss import ttt_loss_steps
+    from eagle3.kernels.ttt_loss import ttt_loss_steps
     K, N, H, V = 3, 37, 64, 320
     g = torch.Generator().manual_seed(6)
     w = torch.randn(V, H, generator=g) / H ** 0.5 * 4
@@ -392,8 +392,8 @@ def case_valid_rows_as_indices():
     """valids[k] as row indices (int64 or int32; what the trainer passes) == the bool mask, in the
     Triton and the reference `ttt_loss_steps`; other dtypes are refused."""
     import torch
-    from kernels import reference
-    from kernels.ttt_loss import ttt_loss_steps
+    from eagle3.kernels import reference
+    from eagle3.kernels.ttt_loss import ttt_loss_steps
     K, N, H, V = 3, 20, 16, 300
     g = torch.Generator().manual_seed(5)
     w = torch.randn(V, H, generator=g) / H ** 0.5
@@ -427,8 +427,8 @@ def case_targets_read_by_row_index():
     kept rows shifted by the step) == the same rows gathered first, in the Triton (dense and gathered
     chunks, with and without float8) and the reference `ttt_loss_steps`; bad p_rows are refused."""
     import torch
-    from kernels import reference
-    from kernels.ttt_loss import ttt_loss_steps
+    from eagle3.kernels import reference
+    from eagle3.kernels.ttt_loss import ttt_loss_steps
     K, N, H, V = 3, 21, 16, 304
     g = torch.Generator().manual_seed(7)
     w = torch.randn(V, H, generator=g) / H ** 0.5
@@ -483,8 +483,8 @@ def case_every_loss_matches_reference():
     reference's autograd: loss, α, argmax, dh and dw, with rows not valid, several chunks and (V =
     4500) two vocab blocks with the max in the second, which pq's online Σ p e^(x - m) rescales."""
     import torch
-    from kernels.reference import ALPHA_EPS
-    from kernels.ttt_loss import ttt_loss
+    from eagle3.kernels.reference import ALPHA_EPS
+    from eagle3.kernels.ttt_loss import ttt_loss
     for loss in LOSSES:
         for t, chunk in ((1.0, None), (0.7, 4)):
             h, w, p, valid, up = _aligned(12, 16, 300, t, seed=len(loss))
@@ -509,8 +509,8 @@ def case_every_loss_all_steps_at_once():
     argmaxes, every dh and dw, with masks, row indices and all rows valid, weights that are numbers
     and a tensor, and an upstream scale; without grad the same losses and α (read-only passes)."""
     import torch
-    from kernels import reference
-    from kernels.ttt_loss import ttt_loss_steps
+    from eagle3.kernels import reference
+    from eagle3.kernels.ttt_loss import ttt_loss_steps
     K, N, H, V = 3, 10, 16, 300
     for loss in LOSSES:
         for t, by_row in ((1.0, True), (0.7, False)):
@@ -557,8 +557,8 @@ def case_every_loss_in_bf16():
     it tv's loss, moves ~1% with the logits' rounding) and, for loss and α, against the reference run
     in bf16 (the same rounding of the logits)."""
     import torch
-    from kernels.reference import ttt_loss as ref
-    from kernels.ttt_loss import ttt_loss
+    from eagle3.kernels.reference import ttt_loss as ref
+    from eagle3.kernels.ttt_loss import ttt_loss
     for loss in LOSSES:
         h, w, p, valid, up = _aligned(16, 32, 400, 0.7, seed=30, dtype=torch.bfloat16)
         _run_one(h, w, p, valid, 8, up, 3e-2, 4e-2, tol_argmax=0.1, tol_alpha=3e-2, loss=loss, temperature=0.7)
@@ -573,7 +573,7 @@ def case_every_loss_gradient_follows_its_value():
     sign or a missing / doubled 1/τ is off by 30% or more here, the differences by well under 1%.
     ttt_loss (gradient in backward) and ttt_loss_steps (in forward), at τ = 0.7."""
     import torch
-    from kernels.ttt_loss import ttt_loss, ttt_loss_steps
+    from eagle3.kernels.ttt_loss import ttt_loss, ttt_loss_steps
     t, eps = 0.7, 1e-3
     for loss in LOSSES:
         h, w, p, valid, up = _aligned(6, 16, 200, t, seed=40)
@@ -606,7 +606,7 @@ def case_every_loss_gradient_follows_its_value():
 def case_unknown_loss_refused():
     """An unknown loss name or a temperature <= 0: ValueError naming it (and the choices), from both
     Triton entry points, before any work."""
-    from kernels.ttt_loss import ttt_loss, ttt_loss_steps
+    from eagle3.kernels.ttt_loss import ttt_loss, ttt_loss_steps
     h, w, p, valid, _ = _aligned(4, 16, 50, 1.0, seed=50)
     for kw, word in (({"loss": "kld"}, "'kld'"), ({"loss": "lk"}, "lk_hybrid"), ({"temperature": 0.0}, "> 0"),
                      ({"temperature": -0.5}, "-0.5")):
@@ -628,7 +628,7 @@ def _child() -> None:
 
     torch.manual_seed(0)
     from triton.runtime.interpreter import InterpretedFunction
-    from kernels.ttt_loss import _ttt_loss_kernel
+    from eagle3.kernels.ttt_loss import _ttt_loss_kernel
     interp = isinstance(_ttt_loss_kernel, InterpretedFunction)
     print(json.dumps({"case": "_interpreter", "ok": interp, "detail": triton.__version__}), flush=True)
     for name in CASES:

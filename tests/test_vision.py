@@ -159,7 +159,7 @@ def test_vision_tensors_named_and_text_targets_refuse_media(kimi, tmp_path):
 # the draft's input at the placeholders: vLLM's rule (the placeholder's embedding) or SGLang's (the vision rows)
 
 def test_the_draft_reads_the_placeholder_embedding_under_vllm_and_the_vision_rows_under_sglang():
-    from kernels.reference import ttt_attention, ttt_loss_steps
+    from eagle3.kernels.reference import ttt_attention, ttt_loss_steps
     from eagle3.ttt import token_inputs, ttt_forward
     from test_ttt import random_batch, tiny_draft
     pad, draft = 39, tiny_draft()

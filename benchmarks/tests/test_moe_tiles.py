@@ -11,9 +11,9 @@ from benchmarks import moe
 from eagle3.models import moe as moe_parts
 from benchmarks import tiles as check
 from eagle3.bench import timing
-from kernels import tiles
+from eagle3.kernels import tiles
 
-ttt_attention = importlib.import_module("kernels.ttt_attention")   # the module (the package exports the function)
+ttt_attention = importlib.import_module("eagle3.kernels.ttt_attention")   # the module (the package exports the function)
 
 
 def test_moe_bench_runs_on_a_tiny_shape():

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from eagle3.bench.timing import (append_json, attempt, describe_device, free_memory, median_ms, peak_bytes,
                                  rel_error, require_cuda, shape_labels)
-from kernels.flex import ttt_attention as flex_attention   # compiled flex_attention: debug.kernels = "torch"
-from kernels.reference import ttt_attention as reference_attention
-from kernels.ttt_attention import ttt_attention
+from eagle3.kernels.flex import ttt_attention as flex_attention   # compiled flex_attention: debug.kernels = "torch"
+from eagle3.kernels.reference import ttt_attention as reference_attention
+from eagle3.kernels.ttt_attention import ttt_attention
 
 S_STEPS, HEAD_DIM, DTYPE = 7, 128, torch.bfloat16
 SHAPES = {"a": (4096, 64, 8, 1), "b": (4096, 64, 8, 8), "c": (8192, 64, 64, 1)}   # label: (T, Hq, Hkv, sequences)

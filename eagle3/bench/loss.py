@@ -8,8 +8,8 @@ import torch
 
 from eagle3.bench.timing import (append_json, attempt, describe_device, free_memory, matmul_tflops,
                                  median_ms_of_calls, peak_bytes, rel_error, require_cuda, shape_labels)
-from kernels.reference import ttt_loss as reference_loss
-from kernels.ttt_loss import chosen_configs, ttt_loss, ttt_loss_steps
+from eagle3.kernels.reference import ttt_loss as reference_loss
+from eagle3.kernels.ttt_loss import chosen_configs, ttt_loss, ttt_loss_steps
 
 K, V = 7, 32000
 SHAPES = {  # label: (N, H, share of rows not valid); "c*" is (c) with every row valid

@@ -277,7 +277,7 @@ def bench_one(root: Path, size: str, layout: str, kernels: str, steps: int, warm
             # the attention tuner's last picks, (BLOCK_M, BLOCK_N, warps, stages): what the step ran
             "attention_configs": {name: importlib.import_module(attention_module).best_config(name)
                                   for name in ("fwd", "dkdv", "dq")} if kernels != "torch" and cuda else None,
-            "attention": attention_module,   # the kernel the step ran (the MLA draft: kernels.mla_attention)
+            "attention": attention_module,   # the kernel the step ran (the MLA draft: eagle3.kernels.mla_attention)
             "bench_s": round(time.perf_counter() - started)}
 
 

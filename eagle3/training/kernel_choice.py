@@ -26,12 +26,12 @@ def choose(cfg: Config, device: torch.device, spec, draft_float8: bool, say: boo
     torch (`kernels.flex` on CUDA, the reference on the CPU); then train.float8_head. `say`: rank 0."""
     choice = cfg.debug.kernels
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
-        from kernels import ttt_loss_steps as plain
+        from eagle3.kernels.ttt_loss import ttt_loss_steps as plain
         ttt_attention = _triton_attention(cfg, spec, choice == "triton", say)
     elif device.type == "cuda":
-        from kernels.flex import ttt_attention, ttt_loss_steps as plain
+        from eagle3.kernels.flex import ttt_attention, ttt_loss_steps as plain
     else:
-        from kernels.reference import ttt_attention, ttt_loss_steps as plain
+        from eagle3.kernels.reference import ttt_attention, ttt_loss_steps as plain
     loss_steps = float8.head_loss(cfg.train.float8_head, draft_float8, plain, device, spec, cfg.source, say,
                                   cfg.train.batch_tokens, agree)
     return Kernels(ttt_attention, loss_steps, loss_steps is not plain)
@@ -41,14 +41,14 @@ def _triton_attention(cfg: Config, spec, forced: bool, say: bool) -> Callable:
     """The Triton TTT attention for the draft's heads (MLA: the unpadded kernel at its nope, rope and v widths), else
     flex attention with a note (`forced`, debug.kernels = "triton": an error naming the setting)."""
     if spec.attention == "mla":
-        from kernels.mla_attention import DIMS
+        from eagle3.kernels.mla_attention import DIMS
         widths = (spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim)
         if all(w in DIMS for w in widths):
-            from kernels import ttt_attention_mla
+            from eagle3.kernels.mla_attention import ttt_attention_mla
             return ttt_attention_mla
         need, setting = f"the MLA draft's nope, rope and v head dims in {DIMS}, got {widths}", "experimental.mla_dims"
     elif spec.head_dim in TRITON_HEAD_DIMS:
-        from kernels import ttt_attention
+        from eagle3.kernels.ttt_attention import ttt_attention
         return ttt_attention
     else:
         need, setting = f"draft.head_dim in {TRITON_HEAD_DIMS}, got {spec.head_dim}", "draft.head_dim"
@@ -57,5 +57,5 @@ def _triton_attention(cfg: Config, spec, forced: bool, say: bool) -> Callable:
                          f"\"torch\", or {setting}")
     if say:
         print(f"note: the Triton attention needs {need}; using flex_attention", file=sys.stderr)
-    from kernels.flex import ttt_attention
+    from eagle3.kernels.flex import ttt_attention
     return ttt_attention
