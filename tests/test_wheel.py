@@ -40,10 +40,11 @@ def test_the_wheel_lives_beside_transformers_and_their_kernels_package(tmp_path)
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
         str(ROOT), cwd=tmp_path)
     wheel, = (tmp_path / "dist").glob("eagle3_trainer-*.whl")
-    # their dependencies (numpy, torch, huggingface-hub...) come from this environment; theirs go into the venv
+    # their dependencies (numpy, torch, huggingface-hub...) come from this environment
     venv.create(tmp_path / "env", system_site_packages=True, with_pip=True)
     python = tmp_path / "env" / "bin" / "python"
-    run(str(python), "-m", "pip", "install", "-q", *THEIRS, cwd=tmp_path)
+    # --ignore-installed: into the venv itself, beside where ours will go, even where this environment has them too
+    run(str(python), "-m", "pip", "install", "-q", "--ignore-installed", "--no-deps", *THEIRS, cwd=tmp_path)
     assert run(str(python), "-c", CHECK, cwd=tmp_path).startswith("5.25.0 " + str(tmp_path / "env"))
     before = their_files(python, tmp_path)
     assert any(name.endswith("/kernels/__init__.py") for name in before)
