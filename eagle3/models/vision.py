@@ -211,7 +211,10 @@ class VisionTower:
         y = F.layer_norm(x, (c.width,), w[b + "norm0.weight"], w[b + "norm0.bias"], 1e-5)
         q, k, v = F.linear(y, w[b + "wqkv.weight"], w[b + "wqkv.bias"]).unflatten(-1, (3, c.heads, -1)).unbind(1)
         q, k = _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)   # [n, heads, head_dim]
-        a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        # 4-D [1, heads, n, head_dim]: SDPA's flash and memory-efficient kernels take no 3-D inputs (the math
+        # fallback materialises [heads, n, n] scores: 16 GiB for one 1080p image)
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v)[0]
         x = x + F.linear(a.transpose(0, 1).flatten(1), w[b + "wo.weight"], w[b + "wo.bias"])
         y = F.layer_norm(x, (c.width,), w[b + "norm1.weight"], w[b + "norm1.bias"], 1e-5)
         y = F.gelu(F.linear(y, w[b + "mlp.fc0.weight"], w[b + "mlp.fc0.bias"]), approximate="tanh")
