@@ -105,7 +105,8 @@ def test_mxfp4_dequantizes_by_the_e2m1_rule_and_runs_as_its_dense_weights(made):
     a, b = (TargetRunner(c, [0, 1, 2], CPU, torch.float32).run(ids, [0, 40]) for c in (packed, dense))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-6)
-    assert inspect(str(packed.dir))["weights"]["quantized_linears"]["mxfp4"] == 8
+    report = inspect(str(packed.dir))   # gate_up and down of each of the 4 layers
+    assert report["weights"]["quantized_linears"]["mxfp4"] == 8 and report["quantization"] == {"method": "mxfp4"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -181,20 +182,42 @@ def test_a_vllm_export_named_for_a_target_vllm_does_not_serve_is_refused(made, t
     assert not (tmp_path / "export").exists()
 
 
+def test_the_docs_table_of_what_each_engine_serves_is_the_codes():
+    """docs/families.md's vLLM / SGLang columns against config.UNSERVED: "**no**" exactly for the families listed."""
+    import re
+    from pathlib import Path
+    from eagle3.config import ENGINES, UNSERVED
+    text = (Path(__file__).resolve().parents[1] / "docs" / "families.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| family"))
+    columns = [c.strip() for c in header.split("|")[1:-1]]
+    lines = text[text.index(header):].splitlines()[2:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[:lines.index("")]]
+    for fmt in ENGINES:
+        column = columns.index(f"{ENGINES[fmt]} EAGLE-3")
+        for row in rows:
+            types = set(re.findall(r"`(\w+)`", row[0]))
+            assert row[column].startswith("**no**" if types & set(UNSERVED[fmt]) else "yes"), (fmt, row[0])
+            assert not types & set(UNSERVED[fmt]) or types <= set(UNSERVED[fmt])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_train_export_and_decode_losslessly(made, family, tmp_path):
-    """Extract, train a few steps, export for vLLM (GLM-4.5: SGLang, vLLM 0.34 serves none) and decode with the
-    vLLM export (GLM-4.5: the checkpoint; the SGLang layout is not read back): token for token the target's."""
+def test_train_export_and_decode_losslessly(made, family, tmp_path, capsys):
+    """Extract, train a few steps, export for vLLM (GLM-4.5: the default formats, of which vLLM 0.34's is skipped
+    at start-up) and decode with the vLLM export (GLM-4.5: the checkpoint; the SGLang layout is not read back):
+    token for token the target's."""
     data = tiny.make_token_data(tmp_path / "data.jsonl", vocab=256, sequences=24, max_len=48)
     fmt = "sglang" if family == "glm4_moe" else "vllm"
     cfg = make_config(tmp_path, made(family), data, **{
-        "train.max_steps": 3, "train.eval_every": 3, "train.checkpoint_every": 3, "export.formats": f'["{fmt}"]',
+        "train.max_steps": 3, "train.eval_every": 3, "train.checkpoint_every": 3,
+        **({} if family == "glm4_moe" else {"export.formats": '["vllm"]'}),
         "debug.evaluate_device": "cpu", "evaluate.max_new_tokens": 8, "train.ttt_steps": 2})
     extraction.run(cfg)
     training.run(cfg)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(line + "\n" for line in data.read_text().splitlines()[:3]))
     assert (tmp_path / "train" / "export" / fmt / "model.safetensors").exists()
+    assert (tmp_path / "train" / "export" / "vllm").exists() == (fmt == "vllm")
+    assert ("not exporting vllm: vLLM 0.34.0 serves no EAGLE-3 draft" in capsys.readouterr().err) == (fmt != "vllm")
     draft = tmp_path / "train" / "export" / "vllm" if fmt == "vllm" else train_state.latest(tmp_path / "train")
     report = real_decoding(cfg, draft, prompts)
     assert report["mismatches"] == 0 and report["prompts"] == 3 and report["rounds"] >= 3
