@@ -391,6 +391,14 @@ ENGINES = {"vllm": "vLLM 0.34.0", "sglang": "SGLang 0.5.23"}
 # fc_norm and norm_output. (A window on an MLA draft is refused when it resolves: neither MLA class has one.)
 UNREAD = {("vllm", "gqa"): (), ("vllm", "mla"): ("norm_before_fc",),
           ("sglang", "gqa"): ("norm_before_residual",), ("sglang", "mla"): ("norm_before_residual", "norm_before_fc")}
+# the target families (model_type, outer or text) an engine version serves no EAGLE-3 draft for, and why: vLLM 0.34.0
+# captures hidden states only from a target class implementing SupportsEagle3 (models/interfaces.py; else "Model does
+# not support EAGLE3 interface", v1/worker/gpu/spec_decode/eagle/eagle3_utils.py). SGLang 0.5.23 serves every family
+# read here (set_eagle3_layers_to_capture in each model file). docs/families.md has the table with its sources.
+UNSERVED = {"vllm": {"glm4_moe": "its Glm4MoeForCausalLM (models/glm4_moe.py) does not implement SupportsEagle3",
+                     "glm4_moe_lite": "its Glm4MoeLiteForCausalLM (models/glm4_moe_lite.py) does not implement "
+                                      "SupportsEagle3"},
+            "sglang": {}}
 # the draft classes with one layer only (kimi_k25_eagle3.py raises on num_hidden_layers != 1); the others take several
 ONE_LAYER = {("sglang", "mla")}
 # the config setting behind each draft-spec flag

@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from eagle3 import train_state
-from eagle3.config import ENGINES, ONE_LAYER, SETTING_KEYS, UNREAD, Config, from_dict
+from eagle3.config import ENGINES, ONE_LAYER, SETTING_KEYS, UNREAD, UNSERVED, Config, ExportConfig, from_dict
 from eagle3.draft_io import layer_keys, top_keys
 from eagle3.models.weights import DEEPSEEK
 from eagle3.resolve import MLA_DIMS, NORM_FLAGS
@@ -229,7 +229,10 @@ def export_all(checkpoint_dir: str | Path, out_dir: str | Path, cfg: Config | No
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     state = train_state.read_state(checkpoint_dir)
     cfg = cfg or from_dict(state["config"], str(checkpoint_dir / train_state.STATE))
-    formats = cfg.export.formats if formats is None else formats
+    if formats is None:
+        formats, skipped = served_formats(state["target"], cfg)
+        for line in skipped:
+            print(line)
     weights = train_state.load_weights(checkpoint_dir)
     check_vocab(weights["d2t"], weights["t2d"], str(checkpoint_dir / train_state.MODEL))
     spec, dtype, written = state["resolved"]["draft_spec"], TORCH_DTYPES[cfg.debug.export_dtype], {}
@@ -250,9 +253,30 @@ def check_exportable(state: dict, formats, where: str) -> None:
     """Refuse (nothing written) a format whose engine would serve another draft than the one trained: a setting it
     does not read, or aux ids it cannot express. `state` needs only "resolved" and "target" (a run checks at start)."""
     for fmt in formats:
+        if why := unserved(state["target"], fmt):
+            others = [f for f in ENGINES if f != fmt]
+            raise ExportError(f"{where}: {why}; export {' or '.join(others)} only "
+                              f"(export.formats = {json.dumps(others)})")
         check_servable(state["resolved"]["draft_spec"], fmt, where)
         if fmt == "sglang":
             sglang_aux_ids(state, where)
+
+
+def unserved(target: dict, fmt: str) -> str | None:
+    """Why the engine version of `fmt` serves no EAGLE-3 draft for the target's family (config.UNSERVED), or None."""
+    names = [name for name in (target.get("model_type"), target.get("text_model_type")) if name in UNSERVED[fmt]]
+    return names and f"{ENGINES[fmt]} serves no EAGLE-3 draft for a {names[0]} target: {UNSERVED[fmt][names[0]]}"
+
+
+def served_formats(target: dict, cfg: Config) -> tuple[list[str], list[str]]:
+    """export.formats to write, and a line for each skipped: from the default (every engine), a format whose engine
+    serves no draft for the target is skipped; a list naming it otherwise is refused (`check_exportable`)."""
+    formats = list(cfg.export.formats)
+    if sorted(formats) != sorted(ExportConfig().formats):
+        return formats, []
+    skipped = {fmt: why for fmt in formats if (why := unserved(target, fmt))}
+    return [fmt for fmt in formats if fmt not in skipped], [f"not exporting {fmt}: {why}" for fmt, why in
+                                                            skipped.items()]
 
 
 def serving_commands(state: dict, cfg: Config, written: dict[str, Path]) -> list[str]:

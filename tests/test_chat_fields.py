@@ -1,6 +1,7 @@
 """Chat lines as a thinking, tool-calling model is served: every field the engines pass reaches the template, and
 each assistant reply is trained as the model emitted it, in the context rendered before it. Contexts are compared
 with transformers' own rendering (what vLLM and SGLang call), replies with the text the model writes."""
+import datetime
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from eagle3 import extraction
 from eagle3.data.chat import ChatEncoder
 from eagle3.data.inputs import InputError, read_records
 from eagle3.data.shards import read_manifest
+from eagle3.data.tokenizer import TEMPLATE_DAY, stop_token_ids
 from eagle3.models import tiny
 
 transformers_chat = pytest.importorskip("transformers.utils.chat_template_utils")
@@ -48,6 +50,14 @@ LINES = {
 SECTION = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
 QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+# gpt-oss (harmony): after the generation prompt `<|start|>assistant`, the analysis channel, then the final one or a
+# call on the commentary channel with the arguments as emitted
+GPT_OSS_CALL = ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+
+
+def harmony(reasoning: str, final: str | None = None) -> str:
+    end = "<|start|>assistant" + (f"<|channel|>final<|message|>{final}<|return|>" if final is not None else GPT_OSS_CALL)
+    return f"<|channel|>analysis<|message|>{reasoning}<|end|>{end}"
 # what the model emits after the generation prompt, per line and target: [(reply, sequence index)]
 REPLIES = {
     "kimi": {"reasoning": [("add them</think>It is 4.<|im_end|>", 0)],
@@ -64,7 +74,18 @@ REPLIES = {
               "inline": [("<think>\ngreet\n</think>\n\nhello<|im_end|>", 0)],
               "inline_open": [("<think>\ngreet\n</think>\n\nhello<|im_end|>", 0)],
               "reasoning_name": [("<think>\nadd them\n</think>\n\nIt is 4.<|im_end|>", 0)]},
+    # the history drops a final reply's analysis (a second sequence) and keeps a tool call's (one sequence)
+    "gpt_oss": {"reasoning": [(harmony("add them", "It is 4."), 0)],
+                "tools": [(harmony("call the tool"), 0), (harmony("report it", "It is sunny."), 0)],
+                "multi_turn": [(harmony("greet", "hello"), 0), (harmony("greet twice", "hello hello"), 1)],
+                "inline": [(harmony("greet", "hello"), 0)],
+                "inline_open": [(harmony("greet", "hello"), 0)],
+                "reasoning_name": [(harmony("add them", "It is 4."), 0)]},
 }
+GPT_OSS_TEMPLATE = (Path(__file__).parent / "fixtures" / "gpt-oss" / "chat_template.jinja").read_text()
+# gpt-oss's special tokens (o200k_harmony ids) and its generation_config.json's eos_token_id
+HARMONY = {"<|endoftext|>": 199999, "<|return|>": 200002, "<|constrain|>": 200003, "<|channel|>": 200005,
+           "<|start|>": 200006, "<|end|>": 200007, "<|message|>": 200008, "<|call|>": 200012}
 
 
 def make_qwen3(root):
@@ -82,12 +103,33 @@ def make_qwen3(root):
     return root
 
 
+def make_gpt_oss(root):
+    """A byte-level BPE tokenizer with gpt-oss's special tokens at their ids, its chat template and stop tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    root.mkdir(parents=True, exist_ok=True)
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab |= {f"<|reserved_{i}|>": i for i in range(len(vocab), min(HARMONY.values()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    for name, i in sorted(HARMONY.items(), key=lambda kv: kv[1]):   # ids in gaps: reserved fillers before each
+        tok.add_special_tokens([f"<|reserved_{j}|>" for j in range(tok.get_vocab_size(), i)] + [AddedToken(
+            name, special=True)])
+    assert {name: tok.token_to_id(name) for name in HARMONY} == HARMONY
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>", "pad_token": "<|endoftext|>"}))
+    (root / "chat_template.jinja").write_text(GPT_OSS_TEMPLATE)
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [200002, 199999, 200012]}))
+    return root
+
+
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     """name -> (tokenizer directory, template text)."""
     kimi = tiny.write_kimi_chat(tmp_path_factory.mktemp("kimi"), 516, (b"he", b"ll", b"hell", b"hello"))
     return {"kimi": (kimi, tiny.kimi_chat_template()), "qwen3": (make_qwen3(tmp_path_factory.mktemp("qwen3")),
-                                                                  QWEN3_TEMPLATE)}
+                                                                  QWEN3_TEMPLATE),
+            "gpt_oss": (make_gpt_oss(tmp_path_factory.mktemp("gpt_oss")), GPT_OSS_TEMPLATE)}
 
 
 def engine_messages(line: dict) -> list[dict]:
@@ -100,7 +142,7 @@ def engine_messages(line: dict) -> list[dict]:
             reasoning, _, m["content"] = m["content"].removeprefix("<think>").partition("</think>")
             m["reasoning_content"] = reasoning
         if (r := m.get("reasoning_content", m.get("reasoning"))) is not None:
-            m.update(reasoning_content=r, reasoning=r)
+            m.update(reasoning_content=r, reasoning=r, thinking=r)
         if "tool_calls" in m:
             m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.loads(c["function"]["arguments"])))
                                for c in m["tool_calls"]]
@@ -109,9 +151,10 @@ def engine_messages(line: dict) -> list[dict]:
 
 
 def reference_prompt(template: str, line: dict, k: int, **kwargs) -> str:
+    """transformers' rendering, its strftime_now (today) read as ours (the fixed TEMPLATE_DAY)."""
     [text], _ = transformers_chat.render_jinja_template([engine_messages(line)[:k]], tools=line.get("tools"),
                                                         chat_template=template, add_generation_prompt=True, **kwargs)
-    return text
+    return text.replace(f"Current date: {datetime.date.today():%Y-%m-%d}", f"Current date: {TEMPLATE_DAY:%Y-%m-%d}")
 
 
 def replies_of(sequences):
@@ -123,7 +166,7 @@ def replies_of(sequences):
     return out
 
 
-@pytest.mark.parametrize("name", ["kimi", "qwen3"])
+@pytest.mark.parametrize("name", ["kimi", "qwen3", "gpt_oss"])
 @pytest.mark.parametrize("shape", list(LINES))
 def test_every_reply_is_trained_as_emitted_after_its_own_generation_context(targets, name, shape):
     root, template = targets[name]
@@ -146,7 +189,7 @@ def test_every_reply_is_trained_as_emitted_after_its_own_generation_context(targ
     assert not encoded.unrendered - {"tool_call_id", "name"}
     # the trained tokens by category: every reasoning and tool-call token, the rest content
     reasoning = sum(len(encode(m.get("reasoning_content") or m.get("reasoning") or "")) for m in engine_messages(line))
-    tools = {"kimi": SECTION, "qwen3": QWEN_CALL}[name] if shape == "tools" else ""
+    tools = {"kimi": SECTION, "qwen3": QWEN_CALL, "gpt_oss": GPT_OSS_CALL}[name] if shape == "tools" else ""
     assert encoded.trained["reasoning"] == reasoning
     assert encoded.trained["tool_calls"] == len(encode(tools))
     assert sum(encoded.trained.values()) == sum(int(m.sum()) for _, m in encoded.sequences)
@@ -365,3 +408,17 @@ def test_chat_lines_rendered_by_a_pool_of_processes_are_the_same(tmp_path, targe
     assert serial[1] == pooled[1] and serial[1].skipped_lines == [len(LINES) + 1, 2 * len(LINES) + 3, 3 * len(LINES) + 5]
     with pytest.raises(InputError, match=r"chat.jsonl:1: .*no target directory"):
         read_records(data, 600, 4096, "skip", workers=2)
+
+
+def test_gpt_oss_tool_arguments_and_stop_tokens_as_the_model_emits_them(targets):
+    """A call's arguments are trained as emitted (the template's `arguments|tojson` would quote the string), and
+    generate stops a reply at <|return|> (the final channel) or <|call|> (a tool call), never at <|end|>."""
+    root, _ = targets["gpt_oss"]
+    encoder = ChatEncoder(root)
+    compact = dict(CALL, function=dict(CALL["function"], arguments='{"city":"Paris"}'))
+    line = {"tools": TOOLS, "messages": [{"role": "user", "content": "Weather in Paris?"},
+                                         {"role": "assistant", "reasoning": "call the tool", "tool_calls": [compact]}]}
+    (ids, mask), = encoder.encode(line).sequences
+    assert encoder.tokenizer.encode.decode(ids[mask == 1].tolist()).endswith(
+        '<|channel|>commentary json<|message|>{"city":"Paris"}<|call|>')
+    assert stop_token_ids(root, None) == {HARMONY["<|return|>"], HARMONY["<|endoftext|>"], HARMONY["<|call|>"]}

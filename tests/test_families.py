@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_config
-from eagle3 import extraction, training
+from eagle3 import extraction, train_state, training
 from eagle3.evaluate import real_decoding
 from eagle3.models import quant, tiny
 from eagle3.models.incremental import IncrementalTarget
@@ -105,7 +105,8 @@ def test_mxfp4_dequantizes_by_the_e2m1_rule_and_runs_as_its_dense_weights(made):
     a, b = (TargetRunner(c, [0, 1, 2], CPU, torch.float32).run(ids, [0, 40]) for c in (packed, dense))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-6)
-    assert inspect(str(packed.dir))["weights"]["quantized_linears"]["mxfp4"] == 8
+    report = inspect(str(packed.dir))   # gate_up and down of each of the 4 layers
+    assert report["weights"]["quantized_linears"]["mxfp4"] == 8 and report["quantization"] == {"method": "mxfp4"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -141,18 +142,84 @@ def test_default_aux_layers_are_what_each_engine_captures(made, family, tmp_path
             assert [i + 1 for i in ours] == rule[family](depth), (engine, depth)
 
 
+def _export_random_draft(path, tmp_path, formats=None) -> dict:
+    """A random draft resolved for target `path`, saved as a checkpoint and exported -> {format: folder}."""
+    from safetensors.torch import save_file
+    from eagle3.draft import Eagle3Draft
+    from eagle3.export import export_all
+    from eagle3.resolve import resolve
+    cfg = make_config(tmp_path, path, path / "config.json", **({"export.formats": formats} if formats else {}))
+    target = Checkpoint(path)
+    resolved = resolve(cfg, target)
+    draft = Eagle3Draft(resolved.draft_spec)
+    draft.t2d[:resolved.draft_spec.draft_vocab_size] = True
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, ckpt / "model.safetensors")
+    (ckpt / "state.json").write_text(json.dumps({
+        "config": cfg.to_dict(), "resolved": resolved.to_dict(), "target": target.config.identity(),
+        "target_architectures": target.config.architectures}))
+    return export_all(ckpt, tmp_path / "export", cfg)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen3_moe"])
+def test_the_default_exports_are_those_the_engines_serve_for_the_family(made, family, tmp_path, capsys):
+    """vLLM 0.34.0's Glm4MoeForCausalLM lacks SupportsEagle3: its export is skipped with the reason, SGLang's written."""
+    written = _export_random_draft(made(family), tmp_path)
+    skipped = "not exporting vllm: vLLM 0.34.0 serves no EAGLE-3 draft for a glm4_moe target: its Glm4MoeForCausalLM"
+    if family == "glm4_moe":
+        assert set(written) == {"sglang"} and skipped in capsys.readouterr().out
+        assert not (tmp_path / "export" / "vllm").exists()
+    else:
+        assert set(written) == {"vllm", "sglang"} and "not exporting" not in capsys.readouterr().out
+
+
+def test_a_vllm_export_named_for_a_target_vllm_does_not_serve_is_refused(made, tmp_path):
+    from eagle3.export import ExportError
+    with pytest.raises(ExportError, match=r"vLLM 0.34.0 serves no EAGLE-3 draft for a glm4_moe target: .*"
+                                          r'SupportsEagle3; export sglang only \(export.formats = \["sglang"\]\)'):
+        _export_random_draft(made("glm4_moe"), tmp_path, '["vllm"]')
+    assert not (tmp_path / "export").exists()
+
+
+def test_the_docs_table_of_what_each_engine_serves_is_the_codes():
+    """docs/families.md's vLLM / SGLang columns against config.UNSERVED: "**no**" exactly for the families listed."""
+    import re
+    from pathlib import Path
+    from eagle3.config import ENGINES, UNSERVED
+    text = (Path(__file__).resolve().parents[1] / "docs" / "families.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| family"))
+    columns = [c.strip() for c in header.split("|")[1:-1]]
+    lines = text[text.index(header):].splitlines()[2:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[:lines.index("")]]
+    for fmt in ENGINES:
+        column = columns.index(f"{ENGINES[fmt]} EAGLE-3")
+        for row in rows:
+            types = set(re.findall(r"`(\w+)`", row[0]))
+            assert row[column].startswith("**no**" if types & set(UNSERVED[fmt]) else "yes"), (fmt, row[0])
+            assert not types & set(UNSERVED[fmt]) or types <= set(UNSERVED[fmt])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_train_export_and_decode_losslessly(made, family, tmp_path):
-    """Extract, train a few steps, export for vLLM, and decode with the export: token for token the target's."""
+def test_train_export_and_decode_losslessly(made, family, tmp_path, capsys):
+    """Extract, train a few steps, export for vLLM (GLM-4.5: the default formats, of which vLLM 0.34's is skipped
+    at start-up) and decode with the vLLM export (GLM-4.5: the checkpoint; the SGLang layout is not read back):
+    token for token the target's."""
     data = tiny.make_token_data(tmp_path / "data.jsonl", vocab=256, sequences=24, max_len=48)
+    fmt = "sglang" if family == "glm4_moe" else "vllm"
     cfg = make_config(tmp_path, made(family), data, **{
-        "train.max_steps": 3, "train.eval_every": 3, "train.checkpoint_every": 3, "export.formats": '["vllm"]',
+        "train.max_steps": 3, "train.eval_every": 3, "train.checkpoint_every": 3,
+        **({} if family == "glm4_moe" else {"export.formats": '["vllm"]'}),
         "debug.evaluate_device": "cpu", "evaluate.max_new_tokens": 8, "train.ttt_steps": 2})
     extraction.run(cfg)
     training.run(cfg)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(line + "\n" for line in data.read_text().splitlines()[:3]))
-    report = real_decoding(cfg, tmp_path / "train" / "export" / "vllm", prompts)
+    assert (tmp_path / "train" / "export" / fmt / "model.safetensors").exists()
+    assert (tmp_path / "train" / "export" / "vllm").exists() == (fmt == "vllm")
+    assert ("not exporting vllm: vLLM 0.34.0 serves no EAGLE-3 draft" in capsys.readouterr().err) == (fmt != "vllm")
+    draft = tmp_path / "train" / "export" / "vllm" if fmt == "vllm" else train_state.latest(tmp_path / "train")
+    report = real_decoding(cfg, draft, prompts)
     assert report["mismatches"] == 0 and report["prompts"] == 3 and report["rounds"] >= 3
 
 

@@ -15,18 +15,20 @@ import numpy as np
 
 from eagle3.config import RESERVED_KWARGS
 from eagle3.data.media import Media, MediaReader, content_parts, expand, has_media, with_videos
-from eagle3.data.tokenizer import ChatError, TargetTokenizer
+from eagle3.data.tokenizer import ChatError, EmittedJSON, TargetTokenizer
 
 ROLES = {"messages": ("role", "content", {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}),
          "conversations": ("from", "value", {"system": "system", "human": "user", "gpt": "assistant"})}
 # what vLLM (>= 0.11.1) and SGLang pass to the template per message, besides role and content
-MESSAGE_FIELDS = ("reasoning_content", "reasoning", "tool_calls", "tool_call_id", "name")
-REASONING = ("reasoning_content", "reasoning")
+# (`thinking`: transformers' name, which gpt-oss's template reads; vLLM and SGLang serve gpt-oss through
+# openai-harmony, which renders the reasoning as the analysis channel the template writes from it)
+MESSAGE_FIELDS = ("reasoning_content", "reasoning", "thinking", "tool_calls", "tool_call_id", "name")
+REASONING = ("reasoning_content", "reasoning", "thinking")
 LINE_FIELDS = ("tools", "chat_template_kwargs")
 THINK_START, THINK_END = "<think>", "</think>"
 CATEGORIES = ("reasoning", "content", "tool_calls")
 PROBE = "\u2063probe\u2063"   # a reasoning no data holds: shows whether the template keeps a turn's reasoning
-RENDERING = 2   # the version of how chat lines become sequences: an extraction planned under another is not resumed
+RENDERING = 3   # the version of how chat lines become sequences: an extraction planned under another is not resumed
 
 
 @dataclass
@@ -121,7 +123,9 @@ def _tool_calls(calls: object, where: str) -> tuple[list[dict], list[dict]]:
         if not isinstance(arguments, dict):
             raise ChatError(f"{where}: tool_calls[{i}].function.arguments must be a JSON object")
         out.append({**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}})
-        emitted.append({**out[-1], "function": {**function, "arguments": function.get("arguments") or arguments}})
+        raw = function.get("arguments")
+        emitted.append({**out[-1], "function": {**function, "arguments": EmittedJSON(raw) if raw and isinstance(
+            raw, str) else arguments}})
     return out, emitted
 
 
@@ -143,7 +147,7 @@ def _message(turn: object, number: int, total: int, key: str) -> tuple[dict, set
         message = {"role": roles[role], "content": _text(turn.get(text_key), where)}
     given = {k: turn[k] for k in REASONING if turn.get(k) is not None}
     if len(set(map(str, given.values()))) > 1:
-        raise ChatError(f"{where}: reasoning_content and reasoning differ; give one")
+        raise ChatError(f"{where}: {' and '.join(given)} differ; give one")
     reasoning = next(iter(given.values()), None)
     if reasoning is None and message["role"] == "assistant":
         reasoning, message["content"] = _split_think(message["content"], where)
@@ -153,7 +157,7 @@ def _message(turn: object, number: int, total: int, key: str) -> tuple[dict, set
             raise ChatError(f"{where}: {name} on a {message['role']} turn; only assistant turns carry reasoning")
         if not isinstance(reasoning, str):
             raise ChatError(f"{where}: {next(iter(given))} must be a string, not {type(reasoning).__name__}")
-        message.update(reasoning_content=reasoning, reasoning=reasoning)   # vLLM passes both names
+        message.update(dict.fromkeys(REASONING, reasoning))   # vLLM passes the first two names
     emitted = None
     if turn.get("tool_calls"):   # an empty list is no tool call (vLLM drops it)
         if message["role"] != "assistant":
@@ -353,7 +357,8 @@ class ChatEncoder:
         full = reply(message)
         if full is not None and full != text:
             start, end = _diff(full, text)
-            return Reply(full, {**_shift(spans, start, len(full) - len(text)), "reasoning": (start, end)}, unrendered)
+            return Reply(full, {**_shift(spans, start, len(full) - len(text)),
+                                "reasoning": _within(full, reasoning.strip(), start, end)}, unrendered)
         if THINK_END not in text:   # thinking off, or a template without reasoning
             return Reply(text, spans, unrendered | {"reasoning"})
         at = text.index(THINK_END)
@@ -364,7 +369,7 @@ class ChatEncoder:
         """Whether turn k's context renders the reasoning of the reply before it, where that reply (regenerated)
         would carry reasoning in this template's format."""
         j = max(i for i in range(k) if chat.messages[i]["role"] == "assistant")
-        probed = dataclasses.replace(chat, messages=[dict(m, reasoning_content=PROBE, reasoning=PROBE) if i == j else m
+        probed = dataclasses.replace(chat, messages=[dict(m, **dict.fromkeys(REASONING, PROBE)) if i == j else m
                                                      for i, m in enumerate(chat.messages)])
         render = self._renderer(probed)
         if "reasoning" not in self._reply(probed, j, render(probed.messages[:j], True), "").spans:
@@ -416,6 +421,13 @@ def _probe_id(message: dict, name: str) -> dict:
     if name == "tool_call_id":
         return {**message, "tool_call_id": PROBE}
     return {**message, "tool_calls": [c if c.get("id") else {**c, "id": PROBE} for c in message["tool_calls"]]}
+
+
+def _within(text: str, reasoning: str, start: int, end: int) -> tuple[int, int]:
+    """The reasoning's own span in text[start:end], what the template added with it (gpt-oss's analysis channel
+    header and end) left to content; the whole of it where the template rewrote the reasoning."""
+    at = text.find(reasoning, start, end)
+    return (at, at + len(reasoning)) if reasoning and at >= 0 else (start, end)
 
 
 def _shift(spans: dict, at: int, by: int) -> dict:

@@ -3,6 +3,7 @@ its chat template as the engines render it, and the tokens an engine stops at (d
 from __future__ import annotations
 
 import base64
+import datetime
 import importlib
 import json
 import re
@@ -121,13 +122,25 @@ class Encoder:
                 offset += len(piece)
 
 
+class EmittedJSON(str):
+    """Tool-call arguments as the model emitted them (JSON text): `tojson` writes them unchanged, where a template
+    serialises the arguments object (gpt-oss's `tool_call.arguments|tojson`) and would quote a string."""
+
+
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Hugging Face's variant: jinja2's own tojson HTML-escapes, which would change the prompt text
+    if isinstance(value, EmittedJSON):
+        return str(value)
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message: str) -> None:
     raise ChatError(f"chat template: {message}")
+
+
+# the day strftime_now formats: Llama 3.1's template's own date where strftime_now is undefined, so its text is as
+# without it; the engines render the day they serve (a date in the system message: context, never trained)
+TEMPLATE_DAY = datetime.date(2024, 7, 26)
 
 
 def _load_template(root: Path, config_path: Path, config: dict):
@@ -142,10 +155,12 @@ def _load_template(root: Path, config_path: Path, config: dict):
     jinja2 = _require("jinja2", origin)
     import jinja2.meta
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-    # as transformers renders templates; no strftime_now: a resumed extraction tokenizes exactly as before
+    # as transformers renders templates, but strftime_now (gpt-oss's system message, Llama 3.1's) formats one fixed
+    # day, so that a resumed extraction tokenizes exactly as before
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = TEMPLATE_DAY.strftime
     try:
         variables = jinja2.meta.find_undeclared_variables(env.parse(source))
         return env.from_string(source), variables

@@ -25,7 +25,7 @@ from eagle3.data.online import OnlineReader, stream_note
 from eagle3.data.shards import ShardReader, check_manifest, loss_token_counts
 from eagle3.draft import Eagle3Draft
 from eagle3.errors import TrainError
-from eagle3.export import ExportError, check_exportable, export_all, serving_commands
+from eagle3.export import ExportError, check_exportable, export_all, served_formats, serving_commands
 from eagle3.models.vision import media_rule_pad
 from eagle3.models.weights import Checkpoint
 from eagle3.resolve import resolve
@@ -243,8 +243,9 @@ class Trainer:
         self.target = Checkpoint(cfg.target.path)
         self.resolved = resolve(cfg, self.target)
         # every export format is checked now, not after the last step
+        self.formats, self.skipped = served_formats(self.target.config.identity(), cfg)
         check_exportable({"resolved": self.resolved.to_dict(), "target": self.target.config.identity()},
-                         cfg.export.formats, cfg.source)
+                         self.formats, cfg.source)
         self.online = t.source == "online"
         spec = self.resolved.draft_spec
         self.layout = context.layout(cfg.train.context_parallel, self.dist, spec.num_key_value_heads,
@@ -255,7 +256,7 @@ class Trainer:
         fits = memory.check(memory.step_peak_bytes(spec, cfg, longest, self.cuda), memory.available_bytes(self.device),
                             cfg, self.device.type, 1 if self.cuda else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         if self.dist.main:
-            for line in [*start_notes(cfg, longest, self.layout), *([fits] if fits else [])]:
+            for line in [*start_notes(cfg, longest, self.layout), *([fits] if fits else []), *self.skipped]:
                 print(line, file=sys.stderr)
         draft, self.float8, target_rows = build_draft(cfg, self.target, spec, self.reader, self.device,
                                                       self.dist.main, self.agree)
@@ -439,13 +440,13 @@ class Trainer:
         failed = []
         if self.dist.main:
             written = {}
-            for fmt in self.cfg.export.formats if saved is not None else ():   # one failing keeps the others
+            for fmt in self.formats if saved is not None else ():   # one failing keeps the others
                 try:
                     written |= export_all(saved, self.output_dir / "export", self.cfg, [fmt])
                     print(f"exported {fmt} draft: {written[fmt]}")
                 except ExportError as e:
                     failed.append(f"the {fmt} export failed: {e}")
-            print(self.log.summary(self.plan.total, saved, self.cfg.export.formats, self.cfg.evaluate.prompts))
+            print(self.log.summary(self.plan.total, saved, self.formats, self.cfg.evaluate.prompts))
             for line in serving_commands(train_state.read_state(saved), self.cfg, written) if written else ():
                 print(line)
         self.dist.barrier()
