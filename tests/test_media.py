@@ -321,3 +321,57 @@ def test_an_image_and_a_video_run_through_the_target_as_extraction_runs_them(vis
     out = TargetRunner(Checkpoint(vision_target), [0, 0, 1], torch.device("cpu"), torch.float32).run(
         ids, [0, len(ids)], record.media)
     assert out["media_embeds"].shape[0] == int((ids == PAD).sum()) == 3 * 6
+
+
+def chat_answer(content, reasoning=None, finish="stop"):
+    """vLLM's /v1/chat/completions answer (a reasoning parser's split: `reasoning`, as later vLLM names it)."""
+    return {"id": "chatcmpl-0", "object": "chat.completion", "created": 0, "model": "target",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "reasoning": reasoning},
+                         "finish_reason": finish}], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}
+
+
+def test_generate_sends_conversations_with_images_through_the_chat_api(vision_target, tmp_path, capsys):
+    """Through servers, a line with an image goes to /v1/chat/completions, the image as a data: URL, each reply after
+    the earlier regenerated ones; the line written back is the conversation, which extraction renders and expands.
+    A text line keeps the token-id endpoint."""
+    from conftest import make_config
+    from test_engines import Fake, vllm_answer
+    from eagle3 import generate
+    png(tmp_path / "a.png", 70, 50)
+    data = tmp_path / "d.jsonl"
+    chat = line(image("a.png"), "what?", reply="old")
+    chat["messages"] += [{"role": "user", "content": "more?"}, {"role": "assistant", "content": "old again"}]
+    chat["chat_template_kwargs"] = {"thinking": True}
+    text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    data.write_text(json.dumps(text) + "\n" + json.dumps(chat) + "\n")
+    replies = iter([chat_answer("a cat", "look at it"), chat_answer("two cats", "look again", "length")])
+    fake = Fake(lambda path, body: (200, next(replies) if path == "/v1/chat/completions" else
+                                    vllm_answer([40, 41, PAD - 21 + 2])))
+    try:
+        cfg = make_config(tmp_path, vision_target, data, **{
+            "generate.output_path": tmp_path / "out" / "regen.jsonl", "generate.servers": json.dumps([fake.url]),
+            "debug.generate_retries": 0})
+        out = generate.run(cfg)
+    finally:
+        fake.close()
+    chats = [body for path, body in fake.requests if path == "/v1/chat/completions"]
+    assert len(chats) == 2 and len(fake.requests) == 3
+    first, second = chats
+    encoded = base64.b64encode((tmp_path / "a.png").read_bytes()).decode()
+    assert first["messages"][0]["content"][0] == image(f"data:image/png;base64,{encoded}")
+    assert first["chat_template_kwargs"] == {"thinking": True} and first["skip_special_tokens"] is False
+    assert [m["role"] for m in first["messages"]] == ["user"]
+    answered = second["messages"][1]   # the first reply as the engine gave it, its reasoning under both names
+    assert (answered["content"], answered["reasoning_content"], answered["reasoning"]) == ("a cat", *["look at it"] * 2)
+    written = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(w["source_line"], w["source_part"]) for w in written] == [(1, 0), (2, 0)]
+    assert "input_ids" in written[0] and written[1]["cut_replies"] == [1]
+    turns = written[1]["messages"]
+    assert turns[0]["content"][0] == image(str((tmp_path / "a.png").resolve()))   # readable from the output's folder
+    assert turns[1] == {"role": "assistant", "content": "a cat", "reasoning_content": "look at it"}
+    assert turns[3]["reasoning_content"] == "look again"
+    records, stats = read_records(out, VOCAB, 4096, target_dir=vision_target, report=False)
+    assert stats.media["images"] == len([r for r in records if r.media]) >= 1 and stats.chat.lines == 1
+    assert not stats.chat.ignored   # generate's own keys are no unread field
+    generate.run(cfg)   # a rerun finds it complete: one line for the line regenerated whole
+    assert "already complete" in capsys.readouterr().out

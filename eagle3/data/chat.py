@@ -23,6 +23,7 @@ ROLES = {"messages": ("role", "content", {"system": "system", "user": "user", "a
 MESSAGE_FIELDS = ("reasoning_content", "reasoning", "tool_calls", "tool_call_id", "name")
 REASONING = ("reasoning_content", "reasoning")
 LINE_FIELDS = ("tools", "chat_template_kwargs")
+GENERATED = ("source_line", "source_part", "cut_replies")   # what `generate` adds to a chat line it writes back
 THINK_START, THINK_END = "<think>", "</think>"
 CATEGORIES = ("reasoning", "content", "tool_calls")
 PROBE = "\u2063probe\u2063"   # a reasoning no data holds: shows whether the template keeps a turn's reasoning
@@ -190,7 +191,7 @@ def conversation(obj: dict, default_kwargs: dict, require_reply: bool = True) ->
         raise ChatError("chat_template_kwargs must be an object")
     if reserved := sorted(RESERVED_KWARGS & set(kwargs)):
         raise ChatError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-    ignored = set().union(*(i for _, i, _, _ in parsed)) | {k for k in obj if k not in (key, *LINE_FIELDS)}
+    ignored = set().union(*(i for _, i, _, _ in parsed)) | {k for k in obj if k not in (key, *LINE_FIELDS, *GENERATED)}
     emitted = {k: calls for k, (_, _, calls, _) in enumerate(parsed) if calls}
     media = [(k, *ref) for k, (*_, refs) in enumerate(parsed) for ref in refs]
     return Chat(messages, tools or None, {**default_kwargs, **kwargs}, ignored, emitted, media)

@@ -10,6 +10,7 @@ import functools
 import importlib
 import io
 import math
+import mimetypes
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -305,16 +306,38 @@ def place(ids: np.ndarray, items: list[MediaFile], pad_id: int) -> list[tuple[in
     return [(int(at[f]), item) for f, item in zip(firsts, items)]
 
 
+def absolute_url(url: str, base: Path) -> str:
+    """A media URL that reads the same from any directory: a path made absolute (relative ones are `base`'s)."""
+    return url if url.startswith(("data:", "file://")) else str((Path(base) / url).resolve())
+
+
+def data_url(url: str, base: Path, kind: str) -> str:
+    """A media URL as a `data:` URL of the file's bytes: what a server on another machine reads (a path or file://
+    URL names a file on this one)."""
+    source = _bytes_or_path(url, base, kind)
+    if isinstance(source, bytes):
+        return url
+    mime = mimetypes.guess_type(source.name)[0] or ""
+    mime = mime if mime.startswith(kind + "/") else f"{kind}/{source.suffix.lstrip('.') or 'unknown'}"
+    return f"data:{mime};base64,{base64.b64encode(source.read_bytes()).decode()}"
+
+
+def map_urls(content: list, convert) -> list:
+    """A turn's content parts with each media part's URL replaced by convert(url, kind) (text parts as they are)."""
+    out = []
+    for part in content:
+        name = part.get("type") if isinstance(part, dict) else None
+        if name in PARTS:
+            value = part.get(name)
+            url = value.get("url") if isinstance(value, dict) else value
+            part = {"type": name, name: {"url": convert(url, PARTS[name])}}
+        out.append(part)
+    return out
+
+
 def parts_of(items: list[MediaFile]) -> list[dict]:
     """The content parts a line's media items came from (a video's chunks from one), each path absolute: what a
     pre-tokenized line written from them (generate's output) carries as `media`."""
-    out = []
-    for item in items:
-        if item.source.chunk:
-            continue
-        url = item.source.url
-        if not url.startswith(("data:", "file://")):
-            url = str((Path(item.source.base) / url).resolve())
-        name = "image_url" if item.kind == "image" else "video_url"
-        out.append({"type": name, name: {"url": url}})
-    return out
+    names = [f"{item.kind}_url" for item in items]
+    return [{"type": name, name: {"url": absolute_url(item.source.url, Path(item.source.base))}}
+            for name, item in zip(names, items) if not item.source.chunk]
