@@ -375,3 +375,22 @@ def test_generate_sends_conversations_with_images_through_the_chat_api(vision_ta
     assert not stats.chat.ignored   # generate's own keys are no unread field
     generate.run(cfg)   # a rerun finds it complete: one line for the line regenerated whole
     assert "already complete" in capsys.readouterr().out
+
+
+def test_an_image_changed_under_the_same_data_file_is_another_extraction(vision_target, tmp_path):
+    """The plan key holds each media file's path, size and time: a resumed extraction does not mix two images."""
+    import os
+    from conftest import make_config
+    from eagle3 import extraction
+    from eagle3.data.shards import DataError
+    png(tmp_path / "a.png", 70, 50)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(line(image("a.png"), "what?")) + "\n")
+    cfg = make_config(tmp_path, vision_target, data)
+    extraction.run(cfg)
+    extraction.run(cfg)   # unchanged: the same plan, nothing redone
+    stat = (tmp_path / "a.png").stat()
+    png(tmp_path / "a.png", 70, 50, seed=1)   # other pixels, the same size
+    os.utime(tmp_path / "a.png", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(DataError, match="holds an extraction of other data, target or settings"):
+        extraction.run(cfg)

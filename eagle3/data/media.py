@@ -7,8 +7,10 @@ import base64
 import binascii
 import contextlib
 import functools
+import hashlib
 import importlib
 import io
+import json
 import math
 import mimetypes
 import time
@@ -126,11 +128,24 @@ def _bytes_or_path(url: str, base: Path, kind: str) -> bytes | Path:
             raise ChatError(f"data:{head},...: not valid base64") from None
     if url.startswith(("http://", "https://")):
         raise ChatError(f"{url}: only files, file:// and data: URLs are read; download it first")
-    path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)) if url.startswith("file://") else Path(url)
-    path = base / path
+    path = file_path(url, base)
     if not path.is_file():
         raise ChatError(f"{path}: {kind} not found")
     return path
+
+
+def file_path(url: str, base: Path) -> Path:
+    """The file a path or `file://` URL names (a relative path: from `base`)."""
+    return base / (Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)) if url.startswith("file://") else url)
+
+
+def files_fingerprint(items: list) -> str:
+    """SHA-256 of the path, size and modification time of each file the media items read (a `data:` URL is part of
+    the data file itself): an image changed under an unchanged data file changes it, for a stat each."""
+    files = sorted({file_path(i.source.url, Path(i.source.base)).resolve() for i in items
+                    if isinstance(i, MediaFile) and not i.source.url.startswith("data:")})
+    stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
 
 
 def decode_image(url: str, base: Path) -> torch.Tensor:
