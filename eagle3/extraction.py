@@ -157,7 +157,9 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
         for i in todo:
             a, b = plan[i]
             ids = torch.from_numpy(np.concatenate([r.input_ids for r in records[a:b]]))
-            states = runner.run(ids, [c - cu[a] for c in cu[a:b + 1]], [m for r in records[a:b] for m in r.media])
+            context = torch.from_numpy(np.concatenate([r.loss_mask for r in records[a:b]]) == 0)   # the prompts
+            states = runner.run(ids, [c - cu[a] for c in cu[a:b + 1]], [m for r in records[a:b] for m in r.media],
+                                context)
             check_finite(states, aux_ids, out / shard_name(i), cfg.extract.dtype)
             tensors = shard_tensors(records[a:b], states, cfg.extract.aux_dtype)
             entry = write_shard(out, i, tensors) | {"plan_key": header["plan_key"]}

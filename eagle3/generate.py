@@ -53,6 +53,10 @@ class Conversation:
         """Tokens the target has not seen yet."""
         return torch.tensor(self.ids[self.cache.length:])
 
+    def context(self) -> torch.Tensor:
+        """bool: which of `feed`'s tokens are context, where media pads are (a sampled pad id is a token)."""
+        return torch.tensor(self.mask[self.cache.length:]) == 0
+
     def take(self, token: int, max_new: int, stop: set[int]) -> None:
         """One sampled token of the reply."""
         self.ids.append(token)
@@ -185,7 +189,8 @@ def regenerate(target: IncrementalTarget, records: list[Record], sampling: Sampl
             finished[conv.record.line, conv.record.part] = conv.output()
             active.remove(conv)
         if active:
-            results = target.forward_many([c.feed() for c in active], [c.cache for c in active])
+            results = target.forward_many([c.feed() for c in active], [c.cache for c in active],
+                                          [c.context() for c in active])
             last = target.logits(torch.stack([final[-1] for _, final in results]))      # [B, V]
             for conv, token in zip(active, sample(last, sampling.temperature, sampling.top_p,
                                                   [c.generator for c in active])):

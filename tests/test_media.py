@@ -394,3 +394,44 @@ def test_an_image_changed_under_the_same_data_file_is_another_extraction(vision_
     os.utime(tmp_path / "a.png", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     with pytest.raises(DataError, match="holds an extraction of other data, target or settings"):
         extraction.run(cfg)
+
+
+def test_a_pad_the_model_wrote_in_a_reply_is_a_token_not_a_placeholder(vision_target, tmp_path):
+    """Only the prompt's pads are media: a reply holding the pad id (as a random target samples it) reads, extracts
+    and trains with the tower's rows at the context pads alone, and the pad's own embedding in the reply."""
+    from conftest import make_config
+    from eagle3 import extraction
+    from eagle3.data.shards import ShardReader
+    from eagle3.models.streaming import MediaInputs
+    from eagle3.models.weights import Checkpoint
+    from eagle3.ttt import token_inputs
+    png(tmp_path / "a.png", 70, 50)
+    chat = line(image("a.png"), "what?", reply="a <|media_pad|> cat")
+    (record,), _ = read_records(write(tmp_path / "chat.jsonl", chat), VOCAB, 4096, target_dir=vision_target,
+                                report=False)
+    ids, mask = torch.from_numpy(record.input_ids).long(), torch.from_numpy(record.loss_mask)
+    context_pads = (ids == PAD) & (mask == 0)
+    assert int(((ids == PAD) & (mask == 1)).sum()) == 1 and int(context_pads.sum()) == record.media[0].tokens
+    # generate's own output: the same sequence pre-tokenized with its image
+    tokens = {"input_ids": record.input_ids.tolist(), "loss_mask": record.loss_mask.tolist(),
+              "media": media.parts_of(record.media)}
+    data = write(tmp_path / "tokens.jsonl", tokens)
+    (again,), _ = read_records(data, VOCAB, 4096, target_dir=vision_target, report=False)
+    assert [m.grid_thw for m in again.media] == [m.grid_thw for m in record.media]
+    cfg = make_config(tmp_path, vision_target, data)
+    extraction.run(cfg)
+    batch = ShardReader(cfg.extract.output_dir).read(ShardReader(cfg.extract.output_dir).sequences)
+    assert batch.media_embeds.shape[0] == int(context_pads.sum())
+    # the first layer's input: the tower's rows at the context pads, the token's embedding at the reply's pad
+    inputs = MediaInputs(Checkpoint(vision_target), torch.device("cpu"), torch.float32)
+    table = torch.randn(VOCAB, batch.media_embeds.shape[1])
+    rows = batch.media_embeds.float()
+    h = inputs.embed(table, ids, rows, mask == 0)
+    assert torch.equal(h[context_pads], rows) and torch.equal(h[~context_pads], table[ids[~context_pads]])
+    draft_input = token_inputs(table, ids, rows, PAD, mask)(torch.arange(len(ids)))   # SGLang's rule, in training
+    assert torch.equal(draft_input, h)
+
+
+def write(path, obj):
+    path.write_text(json.dumps(obj) + "\n")
+    return path

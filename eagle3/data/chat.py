@@ -227,9 +227,11 @@ class ChatEncoder:
         media = self.media_reader.read(chat.media, Path(base or "."))
         return dataclasses.replace(chat, videos=media.videos), media
 
-    def _expand(self, ids: np.ndarray, arrays: list[np.ndarray], media: Media) -> tuple:
-        """`ids` and the per-token `arrays` with each pad expanded to its media's tokens; (start, item) per item."""
-        counts, starts = expand(ids, media.items, self.media_reader.pad_id)
+    def _expand(self, ids: np.ndarray, arrays: list[np.ndarray], media: Media,
+                context: np.ndarray | None = None) -> tuple:
+        """`ids` and the per-token `arrays` with each pad of the `context` (not a reply) expanded to its media's
+        tokens; (start, item) per item."""
+        counts, starts = expand(ids, media.items, self.media_reader.pad_id, context)
         return np.repeat(ids, counts), [np.repeat(a, counts) for a in arrays], list(zip(starts, media.items))
 
     def encode(self, obj: dict, regenerating: bool = False, base: Path | None = None) -> Encoded:
@@ -266,7 +268,7 @@ class ChatEncoder:
                 kinds[start:end] = _kinds(reply, token_starts, end - start)
             ids, placed = np.asarray(ids, dtype=np.int32), []
             if media is not None:
-                ids, (kinds,), placed = self._expand(ids, [kinds], media)
+                ids, (kinds,), placed = self._expand(ids, [kinds], media, kinds == 0)
             if out.sequences:
                 previous = out.sequences[-1][0]
                 out.repeated += len(os.path.commonprefix([previous[:len(ids)].tolist(), ids[:len(previous)].tolist()]))

@@ -24,7 +24,7 @@ import torch
 from eagle3.data.tokenizer import ChatError
 from eagle3.errors import InputError, TargetError
 from eagle3.files import read_json
-from eagle3.models.vision import MediaItem, vision_config
+from eagle3.models.vision import MediaItem, media_positions, vision_config
 
 # transformers 5.24 models/kimi_k25/{image,video}_processing_kimi_k25.py
 PATCH, MERGE, MAX_SIDE = 14, 2, 512     # 14-px patches merged 2 x 2; at most 512 patches a side
@@ -299,10 +299,12 @@ def content_parts(content: list, where: str) -> tuple[list[dict], list[tuple[str
     return out, refs
 
 
-def expand(ids: np.ndarray, items: list[MediaFile], pad_id: int) -> tuple[np.ndarray, list[int]]:
-    """Per token of `ids` (one pad per vision chunk, as the template writes them) how many it becomes: each pad the
-    tokens of the next of `items`; and where each of those items' pads start once expanded."""
-    at = np.flatnonzero(ids == pad_id)
+def expand(ids: np.ndarray, items: list[MediaFile], pad_id: int,
+           context: np.ndarray | None = None) -> tuple[np.ndarray, list[int]]:
+    """Per token of `ids` (one pad per vision chunk, as the template writes them) how many it becomes: each pad of
+    the `context` (bool [n], not a reply: a reply's pad is a token the model wrote) the tokens of the next of `items`;
+    and where each of those items' pads start once expanded."""
+    at = np.flatnonzero(media_positions(ids, pad_id, context))
     if len(at) > len(items):
         raise ChatError(f"the prompt holds {len(at)} <|media_pad|> placeholders for {len(items)} image(s) or video "
                         "chunk(s): placeholders and media disagree")
@@ -311,9 +313,11 @@ def expand(ids: np.ndarray, items: list[MediaFile], pad_id: int) -> tuple[np.nda
     return counts, (np.cumsum(counts)[at] - counts[at]).tolist()
 
 
-def place(ids: np.ndarray, items: list[MediaFile], pad_id: int) -> list[tuple[int, MediaFile]]:
-    """(pad start, item) of a pre-tokenized line's items, whose pads its ids already hold, in order."""
-    at = np.flatnonzero(ids == pad_id)
+def place(ids: np.ndarray, items: list[MediaFile], pad_id: int,
+          context: np.ndarray | None = None) -> list[tuple[int, MediaFile]]:
+    """(pad start, item) of a pre-tokenized line's items, whose pads its ids already hold at `context` tokens (bool
+    [n]: loss_mask 0), in order."""
+    at = np.flatnonzero(media_positions(ids, pad_id, context))
     if len(at) != sum(item.tokens for item in items):
         raise ChatError(f"input_ids hold {len(at)} <|media_pad|> tokens for media of {sum(i.tokens for i in items)}: "
                         "placeholders and media disagree")
