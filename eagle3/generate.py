@@ -107,6 +107,7 @@ class ServedChat:
         self.key = "messages" if "messages" in obj else "conversations"
         role_key, self.text_key, roles = ROLES[self.key]
         chat = conversation(obj, kwargs)
+        self.kwargs = chat.kwargs   # data.chat_template_kwargs under the line's own, as our rendering takes them
         self.turns = [self._absolute(turn) for turn in obj[self.key]]   # the line written, turn by turn
         self.history = [self._request_turn(chat, k, turn) for k, turn in enumerate(obj[self.key])]
         self.pending = [k for k, turn in enumerate(obj[self.key]) if roles[turn[role_key]] == "assistant"]
@@ -142,7 +143,8 @@ class ServedChat:
         cannot read our paths)."""
         messages = [{**m, "content": map_urls(m["content"], lambda url, kind: data_url(url, self.base, kind))}
                     if has_media(m["content"]) else m for m in self.history[:self.pending[0]]]
-        return {"messages": messages, **{k: self.obj[k] for k in ("tools", "chat_template_kwargs") if self.obj.get(k)}}
+        extra = {"tools": self.obj.get("tools"), "chat_template_kwargs": self.kwargs}
+        return {"messages": messages, **{k: v for k, v in extra.items() if v}}
 
     def reply_seed(self) -> int:
         return (self.seed * 1_000_003 + self.replies) % 2**31
@@ -318,14 +320,14 @@ def served_chats(cfg: Config, records: list[Record]) -> dict[int, ServedChat]:
     path, lines = Path(cfg.data.path), media_lines(records)
     first = {r.line: r for r in records if r.line in lines and r.part == 0}
     chats = {}
-    for number, raw in json_lines(path, "data.path"):
+    for number, raw in json_lines(path, "data.path") if lines else ():
         if number in lines:
             obj = json.loads(utf8(raw))
             if not is_chat(obj):
                 raise GenerateError(f"{path}:{number}: a pre-tokenized line with media: a server takes images "
                                     "through its chat API only; give the conversation as a chat line, or regenerate "
                                     "it with our own loop (generate.servers = [])")
-            chats[number] = ServedChat(obj, first[number], path.parent, cfg.data.chat_template_kwargs,
+            chats[number] = ServedChat(obj, first[number], path.parent, cfg.data.chat_template_kwargs or {},
                                        conversation_seed(cfg.debug.generate_seed, first[number]))
     return chats
 
