@@ -72,8 +72,7 @@ class Conversation:
         self._end_reply(cut)
 
     def reply_seed(self) -> int:
-        """The next reply's sampling seed on a server: the same on a rerun."""
-        return (self.seed * 1_000_003 + self.replies) % 2**31
+        return reply_seed(self.seed, self.replies)
 
     def _end_reply(self, cut: bool) -> None:
         if cut:
@@ -147,7 +146,7 @@ class ServedChat:
         return {"messages": messages, **{k: v for k, v in extra.items() if v}}
 
     def reply_seed(self) -> int:
-        return (self.seed * 1_000_003 + self.replies) % 2**31
+        return reply_seed(self.seed, self.replies)
 
     def take(self, reply: ChatReply | None) -> None:
         """The next turn answered (None: kept as the data wrote it, its prompt past data.max_seq_len)."""
@@ -169,6 +168,11 @@ class ServedChat:
 
 def _json_text(arguments: object) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
+def reply_seed(seed: int, replies: int) -> int:
+    """The sampling seed on a server of a conversation's reply after `replies` others: the same on a rerun."""
+    return (seed * 1_000_003 + replies) % 2**31
 
 
 def conversation_seed(seed: int, record: Record) -> int:
