@@ -435,3 +435,25 @@ def test_a_pad_the_model_wrote_in_a_reply_is_a_token_not_a_placeholder(vision_ta
 def write(path, obj):
     path.write_text(json.dumps(obj) + "\n")
     return path
+
+
+def test_the_incremental_target_skips_a_reply_pad_between_two_images(vision_target, tmp_path):
+    """Generate's own loop feeds replies token by token: a pad it sampled before a later image takes no row, so the
+    target's states equal extraction's over the same sequence."""
+    from eagle3.models.incremental import IncrementalTarget
+    from eagle3.models.streaming import TargetRunner
+    from eagle3.models.weights import Checkpoint
+    png(tmp_path / "a.png", 70, 50)
+    png(tmp_path / "b.png", 40, 60, seed=2)
+    (record,), _ = read_records(write(tmp_path / "d.jsonl", line(image("a.png"), "and", image("b.png"))), VOCAB, 4096,
+                                target_dir=vision_target, report=False)
+    at = int(np.flatnonzero(record.input_ids == PAD)[record.media[0].tokens - 1]) + 1   # after the first image
+    ids = torch.from_numpy(np.insert(record.input_ids, at, PAD)).long()
+    context = torch.from_numpy(np.insert(record.loss_mask, at, 1) == 0)   # the pad between them: written by the model
+    ckpt, cpu = Checkpoint(vision_target), torch.device("cpu")
+    whole = TargetRunner(ckpt, [0, 0, 1], cpu, torch.float32).run(ids, [0, len(ids)], record.media, context)
+    target = IncrementalTarget(ckpt, [0, 0, 1], cpu, torch.float32)
+    cache = target.new_cache(record.media)
+    pieces = [target.forward_many([ids[a:b]], [cache], [context[a:b]])[0][1] for a, b in ((0, at), (at, at + 1),
+                                                                                           (at + 1, len(ids)))]
+    torch.testing.assert_close(torch.cat(pieces), whole["final_hidden"].float(), rtol=1e-4, atol=1e-4)
