@@ -140,8 +140,8 @@ def verdict(report: dict, out: Path, why: str) -> str:
             f"({gap:.0%} apart; both in {out})\n  {why}{broken}")
 
 
-# a random target's reply may sample the <|media_pad|> id, which no image stands for: such a line is skipped, in one
-# line; an eighth held out: a dozen prompts, half of them with images
+# a line the random target leaves unusable is skipped, in one line (a <|media_pad|> it samples in a reply is a plain
+# token, no such line); an eighth held out: a dozen prompts, half of them with images
 VISION = ["--data.on_error", "skip", "--train.eval_fraction", "0.125"]
 
 

@@ -1,7 +1,8 @@
 """Replies from serving engines over HTTP, no engine imported: vLLM's /v1/completions and SGLang's native /generate
 take token ids and give back the engine's own output ids; any other OpenAI-compatible server gives back text, which
-is re-tokenized. Several servers at once with requests in flight on each, retries with backoff, a server that stays
-down dropped while the others go on (docs/generate.md)."""
+is re-tokenized; conversations with images or video go through vLLM's or SGLang's /v1/chat/completions. Several
+servers at once with requests in flight on each, retries with backoff, a server that stays down dropped while the
+others go on (docs/generate.md)."""
 from __future__ import annotations
 
 import collections
@@ -50,6 +51,13 @@ class Reply:
     cut: bool                   # stopped at max_new_tokens (or the server's context length)
     retokenized: bool = False   # from a text-only server: its text encoded again by the target's tokenizer
     round_trip: bool = True     # retokenized: the text survived decode(encode(text)) and the engine's token count
+
+
+@dataclass
+class ChatReply:
+    message: dict               # the assistant turn: content, reasoning_content, tool_calls as the engine parsed them
+    cut: bool                   # stopped at max_new_tokens (or the server's context length)
+    tokens: int                 # the engine's count of the reply's tokens (usage.completion_tokens)
 
 
 @dataclass
@@ -151,29 +159,70 @@ class Server:
     def describe(self) -> str:
         return f"{self.url} ({KINDS.get(self.kind, 'text only')}, {self.model})"
 
-    def complete(self, prompt: list[int], decoding: Decoding, seed: int, text: TextCodec | None) -> Reply:
-        """The reply to `prompt` (the conversation's ids through the generation prompt)."""
+    def _limit(self, prompt: int, decoding: Decoding) -> int:
+        """The reply's most tokens after a prompt of `prompt` tokens: max_new_tokens within the server's context."""
         limit = decoding.max_new_tokens
         if self.context is not None:
-            limit = min(limit, self.context - len(prompt))
+            limit = min(limit, self.context - prompt)
             if limit <= 0:
-                raise EngineError(f"{self.url}: a prompt of {len(prompt)} tokens leaves no room for a reply within "
+                raise EngineError(f"{self.url}: a prompt of {prompt} tokens leaves no room for a reply within "
                                   f"the server's max_model_len {self.context}")
+        return limit
+
+    @staticmethod
+    def _sampling(decoding: Decoding, seed: int) -> dict:
         sampling = {"temperature": decoding.temperature, "top_p": decoding.top_p, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0}
         if decoding.temperature > 0:   # greedy needs none, and an older SGLang refuses its seed field
             sampling["seed"] = seed
+        return sampling
+
+    def _count(self, reply: Reply | ChatReply) -> None:
+        with self.lock:
+            self.tokens += reply.tokens if isinstance(reply, ChatReply) else len(reply.ids)
+            self.replies += 1
+            if isinstance(reply, Reply):
+                self.retokenized += reply.retokenized
+                self.mismatched += not reply.round_trip
+
+    def chat(self, request: dict, prompt: int, decoding: Decoding, seed: int) -> ChatReply:
+        """The assistant message answering `request` ({"messages", "tools", "chat_template_kwargs"}: media parts as
+        data: URLs) through vLLM's or SGLang's chat API, the turn as the engine's parsers give it; `prompt`: its
+        tokens."""
+        # vLLM's and SGLang's chat requests take the same sampling fields; special tokens kept, as the token-id paths
+        body = {"model": self.model, **request, "max_tokens": self._limit(prompt, decoding),
+                **self._sampling(decoding, seed), "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                "stop_token_ids": list(decoding.stop), "skip_special_tokens": False}
+
+        def read(answer: object) -> ChatReply:
+            choice = self._choice(answer, "/v1/chat/completions")
+            message = choice.get("message")
+            if not isinstance(message, dict) or not isinstance(message.get("content"), (str, type(None))):
+                raise EngineError(f"{self.url}: /v1/chat/completions answered without choices[0].message.content: "
+                                  f"{str(choice)[:200]}")
+            turn = {"role": "assistant", "content": message["content"]}
+            # later vLLM names the parser's reasoning `reasoning`, SGLang and earlier vLLM `reasoning_content`
+            if reasoning := message.get("reasoning_content") or message.get("reasoning"):
+                turn["reasoning_content"] = reasoning
+            if message.get("tool_calls"):
+                turn["tool_calls"] = message["tool_calls"]
+            counted = (answer.get("usage") or {}).get("completion_tokens")
+            return ChatReply(turn, self._finish(choice.get("finish_reason")) == "length",
+                             counted if isinstance(counted, int) else 0)
+        reply = self.call("/v1/chat/completions", body, read)
+        self._count(reply)
+        return reply
+
+    def complete(self, prompt: list[int], decoding: Decoding, seed: int, text: TextCodec | None) -> Reply:
+        """The reply to `prompt` (the conversation's ids through the generation prompt)."""
+        limit, sampling = self._limit(len(prompt), decoding), self._sampling(decoding, seed)
         if self.kind == "vllm":
             reply = self._vllm(prompt, decoding, limit, sampling)
         elif self.kind == "sglang":
             reply = self._sglang(prompt, decoding, limit, sampling)
         else:
             reply = self._text(prompt, decoding, limit, sampling, text)
-        with self.lock:
-            self.tokens += len(reply.ids)
-            self.replies += 1
-            self.retokenized += reply.retokenized
-            self.mismatched += not reply.round_trip
+        self._count(reply)
         return reply
 
     def _vllm(self, prompt: list[int], decoding: Decoding, limit: int, sampling: dict) -> Reply:
@@ -230,10 +279,10 @@ class Server:
             return Reply(ids + [decoding.stop[0]] * stopped, not stopped, retokenized=True, round_trip=same)
         return self.call("/v1/completions", body, read)
 
-    def _choice(self, answer: object) -> dict:
+    def _choice(self, answer: object, path: str = "/v1/completions") -> dict:
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise EngineError(f"{self.url}: /v1/completions answered without choices: {str(answer)[:200]}")
+            raise EngineError(f"{self.url}: {path} answered without choices: {str(answer)[:200]}")
         return choices[0]
 
     def _ids(self, ids: object, name: str) -> list[int]:
@@ -242,9 +291,10 @@ class Server:
         return list(ids)
 
     def _finish(self, reason: object, whole: object = None) -> str:
-        """"stop" or "length"; an aborted request is retried unless the server says the request was wrong (4xx)."""
-        if reason in ("stop", "length"):
-            return reason
+        """"stop" or "length" ("tool_calls": a chat reply that stopped after its calls); an aborted request is retried
+        unless the server says the request was wrong (4xx)."""
+        if reason in ("stop", "length", "tool_calls"):
+            return "length" if reason == "length" else "stop"
         status = whole.get("status_code") if isinstance(whole, dict) else None
         if reason in ("abort", "error") and not (isinstance(status, int) and 400 <= status < 500):
             raise Retryable(f"{self.url}: the request ended with finish_reason {whole or reason}")
@@ -354,6 +404,14 @@ class Pool:
     @property
     def retries(self) -> int:
         return sum(s.retries for s in self.servers)
+
+    @property
+    def replies(self) -> int:
+        return sum(s.replies for s in self.servers)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.servers)
 
     @property
     def retokenized(self) -> int:

@@ -18,6 +18,7 @@ from eagle3.resolve import data_workers, resolve, resolve_device
 from eagle3.data.chat import RENDERING
 from eagle3.data.tokenizer import TOKENIZER_FILES
 from eagle3.data.inputs import InputStats, read_records
+from eagle3.data.media import files_fingerprint
 from eagle3.data.shards import DTYPES, FORMAT_VERSION, MANIFEST, DataError, shard_name, shard_tensors, write_shard
 from eagle3.files import atomic_write_text, read_json, run_lock, sha256_file, writable_dir
 from eagle3.ops import TORCH_DTYPES
@@ -71,15 +72,17 @@ def _verified(out: Path, done: dict[str, dict], mine: list[int]) -> dict[str, di
     return done
 
 
-def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats) -> dict:
+def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats, records: list) -> dict:
     data_sha = sha256_file(cfg.data.path)
+    media = [item for r in records for item in r.media]
     dtypes = dict(DTYPES)
     if cfg.extract.aux_dtype == "float8_e4m3fn":
         dtypes.update(aux_hidden="float8_e4m3fn", aux_scale="float32")
     tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
+    chat = [json.dumps(cfg.data.chat_template_kwargs, sort_keys=True), RENDERING] if stats.chat.lines else []
     plan = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len, cfg.data.on_error,
-                       cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype, FORMAT_VERSION,
-                       *([json.dumps(cfg.data.chat_template_kwargs, sort_keys=True), RENDERING] if stats.chat.lines else [])])
+                       cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype, FORMAT_VERSION, *chat,
+                       *([files_fingerprint(media)] if media else [])])   # the images the data points to
     vision = target_vision(ckpt)
     return {"format_version": FORMAT_VERSION, "target": ckpt.config.identity(), "aux_layer_ids": aux_ids,
             "dtypes": dtypes, **({"media_pad_id": vision.pad_id} if vision else {}),
@@ -137,7 +140,7 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
             print(f"extract: {note}", file=sys.stderr)
     out = writable_dir(cfg.extract.output_dir, DataError, "extract.output_dir")
     (out / JOURNAL).mkdir(parents=True, exist_ok=True)
-    header = _header(cfg, ckpt, aux_ids, stats)
+    header = _header(cfg, ckpt, aux_ids, stats, records)
     _check_or_write_header(out, header, dist.main)
     dist.barrier()
     cu = np.cumsum([0] + [len(r.input_ids) for r in records]).tolist()
@@ -154,7 +157,9 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
         for i in todo:
             a, b = plan[i]
             ids = torch.from_numpy(np.concatenate([r.input_ids for r in records[a:b]]))
-            states = runner.run(ids, [c - cu[a] for c in cu[a:b + 1]], [m for r in records[a:b] for m in r.media])
+            context = torch.from_numpy(np.concatenate([r.loss_mask for r in records[a:b]]) == 0)   # the prompts
+            states = runner.run(ids, [c - cu[a] for c in cu[a:b + 1]], [m for r in records[a:b] for m in r.media],
+                                context)
             check_finite(states, aux_ids, out / shard_name(i), cfg.extract.dtype)
             tensors = shard_tensors(records[a:b], states, cfg.extract.aux_dtype)
             entry = write_shard(out, i, tensors) | {"plan_key": header["plan_key"]}

@@ -15,16 +15,16 @@ from tqdm import tqdm
 
 from eagle3.config import Config
 from eagle3.data.tokenizer import TOKENIZER_FILES, TargetTokenizer, stop_token_ids
-from eagle3.data.chat import RENDERING
-from eagle3.data.inputs import Record, read_records, reply_spans
-from eagle3.data.media import parts_of
+from eagle3.data.chat import RENDERING, ROLES, conversation
+from eagle3.data.inputs import Record, chat_encoder, is_chat, json_lines, read_records, reply_spans, utf8
+from eagle3.data.media import absolute_url, data_url, has_media, map_urls, parts_of
 from eagle3.resolve import data_workers, resolve_device
 from eagle3.files import atomic_write_text, read_json, run_lock, sha256_file, strict_json
 from eagle3.ops import TORCH_DTYPES
 from eagle3.sampling import Sampling, sample
 from eagle3.models.weights import Checkpoint
 from eagle3.models.incremental import IncrementalTarget
-from eagle3.engines import Decoding, EngineError, Pool, Retry, Server, TextCodec
+from eagle3.engines import ChatReply, Decoding, EngineError, Pool, Retry, Server, TextCodec
 from eagle3.errors import Eagle3Error
 
 
@@ -53,6 +53,10 @@ class Conversation:
         """Tokens the target has not seen yet."""
         return torch.tensor(self.ids[self.cache.length:])
 
+    def context(self) -> torch.Tensor:
+        """bool: which of `feed`'s tokens are context, where media pads are (a sampled pad id is a token)."""
+        return torch.tensor(self.mask[self.cache.length:]) == 0
+
     def take(self, token: int, max_new: int, stop: set[int]) -> None:
         """One sampled token of the reply."""
         self.ids.append(token)
@@ -68,8 +72,7 @@ class Conversation:
         self._end_reply(cut)
 
     def reply_seed(self) -> int:
-        """The next reply's sampling seed on a server: the same on a rerun."""
-        return (self.seed * 1_000_003 + self.replies) % 2**31
+        return reply_seed(self.seed, self.replies)
 
     def _end_reply(self, cut: bool) -> None:
         if cut:
@@ -92,6 +95,86 @@ class Conversation:
                 **({"media": parts_of(self.record.media)} if self.record.media else {})}
 
 
+class ServedChat:
+    """A chat line with images or video regenerated through a server's chat API (the token-id endpoints take no
+    media): each assistant turn in turn is asked for with the turns before it (earlier ones already regenerated, media
+    as data: URLs) and replaced by the engine's message; the line written is the conversation itself, its media paths
+    absolute, which extraction renders and expands as any chat line (docs/generate.md)."""
+
+    def __init__(self, obj: dict, record: Record, base: Path, kwargs: dict, seed: int):
+        self.obj, self.record, self.base, self.seed = obj, record, base, seed
+        self.key = "messages" if "messages" in obj else "conversations"
+        role_key, self.text_key, roles = ROLES[self.key]
+        chat = conversation(obj, kwargs)
+        self.kwargs = chat.kwargs   # data.chat_template_kwargs under the line's own, as our rendering takes them
+        self.turns = [self._absolute(turn) for turn in obj[self.key]]   # the line written, turn by turn
+        self.history = [self._request_turn(chat, k, turn) for k, turn in enumerate(obj[self.key])]
+        self.pending = [k for k, turn in enumerate(obj[self.key]) if roles[turn[role_key]] == "assistant"]
+        self.assistant = "gpt" if self.key == "conversations" else "assistant"
+        self.role_key, self.replies, self.cut = role_key, 0, []
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+    def _absolute(self, turn: dict) -> dict:
+        content = turn.get(self.text_key)
+        return {**turn, self.text_key: map_urls(content, lambda url, _: absolute_url(url, self.base))} \
+            if has_media(content) else turn
+
+    def _request_turn(self, chat, k: int, turn: dict) -> dict:
+        """Turn k as the engines take it: as our rendering passes it, its media parts (absolute: `request` sends them
+        as data: URLs), tool-call arguments as JSON text (the OpenAI API's form)."""
+        message = dict(chat.messages[k])
+        if has_media(turn.get(self.text_key)):
+            message["content"] = self._absolute(turn)[self.text_key]
+        if k in chat.emitted:
+            message["tool_calls"] = [{**call, "function": {**call["function"], "arguments": _json_text(
+                call["function"]["arguments"])}} for call in chat.emitted[k]]
+        return message
+
+    def prompt(self) -> dict:
+        """The line up to the next reply: what our rendering counts the request's tokens from."""
+        return {**self.obj, self.key: self.turns[:self.pending[0]]}
+
+    def request(self) -> dict:
+        """The chat request for the next reply, each media file read into a data: URL (a server on another machine
+        cannot read our paths)."""
+        messages = [{**m, "content": map_urls(m["content"], lambda url, kind: data_url(url, self.base, kind))}
+                    if has_media(m["content"]) else m for m in self.history[:self.pending[0]]]
+        extra = {"tools": self.obj.get("tools"), "chat_template_kwargs": self.kwargs}
+        return {"messages": messages, **{k: v for k, v in extra.items() if v}}
+
+    def reply_seed(self) -> int:
+        return reply_seed(self.seed, self.replies)
+
+    def take(self, reply: ChatReply | None) -> None:
+        """The next turn answered (None: kept as the data wrote it, its prompt past data.max_seq_len)."""
+        k = self.pending.pop(0)
+        if reply is not None:
+            message = reply.message
+            self.turns[k] = {self.role_key: self.assistant, self.text_key: message["content"],
+                             **{key: v for key, v in message.items() if key not in ("role", "content")}}
+            reasoning = {"reasoning": message["reasoning_content"]} if "reasoning_content" in message else {}
+            self.history[k] = {**message, **reasoning}   # vLLM 0.16-0.21 reads `reasoning`, SGLang the other
+            if reply.cut:
+                self.cut.append(self.replies)
+        self.replies += 1
+
+    def output(self) -> dict:
+        return {**self.obj, self.key: self.turns, "source_line": self.record.line, "source_part": self.record.part,
+                "cut_replies": self.cut}
+
+
+def _json_text(arguments: object) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
+def reply_seed(seed: int, replies: int) -> int:
+    """The sampling seed on a server of a conversation's reply after `replies` others: the same on a rerun."""
+    return (seed * 1_000_003 + replies) % 2**31
+
+
 def conversation_seed(seed: int, record: Record) -> int:
     return seed * 1_000_003 + record.line + 1_000_000_007 * record.part
 
@@ -112,7 +195,8 @@ def regenerate(target: IncrementalTarget, records: list[Record], sampling: Sampl
             finished[conv.record.line, conv.record.part] = conv.output()
             active.remove(conv)
         if active:
-            results = target.forward_many([c.feed() for c in active], [c.cache for c in active])
+            results = target.forward_many([c.feed() for c in active], [c.cache for c in active],
+                                          [c.context() for c in active])
             last = target.logits(torch.stack([final[-1] for _, final in results]))      # [B, V]
             for conv, token in zip(active, sample(last, sampling.temperature, sampling.top_p,
                                                   [c.generator for c in active])):
@@ -186,10 +270,9 @@ def _source(line: str) -> object:
         return None
 
 
-def check_complete(path: Path, records: list[Record]) -> None:
-    """Refuse to call `path` finished unless it holds one line per input sequence, in input order."""
+def check_complete(path: Path, expected: list[tuple[int, int]]) -> None:
+    """Refuse to call `path` finished unless it holds one line per output unit (`units`), in input order."""
     found = [_source(line) for line in path.read_text().split("\n") if line]
-    expected = [(r.line, r.part) for r in records]
     if found == expected:
         return
     i = next((i for i, (a, b) in enumerate(zip(found, expected)) if a != b), min(len(found), len(expected)))
@@ -226,16 +309,50 @@ def text_codec(target_dir: Path) -> TextCodec:
     return TextCodec(encode, encode.decode)
 
 
+def media_lines(records: list[Record]) -> set[int]:
+    """The lines with images or video: through servers, each is regenerated whole as one chat line (ServedChat)."""
+    return {r.line for r in records if r.media}
+
+
+def units(records: list[Record], whole: set[int]) -> list[tuple[int, int]]:
+    """(source_line, source_part) of each output line: one per sequence, one per line of `whole`."""
+    return [(r.line, r.part) for r in records if r.line not in whole or r.part == 0]
+
+
+def served_chats(cfg: Config, records: list[Record]) -> dict[int, ServedChat]:
+    """The lines with media as ServedChats, read again from data.path (the records hold their ids, not their turns)."""
+    path, lines = Path(cfg.data.path), media_lines(records)
+    first = {r.line: r for r in records if r.line in lines and r.part == 0}
+    chats = {}
+    for number, raw in json_lines(path, "data.path") if lines else ():
+        if number in lines:
+            obj = json.loads(utf8(raw))
+            if not is_chat(obj):
+                raise GenerateError(f"{path}:{number}: a pre-tokenized line with media: a server takes images "
+                                    "through its chat API only; give the conversation as a chat line, or regenerate "
+                                    "it with our own loop (generate.servers = [])")
+            chats[number] = ServedChat(obj, first[number], path.parent, cfg.data.chat_template_kwargs or {},
+                                       conversation_seed(cfg.debug.generate_seed, first[number]))
+    return chats
+
+
 def served(cfg: Config, ckpt: Checkpoint, pool: Pool, records: list[Record], stop: set[int]) -> Iterator[dict]:
-    """Output lines in input order, each reply written by one of the servers (a conversation's replies in turn)."""
+    """Output lines in input order, each reply written by one of the servers (a conversation's replies in turn);
+    a line with media through the servers' chat API, whole."""
     g, vocab = cfg.generate, ckpt.config.vocab_size
-    if with_media := sum(bool(r.media) for r in records):
-        raise GenerateError(f"{cfg.data.path}: {with_media} sequences hold images or video, which a server's token-id "
-                            "endpoints cannot take: regenerate them with our own loop (generate.servers = [])")
     decoding = Decoding(g.max_new_tokens, g.temperature, g.top_p, tuple(sorted(stop)))
     text = text_codec(ckpt.dir) if pool.kind == "text" else None
+    chats, encoder = served_chats(cfg, records), chat_encoder(ckpt.dir, cfg.data.chat_template_kwargs)
+    if chats and pool.kind == "text":
+        raise GenerateError(f"{cfg.data.path}: {len(chats)} lines hold images or video, which go through a vLLM or "
+                            f"SGLang server's chat API; {pool.servers[0].describe()} is neither")
 
-    def work(server: Server, conv: Conversation) -> dict:
+    def work(server: Server, conv: Conversation | ServedChat) -> dict:
+        while isinstance(conv, ServedChat) and not conv.done:
+            prompt = len(encoder().encode_prompt(conv.prompt()))
+            # a reply after data.max_seq_len tokens is never trained: kept as the data wrote it, not asked for
+            conv.take(server.chat(conv.request(), prompt, decoding, conv.reply_seed())
+                      if prompt < cfg.data.max_seq_len else None)
         while not conv.done:
             reply = server.complete(conv.ids, decoding, conv.reply_seed(), text)
             if bad := [i for i in reply.ids if not 0 <= i < vocab]:
@@ -243,7 +360,8 @@ def served(cfg: Config, ckpt: Checkpoint, pool: Pool, records: list[Record], sto
                                   f"({vocab} tokens): is the server serving another model?")
             conv.add_reply(reply.ids, reply.cut)
         return conv.output()
-    return pool.run([Conversation(r, None, conversation_seed(cfg.debug.generate_seed, r)) for r in records], work)
+    return pool.run([chats[r.line] if r.line in chats else Conversation(r, None, conversation_seed(
+        cfg.debug.generate_seed, r)) for r in records if r.line not in chats or r.part == 0], work)
 
 
 @dataclass
@@ -255,13 +373,15 @@ class Tally:
     cut: int = 0
 
     def add(self, line: dict) -> None:
+        """An output line: a sequence, or a chat line regenerated through a server (its replies counted there)."""
         self.sequences += 1
-        self.replies += len(reply_spans(line["loss_mask"]))
-        self.tokens += sum(line["loss_mask"])
+        self.replies += len(reply_spans(line.get("loss_mask", [])))
+        self.tokens += sum(line.get("loss_mask", []))
         self.cut += len(line["cut_replies"])
 
     def describe(self, seconds: float, pool: Pool | None) -> str:
-        text = (f"{self.replies} replies in {self.sequences} sequences, {self.tokens} tokens ({self.cut} cut at "
+        replies, tokens = (self.replies, self.tokens) if pool is None else (pool.replies, pool.tokens)
+        text = (f"{replies} replies in {self.sequences} sequences, {tokens} tokens ({self.cut} cut at "
                 f"generate.max_new_tokens) in {seconds:.0f} s")
         if pool is None:
             return text
@@ -305,26 +425,29 @@ def _run(cfg: Config, out: Path) -> Path:
                                   target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs, regenerating=True,
                                   workers=data_workers(cfg))
     current = settings(cfg, ckpt)   # after the data is read: a data.path that is no file stops there, in one line
+    whole = media_lines(records) if g.servers else set()   # lines regenerated whole through the chat API
+    expected = units(records, whole)
     if partial.exists() and partial.stat().st_size:
         _check_same(partial, current)
     elif out.exists():
         _check_same(out, current)
-        check_complete(out, records)
+        check_complete(out, expected)
         sidecar(partial).unlink(missing_ok=True)   # left by a kill inside _finish
         print(f"generate: {out} is already complete with these settings; nothing to do")
         return out
     else:
         atomic_write_text(sidecar(partial), strict_json(current, indent=1) + "\n")
     done = _done_lines(partial)
-    todo = [r for r in records if (r.line, r.part) not in done]
+    todo = [r for r in records if (r.line, 0 if r.line in whole else r.part) not in done]
     started, stop, pool = time.monotonic(), stop_tokens(cfg, ckpt), connect(cfg) if g.servers else None
     lines = served(cfg, ckpt, pool, todo, stop) if pool else local(cfg, ckpt, todo, stop)
-    with tqdm(desc="generate", unit="seq", initial=len(records) - len(todo), total=len(records)) as bar:
+    left = len(units(todo, whole))
+    with tqdm(desc="generate", unit="seq", initial=len(expected) - left, total=len(expected)) as bar:
         try:
             tally = append(partial, lines, bar, pool)
         except EngineError as e:
             raise EngineError(f"{e}; the replies so far are kept in {partial}: the same command resumes") from None
-    check_complete(partial, records)
+    check_complete(partial, expected)
     _finish(partial, out)
     print(f"generate: {stats.describe()} -> {out}; this run: {tally.describe(time.monotonic() - started, pool)}")
     return out

@@ -9,6 +9,7 @@ import torch
 from eagle3 import linear
 from eagle3.data.batch import Batch, RowPlan, RowRule
 from eagle3.draft import Rows
+from eagle3.models.vision import media_positions
 from eagle3.ops import gather_rows, positions_from_cu_seqlens, scatter_rows
 
 # per-step metric sums; "accepted" (leading correct steps) in step 0's row only; "alpha" / "alpha_greedy":
@@ -115,15 +116,17 @@ def plan_rows(batch: Batch, steps: int, t2d: torch.Tensor, skip_dead_rows: bool 
 
 
 def token_inputs(embed: torch.Tensor, ids: torch.Tensor, media_embeds: torch.Tensor | None,
-                 media_pad: int | None):
+                 media_pad: int | None, loss_mask: torch.Tensor | None = None):
     """index [N] -> the draft's token embeddings of ids[index] [N, H]: the embedding table's rows, but at the media
-    placeholders the target's vision rows when `media_pad` (SGLang's rule) is set and the batch carries them."""
+    placeholders (`media_positions`: the pad id in the prompts, loss_mask 0) the target's vision rows when
+    `media_pad` (SGLang's rule) is set and the batch carries them."""
     if media_pad is None or media_embeds is None or media_embeds.shape[0] == 0:
         return lambda index: embed[ids[index]]
-    slot = ((ids == media_pad).cumsum(0) - 1).clamp(min=0)   # [T]: each placeholder's row of media_embeds
+    pads = media_positions(ids, media_pad, None if loss_mask is None else loss_mask == 0)
+    slot = (pads.long().cumsum(0) - 1).clamp(min=0)   # [T]: each placeholder's row of media_embeds
     rows = media_embeds.to(embed.dtype)
     # a select, not a boolean index: no host sync, static shapes for CUDA graphs
-    return lambda index: torch.where((ids[index] == media_pad)[:, None], rows[slot[index]], embed[ids[index]])
+    return lambda index: torch.where(pads[index][:, None], rows[slot[index]], embed[ids[index]])
 
 
 def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tensor, steps: int,
@@ -143,7 +146,7 @@ def ttt_forward(draft, batch: Batch, embed: torch.Tensor, head_rows: torch.Tenso
         plan = plan_rows(batch, steps, draft.t2d, skip_dead_rows, objective.rows, targets, layout)
     live = [None] * steps if static else plan.live or [None] * steps
     probs = target_probs(batch.final_hidden, head_rows, steps, objective.temperature)
-    tokens = token_inputs(embed, ids, batch.media_embeds, media_pad)
+    tokens = token_inputs(embed, ids, batch.media_embeds, media_pad, batch.loss_mask)
     kept = []
     # the kernels read the boundaries on the host: a host copy, when the trainer gives one, saves a sync
     cu_attention = (batch.cu_attention if batch.cu_attention is not None else batch.cu_seqlens_host

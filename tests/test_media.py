@@ -321,3 +321,139 @@ def test_an_image_and_a_video_run_through_the_target_as_extraction_runs_them(vis
     out = TargetRunner(Checkpoint(vision_target), [0, 0, 1], torch.device("cpu"), torch.float32).run(
         ids, [0, len(ids)], record.media)
     assert out["media_embeds"].shape[0] == int((ids == PAD).sum()) == 3 * 6
+
+
+def chat_answer(content, reasoning=None, finish="stop"):
+    """vLLM's /v1/chat/completions answer (a reasoning parser's split: `reasoning`, as later vLLM names it)."""
+    return {"id": "chatcmpl-0", "object": "chat.completion", "created": 0, "model": "target",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "reasoning": reasoning},
+                         "finish_reason": finish}], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}
+
+
+def test_generate_sends_conversations_with_images_through_the_chat_api(vision_target, tmp_path, capsys):
+    """Through servers, a line with an image goes to /v1/chat/completions, the image as a data: URL, each reply after
+    the earlier regenerated ones; the line written back is the conversation, which extraction renders and expands.
+    A text line keeps the token-id endpoint."""
+    from conftest import make_config
+    from test_engines import Fake, vllm_answer
+    from eagle3 import generate
+    png(tmp_path / "a.png", 70, 50)
+    data = tmp_path / "d.jsonl"
+    chat = line(image("a.png"), "what?", reply="old")
+    chat["messages"] += [{"role": "user", "content": "more?"}, {"role": "assistant", "content": "old again"}]
+    chat["chat_template_kwargs"] = {"thinking": True}
+    text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    data.write_text(json.dumps(text) + "\n" + json.dumps(chat) + "\n")
+    replies = iter([chat_answer("a cat", "look at it"), chat_answer("two cats", "look again", "length")])
+    fake = Fake(lambda path, body: (200, next(replies) if path == "/v1/chat/completions" else
+                                    vllm_answer([40, 41, PAD - 21 + 2])))
+    try:
+        cfg = make_config(tmp_path, vision_target, data, **{
+            "generate.output_path": tmp_path / "out" / "regen.jsonl", "generate.servers": json.dumps([fake.url]),
+            "debug.generate_retries": 0})
+        out = generate.run(cfg)
+    finally:
+        fake.close()
+    chats = [body for path, body in fake.requests if path == "/v1/chat/completions"]
+    assert len(chats) == 2 and len(fake.requests) == 3
+    first, second = chats
+    encoded = base64.b64encode((tmp_path / "a.png").read_bytes()).decode()
+    assert first["messages"][0]["content"][0] == image(f"data:image/png;base64,{encoded}")
+    assert first["chat_template_kwargs"] == {"thinking": True} and first["skip_special_tokens"] is False
+    assert [m["role"] for m in first["messages"]] == ["user"]
+    answered = second["messages"][1]   # the first reply as the engine gave it, its reasoning under both names
+    assert (answered["content"], answered["reasoning_content"], answered["reasoning"]) == ("a cat", *["look at it"] * 2)
+    written = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(w["source_line"], w["source_part"]) for w in written] == [(1, 0), (2, 0)]
+    assert "input_ids" in written[0] and written[1]["cut_replies"] == [1]
+    turns = written[1]["messages"]
+    assert turns[0]["content"][0] == image(str((tmp_path / "a.png").resolve()))   # readable from the output's folder
+    assert turns[1] == {"role": "assistant", "content": "a cat", "reasoning_content": "look at it"}
+    assert turns[3]["reasoning_content"] == "look again"
+    records, stats = read_records(out, VOCAB, 4096, target_dir=vision_target, report=False)
+    assert stats.media["images"] == len([r for r in records if r.media]) >= 1 and stats.chat.lines == 1
+    assert not stats.chat.ignored   # generate's own keys are no unread field
+    generate.run(cfg)   # a rerun finds it complete: one line for the line regenerated whole
+    assert "already complete" in capsys.readouterr().out
+
+
+def test_an_image_changed_under_the_same_data_file_is_another_extraction(vision_target, tmp_path):
+    """The plan key holds each media file's path, size and time: a resumed extraction does not mix two images."""
+    import os
+    from conftest import make_config
+    from eagle3 import extraction
+    from eagle3.data.shards import DataError
+    png(tmp_path / "a.png", 70, 50)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(line(image("a.png"), "what?")) + "\n")
+    cfg = make_config(tmp_path, vision_target, data)
+    extraction.run(cfg)
+    extraction.run(cfg)   # unchanged: the same plan, nothing redone
+    stat = (tmp_path / "a.png").stat()
+    png(tmp_path / "a.png", 70, 50, seed=1)   # other pixels, the same size
+    os.utime(tmp_path / "a.png", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(DataError, match="holds an extraction of other data, target or settings"):
+        extraction.run(cfg)
+
+
+def test_a_pad_the_model_wrote_in_a_reply_is_a_token_not_a_placeholder(vision_target, tmp_path):
+    """Only the prompt's pads are media: a reply holding the pad id (as a random target samples it) reads, extracts
+    and trains with the tower's rows at the context pads alone, and the pad's own embedding in the reply."""
+    from conftest import make_config
+    from eagle3 import extraction
+    from eagle3.data.shards import ShardReader
+    from eagle3.models.streaming import MediaInputs
+    from eagle3.models.weights import Checkpoint
+    from eagle3.ttt import token_inputs
+    png(tmp_path / "a.png", 70, 50)
+    chat = line(image("a.png"), "what?", reply="a <|media_pad|> cat")
+    (record,), _ = read_records(write(tmp_path / "chat.jsonl", chat), VOCAB, 4096, target_dir=vision_target,
+                                report=False)
+    ids, mask = torch.from_numpy(record.input_ids).long(), torch.from_numpy(record.loss_mask)
+    context_pads = (ids == PAD) & (mask == 0)
+    assert int(((ids == PAD) & (mask == 1)).sum()) == 1 and int(context_pads.sum()) == record.media[0].tokens
+    # generate's own output: the same sequence pre-tokenized with its image
+    tokens = {"input_ids": record.input_ids.tolist(), "loss_mask": record.loss_mask.tolist(),
+              "media": media.parts_of(record.media)}
+    data = write(tmp_path / "tokens.jsonl", tokens)
+    (again,), _ = read_records(data, VOCAB, 4096, target_dir=vision_target, report=False)
+    assert [m.grid_thw for m in again.media] == [m.grid_thw for m in record.media]
+    cfg = make_config(tmp_path, vision_target, data)
+    extraction.run(cfg)
+    batch = ShardReader(cfg.extract.output_dir).read(ShardReader(cfg.extract.output_dir).sequences)
+    assert batch.media_embeds.shape[0] == int(context_pads.sum())
+    # the first layer's input: the tower's rows at the context pads, the token's embedding at the reply's pad
+    inputs = MediaInputs(Checkpoint(vision_target), torch.device("cpu"), torch.float32)
+    table = torch.randn(VOCAB, batch.media_embeds.shape[1])
+    rows = batch.media_embeds.float()
+    h = inputs.embed(table, ids, rows, mask == 0)
+    assert torch.equal(h[context_pads], rows) and torch.equal(h[~context_pads], table[ids[~context_pads]])
+    draft_input = token_inputs(table, ids, rows, PAD, mask)(torch.arange(len(ids)))   # SGLang's rule, in training
+    assert torch.equal(draft_input, h)
+
+
+def write(path, obj):
+    path.write_text(json.dumps(obj) + "\n")
+    return path
+
+
+def test_the_incremental_target_skips_a_reply_pad_between_two_images(vision_target, tmp_path):
+    """Generate's own loop feeds replies token by token: a pad it sampled before a later image takes no row, so the
+    target's states equal extraction's over the same sequence."""
+    from eagle3.models.incremental import IncrementalTarget
+    from eagle3.models.streaming import TargetRunner
+    from eagle3.models.weights import Checkpoint
+    png(tmp_path / "a.png", 70, 50)
+    png(tmp_path / "b.png", 40, 60, seed=2)
+    (record,), _ = read_records(write(tmp_path / "d.jsonl", line(image("a.png"), "and", image("b.png"))), VOCAB, 4096,
+                                target_dir=vision_target, report=False)
+    at = int(np.flatnonzero(record.input_ids == PAD)[record.media[0].tokens - 1]) + 1   # after the first image
+    ids = torch.from_numpy(np.insert(record.input_ids, at, PAD)).long()
+    context = torch.from_numpy(np.insert(record.loss_mask, at, 1) == 0)   # the pad between them: written by the model
+    ckpt, cpu = Checkpoint(vision_target), torch.device("cpu")
+    whole = TargetRunner(ckpt, [0, 0, 1], cpu, torch.float32).run(ids, [0, len(ids)], record.media, context)
+    target = IncrementalTarget(ckpt, [0, 0, 1], cpu, torch.float32)
+    cache = target.new_cache(record.media)
+    pieces = [target.forward_many([ids[a:b]], [cache], [context[a:b]])[0][1] for a, b in ((0, at), (at, at + 1),
+                                                                                           (at + 1, len(ids)))]
+    torch.testing.assert_close(torch.cat(pieces), whole["final_hidden"].float(), rtol=1e-4, atol=1e-4)

@@ -216,7 +216,8 @@ def test_shards_keep_the_vision_rows_and_reads_of_any_sequences_get_theirs(kimi,
     for i, g in enumerate(grids):
         items = [MediaItem("image", pixels(g, 30 + i), g)] if g else []
         ids = image_sequence(c.pad_id, g, [7 + i], [50, 51], base) if g else [9, 10, 11, 12]
-        records.append(Record(i + 1, np.array(ids, np.int32), np.ones(len(ids), np.uint8), media=items))
+        mask = np.r_[np.zeros(len(ids) - 2), np.ones(2)].astype(np.uint8)   # the last two tokens are the reply
+        records.append(Record(i + 1, np.array(ids, np.int32), mask, media=items))
         media += items
     ids = torch.from_numpy(np.concatenate([r.input_ids for r in records]))
     cu = np.cumsum([0] + [len(r.input_ids) for r in records]).tolist()

@@ -25,6 +25,7 @@ ROLES = {"messages": ("role", "content", {"system": "system", "user": "user", "a
 MESSAGE_FIELDS = ("reasoning_content", "reasoning", "thinking", "tool_calls", "tool_call_id", "name")
 REASONING = ("reasoning_content", "reasoning", "thinking")
 LINE_FIELDS = ("tools", "chat_template_kwargs")
+GENERATED = ("source_line", "source_part", "cut_replies")   # what `generate` adds to a chat line it writes back
 THINK_START, THINK_END = "<think>", "</think>"
 CATEGORIES = ("reasoning", "content", "tool_calls")
 PROBE = "\u2063probe\u2063"   # a reasoning no data holds: shows whether the template keeps a turn's reasoning
@@ -194,7 +195,7 @@ def conversation(obj: dict, default_kwargs: dict, require_reply: bool = True) ->
         raise ChatError("chat_template_kwargs must be an object")
     if reserved := sorted(RESERVED_KWARGS & set(kwargs)):
         raise ChatError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-    ignored = set().union(*(i for _, i, _, _ in parsed)) | {k for k in obj if k not in (key, *LINE_FIELDS)}
+    ignored = set().union(*(i for _, i, _, _ in parsed)) | {k for k in obj if k not in (key, *LINE_FIELDS, *GENERATED)}
     emitted = {k: calls for k, (_, _, calls, _) in enumerate(parsed) if calls}
     media = [(k, *ref) for k, (*_, refs) in enumerate(parsed) for ref in refs]
     return Chat(messages, tools or None, {**default_kwargs, **kwargs}, ignored, emitted, media)
@@ -230,9 +231,11 @@ class ChatEncoder:
         media = self.media_reader.read(chat.media, Path(base or "."))
         return dataclasses.replace(chat, videos=media.videos), media
 
-    def _expand(self, ids: np.ndarray, arrays: list[np.ndarray], media: Media) -> tuple:
-        """`ids` and the per-token `arrays` with each pad expanded to its media's tokens; (start, item) per item."""
-        counts, starts = expand(ids, media.items, self.media_reader.pad_id)
+    def _expand(self, ids: np.ndarray, arrays: list[np.ndarray], media: Media,
+                context: np.ndarray | None = None) -> tuple:
+        """`ids` and the per-token `arrays` with each pad of the `context` (not a reply) expanded to its media's
+        tokens; (start, item) per item."""
+        counts, starts = expand(ids, media.items, self.media_reader.pad_id, context)
         return np.repeat(ids, counts), [np.repeat(a, counts) for a in arrays], list(zip(starts, media.items))
 
     def encode(self, obj: dict, regenerating: bool = False, base: Path | None = None) -> Encoded:
@@ -269,7 +272,7 @@ class ChatEncoder:
                 kinds[start:end] = _kinds(reply, token_starts, end - start)
             ids, placed = np.asarray(ids, dtype=np.int32), []
             if media is not None:
-                ids, (kinds,), placed = self._expand(ids, [kinds], media)
+                ids, (kinds,), placed = self._expand(ids, [kinds], media, kinds == 0)
             if out.sequences:
                 previous = out.sequences[-1][0]
                 out.repeated += len(os.path.commonprefix([previous[:len(ids)].tolist(), ids[:len(previous)].tolist()]))

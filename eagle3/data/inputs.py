@@ -246,7 +246,8 @@ def _parse_tokens(obj: object, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def token_media(obj: dict, ids: np.ndarray, chat: Callable, base: Path) -> list[tuple]:
-    """(pad start, MediaItem) of a pre-tokenized line's `media` (the content parts its pads stand for, in order)."""
+    """(pad start, MediaItem) of a pre-tokenized line's `media` (the content parts its pads in the context, loss_mask
+    0, stand for, in order: a pad in a reply is a token the model wrote)."""
     parts = obj.get("media")
     if parts is None:
         return []
@@ -254,7 +255,9 @@ def token_media(obj: dict, ids: np.ndarray, chat: Callable, base: Path) -> list[
         raise ValueError("'media' must be a list of image_url / video_url content parts")
     _, refs = content_parts(parts, "media")
     reader = chat().media_reader
-    return place(ids, reader.read([(0, *ref) for ref in refs], base).items, reader.pad_id)
+    mask = obj.get("loss_mask")
+    context = np.asarray(mask) == 0 if isinstance(mask, list) and len(mask) == len(ids) else None
+    return place(ids, reader.read([(0, *ref) for ref in refs], base).items, reader.pad_id, context)
 
 
 def _line(number: int, raw: bytes, vocab_size: int, chat: Callable, regenerating: bool, base: Path) -> tuple:

@@ -7,9 +7,12 @@ import base64
 import binascii
 import contextlib
 import functools
+import hashlib
 import importlib
 import io
+import json
 import math
+import mimetypes
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -21,7 +24,7 @@ import torch
 from eagle3.data.tokenizer import ChatError
 from eagle3.errors import InputError, TargetError
 from eagle3.files import read_json
-from eagle3.models.vision import MediaItem, vision_config
+from eagle3.models.vision import MediaItem, media_positions, vision_config
 
 # transformers 5.24 models/kimi_k25/{image,video}_processing_kimi_k25.py
 PATCH, MERGE, MAX_SIDE = 14, 2, 512     # 14-px patches merged 2 x 2; at most 512 patches a side
@@ -125,11 +128,24 @@ def _bytes_or_path(url: str, base: Path, kind: str) -> bytes | Path:
             raise ChatError(f"data:{head},...: not valid base64") from None
     if url.startswith(("http://", "https://")):
         raise ChatError(f"{url}: only files, file:// and data: URLs are read; download it first")
-    path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)) if url.startswith("file://") else Path(url)
-    path = base / path
+    path = file_path(url, base)
     if not path.is_file():
         raise ChatError(f"{path}: {kind} not found")
     return path
+
+
+def file_path(url: str, base: Path) -> Path:
+    """The file a path or `file://` URL names (a relative path: from `base`)."""
+    return base / (Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)) if url.startswith("file://") else url)
+
+
+def files_fingerprint(items: list) -> str:
+    """SHA-256 of the path, size and modification time of each file the media items read (a `data:` URL is part of
+    the data file itself): an image changed under an unchanged data file changes it, for a stat each."""
+    files = sorted({file_path(i.source.url, Path(i.source.base)).resolve() for i in items
+                    if isinstance(i, MediaFile) and not i.source.url.startswith("data:")})
+    stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
 
 
 def decode_image(url: str, base: Path) -> torch.Tensor:
@@ -283,10 +299,12 @@ def content_parts(content: list, where: str) -> tuple[list[dict], list[tuple[str
     return out, refs
 
 
-def expand(ids: np.ndarray, items: list[MediaFile], pad_id: int) -> tuple[np.ndarray, list[int]]:
-    """Per token of `ids` (one pad per vision chunk, as the template writes them) how many it becomes: each pad the
-    tokens of the next of `items`; and where each of those items' pads start once expanded."""
-    at = np.flatnonzero(ids == pad_id)
+def expand(ids: np.ndarray, items: list[MediaFile], pad_id: int,
+           context: np.ndarray | None = None) -> tuple[np.ndarray, list[int]]:
+    """Per token of `ids` (one pad per vision chunk, as the template writes them) how many it becomes: each pad of
+    the `context` (bool [n], not a reply: a reply's pad is a token the model wrote) the tokens of the next of `items`;
+    and where each of those items' pads start once expanded."""
+    at = np.flatnonzero(media_positions(ids, pad_id, context))
     if len(at) > len(items):
         raise ChatError(f"the prompt holds {len(at)} <|media_pad|> placeholders for {len(items)} image(s) or video "
                         "chunk(s): placeholders and media disagree")
@@ -295,9 +313,11 @@ def expand(ids: np.ndarray, items: list[MediaFile], pad_id: int) -> tuple[np.nda
     return counts, (np.cumsum(counts)[at] - counts[at]).tolist()
 
 
-def place(ids: np.ndarray, items: list[MediaFile], pad_id: int) -> list[tuple[int, MediaFile]]:
-    """(pad start, item) of a pre-tokenized line's items, whose pads its ids already hold, in order."""
-    at = np.flatnonzero(ids == pad_id)
+def place(ids: np.ndarray, items: list[MediaFile], pad_id: int,
+          context: np.ndarray | None = None) -> list[tuple[int, MediaFile]]:
+    """(pad start, item) of a pre-tokenized line's items, whose pads its ids already hold at `context` tokens (bool
+    [n]: loss_mask 0), in order."""
+    at = np.flatnonzero(media_positions(ids, pad_id, context))
     if len(at) != sum(item.tokens for item in items):
         raise ChatError(f"input_ids hold {len(at)} <|media_pad|> tokens for media of {sum(i.tokens for i in items)}: "
                         "placeholders and media disagree")
@@ -305,16 +325,38 @@ def place(ids: np.ndarray, items: list[MediaFile], pad_id: int) -> list[tuple[in
     return [(int(at[f]), item) for f, item in zip(firsts, items)]
 
 
+def absolute_url(url: str, base: Path) -> str:
+    """A media URL that reads the same from any directory: a path made absolute (relative ones are `base`'s)."""
+    return url if url.startswith(("data:", "file://")) else str((Path(base) / url).resolve())
+
+
+def data_url(url: str, base: Path, kind: str) -> str:
+    """A media URL as a `data:` URL of the file's bytes: what a server on another machine reads (a path or file://
+    URL names a file on this one)."""
+    source = _bytes_or_path(url, base, kind)
+    if isinstance(source, bytes):
+        return url
+    mime = mimetypes.guess_type(source.name)[0] or ""
+    mime = mime if mime.startswith(kind + "/") else f"{kind}/{source.suffix.lstrip('.') or 'unknown'}"
+    return f"data:{mime};base64,{base64.b64encode(source.read_bytes()).decode()}"
+
+
+def map_urls(content: list, convert) -> list:
+    """A turn's content parts with each media part's URL replaced by convert(url, kind) (text parts as they are)."""
+    out = []
+    for part in content:
+        name = part.get("type") if isinstance(part, dict) else None
+        if name in PARTS:
+            value = part.get(name)
+            url = value.get("url") if isinstance(value, dict) else value
+            part = {"type": name, name: {"url": convert(url, PARTS[name])}}
+        out.append(part)
+    return out
+
+
 def parts_of(items: list[MediaFile]) -> list[dict]:
     """The content parts a line's media items came from (a video's chunks from one), each path absolute: what a
     pre-tokenized line written from them (generate's output) carries as `media`."""
-    out = []
-    for item in items:
-        if item.source.chunk:
-            continue
-        url = item.source.url
-        if not url.startswith(("data:", "file://")):
-            url = str((Path(item.source.base) / url).resolve())
-        name = "image_url" if item.kind == "image" else "video_url"
-        out.append({"type": name, name: {"url": url}})
-    return out
+    names = [f"{item.kind}_url" for item in items]
+    return [{"type": name, name: {"url": absolute_url(item.source.url, Path(item.source.base))}}
+            for name, item in zip(names, items) if not item.source.chunk]

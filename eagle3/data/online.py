@@ -81,14 +81,16 @@ class OnlineReader:
         records = [[self.records[r.index] for r in refs] for refs in batches]
         inputs = [(torch.from_numpy(np.concatenate([r.input_ids for r in recs]) if recs else np.zeros(0, np.int64)),
                    np.concatenate([[0], np.cumsum([len(r.input_ids) for r in recs])]).astype(int).tolist(),
-                   [m for r in recs for m in r.media]) for recs in records]
+                   [m for r in recs for m in r.media],
+                   torch.from_numpy(np.concatenate([r.loss_mask for r in recs]) == 0 if recs else np.zeros(0, bool)))
+                  for recs in records]
         with self._lock, self._device:
             if self.lockstep and self._cuda:   # time the forward, not the queued draft work
                 torch.cuda.synchronize()
             start = time.perf_counter()
             # CPU tensors back: the forward has finished
             outs = (self.runner.run(inputs, self.group) if self.lockstep
-                    else [self.runner.run(ids, cu, media) for ids, cu, media in inputs])
-            self.totals[0] += sum(ids.numel() for ids, _, _ in inputs)
+                    else [self.runner.run(*batch) for batch in inputs])
+            self.totals[0] += sum(batch[0].numel() for batch in inputs)
             self.totals[1] += time.perf_counter() - start
         return [Batch(**shard_tensors(recs, out, self.aux_dtype)) if recs else None for recs, out in zip(records, outs)]

@@ -15,6 +15,7 @@ from eagle3.data.batch import Batch, Part
 from eagle3.data.aux_fp8 import encode_aux_fp8
 from eagle3.data.inputs import Record
 from eagle3.files import make_readable, open_safetensors, read_json, sha256_file, short_of_space, tensor_bytes
+from eagle3.models.vision import media_positions
 from eagle3.models.weights import TextConfig
 from eagle3.errors import Eagle3Error
 
@@ -165,9 +166,12 @@ class ShardReader:
                 continue
             if r.shard not in self._media_before:   # one count per sequence, kept; the shard's ids read once
                 ids, cu = shard.get_tensor("input_ids"), shard.get_tensor("cu_seqlens")
-                before = torch.cat([cu.new_zeros(1), (ids == self.media_pad).long().cumsum(0)])[cu[:-1]]
+                pads = media_positions(ids, self.media_pad, shard.get_tensor("loss_mask") == 0)
+                before = torch.cat([cu.new_zeros(1), pads.long().cumsum(0)])[cu[:-1]]
                 self._media_before[r.shard] = dict(zip(cu[:-1].tolist(), before.tolist()))
-            pads = shard.get_slice("input_ids")[r.start:r.start + b] == self.media_pad   # the sequence's, up to b
+            window = slice(r.start, r.start + b)   # the sequence's, up to b
+            pads = media_positions(shard.get_slice("input_ids")[window], self.media_pad,
+                                   shard.get_slice("loss_mask")[window] == 0)
             first = self._media_before[r.shard][r.start] + int(pads[:a].sum())
             parts.append(shard.get_slice("media_embeds")[first:first + int(pads[a:].sum())])
         return torch.cat(parts) if parts else None

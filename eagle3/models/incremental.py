@@ -11,6 +11,7 @@ from eagle3.ops import rms_norm
 from eagle3.models.weights import Checkpoint
 from eagle3.models.attention import cached_attention, padded_cached_attention
 from eagle3.models.streaming import MediaInputs, build_model, check_tensors
+from eagle3.models.vision import media_positions
 
 # chunks up to this long attend batched, padded to a power of two; longer ones (prompts, few) one at a time
 SHORT_MAX = 64
@@ -211,19 +212,23 @@ class IncrementalTarget:
         self.pool = KVPool(len(self.layers))
 
     @torch.no_grad()
-    def forward_many(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> list[tuple]:
+    def forward_many(self, chunks: list[torch.Tensor], caches: list[SequenceCache],
+                     contexts: list[torch.Tensor] | None = None) -> list[tuple]:
         """The next tokens of several sequences in one batched pass -> [(aux, final)] per sequence; over
-        `chunk_tokens` tokens, one sequence at a time in pieces of `chunk_tokens`."""
+        `chunk_tokens` tokens, one sequence at a time in pieces of `chunk_tokens`. `contexts`: per chunk bool, where
+        its media pads may be (not a reply the model wrote; None: anywhere)."""
+        contexts = contexts or [None] * len(chunks)
         if self.chunk_tokens is None or sum(c.numel() for c in chunks) <= self.chunk_tokens:
-            return self._pass(chunks, caches)
-        pieces = ([self._pass([piece], [cache])[0] for piece in chunk.split(self.chunk_tokens)]
-                  for chunk, cache in zip(chunks, caches))
+            return self._pass(chunks, caches, contexts)
+        pieces = ([self._pass([piece], [cache], [None if context is None else context[a:a + len(piece)]])[0]
+                   for a, piece in zip(range(0, len(chunk), self.chunk_tokens), chunk.split(self.chunk_tokens))]
+                  for chunk, cache, context in zip(chunks, caches, contexts))
         return [tuple(torch.cat(part) for part in zip(*parts)) for parts in pieces]
 
-    def _pass(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> list[tuple]:
+    def _pass(self, chunks: list[torch.Tensor], caches: list[SequenceCache], contexts: list) -> list[tuple]:
         lengths = [c.numel() for c in chunks]
         layout = PassLayout(self.pool, caches, lengths, self.device)
-        h = self._embed(chunks, caches)
+        h = self._embed(chunks, caches, contexts)
         captured = {}
         for i, weights in enumerate(self.layers):
             h = self.model.layer_forward(weights, h, layout.positions, layout.cu, cache=LayerPass(self.pool, i, layout))
@@ -235,14 +240,15 @@ class IncrementalTarget:
         final = rms_norm(h, self.norm, self.eps)
         return list(zip(aux.split(lengths), final.split(lengths)))
 
-    def _embed(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> torch.Tensor:
+    def _embed(self, chunks: list[torch.Tensor], caches: list[SequenceCache], contexts: list) -> torch.Tensor:
         """The chunks' token embeddings, the caches' next vision rows at their prompts' media pads: only those, as
         the engines place them (a reply that samples the pad id embeds it as a token)."""
         ids = torch.cat(chunks).to(self.device)
         h, offset = self.embed[ids], 0
-        for chunk, cache in zip(chunks, caches):
+        for chunk, cache, context in zip(chunks, caches, contexts):
             if cache.rows is not None and len(cache.rows):
-                where = (chunk == self.media.config.pad_id).nonzero().squeeze(1)[:len(cache.rows)]
+                where = media_positions(chunk, self.media.config.pad_id, context).nonzero().squeeze(1)
+                where = where[:len(cache.rows)]
                 h[offset + where.to(self.device)] = cache.rows[:len(where)].to(h.dtype)
                 cache.rows = cache.rows[len(where):]
             offset += len(chunk)

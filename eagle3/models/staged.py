@@ -29,10 +29,10 @@ class StagedTarget:
 
     @torch.no_grad()
     def run(self, batches: list[tuple], group) -> list[dict[str, torch.Tensor] | None]:
-        """This rank's micro-batches ((ids, cu_seqlens[, media]), as many on every rank) -> `TargetRunner.run`'s, or
-        None; the vision rows travel to stage 0 with the ids."""
-        mine = [(ids.tolist(), list(cu), self.media.features(media[0] if media else ()).cpu())
-                for ids, cu, *media in batches]
+        """This rank's micro-batches ((ids, cu_seqlens[, media[, context]]), as many on every rank) ->
+        `TargetRunner.run`'s, or None; the vision rows and where they go (`context`) travel to stage 0 with the ids."""
+        mine = [(ids.tolist(), list(cu), self.media.features(rest[0] if rest else ()).cpu(),
+                 rest[1].tolist() if len(rest) > 1 else None) for ids, cu, *rest in batches]
         gathered = [mine] * self.world   # one process: one stage, no messages
         if dist.is_initialized():
             dist.all_gather_object(gathered, mine, group=group)
@@ -59,10 +59,10 @@ class StagedTarget:
 
     def _forward(self, b: int, meta: tuple, h: torch.Tensor | None, kept: dict) -> torch.Tensor:
         """This stage's layers on batch b, `chunk_tokens` at a time -> the activation; outputs to `kept`."""
-        ids, cu, media = meta
+        ids, cu, media, context = meta
         if self.rank == 0:
             h = self.media.embed(self.embed, torch.tensor(ids).to(self.device, non_blocking=True),
-                                 media.to(self.device))
+                                 media.to(self.device), None if context is None else torch.tensor(context))
         outs, aux = [], {}
         for first, last in split_chunks(cu, self.chunk_tokens):
             x, captured = run_layers(self.model, self.layers.items(), h[cu[first]:cu[last]],

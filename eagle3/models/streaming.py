@@ -10,7 +10,7 @@ from eagle3.ops import positions_from_cu_seqlens, rms_norm
 from eagle3.models.attention import Prefix
 from eagle3.models.weights import Checkpoint, TargetError
 from eagle3.models.families import build_model
-from eagle3.models.vision import MediaItem, VisionConfig, VisionTower, merge_media, target_vision
+from eagle3.models.vision import MediaItem, VisionConfig, VisionTower, media_positions, merge_media, target_vision
 
 
 def check_tensors(ckpt: Checkpoint, model) -> list[str]:
@@ -69,20 +69,23 @@ class TargetRunner:
         self.media = MediaInputs(ckpt, device, dtype)
 
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor, cu_seqlens: list[int],
-            media: list[MediaItem] = ()) -> dict[str, torch.Tensor]:
-        """input_ids [T], cu_seqlens (python ints), the sequences' media in order -> CPU aux [T, 3H], final [T, H],
-        argmax [T] int32 (and with media, `media_embeds` [M, H]: the fused rows written at the placeholders)."""
+    def run(self, input_ids: torch.Tensor, cu_seqlens: list[int], media: list[MediaItem] = (),
+            context: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """input_ids [T], cu_seqlens (python ints), the sequences' media in order, `context` bool [T] (loss_mask 0:
+        where placeholders are; None: everywhere) -> CPU aux [T, 3H], final [T, H], argmax [T] int32 (and with
+        media, `media_embeds` [M, H]: the fused rows written at the placeholders)."""
         cu = cu_seqlens
         features = self.media.features(media)
-        rows = self.media.rows(input_ids, cu, features)
-        outs = [self._run_chunk(input_ids[cu[a]:cu[b]], [c - cu[a] for c in cu[a:b + 1]],
-                                features[rows[a]:rows[b]]) for a, b in split_chunks(cu, self.chunk_tokens)]
+        rows = self.media.rows(input_ids, cu, features, context)
+        outs = [self._run_chunk(input_ids[cu[a]:cu[b]], [c - cu[a] for c in cu[a:b + 1]], features[rows[a]:rows[b]],
+                                None if context is None else context[cu[a]:cu[b]])
+                for a, b in split_chunks(cu, self.chunk_tokens)]
         out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
         return out | ({"media_embeds": features.cpu()} if media else {})
 
-    def _run_chunk(self, ids: torch.Tensor, cu: list[int], features: torch.Tensor) -> dict[str, torch.Tensor]:
-        h = self.media.embed(self.embed, ids.to(self.device, torch.long), features)
+    def _run_chunk(self, ids: torch.Tensor, cu: list[int], features: torch.Tensor,
+                   context: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        h = self.media.embed(self.embed, ids.to(self.device, torch.long), features, context)
         h, captured = run_layers(self.model, enumerate(self._layers()), h,
                                  cu, self.aux_layer_ids, self.chunk_tokens, to_host=True)
         final = final_norm(h, self.norm, self.model.cfg.rms_norm_eps, self.chunk_tokens)
@@ -133,16 +136,20 @@ class MediaInputs:
             self.tower = VisionTower(self.ckpt, self.config, self.device, self.dtype)
         return self.tower.features(list(media))
 
-    def rows(self, ids: torch.Tensor, cu: list[int], features: torch.Tensor) -> list[int]:
+    def rows(self, ids: torch.Tensor, cu: list[int], features: torch.Tensor,
+             context: torch.Tensor | None = None) -> list[int]:
         """The feature rows before each sequence boundary: sequence i's are rows[i]..rows[i+1]."""
         if features.shape[0] == 0:
             return [0] * len(cu)
-        before = torch.cat([torch.zeros(1, dtype=torch.long), (ids == self.config.pad_id).long().cumsum(0)])
-        return before[torch.tensor(cu)].tolist()
+        pads = media_positions(ids, self.config.pad_id, context)
+        return torch.cat([torch.zeros(1, dtype=torch.long), pads.long().cumsum(0)])[torch.tensor(cu)].tolist()
 
-    def embed(self, table: torch.Tensor, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def embed(self, table: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
+              context: torch.Tensor | None = None) -> torch.Tensor:
         h = table[ids]
-        return h if features.shape[0] == 0 else merge_media(h, ids, features, self.config.pad_id)
+        if features.shape[0] == 0:
+            return h
+        return merge_media(h, ids, features, self.config.pad_id, None if context is None else context.to(ids.device))
 
 
 def run_layers(model, layers, h: torch.Tensor, cu: list[int], aux_layer_ids: list[int], chunk_tokens: int,

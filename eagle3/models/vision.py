@@ -247,9 +247,18 @@ def _sincos(frames: int, dim: int) -> torch.Tensor:
     return torch.cat([angle.sin(), angle.cos()], 1).float()
 
 
-def merge_media(embeds: torch.Tensor, ids: torch.Tensor, features: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """embeds [T, H] of ids [T] with the placeholder rows replaced, in order, by features [M, H]."""
-    where = (ids == pad_id).nonzero().squeeze(1)
+def media_positions(ids, pad_id: int, context=None):
+    """bool [T] (a tensor or numpy array, as `ids`): the placeholders the vision rows fill, the pad id where `context`
+    (bool [T]: a prompt token, loss_mask 0; None: all) holds. A pad the model wrote in a reply is a token like any
+    other: the engines embed what they decode as tokens."""
+    where = ids == pad_id
+    return where if context is None else where & context
+
+
+def merge_media(embeds: torch.Tensor, ids: torch.Tensor, features: torch.Tensor, pad_id: int,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+    """embeds [T, H] of ids [T] with the placeholder rows (`media_positions`) replaced, in order, by features [M, H]."""
+    where = media_positions(ids, pad_id, context).nonzero().squeeze(1)
     if where.numel() != features.shape[0]:
         raise TargetError(f"{where.numel()} <|media_pad|> tokens (id {pad_id}) but {features.shape[0]} media "
                           "feature rows: the placeholders and the images of a sequence disagree")
