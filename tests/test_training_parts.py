@@ -276,6 +276,21 @@ def test_on_the_cpu_the_kernels_are_the_reference_and_the_fp8_head_is_refused():
         kernel_choice.choose(cfg, cpu, spec, draft_float8=True)
 
 
+def test_on_cuda_heads_narrower_than_flex_compiles_take_the_reference_attention(capsys):
+    """torch's flex_attention lowering refuses heads under 16 wide: a tiny draft on a GPU trains with the reference."""
+    from eagle3.kernels import flex, reference
+    cfg = SimpleNamespace(debug=SimpleNamespace(kernels="torch"),
+                          train=SimpleNamespace(float8_head=False, batch_tokens=64), source="c.toml")
+    gpu = torch.device("cuda", 0)
+    for head_dim, expected in ((8, reference.ttt_attention), (16, flex.ttt_attention)):
+        spec = SimpleNamespace(attention="gqa", head_dim=head_dim, hidden_size=32, draft_vocab_size=128)
+        assert kernel_choice.choose(cfg, gpu, spec, draft_float8=False).attention is expected
+    assert "flex_attention needs head dims of at least 16, got 8" in capsys.readouterr().err
+    cfg.debug.kernels = "auto"   # the Triton attention serves no head of 8 either
+    spec = SimpleNamespace(attention="gqa", head_dim=8, hidden_size=32, draft_vocab_size=128)
+    assert kernel_choice.choose(cfg, gpu, spec, draft_float8=False, say=False).attention is reference.ttt_attention
+
+
 def test_evaluation_unrolls_alike_on_assistant_rows_only():
     train = Unroll(torch.zeros(4, 2), torch.zeros(3, 2), 3, None, None, 0.8, True,
                    Objective(RowRule(prompt=True), loss="tv", temperature=0.7))

@@ -29,7 +29,8 @@ def choose(cfg: Config, device: torch.device, spec, draft_float8: bool, say: boo
         from eagle3.kernels.ttt_loss import ttt_loss_steps as plain
         ttt_attention = _triton_attention(cfg, spec, choice == "triton", say)
     elif device.type == "cuda":
-        from eagle3.kernels.flex import ttt_attention, ttt_loss_steps as plain
+        from eagle3.kernels.flex import ttt_loss_steps as plain
+        ttt_attention = _flex_attention(spec, say)
     else:
         from eagle3.kernels.reference import ttt_attention, ttt_loss_steps as plain
     loss_steps = float8.head_loss(cfg.train.float8_head, draft_float8, plain, device, spec, cfg.source, say,
@@ -57,5 +58,21 @@ def _triton_attention(cfg: Config, spec, forced: bool, say: bool) -> Callable:
                          f"\"torch\", or {setting}")
     if say:
         print(f"note: the Triton attention needs {need}; using flex_attention", file=sys.stderr)
-    from eagle3.kernels.flex import ttt_attention
+    return _flex_attention(spec, say)
+
+
+FLEX_MIN_HEAD_DIM = 16   # torch's flex_attention lowering refuses narrower q/k/v heads
+
+
+def _flex_attention(spec, say: bool) -> Callable:
+    """Compiled flex attention, or the eager reference for heads narrower than flex compiles (tiny drafts)."""
+    dims = ((spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim) if spec.attention == "mla"
+            else (spec.head_dim,))
+    if min(dims) >= FLEX_MIN_HEAD_DIM:
+        from eagle3.kernels.flex import ttt_attention
+        return ttt_attention
+    if say:
+        print(f"note: flex_attention needs head dims of at least {FLEX_MIN_HEAD_DIM}, got {min(dims)}; using the "
+              "eager reference attention", file=sys.stderr)
+    from eagle3.kernels.reference import ttt_attention
     return ttt_attention
