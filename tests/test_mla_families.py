@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import make_config
-from eagle3 import extraction, training
+from eagle3 import extraction, train_state, training
 from eagle3.evaluate import real_decoding
 from eagle3.models import indexer, tiny
 from eagle3.models.incremental import IncrementalTarget
@@ -317,8 +317,9 @@ def test_default_aux_layers_are_what_the_engines_capture(tmp_path, model_type, l
 
 @pytest.mark.parametrize("name", ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"])
 def test_train_export_evaluate_is_lossless(tmp_path, name):
-    """A draft trained briefly on each family's tiny target, exported for vLLM: real greedy decoding through the
-    export reproduces the target's own greedy tokens (prompts and replies within the DSA top-k of 64)."""
+    """A draft trained briefly on each family's tiny target, exported for both engines: real greedy decoding through
+    the vLLM export (GLM-4.7-Flash: the checkpoint, as vLLM 0.34 serves it no EAGLE-3 draft and the export skips it)
+    reproduces the target's own greedy tokens (prompts and replies within the DSA top-k of 64)."""
     target = tmp_path / "target"
     _transformers_target(target, name, **({"index_topk": 64} if name != "glm4_moe_lite" else {}))
     data = tiny.make_token_data(tmp_path / "data.jsonl", vocab=128, sequences=16, min_len=8, max_len=24)
@@ -330,7 +331,9 @@ def test_train_export_evaluate_is_lossless(tmp_path, name):
     training.run(cfg)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(data.read_text().splitlines(keepends=True)[:4]))
-    report = real_decoding(cfg, Path(cfg.train.output_dir) / "export" / "vllm", prompts)
+    vllm = Path(cfg.train.output_dir) / "export" / "vllm"
+    assert vllm.exists() == (name != "glm4_moe_lite")
+    report = real_decoding(cfg, vllm if vllm.exists() else train_state.latest(Path(cfg.train.output_dir)), prompts)
     assert report["mismatches"] == 0 and report["prompts"] == 4
     sglang = json.loads((Path(cfg.train.output_dir) / "export" / "sglang" / "config.json").read_text())
     assert sglang_captures(sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == vllm_default(4)
