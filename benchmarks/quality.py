@@ -396,10 +396,12 @@ class Deepseek(nn.Module):
                 std = 0.02 / math.sqrt(2 * r.layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                 nn.init.normal_(p, std=std)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B, T] -> logits [B, T, V]; `embeds` [B, T, H]: the input rows instead of the ids' embeddings (a
+        multimodal target's, its media rows merged in)."""
         from eagle3.models.deepseek import interleaved_cos_sin
         cos, sin = interleaved_cos_sin(torch.arange(ids.shape[1], device=ids.device), self.inv_freq, self.mscale)
-        h = self.model.embed_tokens(ids)
+        h = self.model.embed_tokens(ids) if embeds is None else embeds
         for block in self.model.layers:
             h = block(h, cos, sin, self.scale)
         return self.lm_head(self.model.norm(h))
@@ -482,15 +484,7 @@ def train_target(r: Recipe, stream: torch.Tensor, judging: torch.Tensor, device:
     `target_patience` it trains until that loss stops falling (`converged`), and reports it by position."""
     torch.manual_seed(r.seed)
     model = (Deepseek if r.target_kind == "deepseek" else Llama)(r).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=r.target_lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device.type == "cuda")
-    warmup, started = max(1, r.target_steps // 20), time.perf_counter()
-
-    def progress(step: int) -> float:   # the schedule's share done: by steps, or by wall time if that ends first
-        done = step / r.target_steps
-        return max(done, (time.perf_counter() - started) / r.target_seconds) if r.target_seconds else done
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / warmup) * (
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress(s))))))
+    step_on, progress, started = target_optimizer(r, model, device)
     batches = lm_batches(stream, r, torch.Generator().manual_seed(r.seed))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     from tqdm import tqdm
@@ -499,13 +493,7 @@ def train_target(r: Recipe, stream: torch.Tensor, judging: torch.Tensor, device:
         x = next(batches).to(device, non_blocking=True)
         with autocast:
             loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if isinstance(model, Deepseek):
-            model.balance()
+        step_on(loss)
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if r.target_patience and (step + 1) % r.target_check_every == 0:
             checks.append((step + 1, judging_losses(model, judging, r, device, autocast).mean().item()))
@@ -519,6 +507,31 @@ def train_target(r: Recipe, stream: torch.Tensor, judging: torch.Tensor, device:
                    "train_s": time.perf_counter() - started, "checks": checks,
                    "converged": bool(checks) and converged([c for _, c in checks], r.target_patience),
                    "params": sum(p.numel() for p in model.parameters())}
+
+
+def target_optimizer(r: Recipe, model: nn.Module, device: torch.device):
+    """AdamW, warm-up then cosine to 10% over `target_steps`, or over `target_seconds` of wall time when that ends first
+    -> (step_on(loss): one optimizer step on the loss (a DeepSeek target's experts balanced after it), progress(step):
+    the schedule's share done, the start time)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=r.target_lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")
+    warmup, started = max(1, r.target_steps // 20), time.perf_counter()
+
+    def progress(step: int) -> float:
+        done = step / r.target_steps
+        return max(done, (time.perf_counter() - started) / r.target_seconds) if r.target_seconds else done
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / warmup) * (
+        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress(s))))))
+
+    def step_on(loss: torch.Tensor) -> None:
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if isinstance(model, Deepseek):
+            model.balance()
+    return step_on, progress, started
 
 
 def converged(losses: list[float], patience: int) -> bool:
@@ -868,12 +881,13 @@ KEPT = ("real_accept_len", "real_accept_len_sd", "accept_len_per_request", "acce
         "per_position_acceptance", "rounds", "mismatches", "prompts", "new_tokens", "seeds", "by_depth")
 
 
-def measure(r: Recipe, work: Path, device: str, settings: list[str], only: list[str] | None = None) -> dict:
-    """Real decoding of every draft under each judging setting, into eval-<draft>-<setting>.json (kept: a later
+def measure(r: Recipe, work: Path, device: str, settings: list[str], only: list[str] | None = None,
+            prompts: Path | None = None, tag: str = "") -> dict:
+    """Real decoding of every draft under each judging setting, into eval-<draft><tag>-<setting>.json (kept: a later
     measure stage judges only the drafts that came since); the long variant's on its short and deep prompts, by
-    depth (`depth_edges`); `only`: these drafts alone."""
+    depth (`depth_edges`); `only`: these drafts alone; `prompts`: these instead of the recipe's."""
     from eagle3.evaluate import real_decoding
-    prompts = work / (LONG_PROMPTS if r.long_len else "prompts.jsonl")
+    prompts = prompts or work / (LONG_PROMPTS if r.long_len else "prompts.jsonl")
     edges = {"debug.evaluate_depth_edges": json.dumps(depth_edges(r))} if r.long_len else {}
     results = {}
     found = drafts(work)
@@ -888,7 +902,7 @@ def measure(r: Recipe, work: Path, device: str, settings: list[str], only: list[
                                                         "evaluate.max_new_tokens": r.eval_new_tokens,
                                                         "evaluate.k": r.ttt_steps, "debug.evaluate_batch_size": r.eval_prompts,
                                                         **edges, **SETTINGS[setting](r)})
-            done = work / f"eval-{name}-{setting}.json"   # judged by an earlier measure stage: a draft is never retrained
+            done = work / f"eval-{name}{tag}-{setting}.json"   # judged by an earlier measure stage: a draft is never retrained
             report = json.loads(done.read_text()) if done.exists() else real_decoding(cfg, path, prompts, out=done)
             results[name][setting] = {k: report[k] for k in KEPT if k in report}
     return results
@@ -910,16 +924,19 @@ def table(results: dict) -> str:
             if x is None:
                 cells += ["-", "-"]
                 continue
-            sd = f" ± {x['real_accept_len_sd']:.3f}" if "real_accept_len_sd" in x else ""
-            lossless = "" if x.get("mismatches", 0) == 0 else f" ({x['mismatches']} mismatches)"
-            cells += [f"{x['real_accept_len']:.3f}{sd}{lossless}",
-                      f"{x['real_accept_len'] / best[s]:.3f}" if best[s] else "-"]
+            cells += [tau_cell(x), f"{x['real_accept_len'] / best[s]:.3f}" if best[s] else "-"]
         first = m.get(settings[0], {}) if settings else {}
         positions = " ".join(f"{a:.2f}" for a in first.get("per_position_acceptance") or [])
         train = m.get("train_s") or m.get("peer_train_s")
         seconds = (f"{train:.0f}" + (" (resumed)" if m.get("resumed_from") else "")) if train else "-"
         lines.append(f"| {name} | {' | '.join(cells)} | {positions} | {seconds} |")
     return "\n".join(lines)
+
+
+def tau_cell(x: dict) -> str:
+    """A judged setting's real tau (± sd over seeds when sampled; the mismatches when not lossless)."""
+    sd = f" ± {x['real_accept_len_sd']:.3f}" if "real_accept_len_sd" in x else ""
+    return f"{x['real_accept_len']:.3f}{sd}" + ("" if x.get("mismatches", 0) == 0 else f" ({x['mismatches']} mismatches)")
 
 
 def depth_table(results: dict) -> str:
@@ -952,7 +969,7 @@ def check_recipe(built: dict | None, asked: dict, work: Path) -> None:
 
 def with_changes(r: Recipe, changes: list[str]) -> Recipe:
     """The recipe with `key=value` changes, each converted to the field's type."""
-    fields = {f.name: f.type for f in dataclasses.fields(Recipe)}
+    fields = {f.name: f.type for f in dataclasses.fields(r)}
     values = {}
     for change in changes:
         key, eq, value = change.partition("=")
