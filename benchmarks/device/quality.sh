@@ -18,6 +18,9 @@
 #     trained side by side and judged at T = 0 and T = 1; then the same with train.seed 1 (the table of all printed)
 #   mla-trained, mla-trained-drafts, mla-trained-seeds: the same on the DeepSeek-V3-shaped target, drafts mla and gqa
 #     (equal size) and mla-published and gqa-published (the published Kimi drafts' shapes)
+#   vision: `python -m benchmarks.vision_quality`'s whole bench in one call, in .quality-vision (no peer, no wheels): the
+#     Kimi-K2.5-shaped target trained to caption pictures, its replies, the text / vllm / sglang drafts trained side
+#     by side, each judged on image prompts and on text prompts at T = 0 and T = 1
 set -uo pipefail
 LONG_TRAINED="--long --judge t0,probabilistic --recipe target_patience=3 --recipe target_steps=20000
   --recipe target_seconds=${TARGET_SECONDS:-420} --recipe draft_seeds=2"
@@ -35,6 +38,11 @@ case "${1:-}" in
   mla-trained*) WORK=${WORK:-.quality-ds-trained}; QUALITY_ARGS="$MLA_TRAINED ${QUALITY_ARGS:-}"
     drafts="mla gqa mla-published gqa-published" ;;
 esac
+module=benchmarks.quality; module_args=(--peer-script benchmarks/peer/speculators_quality.py)
+if [[ ${1:-} == vision ]]; then
+  WORK=${WORK:-.quality-vision}; module=benchmarks.vision_quality; module_args=()
+  set -- target data $(arms "" text vllm sglang)
+fi
 case "${1:-}" in
   *-trained) set -- target data ;;
   *-trained-drafts) set -- data $(arms "" $drafts) ;;
@@ -42,7 +50,9 @@ case "${1:-}" in
 esac
 out=${OUT:-/tmp/quality-out}; work=${WORK:-.quality}
 mkdir -p "$out" "$work"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+if [[ $module == benchmarks.quality ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+fi
 export QUALITY_CALL=$(date +%s%N)   # the peer's --data-from waits for data extracted in this call
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env.txt"
@@ -52,7 +62,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 # still returns what finished
 pack() {
   (flock 9
-   (cd "$work" && tar czf - --ignore-failed-read $(ls -d regen*.jsonl thinking.jsonl prompts*.jsonl quality.json peer*/*.json hidden*/manifest.json \
+   (cd "$work" && tar czf - --ignore-failed-read $(ls -d regen*.jsonl thinking.jsonl prompts*.jsonl quality.json vision_quality.json text.jsonl captions-regen.jsonl images/e* peer*/*.json hidden*/manifest.json \
       peer*/*.safetensors peer*.log eval-*.json ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null) \
       | split -b 15m -d - "$out/.parts.") && rm -f "$out"/results.tgz.* && for f in "$out"/.parts.*; do
         mv "$f" "$out/results.tgz.${f##*.parts.}"; done) 9>/tmp/quality-pack.lock
@@ -65,8 +75,8 @@ run_stage() {
   [[ $stage == ours@* ]] && args+=(--variant "${stage#ours@}")
   [[ $stage == peer@* ]] && args+=(--peer-variant "${stage#peer@}")
   [[ $stage == measure@* ]] && args+=(--drafts "${stage#measure@}")
-  python3 -m benchmarks.quality --work "$work" "${args[@]}" --peer-script benchmarks/peer/speculators_quality.py ${QUALITY_ARGS:-} \
-    2>&1 | grep -v "it/s]\|s/it]\|conv/s]\|step/s]\|s/step]" | sed "s|^|[${stage%%:*}] |" | tee -a "$out/log.txt"
+  python3 -m $module --work "$work" "${args[@]}" "${module_args[@]}" ${QUALITY_ARGS:-} \
+    2>&1 | grep -v "it/s]\|s/it]\|conv/s]\|step/s]\|s/step]\|seq/s]\|tok/s]" | sed "s|^|[${stage%%:*}] |" | tee -a "$out/log.txt"
 }
 for stage in "$@"; do
   echo "== stage $stage $(date +%T)"
