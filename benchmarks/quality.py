@@ -958,11 +958,12 @@ def depth_table(results: dict) -> str:
 STAGES = ("target", "data", "ours", "peer", "measure")
 
 
-def check_recipe(built: dict | None, asked: dict, work: Path) -> None:
-    """Stages skip what --work already holds, so everything there must come from the same recipe."""
+def check_recipe(built: dict | None, asked: dict, summary: Path) -> None:
+    """Stages skip what --work already holds, so everything there must come from the same recipe (`summary`'s)."""
     changed = {k: (built[k], v) for k, v in asked.items() if built is not None and built.get(k, v) != v}
     if changed:
-        raise SystemExit(f"error: {work / 'quality.json'}: {work} was built with another recipe ("
+        work = summary.parent
+        raise SystemExit(f"error: {summary}: {work} was built with another recipe ("
                          + ", ".join(f"{k}: {a!r} there, {b!r} asked" for k, (a, b) in changed.items())
                          + "); use another --work")
 
@@ -1021,7 +1022,7 @@ def main(argv: list[str] | None = None) -> None:
                          "(--stages measure runs on a CPU; --tiny runs every stage at toy size)")
     summary_path = work / "quality.json"
     built = json.loads(summary_path.read_text()) if summary_path.exists() else {}   # written whole, atomically
-    check_recipe(built.get("recipe"), dataclasses.asdict(r), work)
+    check_recipe(built.get("recipe"), dataclasses.asdict(r), summary_path)
     new: dict = {"recipe": dataclasses.asdict(r)}
     if "target" in stages and not (work / "target" / "config.json").exists():
         new["target"] = build_target(r, work, torch.device(device))
@@ -1038,14 +1039,19 @@ def main(argv: list[str] | None = None) -> None:
         new["results"] = measure(r, work, device, judge, [d for d in args.drafts.split(",") if d])
         print(table(new["results"]))
         print(depth_table(new["results"]))
-    with locked(work):   # merged into what processes beside this one wrote meanwhile
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    merge_summary(summary_path, new)
+
+
+def merge_summary(path: Path, new: dict) -> None:
+    """`new` merged into the summary at `path` (what processes beside this one wrote meanwhile kept), printed."""
+    with locked(path.parent):
+        summary = json.loads(path.read_text()) if path.exists() else {}
         for key, value in new.items():
             if key in ("ours", "peer", "results"):   # by draft: stages side by side each add their own
                 summary.setdefault(key, {}).update(value)
             else:
                 summary[key] = value
-        atomic_write_text(summary_path, strict_json(summary, indent=1))
+        atomic_write_text(path, strict_json(summary, indent=1))
     print(strict_json({k: v for k, v in summary.items() if k != "recipe"}, indent=1))
 
 

@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
                          "(--stages measure runs on a CPU; --tiny runs every stage at toy size)")
     summary_path = work / "vision_quality.json"
     built = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    quality.check_recipe(built.get("recipe"), dataclasses.asdict(r), work)
+    quality.check_recipe(built.get("recipe"), dataclasses.asdict(r), summary_path)
     new: dict = {"recipe": dataclasses.asdict(r)}
     if "target" in stages and not (work / "target" / "config.json").exists():
         new["target"] = build_target(r, work, torch.device(device))
@@ -500,15 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     if "measure" in stages:
         new["results"] = measure(r, work, device, judge, [d for d in args.drafts.split(",") if d])
         print(table(new["results"], judge))
-    with quality.locked(work):   # merged into what processes beside this one wrote meanwhile
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        for key, value in new.items():
-            if key in ("ours", "results"):
-                summary.setdefault(key, {}).update(value)
-            else:
-                summary[key] = value
-        atomic_write_text(summary_path, strict_json(summary, indent=1))
-    print(strict_json({k: v for k, v in summary.items() if k != "recipe"}, indent=1))
+    quality.merge_summary(summary_path, new)
 
 
 if __name__ == "__main__":
