@@ -57,9 +57,9 @@ class VisionRecipe(quality.Recipe):
     fields of its corpus and long variant are not read here) with the pictures, the tower and the drafts' steps."""
     target_kind: str = "deepseek"
     vocab: int = 1024                 # 256 bytes, the BPE merges, Kimi's 256 special tokens at the top
-    batch_seqs: int = 128
+    batch_seqs: int = 256             # a step's time is the MoE's launches at this size, not its tokens
     target_steps: int = 4000
-    target_seconds: float = 120.0     # the schedule's wall time at most (one device call's share)
+    target_seconds: float = 150.0     # the schedule's wall time at most (one device call's share)
     target_images: int = 12288        # the target's training conversations about pictures
     target_texts: int = 6144          # and in words
     target_held: int = 256            # of each kind, for its held-out reply loss
@@ -75,7 +75,7 @@ class VisionRecipe(quality.Recipe):
     reply_len: int = 48               # new tokens per regenerated reply (a thought and a caption: about 30)
     eval_prompts: int = 64            # held-out prompts of each kind
     eval_new_tokens: int = 40
-    generate_batch: int = 256
+    generate_batch: int = 1024
     draft_vocab: int = 512
     draft_steps: int = 600            # optimizer steps of every draft (the text-only one: more passes over its data)
     batch_tokens: int = 16384
@@ -279,11 +279,12 @@ def build_target(r: VisionRecipe, work: Path, device: torch.device) -> dict:
     merges = kimi_merges(texts + [tiny.kimi_chat_template()], r, tmp / "bpe")
     tiny.write_kimi_chat(tmp, r.vocab, merges)
     torch.manual_seed(r.seed)
-    model = quality.Deepseek(r).to(device)
+    model = quality.Deepseek(r)
     vision = tiny.vision_tensors(config["vision_config"], rand, ones)
     write_kimi(model, vision, tmp)   # the tower's rows are read from here; the language model's come at the end
     drawn = time.perf_counter() - started
     sequences, pad_id, encode_s = encoded(tmp / "conversations.jsonl", tmp, device)
+    model.to(device)
     stats = train_lm(r, model, [x for x in sequences if x.line <= len(train)],
                      [x for x in sequences if x.line > len(train)], pad_id, device)
     write_kimi(model, vision, tmp)
