@@ -256,9 +256,11 @@ def kimi_config(r: VisionRecipe) -> dict:
 
 
 def write_kimi(model: torch.nn.Module, vision: dict[str, torch.Tensor], out: Path) -> None:
-    """The language model's tensors under `language_model.`, then the vision tower's, in two shards and an index."""
+    """The language model's tensors under `language_model.` in bf16 (the routers' balancing bias in float32, as
+    Kimi-K2.5 stores it), then the vision tower's, in two shards and an index."""
     from eagle3.models import tiny
-    weights = {f"language_model.{k}": v.detach().to(torch.bfloat16).cpu().contiguous()
+    weights = {f"language_model.{k}": v.detach().to(torch.float32 if k.endswith("e_score_correction_bias")
+                                                     else torch.bfloat16).cpu().contiguous()
                for k, v in model.state_dict().items()}
     tiny.save_sharded({**weights, **vision}, out, 2)
 

@@ -68,3 +68,34 @@ def test_three_drafts_judged_losslessly_on_image_and_text_prompts(work):
     manifests = {p.parent.name: json.loads(p.read_text()) for p in work.glob("hidden*/manifest.json")}
     assert set(manifests) == {"hidden", "hidden-text"}
     assert "| text |" in vq.table(results, ["t0", "probabilistic"])
+
+
+@pytest.mark.slow
+def test_the_package_reads_the_target_as_it_was_trained(work, tmp_path):
+    """A trained line with a picture: the bench's training forward on the saved weights (its rows merged at the
+    placeholders) gives the logits our Kimi-K2.5 target forward computes from the files."""
+    import torch
+    from eagle3.models.families import build_model
+    from eagle3.models.vision import merge_media
+    from benchmarks import quality
+    ckpt = Checkpoint(work / "target")
+    model = quality.Deepseek(vq.TINY)
+    prefix = "language_model."
+    model.load_state_dict({n[len(prefix):]: ckpt.get(n[len(prefix + "model."):] if n != prefix + "lm_head.weight"
+                                                      else "lm_head.weight").float()
+                           for n in ckpt.weight_map if n.startswith(prefix)})
+    line = next(x for x in (work / "regen.jsonl").read_text().splitlines() if '"media"' in x)
+    (tmp_path / "line.jsonl").write_text(line + "\n")
+    (x,), pad_id, _ = vq.encoded(tmp_path / "line.jsonl", work / "target", torch.device("cpu"))
+    assert x.rows is not None and int((x.ids == pad_id).sum()) == x.rows.shape[0]
+    with torch.no_grad():
+        expected = model(x.ids[None], embeds=merge_media(model.model.embed_tokens(x.ids), x.ids, x.rows,
+                                                          pad_id)[None])[0]
+        target = build_model(ckpt, torch.device("cpu"), torch.float32)
+        h = merge_media(ckpt.get("embed_tokens.weight").float()[x.ids], x.ids, x.rows, pad_id)
+        n = len(x.ids)
+        for i in range(vq.TINY.layers):
+            h = target.layer_forward(target.load_layer(i), h, torch.arange(n), torch.tensor([0, n]))
+        logits = torch.nn.functional.rms_norm(h, (vq.TINY.hidden,), ckpt.get("norm.weight").float(), 1e-5) @ \
+            ckpt.get("lm_head.weight").float().T
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
