@@ -20,7 +20,8 @@
 #     (equal size) and mla-published and gqa-published (the published Kimi drafts' shapes)
 #   vision: `python -m benchmarks.vision_quality`'s whole bench in one call, in .quality-vision (no peer, no wheels): the
 #     Kimi-K2.5-shaped target trained to caption pictures, its replies, the text / vllm / sglang drafts trained side
-#     by side, each judged on image prompts and on text prompts at T = 0 and T = 1
+#     by side, each judged on image prompts and on text prompts at T = 0 and T = 1 (planned: about 7 minutes on one
+#     H100, 150 s of it the target's training)
 set -uo pipefail
 LONG_TRAINED="--long --judge t0,probabilistic --recipe target_patience=3 --recipe target_steps=20000
   --recipe target_seconds=${TARGET_SECONDS:-420} --recipe draft_seeds=2"
