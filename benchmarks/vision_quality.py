@@ -461,6 +461,16 @@ def table(results: dict, settings: list[str]) -> str:
     return "\n".join(lines)
 
 
+def describe_target(summary: dict) -> str:
+    """One line on how well the target reads pictures: its held-out reply loss, its caption accuracy."""
+    t, a = summary.get("target") or {}, (summary.get("data") or {}).get("caption_accuracy") or {}
+    loss = ", ".join(f"{k} {t[f'held_reply_loss/{k}']:.3f}" for k in KINDS if f"held_reply_loss/{k}" in t)
+    right = ", ".join(f"{k} {a[k]:.0%}" for k in ("count", "size", "color", "shape", "place", "all") if k in a)
+    return (f"target: held-out reply loss {loss or '-'} ({t.get('steps', '-')} steps); caption accuracy on "
+            f"{a.get('pictures', 0)} held-out pictures: {right or '-'} (the best blind guess: count 67%, size 50%, "
+            f"color {1 / len(COLORS):.0%}, shape {1 / len(SHAPES):.0%}, place {1 / len(PLACES):.0%})")
+
+
 STAGES = ("target", "data", "ours", "measure")
 
 
@@ -505,6 +515,7 @@ def main(argv: list[str] | None = None) -> None:
     if "measure" in stages:
         new["results"] = measure(r, work, device, judge, [d for d in args.drafts.split(",") if d])
         print(table(new["results"], judge))
+        print(describe_target({**built, **new}))
     quality.merge_summary(summary_path, new)
 
 
