@@ -11,7 +11,8 @@
 # QUALITY_ARGS="--recipe train_prompts=3072 ..." passes more options to every stage; the long-context variant:
 # WORK=.quality-long QUALITY_ARGS=--long bash benchmarks/device/quality.sh target data ours@whole ours@short measure
 # Presets, one command each (a device call of at most 10 minutes runs one; between them carry the work directory
-# as target.tgz and results.tgz unpack it: target/, quality.json and the replies; the long bench's data stage writes
+# as `cat target.tgz.* | tar xz` and `cat results.tgz.* | tar xz` unpack it there: target/ (in 15 MiB parts too: the
+# DeepSeek-shaped target is 24 MB), quality.json and the replies; the long bench's data stage writes
 # its sequences again from the target's tokenizer):
 #   long-trained, long-trained-drafts, long-trained-seeds: the long bench's target trained until its held-out loss
 #     stops falling (TARGET_SECONDS at most, 420 by default) and its data; then whole, short, mix, window and plain
@@ -85,7 +86,7 @@ for stage in "$@"; do
   elif [[ $stage == bg:* ]]; then run_stage "${stage#bg:}" &
   else run_stage "$stage"; pack
   fi
-  [[ $stage != target ]] || (cd "$work" && tar czf "$out/target.tgz" target)
+  [[ $stage != target ]] || (cd "$work" && tar czf - target | split -b 15m -d - "$out/target.tgz.")
 done
 stages_done; kill $packer; pack
 echo "== done $(date +%T)"
