@@ -140,12 +140,30 @@ def test_pixel_values_equal_transformers_processor(tmp_path):
         torch.testing.assert_close(ours, theirs["pixel_values"], rtol=0, atol=0)
 
 
-def test_transparency_is_composited_onto_white_as_transformers_does(tmp_path):
+def test_transparency_is_handled_as_vllm_hands_images_to_the_processor(tmp_path):
     rgba = np.zeros((28, 28, 4), np.uint8)
     rgba[..., 0], rgba[:14, :, 3] = 200, 255   # the top half opaque red, the bottom half transparent
     Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
     frames = media.decode_image("a.png", tmp_path)
     assert frames[0, :, 0, 0].tolist() == [200, 0, 0] and frames[0, :, -1, 0].tolist() == [255, 255, 255]
+    # vLLM's ImageMediaIO composites only RGBA; other modes go through Pillow's convert("RGB"), transparency dropped
+    la = np.zeros((28, 28, 2), np.uint8)
+    la[..., 0], la[:14, :, 1] = 90, 255
+    Image.fromarray(la, "LA").save(tmp_path / "la.png")
+    palette = Image.new("P", (28, 28), 1)
+    palette.putpalette([0, 0, 0, 30, 60, 90] + [0] * 762)
+    palette.save(tmp_path / "p.png", transparency=1)   # its only colour transparent
+    assert media.decode_image("la.png", tmp_path)[0, :, -1, 0].tolist() == [90, 90, 90]
+    assert media.decode_image("p.png", tmp_path)[0, :, 0, 0].tolist() == [30, 60, 90]
+
+
+def test_video_frames_are_sampled_as_kimis_own_processor_samples_them():
+    # split_video_chunks: round(n * min(2, fps) / fps) frames, linspace(0, n - 1, k).round()
+    assert media.sample(20, 4).tolist() == [0, 2, 4, 6, 8, 11, 13, 15, 17, 19]
+    assert media.sample(300, 30)[:5].tolist() == [0, 16, 31, 47, 63]   # transformers' port: 0, 15, 30, 45, 60
+    assert media.sample(3, 1.0).tolist() == [0, 1, 2]   # under 2 fps: every frame once
+    assert media.sample(1, 30).tolist() == [0]
+    assert media.timestamp(17 / 4) == "00:00:04.250" and media.timestamp(3661.5) == "01:01:01.500"
 
 
 def test_image_line_expands_each_image_to_the_engines_count(kimi, tmp_path):
@@ -165,7 +183,7 @@ def test_image_line_expands_each_image_to_the_engines_count(kimi, tmp_path):
 
 
 def test_video_is_sampled_at_2_fps_in_chunks_of_4_with_timestamps(kimi, tmp_path):
-    video(tmp_path / "v.mp4")   # 20 frames at 4 fps: 10 sampled, chunks of 4, 4, 2
+    video(tmp_path / "v.mp4")   # 20 frames at 4 fps: 10 sampled (0, 2, .., 8, 11, .., 19), chunks of 4, 4, 2
     encoder = ChatEncoder(kimi)
     encoded = encoder.encode(line("watch", {"type": "video_url", "video_url": {"url": "v.mp4"}}), base=tmp_path)
     (ids, _), placed = encoded.sequences[0], encoded.media[0]
@@ -173,7 +191,7 @@ def test_video_is_sampled_at_2_fps_in_chunks_of_4_with_timestamps(kimi, tmp_path
     text = encoder.tokenizer.encode.decode(ids.tolist())
     pads = "<|media_pad|>" * 6
     assert "watch" + "".join(f"{t}<|media_begin|>video<|media_content|>{pads}<|media_end|>"
-                             for t in ("00:00:00.000", "00:00:02.000", "00:00:04.000")) in text
+                             for t in ("00:00:00.000", "00:00:02.000", "00:00:04.250")) in text
     assert placed[2][1].pixel_values.shape == (2 * 24, 3, 14, 14)
 
 

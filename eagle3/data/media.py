@@ -166,17 +166,21 @@ def decode_image(url: str, base: Path) -> torch.Tensor:
 
 
 def _rgb(image, image_module):
-    """RGB as transformers' `convert_to_rgb` makes it: transparency composited onto white."""
-    if "A" not in image.getbands() and image.info.get("transparency") is None:
+    """RGB as vLLM's `ImageMediaIO` hands it to Kimi-K2.5's processor: an RGBA image composited onto white, any other
+    mode (LA, a palette or RGB with a transparent colour included) Pillow's `convert("RGB")`, which drops its
+    transparency. (transformers' `convert_to_rgb` composites those too; the engines never reach it.)"""
+    if image.mode != "RGBA":
         return image.convert("RGB")
     white = image_module.new("RGBA", image.size, (255, 255, 255, 255))
-    return image_module.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+    return image_module.alpha_composite(white, image).convert("RGB")
 
 
 def sample(total: int, fps: float) -> np.ndarray:
-    """The frame indices transformers samples at FPS frames a second (`default_sample_indices_fn`)."""
-    n = max(1, int(total / fps * FPS))
-    return np.arange(n) * total // n
+    """The frame indices Kimi-K2.5's own processor samples (`split_video_chunks`, the checkpoint's code that vLLM
+    calls): round(total * min(FPS, fps) / fps) frames spread evenly from the first to the last, rounded (numpy's
+    half-to-even). transformers' port (`default_sample_indices_fn`) picks other frames, hence other timestamps."""
+    n = max(round(total * min(FPS, fps) / fps), 1)
+    return np.linspace(0, total - 1, n).round().astype(np.int64)
 
 
 def video_frames(url: str, base: Path) -> tuple[torch.Tensor, np.ndarray]:
