@@ -105,7 +105,7 @@ def transformers_function(module: str, name: str, owner: str | None = None):
 
 def test_patch_layout_equals_transformers_patchify():
     frames = torch.randint(0, 256, (4, 3, 56, 84), dtype=torch.uint8)
-    normal = (frames.float() - 127.5) / 127.5
+    normal = ((frames.double() / 255).float() - 0.5) / 0.5
     image = transformers_function("image_processing_kimi_k25.py", "patchify", "Kimi_K25ImageProcessor")
     theirs, h, w = image(None, normal[:1], 14)
     ours = media.patches(frames[:1], "image")
@@ -123,29 +123,66 @@ def test_patches_are_laid_out_as_the_processor_lays_them_out():
     for p in (0, 5, 6, 23):   # row-major over the grid
         i, j = divmod(p, 6)
         crop = frames[0, :, 14 * i:14 * i + 14, 14 * j:14 * j + 14].float()
-        assert torch.equal(pixels[p], (crop - 127.5) / 127.5)
+        torch.testing.assert_close(pixels[p], (crop - 127.5) / 127.5, rtol=0, atol=1e-7)
     padded, grid = media.patches(frames[..., :50, :70], "image")   # padded bottom-right with zeros (-1 once normal)
     assert grid == (1, 4, 6) and torch.equal(padded[-1, :, -6:], torch.full((3, 6, 14), -1.0))
 
 
-def test_pixel_values_equal_transformers_processor(tmp_path):
-    pytest.importorskip("torchvision")
-    processing = pytest.importorskip("transformers.models.kimi_k25.image_processing_kimi_k25")
-    processor = processing.Kimi_K25ImageProcessor()
-    for w, h in ((100, 60), (1000, 30), (300, 7300)):
+def kimi_processor_pixels(path: Path) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """An image's pixel_values and grid by the steps of Kimi-K2.5's own processor, the checkpoint's
+    kimi_k25_vision_processing.py + media_utils.py that vLLM runs: Pillow's bicubic resize to the navit size, zeros
+    padded bottom/right, (x / 255 as float32 - 0.5) * (1 / 0.5), 14 x 14 patches row-major."""
+    rgb = Image.open(path).convert("RGB")
+    (h, w), (ph, pw) = media.navit_size(rgb.height, rgb.width, 16384)
+    x = np.pad(np.asarray(rgb.resize((w, h), Image.Resampling.BICUBIC)), ((0, ph - h), (0, pw - w), (0, 0)))
+    x = (x[None] / 255.0).astype(np.float32)
+    x -= np.array([0.5, 0.5, 0.5])
+    x *= 1.0 / np.array([0.5, 0.5, 0.5])
+    x = x.reshape(1, ph // 14, 14, pw // 14, 14, 3).transpose(0, 1, 3, 5, 2, 4).reshape(-1, 3, 14, 14)
+    return x, (1, ph // 14, pw // 14)
+
+
+def test_pixel_values_equal_kimis_own_processor(tmp_path):
+    # 7300 x 300 -> 7168 x 294: Pillow resamples the tall axis first, where torchvision's resize (transformers' port)
+    # differs from it by up to 25 levels on this noise
+    for w, h in ((100, 60), (1000, 30), (300, 7300), (3000, 2000)):
         path = png(tmp_path / f"{w}x{h}.png", w, h)
         ours, grid = media.patches(media.decode_image(str(path), tmp_path), "image")
-        theirs = processor(images=[Image.open(path)], return_tensors="pt")
-        assert tuple(theirs["image_grid_thw"][0].tolist()) == grid
-        torch.testing.assert_close(ours, theirs["pixel_values"], rtol=0, atol=0)
+        theirs, their_grid = kimi_processor_pixels(path)
+        assert grid == their_grid and grid[1:] == transformers_grid(h, w)
+        assert torch.equal(ours, torch.from_numpy(theirs)), (w, h)
 
 
-def test_transparency_is_composited_onto_white_as_transformers_does(tmp_path):
+def transformers_grid(height: int, width: int) -> tuple[int, int]:
+    _, (ph, pw) = transformers_navit_resize()(height, width, patch_size=14, merge_kernel_size=2, max_patches=16384,
+                                               max_size_per_side=512)
+    return ph // 14, pw // 14
+
+
+def test_transparency_is_handled_as_vllm_hands_images_to_the_processor(tmp_path):
     rgba = np.zeros((28, 28, 4), np.uint8)
     rgba[..., 0], rgba[:14, :, 3] = 200, 255   # the top half opaque red, the bottom half transparent
     Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
     frames = media.decode_image("a.png", tmp_path)
     assert frames[0, :, 0, 0].tolist() == [200, 0, 0] and frames[0, :, -1, 0].tolist() == [255, 255, 255]
+    # vLLM's ImageMediaIO composites only RGBA; other modes go through Pillow's convert("RGB"), transparency dropped
+    la = np.zeros((28, 28, 2), np.uint8)
+    la[..., 0], la[:14, :, 1] = 90, 255
+    Image.fromarray(la, "LA").save(tmp_path / "la.png")
+    palette = Image.new("P", (28, 28), 1)
+    palette.putpalette([0, 0, 0, 30, 60, 90] + [0] * 762)
+    palette.save(tmp_path / "p.png", transparency=1)   # its only colour transparent
+    assert media.decode_image("la.png", tmp_path)[0, :, -1, 0].tolist() == [90, 90, 90]
+    assert media.decode_image("p.png", tmp_path)[0, :, 0, 0].tolist() == [30, 60, 90]
+
+
+def test_video_frames_are_sampled_as_kimis_own_processor_samples_them():
+    # split_video_chunks: round(n * min(2, fps) / fps) frames, linspace(0, n - 1, k).round()
+    assert media.sample(20, 4).tolist() == [0, 2, 4, 6, 8, 11, 13, 15, 17, 19]
+    assert media.sample(300, 30)[:5].tolist() == [0, 16, 31, 47, 63]   # transformers' port: 0, 15, 30, 45, 60
+    assert media.sample(3, 1.0).tolist() == [0, 1, 2]   # under 2 fps: every frame once
+    assert media.sample(1, 30).tolist() == [0]
+    assert media.timestamp(17 / 4) == "00:00:04.250" and media.timestamp(3661.5) == "01:01:01.500"
 
 
 def test_image_line_expands_each_image_to_the_engines_count(kimi, tmp_path):
@@ -165,7 +202,7 @@ def test_image_line_expands_each_image_to_the_engines_count(kimi, tmp_path):
 
 
 def test_video_is_sampled_at_2_fps_in_chunks_of_4_with_timestamps(kimi, tmp_path):
-    video(tmp_path / "v.mp4")   # 20 frames at 4 fps: 10 sampled, chunks of 4, 4, 2
+    video(tmp_path / "v.mp4")   # 20 frames at 4 fps: 10 sampled (0, 2, .., 8, 11, .., 19), chunks of 4, 4, 2
     encoder = ChatEncoder(kimi)
     encoded = encoder.encode(line("watch", {"type": "video_url", "video_url": {"url": "v.mp4"}}), base=tmp_path)
     (ids, _), placed = encoded.sequences[0], encoded.media[0]
@@ -173,7 +210,7 @@ def test_video_is_sampled_at_2_fps_in_chunks_of_4_with_timestamps(kimi, tmp_path
     text = encoder.tokenizer.encode.decode(ids.tolist())
     pads = "<|media_pad|>" * 6
     assert "watch" + "".join(f"{t}<|media_begin|>video<|media_content|>{pads}<|media_end|>"
-                             for t in ("00:00:00.000", "00:00:02.000", "00:00:04.000")) in text
+                             for t in ("00:00:00.000", "00:00:02.000", "00:00:04.250")) in text
     assert placed[2][1].pixel_values.shape == (2 * 24, 3, 14, 14)
 
 

@@ -29,7 +29,7 @@ GENERATED = ("source_line", "source_part", "cut_replies")   # what `generate` ad
 THINK_START, THINK_END = "<think>", "</think>"
 CATEGORIES = ("reasoning", "content", "tool_calls")
 PROBE = "\u2063probe\u2063"   # a reasoning no data holds: shows whether the template keeps a turn's reasoning
-RENDERING = 3   # the version of how chat lines become sequences: an extraction planned under another is not resumed
+RENDERING = 4   # the version of how chat lines become sequences: an extraction planned under another is not resumed
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Images and video in chat lines as Kimi-K2.5's engines take them: OpenAI content parts decoded (Pillow, PyAV: the
-`vision` extra), resized and patched as transformers 5.24's Kimi_K25 image and video processors lay them out, and
-each vision chunk (an image, or 4 frames of a video) given the engines' count of `<|media_pad|>` (docs/data.md)."""
+`vision` extra), sampled, resized and patched as Kimi-K2.5's own processor (the checkpoint's code that vLLM runs;
+transformers 5.24's Kimi_K25 processors count and lay out alike), and each vision chunk (an image, or 4 frames of a
+video) given the engines' count of `<|media_pad|>` (docs/data.md)."""
 from __future__ import annotations
 
 import base64
@@ -26,7 +27,7 @@ from eagle3.errors import InputError, TargetError
 from eagle3.files import read_json
 from eagle3.models.vision import MediaItem, media_positions, vision_config
 
-# transformers 5.24 models/kimi_k25/{image,video}_processing_kimi_k25.py
+# the checkpoint's preprocessor_config.json media_proc_cfg (transformers 5.24's Kimi_K25 processors' defaults alike)
 PATCH, MERGE, MAX_SIDE = 14, 2, 512     # 14-px patches merged 2 x 2; at most 512 patches a side
 IMAGE_PATCHES, FRAME_PATCHES = 16384, 4096
 FPS, CHUNK = 2, 4                       # video frames sampled at 2 a second, 4 frames a vision chunk
@@ -89,18 +90,26 @@ def grid(t: int, height: int, width: int, kind: str) -> tuple[int, int, int]:
 
 
 def patches(frames: torch.Tensor, kind: str) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """uint8 [t, 3, H, W] frames -> (float32 [t*h*w, 3, 14, 14], (t, h, w)): resized (bicubic, antialiased, on
-    uint8 as torchvision does on the CPU), padded bottom-right with zeros, (x - 127.5) / 127.5, patches row-major
-    within each frame."""
+    """uint8 [t, 3, H, W] frames -> (float32 [t*h*w, 3, 14, 14], (t, h, w)): resized, padded bottom-right with
+    zeros, (x / 255 - 0.5) / 0.5, patches row-major within each frame: the steps of Kimi-K2.5's own processor (the
+    checkpoint's code that vLLM runs)."""
     (h, w), (ph, pw) = navit_size(*frames.shape[-2:], IMAGE_PATCHES if kind == "image" else FRAME_PATCHES)
     if (h, w) != tuple(frames.shape[-2:]):
-        frames = torch.nn.functional.interpolate(frames, size=(h, w), mode="bicubic", align_corners=False,
-                                                 antialias=True)
+        frames = _resize(frames, h, w)
     frames = torch.nn.functional.pad(frames, (0, pw - w, 0, ph - h))
-    x = (frames.float() - 127.5) / 127.5
+    x = ((frames.double() / 255).float() - 0.5) * 2.0
     t, gh, gw = x.shape[0], ph // PATCH, pw // PATCH
     x = x.reshape(t, 3, gh, PATCH, gw, PATCH).permute(0, 2, 4, 1, 3, 5)
     return x.reshape(t * gh * gw, 3, PATCH, PATCH).contiguous(), (t, gh, gw)
+
+
+def _resize(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 [t, 3, H, W] -> [t, 3, height, width] by Pillow's bicubic resize, as the processor resizes each frame.
+    torchvision's (transformers' port) differs by a level or more: Pillow picks which axis to resample first."""
+    image = _require("PIL.Image")
+    out = [np.asarray(image.fromarray(np.ascontiguousarray(f.permute(1, 2, 0).numpy())).resize(
+        (width, height), image.Resampling.BICUBIC)) for f in frames]
+    return torch.from_numpy(np.stack(out)).permute(0, 3, 1, 2)
 
 
 def chunks(frames: torch.Tensor) -> list[torch.Tensor]:
@@ -166,17 +175,21 @@ def decode_image(url: str, base: Path) -> torch.Tensor:
 
 
 def _rgb(image, image_module):
-    """RGB as transformers' `convert_to_rgb` makes it: transparency composited onto white."""
-    if "A" not in image.getbands() and image.info.get("transparency") is None:
+    """RGB as vLLM's `ImageMediaIO` hands it to Kimi-K2.5's processor: an RGBA image composited onto white, any other
+    mode (LA, a palette or RGB with a transparent colour included) Pillow's `convert("RGB")`, which drops its
+    transparency. (transformers' `convert_to_rgb` composites those too; the engines never reach it.)"""
+    if image.mode != "RGBA":
         return image.convert("RGB")
     white = image_module.new("RGBA", image.size, (255, 255, 255, 255))
-    return image_module.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+    return image_module.alpha_composite(white, image).convert("RGB")
 
 
 def sample(total: int, fps: float) -> np.ndarray:
-    """The frame indices transformers samples at FPS frames a second (`default_sample_indices_fn`)."""
-    n = max(1, int(total / fps * FPS))
-    return np.arange(n) * total // n
+    """The frame indices Kimi-K2.5's own processor samples (`split_video_chunks`, the checkpoint's code that vLLM
+    calls): round(total * min(FPS, fps) / fps) frames spread evenly from the first to the last, rounded (numpy's
+    half-to-even). transformers' port (`default_sample_indices_fn`) picks other frames, hence other timestamps."""
+    n = max(round(total * min(FPS, fps) / fps), 1)
+    return np.linspace(0, total - 1, n).round().astype(np.int64)
 
 
 def video_frames(url: str, base: Path) -> tuple[torch.Tensor, np.ndarray]:
