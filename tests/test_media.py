@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -280,6 +281,36 @@ def test_media_for_a_target_without_a_vision_tower(kimi, tmp_path, capsys):
     assert len(records) == 1 and stats.skipped == 1
     error, = [e for e in capsys.readouterr().err.splitlines() if e.startswith("warning: skipped")]
     assert error.startswith(f"warning: skipped {path}:1: ") and "the target has no vision tower" in error
+
+
+PUBLISHED_CFG = {  # Kimi-K2.5's preprocessor_config.json media settings as published (K2.6's are the same)
+    "in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512,
+    "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None, "sample_fps": 2.0,
+    "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff",
+    "config_type": "image"}
+
+
+@pytest.mark.parametrize("given, refused", [
+    ({"media_proc_cfg": PUBLISHED_CFG}, None),
+    ({**PUBLISHED_CFG, "merge_kernel_size": [2, 2]}, None),            # older files: the settings at the top level
+    ({"media_proc_cfg": {**PUBLISHED_CFG, "in_patch_limit": 4096}}, "media_proc_cfg.in_patch_limit is 4096"),
+    ({"media_proc_cfg": {**PUBLISHED_CFG, "sample_fps": 8.0}}, "media_proc_cfg.sample_fps is 8.0"),
+    ({"media_proc_cfg": [1]}, "media_proc_cfg: expected a JSON object")])
+def test_media_settings_other_than_the_published_ones_are_refused(kimi, tmp_path, given, refused):
+    target = tmp_path / "t"
+    shutil.copytree(kimi, target)
+    (target / "preprocessor_config.json").write_text(json.dumps(given))
+    png(tmp_path / "a.png", 40, 40)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(line(image("a.png"), "x")) + "\n")
+    if refused is None:
+        (record,), _ = read_records(path, VOCAB, 4096, target_dir=target)
+        assert len(record.media) == 1
+        return
+    with pytest.raises(InputError) as e:
+        read_records(path, VOCAB, 4096, "skip", target_dir=target)   # the target's, not a line's: never skipped
+    assert str(e.value).startswith(f"{path}:1: {target / 'preprocessor_config.json'}: {refused}")
 
 
 def test_missing_pillow_names_the_extra(kimi, tmp_path, monkeypatch):

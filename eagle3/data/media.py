@@ -31,6 +31,13 @@ from eagle3.models.vision import MediaItem, media_positions, vision_config
 PATCH, MERGE, MAX_SIDE = 14, 2, 512     # 14-px patches merged 2 x 2; at most 512 patches a side
 IMAGE_PATCHES, FRAME_PATCHES = 16384, 4096
 FPS, CHUNK = 2, 4                       # video frames sampled at 2 a second, 4 frames a vision chunk
+# those settings as Kimi-K2.5 and K2.6 publish them (media_proc_cfg): the only ones this path computes, so a
+# checkpoint whose preprocessor_config.json says otherwise (a lower cap, another fps) is refused, not miscounted
+PUBLISHED = {"patch_size": PATCH, "merge_kernel_size": MERGE, "patch_limit_on_one_side": MAX_SIDE,
+             "in_patch_limit": IMAGE_PATCHES, "in_patch_limit_each_frame": FRAME_PATCHES, "sample_fps": FPS,
+             "temporal_merge_kernel_size": CHUNK, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+             "fixed_output_tokens": None, "in_patch_limit_video": None, "max_num_frames_each_video": None,
+             "timestamp_mode": "hh:mm:ss.fff"}
 PARTS = {"image_url": "image", "video_url": "video"}
 # a video chunk's prompt after its timestamp; its one pad stands for the chunk's, as an image's does in the template
 VIDEO_CHUNK = "<|media_begin|>video<|media_content|><|media_pad|><|media_end|>"
@@ -256,6 +263,8 @@ class MediaReader:
             raise InputError(str(e)) from None
         self.vision, self.pad_id = vision is not None, vision and vision.pad_id
         self.video_placeholder = config.get("video_placeholder", "<|kimi_k25_video_placeholder|>")
+        if self.vision:
+            check_media_settings(Path(target_dir) / "preprocessor_config.json")
 
     def read(self, refs: list[tuple[int, str, str]], base: Path) -> Media:
         """`refs`: (message index, kind, url) of each media part in order of appearance."""
@@ -277,6 +286,24 @@ class MediaReader:
             media.videos.append("".join(f"{timestamp(float(seconds[k]))}{VIDEO_CHUNK}"
                                         for k in range(0, len(frames), CHUNK)))
         return media
+
+
+def check_media_settings(path: Path) -> None:
+    """The checkpoint's media settings (`media_proc_cfg` of `path`, or its top level as older files keep them) where
+    given must be the published ones; a missing file or field is the published default."""
+    if not path.exists():
+        return
+    raw = read_json(path, InputError, "the target's preprocessor config")
+    given = raw.get("media_proc_cfg", raw) if isinstance(raw, dict) else None
+    if not isinstance(given, dict):
+        raise InputError(f"{path}: media_proc_cfg: expected a JSON object of media settings")
+    for key, want in PUBLISHED.items():
+        value = given.get(key, want)
+        if key == "merge_kernel_size" and isinstance(value, list) and len(set(value)) == 1:
+            value = value[0]   # [2, 2] as the vision config writes it
+        if value != want:
+            raise InputError(f"{path}: media_proc_cfg.{key} is {value!r}; expected {want!r}, Kimi-K2.5's published "
+                             "setting: images and video are counted and laid out for those settings only")
 
 
 def with_videos(text: str, videos: list[str], placeholder: str) -> str:
