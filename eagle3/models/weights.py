@@ -202,8 +202,10 @@ def read_config(path: Path) -> TextConfig:
         config_sha256=hashlib.sha256(blob).hexdigest(), family=family, needs=needs)
     if cfg.num_hidden_layers < 4:
         raise TargetError(f"{where}: num_hidden_layers = {cfg.num_hidden_layers}; EAGLE-3 needs at least 4")
-    if cfg.hidden_size % heads:
-        raise TargetError(f"{where}: hidden_size {cfg.hidden_size} is not a multiple of num_attention_heads {heads}")
+    # a GQA head without head_dim is hidden_size / heads; GLM-4.5 (5120, 96 heads of 128) and MLA heads are not
+    if not cfg.is_deepseek and not text.get("head_dim") and cfg.hidden_size % heads:
+        raise TargetError(f"{where}: hidden_size {cfg.hidden_size} is not a multiple of num_attention_heads {heads} "
+                          "and no head_dim is given")
     return cfg
 
 
