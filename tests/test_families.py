@@ -140,6 +140,21 @@ def test_inspect_names_the_family_and_its_parts(made, family):
     assert (attention["sinks"], attention["sliding_window"]) == ((True, 128) if family == "gpt_oss" else (False, 0))
 
 
+def test_minimax_m2s_multi_token_prediction_layers_are_skipped(made, tmp_path):
+    """MiniMax-M2's releases may carry `num_mtp_modules` layers at indices L on, which vLLM 0.34's minimax_m2.py
+    (hf_to_vllm_mapper) and SGLang 0.5.23's (get_spec_layer_idx_from_weight_name) drop: skipped, not refused."""
+    from safetensors.torch import load_file, save_file
+    path = made("minimax_m2")
+    tensors = {n: t for f in sorted(path.glob("*.safetensors")) for n, t in load_file(f).items()}
+    mtp = {"model.layers.4." + n[15:]: t.clone() for n, t in tensors.items() if n.startswith("model.layers.3.")}
+    save_file({**tensors, **mtp}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_mtp_modules": 1}))
+    report = inspect(str(tmp_path))
+    assert report["weights"]["skipped_tensors"] == len(mtp) and "num_mtp_modules 1" in next(iter(
+        report["weights"]["skipped"]))
+
+
 # The engines' default captures, as layer inputs: SGLang 0.5.23 srt/models/{qwen3_moe,minimax_m2,glm4_moe,gpt_oss}.py
 # set_eagle3_layers_to_capture: [2, num_layers // 2, num_layers - 3] in each; vLLM 0.34's SupportsEagle3 default
 # (model_executor/models/interfaces.py get_eagle3_aux_hidden_state_layers): (2, num_layers // 2, num_layers - 3).

@@ -75,7 +75,8 @@ TARGETS = {"Llama-3": {"model_type": "llama", "text_model_type": "llama", "num_h
            "MiniMax-M2": {"model_type": "minimax_m2", "text_model_type": "minimax_m2", "num_hidden_layers": 62},
            "GLM-4.5": {"model_type": "glm4_moe", "text_model_type": "glm4_moe", "num_hidden_layers": 92},
            "gpt-oss": {"model_type": "gpt_oss", "text_model_type": "gpt_oss", "num_hidden_layers": 24},
-           "GLM-4.7-Flash": {"model_type": "glm4_moe_lite", "text_model_type": "glm4_moe_lite", "num_hidden_layers": 47},
+           "GLM-4.7-Flash": {"model_type": "glm4_moe_lite", "text_model_type": "glm4_moe_lite",
+                             "num_hidden_layers": 47},
            "DeepSeek-V3.2": {"model_type": "deepseek_v32", "text_model_type": "deepseek_v32", "num_hidden_layers": 61},
            "GLM-5": {"model_type": "glm_moe_dsa", "text_model_type": "glm_moe_dsa", "num_hidden_layers": 78}}
 # SGLang 0.5.23's rule of the first id (deepseek_v2.py, GLM-5's class inheriting it, glm4_moe_lite.py)
