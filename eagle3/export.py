@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from eagle3 import train_state
 from eagle3.config import ENGINES, ONE_LAYER, SETTING_KEYS, UNREAD, UNSERVED, Config, ExportConfig, from_dict
 from eagle3.draft_io import layer_keys, top_keys
-from eagle3.models.weights import DEEPSEEK
+from eagle3.models.weights import MLA_FAMILIES
 from eagle3.resolve import MLA_DIMS, NORM_FLAGS
 from eagle3.files import make_readable, short_of_space, tensor_bytes
 from eagle3.ops import TORCH_DTYPES
@@ -83,28 +83,32 @@ def vllm_aux_ids(ours: list[int]) -> list[int]:
 
 def sglang_aux_ids(state: dict, where: str) -> list[int]:
     """The eagle_config ids SGLang 0.5.23 turns into our layers. Its target captures the input of layer c (the output
-    of c - 1) for each c in `layers_to_capture`, c < L; `set_eagle3_layers_to_capture` makes c = id + 1 on Llama-family
-    targets (srt/models/llama.py, qwen2.py, qwen3.py) but on DeepSeek-V3 / Kimi ones (srt/models/deepseek_v2.py;
-    kimi_k25.py delegates to it) only when the first id is 1, else c = id. Ids it cannot express raise ExportError."""
+    of c - 1) for each c in `layers_to_capture`, c < L; `set_eagle3_layers_to_capture` makes c = id + 1 on the GQA
+    families' targets (srt/models/llama.py, qwen2.py, qwen3.py, qwen3_moe.py, minimax_m2.py, glm4_moe.py; gpt_oss.py
+    unless the largest id is L, which our ids never are) but on the MLA families' (DeepSeek-V3 / Kimi and DeepSeek-V3.2
+    in deepseek_v2.py, GLM-5 in glm4_moe.py's GlmMoeDsaForCausalLM(DeepseekV2ForCausalLM), GLM-4.7-Flash in
+    glm4_moe_lite.py) only when the first id is 1, else c = id. Ids it cannot express raise ExportError."""
     ours, target = list(state["resolved"]["aux_layer_ids"]), state["target"]
     layers = target["num_hidden_layers"]
     if max(ours) >= layers - 1:
         raise ExportError(f"{where}: {ENGINES['sglang']} captures a layer's input, never the last layer's "
                           f"output: target.aux_layer_ids = {ours} on a target of {layers} layers; choose ids below "
                           f"{layers - 1} or export vllm only")
-    if not is_deepseek(target):
+    if not is_mla_family(target):
         return ours
     if ours[0] == 0:
-        raise ExportError(f"{where}: {ENGINES['sglang']} adds 1 to a DeepSeek-family target's ids only when "
+        raise ExportError(f"{where}: {ENGINES['sglang']} adds 1 to an MLA-family target's ids only when "
                           f"the first is 1 (deepseek_v2.py set_eagle3_layers_to_capture), so no id list makes it "
                           f"capture layer 0's output: target.aux_layer_ids = {ours}; choose a first id other than 0 "
                           "or export vllm only")
     return ours if ours[0] == 1 else [i + 1 for i in ours]
 
 
-def is_deepseek(target: dict) -> bool:
-    """The target is of the DeepSeek-V3 family (Kimi-K2 / K2.5 included), from the identity a checkpoint records."""
-    return bool({target.get("model_type"), target.get("text_model_type")} & set(DEEPSEEK.model_types))
+def is_mla_family(target: dict) -> bool:
+    """The target is of an MLA family (DeepSeek-V3 / Kimi, GLM-4.7-Flash, DeepSeek-V3.2, GLM-5), from the identity a
+    checkpoint records."""
+    types = {t for f in MLA_FAMILIES for t in f.model_types}
+    return bool({target.get("model_type"), target.get("text_model_type")} & types)
 
 
 def sglang_config(state: dict, cfg: Config) -> dict:

@@ -67,6 +67,23 @@ def test_in_bf16_ours_is_as_near_the_fp32_states_as_transformers_own_bf16(made, 
     assert error["ours"] <= 2 * error["theirs"] + 0.01, error
 
 
+def test_heads_wider_than_the_hidden_size_as_glm_publishes_them(tmp_path):
+    """GLM-4.5 to 4.7: 96 heads of 128 over a hidden size of 5120 (not a multiple of 96), here 6 heads of 16 over 64;
+    GLM-4.7-Flash's MLA: 20 heads over 2048. Both are read, and the GQA forward equals transformers'."""
+    path = tiny.make_moe(tmp_path / "glm", "glm4_moe", heads=6, kv_heads=2)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3))
+    out = TargetRunner(Checkpoint(path), [0, 1, 2], CPU, torch.float32).run(ids, [0, 40])
+    aux, final = _reference(path, ids, [0, 1, 2])
+    torch.testing.assert_close(out["aux_hidden"], aux, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out["final_hidden"], final, rtol=1e-5, atol=1e-4)
+    flash = {"model_type": "glm4_moe_lite", "hidden_size": 2048, "num_attention_heads": 20, "num_key_value_heads": 20,
+             "vocab_size": 154880, "num_hidden_layers": 47, "intermediate_size": 10240, "rms_norm_eps": 1e-5,
+             "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+             "v_head_dim": 256, "n_routed_experts": 64, "num_experts_per_tok": 4, "moe_intermediate_size": 1536}
+    (tmp_path / "config.json").write_text(json.dumps(flash))
+    assert Checkpoint(tmp_path, require_weights=False).config.family.name == "GLM-4.7-Flash"
+
+
 @pytest.mark.parametrize("family", ["minimax_m2", "gpt_oss"])
 def test_decoding_with_caches_equals_the_whole_forward(made, family):
     """The KV-cache path (evaluate, generate): sinks and the window hold across pieces of every size."""
@@ -121,6 +138,21 @@ def test_inspect_names_the_family_and_its_parts(made, family):
     assert attention["rotary_dim"] == (8 if family in ("minimax_m2", "glm4_moe") else 16)
     assert attention["qk_norm"] == {"minimax_m2": "whole", "gpt_oss": None}.get(family, "head")
     assert (attention["sinks"], attention["sliding_window"]) == ((True, 128) if family == "gpt_oss" else (False, 0))
+
+
+def test_minimax_m2s_multi_token_prediction_layers_are_skipped(made, tmp_path):
+    """MiniMax-M2's releases may carry `num_mtp_modules` layers at indices L on, which vLLM 0.34's minimax_m2.py
+    (hf_to_vllm_mapper) and SGLang 0.5.23's (get_spec_layer_idx_from_weight_name) drop: skipped, not refused."""
+    from safetensors.torch import load_file, save_file
+    path = made("minimax_m2")
+    tensors = {n: t for f in sorted(path.glob("*.safetensors")) for n, t in load_file(f).items()}
+    mtp = {"model.layers.4." + n[15:]: t.clone() for n, t in tensors.items() if n.startswith("model.layers.3.")}
+    save_file({**tensors, **mtp}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_mtp_modules": 1}))
+    report = inspect(str(tmp_path))
+    assert report["weights"]["skipped_tensors"] == len(mtp) and "num_mtp_modules 1" in next(iter(
+        report["weights"]["skipped"]))
 
 
 # The engines' default captures, as layer inputs: SGLang 0.5.23 srt/models/{qwen3_moe,minimax_m2,glm4_moe,gpt_oss}.py

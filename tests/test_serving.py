@@ -34,15 +34,18 @@ def vllm_fed(config: dict, layers: int) -> list[int]:
     return [v - 1 for v in sorted(set(ids)) if 1 <= v <= layers]
 
 
-def sglang_fed(config: dict, deepseek: bool, layers: int) -> list[int]:
+def sglang_fed(config: dict, target: str, layers: int) -> list[int]:
     """The target layers SGLang 0.5.23 hands the draft. srt/model_executor/model_runner_components/
     spec_aux_hidden_state.py _resolve_eagle_aux_hidden_state reads eagle_config["eagle_aux_hidden_state_layer_ids"]
-    alone. set_eagle3_layers_to_capture: srt/models/llama.py (qwen2.py, qwen3.py alike) [v + 1 for v in ids];
-    srt/models/deepseek_v2.py (kimi_k25.py delegates to it) the same only `if layer_ids and layer_ids[0] == 1`, else
+    alone. set_eagle3_layers_to_capture: srt/models/llama.py (qwen2.py, qwen3.py, qwen3_moe.py, minimax_m2.py,
+    glm4_moe.py alike) [v + 1 for v in ids]; gpt_oss.py the same unless max(ids) == L, then the ids as they are;
+    srt/models/deepseek_v2.py (kimi_k25.py delegates to it, DeepseekV32ForCausalLM and glm4_moe.py's
+    GlmMoeDsaForCausalLM inherit it; glm4_moe_lite.py alike) the same only `if layer_ids and layer_ids[0] == 1`, else
     the ids as they are. The models' forward captures the input of layer i (the output of i - 1) for i in
     range(L) that is in layers_to_capture, in layer order."""
     ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    capture = [v + 1 for v in ids] if not deepseek or ids[0] == 1 else list(ids)
+    as_given = ids[0] != 1 if target in MLA_TARGETS else target == "gpt-oss" and max(ids) == layers
+    capture = list(ids) if as_given else [v + 1 for v in ids]
     return [i - 1 for i in range(layers) if i in capture]
 
 
@@ -67,7 +70,17 @@ def spec(attention: str = "gqa", layers: int = 1, **flags) -> DraftSpec:
 TARGETS = {"Llama-3": {"model_type": "llama", "text_model_type": "llama", "num_hidden_layers": 32},
            "Qwen3": {"model_type": "qwen3", "text_model_type": "qwen3", "num_hidden_layers": 36},
            "DeepSeek-V3": {"model_type": "deepseek_v3", "text_model_type": "deepseek_v3", "num_hidden_layers": 61},
-           "Kimi-K2.5": {"model_type": "kimi_k25", "text_model_type": "kimi_k2", "num_hidden_layers": 61}}
+           "Kimi-K2.5": {"model_type": "kimi_k25", "text_model_type": "kimi_k2", "num_hidden_layers": 61},
+           "Qwen3-MoE": {"model_type": "qwen3_moe", "text_model_type": "qwen3_moe", "num_hidden_layers": 48},
+           "MiniMax-M2": {"model_type": "minimax_m2", "text_model_type": "minimax_m2", "num_hidden_layers": 62},
+           "GLM-4.5": {"model_type": "glm4_moe", "text_model_type": "glm4_moe", "num_hidden_layers": 92},
+           "gpt-oss": {"model_type": "gpt_oss", "text_model_type": "gpt_oss", "num_hidden_layers": 24},
+           "GLM-4.7-Flash": {"model_type": "glm4_moe_lite", "text_model_type": "glm4_moe_lite",
+                             "num_hidden_layers": 47},
+           "DeepSeek-V3.2": {"model_type": "deepseek_v32", "text_model_type": "deepseek_v32", "num_hidden_layers": 61},
+           "GLM-5": {"model_type": "glm_moe_dsa", "text_model_type": "glm_moe_dsa", "num_hidden_layers": 78}}
+# SGLang 0.5.23's rule of the first id (deepseek_v2.py, GLM-5's class inheriting it, glm4_moe_lite.py)
+MLA_TARGETS = ("DeepSeek-V3", "Kimi-K2.5", "GLM-4.7-Flash", "DeepSeek-V3.2", "GLM-5")
 
 
 def state(target: str, ids: list[int], draft: DraftSpec) -> dict:
@@ -88,16 +101,17 @@ CASES = [(t, default_ids(t)) for t in TARGETS] + [(t, ids) for t in TARGETS for 
 @pytest.mark.parametrize("target,ids", CASES)
 def test_each_engine_feeds_the_draft_the_layers_it_trained_on(target, ids, attention):
     s, layers = state(target, ids, spec(attention)), TARGETS[target]["num_hidden_layers"]
-    deepseek = target in ("DeepSeek-V3", "Kimi-K2.5")
     vllm = mla_config(s, Config()) if attention == "mla" else vllm_config(s, Config())
     sglang = mla_config(s, Config()) if attention == "mla" else sglang_config(s, Config())
     assert vllm_fed(vllm, layers) == ids
-    assert sglang_fed(sglang, deepseek, layers) == ids
+    assert sglang_fed(sglang, target, layers) == ids
 
 
 @pytest.mark.parametrize("target,ids,why", [
-    ("Kimi-K2.5", [0, 4, 5], "adds 1 to a DeepSeek-family target's ids only when the first is 1"),
+    ("Kimi-K2.5", [0, 4, 5], "adds 1 to an MLA-family target's ids only when the first is 1"),
     ("DeepSeek-V3", [0, 30, 57], "only when the first is 1"),
+    ("GLM-5", [0, 38, 74], "only when the first is 1"),
+    ("GLM-4.7-Flash", [0, 22, 43], "only when the first is 1"),
     ("Llama-3", [1, 15, 31], "never the last layer's output"),
     ("Kimi-K2.5", [1, 29, 60], "never the last layer's output")])
 def test_ids_sglang_cannot_express_are_refused_and_vllm_still_exports(target, ids, why):

@@ -202,8 +202,10 @@ def read_config(path: Path) -> TextConfig:
         config_sha256=hashlib.sha256(blob).hexdigest(), family=family, needs=needs)
     if cfg.num_hidden_layers < 4:
         raise TargetError(f"{where}: num_hidden_layers = {cfg.num_hidden_layers}; EAGLE-3 needs at least 4")
-    if cfg.hidden_size % heads:
-        raise TargetError(f"{where}: hidden_size {cfg.hidden_size} is not a multiple of num_attention_heads {heads}")
+    # a GQA head without head_dim is hidden_size / heads; GLM-4.5 (5120, 96 heads of 128) and MLA heads are not
+    if not cfg.is_deepseek and not text.get("head_dim") and cfg.hidden_size % heads:
+        raise TargetError(f"{where}: hidden_size {cfg.hidden_size} is not a multiple of num_attention_heads {heads} "
+                          "and no head_dim is given")
     return cfg
 
 
@@ -303,14 +305,17 @@ class Checkpoint:
     def skip_reason(self, full: str) -> str | None:
         """Why the text forward reads no tensor `full` (a name as stored), or None: the one list of what is skipped."""
         c = self.config
-        extra = int(c.raw.get("num_nextn_predict_layers") or 0)
+        # DeepSeek's and GLM's count, MiniMax-M2's (vLLM 0.34 and SGLang 0.5.23 drop those layers alike)
+        field = next((k for k in ("num_nextn_predict_layers", "num_mtp_modules") if c.raw.get(k)),
+                     "num_nextn_predict_layers")
+        extra = int(c.raw.get(field) or 0)
         layers = self.prefix + "layers."
         layer = full[len(layers):].split(".")[0] if full.startswith(layers) else ""
         if full.startswith(VISION):
             return "vision tower and projector: the text forward reads no image"
         if layer.isdigit() and c.num_hidden_layers <= int(layer) < c.num_hidden_layers + extra:
             return (f"multi-token-prediction layer past num_hidden_layers {c.num_hidden_layers} "
-                    f"(num_nextn_predict_layers {extra}): a decoding aid, not part of the forward")
+                    f"({field} {extra}): a decoding aid, not part of the forward")
         if full.endswith(".rotary_emb.inv_freq"):
             return "rotary buffer: the forward computes its own from the config"
         if self.head_name is None and full.endswith("lm_head.weight"):
