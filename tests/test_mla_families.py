@@ -377,3 +377,17 @@ def test_fp8_blocks_give_the_states_of_their_dequantized_weights(tmp_path, name)
     for chunk in (4096, 20):
         runner = TargetRunner(Checkpoint(out / "fp8"), [1, 2, 3], torch.device("cpu"), torch.float32, chunk_tokens=chunk)
         _close(runner.run(ids, [0, 48])["final_hidden"], final)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa"])
+def test_router_fields_left_out_read_as_the_engines_config_class_defaults_them(tmp_path, model_type):
+    """A config without n_group, topk_group, norm_topk_prob or routed_scaling_factor: the engines load it through
+    the family's transformers config class, whose defaults differ by family; ours are the same."""
+    from transformers import AutoConfig
+    from eagle3.models.deepseek import ROUTER_FIELDS, DeepseekSpec
+    from eagle3.models.weights import read_config
+    raw = {k: v for k, v in {**TINY, **DSA, "n_routed_experts": 16}.items() if k not in ("n_group", "topk_group")}
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": model_type}))
+    spec = DeepseekSpec.from_config(read_config(tmp_path / "config.json"))
+    theirs = AutoConfig.for_model(model_type)
+    assert {k: getattr(spec, k) for k, _ in ROUTER_FIELDS} == {k: getattr(theirs, k) for k, _ in ROUTER_FIELDS}

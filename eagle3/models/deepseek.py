@@ -16,6 +16,13 @@ from eagle3.models.weights import Checkpoint, TargetError, TextConfig, require
 from eagle3.models.attention import Prefix, causal_attention_packed
 
 
+# the router's fields where a config leaves them out (or null): the defaults of the family's transformers 5.25 config
+# class (DeepseekV3Config, DeepseekV32Config, Glm4MoeLiteConfig, GlmMoeDsaConfig), which the engines load it through
+ROUTER_FIELDS = (("n_group", int), ("topk_group", int), ("norm_topk_prob", bool), ("routed_scaling_factor", float))
+ROUTER_DEFAULTS = {"DeepSeek-V3": (8, 4, True, 2.5), "DeepSeek-V3.2": (8, 4, True, 2.5),
+                   "GLM-4.7-Flash": (1, 1, True, 1.8), "GLM-5": (1, 1, True, 2.5)}
+
+
 @dataclass
 class DeepseekSpec:
     """The text config fields the DeepSeek-V3 forward needs, checked."""
@@ -48,11 +55,10 @@ class DeepseekSpec:
         s = cls(q_lora_rank=None if q_lora is None else require(raw, "q_lora_rank", where, c.needs),
                 **{k: raw[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                                        "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")},
-                **{k: int(raw.get(k) or default) for k, default in (("first_k_dense_replace", 0), ("n_group", 1),
-                                                                   ("moe_layer_freq", 1), ("n_shared_experts", 0),
-                                                                   ("topk_group", 1))},
-                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                **{k: int(raw.get(k) or default) for k, default in (("first_k_dense_replace", 0),
+                                                                   ("moe_layer_freq", 1), ("n_shared_experts", 0))},
+                **{k: kind(default if raw.get(k) is None else raw[k]) for (k, kind), default in
+                   zip(ROUTER_FIELDS, ROUTER_DEFAULTS[c.family.name])},
                 topk_method=str(raw.get("topk_method", "noaux_tc")),
                 # transformers 5.24's DeepSeek-V3.2 and GLM-5 rotate adjacent pairs whatever rope_interleave says
                 rope_interleave=dsa or bool(raw.get("rope_interleave", True)),
