@@ -2,6 +2,7 @@
 forward against transformers' own classes (whole, chunked, decoding), gpt-oss's MXFP4 experts, the engines'
 auxiliary layers, and a draft trained, exported and decoded losslessly on each."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -138,6 +139,16 @@ def test_inspect_names_the_family_and_its_parts(made, family):
     assert attention["rotary_dim"] == (8 if family in ("minimax_m2", "glm4_moe") else 16)
     assert attention["qk_norm"] == {"minimax_m2": "whole", "gpt_oss": None}.get(family, "head")
     assert (attention["sinks"], attention["sliding_window"]) == ((True, 128) if family == "gpt_oss" else (False, 0))
+
+
+def test_a_gpt_oss_config_without_its_window_reads_the_config_classs_128(made, tmp_path):
+    from transformers import GptOssConfig
+    target = tmp_path / "t"
+    shutil.copytree(made("gpt_oss"), target)
+    raw = json.loads((target / "config.json").read_text())
+    del raw["sliding_window"]
+    (target / "config.json").write_text(json.dumps(raw))
+    assert inspect(str(target))["attention"]["sliding_window"] == GptOssConfig().sliding_window == 128
 
 
 def test_minimax_m2s_multi_token_prediction_layers_are_skipped(made, tmp_path):

@@ -85,7 +85,7 @@ def gpt_oss(ckpt: Checkpoint, c: TextConfig, raw: dict) -> Layout:
     clamped at swiglu_limit of interleaved gate/up rows (fused tensors, MXFP4 or bf16)."""
     types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                        for i in range(c.num_hidden_layers)]
-    window = int(raw.get("sliding_window") or 0)
+    window = int(raw.get("sliding_window", 128) or 0)   # left out: GptOssConfig's 128, as the engines read it
     windows = tuple(window if t == "sliding_attention" else 0 for t in types)
     router = moe.Router("topk_softmax", raw["num_local_experts"], raw["num_experts_per_tok"], False)
     block = Experts(router, "mlp.", "router", c.intermediate_size, (), logit_bias=True,
