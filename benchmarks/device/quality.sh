@@ -11,7 +11,7 @@
 # QUALITY_ARGS="--recipe train_prompts=3072 ..." passes more options to every stage; the long-context variant:
 # WORK=.quality-long QUALITY_ARGS=--long bash benchmarks/device/quality.sh target data ours@whole ours@short measure
 # Presets, one command each (a device call of at most 10 minutes runs one; between them carry the work directory
-# as `cat target.tgz.* | tar xz` and `cat results.tgz.* | tar xz` unpack it there: target/ (in 15 MiB parts too: the
+# as `cat target.tgz.* | tar xz` and `cat results.tgz.* | tar xz` unpack it there: target/ (in parts under 16 MiB too: the
 # DeepSeek-shaped target is 24 MB), quality.json and the replies; the long bench's data stage writes
 # its sequences again from the target's tokenizer):
 #   long-trained, long-trained-drafts, long-trained-seeds: the long bench's target trained until its held-out loss
@@ -57,16 +57,21 @@ if [[ $module == benchmarks.quality ]]; then
 fi
 export QUALITY_CALL=$(date +%s%N)   # the peer's --data-from waits for data extracted in this call
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env.txt"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"
-# a file coming back from $OUT is at most 16 MiB: the results travel in 15 MiB parts (cat results.tgz.* | tar xz);
+# the versions head log.txt: a call returns 8 files at most, and two benches side by side need each of theirs
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$out/log.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/log.txt"
+# a file coming back from $OUT is at most 16 MiB: the results travel in parts under it (cat results.tgz.* | tar xz);
 # packed after each stage and every 60 s while stages run in the background, so a call cut at its time limit
 # still returns what finished
 pack() {
+  local files
+  files=$(cd "$work" && ls -d regen*.jsonl thinking.jsonl prompts*.jsonl quality.json vision_quality.json text.jsonl \
+    captions-regen.jsonl images/e* peer*/*.json hidden*/manifest.json peer*/*.safetensors peer*.log eval-*.json \
+    ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null)
+  [[ -n $files ]] || return 0   # nothing written yet
   (flock 9
-   (cd "$work" && tar czf - --ignore-failed-read $(ls -d regen*.jsonl thinking.jsonl prompts*.jsonl quality.json vision_quality.json text.jsonl captions-regen.jsonl images/e* peer*/*.json hidden*/manifest.json \
-      peer*/*.safetensors peer*.log eval-*.json ours-*/export/vllm ours-*/bench.json ours-*/metrics.jsonl 2>/dev/null) \
-      | split -b 15m -d - "$out/.parts.") && rm -f "$out"/results.tgz.* && for f in "$out"/.parts.*; do
+   (cd "$work" && tar czf - --ignore-failed-read $files \
+      | split -b 16000k -d - "$out/.parts.") && rm -f "$out"/results.tgz.* && for f in "$out"/.parts.*; do
         mv "$f" "$out/results.tgz.${f##*.parts.}"; done) 9>/tmp/quality-pack.lock
 }
 (while sleep 60; do pack; done) & packer=$!
@@ -86,7 +91,7 @@ for stage in "$@"; do
   elif [[ $stage == bg:* ]]; then run_stage "${stage#bg:}" &
   else run_stage "$stage"; pack
   fi
-  [[ $stage != target ]] || (cd "$work" && tar czf - target | split -b 15m -d - "$out/target.tgz.")
+  [[ $stage != target ]] || (cd "$work" && tar czf - target | split -b 16000k -d - "$out/target.tgz.")
 done
 stages_done; kill $packer; pack
 echo "== done $(date +%T)"
