@@ -15,6 +15,9 @@ CASES = [(37, 96, "e4m3", "float32"), (64, 130, "e5m2", "bfloat16"), (1, 16, "e4
          (0, 32, "e5m2", "float32"), ((2, 5), 96, "e4m3", "bfloat16"), (700, 128, "e5m2", "bfloat16")]
 
 
+INTERPRETED_CHILD = True   # conftest starts the child at collection, in the background
+
+
 @pytest.fixture(scope="module")
 def results():
     return run_interpreted(__file__)

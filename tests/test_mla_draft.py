@@ -134,6 +134,9 @@ def interpreted_cases() -> None:
     print(json.dumps({"case": "d256", "ok": err < 1e-4, "detail": f"max error {err:.2e}"}))
 
 
+INTERPRETED_CHILD = True   # conftest starts the child at collection, in the background
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     from conftest import run_interpreted

@@ -18,6 +18,9 @@ CASES = [((37,), 96, "float32"), ((3,), 130, "float32"), ((1,), 7, "float32"), (
          ((5,), 64, "float32"), ((2, 5), 64, "bfloat16"), ((41,), 160, "bfloat16")]
 
 
+INTERPRETED_CHILD = True   # conftest starts the child at collection, in the background
+
+
 @pytest.fixture(scope="module")
 def results():
     return run_interpreted(__file__)

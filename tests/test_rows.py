@@ -20,6 +20,9 @@ CASES = [(5, 11, (3, 7), "float32", 0), (9, 9, (130,), "bfloat16", 0), (0, 4, (2
          (6, 20, (4, 16), "float32", -1.5), (1, 1, (1,), "float32", 0)]
 
 
+INTERPRETED_CHILD = True   # conftest starts the child at collection, in the background
+
+
 @pytest.fixture(scope="module")
 def results():
     return run_interpreted(__file__)

@@ -50,6 +50,9 @@ OTHER_CASES = [*WINDOW_CASES, "custom_scale", "bf16_upcast", "sequences_isolated
 # ---------------------------------------------------------------------------------------------
 # pytest side: one interpreted child process for all cases.
 
+INTERPRETED_CHILD = True   # conftest starts the child at collection, in the background
+
+
 @pytest.fixture(scope="module")
 def results():
     found, proc = run_interpreted(__file__)

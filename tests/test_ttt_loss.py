@@ -33,6 +33,9 @@ LOSSES = ("kl", "tv", "nla", "lk_hybrid", "pq")   # kernels.reference.LOSSES, sp
 # ---------------------------------------------------------------------------------------------
 # pytest side: one interpreted child process for all cases.
 
+INTERPRETED_CHILD = True   # conftest starts the child at collection, in the background
+
+
 @pytest.fixture(scope="module")
 def results():
     out, proc = run_interpreted(__file__)
