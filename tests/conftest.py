@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -123,26 +124,20 @@ class _Background:
     of CI's 2 cores) instead of a minute of the run."""
 
     def __init__(self, scripts: list[str]):
-        self.done = {script: threading.Event() for script in scripts}
-        self.procs: dict[str, subprocess.CompletedProcess | BaseException] = {}
-        threading.Thread(target=self._run, daemon=True).start()
+        self.runs = {script: Future() for script in scripts}
+        threading.Thread(target=self._run, args=(list(self.runs.items()),), daemon=True).start()
 
-    def _run(self):
-        for script, done in list(self.done.items()):   # take() pops from self.done meanwhile
+    @staticmethod
+    def _run(runs: list[tuple[str, Future]]):
+        for script, run in runs:
             try:
-                self.procs[script] = _interpreted_child(script, nice=True)
-            except BaseException as e:   # handed to the test that waits for it
-                self.procs[script] = e
-            done.set()
+                run.set_result(_interpreted_child(script, nice=True))
+            except BaseException as e:   # raised in the test that takes it
+                run.set_exception(e)
 
     def take(self, script: str) -> subprocess.CompletedProcess | None:
-        if script not in self.done:
-            return None
-        self.done.pop(script).wait()
-        proc = self.procs.pop(script)
-        if isinstance(proc, BaseException):
-            raise proc
-        return proc
+        run = self.runs.pop(script, None)
+        return run and run.result()
 
 
 _background: _Background | None = None
