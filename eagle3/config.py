@@ -54,6 +54,10 @@ class DataConfig:
     max_seq_len: int = setting(4096, "tokens; longer sequences are truncated (counted in the manifest)")
     on_error: Literal["fatal", "skip"] = setting(
         "fatal", "a line that cannot be used: `fatal` stops naming it, `skip` skips it (counted in the manifest)")
+    windows: list[float] = setting(
+        [], "`[share, tokens]`: that share of the sequences longer than `tokens` trained as consecutive windows of "
+        "that many tokens instead of whole (long traces: `[0.5, 512]`, the long bench's best from 512 tokens deep and "
+        "overall: docs/training.md); `[]`: every sequence whole")
     chat_template_kwargs: dict = setting(
         {}, "chat lines: passed to the target's chat template as an engine passes a request's `chat_template_kwargs` "
         "(Kimi-K2.5: `{thinking = false}` for instant mode); a line's own `chat_template_kwargs` win")
@@ -425,6 +429,10 @@ def check_servable_settings(cfg: Config) -> None:
                               f"does not read it); {fix or f'turn {keys[0]} off'}")
 
 
+def windows_ok(w: list[float]) -> bool:
+    return not w or (len(w) == 2 and 0 < w[0] <= 1 and w[1] >= 1 and w[1] == int(w[1]))
+
+
 def validate(cfg: Config) -> None:
     """The checks a type cannot express: ranges, paths, combinations."""
     for name in POSITIVE:
@@ -441,6 +449,8 @@ def validate(cfg: Config) -> None:
               "train.weight_decay": (t.weight_decay >= 0, "a number >= 0"),
               "train.betas": (len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "two numbers in [0, 1)"),
               "train.eval_fraction": (0 <= t.eval_fraction < 1, "[0, 1)"),
+              "data.windows": (windows_ok(cfg.data.windows), "[] or [share, tokens]: a share in (0, 1] and a "
+                               "whole number of tokens >= 1, as [0.5, 512]"),
               "evaluate.temperature": (e.temperature >= 0, "a number >= 0 (0 = greedy)"),
               "evaluate.top_p": (0 < e.top_p <= 1, "a number in (0, 1]"),
               "generate.temperature": (g.temperature >= 0, "a number >= 0 (0 = greedy)"),

@@ -115,12 +115,14 @@ def held_out_prompts(cfg: config_mod.Config, name: str) -> Path:
     from eagle3.data.inputs import read_records
     from eagle3.data.loader import split_holdout
     from eagle3.data.shards import SeqRef
+    from eagle3.resolve import data_windows
     path = Path(cfg.data.path).with_name(name)
     if path.exists():
         return path
     target = Checkpoint(cfg.target.path)
     records, _ = read_records(cfg.data.path, target.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
-                              target_dir=target.dir, template_kwargs=cfg.data.chat_template_kwargs, report=False)
+                              target_dir=target.dir, template_kwargs=cfg.data.chat_template_kwargs, report=False,
+                              windows=data_windows(cfg))
     _, held = split_holdout([SeqRef(0, 0, 0, i) for i in range(len(records))], cfg.train.eval_fraction)
     lines = [json.dumps({"input_ids": rec.input_ids.tolist(), "loss_mask": rec.loss_mask.tolist(),
                          **({"media": parts_of(rec.media)} if rec.media else {})}) + "\n"

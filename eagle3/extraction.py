@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from eagle3 import distributed
 from eagle3.config import Config
-from eagle3.resolve import data_workers, resolve, resolve_device
+from eagle3.resolve import data_windows, data_workers, resolve, resolve_device
 from eagle3.data.chat import RENDERING
 from eagle3.data.tokenizer import TOKENIZER_FILES
 from eagle3.data.inputs import InputStats, read_records
@@ -81,6 +81,7 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
     tokenizer = {name: sha256_file(ckpt.dir / name) for name in TOKENIZER_FILES if (ckpt.dir / name).exists()}
     chat = [json.dumps(cfg.data.chat_template_kwargs, sort_keys=True), RENDERING] if stats.chat.lines else []
     plan = json.dumps([ckpt.config.config_sha256, aux_ids, data_sha, tokenizer, cfg.data.max_seq_len, cfg.data.on_error,
+                       *([data_windows(cfg)] if cfg.data.windows else []),
                        cfg.debug.shard_tokens, cfg.extract.dtype, cfg.extract.aux_dtype, FORMAT_VERSION, *chat,
                        *([files_fingerprint(media)] if media else [])])   # the images the data points to
     vision = target_vision(ckpt)
@@ -88,6 +89,7 @@ def _header(cfg: Config, ckpt: Checkpoint, aux_ids: list[int], stats: InputStats
             "dtypes": dtypes, **({"media_pad_id": vision.pad_id} if vision else {}),
             "plan_key": hashlib.sha256(plan.encode()).hexdigest(),
             "source": {"path": str(cfg.data.path), "sha256": data_sha, "max_seq_len": cfg.data.max_seq_len,
+                       **({"windows": cfg.data.windows} if cfg.data.windows else {}),
                        **stats.summary()}}
 
 
@@ -131,7 +133,7 @@ def _run(cfg: Config, dist: distributed.Dist) -> Path:
     check_tensors(ckpt, build_model(ckpt, torch.device("cpu"), torch.float32))   # headers only, before any work
     records, stats = read_records(cfg.data.path, ckpt.config.vocab_size, cfg.data.max_seq_len, cfg.data.on_error,
                                   target_dir=ckpt.dir, template_kwargs=cfg.data.chat_template_kwargs,
-                                  workers=data_workers(cfg), report=dist.main)
+                                  workers=data_workers(cfg), report=dist.main, windows=data_windows(cfg))
     if dist.main:
         for line in (stats.describe(), stats.chat.lines and stats.chat.describe(), stats.describe_lost()):
             if line:

@@ -142,6 +142,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
 
 
+def data_windows(cfg: Config) -> tuple[float, int]:
+    """The sequences trained as windows: (share, tokens) of data.windows; (0, 0) for none."""
+    share, tokens = cfg.data.windows or (0.0, 0)
+    return share, int(tokens)
+
+
 def data_workers(cfg: Config) -> int:
     """`debug.data_workers`, or this node's CPUs shared among its ranks (at most 32)."""
     if cfg.debug.data_workers is not None:

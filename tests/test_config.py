@@ -44,6 +44,7 @@ def test_wrong_type_names_key(tmp_path):
     (["--train.grad_clip", "0"], r"train.grad_clip = 0.0; expected > 0"),
     (["--train.min_lr_ratio", "2"], r"train.min_lr_ratio = 2.0; expected a number in \[0, 1\]"),
     (["--target.aux_layer_ids", "[1, 2]"], r"aux_layer_ids = \[1, 2\]; EAGLE-3 needs exactly 3"),
+    (["--data.windows", "[512, 0.5]"], r"data.windows = \[512.0, 0.5\]; expected \[\] or \[share, tokens\]"),
 ])
 def test_a_bad_override_names_the_key_and_what_was_expected(args, message):
     with pytest.raises(ConfigError, match=message):
@@ -88,8 +89,9 @@ def test_every_key_has_a_doc_and_the_docs_table_is_the_schemas():
 
 
 def test_a_user_holds_the_config_in_their_head_and_old_keys_name_their_successor(tmp_path):
-    assert len(schema(everything=False)) <= 64   # the long-context and MLA keys (draft.attention, draft.sliding_window,
-    # train.context_parallel) made it 63, the engine's rule at image placeholders (draft.media_embedding) 64
+    assert len(schema(everything=False)) <= 65   # the long-context and MLA keys (draft.attention, draft.sliding_window,
+    # train.context_parallel) made it 63, the engine's rule at image placeholders (draft.media_embedding) 64, the long
+    # recipe's windows (data.windows) 65
     assert {key.name.split(".")[0] for key in schema()} - {key.name.split(".")[0] for key in schema(False)} == \
         {"experimental", "debug"}
     for old, new in (("train.overwrite = true", 'train.resume = "overwrite"'), ("train.kernels = \"torch\"", "debug.kernels"),

@@ -177,3 +177,39 @@ def test_reused_directory_after_deleting_the_manifest_redoes_every_shard(tmp_pat
     reader = ShardReader(out)
     first = json.loads(other.read_text().splitlines()[0])["input_ids"]
     assert reader.read(reader.sequences[:1]).input_ids.tolist() == first
+
+
+def test_windows_train_long_sequences_as_windows(tmp_path, llama_target, token_data):
+    """data.windows = [0.5, 16]: every other sequence longer than 16 tokens becomes windows that the target
+    reads alone (one untrained token of context before each), every loss token trained once either way."""
+    lines = [json.loads(x) for x in token_data.read_text().splitlines()]
+    whole = extraction.run(make_config(tmp_path / "whole", llama_target, token_data))
+    cut = extraction.run(make_config(tmp_path / "cut", llama_target, token_data,
+                                     **{"data.windows": "[0.5, 16]"}))
+    a, b = read_manifest(whole), read_manifest(cut)
+    long = [i for i, x in enumerate(lines) if len(x["input_ids"]) > 16]
+    assert b["source"]["windowed"] == len(long) // 2 > 0 and "windowed" not in a["source"]
+    assert loss_token_counts(b) == loss_token_counts(a)
+    x, y = ShardReader(whole), ShardReader(cut)
+    first = long[1]                      # the second long sequence is the first cut, those before it whole
+    ids = lines[first]["input_ids"]
+    win0, win1 = y.read([y.sequences[first]]), y.read([y.sequences[first + 1]])
+    full = x.read([x.sequences[first]])
+    assert win0.input_ids.tolist() == ids[:16] and win1.input_ids.tolist() == ids[15:32]
+    assert win1.loss_mask[0] == 0 and win1.loss_mask[1:].tolist() == lines[first]["loss_mask"][16:32]
+    # the first window is the sequence's prefix: the same states; the second reads no context before its lead token
+    torch.testing.assert_close(win0.aux_hidden, full.aux_hidden[:16])
+    assert not torch.allclose(win1.aux_hidden[1:].float(), full.aux_hidden[16:32].float(), atol=1e-2)
+    with pytest.raises(DataError, match="holds an extraction of other data, target or settings"):
+        extraction.run(make_config(tmp_path / "cut", llama_target, token_data, **{"data.windows": "[0.25, 16]"}))
+
+
+def test_windows_leave_media_sequences_whole():
+    import numpy as np
+    from eagle3.data.inputs import Record, windowed
+    ids, mask = np.arange(40, dtype=np.int32), np.ones(40, dtype=np.uint8)
+    records = [Record(1, ids, mask, media=["an image"]), Record(2, ids, mask), Record(3, ids[:10], mask[:10])]
+    out, cut = windowed(records, 1.0, 16)
+    assert cut == 1 and [(r.line, len(r.input_ids)) for r in out] == [(1, 40), (2, 16), (2, 17), (2, 9), (3, 10)]
+    assert [int(r.loss_mask.sum()) for r in out] == [40, 16, 16, 8, 10]
+    assert windowed(records, 0.0, 16) == (records, 0)

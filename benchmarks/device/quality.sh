@@ -29,14 +29,15 @@ LONG_TRAINED="--long --judge t0,probabilistic --recipe target_patience=3 --recip
 MLA_TRAINED="--recipe target_kind=deepseek --judge t0,probabilistic --recipe target_patience=3 --recipe target_steps=20000
   --recipe target_seconds=${TARGET_SECONDS:-300} --recipe train_prompts=2048 --recipe long_prompts=2
   --recipe long_reply_len=64 --recipe draft_seeds=2"
-arms() {   # SUFFIX ARM...: each arm trained in the background, then each judged in the background, then the table
-  local suffix=$1 a; shift
+arms() {   # SUFFIX ARM...: each arm trained in the background, then judged in the background JUDGES at a time, then the table
+  local suffix=$1 a n=0; shift
   for a in "$@"; do echo "bg:ours@$a$suffix"; done; echo wait
-  for a in "$@"; do echo "bg:measure@$a$suffix"; done; echo wait measure
+  for a in "$@"; do echo "bg:measure@$a$suffix"; (( ++n % ${JUDGES:-8} )) || echo wait; done; echo wait measure
 }
 case "${1:-}" in
   long-trained*) WORK=${WORK:-.quality-long-trained}; QUALITY_ARGS="$LONG_TRAINED ${QUALITY_ARGS:-}"
-    drafts="whole short mix window plain" ;;
+    drafts="whole short mix window plain"
+    JUDGES=${JUDGES:-3} ;;   # a judge of 64 prompts up to 8k deep holds 15-27 GiB: five at once overflowed an H100
   mla-trained*) WORK=${WORK:-.quality-ds-trained}; QUALITY_ARGS="$MLA_TRAINED ${QUALITY_ARGS:-}"
     drafts="mla gqa mla-published gqa-published" ;;
 esac

@@ -132,6 +132,7 @@ class InputStats:
     sequences: int = 0
     skipped: int = 0           # lines that cannot be used (data.on_error = "skip")
     truncated: int = 0         # sequences extracted cut at data.max_seq_len
+    windowed: int = 0          # sequences trained as windows (data.windows)
     skipped_lines: list[int] = field(default_factory=list)
     dropped: Counter = field(default_factory=Counter)      # reason (DROPPED) -> lines with nothing to train
     dropped_lines: list[int] = field(default_factory=list)
@@ -162,14 +163,16 @@ class InputStats:
         return {"lines": self.lines, "sequences": self.sequences, "skipped_lines": self.skipped,
                 "skipped_line_numbers": self.skipped_lines[:1000], "dropped_lines": dict(self.dropped),
                 "dropped_line_numbers": self.dropped_lines[:1000], "truncated": self.truncated,
+                **({"windowed": self.windowed} if self.windowed else {}),
                 "trained_tokens": self.tokens("trained"), "lost_tokens": self.tokens("lost"),
                 **({"media": {k: self.media[k] for k in MEDIA_COUNTS}} if self.media else {}),
                 **({"chat": self.chat.summary()} if self.chat.lines else {})}
 
     def describe(self) -> str:
         """One line: where each line went."""
+        windows = f"; {self.windowed:,} of them trained as windows (data.windows)" if self.windowed else ""
         text = (f"{self.lines:,} lines: {self.used:,} used as {self.sequences:,} sequences ({self.truncated:,} cut at "
-                f"data.max_seq_len {self.max_seq_len:,}), {self.skipped:,} skipped, "
+                f"data.max_seq_len {self.max_seq_len:,}{windows}), {self.skipped:,} skipped, "
                 f"{sum(self.dropped.values()):,} dropped with nothing to train")
         text += "".join(f"; {n:,} because {self._reason(why)}" for why, n in sorted(self.dropped.items()))
         return text + (f"; media: {self.media['images']:,} images, {self.media['video_chunks']:,} video chunks, "
@@ -308,10 +311,12 @@ POOL_BYTES = 4 << 20   # smaller data files are read in the calling process
 
 def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: str = "fatal",
                  target_dir: str | Path | None = None, template_kwargs: dict | None = None,
-                 regenerating: bool = False, workers: int = 1, report: bool = True) -> tuple[list[Record], InputStats]:
+                 regenerating: bool = False, workers: int = 1, report: bool = True,
+                 windows: tuple[float, int] = (0.0, 0)) -> tuple[list[Record], InputStats]:
     """`target_dir` holds the tokenizer and chat template, `template_kwargs` the default `chat_template_kwargs`;
     only chat lines need them. `regenerating`: the replies are to be regenerated (ChatEncoder.encode). `workers`:
-    processes rendering chat lines. `report`: print the warnings about the data's fields (one rank of several)."""
+    processes rendering chat lines. `report`: print the warnings about the data's fields (one rank of several).
+    `windows`: (share, tokens) of data.windows, the sequences to train as windows (`windowed`)."""
     path = Path(path)
     records, stats, chat = [], InputStats(max_seq_len), chat_encoder(target_dir, template_kwargs)
     for number, (status, *answer) in _parsed(path, vocab_size, chat, regenerating, workers):
@@ -328,6 +333,7 @@ def read_records(path: str | Path, vocab_size: int, max_seq_len: int, on_error: 
             continue
         sequences, encoded = answer
         _add(stats, number, sequences, encoded, records)
+    records, stats.windowed = windowed(records, *windows)
     stats.sequences = len(records)
     if not records:
         fix = f"; raise data.max_seq_len above {stats.prompts[0]:,}" if stats.dropped["prompt"] else ""
@@ -359,6 +365,30 @@ def _add(stats: InputStats, number: int, sequences: list[tuple], encoded, record
     for item in (item for (_, _, _, media), _ in kept for item in media):
         stats.media.update({"images" if item.kind == "image" else "video_chunks": 1, "media_tokens": item.tokens})
     records += [Record(number, ids, mask, part, media) for part, ((ids, mask, _, media), _) in enumerate(kept)]
+
+
+def windowed(records: list[Record], share: float, length: int) -> tuple[list[Record], int]:
+    """`share` of the sequences longer than `length` (evenly spread, in order) cut into windows that each train the
+    next `length` tokens, as sequences of their own: the target reads a window without the context before it, save
+    the one token before its first, which leads it untrained. Every token trains once, either way; a sequence with
+    images or video stays whole (its vision rows follow its pads). -> (records, the sequences cut)."""
+    out, long, cut = [], 0, 0
+    for rec in records:
+        if share <= 0 or len(rec.input_ids) <= length or rec.media:
+            out.append(rec)
+            continue
+        long += 1
+        if int(long * share) == int((long - 1) * share):
+            out.append(rec)
+            continue
+        cut += 1
+        for start in range(0, len(rec.input_ids), length):
+            lead = min(start, 1)
+            mask = rec.loss_mask[start - lead:start + length].copy()
+            mask[:lead] = 0
+            if mask.any():
+                out.append(Record(rec.line, rec.input_ids[start - lead:start + length], mask, rec.part))
+    return out, cut
 
 
 def _cut(ids: np.ndarray, mask: np.ndarray, kinds, media: list[tuple], n: int) -> tuple:

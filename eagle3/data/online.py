@@ -18,7 +18,7 @@ from eagle3.data.batch import Batch
 from eagle3.data.inputs import read_records
 from eagle3.data.shards import SeqRef, shard_tensors
 from eagle3.models.weights import Checkpoint
-from eagle3.resolve import data_workers
+from eagle3.resolve import data_windows, data_workers
 from eagle3.models.staged import StagedTarget
 from eagle3.models.streaming import TargetRunner, past_positions
 from eagle3.ops import TORCH_DTYPES
@@ -39,7 +39,7 @@ class OnlineReader:
         main = not dist.is_initialized() or dist.get_rank() == 0
         self.records, stats = read_records(d.path, ckpt.config.vocab_size, d.max_seq_len, d.on_error,
                                            target_dir=ckpt.dir, template_kwargs=d.chat_template_kwargs,
-                                           workers=data_workers(cfg), report=main)
+                                           workers=data_workers(cfg), report=main, windows=data_windows(cfg))
         if main and (note := past_positions([len(r.input_ids) for r in self.records], ckpt)):
             print(f"train: {note}", file=sys.stderr)
         self.sequences = [SeqRef(0, 0, len(r.input_ids), i) for i, r in enumerate(self.records)]
