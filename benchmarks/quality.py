@@ -60,12 +60,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from eagle3.bench.timing import wall_s
+from eagle3.data.inputs import Record, windowed
 from eagle3.files import atomic_write_text, strict_json
 from eagle3.ops import apply_rope, llama_inv_freq, rms_norm, rope_cos_sin
 
@@ -671,20 +673,20 @@ def data_files(r: Recipe) -> list[str]:
 def build_long_data(r: Recipe, work: Path) -> dict:
     """The long variant's data, corpus text (a target's own replies thousands of tokens long would be a tiny model
     repeating itself; the draft learns the target's distribution on any text): `train_prompts` windows of `long_len`
-    tokens trained whole, the same windows cut into pieces of `window` trained tokens (each piece also holds the token
-    before its first, unmasked, so both train exactly the same tokens), the first half of them whole and the rest cut
+    tokens trained whole, the same windows cut into pieces of `window` labelled tokens as `data.windows` cuts them
+    (`eagle3.data.inputs.windowed`: both label the same tokens), the first half of them whole and the rest cut
     (`mix`, the same tokens again), and judging prompts from the held-out files,
     half short (`prompt_len`), half deep (spread up to the target's context less the tokens decoded)."""
     draft_files, judge_files = split_files(r, corpus_ids(r, work))
     g = random.Random(r.seed)
     whole = windows(draft_files, r.train_prompts, r.long_len, g)
-    _write_jsonl(work / LONG_DATA["whole"], [{"input_ids": w, "loss_mask": [0] + [1] * (len(w) - 1)} for w in whole])
-    def cut(ws):
-        return [w[max(0, a - 1):a + r.window] for w in ws for a in range(0, len(w), r.window)]
-    pieces, half = cut(whole), len(whole) // 2
-    _write_jsonl(work / LONG_DATA["short"], [{"input_ids": p, "loss_mask": [0] + [1] * (len(p) - 1)} for p in pieces])
-    _write_jsonl(work / LONG_DATA["mix"], [{"input_ids": p, "loss_mask": [0] + [1] * (len(p) - 1)}
-                                           for p in whole[:half] + cut(whole[half:])])
+    records = [Record(i, np.array(w, dtype=np.int32), (np.arange(len(w)) > 0).astype(np.uint8))
+               for i, w in enumerate(whole)]
+    half, pieces = len(records) // 2, windowed(records, 1.0, r.window)[0]
+    for name, recs in (("whole", records), ("short", pieces),
+                       ("mix", records[:half] + windowed(records[half:], 1.0, r.window)[0])):
+        _write_jsonl(work / LONG_DATA[name], [{"input_ids": x.input_ids.tolist(), "loss_mask": x.loss_mask.tolist()}
+                                              for x in recs])
     short, deep = r.eval_prompts // 2, r.eval_prompts - r.eval_prompts // 2
     lo, hi = 2 * r.window, r.seq_len - r.eval_new_tokens
     depths = [r.prompt_len] * short + [lo + (hi - lo) * i // max(1, deep - 1) for i in range(deep)]

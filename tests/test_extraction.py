@@ -181,7 +181,7 @@ def test_reused_directory_after_deleting_the_manifest_redoes_every_shard(tmp_pat
 
 def test_windows_train_long_sequences_as_windows(tmp_path, llama_target, token_data):
     """data.windows = [0.5, 16]: every other sequence longer than 16 tokens becomes windows that the target
-    reads alone (one untrained token of context before each), every loss token trained once either way."""
+    reads alone (two unlabelled tokens of context before each), every loss token labelled once either way."""
     lines = [json.loads(x) for x in token_data.read_text().splitlines()]
     whole = extraction.run(make_config(tmp_path / "whole", llama_target, token_data))
     cut = extraction.run(make_config(tmp_path / "cut", llama_target, token_data,
@@ -195,11 +195,14 @@ def test_windows_train_long_sequences_as_windows(tmp_path, llama_target, token_d
     ids = lines[first]["input_ids"]
     win0, win1 = y.read([y.sequences[first]]), y.read([y.sequences[first + 1]])
     full = x.read([x.sequences[first]])
-    assert win0.input_ids.tolist() == ids[:16] and win1.input_ids.tolist() == ids[15:32]
-    assert win1.loss_mask[0] == 0 and win1.loss_mask[1:].tolist() == lines[first]["loss_mask"][16:32]
-    # the first window is the sequence's prefix: the same states; the second reads no context before its lead token
+    assert win0.input_ids.tolist() == ids[:16] and win1.input_ids.tolist() == ids[14:32]
+    assert win1.loss_mask[:2].tolist() == [0, 0] and win1.loss_mask[2:].tolist() == lines[first]["loss_mask"][16:32]
+    # the first window is the sequence's prefix: the same states; the second reads no context before its lead tokens
     torch.testing.assert_close(win0.aux_hidden, full.aux_hidden[:16])
-    assert not torch.allclose(win1.aux_hidden[1:].float(), full.aux_hidden[16:32].float(), atol=1e-2)
+    assert not torch.allclose(win1.aux_hidden[2:].float(), full.aux_hidden[16:32].float(), atol=1e-2)
+    # a row labels the token two ahead: the windows label each token the whole sequence labels, once
+    labelled = [t for w in (win0, win1) for t in w.input_ids[2:].tolist()]
+    assert labelled == ids[2:32]
     with pytest.raises(DataError, match="holds an extraction of other data, target or settings"):
         extraction.run(make_config(tmp_path / "cut", llama_target, token_data, **{"data.windows": "[0.25, 16]"}))
 
@@ -210,6 +213,6 @@ def test_windows_leave_media_sequences_whole():
     ids, mask = np.arange(40, dtype=np.int32), np.ones(40, dtype=np.uint8)
     records = [Record(1, ids, mask, media=["an image"]), Record(2, ids, mask), Record(3, ids[:10], mask[:10])]
     out, cut = windowed(records, 1.0, 16)
-    assert cut == 1 and [(r.line, len(r.input_ids)) for r in out] == [(1, 40), (2, 16), (2, 17), (2, 9), (3, 10)]
+    assert cut == 1 and [(r.line, len(r.input_ids)) for r in out] == [(1, 40), (2, 16), (2, 18), (2, 10), (3, 10)]
     assert [int(r.loss_mask.sum()) for r in out] == [40, 16, 16, 8, 10]
     assert windowed(records, 0.0, 16) == (records, 0)

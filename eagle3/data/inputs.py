@@ -368,10 +368,11 @@ def _add(stats: InputStats, number: int, sequences: list[tuple], encoded, record
 
 
 def windowed(records: list[Record], share: float, length: int) -> tuple[list[Record], int]:
-    """`share` of the sequences longer than `length` (evenly spread, in order) cut into windows that each train the
+    """`share` of the sequences longer than `length` (evenly spread, in order) cut into windows that each label the
     next `length` tokens, as sequences of their own: the target reads a window without the context before it, save
-    the one token before its first, which leads it untrained. Every token trains once, either way; a sequence with
-    images or video stays whole (its vision rows follow its pads). -> (records, the sequences cut)."""
+    the two tokens before its first, which lead it unlabelled (a row labels the token two ahead, `ttt.label_rows`), so
+    every token is labelled once at TTT step 0 either way; a sequence with images or video stays whole (its vision rows
+    follow its pads). -> (records, the sequences cut)."""
     out, long, cut = [], 0, 0
     for rec in records:
         if share <= 0 or len(rec.input_ids) <= length or rec.media:
@@ -383,7 +384,7 @@ def windowed(records: list[Record], share: float, length: int) -> tuple[list[Rec
             continue
         cut += 1
         for start in range(0, len(rec.input_ids), length):
-            lead = min(start, 1)
+            lead = min(start, 2)
             mask = rec.loss_mask[start - lead:start + length].copy()
             mask[:lead] = 0
             if mask.any():
