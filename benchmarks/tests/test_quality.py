@@ -174,13 +174,15 @@ def test_the_long_variant_trains_whole_and_windowed_drafts_on_the_same_tokens(lo
     lines = {kind: [json.loads(line) for line in (long_work / name).read_text().splitlines()]
              for kind, name in quality.LONG_DATA.items()}
     assert len(lines["whole"]) == r.train_prompts and {len(x["input_ids"]) for x in lines["whole"]} == {r.long_len}
-    assert max(len(x["input_ids"]) for x in lines["short"]) == r.window + 1     # the window and the token before it
+    assert max(len(x["input_ids"]) for x in lines["short"]) == r.window + 2     # the window and the 2 tokens before it
     trained = {kind: [t for x in rows for t, m in zip(x["input_ids"], x["loss_mask"]) if m]
                for kind, rows in lines.items()}
     assert trained["whole"] == trained["short"] == trained["mix"]               # the same tokens, in the same order
+    labelled = {kind: [t for x in rows for t in x["input_ids"][2:]] for kind, rows in lines.items()}
+    assert labelled["whole"] == labelled["short"] == labelled["mix"]            # a row labels the token two ahead
     half = r.train_prompts // 2
     assert [x["input_ids"] for x in lines["mix"][:half]] == [x["input_ids"] for x in lines["whole"][:half]]
-    assert max(len(x["input_ids"]) for x in lines["mix"][half:]) == r.window + 1
+    assert max(len(x["input_ids"]) for x in lines["mix"][half:]) == r.window + 2
     # a later device call carries the target, not the corpus ids: encoded again with its tokenizer, the same
     saved = torch.load(long_work / "corpus_ids.pt")
     (long_work / "corpus_ids.pt").rename(long_work / "ids.bak")
