@@ -373,9 +373,11 @@ def windowed(records: list[Record], share: float, length: int) -> tuple[list[Rec
     the two tokens before its first, which lead it unlabelled (a row labels the token two ahead, `ttt.label_rows`), so
     every token is labelled once at TTT step 0 either way; a sequence with images or video stays whole (its vision rows
     follow its pads). -> (records, the sequences cut)."""
+    if share <= 0:
+        return records, 0
     out, long, cut = [], 0, 0
     for rec in records:
-        if share <= 0 or len(rec.input_ids) <= length or rec.media:
+        if len(rec.input_ids) <= length or rec.media:
             out.append(rec)
             continue
         long += 1
